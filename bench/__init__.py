@@ -1,0 +1,1 @@
+"""Benchmarks: kernels, offline throughput and the serving load generator."""

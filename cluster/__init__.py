@@ -1,0 +1,1 @@
+"""The driver side: requests, scheduler, allocators, sampling control, wire format, gateway, CLI."""

@@ -1,0 +1,91 @@
+"""The two plain dataclasses that cross the driver/worker boundary: `PassPlan` (what one forward
+pass runs) and `RunnerOutput` (the tokens it produced). Arrays are numpy, so the msgpack codec
+(`cluster/wire.py`) sends them as raw little-endian bytes.
+
+Rows of a pass: the decode rows first (one new token each), then the prefill streams (a chunk of
+one or more prompt tokens each). Whether a row is decode or prefill follows from its token count
+and cached length; the scheduler has no phases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class SamplingSpec:
+    """What the worker's sampler needs of a request's SamplingParams (a plain, msgpack-able copy)."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+
+@dataclass
+class NewRequestData:
+    """Sent once when a request (re)enters the running set: the worker's sampler keeps its params
+    and token history (prompt + outputs so far, so that penalties and seeds survive preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: SamplingSpec
+
+
+@dataclass
+class PassPlan:
+    pass_id: int
+    req_ids: list[str]  # N rows
+    num_decode_rows: int
+    input_ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    slot_mapping: np.ndarray  # [T] int64: page * block_size + offset
+    query_start_loc: np.ndarray  # [N + 1] int32: cu_seqlens over all rows
+    seq_lens: np.ndarray  # [N] int32: tokens cached after this pass
+    block_tables: np.ndarray  # [N, max_pages] int32 (padded with 0)
+    state_slots: np.ndarray  # [N] int32
+    has_initial_state: np.ndarray  # [N] bool: cached tokens exist before this pass
+    sample_rows: np.ndarray  # [N] bool: the row's last token yields a sampled token
+    prompt_logprob_rows: np.ndarray  # [N] bool: return prompt logprobs for this row's tokens
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs at one position: the top-k token ids and logprobs (k may be 0), and the chosen
+    token's own logprob and rank (1 = most likely)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class RunnerOutput:
+    pass_id: int
+    req_ids: list[str]  # the rows that sampled, in plan order
+    sampled_token_ids: list[int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # req_id -> logprobs of the prompt tokens this pass covered (token i given tokens < i)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    forward_time_s: float = 0.0

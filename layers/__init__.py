@@ -1,0 +1,1 @@
+"""The model: layers that know tensors, not requests or Ray."""

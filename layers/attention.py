@@ -1,0 +1,121 @@
+"""Qwen3 gated full attention over a paged KV cache.
+
+q_proj produces, per head, the query and a same-sized output gate; q and k get a zero-centred
+RMSNorm over the head dim and rotary embeddings on the first `rotary_dim` features; the attention
+output is multiplied by sigmoid(gate) before o_proj. Grouped-query attention: q head h reads kv
+head h // (num_heads // num_kv_heads).
+
+Tensor parallel: q heads split; kv heads split, or replicated when TP exceeds them; o_proj is
+row-parallel with one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import AttnLayerState, CheckpointTensor, ForwardContext
+from .common import RMSNorm, apply_rotary, col_range, empty_param, row_ranges
+from .config import ModelConfig
+from .kernels import attention as attn_kernels
+from .parallel import ParallelLayout, all_reduce
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layout: ParallelLayout):
+        super().__init__()
+        self.layout = layout
+        self.head_dim = d = config.head_dim
+        self.hidden_size = h = config.hidden_size
+        self.total_heads, self.total_kv_heads = config.num_attention_heads, config.num_kv_heads
+        self.head_start, self.num_heads = layout.split(config.num_attention_heads, "num_attention_heads")
+        self.kv_head_start, self.num_kv_heads = layout.kv_heads(config.num_kv_heads, config.num_attention_heads)
+        self.scale = d**-0.5
+        self.q_proj = empty_param(self.num_heads * 2 * d, h)  # per head: query rows, then gate rows
+        self.k_proj = empty_param(self.num_kv_heads * d, h)
+        self.v_proj = empty_param(self.num_kv_heads * d, h)
+        self.o_proj = empty_param(h, self.num_heads * d)
+        self.bias = config.attention_bias
+        if self.bias:
+            self.q_bias = empty_param(self.num_heads * 2 * d)
+            self.k_bias = empty_param(self.num_kv_heads * d)
+            self.v_bias = empty_param(self.num_kv_heads * d)
+            self.o_bias = empty_param(h)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def checkpoint_tensors(self, prefix: str) -> list[CheckpointTensor]:
+        d, h = self.head_dim, self.hidden_size
+        q_rows = (self.head_start * 2 * d, 0, self.num_heads * 2 * d)
+        kv_rows = (self.kv_head_start * d, 0, self.num_kv_heads * d)
+        out = [
+            row_ranges(f"{prefix}q_proj.weight", self.q_proj, (self.total_heads * 2 * d, h), [q_rows]),
+            row_ranges(f"{prefix}k_proj.weight", self.k_proj, (self.total_kv_heads * d, h), [kv_rows]),
+            row_ranges(f"{prefix}v_proj.weight", self.v_proj, (self.total_kv_heads * d, h), [kv_rows]),
+            col_range(f"{prefix}o_proj.weight", self.o_proj, (h, self.total_heads * d), self.head_start * d),
+            *self.q_norm.checkpoint_tensors(f"{prefix}q_norm.weight"),
+            *self.k_norm.checkpoint_tensors(f"{prefix}k_norm.weight"),
+        ]
+        if self.bias:
+            out += [
+                row_ranges(f"{prefix}q_proj.bias", self.q_bias, (self.total_heads * 2 * d,), [q_rows], init="zeros"),
+                row_ranges(f"{prefix}k_proj.bias", self.k_bias, (self.total_kv_heads * d,), [kv_rows], init="zeros"),
+                row_ranges(f"{prefix}v_proj.bias", self.v_bias, (self.total_kv_heads * d,), [kv_rows], init="zeros"),
+                # the o_proj bias is added once, after the all-reduce, by rank 0's share
+                _rank0_bias(f"{prefix}o_proj.bias", self.o_bias, self.layout),
+            ]
+        return out
+
+    def state_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
+        shape = (block_size, self.num_kv_heads, self.head_dim)
+        return {"k_cache": shape, "v_cache": shape}
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: AttnLayerState, rope) -> torch.Tensor:
+        num_tokens, d = x.shape[0], self.head_dim
+        q_gate = F.linear(x, self.q_proj, self.q_bias if self.bias else None).view(num_tokens, self.num_heads, 2 * d)
+        q, gate = q_gate[..., :d], q_gate[..., d:].reshape(num_tokens, self.num_heads * d)
+        k = F.linear(x, self.k_proj, self.k_bias if self.bias else None).view(num_tokens, self.num_kv_heads, d)
+        v = F.linear(x, self.v_proj, self.v_bias if self.bias else None).view(num_tokens, self.num_kv_heads, d)
+        q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        attn_kernels.write_kv_cache(
+            key=k, value=v, k_cache=state.k_cache, v_cache=state.v_cache, slot_mapping=ctx.slot_mapping
+        )
+        out = torch.empty_like(q)
+        num_decode = ctx.num_decode_tokens
+        if ctx.decode is not None:
+            out[:num_decode] = attn_kernels.paged_decode_attention(
+                q=q[:num_decode],
+                k_cache=state.k_cache,
+                v_cache=state.v_cache,
+                seq_lens=ctx.decode.seq_lens,
+                block_tables=ctx.decode.block_tables,
+                scale=self.scale,
+            )
+        if ctx.prefill is not None:
+            out[num_decode:] = attn_kernels.paged_attention(
+                q=q[num_decode:],
+                k_cache=state.k_cache,
+                v_cache=state.v_cache,
+                cu_seqlens_q=ctx.prefill.cu_seqlens,
+                seq_lens=ctx.prefill.seq_lens,
+                block_tables=ctx.prefill.block_tables,
+                scale=self.scale,
+            )
+        out = out.reshape(num_tokens, self.num_heads * d) * torch.sigmoid(gate)
+        out = F.linear(out, self.o_proj, self.o_bias if self.bias else None)
+        return all_reduce(out, self.layout)
+
+
+def _rank0_bias(name: str, param: torch.Tensor, layout: ParallelLayout) -> CheckpointTensor:
+    """A row-parallel layer's bias: rank 0 keeps it, the others zero, so the all-reduce adds it once."""
+
+    def load(t) -> None:
+        value = t.get()
+        with torch.no_grad():
+            param.copy_(value if layout.tp_rank == 0 else torch.zeros_like(value))
+
+    return CheckpointTensor(name, tuple(param.shape), load, init="zeros")

@@ -1,0 +1,300 @@
+"""Types every TransformerLayer shares: per-layer state views, the per-pass ForwardContext, the
+attention metadata a pass hands its layers, and the capability mixins of a layer.
+
+This is the layer module of the seed (`shared/seeds/`) in Python. Its names are the vocabulary of
+the engine; where Python makes a Rust-side construct unnecessary (`as_any` downcasts, raw device
+pointer tables) the type keeps its name and role and drops the mechanism.
+
+Layers own no per-request Python objects: a LayerState is a view of pooled device memory, indexed
+by the block tables and state slots that the pass's metadata carries.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+    from .parallel import ParallelLayout
+
+# Catch-up stash rows per sequence for speculative decoding with the MTP head: the batched verify
+# keeps at most this many accepted drafts per sequence. (Speculative decoding is a later issue.)
+MTP_CATCHUP_MAX = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-layer state: views of pooled device memory
+# ---------------------------------------------------------------------------------------------
+class LayerState:
+    """One layer's state across all sequences of the worker: views of the pools, indexed by the
+    pass metadata (block tables for attention, state slots for GDN)."""
+
+
+@dataclass
+class EmptyLayerState(LayerState):
+    """State of a layer that keeps nothing per sequence."""
+
+
+@dataclass
+class AttnLayerState(LayerState):
+    """A gated attention layer's paged KV: [num_blocks, block_size, kv_heads_local, head_dim] for K
+    and for V. `indexer_carry` is the QSA sparse-attention indexer's carry, created on first use
+    and only on a layer that has a QSA indexer (qwen4_exp; not built yet)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    indexer_carry: torch.Tensor | None = None
+
+
+@dataclass
+class SsmLayerState(LayerState):
+    """A GDN layer's state slots: recurrent h [slots, v_heads_local, k_dim, v_dim] (float32 by
+    default) and the conv window [slots, conv_channels_local, kernel - 1].
+
+    `draft_recurrent` / `draft_conv` are the copies speculative decoding rolls back to: the state
+    after each of up to k draft tokens ([slots, k, ...]), so that rejecting drafts picks a state
+    instead of recomputing it. They stay None until speculative decoding is enabled."""
+
+    recurrent: torch.Tensor
+    conv: torch.Tensor
+    draft_recurrent: torch.Tensor | None = None
+    draft_conv: torch.Tensor | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Pass metadata
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class AttnMetadata:
+    """Decode rows of a pass: each row is one sequence with `tokens_per_row` new tokens (1 for
+    decode; k for verifying k speculative drafts). One entry (or one block-table row) per row.
+
+    positions, slot_mapping: [N * tokens_per_row]; block_tables: [N, max_pages];
+    seq_lens: [N] tokens cached after this pass; state_slots: [N] GDN slots."""
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    state_slots: torch.Tensor
+    tokens_per_row: int = 1
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_seqs * self.tokens_per_row
+
+
+@dataclass
+class BatchedAttnMetadata:
+    """One kernel-batched prefill chunk over several streams, stacked in cu_seqlens order.
+
+    positions, slot_mapping: [T]; cu_seqlens: [N + 1] int32 query starts; block_tables:
+    [N, max_pages]; seq_lens: [N] tokens cached after this chunk; state_slots: [N];
+    has_initial_state: [N] bool (the stream has earlier tokens, so its GDN slot holds state);
+    max_query_len / max_seq_len: host ints, for kernel grids."""
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cu_seqlens: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    state_slots: torch.Tensor
+    has_initial_state: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+@dataclass
+class MidchunkCapture:
+    """Per-pass descriptor for capturing GDN state at a split point inside a prefill chunk (prefix
+    caching at any token offset): the reserved snapshot slot and the split point in pass-local
+    token coordinates. Declared for the prefix-caching issue; no pass sets it yet."""
+
+    snapshot_slot: int
+    split_token: int
+
+
+class MoeLoraRoute(enum.Enum):
+    """MoE-LoRA fold decision for one pass. One MoE adapter is active at a time: FOLD applies it in
+    the routed experts, SKIP runs the base experts, REFUSE is an error (the batch mixes adapters the
+    kernel cannot fold). LoRA is a later issue; every pass is SKIP today."""
+
+    FOLD = "fold"
+    SKIP = "skip"
+    REFUSE = "refuse"
+
+
+@dataclass(frozen=True)
+class ModelSwitches:
+    """The model's switches for a pass."""
+
+    use_triton: bool = False  # CUDA tensors run the Triton kernels; CPU always runs naive.py
+    capturing_graph: bool = False  # inside CUDA-graph capture: no host syncs allowed
+
+
+@dataclass
+class ForwardContext:
+    """What one forward pass hands every layer: config, device, the pass's token ids and metadata.
+
+    Token order in a pass: the `decode` rows first (num_decode_tokens of them), then the `prefill`
+    chunk. input_ids, positions, slot_mapping: [T] over the whole pass (the metadata hold views of
+    their parts). `logits_indices` picks the token rows whose logits the pass returns."""
+
+    config: ModelConfig
+    layout: ParallelLayout
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    decode: AttnMetadata | None
+    prefill: BatchedAttnMetadata | None
+    logits_indices: torch.Tensor
+    switches: ModelSwitches = field(default_factory=ModelSwitches)
+    midchunk_capture: MidchunkCapture | None = None
+    moe_lora_route: MoeLoraRoute = MoeLoraRoute.SKIP
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return 0 if self.decode is None else self.decode.num_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------
+class LazyTensor:
+    """A checkpoint tensor not yet read: its full shape, and reads of just the slice a rank needs."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], read: Callable[[tuple], torch.Tensor]):
+        self.name = name
+        self.shape = tuple(shape)
+        self._read = read
+
+    def get(self, *index: slice) -> torch.Tensor:
+        """The tensor under `index` (slices per leading dim); no index: the whole tensor."""
+        return self._read(tuple(index))
+
+
+@dataclass
+class CheckpointTensor:
+    """One tensor a layer expects in a checkpoint. `load` copies this rank's shard into the
+    parameter (None: the tensor belongs to another rank and need not be read).
+
+    `targets` names the pieces of parameter memory the tensor fills (by default just its own name).
+    Alternative layouts cover the same targets: a fused `experts.gate_up_proj` covers every
+    `experts.N.gate_proj.weight` and `experts.N.up_proj.weight`; such an `alternative` entry only
+    covers targets, it never makes one required. Every target of a non-alternative entry this
+    rank loads must be covered. `init` says how the random load format fills it: normal, zeros,
+    ones or a_log."""
+
+    name: str
+    shape: tuple[int, ...]
+    load: Callable[[LazyTensor], None] | None
+    targets: tuple[str, ...] = ()
+    init: str = "normal"
+    alternative: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            self.targets = (self.name,)
+
+
+def copy_into(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    """Copy a checkpoint slice into a parameter; a shape mismatch names the tensor."""
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(
+            f"checkpoint tensor '{name}' slice has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(value.to(dtype=param.dtype, device=param.device))
+
+
+# ---------------------------------------------------------------------------------------------
+# Capability mixins of TransformerLayer
+# ---------------------------------------------------------------------------------------------
+class LayerWeightSetup:
+    """A layer lists the checkpoint tensors it loads (names relative to the layer's prefix)."""
+
+    def checkpoint_tensors(self, prefix: str) -> list[CheckpointTensor]:
+        raise NotImplementedError
+
+
+class LayerCapabilities:
+    """What kind of per-sequence state a layer keeps, so the worker sizes the right pools."""
+
+    state_kind: str = "none"  # "attention" (paged KV), "ssm" (state slots) or "none"
+
+
+class LayerAuxState:
+    """The pools a layer needs: shapes per block (attention) or per slot (GDN)."""
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        """name -> (shape of one block or one slot, dtype or None for the model dtype)."""
+        return {}
+
+
+class LayerGraphHooks:
+    """CUDA-graph hooks: capture happens with static metadata buffers, so layers that keep
+    per-pass device tensors of their own refresh them here before a replay. The current layers
+    keep none; the hooks exist so that a layer that does (QSA indexer) has a place."""
+
+    def before_capture(self, ctx: ForwardContext) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def before_replay(self, ctx: ForwardContext) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+class LayerSplitPrefill:
+    """Split SSM prefill (projections, recurrence over the whole prompt, output phase) for very long
+    prompts. Declared for a later issue: no layer implements it, and `supports_split_prefill` is
+    False everywhere."""
+
+    supports_split_prefill: bool = False
+
+
+class LayerWriteOnAccept:
+    """Speculative decoding's write-on-accept: after verifying k drafts, a layer keeps the state
+    after the last accepted draft. Declared for the speculative-decoding issue; not implemented."""
+
+    supports_write_on_accept: bool = False
+
+    def write_on_accept(self, state: LayerState, slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        raise NotImplementedError("speculative decoding's write-on-accept is not built yet")
+
+
+class TransformerLayer(
+    torch.nn.Module,
+    LayerWeightSetup,
+    LayerCapabilities,
+    LayerAuxState,
+    LayerGraphHooks,
+    LayerSplitPrefill,
+    LayerWriteOnAccept,
+):
+    """One decoder layer: token mixer (gated attention or GDN) and feed-forward (MoE or dense),
+    each behind a zero-centred RMSNorm with a residual connection."""
+
+    layer_id: int
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, state: LayerState):
+        raise NotImplementedError

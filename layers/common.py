@@ -1,0 +1,83 @@
+"""Small pieces the layers share: the zero-centred RMSNorm, partial rotary embeddings, and the
+helpers that load a rank's rows or columns of a checkpoint tensor."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import CheckpointTensor, LazyTensor, copy_into
+from .kernels import norm as norm_kernels
+
+
+def empty_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    """An uninitialised, frozen parameter (weights come from the loader)."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight): the zero-centred norm of Qwen3-Next and Qwen3.5 (float32 math)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = empty_param(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return norm_kernels.rms_norm(x=x, weight=self.weight, eps=self.eps)
+
+    def checkpoint_tensors(self, name: str) -> list[CheckpointTensor]:
+        return [whole(name, self.weight, init="zeros")]
+
+
+def whole(name: str, param: torch.Tensor, init: str = "normal") -> CheckpointTensor:
+    """A replicated tensor: every rank loads all of it."""
+    return CheckpointTensor(name, tuple(param.shape), lambda t: copy_into(param, t.get(), name), init=init)
+
+
+def row_ranges(
+    name: str,
+    param: torch.Tensor,
+    full_shape: tuple[int, ...],
+    pieces: list[tuple[int, int, int]],
+    init: str = "normal",
+) -> CheckpointTensor:
+    """Rows of a checkpoint tensor copied into rows of `param`: each piece is
+    (checkpoint row start, param row start, rows). Column-parallel weights are one piece; fused
+    projections gather several."""
+
+    def load(t: LazyTensor) -> None:
+        for src, dst, rows in pieces:
+            copy_into(param[dst : dst + rows], t.get(slice(src, src + rows)), name)
+
+    return CheckpointTensor(name, tuple(full_shape), load, init=init)
+
+
+def col_range(name: str, param: torch.Tensor, full_shape: tuple[int, ...], start: int) -> CheckpointTensor:
+    """Columns [start, start + param.shape[1]) of a row-parallel weight."""
+    cols = param.shape[1]
+    return CheckpointTensor(
+        name, tuple(full_shape), lambda t: copy_into(param, t.get(slice(None), slice(start, start + cols)), name)
+    )
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, rotary_dim] for the given positions (computed in float32, as transformers does)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim)
+    )
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim features of each head (rotate-half convention); x: [T, H, D]."""
+    rotary_dim = cos.shape[-1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    rot = rot * cos[:, None, :] + rotated_half * sin[:, None, :]
+    return torch.cat((rot, rest), dim=-1)

@@ -1,0 +1,211 @@
+"""Gated DeltaNet: input projections, causal conv1d with a carried window, the gated delta rule,
+gated RMSNorm and the output projection.
+
+The input projections of both checkpoint layouts load into one fused local weight whose rows are
+[q | k | v | z | b | a] (one GEMM per pass):
+  * "split" (qwen3_5): in_proj_qkv, in_proj_z, in_proj_b, in_proj_a;
+  * "fused_qkvz" (qwen3_next): in_proj_qkvz / in_proj_ba, grouped per key head as
+    [q, k, v (r heads), z (r heads)] and [b (r), a (r)] with r = value heads per key head.
+The conv runs over the channels [q | k | v] in both layouts.
+
+Tensor parallel: key heads split, each with its r value heads and their conv channels;
+out_proj is row-parallel with one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import CheckpointTensor, ForwardContext, SsmLayerState
+from .common import col_range, empty_param, row_ranges, whole
+from .config import ModelConfig
+from .kernels import conv1d as conv_kernels
+from .kernels import gdn as gdn_kernels
+from .kernels import norm as norm_kernels
+from .parallel import ParallelLayout, all_reduce
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig, layout: ParallelLayout):
+        super().__init__()
+        self.layout = layout
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.key_head_dim, self.value_head_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.total_key_heads, self.total_value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.group = self.total_value_heads // self.total_key_heads  # value heads per key head
+        self.key_head_start, self.num_key_heads = layout.split(self.total_key_heads, "linear_num_key_heads")
+        self.value_head_start = self.key_head_start * self.group
+        self.num_value_heads = self.num_key_heads * self.group
+        self.key_dim = self.num_key_heads * self.key_head_dim
+        self.value_dim = self.num_value_heads * self.value_head_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel_size = config.conv_kernel_size
+        self.eps = config.rms_norm_eps
+
+        rows = 2 * self.key_dim + 2 * self.value_dim + 2 * self.num_value_heads
+        self.in_proj = empty_param(rows, self.hidden_size)  # [q | k | v | z | b | a]
+        self.conv_weight = empty_param(self.conv_dim, 1, self.kernel_size)
+        self.A_log = empty_param(self.num_value_heads)
+        self.dt_bias = empty_param(self.num_value_heads)
+        self.norm_weight = empty_param(self.value_head_dim)
+        self.out_proj = empty_param(self.hidden_size, self.value_dim)
+
+    # ---- weights -----------------------------------------------------------------------------
+    def _offsets(self) -> dict[str, int]:
+        kd, vd, nv = self.key_dim, self.value_dim, self.num_value_heads
+        return {"q": 0, "k": kd, "v": 2 * kd, "z": 2 * kd + vd, "b": 2 * kd + 2 * vd, "a": 2 * kd + 2 * vd + nv}
+
+    def checkpoint_tensors(self, prefix: str) -> list[CheckpointTensor]:
+        h, kdim, vdim = self.hidden_size, self.key_head_dim, self.value_head_dim
+        total_kd, total_vd = self.total_key_heads * kdim, self.total_value_heads * vdim
+        k0, v0 = self.key_head_start, self.value_head_start
+        off = self._offsets()
+        out: list[CheckpointTensor] = []
+        if self.config.gdn_projection == "split":
+            out += [
+                row_ranges(
+                    f"{prefix}in_proj_qkv.weight",
+                    self.in_proj,
+                    (2 * total_kd + total_vd, h),
+                    [
+                        (k0 * kdim, off["q"], self.key_dim),
+                        (total_kd + k0 * kdim, off["k"], self.key_dim),
+                        (2 * total_kd + v0 * vdim, off["v"], self.value_dim),
+                    ],
+                ),
+                row_ranges(
+                    f"{prefix}in_proj_z.weight", self.in_proj, (total_vd, h), [(v0 * vdim, off["z"], self.value_dim)]
+                ),
+                row_ranges(
+                    f"{prefix}in_proj_b.weight",
+                    self.in_proj,
+                    (self.total_value_heads, h),
+                    [(v0, off["b"], self.num_value_heads)],
+                ),
+                row_ranges(
+                    f"{prefix}in_proj_a.weight",
+                    self.in_proj,
+                    (self.total_value_heads, h),
+                    [(v0, off["a"], self.num_value_heads)],
+                ),
+            ]
+        else:
+            r = self.group
+            per_head = 2 * kdim + 2 * r * vdim
+            qkvz, ba = [], []
+            for i in range(self.num_key_heads):
+                base = (k0 + i) * per_head
+                qkvz += [
+                    (base, off["q"] + i * kdim, kdim),
+                    (base + kdim, off["k"] + i * kdim, kdim),
+                    (base + 2 * kdim, off["v"] + i * r * vdim, r * vdim),
+                    (base + 2 * kdim + r * vdim, off["z"] + i * r * vdim, r * vdim),
+                ]
+                ba += [((k0 + i) * 2 * r, off["b"] + i * r, r), ((k0 + i) * 2 * r + r, off["a"] + i * r, r)]
+            out += [
+                row_ranges(f"{prefix}in_proj_qkvz.weight", self.in_proj, (self.total_key_heads * per_head, h), qkvz),
+                row_ranges(f"{prefix}in_proj_ba.weight", self.in_proj, (self.total_key_heads * 2 * r, h), ba),
+            ]
+        out += [
+            row_ranges(
+                f"{prefix}conv1d.weight",
+                self.conv_weight,
+                (2 * total_kd + total_vd, 1, self.kernel_size),
+                [
+                    (k0 * kdim, 0, self.key_dim),
+                    (total_kd + k0 * kdim, self.key_dim, self.key_dim),
+                    (2 * total_kd + v0 * vdim, 2 * self.key_dim, self.value_dim),
+                ],
+            ),
+            row_ranges(
+                f"{prefix}A_log", self.A_log, (self.total_value_heads,), [(v0, 0, self.num_value_heads)], init="a_log"
+            ),
+            row_ranges(
+                f"{prefix}dt_bias",
+                self.dt_bias,
+                (self.total_value_heads,),
+                [(v0, 0, self.num_value_heads)],
+                init="ones",
+            ),
+            whole(f"{prefix}norm.weight", self.norm_weight, init="ones"),
+            col_range(f"{prefix}out_proj.weight", self.out_proj, (h, total_vd), v0 * vdim),
+        ]
+        return out
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        return {
+            "recurrent": ((self.num_value_heads, self.key_head_dim, self.value_head_dim), torch.float32),
+            "conv": ((self.conv_dim, self.kernel_size - 1), None),
+        }
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: SsmLayerState) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        off = self._offsets()
+        proj = F.linear(x, self.in_proj)
+        mixed = proj[:, : self.conv_dim]
+        z = proj[:, off["z"] : off["b"]].reshape(num_tokens, self.num_value_heads, self.value_head_dim)
+        b, a = proj[:, off["b"] : off["a"]], proj[:, off["a"] :]
+        conv_weight = self.conv_weight.squeeze(1)
+
+        num_decode = ctx.num_decode_tokens
+        conv_out = torch.empty_like(mixed)
+        if ctx.decode is not None:
+            conv_out[:num_decode] = conv_kernels.causal_conv1d_update(
+                x=mixed[:num_decode],
+                weight=conv_weight,
+                bias=None,
+                conv_state_pool=state.conv,
+                state_slots=ctx.decode.state_slots,
+                activation="silu",
+            )
+        if ctx.prefill is not None:
+            conv_out[num_decode:] = conv_kernels.causal_conv1d_varlen(
+                x=mixed[num_decode:],
+                weight=conv_weight,
+                bias=None,
+                cu_seqlens=ctx.prefill.cu_seqlens,
+                conv_state_pool=state.conv,
+                state_slots=ctx.prefill.state_slots,
+                has_initial_state=ctx.prefill.has_initial_state,
+                activation="silu",
+            )
+        q = conv_out[:, off["q"] : off["k"]].reshape(num_tokens, self.num_key_heads, self.key_head_dim)
+        k = conv_out[:, off["k"] : off["v"]].reshape(num_tokens, self.num_key_heads, self.key_head_dim)
+        v = conv_out[:, off["v"] :].reshape(num_tokens, self.num_value_heads, self.value_head_dim)
+        beta = torch.sigmoid(b.float())
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+
+        core = torch.empty_like(v)
+        if ctx.decode is not None:
+            n = ctx.decode.num_seqs
+            rows = ctx.decode.tokens_per_row
+            core[:num_decode] = gdn_kernels.fused_recurrent_gated_delta_rule(
+                q=q[:num_decode].view(n, rows, *q.shape[1:]),
+                k=k[:num_decode].view(n, rows, *k.shape[1:]),
+                v=v[:num_decode].view(n, rows, *v.shape[1:]),
+                g=g[:num_decode].view(n, rows, -1),
+                beta=beta[:num_decode].view(n, rows, -1),
+                state_pool=state.recurrent,
+                state_slots=ctx.decode.state_slots,
+                use_qk_l2norm=True,
+            ).view(num_decode, *v.shape[1:])
+        if ctx.prefill is not None:
+            core[num_decode:] = gdn_kernels.chunk_gated_delta_rule(
+                q=q[num_decode:],
+                k=k[num_decode:],
+                v=v[num_decode:],
+                g=g[num_decode:],
+                beta=beta[num_decode:],
+                cu_seqlens=ctx.prefill.cu_seqlens,
+                state_pool=state.recurrent,
+                state_slots=ctx.prefill.state_slots,
+                has_initial_state=ctx.prefill.has_initial_state,
+                use_qk_l2norm=True,
+            )
+        core = norm_kernels.gated_rms_norm(x=core, gate=z, weight=self.norm_weight, eps=self.eps)
+        out = F.linear(core.reshape(num_tokens, self.value_dim), self.out_proj)
+        return all_reduce(out, self.layout)

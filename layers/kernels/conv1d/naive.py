@@ -1,0 +1,76 @@
+"""Plain-torch causal depthwise conv1d with a carried window: the reference and the CPU path.
+
+x is token-major and varlen ([T, C], sequences delimited by cu_seqlens). Each sequence's last
+W - 1 inputs before this pass live in `conv_state_pool [S, C, W - 1]` at its slot (oldest first).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return y
+    if activation in ("silu", "swish"):
+        return F.silu(y)
+    raise ValueError(f"activation {activation!r} is not supported (silu or None)")
+
+
+def causal_conv1d_varlen(
+    *,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    conv_state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Prefill: x [T, C], weight [C, W], bias [C] or None, cu_seqlens [N + 1], conv_state_pool
+    [S, C, W - 1], state_slots [N], has_initial_state [N] bool (False: the window is zeros).
+    Returns y [T, C] in x's dtype and writes each sequence's last W - 1 inputs to its slot."""
+    width = weight.shape[1]
+    y = torch.empty_like(x)
+    bounds = cu_seqlens.tolist()
+    for n in range(len(bounds) - 1):
+        start, end = bounds[n], bounds[n + 1]
+        if end == start:
+            continue
+        slot = int(state_slots[n])
+        if bool(has_initial_state[n]):
+            window = conv_state_pool[slot].to(x.dtype)
+        else:
+            window = x.new_zeros((x.shape[1], width - 1))
+        seq = torch.cat([window, x[start:end].t()], dim=1)  # [C, W - 1 + L]
+        out = F.conv1d(
+            seq.float().unsqueeze(0),
+            weight.float().unsqueeze(1),
+            None if bias is None else bias.float(),
+            groups=x.shape[1],
+        )[0]
+        y[start:end] = _activate(out, activation).t().to(x.dtype)
+        conv_state_pool[slot] = seq[:, -(width - 1) :].to(conv_state_pool.dtype)
+    return y
+
+
+def causal_conv1d_update(
+    *,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Decode: one new input per sequence. x [N, C]; returns y [N, C]; shifts each slot's window."""
+    slots = state_slots.long()
+    window = conv_state_pool[slots].float()  # [N, C, W - 1]
+    seq = torch.cat([window, x.float().unsqueeze(-1)], dim=-1)  # [N, C, W]
+    out = (seq * weight.float().unsqueeze(0)).sum(dim=-1)
+    if bias is not None:
+        out = out + bias.float()
+    conv_state_pool[slots] = seq[:, :, 1:].to(conv_state_pool.dtype)
+    return _activate(out, activation).to(x.dtype)

@@ -1,0 +1,150 @@
+"""Plain-torch gated delta rule: the reference every GDN kernel is tested against, and the CPU path.
+
+Layouts are token-major and varlen: the tokens of all sequences in a pass are concatenated, and
+`cu_seqlens` ([N + 1], int) marks where each sequence starts. Recurrent states live in a pool
+(`state_pool [S, Hv, K, V]`, float32) and each sequence names its slot in `state_slots [N]`.
+Value head `h` reads key/query head `h // (Hv // Hk)`.
+
+Per head, with S the [K, V] state, q scaled by `scale` and q, k l2-normalised when asked:
+    S_t = exp(g_t) * S_{t-1} + k_t u_t^T,   u_t = beta_t * (v_t - exp(g_t) * S_{t-1}^T k_t)
+    o_t = S_t^T q_t
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (the convention fla and transformers use)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm):
+    """float32 copies with q, k expanded to the value heads: [T, Hv, K] and friends."""
+    num_k_heads, num_v_heads = q.shape[1], v.shape[1]
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    if num_v_heads != num_k_heads:
+        group = num_v_heads // num_k_heads
+        q = q.repeat_interleave(group, dim=1)
+        k = k.repeat_interleave(group, dim=1)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return q * scale, k, v, g, beta
+
+
+def _initial_state(state_pool, slot, has_initial_state, n, shape):
+    if bool(has_initial_state[n]):
+        return state_pool[slot].float().clone()
+    return torch.zeros(shape, dtype=torch.float32, device=state_pool.device)
+
+
+def chunk_gated_delta_rule(
+    *,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    chunk_states_out: list | None = None,
+) -> torch.Tensor:
+    """Chunked gated delta rule over varlen sequences; updates their pool slots in place.
+
+    q, k: [T, Hk, K]; v: [T, Hv, V]; g (log decay, <= 0), beta: [T, Hv]; cu_seqlens: [N + 1];
+    state_pool: [S, Hv, K, V] float32; state_slots: [N]; has_initial_state: [N] bool (False: start
+    from zeros, ignore the slot's old contents). Returns o: [T, Hv, V] in v's dtype.
+    chunk_states_out, when a list, receives for each sequence a [num_chunks, Hv, K, V] tensor: the
+    state after each chunk of `chunk_size` tokens counted from the sequence's first token here.
+    """
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    bounds = cu_seqlens.tolist()
+    num_v_heads, key_dim, value_dim = vf.shape[1], qf.shape[-1], vf.shape[-1]
+    for n in range(len(bounds) - 1):
+        start, end = bounds[n], bounds[n + 1]
+        slot = int(state_slots[n])
+        state = _initial_state(state_pool, slot, has_initial_state, n, (num_v_heads, key_dim, value_dim))
+        per_chunk = []
+        for c0 in range(start, end, chunk_size):
+            c1 = min(c0 + chunk_size, end)
+            o_chunk, state = _chunk_step(qf[c0:c1], kf[c0:c1], vf[c0:c1], gf[c0:c1], bf[c0:c1], state)
+            out[c0:c1] = o_chunk
+            per_chunk.append(state.clone())
+        if end > start:
+            state_pool[slot] = state.to(state_pool.dtype)
+        if chunk_states_out is not None:
+            chunk_states_out.append(
+                torch.stack(per_chunk) if per_chunk else state.new_zeros((0, num_v_heads, key_dim, value_dim))
+            )
+    return out.to(v.dtype)
+
+
+def _chunk_step(q, k, v, g, beta, state):
+    """One chunk of L tokens for all heads. q, k: [L, H, K]; v: [L, H, V]; g, beta: [L, H];
+    state: [H, K, V]. Returns (o [L, H, V], new state)."""
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [H, L, *]
+    g, beta = g.transpose(0, 1), beta.transpose(0, 1)  # [H, L]
+    length = q.shape[1]
+    gamma = g.cumsum(dim=-1)  # log of the decay from the chunk start through token i
+    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    decay = (gamma[:, :, None] - gamma[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, L, L]
+    # (I + A) U = beta * V - beta * exp(gamma) * K S0, with A strictly lower triangular
+    a = (beta[:, :, None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
+    eye = torch.eye(length, dtype=q.dtype, device=q.device)
+    lhs = eye + a
+    w_v = torch.linalg.solve_triangular(lhs, beta[..., None] * v, upper=False, unitriangular=True)
+    w_k = torch.linalg.solve_triangular(lhs, (beta * gamma.exp())[..., None] * k, upper=False, unitriangular=True)
+    u = w_v - w_k @ state  # [H, L, V]
+    o = gamma.exp()[..., None] * (q @ state) + ((q @ k.transpose(-1, -2)) * decay) @ u
+    tail = (gamma[:, -1:] - gamma).exp()  # decay from token j to the chunk end
+    new_state = gamma[:, -1].exp()[:, None, None] * state + (k * tail[..., None]).transpose(-1, -2) @ u
+    return o.transpose(0, 1), new_state
+
+
+def fused_recurrent_gated_delta_rule(
+    *,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    intermediate_states_out: torch.Tensor | None = None,
+    update_state: bool = True,
+) -> torch.Tensor:
+    """Token-by-token gated delta rule for L tokens of each of N sequences.
+
+    q, k: [N, L, Hk, K]; v: [N, L, Hv, V]; g, beta: [N, L, Hv]; state_pool: [S, Hv, K, V] float32;
+    state_slots: [N]. Decode is L = 1; verifying k speculative drafts is L = k. Returns
+    o: [N, L, Hv, V] in v's dtype. intermediate_states_out ([N, L, Hv, K, V]), when given, receives
+    the state after each token; update_state writes the state after the last token to the slot.
+    """
+    n_seqs, length = q.shape[:2]
+    flat = [t.reshape(n_seqs * length, *t.shape[2:]) for t in (q, k, v, g, beta)]
+    qf, kf, vf, gf, bf = (t.reshape(n_seqs, length, *t.shape[1:]) for t in _prepare(*flat, scale, use_qk_l2norm))
+    out = torch.empty(vf.shape, dtype=torch.float32, device=v.device)
+    slots = state_slots.long()
+    state = state_pool[slots].float()  # [N, Hv, K, V]
+    for t in range(length):
+        state = state * gf[:, t].exp()[..., None, None]
+        predicted = (state * kf[:, t, :, :, None]).sum(dim=-2)  # S^T k: [N, Hv, V]
+        delta = bf[:, t, :, None] * (vf[:, t] - predicted)
+        state = state + kf[:, t, :, :, None] * delta[:, :, None, :]
+        out[:, t] = (state * qf[:, t, :, :, None]).sum(dim=-2)
+        if intermediate_states_out is not None:
+            intermediate_states_out[:, t] = state.to(intermediate_states_out.dtype)
+    if update_state:
+        state_pool[slots] = state.to(state_pool.dtype)
+    return out.to(v.dtype)

@@ -1,0 +1,49 @@
+"""Plain-torch MoE routing and expert computation: the reference and the CPU path.
+
+Expert weights are fused per expert the way transformers holds them in memory:
+w13 [E, 2 * I, H] (gate rows then up rows) and w2 [E, H, I]. Under expert parallelism a rank holds
+experts [expert_offset, expert_offset + E) and skips tokens routed elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route_topk_softmax(
+    *, router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts (float32), top-k, optional renormalisation.
+    router_logits: [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int64)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(
+    *,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts this rank holds.
+    hidden: [T, H]; topk_weights, topk_ids: [T, top_k]. Returns [T, H] in hidden's dtype."""
+    num_local, inter = w13.shape[0], w2.shape[2]
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    local_ids = topk_ids - expert_offset
+    for e in torch.unique(local_ids).tolist():
+        if not 0 <= e < num_local:
+            continue
+        token_idx, k_idx = torch.where(local_ids == e)
+        x = hidden[token_idx].float()
+        gate_up = x @ w13[e].float().t()
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = act @ w2[e].float().t()
+        out.index_add_(0, token_idx, y * topk_weights[token_idx, k_idx, None].float())
+    return out.to(hidden.dtype)

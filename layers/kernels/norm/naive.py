@@ -1,0 +1,30 @@
+"""Plain-torch RMSNorm variants: the reference and the CPU path."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = True) -> torch.Tensor:
+    """x / rms(x) * (1 + weight) when zero_centered (the Qwen3-Next / Qwen3.5 norms), else * weight.
+    Computed in float32, returned in x's dtype. x: [..., D]; weight: [D]."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    scale = 1.0 + weight.float() if zero_centered else weight.float()
+    return (y * scale).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    *, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual' = x + residual; returns (rms_norm(residual'), residual')."""
+    summed = x + residual
+    return rms_norm(x=summed, weight=weight, eps=eps), summed
+
+
+def gated_rms_norm(*, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The GDN output norm: rms_norm(x) * weight * silu(gate), per head. x, gate: [..., D]."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (weight.float() * y * F.silu(gate.float())).to(x.dtype)

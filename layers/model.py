@@ -1,0 +1,142 @@
+"""The hybrid stack: embedding -> decoder layers (GDN or gated attention, then MoE or dense MLP)
+-> final norm -> lm_head. Built from a `ModelConfig`; weights come from `loader.py`.
+
+Checkpoint names are those transformers uses for `*ForCausalLM` (`model.layers.N....`,
+`lm_head.weight`); the loader maps composite (`model.language_model.*`) names onto them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import GatedAttention
+from .base import (
+    AttnLayerState,
+    CheckpointTensor,
+    ForwardContext,
+    LayerState,
+    SsmLayerState,
+    TransformerLayer,
+    copy_into,
+)
+from .common import RMSNorm, empty_param, rotary_cos_sin
+from .config import ATTENTION, ModelConfig
+from .gdn import GatedDeltaNet
+from .moe import DenseMLP, SparseMoeBlock
+from .parallel import ParallelLayout, all_gather_last_dim, all_reduce, validate_layout
+
+
+class DecoderLayer(TransformerLayer):
+    """x + mixer(norm(x)), then + ffn(norm(.)): the mixer is gated attention or GDN, the
+    feed-forward a sparse MoE block or a dense MLP."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, layout: ParallelLayout):
+        super().__init__()
+        self.layer_id = layer_id
+        self.is_attention = config.layer_types[layer_id] == ATTENTION
+        self.state_kind = "attention" if self.is_attention else "ssm"
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mixer = GatedAttention(config, layout) if self.is_attention else GatedDeltaNet(config, layout)
+        self.is_moe = config.mlp_types[layer_id] == "moe"
+        if self.is_moe:
+            self.mlp = SparseMoeBlock(config, layout)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, layout, "intermediate_size")
+
+    def checkpoint_tensors(self, prefix: str) -> list[CheckpointTensor]:
+        mixer = "self_attn." if self.is_attention else "linear_attn."
+        return [
+            *self.input_layernorm.checkpoint_tensors(f"{prefix}input_layernorm.weight"),
+            *self.post_attention_layernorm.checkpoint_tensors(f"{prefix}post_attention_layernorm.weight"),
+            *self.mixer.checkpoint_tensors(f"{prefix}{mixer}"),
+            *self.mlp.checkpoint_tensors(f"{prefix}mlp."),
+        ]
+
+    def state_shapes(self, block_size: int = 16) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        """Attention: K and V shapes of one page; GDN: recurrent and conv shapes of one slot."""
+        if self.is_attention:
+            return {name: (shape, None) for name, shape in self.mixer.state_shapes(block_size).items()}
+        return self.mixer.state_shapes()
+
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext, state: LayerState, rope) -> torch.Tensor:
+        x = self.input_layernorm(hidden)
+        if self.is_attention:
+            assert isinstance(state, AttnLayerState)
+            mixed = self.mixer(x, ctx, state, rope)
+        else:
+            assert isinstance(state, SsmLayerState)
+            mixed = self.mixer(x, ctx, state)
+        hidden = hidden + mixed
+        x = self.post_attention_layernorm(hidden)
+        ffn = self.mlp(x, ctx) if self.is_moe else self.mlp(x)
+        return hidden + ffn
+
+
+class HybridModel(nn.Module):
+    def __init__(self, config: ModelConfig, layout: ParallelLayout | None = None):
+        super().__init__()
+        layout = layout or ParallelLayout()
+        validate_layout(config, layout)
+        self.config, self.layout = config, layout
+        # vocab-parallel: each rank holds ceil(V / tp) rows; the last rank's padding rows are zero
+        self.vocab_per_rank = -(-config.vocab_size // layout.tp_size)
+        self.vocab_start = layout.tp_rank * self.vocab_per_rank
+        self.vocab_rows = max(0, min(self.vocab_per_rank, config.vocab_size - self.vocab_start))
+        self.embed_tokens = empty_param(self.vocab_per_rank, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, layout) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else empty_param(self.vocab_per_rank, config.hidden_size)
+        # mtp.* tensors, kept whole for speculative decoding (a later issue); name -> tensor
+        self.mtp_weights: dict[str, torch.Tensor] = {}
+
+    # ---- weights -----------------------------------------------------------------------------
+    def checkpoint_tensors(self) -> list[CheckpointTensor]:
+        out = [self._vocab_rows("model.embed_tokens.weight", self.embed_tokens)]
+        for i, layer in enumerate(self.layers):
+            out += layer.checkpoint_tensors(f"model.layers.{i}.")
+        out += self.norm.checkpoint_tensors("model.norm.weight")
+        if self.lm_head is not None:
+            out.append(self._vocab_rows("lm_head.weight", self.lm_head))
+        return out
+
+    def _vocab_rows(self, name: str, param: torch.Tensor) -> CheckpointTensor:
+        start, rows = self.vocab_start, self.vocab_rows
+
+        def load(t) -> None:
+            with torch.no_grad():
+                param.zero_()
+            if rows:
+                copy_into(param[:rows], t.get(slice(start, start + rows)), name)
+
+        return CheckpointTensor(name, (self.config.vocab_size, self.config.hidden_size), load)
+
+    # ---- state -------------------------------------------------------------------------------
+    def state_shapes(self, block_size: int) -> list[dict[str, tuple[tuple[int, ...], torch.dtype | None]]]:
+        return [layer.state_shapes(block_size) for layer in self.layers]
+
+    # ---- forward -------------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.layout.tp_size == 1:
+            return F.embedding(input_ids, self.embed_tokens)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.vocab_per_rank)
+        out = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.embed_tokens)
+        out = out * mine[:, None].to(out.dtype)
+        return all_reduce(out, self.layout)
+
+    def forward(self, ctx: ForwardContext, states: list[LayerState]) -> torch.Tensor:
+        """Final hidden states [T, hidden] for every token of the pass."""
+        hidden = self.embed(ctx.input_ids)
+        rope = rotary_cos_sin(ctx.positions, self.config.rotary_dim, self.config.rope_theta, hidden.dtype)
+        for layer, state in zip(self.layers, states, strict=True):
+            hidden = layer(hidden, ctx, state, rope)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [R, vocab] (float32) for the rows given; gathered over TP ranks."""
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        logits = all_gather_last_dim(F.linear(hidden, weight), self.layout)
+        return logits[:, : self.config.vocab_size].float()

@@ -1,0 +1,155 @@
+"""Feed-forward blocks: the sparse MoE block (softmax top-k router, routed experts, shared expert
+with its sigmoid gate) and the dense SiLU MLP.
+
+Expert weights are held fused per expert, w13 [E_local, 2 * I_local, H] (gate rows, then up rows)
+and w2 [E_local, H, I_local], and load from either checkpoint layout: per expert
+(`experts.N.{gate,up,down}_proj.weight`, what transformers saves) or fused
+(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]).
+
+Parallelism: by default every expert is split along its intermediate dim (column- then
+row-parallel); with expert parallelism each rank holds E / tp whole experts and skips tokens routed
+elsewhere. Either way the routed and shared partial outputs are summed by one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import CheckpointTensor, ForwardContext, LazyTensor, MoeLoraRoute, copy_into
+from .common import col_range, empty_param, row_ranges, whole
+from .config import ModelConfig
+from .kernels import moe as moe_kernels
+from .parallel import ParallelLayout, all_reduce
+
+
+class DenseMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate/up column-parallel (fused as w13), down row-parallel.
+    `reduce=False` leaves the partial sum for a caller that all-reduces once for several blocks."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, layout: ParallelLayout, what: str):
+        super().__init__()
+        self.layout = layout
+        self.hidden_size, self.total_inter = hidden_size, intermediate_size
+        self.inter_start, self.inter = layout.split(intermediate_size, what)
+        self.w13 = empty_param(2 * self.inter, hidden_size)
+        self.w2 = empty_param(hidden_size, self.inter)
+
+    def checkpoint_tensors(self, prefix: str) -> list[CheckpointTensor]:
+        full = (self.total_inter, self.hidden_size)
+        return [
+            row_ranges(f"{prefix}gate_proj.weight", self.w13, full, [(self.inter_start, 0, self.inter)]),
+            row_ranges(f"{prefix}up_proj.weight", self.w13, full, [(self.inter_start, self.inter, self.inter)]),
+            col_range(f"{prefix}down_proj.weight", self.w2, (self.hidden_size, self.total_inter), self.inter_start),
+        ]
+
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        gate_up = F.linear(x, self.w13)
+        out = F.linear(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], self.w2)
+        return all_reduce(out, self.layout) if reduce else out
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layout: ParallelLayout):
+        super().__init__()
+        self.layout = layout
+        self.hidden_size = h = config.hidden_size
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.total_inter = config.moe_intermediate_size
+        if layout.expert_parallel:
+            self.expert_start, self.num_local_experts = layout.split(config.num_experts, "num_experts")
+            self.inter_start, self.inter = 0, config.moe_intermediate_size
+        else:
+            self.expert_start, self.num_local_experts = 0, config.num_experts
+            self.inter_start, self.inter = layout.split(config.moe_intermediate_size, "moe_intermediate_size")
+        self.router = empty_param(config.num_experts, h)
+        self.w13 = empty_param(self.num_local_experts, 2 * self.inter, h)
+        self.w2 = empty_param(self.num_local_experts, h, self.inter)
+        self.shared_expert = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = DenseMLP(
+                h, config.shared_expert_intermediate_size, layout, "shared_expert_intermediate_size"
+            )
+            self.shared_expert_gate = empty_param(1, h)
+
+    def checkpoint_tensors(self, prefix: str) -> list[CheckpointTensor]:
+        h, total_inter = self.hidden_size, self.total_inter
+        e0, e1 = self.expert_start, self.expert_start + self.num_local_experts
+        i0, inter = self.inter_start, self.inter
+
+        def name(e: int, proj: str) -> str:
+            return f"{prefix}experts.{e}.{proj}.weight"
+
+        experts = range(self.num_experts)
+        # The fused layout first: the random load format fills the first alternative it meets.
+        out = [
+            CheckpointTensor(
+                f"{prefix}experts.gate_up_proj",
+                (self.num_experts, 2 * total_inter, h),
+                lambda t: self._load_fused_gate_up(t, f"{prefix}experts.gate_up_proj"),
+                tuple(name(e, p) for e in experts for p in ("gate_proj", "up_proj")),
+                alternative=True,
+            ),
+            CheckpointTensor(
+                f"{prefix}experts.down_proj",
+                (self.num_experts, h, total_inter),
+                lambda t: copy_into(
+                    self.w2, t.get(slice(e0, e1), slice(None), slice(i0, i0 + inter)), f"{prefix}experts.down_proj"
+                ),
+                tuple(name(e, "down_proj") for e in experts),
+                alternative=True,
+            ),
+        ]
+        for e in experts:
+            local = e - e0 if e0 <= e < e1 else None
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                shape = (h, total_inter) if proj == "down_proj" else (total_inter, h)
+                load = None if local is None else _per_expert_loader(self, local, proj, name(e, proj))
+                out.append(CheckpointTensor(name(e, proj), shape, load))
+        out.append(whole(f"{prefix}gate.weight", self.router))
+        if self.shared_expert is not None:
+            out += self.shared_expert.checkpoint_tensors(f"{prefix}shared_expert.")
+            out.append(whole(f"{prefix}shared_expert_gate.weight", self.shared_expert_gate))
+        return out
+
+    def _load_fused_gate_up(self, t: LazyTensor, name: str) -> None:
+        e0, e1 = self.expert_start, self.expert_start + self.num_local_experts
+        i0, inter, total = self.inter_start, self.inter, self.total_inter
+        copy_into(self.w13[:, :inter], t.get(slice(e0, e1), slice(i0, i0 + inter)), name)
+        copy_into(self.w13[:, inter:], t.get(slice(e0, e1), slice(total + i0, total + i0 + inter)), name)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if ctx.moe_lora_route is not MoeLoraRoute.SKIP:
+            raise NotImplementedError("MoE LoRA is not built yet: only MoeLoraRoute.SKIP passes run")
+        router_logits = F.linear(x, self.router)
+        weights, ids = moe_kernels.route_topk_softmax(
+            router_logits=router_logits, top_k=self.top_k, renormalize=self.renormalize
+        )
+        out = moe_kernels.fused_moe(
+            hidden=x,
+            w13=self.w13,
+            w2=self.w2,
+            topk_weights=weights.to(x.dtype),
+            topk_ids=ids,
+            expert_offset=self.expert_start,
+        )
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x, reduce=False)
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+        return all_reduce(out, self.layout)
+
+
+def _per_expert_loader(block: SparseMoeBlock, local: int, proj: str, name: str):
+    i0, inter = block.inter_start, block.inter
+
+    def load(t: LazyTensor) -> None:
+        if proj == "gate_proj":
+            copy_into(block.w13[local, :inter], t.get(slice(i0, i0 + inter)), name)
+        elif proj == "up_proj":
+            copy_into(block.w13[local, inter:], t.get(slice(i0, i0 + inter)), name)
+        else:
+            copy_into(block.w2[local], t.get(slice(None), slice(i0, i0 + inter)), name)
+
+    return load

@@ -1,0 +1,1 @@
+"""The gRPC protocol (deltaserve.v1) and its generated stubs."""

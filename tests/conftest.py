@@ -1,0 +1,20 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny_models import FAMILIES, save_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict:
+    """family -> (checkpoint dir, transformers model) for each of the three families."""
+    out = {}
+    for family in FAMILIES:
+        path = tmp_path_factory.mktemp(family)
+        out[family] = (path, save_tiny(family, path))
+    return out

@@ -1,0 +1,87 @@
+"""Hand-built pass plans for model-level tests (the engine's scheduler builds them for real).
+
+`Sequences` hands out pages in a scrambled order and one state slot per sequence, so that block
+tables are not the identity and sequences share the pools.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from deltaserve.cluster.plan import PassPlan
+from deltaserve.layers.model import HybridModel
+from deltaserve.workers.context import build_forward_context, logits_rows
+from deltaserve.workers.state_pool import PoolSizes, StatePool
+
+
+class Sequences:
+    def __init__(self, model: HybridModel, num_blocks: int = 64, block_size: int = 4, num_slots: int = 8):
+        self.model = model
+        self.block_size = block_size
+        self.pool = StatePool(model, PoolSizes(num_blocks, block_size, num_slots), dtype=torch.float32, device="cpu")
+        rng = np.random.default_rng(0)
+        self.free_pages = list(rng.permutation(num_blocks))
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.pages: dict[str, list[int]] = {}
+        self.slot: dict[str, int] = {}
+        self.cached: dict[str, int] = {}
+        self.pass_id = 0
+        # fill the pools with garbage: a sequence must never read state it did not write
+        for state in self.pool.layer_states:
+            for t in vars(state).values():
+                if isinstance(t, torch.Tensor):
+                    t.normal_()
+
+    def add(self, seq: str) -> None:
+        self.pages[seq], self.slot[seq], self.cached[seq] = [], self.free_slots.pop(), 0
+
+    def run(self, rows: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
+        """One pass over rows (seq, new token ids); single-token rows of cached sequences go first
+        as decode rows. Returns each row's logits for all its new tokens, in the order given."""
+        decode = [r for r in rows if len(r[1]) == 1 and self.cached[r[0]] > 0]
+        prefill = [r for r in rows if r not in decode]
+        ordered = decode + prefill
+        ids, pos, slots, starts, seq_lens, tables, state_slots, has_init = [], [], [], [0], [], [], [], []
+        for seq, toks in ordered:
+            start = self.cached[seq]
+            end = start + len(toks)
+            while len(self.pages[seq]) * self.block_size < end:
+                self.pages[seq].append(int(self.free_pages.pop()))
+            for p in range(start, end):
+                slots.append(self.pages[seq][p // self.block_size] * self.block_size + p % self.block_size)
+            ids += toks
+            pos += list(range(start, end))
+            starts.append(starts[-1] + len(toks))
+            seq_lens.append(end)
+            tables.append(self.pages[seq])
+            state_slots.append(self.slot[seq])
+            has_init.append(start > 0)
+            self.cached[seq] = end
+        width = max(len(t) for t in tables)
+        n = len(ordered)
+        plan = PassPlan(
+            pass_id=self.pass_id,
+            req_ids=[s for s, _ in ordered],
+            num_decode_rows=len(decode),
+            input_ids=np.array(ids, np.int32),
+            positions=np.array(pos, np.int32),
+            slot_mapping=np.array(slots, np.int64),
+            query_start_loc=np.array(starts, np.int32),
+            seq_lens=np.array(seq_lens, np.int32),
+            block_tables=np.array([t + [0] * (width - len(t)) for t in tables], np.int32),
+            state_slots=np.array(state_slots, np.int32),
+            has_initial_state=np.array(has_init, bool),
+            sample_rows=np.ones(n, bool),
+            prompt_logprob_rows=np.ones(n, bool),
+        )
+        self.pass_id += 1
+        indices, spans = logits_rows(plan)
+        ctx = build_forward_context(plan, self.model.config, self.model.layout, "cpu", indices)
+        with torch.no_grad():
+            hidden = self.model(ctx, self.pool.layer_states)
+            logits = self.model.compute_logits(hidden[ctx.logits_indices])
+        by_seq = {
+            seq: logits[first : first + count] for (seq, _), (first, count, _) in zip(ordered, spans, strict=True)
+        }
+        return [by_seq[seq] for seq, _ in rows]

@@ -1,0 +1,84 @@
+"""Tiny random checkpoints made by transformers itself (the correctness oracle), one per family.
+
+Sizes are odd on purpose: head counts that are not powers of two, several KV heads, GDN value heads
+a multiple of key heads, a layer stack that mixes GDN and attention, and (qwen3_next) a dense layer
+among the MoE ones.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+_COMMON = dict(
+    vocab_size=160,
+    hidden_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=3,
+    linear_num_value_heads=6,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    eos_token_id=2,
+    bos_token_id=1,
+)
+
+
+def hf_config(family: str, **overrides):
+    """The transformers config object of a tiny model of `family`."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+
+    kw = dict(_COMMON)
+    if family == "qwen3_next":
+        kw.update(
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=20,
+            shared_expert_intermediate_size=24,
+            intermediate_size=40,
+            mlp_only_layers=[2],
+            norm_topk_prob=False,
+        )
+        cls = Qwen3NextConfig
+    elif family == "qwen3_5":
+        kw.update(intermediate_size=40, tie_word_embeddings=True)
+        cls = Qwen3_5TextConfig
+    elif family == "qwen3_5_moe":
+        kw.update(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=20, shared_expert_intermediate_size=24)
+        cls = Qwen3_5MoeTextConfig
+    else:
+        raise ValueError(family)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def hf_model(config, seed: int = 0):
+    """A float32 transformers model with its own random init (GDN A_log/dt_bias included)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # widen the norms away from exactly 1 so that a mis-applied (1 + w) shows up
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def save_tiny(family: str, path: Path, seed: int = 0, **overrides):
+    """save_pretrained a tiny model of `family` into `path`; returns the transformers model."""
+    model = hf_model(hf_config(family, **overrides), seed=seed)
+    model.save_pretrained(path)
+    (Path(path) / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    return model
