@@ -28,6 +28,9 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # until min_tokens outputs exist these ids (EOS, stop ids) cannot be sampled
+    min_tokens: int = 0
+    min_tokens_banned_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -56,6 +59,9 @@ class PassPlan:
     has_initial_state: np.ndarray  # [N] bool: cached tokens exist before this pass
     sample_rows: np.ndarray  # [N] bool: the row's last token yields a sampled token
     prompt_logprob_rows: np.ndarray  # [N] bool: return prompt logprobs for this row's tokens
+    # [N] int32: the prompt token right after the row's chunk (-1: none), so that the chunk's last
+    # position gets a prompt logprob too
+    next_prompt_token: np.ndarray | None = None
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
 

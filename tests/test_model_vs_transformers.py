@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from passes import Sequences
-from tiny_models import FAMILIES
+from tiny_models import FAMILIES, VOCAB_SIZE
 
 from deltaserve.layers.loader import load_model
 
@@ -24,7 +24,7 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert err <= TOL * scale, f"max abs error {err:.3g} exceeds {TOL} x logit scale {scale:.3g}"
 
 
-def prompt(n: int, seed: int, vocab: int = 160) -> list[int]:
+def prompt(n: int, seed: int, vocab: int = VOCAB_SIZE) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 

@@ -14,8 +14,11 @@ import torch
 
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
+VOCAB_SIZE = 320
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2; EOS is 2
+
 _COMMON = dict(
-    vocab_size=160,
+    vocab_size=VOCAB_SIZE,
     hidden_size=48,
     num_hidden_layers=4,
     num_attention_heads=6,
@@ -76,9 +79,39 @@ def hf_model(config, seed: int = 0):
     return model.eval()
 
 
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog. ",
+    "hello world, hello there! serving engines stream tokens. ",
+    "caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u00fcber stra\u00dfe ",
+    "\u4f60\u597d\u4e16\u754c \u6570\u636e \u6a21\u578b ",
+    "numbers 0123456789 and symbols #$%&*()[]{} ",
+]
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer of exactly VOCAB_SIZE ids: multi-byte characters that were not
+    merged decode byte by byte, which is what incremental detokenization must handle."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 50, trainer=trainer)
+    assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
+    return tok
+
+
 def save_tiny(family: str, path: Path, seed: int = 0, **overrides):
-    """save_pretrained a tiny model of `family` into `path`; returns the transformers model."""
+    """save_pretrained a tiny model of `family` (with a tokenizer) into `path`; returns the
+    transformers model."""
     model = hf_model(hf_config(family, **overrides), seed=seed)
     model.save_pretrained(path)
     (Path(path) / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    tiny_tokenizer().save(str(Path(path) / "tokenizer.json"))
     return model

@@ -50,13 +50,22 @@ def bytes_per_slot(model: HybridModel, dtype: torch.dtype) -> int:
 
 
 def size_pools(
-    model: HybridModel, *, budget_bytes: int, block_size: int, max_num_seqs: int, dtype: torch.dtype
+    model: HybridModel,
+    *,
+    budget_bytes: int,
+    block_size: int,
+    max_num_seqs: int,
+    dtype: torch.dtype,
+    num_blocks_override: int | None = None,
 ) -> PoolSizes:
     """Slots for max_num_seqs sequences (fewer if the budget cannot hold them with some pages),
-    pages with the rest. One extra slot and page stay reserved as scratch for padded rows."""
+    pages with the rest (or exactly num_blocks_override). One extra slot and page stay reserved as
+    scratch for padded rows."""
     per_block = max(1, bytes_per_block(model, block_size, dtype))
     per_slot = bytes_per_slot(model, dtype)
     num_slots = max_num_seqs + 1
+    if num_blocks_override is not None:
+        return PoolSizes(num_blocks=num_blocks_override + 1, block_size=block_size, num_slots=num_slots)
     if per_slot and num_slots * per_slot > budget_bytes // 2:
         num_slots = max(2, (budget_bytes // 2) // per_slot)
     num_blocks = (budget_bytes - num_slots * per_slot) // per_block

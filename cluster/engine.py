@@ -1,0 +1,269 @@
+"""EngineCore: requests in, RequestOutputs out, one pass per `step()`.
+
+It owns the scheduler and the allocators, hands each PassPlan to an executor (the in-process
+ModelRunner, or the Ray worker group), and turns the sampled tokens into text, stop decisions and
+outputs. The same core runs under `LLM` (synchronously) and under the driver actor (in a loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol
+
+from deltaserve.layers.config import ModelConfig
+
+from .allocator import BlockAllocator, StateSlotAllocator
+from .plan import PassPlan, RunnerOutput
+from .request import CompletionOutput, FinishReason, Request, RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None
+    dtype: str = "auto"
+    device: str = "cpu"
+    load_format: str = "auto"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 256 * 2**20
+    num_kv_blocks: int | None = None  # exact KV page count, overriding the memory budget
+    # the gateway answers RESOURCE_EXHAUSTED beyond this many waiting requests
+    max_waiting_requests: int = 1024
+
+    def validate(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+class Executor(Protocol):
+    """Runs pass plans on the model's ranks; `pool_sizes` is what the workers allocated."""
+
+    pool_sizes: object
+
+    def execute(self, plan: PassPlan) -> RunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor:
+    """The whole model in this process (TP = 1)."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig):
+        from deltaserve.workers.runner import ModelRunner
+
+        self.runner = ModelRunner(runner_config(config), model_config)
+        self.pool_sizes = self.runner.sizes
+
+    def execute(self, plan: PassPlan) -> RunnerOutput:
+        return self.runner.execute(plan)
+
+    def shutdown(self) -> None:
+        self.runner = None
+
+
+def runner_config(config: EngineConfig):
+    from deltaserve.workers.runner import RunnerConfig
+
+    return RunnerConfig(
+        model=config.model,
+        dtype=config.dtype,
+        device=config.device,
+        load_format=config.load_format,
+        seed=config.seed,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        cpu_kv_cache_bytes=config.cpu_kv_cache_bytes,
+        num_kv_blocks=config.num_kv_blocks,
+    )
+
+
+def make_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
+    if config.tensor_parallel_size == 1 and not config.enable_expert_parallel:
+        return LocalExecutor(config, model_config)
+    from .ray_executor import RayExecutor
+
+    return RayExecutor(config, model_config)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None, executor: Executor | None = None):
+        config.validate()
+        if model_config is None:
+            if config.model is None:
+                raise ValueError("model: a model directory is required")
+            model_config = ModelConfig.from_pretrained(config.model)
+        self.model_config = model_config
+        has_tokenizer = config.model is not None and (Path(config.model) / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer(config.model) if has_tokenizer else None
+        self.executor = executor or make_executor(config, model_config)
+        sizes = self.executor.pool_sizes
+        self.blocks = BlockAllocator(sizes.num_blocks, sizes.block_size)
+        self.slots = StateSlotAllocator(sizes.num_slots)
+        limit = config.max_model_len or model_config.max_position_embeddings
+        fits = self.blocks.capacity * sizes.block_size
+        if limit > fits:
+            log.warning("max_model_len %d exceeds the %d tokens the KV pool holds; capping it", limit, fits)
+            limit = fits
+        self.max_model_len = limit
+        self.config = replace(config, max_model_len=limit)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=min(config.max_num_seqs, self.slots.capacity),
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=limit,
+            ),
+            self.blocks,
+            self.slots,
+        )
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._prompts: dict[str, str | None] = {}
+        log.info(
+            "engine ready: %d KV tokens (%d pages of %d), %d sequences, max_model_len %d",
+            sizes.num_blocks * sizes.block_size,
+            sizes.num_blocks,
+            sizes.block_size,
+            self.scheduler.config.max_num_seqs,
+            limit,
+        )
+
+    # ---- requests ----------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("prompt: text prompts need a tokenizer.json in the model directory")
+        return self.tokenizer.encode(text)
+
+    def make_request(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Validate and build a request (raises ValueError naming the bad field); queues nothing."""
+        params.validate(self.model_config.vocab_size)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            ids = self.tokenize(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt_token_ids: token id {t!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
+            )
+        return Request(req_id, ids, params, eos_token_ids=self.model_config.eos_token_ids)
+
+    def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        req = self.make_request(req_id, prompt, params)
+        self.scheduler.add(req)
+        self._prompts[req_id] = prompt if isinstance(prompt, str) else None
+        if self.tokenizer is not None:
+            self._detok[req_id] = IncrementalDetokenizer(
+                self.tokenizer,
+                req.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        return req
+
+    def abort(self, req_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort(req_id)
+        return None if req is None else self._output(req, [], "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one pass ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        outputs = [self._output(req, [], self._flush(req)) for req in self.scheduler.pop_failed()]
+        if plan is None:
+            return outputs
+        result = self.executor.execute(plan)
+        for req in self.scheduler.apply_output(plan, result):
+            outputs.append(self._on_token(req))
+        return outputs
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """End every queued and running request with an error (a worker died)."""
+        outputs = []
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.finish(req, FinishReason.ERROR, error)
+            outputs.append(self._output(req, [], self._flush(req)))
+        return outputs
+
+    def _on_token(self, req: Request) -> RequestOutput:
+        token = req.output_token_ids[-1]
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        delta = ""
+        detok = self._detok.get(req.req_id)
+        if detok is not None:
+            delta = detok.add([token])
+            if detok.stopped_by is not None and not req.is_finished:
+                req.stop_reason = detok.stopped_by
+                self.scheduler.finish(req, FinishReason.STOP)
+        if req.is_finished:
+            delta += self._flush(req)
+        return self._output(req, [token], delta)
+
+    def _flush(self, req: Request) -> str:
+        detok = self._detok.get(req.req_id)
+        return "" if detok is None else detok.flush()
+
+    def _output(self, req: Request, new_ids: list[int], delta: str) -> RequestOutput:
+        detok = self._detok.get(req.req_id)
+        text = detok.text[: detok.emitted] if detok is not None else ""
+        finished = req.is_finished
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(req.output_token_ids),
+            logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+            finish_reason=req.finish_reason.value if finished else None,
+            stop_reason=req.stop_reason,
+        )
+        out = RequestOutput(
+            request_id=req.req_id,
+            prompt=self._prompts.get(req.req_id),
+            prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=list(req.prompt_logprobs) if req.sampling_params.prompt_logprobs is not None else None,
+            outputs=[completion],
+            finished=finished,
+            delta_text=delta,
+            delta_token_ids=new_ids,
+            time_to_first_token_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
+            error=req.error,
+        )
+        if finished:
+            self._detok.pop(req.req_id, None)
+            self._prompts.pop(req.req_id, None)
+        return out
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,186 @@
+"""ModelRunner: one rank's model shard, state pools and sampler. `execute(plan)` runs one pass and,
+on TP rank 0, returns the sampled tokens. The single-process engine calls it directly; the Ray
+worker actor wraps it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deltaserve.cluster.plan import PassPlan, RunnerOutput
+from deltaserve.layers.base import ModelSwitches
+from deltaserve.layers.config import ModelConfig
+from deltaserve.layers.loader import load_model
+from deltaserve.layers.parallel import ParallelLayout
+from deltaserve.workers.context import build_forward_context, logits_rows
+from deltaserve.workers.sampler import Sampler
+from deltaserve.workers.state_pool import PoolSizes, StatePool, size_pools
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model: str | None
+    dtype: str = "auto"
+    device: str = "cpu"
+    load_format: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 256 * 2**20  # the KV + GDN state budget on CPU
+    num_kv_blocks: int | None = None  # exact KV page count, overriding the memory budget
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig, model_config: ModelConfig, layout: ParallelLayout | None = None):
+        self.config = config
+        self.model_config = model_config
+        self.layout = layout or ParallelLayout()
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        self.model = load_model(
+            config.model,
+            config=model_config,
+            layout=self.layout,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=config.load_format,
+            seed=config.seed,
+        )
+        self.sizes = self._size_pools()
+        self.pool = StatePool(self.model, self.sizes, dtype=self.dtype, device=self.device)
+        self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
+        self.switches = ModelSwitches(use_triton=self.device.type == "cuda")
+
+    @property
+    def is_driver_rank(self) -> bool:
+        return self.layout.tp_rank == 0
+
+    def _size_pools(self) -> PoolSizes:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            budget = 0
+        elif self.device.type == "cuda":
+            budget = self._gpu_budget()
+        else:
+            budget = cfg.cpu_kv_cache_bytes
+        return size_pools(
+            self.model,
+            budget_bytes=budget,
+            block_size=cfg.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            dtype=self.dtype,
+            num_blocks_override=cfg.num_kv_blocks,
+        )
+
+    def _gpu_budget(self) -> int:
+        """Memory left for pools: utilisation x total, minus weights and a profiled activation peak."""
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        activation = self._profile_activation_bytes()
+        used = total - free
+        budget = int(total * self.config.gpu_memory_utilization) - used - activation
+        log.info(
+            "GPU memory: %.1f GiB total, %.1f GiB in use after weights, %.1f GiB activation peak, %.1f GiB for pools",
+            total / 2**30,
+            used / 2**30,
+            activation / 2**30,
+            budget / 2**30,
+        )
+        return budget
+
+    def _profile_activation_bytes(self) -> int:
+        """Peak extra memory of a pass of max_num_batched_tokens prompt tokens (one sequence)."""
+        cfg = self.config
+        tokens = cfg.max_num_batched_tokens
+        pages = -(-tokens // cfg.block_size)
+        sizes = PoolSizes(num_blocks=pages + 1, block_size=cfg.block_size, num_slots=2)
+        pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
+        plan = _profile_plan(tokens, cfg.block_size)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self._forward(plan, pool)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del pool
+        torch.cuda.empty_cache()
+        return int(peak * 1.1)
+
+    # ---- one pass ----------------------------------------------------------------------------
+    def _forward(self, plan: PassPlan, pool: StatePool):
+        indices, spans = logits_rows(plan)
+        ctx = build_forward_context(plan, self.model_config, self.layout, self.device, indices, self.switches)
+        with torch.inference_mode():
+            hidden = self.model(ctx, pool.layer_states)
+            logits = self.model.compute_logits(hidden[ctx.logits_indices]) if len(indices) else None
+        return logits, spans
+
+    def execute(self, plan: PassPlan) -> RunnerOutput | None:
+        started = time.perf_counter()
+        for req_id in plan.finished_req_ids:
+            self.sampler.remove(req_id)
+        for data in plan.new_requests:
+            self.sampler.add(data)
+        logits, spans = self._forward(plan, self.pool)
+        if not self.is_driver_rank:
+            return None
+        out = RunnerOutput(pass_id=plan.pass_id, req_ids=[], sampled_token_ids=[])
+        sample_ids, sample_rows = [], []
+        for n, (first, count, sampled_at) in enumerate(spans):
+            req_id = plan.req_ids[n]
+            if sampled_at >= 0:
+                sample_ids.append(req_id)
+                sample_rows.append(sampled_at)
+            if plan.prompt_logprob_rows[n] and count:
+                out.prompt_logprobs[req_id] = self._prompt_logprobs(plan, n, logits[first : first + count])
+        if sample_ids:
+            tokens, logprobs = self.sampler.sample(sample_ids, logits[sample_rows])
+            out.req_ids, out.sampled_token_ids, out.logprobs = sample_ids, tokens, logprobs
+        out.forward_time_s = time.perf_counter() - started
+        return out
+
+    def _prompt_logprobs(self, plan: PassPlan, row: int, logits: torch.Tensor):
+        """Logprob of each next prompt token within (and right after) the row's chunk."""
+        lo, hi = int(plan.query_start_loc[row]), int(plan.query_start_loc[row + 1])
+        next_tokens = plan.input_ids[lo + 1 : hi].tolist()
+        if plan.next_prompt_token is not None and plan.next_prompt_token[row] >= 0:
+            next_tokens.append(int(plan.next_prompt_token[row]))
+        k = self.sampler.states[plan.req_ids[row]].spec.prompt_logprobs or 0
+        return self.sampler.prompt_logprobs(logits[: len(next_tokens)], next_tokens, k)
+
+
+def _profile_plan(tokens: int, block_size: int) -> PassPlan:
+    pages = -(-tokens // block_size)
+    return PassPlan(
+        pass_id=-1,
+        req_ids=["profile"],
+        num_decode_rows=0,
+        input_ids=np.zeros(tokens, np.int32),
+        positions=np.arange(tokens, dtype=np.int32),
+        slot_mapping=np.arange(tokens, dtype=np.int64),
+        query_start_loc=np.array([0, tokens], np.int32),
+        seq_lens=np.array([tokens], np.int32),
+        block_tables=np.arange(pages, dtype=np.int32)[None, :],
+        state_slots=np.array([0], np.int32),
+        has_initial_state=np.array([False]),
+        sample_rows=np.array([True]),
+        prompt_logprob_rows=np.array([False]),
+    )
