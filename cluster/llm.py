@@ -104,9 +104,8 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[str | list[int]]:
-    if isinstance(prompts, str | dict):
-        prompts = [prompts]
-    elif isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+    single_ids = isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+    if isinstance(prompts, str | dict) or single_ids:
         prompts = [prompts]
     out = []
     for p in prompts:

@@ -9,6 +9,7 @@ is recomputed later from its prompt and the tokens it already produced.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -74,10 +75,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         else:
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
-            except ValueError:
-                pass
         self._release(req)
         self.requests.pop(req.req_id, None)
         self._finished_since_last_plan.append(req.req_id)

@@ -1,0 +1,197 @@
+"""Sampling through the engine (seeds, top-k 1, stops, logprobs, prompt logprobs) and the sampler's
+filters and penalties against direct computations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import VOCAB_SIZE
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.cluster.plan import NewRequestData, SamplingSpec
+from deltaserve.workers.sampler import Sampler, _filter, seeded_exponentials
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_checkpoints):
+    path, hf = tiny_checkpoints["qwen3_5_moe"]
+    return LLM(str(path), max_num_seqs=8), hf
+
+
+def some_prompts(n: int = 6) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, VOCAB_SIZE, (4 + 5 * i,), generator=g).tolist() for i in range(n)]
+
+
+def test_seeded_sampling_same_alone_and_in_batch(moe):
+    llm, _ = moe
+    params = [
+        SamplingParams(temperature=1.3, top_p=0.95, top_k=50, seed=100 + i, max_tokens=10, ignore_eos=True)
+        for i in range(6)
+    ]
+    batch = llm.generate(some_prompts(), params, use_tqdm=False)
+    alone = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(some_prompts(), params, strict=True)]
+    assert [o.outputs[0].token_ids for o in batch] == [o.outputs[0].token_ids for o in alone]
+    # a different seed draws differently (the runs are not secretly greedy)
+    other = llm.generate(
+        some_prompts()[:1],
+        SamplingParams(temperature=1.3, top_p=0.95, top_k=50, seed=7, max_tokens=10, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert other[0].outputs[0].token_ids != batch[0].outputs[0].token_ids
+
+
+def test_unseeded_sampling_varies(moe):
+    llm, _ = moe
+    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    a, b = llm.generate([some_prompts()[0]] * 2, sp, use_tqdm=False)
+    assert a.outputs[0].token_ids != b.outputs[0].token_ids
+
+
+def test_top_k_one_is_greedy(moe):
+    llm, _ = moe
+    greedy = llm.generate(some_prompts(), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    topk1 = llm.generate(some_prompts(), SamplingParams(temperature=0.8, top_k=1, max_tokens=8), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in topk1]
+
+
+def test_stop_token_id_and_max_tokens(moe):
+    llm, _ = moe
+    (free,) = llm.generate(
+        [some_prompts()[2]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )
+    ids = free.outputs[0].token_ids
+    assert len(ids) == 10 and free.outputs[0].finish_reason == "length"
+    stop_id = ids[4]
+    first = ids.index(stop_id)
+    (stopped,) = llm.generate(
+        [some_prompts()[2]],
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )
+    assert stopped.outputs[0].token_ids == ids[: first + 1]
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == stop_id
+
+
+def test_stop_string_ends_text_and_is_excluded(moe):
+    llm, _ = moe
+    prompt = some_prompts()[3]
+    (free,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    text = free.outputs[0].text
+    assert len(text) >= 6, text
+    stop = text[3:5]
+    cut = text.index(stop)
+    (stopped,) = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )
+    out = stopped.outputs[0]
+    assert out.text == text[:cut]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    (kept,) = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )
+    assert kept.outputs[0].text == text[: cut + len(stop)]
+
+
+def test_eos_ends_generation_unless_ignored(tiny_checkpoints):
+    path, hf = tiny_checkpoints["qwen3_5"]
+    llm = LLM(str(path))
+    # find a prompt whose greedy continuation hits EOS (id 2) quickly
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        p = torch.randint(3, VOCAB_SIZE, (6,), generator=g).tolist()
+        (o,) = llm.generate([p], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        if o.outputs[0].finish_reason == "stop":
+            break
+    else:
+        pytest.fail("no prompt reached EOS")
+    assert o.outputs[0].token_ids[-1] == 2
+    (ignored,) = llm.generate([p], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(ignored.outputs[0].token_ids) == 8
+    (late,) = llm.generate([p], SamplingParams(temperature=0, max_tokens=8, min_tokens=8), use_tqdm=False)
+    assert 2 not in late.outputs[0].token_ids[:7]
+
+
+def test_prompt_logprobs_match_transformers(moe, tiny_checkpoints):
+    llm, hf = moe
+    prompt = some_prompts()[5]
+    for budget_llm in (llm, LLM(str(tiny_checkpoints["qwen3_5_moe"][0]), max_num_batched_tokens=7)):
+        (out,) = budget_llm.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, logprobs=2), use_tqdm=False
+        )
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for pos in range(1, len(prompt)):
+            entry = out.prompt_logprobs[pos]
+            assert entry.token_id == prompt[pos]
+            assert abs(entry.logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
+            assert entry.top_ids == torch.topk(ref[pos - 1], 3).indices.tolist()
+            assert entry.rank == int((ref[pos - 1] > ref[pos - 1, prompt[pos]]).sum()) + 1
+        sampled = out.outputs[0].logprobs[0]
+        assert sampled.token_id == out.outputs[0].token_ids[0]
+        assert sampled.rank == 1 and len(sampled.top_ids) == 2 and sampled.top_ids[0] == sampled.token_id
+
+
+# ---- the sampler alone ---------------------------------------------------------------------------
+def spec(**kw) -> SamplingSpec:
+    return SamplingSpec(**kw)
+
+
+def test_filters_top_k_top_p_min_p():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]]))
+
+    class S:
+        def __init__(self, s):
+            self.spec = s
+
+    out = _filter(logits, [S(spec(top_k=2)), S(spec(top_p=0.65)), S(spec(min_p=0.6))])
+    kept = torch.isfinite(out)
+    assert kept.tolist() == [[True, True, False, False], [True, True, False, False], [True, True, False, False]]
+    out = _filter(logits, [S(spec(top_p=0.75)), S(spec(top_p=0.7)), S(spec(min_p=0.2))])
+    assert torch.isfinite(out).sum(dim=1).tolist() == [3, 2, 4]
+
+
+def test_penalties_applied_as_defined():
+    sampler = Sampler(vocab_size=6)
+    sampler.add(
+        NewRequestData(
+            "r",
+            [0, 1],
+            [1, 3, 3],
+            spec(temperature=0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
+        )
+    )
+    logits = torch.tensor([[1.0, -1.0, 0.5, 2.0, 0.0, 0.1]])
+    expected = logits.clone()
+    for t in (0, 1, 3):
+        expected[0, t] = expected[0, t] / 2 if expected[0, t] > 0 else expected[0, t] * 2
+    counts = torch.tensor([0, 1, 0, 2, 0, 0.0])
+    expected[0] -= 0.25 * counts + 0.5 * (counts > 0).float()
+    penalised = logits.clone()
+    sampler._apply_penalties(penalised, [sampler.states["r"]])
+    assert torch.allclose(penalised, expected)
+    tokens, _ = sampler.sample(["r"], logits)
+    assert tokens == [int(expected.argmax())]
+
+
+def test_seeded_noise_is_a_function_of_seed_and_step():
+    a = seeded_exponentials(42, 3, 1000, "cpu")
+    assert torch.equal(a, seeded_exponentials(42, 3, 1000, "cpu"))
+    assert not torch.equal(a, seeded_exponentials(42, 4, 1000, "cpu"))
+    assert not torch.equal(a, seeded_exponentials(43, 3, 1000, "cpu"))
+    assert abs(a.mean().item() - 1.0) < 0.1 and (a > 0).all()
+
+
+def test_seeded_draws_follow_the_distribution():
+    """The exponential race samples from softmax(logits): check frequencies over many seeds."""
+    sampler = Sampler(vocab_size=4)
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.10]]))
+    counts = torch.zeros(4)
+    for seed in range(4000):
+        sampler.add(NewRequestData(f"r{seed}", [0], [], spec(temperature=1.0, seed=seed)))
+        (tok,), _ = sampler.sample([f"r{seed}"], logits)
+        counts[tok] += 1
+    assert torch.allclose(counts / counts.sum(), torch.tensor([0.5, 0.25, 0.15, 0.10]), atol=0.03)
