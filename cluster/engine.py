@@ -57,12 +57,18 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
+class WorkerFailure(RuntimeError):
+    """A worker of the group died or failed a pass; the requests in flight are lost."""
+
+
 class Executor(Protocol):
     """Runs pass plans on the model's ranks; `pool_sizes` is what the workers allocated."""
 
     pool_sizes: object
 
     def execute(self, plan: PassPlan) -> RunnerOutput: ...
+
+    def restart(self) -> None: ...
 
     def shutdown(self) -> None: ...
 
@@ -74,10 +80,14 @@ class LocalExecutor:
         from deltaserve.workers.runner import ModelRunner
 
         self.runner = ModelRunner(runner_config(config), model_config)
+        self.runner.allocate(self.runner.sizes)
         self.pool_sizes = self.runner.sizes
 
     def execute(self, plan: PassPlan) -> RunnerOutput:
         return self.runner.execute(plan)
+
+    def restart(self) -> None:
+        pass  # an in-process runner cannot die separately from the engine
 
     def shutdown(self) -> None:
         self.runner = None
@@ -204,7 +214,13 @@ class EngineCore:
         outputs = [self._output(req, [], self._flush(req)) for req in self.scheduler.pop_failed()]
         if plan is None:
             return outputs
-        result = self.executor.execute(plan)
+        try:
+            result = self.executor.execute(plan)
+        except WorkerFailure as e:
+            log.error("%s; failing %d requests and restarting the workers", e, len(self.scheduler.requests))
+            outputs += self.fail_all(str(e))
+            self.executor.restart()
+            return outputs
         for req in self.scheduler.apply_output(plan, result):
             outputs.append(self._on_token(req))
         return outputs

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from .engine import EngineConfig, EngineCore
+from .engine import EngineConfig, EngineCore, WorkerFailure
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -97,6 +97,9 @@ class LLM:
                     if out.finished:
                         final[out.request_id] = out
                         bar.update(1)
+        failed = [final[i] for i in ids if final[i].outputs[0].finish_reason == "error"]
+        if failed:
+            raise WorkerFailure(f"{len(failed)} of {len(ids)} requests failed: {failed[0].error}")
         return [final[i] for i in ids]
 
     def shutdown(self) -> None:

@@ -18,3 +18,13 @@ def tiny_checkpoints(tmp_path_factory) -> dict:
         path = tmp_path_factory.mktemp(family)
         out[family] = (path, save_tiny(family, path))
     return out
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for every test that needs it (starting one costs seconds)."""
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()

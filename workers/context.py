@@ -44,7 +44,8 @@ def build_forward_context(
     switches: ModelSwitches | None = None,
 ) -> ForwardContext:
     def up(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
+        # arrays decoded from the wire are read-only views of the message: copy those
+        return torch.from_numpy(np.require(a, requirements=["C", "W"])).to(device=device, dtype=dtype)
 
     nd = plan.num_decode_rows
     starts = plan.query_start_loc

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from deltaserve.cluster.plan import PassPlan, RunnerOutput
+from deltaserve.cluster.wire import WireError
 from deltaserve.layers.base import ModelSwitches
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.loader import load_model
@@ -64,8 +65,8 @@ class ModelRunner:
             load_format=config.load_format,
             seed=config.seed,
         )
-        self.sizes = self._size_pools()
-        self.pool = StatePool(self.model, self.sizes, dtype=self.dtype, device=self.device)
+        self.sizes = self._size_pools()  # what this rank could hold; the executor picks the final sizes
+        self.pool: StatePool | None = None
         self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
         self.switches = ModelSwitches(use_triton=self.device.type == "cuda")
 
@@ -124,6 +125,11 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(peak * 1.1)
 
+    def allocate(self, sizes: PoolSizes) -> None:
+        """Allocate the pools (the same sizes on every rank)."""
+        self.sizes = sizes
+        self.pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
+
     # ---- one pass ----------------------------------------------------------------------------
     def _forward(self, plan: PassPlan, pool: StatePool):
         indices, spans = logits_rows(plan)
@@ -135,6 +141,7 @@ class ModelRunner:
 
     def execute(self, plan: PassPlan) -> RunnerOutput | None:
         started = time.perf_counter()
+        check_plan_ranges(plan, self.sizes, self.model_config.vocab_size)
         for req_id in plan.finished_req_ids:
             self.sampler.remove(req_id)
         for data in plan.new_requests:
@@ -165,6 +172,20 @@ class ModelRunner:
             next_tokens.append(int(plan.next_prompt_token[row]))
         k = self.sampler.states[plan.req_ids[row]].spec.prompt_logprobs or 0
         return self.sampler.prompt_logprobs(logits[: len(next_tokens)], next_tokens, k)
+
+
+def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int) -> None:
+    """Indices that would address memory outside the pools are rejected before any kernel runs."""
+
+    def out_of(name: str, a: np.ndarray, hi: int, lo: int = 0) -> None:
+        if a.size and (a.min() < lo or a.max() >= hi):
+            raise WireError(f"plan field '{name}' holds values outside [{lo}, {hi})")
+
+    out_of("input_ids", plan.input_ids, vocab_size)
+    out_of("block_tables", plan.block_tables, sizes.num_blocks)
+    out_of("slot_mapping", plan.slot_mapping, sizes.num_blocks * sizes.block_size, lo=-1)
+    out_of("state_slots", plan.state_slots, sizes.num_slots)
+    out_of("seq_lens", plan.seq_lens, plan.block_tables.shape[1] * sizes.block_size + 1, lo=1)
 
 
 def _profile_plan(tokens: int, block_size: int) -> PassPlan:

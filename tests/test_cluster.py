@@ -1,0 +1,122 @@
+"""The Ray cluster on CPU actors (gloo): TP = 2 and EP = 2 give the tokens of TP = 1, bad layouts
+fail before anything starts, and a worker killed mid-generation fails its requests and is replaced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import VOCAB_SIZE, save_tiny
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.cluster.engine import EngineConfig, EngineCore, WorkerFailure
+from deltaserve.layers.parallel import ParallelConfigError
+
+pytestmark = pytest.mark.ray
+
+# sizes that divide by 2; qwen3_5 has one KV head, replicated on both ranks
+TP_OVERRIDES = {
+    "qwen3_next": dict(linear_num_key_heads=2, linear_num_value_heads=6),
+    "qwen3_5": dict(linear_num_key_heads=2, linear_num_value_heads=4, num_key_value_heads=1),
+    "qwen3_5_moe": dict(linear_num_key_heads=2, linear_num_value_heads=6),
+}
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (2, 9, 30, 70)]
+
+
+@pytest.fixture(scope="module")
+def tp_checkpoints(tmp_path_factory):
+    out = {}
+    for family, overrides in TP_OVERRIDES.items():
+        path = tmp_path_factory.mktemp(f"tp_{family}")
+        save_tiny(family, path, **overrides)
+        out[family] = str(path)
+    return out
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize(
+    "family, expert_parallel",
+    [("qwen3_next", False), ("qwen3_5", False), ("qwen3_5_moe", False), ("qwen3_next", True), ("qwen3_5_moe", True)],
+)
+def test_parallel_tokens_equal_single_rank(ray_session, tp_checkpoints, family, expert_parallel):
+    path = tp_checkpoints[family]
+    reference = tokens(LLM(path))
+    llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, max_num_batched_tokens=40)
+    try:
+        assert tokens(llm) == reference
+    finally:
+        llm.shutdown()
+
+
+def test_layout_that_does_not_divide_fails_before_start(ray_session, tiny_checkpoints):
+    path = str(tiny_checkpoints["qwen3_next"][0])  # 3 GDN key heads
+    groups_before = len(ray_session.util.placement_group_table())
+    with pytest.raises(ParallelConfigError, match="linear_num_key_heads"):
+        LLM(path, tensor_parallel_size=2)
+    with pytest.raises(ParallelConfigError, match="num_attention_heads"):
+        LLM(path, tensor_parallel_size=4)
+    assert len(ray_session.util.placement_group_table()) == groups_before  # no worker group was started
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_killed_worker_fails_requests_then_group_is_replaced(ray_session, tp_checkpoints, compiled):
+    from deltaserve.cluster.ray_executor import RayExecutor
+
+    path = tp_checkpoints["qwen3_5_moe"]
+    config = EngineConfig(model=path, tensor_parallel_size=2)
+    engine = EngineCore(config, executor=None if compiled else _plain_executor(config))
+    assert isinstance(engine.executor, RayExecutor) and (engine.executor._dag is not None) == compiled
+    reference = tokens(LLM(path))
+    for i, p in enumerate(prompts()):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    old = engine.executor.workers[1]
+    ray_session.kill(old)
+    finished = {}
+    for _ in range(5):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if len(finished) == 4:
+            break
+    assert sorted(finished) == ["r0", "r1", "r2", "r3"]
+    assert all(o.outputs[0].finish_reason == "error" and "worker" in o.error for o in finished.values())
+    assert engine.blocks.num_free == engine.blocks.capacity
+    assert engine.slots.num_free == engine.slots.capacity
+    assert engine.executor.workers[1] is not old
+    # the replaced group serves new requests with the same tokens
+    for i, p in enumerate(prompts()):
+        engine.add_request(f"again{i}", p, GREEDY)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert [done[f"again{i}"] for i in range(4)] == reference
+    engine.shutdown()
+
+
+def _plain_executor(config):
+    from deltaserve.cluster.ray_executor import RayExecutor
+    from deltaserve.layers.config import ModelConfig
+
+    return RayExecutor(config, ModelConfig.from_pretrained(config.model), use_compiled_graph=False)
+
+
+def test_llm_generate_raises_after_worker_death_and_recovers(ray_session, tp_checkpoints):
+    path = tp_checkpoints["qwen3_5"]
+    llm = LLM(path, tensor_parallel_size=2)
+    reference = tokens(llm)
+    ray_session.kill(llm.engine.executor.workers[0])
+    with pytest.raises(WorkerFailure, match="worker"):
+        llm.generate(prompts(), GREEDY, use_tqdm=False)
+    assert tokens(llm) == reference
+    llm.shutdown()
