@@ -43,6 +43,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact KV page count, overriding the memory budget
     # the gateway answers RESOURCE_EXHAUSTED beyond this many waiting requests
     max_waiting_requests: int = 1024
+    # "local": the model in this process (TP = 1 only); "ray": worker actors; "auto": local when TP = 1
+    executor: str = "auto"
 
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -53,6 +55,10 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         if self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+        if self.executor not in ("auto", "local", "ray"):
+            raise ValueError(f"executor: must be auto, local or ray; got {self.executor!r}")
+        if self.executor == "local" and (self.tensor_parallel_size > 1 or self.enable_expert_parallel):
+            raise ValueError("executor: 'local' runs one rank; tensor or expert parallelism needs 'ray'")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -112,7 +118,8 @@ def runner_config(config: EngineConfig):
 
 
 def make_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
-    if config.tensor_parallel_size == 1 and not config.enable_expert_parallel:
+    single = config.tensor_parallel_size == 1 and not config.enable_expert_parallel
+    if config.executor == "local" or (config.executor == "auto" and single):
         return LocalExecutor(config, model_config)
     from .ray_executor import RayExecutor
 

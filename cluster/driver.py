@@ -1,0 +1,200 @@
+"""The engine loop and the driver actor.
+
+`EngineLoop` runs an EngineCore on a thread of its own: `submit` validates a request at once (so a
+bad field is reported before anything is queued) and hands it to the loop through an inbox; the
+loop steps while there is work and passes every RequestOutput to a sink. `Driver` is the Ray actor
+that hosts an EngineLoop for the gateway: it buffers outputs, which the gateway long-polls in
+batches (one actor call per batch, not per token).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+from .engine import EngineConfig, EngineCore
+from .request import RequestOutput
+from .sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting_requests`."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine is stopped, starting or failed."""
+
+
+class EngineLoop:
+    def __init__(self, config: EngineConfig, sink: Callable[[RequestOutput], None], engine: EngineCore | None = None):
+        self.config = config
+        self.engine = engine or EngineCore(config)
+        self._user_sink = sink
+        self._live: set[str] = set()  # submitted and not finished: ids in use
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._pending = 0  # submitted but not yet added to the scheduler
+        self._lock = threading.Lock()
+        self.failure: str | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- called from other threads -----------------------------------------------------------
+    def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> int:
+        """Validate and queue a request; returns its prompt length. Raises ValueError naming a bad
+        field, QueueFullError when the waiting queue is full, EngineUnavailableError when stopped."""
+        if self._stop.is_set() or self.failure is not None:
+            raise EngineUnavailableError(self.failure or "the engine is shutting down")
+        req = self.engine.make_request(req_id, prompt, params)
+        with self._lock:
+            if req_id in self._live:
+                raise ValueError(f"request_id: {req_id!r} is already in use")
+            if self.engine.scheduler.num_waiting + self._pending >= self.config.max_waiting_requests:
+                raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting_requests} requests)")
+            self._pending += 1
+            self._live.add(req_id)
+        self._inbox.put(("add", req_id, prompt, params))
+        self._wake.set()
+        return req.num_prompt_tokens
+
+    def abort(self, req_id: str) -> None:
+        self._inbox.put(("abort", req_id, None, None))
+        self._wake.set()
+
+    def sink(self, out: RequestOutput) -> None:
+        if out.finished:
+            with self._lock:
+                self._live.discard(out.request_id)
+        self._user_sink(out)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+        self.engine.shutdown()
+
+    def stats(self) -> dict:
+        sched = self.engine.scheduler
+        return {
+            "running": len(sched.running),
+            "waiting": sched.num_waiting + self._pending,
+            "free_pages": self.engine.blocks.num_free,
+            "total_pages": self.engine.blocks.capacity,
+            "free_slots": self.engine.slots.num_free,
+            "total_slots": self.engine.slots.capacity,
+            "preemptions": sched.stats.num_preemptions,
+            "passes": sched.stats.num_passes,
+        }
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                op, req_id, prompt, params = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if op == "add":
+                with self._lock:
+                    self._pending -= 1
+                try:
+                    self.engine.add_request(req_id, prompt, params)
+                except ValueError as e:  # e.g. a request id reused while the first is running
+                    log.warning("rejected %s: %s", req_id, e)
+                    continue
+            else:
+                out = self.engine.abort(req_id)
+                if out is not None:
+                    self.sink(out)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # an engine bug must not hang every client: fail loudly
+                log.exception("engine step failed")
+                self.failure = f"engine failed: {type(e).__name__}: {e}"
+                for out in self.engine.fail_all(self.failure):
+                    self.sink(out)
+                return
+            for out in outputs:
+                self.sink(out)
+
+
+class Driver:
+    """Ray actor body (created with `ray.remote(max_concurrency=...)` by the serve entry point)."""
+
+    def __init__(self, config: EngineConfig):
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.loop = EngineLoop(config, self._outbox.put)
+        self.config = self.loop.engine.config
+
+    def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> int:
+        return self.loop.submit(req_id, prompt, params)
+
+    def abort(self, req_id: str) -> None:
+        self.loop.abort(req_id)
+
+    def poll(self, timeout_s: float = 0.1) -> list[RequestOutput]:
+        """Every output produced since the last poll; waits up to timeout_s for the first."""
+        out = []
+        try:
+            out.append(self._outbox.get(timeout=timeout_s))
+        except queue.Empty:
+            return out
+        deadline = time.monotonic() + 0.002  # gather what one pass produced, not one token per call
+        while time.monotonic() < deadline or not self._outbox.empty():
+            try:
+                out.append(self._outbox.get_nowait())
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.0002)
+        return out
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.loop.engine.tokenize(text)
+
+    def info(self) -> dict:
+        return model_info(self.loop.engine)
+
+    def stats(self) -> dict:
+        return self.loop.stats()
+
+    def healthy(self) -> bool:
+        return self.loop.failure is None and self.loop._thread.is_alive()
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+
+
+def model_info(engine: EngineCore) -> dict:
+    cfg, mc = engine.config, engine.model_config
+    return {
+        "model": cfg.model or "",
+        "model_type": mc.model_type,
+        "family": mc.family,
+        "max_model_len": engine.max_model_len,
+        "vocab_size": mc.vocab_size,
+        "eos_token_ids": list(mc.eos_token_ids),
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "expert_parallel": cfg.enable_expert_parallel,
+        "num_kv_pages": engine.blocks.capacity,
+        "block_size": engine.blocks.block_size,
+        "kv_tokens": engine.blocks.capacity * engine.blocks.block_size,
+        "max_num_seqs": engine.scheduler.config.max_num_seqs,
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "config": asdict(cfg),
+    }
