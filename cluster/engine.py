@@ -43,6 +43,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact KV page count, overriding the memory budget
     # the gateway answers RESOURCE_EXHAUSTED beyond this many waiting requests
     max_waiting_requests: int = 1024
+    enable_cuda_graphs: bool = True  # decode passes replay captured CUDA graphs
     # "local": the model in this process (TP = 1 only); "ray": worker actors; "auto": local when TP = 1
     executor: str = "auto"
 

@@ -35,6 +35,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         cpu_kv_cache_bytes: int = 256 * 2**20,
         num_kv_blocks: int | None = None,
+        enforce_eager: bool = False,
         seed: int = 0,
         load_format: str = "auto",
         model_config=None,

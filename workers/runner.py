@@ -47,6 +47,8 @@ class RunnerConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 256 * 2**20  # the KV + GDN state budget on CPU
     num_kv_blocks: int | None = None  # exact KV page count, overriding the memory budget
+    enable_cuda_graphs: bool = True  # decode passes replay captured graphs (CUDA only)
+    cuda_graph_max_batch: int = 256
 
 
 class ModelRunner:
@@ -67,6 +69,7 @@ class ModelRunner:
         )
         self.sizes = self._size_pools()  # what this rank could hold; the executor picks the final sizes
         self.pool: StatePool | None = None
+        self.graphs = None
         self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
         self.switches = ModelSwitches(use_triton=self.device.type == "cuda")
 
@@ -129,10 +132,25 @@ class ModelRunner:
         """Allocate the pools (the same sizes on every rank)."""
         self.sizes = sizes
         self.pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
+        if self.device.type == "cuda" and self.config.enable_cuda_graphs:
+            from deltaserve.workers.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs
+
+            max_len = self.model_config.max_position_embeddings
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.pool.layer_states,
+                device=self.device,
+                max_pages=min(sizes.num_blocks, -(-max_len // sizes.block_size)),
+                scratch_slot=sizes.num_slots - 1,
+                scratch_page=sizes.num_blocks - 1,
+                batch_sizes=tuple(b for b in DEFAULT_BATCH_SIZES if b <= self.config.cuda_graph_max_batch),
+            )
 
     # ---- one pass ----------------------------------------------------------------------------
     def _forward(self, plan: PassPlan, pool: StatePool):
         indices, spans = logits_rows(plan)
+        if self.graphs is not None and pool is self.pool and self.graphs.can_run(plan):
+            return self.graphs.run(plan), spans
         ctx = build_forward_context(plan, self.model_config, self.layout, self.device, indices, self.switches)
         with torch.inference_mode():
             hidden = self.model(ctx, pool.layer_states)

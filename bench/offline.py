@@ -1,0 +1,292 @@
+"""Offline benchmark: `LLM` decode step latency and throughput at several batch sizes, prefill
+throughput at several prompt lengths, and in the same run the peer (transformers' generate on the
+same random-weight model) and each batch's memory floor.
+
+    deltaserve bench offline --preset qwen3_5_35b_a3b --batch-sizes 1,16,64,256 --json out.json
+
+The floor of a decode step is the bytes it must read, over the copy bandwidth measured in this run:
+the non-expert weights, the distinct experts that the step's routing selected (counted with hooks
+on the MoE blocks during a timed step), the KV pages the step attends over, and the GDN state
+(read and written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.layers.config import ModelConfig
+from deltaserve.layers.moe import SparseMoeBlock
+
+PRESETS = {"qwen3_5_35b_a3b": "transformers.Qwen3_5MoeTextConfig"}
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name != "qwen3_5_35b_a3b":
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    from transformers import Qwen3_5MoeTextConfig
+
+    return ModelConfig.from_hf(Qwen3_5MoeTextConfig().to_dict())
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s (read + write) of a device-to-device copy of 1 GiB, median of 20."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / statistics.median(times[5:])
+
+
+class ExpertCounter:
+    """Counts the distinct experts each MoE block routes to while enabled."""
+
+    def __init__(self, model):
+        self.blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        self.enabled = False
+        self.distinct: list[int] = []
+        for block in self.blocks:
+            block.register_forward_hook(self._hook)
+
+    def _hook(self, block, inputs, output) -> None:
+        if not self.enabled:
+            return
+        x = inputs[0]
+        logits = torch.nn.functional.linear(x, block.router)
+        ids = torch.topk(logits.float(), block.top_k, dim=-1).indices
+        self.distinct.append(int(torch.unique(ids).numel()))
+
+
+def weight_bytes(model_config: ModelConfig, dtype_bytes: int) -> tuple[int, int]:
+    """(bytes of all non-expert weights, bytes of one routed expert)."""
+    c = model_config
+    h = c.hidden_size
+    expert = 3 * h * c.moe_intermediate_size * dtype_bytes
+    total = c.vocab_size * h  # lm_head (the embedding is read one row per token)
+    for i in range(c.num_layers):
+        total += 2 * h  # norms
+        if c.layer_types[i] == "full_attention":
+            d = c.head_dim
+            total += h * (2 * c.num_attention_heads * d + 2 * c.num_kv_heads * d) + c.num_attention_heads * d * h
+        else:
+            rows = 2 * c.gdn_key_dim + 2 * c.gdn_value_dim + 2 * c.linear_num_value_heads
+            total += rows * h + c.gdn_conv_dim * c.conv_kernel_size + c.gdn_value_dim * h
+        if c.mlp_types[i] == "moe":
+            total += c.num_experts * h + h + 3 * h * c.shared_expert_intermediate_size
+        else:
+            total += 3 * h * c.intermediate_size
+    return total * dtype_bytes, expert
+
+
+def decode_floor_bytes(
+    model_config: ModelConfig, batch: int, context: int, distinct_experts: float, dtype_bytes: int = 2
+) -> dict:
+    c = model_config
+    dense, expert = weight_bytes(model_config, dtype_bytes)
+    experts = distinct_experts * expert
+    kv = batch * context * len(c.attention_layer_ids) * 2 * c.num_kv_heads * c.head_dim * dtype_bytes
+    gdn = (
+        batch
+        * len(c.gdn_layer_ids)
+        * (
+            2 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+            + 2 * c.gdn_conv_dim * (c.conv_kernel_size - 1) * dtype_bytes
+        )
+    )
+    return {"weights": dense, "experts": experts, "kv": kv, "gdn_state": gdn, "total": dense + experts + kv + gdn}
+
+
+def bench_decode(llm: LLM, batch: int, context: int, steps: int, counter: ExpertCounter | None, vocab: int) -> dict:
+    engine = llm.engine
+    rng = np.random.default_rng(batch)
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"d{batch}-{i}", rng.integers(10, vocab - 10, context).tolist(), params)
+    # run until every request is decoding (prefill done, first token out)
+    while (
+        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting
+    ):
+        engine.step()
+    for _ in range(2):
+        engine.step()  # warm: the decode shape at this batch
+    counts = []
+    if counter is not None:  # one eager step with hooks on (graph replays run no hooks)
+        runner = engine.executor.runner
+        graphs, runner.graphs = runner.graphs, None
+        counter.enabled, counter.distinct = True, []
+        engine.step()
+        counter.enabled, runner.graphs, counts = False, graphs, list(counter.distinct)
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    while engine.has_unfinished():
+        engine.step()
+    return {"step_s": statistics.median(times), "distinct_experts_per_layer": counts}
+
+
+def bench_prefill(llm: LLM, length: int, vocab: int) -> float:
+    engine = llm.engine
+    rng = np.random.default_rng(length)
+    times = []
+    for rep in range(3):
+        engine.add_request(
+            f"p{length}-{rep}",
+            rng.integers(10, vocab - 10, length).tolist(),
+            SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        )
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times[1:]) if len(times) > 1 else times[0]
+
+
+def bench_peer(model_config: ModelConfig, batches: list[int], context: int, steps: int) -> dict:
+    """transformers on the same shapes with random bf16 weights: per-step decode time."""
+    from transformers import AutoModelForCausalLM, DynamicCache, Qwen3_5MoeTextConfig
+
+    hf_config = Qwen3_5MoeTextConfig()  # the preset is transformers' default shape
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+    out = {}
+    for b in batches:
+        ids = torch.randint(10, 1000, (b, context), device="cuda")
+        with torch.inference_mode():
+            cache = DynamicCache(config=hf_config)
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+            times = []
+            for _ in range(steps):
+                nxt = logits.argmax(-1, keepdim=True)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+        out[b] = statistics.median(times[1:])
+        del cache
+        torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    model_config = preset_config(args.preset) if args.preset else ModelConfig.from_pretrained(args.model)
+    batches = [int(b) for b in args.batch_sizes.split(",") if b]
+    prefills = [int(n) for n in args.prefill_lens.split(",") if n]
+    bandwidth = copy_bandwidth("cuda")
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "copy_bw_TBps": bandwidth / 1e12,
+        "model": args.preset or args.model,
+        "context": args.context,
+        "cuda_graphs": not args.enforce_eager,
+        "tp": args.tp,
+    }
+    peer = {}
+    if args.peer:
+        peer = bench_peer(model_config, [b for b in batches if b <= args.peer_max_batch], args.context, 6)
+        report["peer_step_s"] = peer
+    llm = LLM(
+        args.model,
+        model_config=model_config,
+        load_format=args.load_format,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=max([*prefills, args.context * 4, 2048]),
+        max_model_len=max([*prefills, 4096]) + 64,
+        tensor_parallel_size=args.tp,
+        enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    runner = getattr(llm.engine.executor, "runner", None)
+    counter = ExpertCounter(runner.model) if runner is not None else None
+    rows = []
+    for b in batches:
+        result = bench_decode(llm, b, args.context, args.steps, counter, model_config.vocab_size)
+        per_layer = result["distinct_experts_per_layer"]
+        distinct = sum(per_layer) if per_layer else b * model_config.num_experts_per_tok * len(model_config.layer_types)
+        floor = decode_floor_bytes(model_config, b, args.context + 4, distinct)
+        floor_s = floor["total"] / bandwidth / max(1, args.tp)
+        row = {
+            "batch": b,
+            "step_ms": result["step_s"] * 1e3,
+            "tok_s": b / result["step_s"],
+            "floor_ms": floor_s * 1e3,
+            "x_floor": result["step_s"] / floor_s,
+            "expert_fraction": distinct / (model_config.num_experts * len(per_layer) or 1),
+            "floor_bytes": floor,
+        }
+        if b in peer:
+            row["peer_step_ms"] = peer[b] * 1e3
+            row["speedup_vs_peer"] = peer[b] / result["step_s"]
+        rows.append(row)
+        print(_fmt_decode(row), flush=True)
+    report["decode"] = rows
+    pre = []
+    for n in prefills:
+        seconds = bench_prefill(llm, n, model_config.vocab_size)
+        pre.append({"tokens": n, "seconds": seconds, "tok_s": n / seconds})
+        print(f"prefill {n:>6} tokens: {seconds * 1e3:8.1f} ms  {n / seconds:10.0f} tok/s", flush=True)
+    report["prefill"] = pre
+    llm.shutdown()
+    return report
+
+
+def _fmt_decode(r: dict) -> str:
+    s = (
+        f"decode batch {r['batch']:>4}: {r['step_ms']:8.2f} ms/step {r['tok_s']:9.1f} tok/s | floor {r['floor_ms']:7.2f} ms "
+        f"({r['x_floor']:.2f}x floor, experts touched {100 * r['expert_fraction']:.0f}%)"
+    )
+    if "peer_step_ms" in r:
+        s += f" | transformers {r['peer_step_ms']:8.2f} ms ({r['speedup_vs_peer']:.1f}x faster)"
+    return s
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("offline", help="LLM.generate decode/prefill benchmark with peer and memory floor")
+    p.add_argument("--model", default=None, help="checkpoint dir (or use --preset with random weights)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS))
+    p.add_argument("--load-format", default="random")
+    p.add_argument("--batch-sizes", default="1,16,64,256")
+    p.add_argument("--context", type=int, default=512, help="prompt tokens per decoding sequence")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--prefill-lens", default="2048,8192,32768")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--peer", action="store_true", help="also time transformers on the same shapes")
+    p.add_argument("--peer-max-batch", type=int, default=64)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("bench offline needs a CUDA device")
+        return 2
+    report = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return 0

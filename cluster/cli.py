@@ -1,0 +1,262 @@
+"""The `deltaserve` command line.
+
+deltaserve demo                      local Ray + gateway + streamed gRPC requests, then stop
+deltaserve serve [--model PATH] ...  serve over gRPC (local Ray, or the cluster of a Ray job)
+deltaserve generate "prompt" ...     stream one generation from a running server
+deltaserve bench offline|serve ...   benchmarks (see bench/)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+
+from .engine import EngineConfig
+
+log = logging.getLogger("deltaserve")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
+    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "random"])
+    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    g.add_argument("--enable-expert-parallel", "--ep", action="store_true")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--max-waiting-requests", type=int, default=1024)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(args: argparse.Namespace, executor: str) -> EngineConfig:
+    import torch
+
+    model = args.model
+    if model is None:
+        from .demo_model import ensure_demo_model
+
+        model = str(ensure_demo_model())
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return EngineConfig(
+        model=model,
+        dtype=args.dtype,
+        device=device,
+        load_format=args.load_format,
+        seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_waiting_requests=args.max_waiting_requests,
+        executor=executor,
+    )
+
+
+def _connect_ray(address: str | None) -> None:
+    """Join the Ray cluster of a `ray job submit` job (RAY_ADDRESS is set) or the given address;
+    otherwise start a local one."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(include_dashboard=False, log_to_driver=True)
+
+
+async def start_stack(config: EngineConfig, host: str, port: int, backend: str):
+    """AsyncEngine (Ray driver actor or in-process) and the gateway in front of it."""
+    from .async_engine import AsyncEngine
+    from .gateway import Gateway
+
+    engine = await (AsyncEngine.ray(config) if backend == "ray" else AsyncEngine.local(config))
+    gateway = Gateway(engine, host=host, port=port)
+    bound = await gateway.start()
+    return engine, gateway, bound
+
+
+# ---- serve ---------------------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.backend == "ray":
+        _connect_ray(args.ray_address)
+    config = engine_config(args, executor="ray" if args.backend == "ray" else "local")
+    return asyncio.run(_serve(config, args))
+
+
+async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
+    engine, gateway, port = await start_stack(config, args.host, args.port, args.backend)
+    info = await engine.info()
+    print(
+        f"deltaserve: serving {info['model_type']} from {config.model} on {args.host}:{port} "
+        f"(TP={config.tensor_parallel_size}{', EP' if config.enable_expert_parallel else ''}, "
+        f"{info['kv_tokens']} KV tokens, {info['max_num_seqs']} sequences)",
+        flush=True,
+    )
+    if args.port_file:
+        with open(args.port_file, "w") as f:
+            f.write(str(port))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("deltaserve: draining in-flight requests", flush=True)
+    await gateway.stop(args.grace)
+    await engine.shutdown()
+    return 0
+
+
+# ---- generate ------------------------------------------------------------------------------------
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .client import stream_to_terminal
+
+    sampling = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop or None,
+    }
+    return stream_to_terminal(args.target, args.prompt, **{k: v for k, v in sampling.items() if v is not None})
+
+
+# ---- demo ----------------------------------------------------------------------------------------
+DEMO_PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "In a hybrid linear-attention model, the recurrent state",
+    "def fibonacci(n):",
+    "Ray actors each own one GPU and",
+    "The quick brown fox",
+    "Once upon a time",
+    "Serving engines are judged by",
+]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    _connect_ray(None)
+    config = engine_config(args, executor="ray")
+    return asyncio.run(_demo(config, args, started))
+
+
+async def _demo(config: EngineConfig, args: argparse.Namespace, started: float) -> int:
+    from .client import AsyncGenerationClient
+
+    engine, gateway, port = await start_stack(config, "127.0.0.1", 0, "ray")
+    target = f"127.0.0.1:{port}"
+    ready = time.monotonic()
+    print(
+        f"demo: {config.model} served by a Ray driver actor and {config.tensor_parallel_size} worker(s); "
+        f"gateway on {target} (up in {ready - started:.1f}s)",
+        flush=True,
+    )
+    try:
+        async with AsyncGenerationClient(target) as client:
+            info = await client.model_info()
+            print(f"demo: model {info.model_type}, vocabulary {info.vocab_size}, max length {info.max_model_len}")
+
+            async def one(i: int, prompt: str):
+                text, final = "", None
+                async for chunk in client.generate(prompt, max_tokens=args.max_tokens, temperature=0.8, seed=i):
+                    text += chunk.text
+                    final = chunk
+                return prompt, text, final
+
+            t0 = time.monotonic()
+            results = await asyncio.gather(*[one(i, p) for i, p in enumerate(DEMO_PROMPTS)])
+            elapsed = time.monotonic() - t0
+        total_tokens = 0
+        for prompt, text, final in results:
+            total_tokens += final.completion_tokens
+            print(
+                f"  [{final.finish_reason:<6} {final.completion_tokens:>3} tok, ttft {final.ttft_ms:6.1f} ms] "
+                f"{prompt!r} -> {text!r}"
+            )
+        print(
+            f"demo: {len(results)} concurrent streams, {total_tokens} tokens in {elapsed:.2f}s "
+            f"({total_tokens / elapsed:.0f} tok/s); weights are random, so the text is noise"
+        )
+        ok = all(final.completion_tokens > 0 for _, _, final in results)
+    finally:
+        await gateway.stop(5)
+        await engine.shutdown()
+        import ray
+
+        ray.shutdown()
+    print("demo: gateway, driver, workers and Ray stopped", flush=True)
+    return 0 if ok else 1
+
+
+# ---- entry -----------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deltaserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve over gRPC")
+    _engine_args(serve)
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument(
+        "--backend",
+        default="ray",
+        choices=["ray", "local"],
+        help="ray: driver actor + worker actors; local: the engine in this process",
+    )
+    serve.add_argument("--ray-address", default=None, help="join this Ray cluster (default: RAY_ADDRESS or local)")
+    serve.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    serve.add_argument("--grace", type=float, default=30.0, help="seconds to drain streams on shutdown")
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="stream one generation from a server")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", default="127.0.0.1:50051")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None)
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="end-to-end demo on the built-in model")
+    _engine_args(demo)
+    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.set_defaults(func=cmd_demo)
+
+    try:
+        from deltaserve.bench.cli import add_bench_parser
+    except ImportError:  # the benchmark module is optional at import time
+        add_bench_parser = None
+    if add_bench_parser is not None:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""CUDA graphs for decode passes.
+
+A decode pass (every row one token of a cached sequence) is captured once per batch size with
+static metadata buffers; at run time the plan's arrays are copied into those buffers, padded to the
+captured size, and the graph is replayed. Padding rows write no KV (slot -1) and run their GDN
+update on the reserved scratch slot, so they touch no request's state.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from deltaserve.cluster.plan import PassPlan
+from deltaserve.layers.base import AttnMetadata, ForwardContext, ModelSwitches
+from deltaserve.layers.model import HybridModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+# rows of the small-field staging buffer
+_IDS, _POS, _SLOT, _LEN, _STATE = range(5)
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: HybridModel,
+        layer_states: list,
+        *,
+        max_pages: int,
+        scratch_slot: int,
+        scratch_page: int,
+        batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
+        device: torch.device,
+    ):
+        self.model, self.layer_states, self.device = model, layer_states, device
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        self.max_batch = n = self.batch_sizes[-1]
+        self.max_pages = max_pages
+        self.scratch_slot, self.scratch_page = scratch_slot, scratch_page
+        # small fields: one pinned staging buffer, one H2D copy per replay
+        self.host = torch.zeros((5, n), dtype=torch.int64, pin_memory=True)
+        self.fields = torch.zeros((5, n), dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        # block tables: only the [rows, pages] corner a pass uses is copied
+        self.host_tables = torch.zeros(n * max_pages, dtype=torch.int32, pin_memory=True)
+        self.block_tables = torch.full((n, max_pages), scratch_page, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self._capture_all()
+
+    def _context(self, bs: int) -> ForwardContext:
+        f = self.fields
+        decode = AttnMetadata(
+            positions=f[_POS, :bs],
+            slot_mapping=f[_SLOT, :bs],
+            block_tables=self.block_tables[:bs],
+            seq_lens=self.seq_lens[:bs],
+            state_slots=f[_STATE, :bs],
+        )
+        return ForwardContext(
+            config=self.model.config,
+            layout=self.model.layout,
+            input_ids=f[_IDS, :bs],
+            positions=decode.positions,
+            slot_mapping=decode.slot_mapping,
+            decode=decode,
+            prefill=None,
+            logits_indices=torch.arange(bs, device=self.device),
+            switches=ModelSwitches(use_triton=True, capturing_graph=True),
+        )
+
+    def _stage_padding(self, start: int) -> None:
+        """Rows from `start` on: no KV write, the scratch slot, one cached token on the scratch page."""
+        h = self.host
+        h[_IDS, start:] = 0
+        h[_POS, start:] = 0
+        h[_SLOT, start:] = -1
+        h[_LEN, start:] = 1
+        h[_STATE, start:] = self.scratch_slot
+
+    def _upload(self, bs: int) -> None:
+        self.fields[:, :bs].copy_(self.host[:, :bs], non_blocking=True)
+        self.seq_lens[:bs].copy_(self.fields[_LEN, :bs])
+
+    def _capture_all(self) -> None:
+        self._stage_padding(0)
+        self._upload(self.max_batch)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory
+                ctx = self._context(bs)
+                for _ in range(2):  # warm up: Triton compiles (and autotunes) outside the capture
+                    self.model.compute_logits(self.model(ctx, self.layer_states))
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.logits[bs] = self.model.compute_logits(self.model(ctx, self.layer_states))
+                self.graphs[bs] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        log.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+
+    def can_run(self, plan: PassPlan) -> bool:
+        n = plan.num_rows
+        return (
+            0 < n <= self.max_batch
+            and plan.num_decode_rows == n
+            and plan.num_tokens == n
+            and not plan.prompt_logprob_rows.any()
+            and plan.block_tables.shape[1] <= self.max_pages
+        )
+
+    def run(self, plan: PassPlan) -> torch.Tensor:
+        """Logits [N, vocab] of a decode-only plan."""
+        n = plan.num_rows
+        bs = next(b for b in self.batch_sizes if b >= n)
+        h = self.host
+        for row, values in (
+            (_IDS, plan.input_ids),
+            (_POS, plan.positions),
+            (_SLOT, plan.slot_mapping),
+            (_LEN, plan.seq_lens),
+            (_STATE, plan.state_slots),
+        ):
+            h[row, :n] = torch.from_numpy(np.asarray(values, dtype=np.int64))
+        self._stage_padding(n)
+        pages = plan.block_tables.shape[1]
+        staged = self.host_tables[: n * pages].view(n, pages)
+        staged.copy_(torch.from_numpy(np.ascontiguousarray(plan.block_tables, dtype=np.int32)))
+        self._upload(bs)
+        self.block_tables[:n, :pages].copy_(staged, non_blocking=True)
+        if bs > n:
+            self.block_tables[n:bs, 0] = self.scratch_page
+        self.graphs[bs].replay()
+        return self.logits[bs][:n]
