@@ -255,8 +255,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def _fmt_decode(r: dict) -> str:
     s = (
-        f"decode batch {r['batch']:>4}: {r['step_ms']:8.2f} ms/step {r['tok_s']:9.1f} tok/s | floor {r['floor_ms']:7.2f} ms "
-        f"({r['x_floor']:.2f}x floor, experts touched {100 * r['expert_fraction']:.0f}%)"
+        f"decode batch {r['batch']:>4}: {r['step_ms']:8.2f} ms/step {r['tok_s']:9.1f} tok/s"
+        f" | floor {r['floor_ms']:7.2f} ms ({r['x_floor']:.2f}x floor,"
+        f" experts touched {100 * r['expert_fraction']:.0f}%)"
     )
     if "peer_step_ms" in r:
         s += f" | transformers {r['peer_step_ms']:8.2f} ms ({r['speedup_vs_peer']:.1f}x faster)"
