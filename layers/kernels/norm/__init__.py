@@ -19,3 +19,12 @@ def gated_rms_norm(**kwargs):
     else:
         impl = naive.gated_rms_norm
     return impl(**kwargs)
+
+
+def fused_add_rms_norm(**kwargs):
+    """See naive.fused_add_rms_norm."""
+    if kwargs["x"].is_cuda:
+        from .triton_norm import fused_add_rms_norm as impl
+    else:
+        impl = naive.fused_add_rms_norm
+    return impl(**kwargs)

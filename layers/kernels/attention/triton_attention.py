@@ -1,0 +1,541 @@
+"""Triton paged attention: KV write, causal varlen prefill over cached pages, split-K decode.
+
+Layouts and semantics as in naive.py. The q heads that share a kv head are packed into the rows of
+one tile (row r = token r // group, head r % group), so each KV tile is read once per kv head and
+feeds one tl.dot for all of them. head_dim may be any size: tiles are padded to a power of two and
+masked. Scores are kept in the log2 domain (scale * log2(e) folded in) so the softmax uses exp2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _write_kv_kernel(
+    key,
+    value,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    s_kt,
+    s_kh,
+    s_vt,
+    s_vh,
+    s_kcb,
+    s_kco,
+    s_kch,
+    s_vcb,
+    s_vco,
+    s_vch,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    # a slot of -1 is padding: an empty head range masks every lane, nothing is read or written
+    mask = (h < tl.where(slot >= 0, NUM_HEADS, 0))[:, None] & (d < HEAD_DIM)[None, :]
+    page = slot // PAGE
+    off = slot % PAGE
+    k = tl.load(key + t * s_kt + h[:, None] * s_kh + d[None, :], mask=mask)
+    v = tl.load(value + t * s_vt + h[:, None] * s_vh + d[None, :], mask=mask)
+    k_dst = k_cache + page * s_kcb + off * s_kco + h[:, None] * s_kch + d[None, :]
+    v_dst = v_cache + page * s_vcb + off * s_vco + h[:, None] * s_vch + d[None, :]
+    tl.store(k_dst, k.to(k_cache.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(
+    *,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """key, value: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; slot_mapping: [T]
+    flat slot = page * block_size + offset, -1 writes nothing. Grid (T,): one token's heads per program."""
+    num_tokens, num_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    assert key.stride(-1) == 1 and value.stride(-1) == 1, "key/value need a contiguous head dim"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "caches need a contiguous head dim"
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        PAGE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _attend_block(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    kv_start,
+    kv_end,
+    k_base,
+    v_base,
+    bt_row,
+    s_btp,
+    s_kb,
+    s_ko,
+    s_vb,
+    s_vo,
+    d,
+    qk_scale,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """One online-softmax step over KV positions [kv_start, kv_start + BLOCK_N) read through the
+    block table. MASK: apply the kv_end bound and the causal limit q_pos (else the tile is known full)."""
+    pos = kv_start + tl.arange(0, BLOCK_N)
+    d_ok = d < HEAD_DIM
+    if MASK:
+        ok = pos < kv_end
+        page = tl.load(bt_row + (pos // PAGE) * s_btp, mask=ok, other=0).to(tl.int64)
+        kv_mask = ok[:, None] & d_ok[None, :]
+    else:
+        page = tl.load(bt_row + (pos // PAGE) * s_btp).to(tl.int64)
+        kv_mask = d_ok[None, :]
+    off = pos % PAGE
+    k = tl.load(k_base + (page * s_kb + off * s_ko)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASK:
+        s = tl.where(ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + (page * s_vb + off * s_vo)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    seq_lens,
+    block_tables,
+    out,
+    qk_scale,
+    num_seqs,
+    s_qt,
+    s_qh,
+    s_kb,
+    s_ko,
+    s_kh,
+    s_vb,
+    s_vo,
+    s_vh,
+    s_btn,
+    s_btp,
+    s_ot,
+    s_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SEQ: tl.constexpr,
+):
+    # the last q blocks attend to the most keys: launch them first to shorten the tail
+    b = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    # sequence n owns q blocks [cu[n] // BLOCK_Q + n, cu[n + 1] // BLOCK_Q + n + 1): found without a host sync
+    seqs = tl.arange(0, BLOCK_SEQ)
+    seq_ok = seqs < num_seqs
+    first_block = tl.load(cu_seqlens_q + seqs, mask=seq_ok, other=0) // BLOCK_Q + seqs
+    n = tl.sum(tl.where(seq_ok & (first_block <= b), 1, 0), 0) - 1
+    q_start = tl.load(cu_seqlens_q + n)
+    q_len = tl.load(cu_seqlens_q + n + 1) - q_start
+    tok0 = (b - (q_start // BLOCK_Q + n)) * BLOCK_Q
+    if tok0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens + n)
+    ctx_len = seq_len - q_len
+
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    tok = tok0 + r // GROUP
+    head = h * GROUP + r % GROUP
+    row_ok = (r < BLOCK_Q * GROUP) & (tok < q_len)
+    q_mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+    q_rows = (q_start + tok).to(tl.int64) * s_qt + head * s_qh
+    qt = tl.load(q + q_rows[:, None] + d[None, :], mask=q_mask, other=0.0).to(k_cache.dtype.element_ty)
+    q_pos = ctx_len + tok
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_tables + n.to(tl.int64) * s_btn
+    k_base = k_cache + h * s_kh
+    v_base = v_cache + h * s_vh
+    # keys up to the tile's first query position need no mask; the rest run the masked step
+    full_end = (ctx_len + tok0 + 1) // BLOCK_N * BLOCK_N
+    kv_end = ctx_len + tl.minimum(tok0 + BLOCK_Q, q_len)
+    for kv_start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, qt, q_pos, kv_start, kv_end, k_base, v_base, bt_row, s_btp, s_kb, s_ko, s_vb, s_vo, d,
+            qk_scale, PAGE, HEAD_DIM, BLOCK_N, False,
+        )  # fmt: skip
+    for kv_start in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, qt, q_pos, kv_start, kv_end, k_base, v_base, bt_row, s_btp, s_kb, s_ko, s_vb, s_vo, d,
+            qk_scale, PAGE, HEAD_DIM, BLOCK_N, True,
+        )  # fmt: skip
+    o = acc / l_i[:, None]
+    o_rows = (q_start + tok).to(tl.int64) * s_ot + head * s_oh
+    tl.store(out + o_rows[:, None] + d[None, :], o.to(out.dtype.element_ty), mask=q_mask)
+
+
+def _prefill_config(head_dim: int, group: int, on_gpu: bool) -> dict:
+    """Tile rows (q tokens x group heads), KV tile, warps, stages. On sm_90, 128 rows over two
+    warpgroups with 32 (head dim 256) or 64 keys per step compile without spills; small fixed tiles
+    for the interpreter."""
+    if not on_gpu:
+        return dict(block_m=max(16, triton.next_power_of_2(group)), block_n=16, num_warps=4, num_stages=1)
+    block_m = max(128, triton.next_power_of_2(group))
+    if head_dim > 128:
+        return dict(block_m=block_m, block_n=32, num_warps=8, num_stages=2)
+    return dict(block_m=block_m, block_n=64, num_warps=8, num_stages=3)
+
+
+def paged_attention(
+    *,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Causal attention of new tokens over their sequence's cached pages (themselves included).
+
+    q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; cu_seqlens_q: [N + 1];
+    seq_lens: [N] tokens cached after this pass (the last q_len of them are the queries);
+    block_tables: [N, max_pages]. Returns o: [T, Hq, D].
+
+    Grid (T // BLOCK_Q + N, Hkv): a program takes BLOCK_Q tokens x all q heads of one kv head; the
+    bound needs no host sync and programs past their sequence's end return at once. `config`
+    overrides the tile choice (block_m, block_n, num_warps, num_stages) for tuning sweeps."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    assert num_q_heads % num_kv_heads == 0, "q heads must be a multiple of kv heads"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "contiguous head dim"
+    group = num_q_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    cfg = config or _prefill_config(head_dim, group, q.is_cuda)
+    block_q = cfg["block_m"] // group
+    assert block_q >= 1, "block_m must hold at least one token's heads"
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        out,
+        scale * LOG2E,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        block_tables.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE=k_cache.shape[1],
+        BLOCK_M=cfg["block_m"],
+        BLOCK_Q=block_q,
+        BLOCK_N=cfg["block_n"],
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SEQ=max(16, triton.next_power_of_2(num_seqs)),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+@triton.jit
+def _split_bounds(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each sequence cuts its own context into NUM_SPLITS spans of whole KV tiles (short ones too)."""
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    return start, tl.minimum(start + split_len, seq_len)
+
+
+@triton.jit
+def _decode_kernel(
+    q,
+    k_cache,
+    v_cache,
+    seq_lens,
+    block_tables,
+    out,
+    part_o,
+    part_lse,
+    qk_scale,
+    s_qn,
+    s_qh,
+    s_kb,
+    s_ko,
+    s_kh,
+    s_vb,
+    s_vo,
+    s_vh,
+    s_btn,
+    s_btp,
+    s_on,
+    s_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + n)
+    start, end = _split_bounds(seq_len, split, NUM_SPLITS, BLOCK_N)
+    if start >= end:
+        return
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    head = h * GROUP + g
+    mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    qt = tl.load(q + n * s_qn + head[:, None] * s_qh + d[None, :], mask=mask, other=0.0)
+    qt = qt.to(k_cache.dtype.element_ty)
+    # every key of the sequence is visible to its one query
+    q_pos = tl.full([BLOCK_G], 0, tl.int32) + seq_len
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_tables + n.to(tl.int64) * s_btn
+    k_base = k_cache + h * s_kh
+    v_base = v_cache + h * s_vh
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    for kv_start in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, qt, q_pos, kv_start, end, k_base, v_base, bt_row, s_btp, s_kb, s_ko, s_vb, s_vo, d,
+            qk_scale, PAGE, HEAD_DIM, BLOCK_N, False,
+        )  # fmt: skip
+    for kv_start in range(full_end, end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, qt, q_pos, kv_start, end, k_base, v_base, bt_row, s_btp, s_kb, s_ko, s_vb, s_vo, d,
+            qk_scale, PAGE, HEAD_DIM, BLOCK_N, True,
+        )  # fmt: skip
+    o = acc / l_i[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out + n * s_on + head[:, None] * s_oh + d[None, :], o.to(out.dtype.element_ty), mask=mask)
+    else:
+        # partials: [N, Hq, NUM_SPLITS, HEAD_DIM] outputs and [N, Hq, NUM_SPLITS] log2-sum-exp
+        row = (n * tl.num_programs(1) * GROUP + head) * NUM_SPLITS + split
+        tl.store(part_o + row[:, None] * HEAD_DIM + d[None, :], o, mask=mask)
+        tl.store(part_lse + row, m_i + tl.log2(l_i), mask=g < GROUP)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_o,
+    part_lse,
+    seq_lens,
+    out,
+    s_on,
+    s_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    n = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens + n)
+    row0 = (n * tl.num_programs(1) + head) * NUM_SPLITS
+    splits = tl.arange(0, BLOCK_S)
+    start, _ = _split_bounds(seq_len, splits, NUM_SPLITS, BLOCK_N)
+    lse = tl.load(part_lse + row0 + splits, mask=(splits < NUM_SPLITS) & (start < seq_len), other=float("-inf"))
+    m = tl.max(lse, 0)
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    denom = tl.zeros([CHUNK_S], tl.float32)
+    # the partial outputs are read CHUNK_S splits at a time to bound registers
+    for s0 in tl.static_range(0, NUM_SPLITS, CHUNK_S):
+        sc = s0 + tl.arange(0, CHUNK_S)
+        start_c, _ = _split_bounds(seq_len, sc, NUM_SPLITS, BLOCK_N)
+        ok = (sc < NUM_SPLITS) & (start_c < seq_len)
+        w = tl.where(ok, tl.exp2(tl.load(part_lse + row0 + sc, mask=ok, other=float("-inf")) - m), 0.0)
+        o = tl.load(part_o + (row0 + sc)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None] & (d < HEAD_DIM)[None, :])
+        acc += tl.sum(w[:, None] * o, 0)
+        denom += w
+    tl.store(out + n * s_on + head * s_oh + d, (acc / tl.sum(denom, 0)).to(out.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessor count of a CUDA device (cached)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
+def _decode_config(*, num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int, device: torch.device) -> dict:
+    """KV tile, splits, warps, stages. On the GPU: ~16 KB K+V tiles double-buffered by a 5-stage
+    pipeline (page index, then K/V, then math), ~5 programs resident per SM (sm_90: ~95 registers,
+    ~41 KB shared at head dim 256), and enough splits to fill those slots in one wave."""
+    if device.type != "cuda":
+        return dict(block_n=16, num_splits=max(1, min(4, max_context // 16)), num_warps=4, num_stages=1)
+    block_n = max(16, min(64, 4096 // max(16, triton.next_power_of_2(head_dim))))
+    max_splits = max(1, min(64, max_context // (4 * block_n)))
+    num_splits = max(1, min(max_splits, 5 * _num_sms(device) // (num_seqs * num_kv_heads)))
+    return dict(block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=5)
+
+
+def paged_decode_attention(
+    *,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """One query per sequence over all its cached positions. q: [N, Hq, D] -> [N, Hq, D];
+    seq_lens: [N]; block_tables: [N, max_pages].
+
+    Flash-decoding: grid (N, Hkv, S) where each program runs all q heads of one kv head over one of S
+    spans of its sequence (each sequence splits its own length, so short ones finish early), then a
+    reduce kernel (N, Hq) merges the spans by their log-sum-exp. S comes from shapes only (the
+    block-table width bounds the context), so nothing syncs with the host. S == 1 writes o directly.
+    `config` overrides (block_n, num_splits, num_warps, num_stages) for tuning sweeps."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    assert num_q_heads % num_kv_heads == 0, "q heads must be a multiple of kv heads"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "contiguous head dim"
+    group = num_q_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    cfg = config or _decode_config(
+        num_seqs=num_seqs,
+        num_kv_heads=num_kv_heads,
+        max_context=block_tables.shape[1] * k_cache.shape[1],
+        head_dim=head_dim,
+        device=q.device,
+    )
+    num_splits = cfg["num_splits"]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        part_o = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        seq_lens,
+        block_tables,
+        out,
+        part_o,
+        part_lse,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        block_tables.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE=k_cache.shape[1],
+        NUM_SPLITS=num_splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=cfg["block_n"],
+        BLOCK_D=block_d,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        chunk = max(1, min(triton.next_power_of_2(num_splits), 4096 // block_d))
+        _decode_reduce_kernel[(num_seqs, num_q_heads)](
+            part_o,
+            part_lse,
+            seq_lens,
+            out,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            BLOCK_N=cfg["block_n"],
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            CHUNK_S=chunk,
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,528 @@
+"""Triton fused MoE: routed tokens grouped by expert, grouped GEMMs, weighted top-k sum.
+
+Two paths, both without host syncs:
+- sorted (the general one): (token, slot) pairs are grouped per local expert into BLOCK_M-row blocks
+  padded with a sentinel (moe_align style, built on device by count -> scan -> scatter kernels);
+  the gate/up grouped GEMM writes silu(gate) * up per pair, the down grouped GEMM writes
+  weight * down(act) per pair, and a reduce kernel sums each token's top-k slots.
+- pairs (a handful of routed pairs, i.e. decode): each (token, slot) pair is its own block, so no
+  sorting kernels run, and the down projection of a token sums its top-k experts in registers.
+  Top-k experts of one token are distinct, so both paths read each routed expert once at batch 1.
+Experts outside [expert_offset, expert_offset + E) are skipped (expert parallelism).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# at or under this many routed pairs the pairs path wins: few repeated experts, no sorting launches
+PAIRS_PATH_MAX = 32
+
+
+@triton.jit
+def _count_kernel(topk_ids, counts, ranks, expert_offset, num_experts, num_pairs, BLOCK: tl.constexpr):
+    """Per pair: its rank within its expert (atomic increment; order within an expert is free)."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(topk_ids + p, mask=p < num_pairs, other=-1).to(tl.int32) - expert_offset
+    local = (p < num_pairs) & (e >= 0) & (e < num_experts)
+    rank = tl.atomic_add(counts + e, 1, mask=local, sem="relaxed")
+    tl.store(ranks + p, rank, mask=local)
+
+
+@triton.jit
+def _scan_kernel(counts, offsets, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """offsets[e] = start of expert e's padded rows; offsets[E] = all padded rows."""
+    e = tl.arange(0, BLOCK_E)
+    c = tl.load(counts + e, mask=e < num_experts, other=0)
+    padded = tl.cdiv(c, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(offsets + e, ends - padded, mask=e < num_experts)
+    tl.store(offsets + num_experts, tl.sum(padded, 0))
+
+
+@triton.jit
+def _place_kernel(
+    topk_ids,
+    counts,
+    ranks,
+    offsets,
+    sorted_ids,
+    block_expert,
+    expert_offset,
+    num_experts,
+    num_pairs,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    CHUNK_E: tl.constexpr,
+    CHUNK_B: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Program i: scatters pairs chunk i to their rows, fills expert chunk i's padding rows with the
+    sentinel num_pairs, and maps block chunk i to its expert (-1 past the last padded row)."""
+    pid = tl.program_id(0)
+    p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    e = tl.load(topk_ids + p, mask=p < num_pairs, other=-1).to(tl.int32) - expert_offset
+    local = (p < num_pairs) & (e >= 0) & (e < num_experts)
+    row = tl.load(offsets + e, mask=local, other=0) + tl.load(ranks + p, mask=local, other=0)
+    tl.store(sorted_ids + row, p, mask=local)
+
+    ec = pid * CHUNK_E + tl.arange(0, CHUNK_E)
+    ec_ok = ec < num_experts
+    fill_from = tl.load(offsets + ec, mask=ec_ok, other=0) + tl.load(counts + ec, mask=ec_ok, other=0)
+    fill_to = tl.load(offsets + ec + 1, mask=ec_ok, other=0)
+    pad = fill_from[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_ids + pad, tl.zeros_like(pad) + num_pairs, mask=ec_ok[:, None] & (pad < fill_to[:, None]))
+
+    b = pid * CHUNK_B + tl.arange(0, CHUNK_B)
+    ea = tl.arange(0, BLOCK_E)
+    ends = tl.load(offsets + 1 + ea, mask=ea < num_experts, other=0)
+    first_row = b * BLOCK_M
+    owner = tl.sum(tl.where((ea < num_experts)[None, :] & (ends[None, :] <= first_row[:, None]), 1, 0), 1)
+    owner = tl.where(first_row < tl.load(offsets + num_experts), owner, -1)
+    tl.store(block_expert + b, owner, mask=b < max_blocks)
+
+
+@triton.jit
+def _up_kernel(
+    hidden,
+    w13,
+    act,
+    sorted_ids,
+    block_expert,
+    num_padded,
+    topk_ids,
+    expert_offset,
+    num_experts,
+    num_pairs,
+    s_ht,
+    s_we,
+    s_wn,
+    s_at,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    TOPK: tl.constexpr,
+    PAIR_PER_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """act[pair, n] = silu(x @ gate^T) * (x @ up^T) for one block of pairs of one expert and one
+    BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e]."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    if PAIR_PER_BLOCK:
+        e = tl.load(topk_ids + pid_m).to(tl.int32) - expert_offset
+        if (e < 0) | (e >= num_experts):
+            return
+        pair = tl.where(rows == 0, pid_m, num_pairs)
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_padded):
+            return
+        e = tl.load(block_expert + pid_m)
+        pair = tl.load(sorted_ids + pid_m * BLOCK_M + rows)
+    row_ok = pair < num_pairs
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < INTER
+    k = tl.arange(0, BLOCK_K)
+    a_ptr = hidden + (pair // TOPK).to(tl.int64)[:, None] * s_ht + k[None, :]
+    g_ptr = w13 + e.to(tl.int64) * s_we + n[None, :] * s_wn + k[:, None]
+    u_ptr = g_ptr + INTER * s_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        if HIDDEN % BLOCK_K == 0:
+            a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptr, mask=n_ok[None, :], other=0.0)
+            u = tl.load(u_ptr, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + k < HIDDEN
+            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            u = tl.load(u_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
+        a_ptr += BLOCK_K
+        g_ptr += BLOCK_K
+        u_ptr += BLOCK_K
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    dst = act + pair.to(tl.int64)[:, None] * s_at + n[None, :]
+    tl.store(dst, h.to(act.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act,
+    w2,
+    y,
+    topk_weights,
+    sorted_ids,
+    block_expert,
+    num_padded,
+    num_pairs,
+    s_at,
+    s_we,
+    s_wn,
+    s_yp,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """y[pair, n] = weight[pair] * act[pair] @ w2[e, n]^T for one block of sorted pairs."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded):
+        return
+    e = tl.load(block_expert + pid_m)
+    pair = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair < num_pairs
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < HIDDEN
+    k = tl.arange(0, BLOCK_K)
+    a_ptr = act + pair.to(tl.int64)[:, None] * s_at + k[None, :]
+    b_ptr = w2 + e.to(tl.int64) * s_we + n[None, :] * s_wn + k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        if INTER % BLOCK_K == 0:
+            a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptr, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + k < INTER
+            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K
+    acc *= tl.load(topk_weights + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    dst = y + pair.to(tl.int64)[:, None] * s_yp + n[None, :]
+    tl.store(dst, acc.to(y.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_kernel(
+    y,
+    topk_ids,
+    out,
+    expert_offset,
+    num_experts,
+    s_yp,
+    s_ot,
+    HIDDEN: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out[t] = sum of its local slots' rows of y (non-local slots were never written)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOPK):
+        pair = t * TOPK + j
+        e = tl.load(topk_ids + pair).to(tl.int32) - expert_offset
+        local = (e >= 0) & (e < num_experts)
+        h_ok = h < tl.where(local, HIDDEN, 0)
+        acc += tl.load(y + pair.to(tl.int64) * s_yp + h, mask=h_ok, other=0.0).to(tl.float32)
+    tl.store(out + t.to(tl.int64) * s_ot + h, acc.to(out.dtype.element_ty), mask=h < HIDDEN)
+
+
+@triton.jit
+def _down_token_kernel(
+    act,
+    w2,
+    out,
+    topk_weights,
+    topk_ids,
+    expert_offset,
+    num_experts,
+    s_at,
+    s_we,
+    s_wn,
+    s_ot,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    TOPK: tl.constexpr,
+    TOPK_P: tl.constexpr,
+    NUM_KB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[t, n] = sum_j weight[t, j] * act[t, j] @ w2[e_j, n]^T in one pipelined loop over
+    (slot, k-chunk); the act row sits in row 0 of a 16-row tile so the loads feed tl.dot."""
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < HIDDEN
+    rows = tl.arange(0, 16)
+    k = tl.arange(0, BLOCK_K)
+    # the token's experts and weights are read once up front: no load chain inside the loop, so
+    # the weight tiles pipeline as deep as num_stages allows
+    slots = tl.arange(0, TOPK_P)
+    ids = tl.load(topk_ids + t * TOPK + slots, mask=slots < TOPK, other=0).to(tl.int32) - expert_offset
+    wts = tl.load(topk_weights + t * TOPK + slots, mask=slots < TOPK, other=0.0).to(tl.float32)
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    for j in range(0, TOPK * NUM_KB):
+        slot = j // NUM_KB
+        kk = (j % NUM_KB) * BLOCK_K + k
+        e = tl.sum(tl.where(slots == slot, ids, 0), 0)
+        w = tl.sum(tl.where(slots == slot, wts, 0.0), 0)
+        local = (e >= 0) & (e < num_experts)
+        # a non-local slot gets an empty k range: its loads are fully masked (no scalar-mask splat,
+        # which the interpreter mistypes)
+        k_ok = kk < tl.where(local, INTER, 0)
+        a = tl.load(act + (t * TOPK + slot).to(tl.int64) * s_at + kk, mask=k_ok, other=0.0).to(tl.float32)
+        a = tl.where(rows[:, None] == 0, a[None, :] * w, 0.0).to(act.dtype.element_ty)
+        b_ptr = w2 + tl.where(local, e, 0).to(tl.int64) * s_we + n[None, :] * s_wn + kk[:, None]
+        b = tl.load(b_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc)
+    tl.store(out + t.to(tl.int64) * s_ot + n, tl.sum(acc, 0).to(out.dtype.element_ty), mask=n_ok)
+
+
+def _pairs_config(on_gpu: bool) -> dict:
+    """Pairs path tiles: thin N slices so a batch-1 call still spreads the weights over all SMs."""
+    if not on_gpu:
+        tiles = dict(block_n=16, block_k=16, num_warps=4, num_stages=1)
+        return dict(up=tiles, down=tiles)
+    return dict(
+        up=dict(block_n=16, block_k=256, num_warps=4, num_stages=4),
+        down=dict(block_n=16, block_k=512, num_warps=4, num_stages=5),
+    )
+
+
+def _sorted_config(num_pairs: int, num_experts: int, on_gpu: bool) -> dict:
+    """Sorted path tiles by the mean rows per expert: thin blocks while weights dominate, square
+    tensor-core tiles once each expert has enough rows to be compute-bound."""
+    if not on_gpu:
+        return dict(
+            block_m=16,
+            up=dict(block_n=16, block_k=16, num_warps=4, num_stages=1),
+            down=dict(block_n=16, block_k=16, num_warps=4, num_stages=1),
+        )
+    rows = num_pairs / max(1, num_experts)
+    if rows <= 24:
+        up = dict(block_n=64, block_k=128, num_warps=4, num_stages=4)
+        return dict(block_m=16, up=up, down=dict(block_n=64, block_k=128, num_warps=4, num_stages=4))
+    if rows <= 64:
+        up = dict(block_n=64, block_k=128, num_warps=4, num_stages=3)
+        return dict(block_m=32, up=up, down=dict(block_n=64, block_k=128, num_warps=4, num_stages=3))
+    if rows <= 192:
+        up = dict(block_n=64, block_k=64, num_warps=4, num_stages=4)
+        return dict(block_m=64, up=up, down=dict(block_n=128, block_k=64, num_warps=4, num_stages=4))
+    up = dict(block_n=64, block_k=64, num_warps=8, num_stages=3)
+    return dict(block_m=128, up=up, down=dict(block_n=128, block_k=64, num_warps=8, num_stages=3))
+
+
+def align_pairs(
+    *, topk_ids: torch.Tensor, num_experts: int, expert_offset: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the (token, slot) pairs of topk_ids [T, top_k] (flat pair = t * top_k + slot) by local expert.
+
+    Returns sorted_ids [max_blocks * block_m] (pair per row, num_pairs = padding; rows past the
+    total are unset), block_expert [max_blocks] (local expert per block, -1 = unused) and
+    offsets [E + 1] (padded row start per expert; offsets[E] = total padded rows). max_blocks bounds
+    sum_e cdiv(count_e, block_m) from shapes alone, so nothing syncs with the host."""
+    num_pairs = topk_ids.numel()
+    device = topk_ids.device
+    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_pairs, num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    block_p = 1024 if device.type == "cuda" else 64
+    block_e = triton.next_power_of_2(num_experts)
+    chunk_e = max(1, 2048 // block_m)
+    chunk_b = max(1, 4096 // block_e)
+    _count_kernel[(triton.cdiv(num_pairs, block_p),)](
+        topk_ids, counts, ranks, expert_offset, num_experts, num_pairs, BLOCK=block_p
+    )
+    _scan_kernel[(1,)](counts, offsets, num_experts, BLOCK_M=block_m, BLOCK_E=block_e)
+    grid = max(triton.cdiv(num_pairs, block_p), triton.cdiv(num_experts, chunk_e), triton.cdiv(max_blocks, chunk_b))
+    _place_kernel[(grid,)](
+        topk_ids,
+        counts,
+        ranks,
+        offsets,
+        sorted_ids,
+        block_expert,
+        expert_offset,
+        num_experts,
+        num_pairs,
+        max_blocks,
+        BLOCK_M=block_m,
+        BLOCK_P=block_p,
+        CHUNK_E=chunk_e,
+        CHUNK_B=chunk_b,
+        BLOCK_E=block_e,
+    )
+    return sorted_ids, block_expert, offsets
+
+
+def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg) -> None:
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
+    up, down = cfg["up"], cfg["down"]
+    _up_kernel[(num_pairs, triton.cdiv(inter, up["block_n"]))](
+        hidden,
+        w13,
+        act,
+        act,
+        act,
+        act,
+        topk_ids,
+        expert_offset,
+        num_experts,
+        num_pairs,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        act.stride(0),
+        HIDDEN=hidden_size,
+        INTER=inter,
+        TOPK=top_k,
+        PAIR_PER_BLOCK=True,
+        BLOCK_M=16,
+        BLOCK_N=up["block_n"],
+        BLOCK_K=up["block_k"],
+        num_warps=up["num_warps"],
+        num_stages=up["num_stages"],
+    )
+    _down_token_kernel[(num_tokens, triton.cdiv(hidden_size, down["block_n"]))](
+        act,
+        w2,
+        out,
+        topk_weights,
+        topk_ids,
+        expert_offset,
+        num_experts,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        HIDDEN=hidden_size,
+        INTER=inter,
+        TOPK=top_k,
+        TOPK_P=triton.next_power_of_2(top_k),
+        NUM_KB=triton.cdiv(inter, down["block_k"]),
+        BLOCK_N=down["block_n"],
+        BLOCK_K=down["block_k"],
+        num_warps=down["num_warps"],
+        num_stages=down["num_stages"],
+    )
+
+
+def _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg) -> None:
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    block_m = cfg["block_m"]
+    sorted_ids, block_expert, offsets = align_pairs(
+        topk_ids=topk_ids, num_experts=num_experts, expert_offset=expert_offset, block_m=block_m
+    )
+    num_padded = offsets[num_experts:]
+    max_blocks = block_expert.shape[0]
+    act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
+    y = torch.empty((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    up, down = cfg["up"], cfg["down"]
+    _up_kernel[(max_blocks, triton.cdiv(inter, up["block_n"]))](
+        hidden,
+        w13,
+        act,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        topk_ids,
+        expert_offset,
+        num_experts,
+        num_pairs,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        act.stride(0),
+        HIDDEN=hidden_size,
+        INTER=inter,
+        TOPK=top_k,
+        PAIR_PER_BLOCK=False,
+        BLOCK_M=block_m,
+        BLOCK_N=up["block_n"],
+        BLOCK_K=up["block_k"],
+        num_warps=up["num_warps"],
+        num_stages=up["num_stages"],
+    )
+    _down_kernel[(max_blocks, triton.cdiv(hidden_size, down["block_n"]))](
+        act,
+        w2,
+        y,
+        topk_weights,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        num_pairs,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        y.stride(0),
+        HIDDEN=hidden_size,
+        INTER=inter,
+        BLOCK_M=block_m,
+        BLOCK_N=down["block_n"],
+        BLOCK_K=down["block_k"],
+        num_warps=down["num_warps"],
+        num_stages=down["num_stages"],
+    )
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    _sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        y,
+        topk_ids,
+        out,
+        expert_offset,
+        num_experts,
+        y.stride(0),
+        out.stride(0),
+        HIDDEN=hidden_size,
+        TOPK=top_k,
+        BLOCK=block_h,
+        num_warps=4,
+    )
+
+
+def fused_moe(
+    *,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int = 0,
+    path: str | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts this rank holds.
+
+    hidden: [T, H]; w13: [E, 2 * I, H] (gate rows then up rows); w2: [E, H, I];
+    topk_weights, topk_ids: [T, top_k]. Returns [T, H] in hidden's dtype. `path` ("pairs" or
+    "sorted") and `config` override the choice made from the shapes (tests and tuning sweeps)."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_inter, _ = w13.shape
+    assert w13.shape[2] == hidden_size and w2.shape == (num_experts, hidden_size, two_inter // 2), "weight shapes"
+    assert hidden.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1, "contiguous last dims"
+    out = torch.empty_like(hidden)
+    if num_tokens == 0:
+        return out
+    topk_ids = topk_ids.contiguous()
+    topk_weights = topk_weights.contiguous()
+    num_pairs = topk_ids.numel()
+    path = path or ("pairs" if num_pairs <= PAIRS_PATH_MAX else "sorted")
+    on_gpu = hidden.is_cuda
+    if path == "pairs":
+        _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, config or _pairs_config(on_gpu))
+    else:
+        cfg = config or _sorted_config(num_pairs, num_experts, on_gpu)
+        _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg)
+    return out

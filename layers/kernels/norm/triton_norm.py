@@ -1,0 +1,121 @@
+"""Triton RMSNorm variants: one kernel, [ROWS, D] tiles, float32 math, flags for the zero-centred
+scale, the silu gate (GDN output norm) and the fused residual add. Rows may be strided (views of
+a larger tensor, e.g. q out of a fused q/gate projection); the last dim must be contiguous."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x,
+    gate,
+    residual,
+    weight,
+    out,
+    res_out,
+    num_rows,
+    s_x,
+    s_g,
+    s_r,
+    s_o,
+    s_ro,
+    eps,
+    DIM: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    mask = (r < num_rows)[:, None] & (d < DIM)[None, :]
+    xv = tl.load(x + r[:, None] * s_x + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        xv += tl.load(residual + r[:, None] * s_r + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        # the sum is rounded to the stream's dtype before it is normed, as the unfused ops do
+        summed = xv.to(res_out.dtype.element_ty)
+        tl.store(res_out + r[:, None] * s_ro + d[None, :], summed, mask=mask)
+        xv = summed.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xv * xv, 1) / DIM + eps)
+    w = tl.load(weight + d, mask=d < DIM, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = 1.0 + w
+    if HAS_GATE:
+        g = tl.load(gate + r[:, None] * s_g + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = w[None, :] * (xv * inv[:, None]) * (g * tl.sigmoid(g))
+    else:
+        y = (xv * inv[:, None]) * w[None, :]
+    tl.store(out + r[:, None] * s_o + d[None, :], y.to(out.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., D] as [R, D] with a row stride, without a copy when the layout allows it."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t.reshape(-1, t.shape[-1])
+
+
+def _launch(x, weight, eps, *, gate=None, residual=None, zero_centered=False):
+    dim = x.shape[-1]
+    x2 = _rows(x)
+    num_rows = x2.shape[0]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    if num_rows == 0:
+        return out, res_out
+    block_d = triton.next_power_of_2(dim)
+    assert block_d <= 65536, "rows above 64K elements are not supported"
+    # ~2-4K elements per program: many short rows share a program, long rows get more warps
+    rows = max(1, 2048 // block_d) if x.is_cuda else max(1, min(4, 64 // block_d))
+    g2 = _rows(gate) if gate is not None else x2
+    r2 = _rows(residual) if residual is not None else x2
+    o2 = out.view(-1, dim)
+    ro2 = res_out.view(-1, dim) if res_out is not None else o2
+    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
+        x2,
+        g2,
+        r2,
+        weight,
+        o2,
+        ro2,
+        num_rows,
+        x2.stride(0),
+        g2.stride(0),
+        r2.stride(0),
+        o2.stride(0),
+        ro2.stride(0),
+        eps,
+        DIM=dim,
+        ROWS=rows,
+        BLOCK_D=block_d,
+        ZERO_CENTERED=zero_centered,
+        HAS_GATE=gate is not None,
+        HAS_RESIDUAL=residual is not None,
+        num_warps=8 if rows * block_d >= 4096 else 4,
+    )
+    return out, res_out
+
+
+def rms_norm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = True) -> torch.Tensor:
+    """x / rms(x) * (1 + weight) when zero_centered, else * weight; float32 math, x's dtype out.
+    x: [..., D]; weight: [D]. Grid: cdiv(rows, ROWS) programs of ROWS rows."""
+    return _launch(x, weight, eps, zero_centered=zero_centered)[0]
+
+
+def fused_add_rms_norm(
+    *, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual' = x + residual (rounded to x's dtype); returns (rms_norm(residual'), residual') in one pass.
+    x, residual: [..., D]; weight: [D]."""
+    return _launch(x, weight, eps, residual=residual, zero_centered=True)
+
+
+def gated_rms_norm(*, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x) * weight * silu(gate) per head (plain weight, not zero-centred). x, gate: [..., D]."""
+    assert gate.shape == x.shape, "gate must match x"
+    return _launch(x, weight, eps, gate=gate)[0]

@@ -1,0 +1,233 @@
+"""Triton paged attention vs the plain-torch reference: CPU under the Triton interpreter at tiny
+shapes, and (marked gpu) bf16 at the real shapes."""
+
+import functools
+import importlib.util
+import os
+
+_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the CPU tests' kernels are interpreted
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from deltaserve.layers.kernels.attention import naive  # noqa: E402
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def kernel_env(request, monkeypatch):
+    """torch.empty hands out NaN-filled memory, so an output element a kernel never writes fails;
+    the interpreter switch is on while a CPU test runs (its kernels check it when called)."""
+    det, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    yield
+    torch.use_deterministic_algorithms(det)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def kernel_module(*, interpret: bool):
+    """A private copy of the Triton kernel module, decorated for the interpreter (CPU tensors) or
+    compiled (CUDA). The canonical module, which the engine imports, stays untouched."""
+    name = "deltaserve.layers.kernels.attention.triton_attention"
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        origin = importlib.util.find_spec(name).origin
+        spec = importlib.util.spec_from_file_location(name + ("_interpreted" if interpret else "_compiled"), origin)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    return module
+
+
+ta = kernel_module(interpret=True)
+# later test modules and the engine decorate their kernels after this: leave the switch as found
+# (the kernel_env fixture turns it on around each CPU test)
+if _INTERPRET_BEFORE is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+compiled_kernels = functools.cache(functools.partial(kernel_module, interpret=False))
+
+
+def make_batch(*, q_lens, ctx_lens, hq, hkv, d, block_size, dtype=torch.float32, device="cpu", seed=0):
+    """Sequences with `ctx_lens` cached tokens plus `q_lens` new ones, pages in a scrambled order,
+    and garbage in every page that no sequence owns."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [a + b for a, b in zip(q_lens, ctx_lens, strict=True)]
+    pages_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
+    max_pages = max(pages_per_seq) + 1
+    num_blocks = sum(pages_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    block_tables = torch.zeros(len(q_lens), max_pages, dtype=torch.int32)
+    used = 0
+    for i, p in enumerate(pages_per_seq):
+        block_tables[i, :p] = perm[used : used + p].to(torch.int32)
+        used += p
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d, generator=g).to(dtype)
+    to = dict(device=device)
+    return dict(
+        q=q.to(**to),
+        k_cache=k_cache.to(**to),
+        v_cache=v_cache.to(**to),
+        cu_seqlens_q=cu.to(**to),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(**to),
+    )
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "NaN in the output (an element was never written)"
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("hkv,d", [(2, 16), (3, 24)])
+def test_write_kv_cache(hkv, d):
+    g = torch.Generator().manual_seed(1)
+    num_blocks, block_size = 5, 4
+    key = torch.randn(6, hkv, d, generator=g)
+    value = torch.randn(6, hkv, d, generator=g)
+    slots = torch.tensor([13, -1, 2, 7, -1, 19])
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    naive.write_kv_cache(key=key, value=value, k_cache=k_ref, v_cache=v_ref, slot_mapping=slots)
+    ta.write_kv_cache(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    # the reference itself: written slots hold the tokens, all others kept their old contents
+    flat_k = k_cache.view(-1, hkv, d)
+    assert torch.equal(flat_k[13], key[0]) and torch.equal(flat_k[19], key[5])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[[13, 2, 7, 19]] = False
+    assert torch.equal(flat_k[untouched], k_ref.view(-1, hkv, d)[untouched])
+
+
+def test_write_kv_cache_strided_key():
+    """key / value as views of a fused projection (row stride larger than Hkv * D)."""
+    kv = torch.randn(4, 2, 2 * 16)
+    key, value = kv[..., :16], kv[..., 16:]
+    k_cache, v_cache = torch.zeros(3, 4, 2, 16), torch.zeros(3, 4, 2, 16)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([0, 5, -1, 11])
+    naive.write_kv_cache(key=key, value=value, k_cache=k_ref, v_cache=v_ref, slot_mapping=slots)
+    ta.write_kv_cache(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+PREFILL_CASES = [
+    # hq, hkv, d: GQA ratios 1 and 3, head dims that are not powers of two
+    (4, 4, 16),
+    (6, 2, 24),
+    (3, 1, 40),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d", PREFILL_CASES)
+def test_paged_attention_varlen(hq, hkv, d):
+    batch = make_batch(q_lens=[1, 7, 33], ctx_lens=[0, 5, 12], hq=hq, hkv=hkv, d=d, block_size=4)
+    ref = naive.paged_attention(**batch, scale=d**-0.5)
+    out = ta.paged_attention(**batch, scale=d**-0.5)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_paged_attention_empty_sequence_and_tile_shapes():
+    """A sequence with no new tokens in the batch, strided q, and tiles of several tokens with a group
+    that does not divide the tile rows (group 3 in 32 rows: 10 tokens, 2 padding rows)."""
+    batch = make_batch(q_lens=[9, 0, 20, 2], ctx_lens=[3, 4, 0, 30], hq=6, hkv=2, d=16, block_size=8)
+    q_wide = torch.randn(batch["q"].shape[0], 6, 48)
+    q_wide[..., :16] = batch["q"]
+    batch["q"] = q_wide[..., :16]
+    ref = naive.paged_attention(**batch, scale=0.3)
+    for cfg in [dict(block_m=32, block_n=16, num_warps=4, num_stages=1), dict(block_m=16, block_n=32, num_warps=4)]:
+        cfg.setdefault("num_stages", 1)
+        out = ta.paged_attention(**batch, scale=0.3, config=cfg)
+        assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("hq,hkv,d", PREFILL_CASES[:2])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+def test_paged_decode_attention(hq, hkv, d, num_splits):
+    """Different lengths per sequence; 8 splits leave the short sequences' last spans empty."""
+    batch = make_batch(q_lens=[1, 1, 1, 1], ctx_lens=[0, 4, 16, 45], hq=hq, hkv=hkv, d=d, block_size=4)
+    del batch["cu_seqlens_q"]
+    ref = naive.paged_decode_attention(**batch, scale=0.2)
+    cfg = None if num_splits is None else dict(block_n=16, num_splits=num_splits, num_warps=4, num_stages=1)
+    out = ta.paged_decode_attention(**batch, scale=0.2, config=cfg)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_decode_matches_prefill_of_one_token():
+    batch = make_batch(q_lens=[1, 1, 1], ctx_lens=[7, 0, 22], hq=6, hkv=2, d=24, block_size=4, seed=3)
+    prefill = ta.paged_attention(**batch, scale=0.25)
+    del batch["cu_seqlens_q"]
+    decode = ta.paged_decode_attention(**batch, scale=0.25)
+    assert rel_err(decode, prefill) < 1e-5
+
+
+# --- GPU, bf16, the real shapes (16 q heads, 2 kv heads, head dim 256, pages of 16) ---------------
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_write_kv_cache():
+    kernels = compiled_kernels()
+    key = torch.randn(300, 2, 256, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn_like(key)
+    slots = torch.randperm(4096, device="cuda")[:300]
+    slots[::7] = -1
+    k_cache = torch.randn(256, 16, 2, 256, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    naive.write_kv_cache(key=key, value=value, k_cache=k_ref, v_cache=v_ref, slot_mapping=slots)
+    kernels.write_kv_cache(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_paged_attention_bf16():
+    kernels = compiled_kernels()
+    batch = make_batch(
+        q_lens=[1, 130, 1000, 2047],
+        ctx_lens=[0, 77, 3000, 16],
+        hq=16,
+        hkv=2,
+        d=256,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    ref = naive.paged_attention(**batch, scale=256**-0.5)
+    out = kernels.paged_attention(**batch, scale=256**-0.5)
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("batch_size", [1, 64])
+def test_gpu_paged_decode_attention_bf16(batch_size):
+    kernels = compiled_kernels()
+    g = torch.Generator().manual_seed(batch_size)
+    ctx = torch.randint(1, 4096, (batch_size,), generator=g).tolist()
+    ctx[0] = 4095
+    batch = make_batch(
+        q_lens=[1] * batch_size, ctx_lens=ctx, hq=16, hkv=2, d=256, block_size=16, dtype=torch.bfloat16, device="cuda"
+    )
+    del batch["cu_seqlens_q"]
+    ref = naive.paged_decode_attention(**batch, scale=256**-0.5)
+    out = kernels.paged_decode_attention(**batch, scale=256**-0.5)
+    assert rel_err(out, ref) < 1e-2
