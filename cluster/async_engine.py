@@ -9,6 +9,7 @@ consumer goes away aborts its request, which frees its pages and slot on the nex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -84,11 +85,21 @@ class AsyncEngine:
     async def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> int:
         """Queue a request (ValueError / QueueFullError / EngineUnavailableError before queueing)."""
         self._check_up()
+        if req_id in self._streams:  # replacing the queue would cut the live request's stream off
+            raise ValueError(f"request_id: {req_id!r} is already in use")
         self._streams[req_id] = asyncio.Queue()
         try:
             if self.backend == "local":
                 return self._loop_engine.submit(req_id, prompt, params)
-            return await self._driver.submit.remote(req_id, prompt, params)
+            submitted = asyncio.ensure_future(self._driver.submit.remote(req_id, prompt, params))
+            try:
+                return await asyncio.shield(submitted)
+            except asyncio.CancelledError:
+                # the caller left, but the driver may still take the request: abort it once it has
+                with contextlib.suppress(Exception):
+                    await submitted
+                    await self.abort(req_id)
+                raise
         except BaseException as e:
             self._streams.pop(req_id, None)
             raise _unwrap(e) from None

@@ -157,7 +157,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 async def _demo(config: EngineConfig, args: argparse.Namespace, started: float) -> int:
-    from .client import AsyncGenerationClient
+    from .client import AsyncGenerationClient, Final
 
     engine, gateway, port = await start_stack(config, "127.0.0.1", 0, "ray")
     target = f"127.0.0.1:{port}"
@@ -174,9 +174,11 @@ async def _demo(config: EngineConfig, args: argparse.Namespace, started: float) 
 
             async def one(i: int, prompt: str):
                 text, final = "", None
-                async for chunk in client.generate(prompt, max_tokens=args.max_tokens, temperature=0.8, seed=i):
-                    text += chunk.text
-                    final = chunk
+                async for item in client.generate(prompt, max_tokens=args.max_tokens, temperature=0.8, seed=i):
+                    if isinstance(item, Final):
+                        final = item
+                    else:
+                        text += item.text
                 return prompt, text, final
 
             t0 = time.monotonic()
@@ -185,8 +187,9 @@ async def _demo(config: EngineConfig, args: argparse.Namespace, started: float) 
         total_tokens = 0
         for prompt, text, final in results:
             total_tokens += final.completion_tokens
+            ttft_ms = 1e3 * (final.time_to_first_token_s or 0.0)
             print(
-                f"  [{final.finish_reason:<6} {final.completion_tokens:>3} tok, ttft {final.ttft_ms:6.1f} ms] "
+                f"  [{final.finish_reason:<6} {final.completion_tokens:>3} tok, ttft {ttft_ms:6.1f} ms] "
                 f"{prompt!r} -> {text!r}"
             )
         print(
