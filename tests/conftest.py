@@ -25,6 +25,7 @@ def ray_session():
     """One local Ray instance for every test that needs it (starting one costs seconds)."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # address="local": always a fresh cluster of our own, never one `ray start` left on the machine
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
