@@ -111,10 +111,12 @@ def decode_floor_bytes(
     return {"weights": dense, "experts": experts, "kv": kv, "gdn_state": gdn, "total": dense + experts + kv + gdn}
 
 
-def bench_decode(llm: LLM, batch: int, context: int, steps: int, counter: ExpertCounter | None, vocab: int) -> dict:
+def bench_decode(
+    llm: LLM, batch: int, context: int, steps: int, counter: ExpertCounter | None, vocab: int, profile_steps: int = 0
+) -> dict:
     engine = llm.engine
     rng = np.random.default_rng(batch)
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps + profile_steps + 4, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"d{batch}-{i}", rng.integers(10, vocab - 10, context).tolist(), params)
     # run until every request is decoding (prefill done, first token out)
@@ -138,6 +140,17 @@ def bench_decode(llm: LLM, batch: int, context: int, steps: int, counter: Expert
         engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    profile = None
+    if profile_steps:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(profile_steps):
+                engine.step()
+            torch.cuda.synchronize()
+        profile = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+        print(f"--- profile of {profile_steps} decode steps at batch {batch} ---\n{profile}", flush=True)
     while engine.has_unfinished():
         engine.step()
     return {"step_s": statistics.median(times), "distinct_experts_per_layer": counts}
@@ -223,7 +236,8 @@ def run(args: argparse.Namespace) -> dict:
     counter = ExpertCounter(runner.model) if runner is not None else None
     rows = []
     for b in batches:
-        result = bench_decode(llm, b, args.context, args.steps, counter, model_config.vocab_size)
+        profile_steps = 3 if b in args.profile_batches else 0
+        result = bench_decode(llm, b, args.context, args.steps, counter, model_config.vocab_size, profile_steps)
         per_layer = result["distinct_experts_per_layer"]
         distinct = sum(per_layer) if per_layer else b * model_config.num_experts_per_tok * len(model_config.layer_types)
         floor = decode_floor_bytes(model_config, b, args.context + 4, distinct)
@@ -278,6 +292,12 @@ def add_parser(sub) -> None:
     p.add_argument("--peer-max-batch", type=int, default=64)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument(
+        "--profile-batches",
+        type=lambda v: [int(b) for b in v.split(",") if b],
+        default=[],
+        help="print a torch.profiler kernel table of 3 decode steps at these batch sizes",
+    )
     p.add_argument("--json", default=None)
     p.set_defaults(func=_main)
 

@@ -67,11 +67,11 @@ class ModelRunner:
             load_format=config.load_format,
             seed=config.seed,
         )
-        self.sizes = self._size_pools()  # what this rank could hold; the executor picks the final sizes
         self.pool: StatePool | None = None
         self.graphs = None
         self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
         self.switches = ModelSwitches(use_triton=self.device.type == "cuda")
+        self.sizes = self._size_pools()  # what this rank could hold; the executor picks the final sizes
 
     @property
     def is_driver_rank(self) -> bool:

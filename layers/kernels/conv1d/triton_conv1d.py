@@ -1,0 +1,248 @@
+"""Causal depthwise conv1d with a carried window in Triton; same contract as naive.py.
+
+Prefill (`causal_conv1d_varlen`): one program per (chunk of BT tokens of one sequence, BC
+channels) computes its rows from W shifted loads of the input tile. The first W - 1 positions of
+a sequence also read the slot's window (or zeros); the program holding the sequence's first chunk
+computes them, and being the only reader of that window it then writes the new one (the last
+W - 1 inputs) after a barrier. Decode (`causal_conv1d_update`): one program per (sequence, BC
+channels) shifts the window by the new input. No host syncs: chunks are located inside the
+kernel from cu_seqlens.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..gdn.varlen import locate_chunk
+
+BLOCK_T = 64  # tokens per prefill program
+BLOCK_C = 128  # channels per prefill program: 256-byte bf16 rows
+BLOCK_N = 64  # sequences scanned per step when locating chunks
+UPDATE_BLOCK_C = 256  # channels per decode program
+
+
+@triton.jit
+def _activate(y, SILU: tl.constexpr):
+    if SILU:
+        y = y / (1.0 + tl.exp(-y))
+    return y
+
+
+@triton.jit
+def _conv_rows(
+    p_x,
+    p_s,
+    weight,
+    bias,
+    o_c,
+    m_c,
+    pos,
+    m_t,
+    stride_xt,
+    stride_sw,
+    stride_wc,
+    win_lo,
+    W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """float32 conv outputs at sequence positions `pos` (rows) for channels `o_c`; taps before the
+    sequence start read window positions [win_lo, 0), zeros elsewhere."""
+    acc = tl.zeros([pos.shape[0], o_c.shape[0]], dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
+    m = m_t[:, None] & m_c[None, :]
+    for j in tl.static_range(W):
+        src = pos - (W - 1) + j
+        tap = tl.load(weight + o_c * stride_wc + j, mask=m_c, other=0.0).to(tl.float32)
+        xin = tl.load(p_x + src[:, None] * stride_xt, mask=m & (src >= 0)[:, None], other=0.0).to(tl.float32)
+        if p_s is not None:
+            win_m = m & ((src < 0) & (src >= win_lo))[:, None]
+            xin += tl.load(p_s + (src + W - 1)[:, None] * stride_sw, mask=win_m, other=0.0).to(tl.float32)
+        acc += xin * tap[None, :]
+    return acc
+
+
+@triton.jit(do_not_specialize=["num_seqs"])  # one compile for any batch size
+def _conv_varlen_kernel(
+    x,
+    weight,
+    bias,
+    y,
+    state,
+    cu_seqlens,
+    slots,
+    has_initial_state,
+    num_seqs,
+    channels,
+    stride_xt,
+    stride_yt,
+    stride_ss,
+    stride_sc,
+    stride_sw,
+    stride_wc,
+    W: tl.constexpr,
+    BW: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    n, c = locate_chunk(cu_seqlens, num_seqs, tl.program_id(0), BT, BLOCK_N)
+    if n >= num_seqs:
+        return
+    bos = tl.load(cu_seqlens + n).to(tl.int32)
+    seqlen = tl.load(cu_seqlens + n + 1).to(tl.int32) - bos
+    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    m_c = o_c < channels
+    p_x = x + bos.to(tl.int64) * stride_xt + o_c[None, :]
+    p_y = y + bos.to(tl.int64) * stride_yt + o_c[None, :]
+
+    # rows whose taps all lie inside the sequence (the first W - 1 positions are done below)
+    pos = c * BT + tl.arange(0, BT)
+    m_t = (pos < seqlen) & (pos >= W - 1)
+    acc = _conv_rows(p_x, None, weight, bias, o_c, m_c, pos, m_t, stride_xt, 0, stride_wc, 0, W, HAS_BIAS)
+    tl.store(
+        p_y + pos[:, None] * stride_yt, _activate(acc, SILU).to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :]
+    )
+
+    if c == 0:
+        # the only program reading this slot's window (for these channels): the head rows, then the new window
+        slot = tl.load(slots + n).to(tl.int64)
+        p_s = state + slot * stride_ss + o_c[None, :] * stride_sc
+        win_lo = tl.where(tl.load(has_initial_state + n) != 0, -(W - 1), 0)  # no initial state: read no window
+        o_w = tl.arange(0, BW)
+        m_head = (o_w < W - 1) & (o_w < seqlen)
+        head = _conv_rows(
+            p_x, p_s, weight, bias, o_c, m_c, o_w, m_head, stride_xt, stride_sw, stride_wc, win_lo, W, HAS_BIAS
+        )
+        tl.store(
+            p_y + o_w[:, None] * stride_yt,
+            _activate(head, SILU).to(y.dtype.element_ty),
+            mask=m_head[:, None] & m_c[None, :],
+        )
+        # new window i = input at position seqlen - (W - 1) + i: from x, or from the old window for short sequences
+        src = seqlen - (W - 1) + o_w
+        m_w = (o_w < W - 1)[:, None] & m_c[None, :]
+        new = tl.load(p_x + src[:, None] * stride_xt, mask=m_w & (src >= 0)[:, None], other=0.0).to(tl.float32)
+        win_m = m_w & ((src < 0) & (src >= win_lo))[:, None]
+        new += tl.load(p_s + (src + W - 1)[:, None] * stride_sw, mask=win_m, other=0.0).to(tl.float32)
+        tl.debug_barrier()  # every thread has read the old window before it is overwritten
+        tl.store(p_s + o_w[:, None] * stride_sw, new.to(state.dtype.element_ty), mask=m_w)
+
+
+@triton.jit
+def _conv_update_kernel(
+    x,
+    weight,
+    bias,
+    y,
+    state,
+    slots,
+    channels,
+    stride_xn,
+    stride_yn,
+    stride_ss,
+    stride_sc,
+    stride_sw,
+    stride_wc,
+    W: tl.constexpr,
+    BW: tl.constexpr,
+    BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    n = tl.program_id(0)
+    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    m_c = o_c < channels
+    o_w = tl.arange(0, BW)
+    slot = tl.load(slots + n).to(tl.int64)
+    p_s = state + slot * stride_ss + o_c[:, None] * stride_sc
+    b_x = tl.load(x + n.to(tl.int64) * stride_xn + o_c, mask=m_c, other=0.0)
+
+    # seq[c, j], j < W: the window then the new input
+    m_win = m_c[:, None] & (o_w < W - 1)[None, :]
+    seq = tl.load(p_s + o_w[None, :] * stride_sw, mask=m_win, other=0.0).to(tl.float32)
+    seq += tl.where((o_w == W - 1)[None, :], b_x.to(tl.float32)[:, None], 0.0)
+    taps = tl.load(weight + o_c[:, None] * stride_wc + o_w[None, :], mask=m_c[:, None] & (o_w < W)[None, :], other=0.0)
+    out = tl.sum(seq * taps.to(tl.float32), 1)
+    if HAS_BIAS:
+        out += tl.load(bias + o_c, mask=m_c, other=0.0).to(tl.float32)
+    tl.store(y + n.to(tl.int64) * stride_yn + o_c, _activate(out, SILU).to(y.dtype.element_ty), mask=m_c)
+
+    # shift the window by one: new[c, i] = seq[c, i + 1]
+    shifted = tl.load(p_s + (o_w + 1)[None, :] * stride_sw, mask=m_c[:, None] & (o_w + 1 < W - 1)[None, :], other=0.0)
+    shifted += tl.where((o_w + 1 == W - 1)[None, :], b_x.to(state.dtype.element_ty)[:, None], 0.0)
+    tl.debug_barrier()  # the window is read by neighbouring threads before it is overwritten
+    tl.store(p_s + o_w[None, :] * stride_sw, shifted, mask=m_win)
+
+
+def _check_activation(activation: str | None) -> bool:
+    if activation is None:
+        return False
+    if activation in ("silu", "swish"):
+        return True
+    raise ValueError(f"activation {activation!r} is not supported (silu or None)")
+
+
+def causal_conv1d_varlen(
+    *,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    conv_state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Prefill: x [T, C] (rows may be strided), weight [C, W], bias [C] or None, cu_seqlens [N + 1],
+    conv_state_pool [S, C, W - 1], state_slots [N], has_initial_state [N] bool (False: the window is
+    zeros). Returns y [T, C] in x's dtype and writes each sequence's last W - 1 inputs to its slot."""
+    silu = _check_activation(activation)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    num_tokens, channels = x.shape
+    width = weight.shape[1]
+    num_seqs = cu_seqlens.shape[0] - 1
+    y = torch.empty((num_tokens, channels), dtype=x.dtype, device=x.device)
+    if num_seqs == 0 or channels == 0:
+        return y
+    grid = (num_tokens // BLOCK_T + num_seqs, triton.cdiv(channels, BLOCK_C))
+    _conv_varlen_kernel[grid](
+        x, weight, weight if bias is None else bias, y, conv_state_pool, cu_seqlens, state_slots, has_initial_state,
+        num_seqs, channels, x.stride(0), y.stride(0), *conv_state_pool.stride(), weight.stride(0),
+        W=width, BW=triton.next_power_of_2(max(width - 1, 1)), BT=BLOCK_T, BC=BLOCK_C, BLOCK_N=BLOCK_N,
+        HAS_BIAS=bias is not None, SILU=silu,
+        num_warps=8,
+    )  # fmt: skip
+    return y
+
+
+def causal_conv1d_update(
+    *,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Decode: one new input per sequence. x [N, C]; returns y [N, C]; shifts each slot's window."""
+    silu = _check_activation(activation)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    num_seqs, channels = x.shape
+    width = weight.shape[1]
+    y = torch.empty((num_seqs, channels), dtype=x.dtype, device=x.device)
+    if num_seqs == 0 or channels == 0:
+        return y
+    _conv_update_kernel[(num_seqs, triton.cdiv(channels, UPDATE_BLOCK_C))](
+        x, weight, weight if bias is None else bias, y, conv_state_pool, state_slots, channels,
+        x.stride(0), y.stride(0), *conv_state_pool.stride(), weight.stride(0),
+        W=width, BW=triton.next_power_of_2(width), BC=UPDATE_BLOCK_C, HAS_BIAS=bias is not None, SILU=silu,
+        num_warps=4,
+    )  # fmt: skip
+    return y

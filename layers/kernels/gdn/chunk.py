@@ -1,0 +1,508 @@
+"""Chunked gated delta rule (varlen prefill) in three Triton kernels; same contract as naive.chunk_gated_delta_rule.
+
+Per sequence, tokens are cut into chunks of BT = 64. With gamma the in-chunk cumulative sum of g,
+A = strictly-lower(beta_i * k_i.k_j * exp(gamma_i - gamma_j)) (l2-normalised keys) and
+Y = (I + A)^-1 (the WY / UT transform of the chunk):
+
+1. `_solve_kernel`, one 1-warp program per (chunk, value head): cumsum of g and the key norms
+   (both stored), A in 16 x 16 blocks from raw k k^T, the four diagonal blocks of Y by forward
+   substitution, the six below them by block merges; Y stored in the input dtype.
+2. `_intra_kernel`, per (chunk, value head), whole-chunk matmuls: w = Y (beta exp(gamma) k),
+   u = Y (beta v), kd = k exp(gamma_last - gamma) (the keys as the state update needs them), and
+   for the output the masked, decayed, normalised and scaled q k^T and the q factor.
+3. `_state_kernel`, the only sequential one, per (sequence, value head, V-block): walks the
+   sequence's chunks with the float32 state S in registers; per chunk v_new = u - w S,
+   o = qscale (q S) + scores v_new, S = exp(gamma_last) S + kd^T v_new. It reads the initial
+   state from the pool slot and writes the final one back.
+
+Matmuls take the inputs' dtype (bf16) with float32 accumulation; the 16 x 16 solve merges run in
+tf32. Varlen chunks are located inside the kernels (varlen.py), so there is no host sync unless
+chunk_states_out is asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .varlen import chunks_before, locate_chunk
+
+CHUNK = 64  # tokens per chunk (BT)
+SUB = 16  # rows per block of the triangular solve (BC); CHUNK == 4 * SUB
+BLOCK_N = 64  # sequences scanned per step when locating chunks
+
+
+@triton.jit
+def _load_block(ptr, rows, row_mask, stride_t, cols, col_mask):
+    return tl.load(
+        ptr + rows[:, None] * stride_t + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0
+    )
+
+
+@triton.jit
+def _gate_block(a, row_scale, col_scale, gc_row, gc_col, DIAGONAL: tl.constexpr):
+    """row_scale_i * col_scale_j * exp(gamma_i - gamma_j) * a_ij, strictly lower on diagonal blocks."""
+    diff = gc_row[:, None] - gc_col[None, :]
+    if DIAGONAL:
+        o = tl.arange(0, a.shape[0])
+        diff = tl.where(o[:, None] > o[None, :], diff, float("-inf"))
+    return a * tl.exp(diff) * row_scale[:, None] * col_scale[None, :]
+
+
+@triton.jit
+def _substitute_row(x, sel, a):
+    """One forward-substitution step: row `sel` of X = (I + L)^-1 - I from a = -L[i, :] (zero from
+    column i on) and the rows above it, already final."""
+    return tl.where(sel, (a + tl.sum(a[:, None] * x, 0))[None, :], x)
+
+
+@triton.jit(do_not_specialize=["num_seqs"])  # one compile for any batch size
+def _solve_kernel(
+    k,
+    g,
+    beta,
+    cu_seqlens,
+    gcum,
+    rnorm,
+    a_scratch,
+    y,
+    num_seqs,
+    stride_kt,
+    stride_kh,
+    stride_gt,
+    stride_gh,
+    stride_bt,
+    stride_bh,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    K: tl.constexpr,
+    BKP: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    L2NORM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    hv = tl.program_id(1)
+    n, c = locate_chunk(cu_seqlens, num_seqs, i_c, BT, BLOCK_N)
+    if n >= num_seqs:
+        return
+    t0 = tl.load(cu_seqlens + n).to(tl.int32) + c * BT
+    length = tl.load(cu_seqlens + n + 1).to(tl.int32) - t0  # tokens from the chunk start on (may exceed BT)
+    t0 = t0.to(tl.int64)
+    row = t0 * HV + hv  # (token, value head) index of the chunk's first row in the [T, HV, ...] buffers
+    dt = y.dtype.element_ty
+    p_k = k + t0 * stride_kt + (hv // GROUP) * stride_kh
+
+    # in 16-row blocks: in-chunk cumsum of g, and A = beta k k^T decay (normalised keys)
+    o_c = tl.arange(0, BC)
+    m0 = o_c < length
+    m1 = o_c + BC < length
+    m2 = o_c + 2 * BC < length
+    m3 = o_c + 3 * BC < length
+    p_g = g + t0 * stride_gt + hv * stride_gh + o_c * stride_gt
+    g0 = tl.load(p_g, mask=m0, other=0.0).to(tl.float32)
+    g1 = tl.load(p_g + BC * stride_gt, mask=m1, other=0.0).to(tl.float32)
+    g2 = tl.load(p_g + 2 * BC * stride_gt, mask=m2, other=0.0).to(tl.float32)
+    g3 = tl.load(p_g + 3 * BC * stride_gt, mask=m3, other=0.0).to(tl.float32)
+    gc0 = tl.cumsum(g0, 0)
+    total = tl.sum(g0, 0)
+    gc1 = tl.cumsum(g1, 0) + total
+    total += tl.sum(g1, 0)
+    gc2 = tl.cumsum(g2, 0) + total
+    total += tl.sum(g2, 0)
+    gc3 = tl.cumsum(g3, 0) + total
+    p_gc = gcum + row + o_c * HV
+    tl.store(p_gc, gc0, mask=m0)
+    tl.store(p_gc + BC * HV, gc1, mask=m1)
+    tl.store(p_gc + 2 * BC * HV, gc2, mask=m2)
+    tl.store(p_gc + 3 * BC * HV, gc3, mask=m3)
+    p_b = beta + t0 * stride_bt + hv * stride_bh + o_c * stride_bt
+    b0 = tl.load(p_b, mask=m0, other=0.0).to(tl.float32)
+    b1 = tl.load(p_b + BC * stride_bt, mask=m1, other=0.0).to(tl.float32)
+    b2 = tl.load(p_b + 2 * BC * stride_bt, mask=m2, other=0.0).to(tl.float32)
+    b3 = tl.load(p_b + 3 * BC * stride_bt, mask=m3, other=0.0).to(tl.float32)
+
+    # diagonal blocks of raw k k^T, over K in pieces; the l2 norms scale them afterwards. The blocks
+    # below the diagonal come in a second pass, after the substitution: fewer live registers.
+    a00 = tl.zeros([BC, BC], dtype=tl.float32)
+    a11, a22, a33 = a00, a00, a00
+    ss0 = tl.zeros([BC], dtype=tl.float32)
+    ss1, ss2, ss3 = ss0, ss0, ss0
+    for kp in range(0, K, BKP):
+        o_k = kp + tl.arange(0, BKP)
+        m_k = o_k < K
+        k0 = _load_block(p_k, o_c, m0, stride_kt, o_k, m_k)
+        k1 = _load_block(p_k, o_c + BC, m1, stride_kt, o_k, m_k)
+        k2 = _load_block(p_k, o_c + 2 * BC, m2, stride_kt, o_k, m_k)
+        k3 = _load_block(p_k, o_c + 3 * BC, m3, stride_kt, o_k, m_k)
+        a00 = tl.dot(k0, tl.trans(k0), a00)
+        a11 = tl.dot(k1, tl.trans(k1), a11)
+        a22 = tl.dot(k2, tl.trans(k2), a22)
+        a33 = tl.dot(k3, tl.trans(k3), a33)
+        if L2NORM:
+            ss0 += tl.sum(k0.to(tl.float32) * k0.to(tl.float32), 1)
+            ss1 += tl.sum(k1.to(tl.float32) * k1.to(tl.float32), 1)
+            ss2 += tl.sum(k2.to(tl.float32) * k2.to(tl.float32), 1)
+            ss3 += tl.sum(k3.to(tl.float32) * k3.to(tl.float32), 1)
+    if L2NORM:
+        r0, r1, r2, r3 = tl.rsqrt(ss0 + 1e-6), tl.rsqrt(ss1 + 1e-6), tl.rsqrt(ss2 + 1e-6), tl.rsqrt(ss3 + 1e-6)
+        p_rn = rnorm + row + o_c * HV
+        tl.store(p_rn, r0, mask=m0)
+        tl.store(p_rn + BC * HV, r1, mask=m1)
+        tl.store(p_rn + 2 * BC * HV, r2, mask=m2)
+        tl.store(p_rn + 3 * BC * HV, r3, mask=m3)
+    else:
+        r0 = tl.full([BC], 1.0, dtype=tl.float32)
+        r1, r2, r3 = r0, r0, r0
+
+    # Y = (I + A)^-1. Diagonal blocks by forward substitution, the four interleaved; the rows of
+    # -A they consume are re-read from a scratch copy, cheaper than extracting them from registers
+    x0 = -_gate_block(a00, b0 * r0, r0, gc0, gc0, True)
+    x1 = -_gate_block(a11, b1 * r1, r1, gc1, gc1, True)
+    x2 = -_gate_block(a22, b2 * r2, r2, gc2, gc2, True)
+    x3 = -_gate_block(a33, b3 * r3, r3, gc3, gc3, True)
+    p_a = a_scratch + row * BC + o_c
+    tl.store(p_a[None, :] + o_c[:, None] * (HV * BC), x0, mask=m0[:, None])
+    tl.store(p_a[None, :] + (o_c + BC)[:, None] * (HV * BC), x1, mask=m1[:, None])
+    tl.store(p_a[None, :] + (o_c + 2 * BC)[:, None] * (HV * BC), x2, mask=m2[:, None])
+    tl.store(p_a[None, :] + (o_c + 3 * BC)[:, None] * (HV * BC), x3, mask=m3[:, None])
+    tl.debug_barrier()  # the rows are read back by other threads
+    for i in range(2, BC):
+        sel = (o_c == i)[:, None]
+        r_i = o_c * 0 + i  # row i of each block, as a vector (the interpreter rejects scalar masks)
+        x0 = _substitute_row(x0, sel, tl.load(p_a + i * (HV * BC), mask=r_i < length, other=0.0))
+        x1 = _substitute_row(x1, sel, tl.load(p_a + (BC + i) * (HV * BC), mask=r_i + BC < length, other=0.0))
+        x2 = _substitute_row(x2, sel, tl.load(p_a + (2 * BC + i) * (HV * BC), mask=r_i + 2 * BC < length, other=0.0))
+        x3 = _substitute_row(x3, sel, tl.load(p_a + (3 * BC + i) * (HV * BC), mask=r_i + 3 * BC < length, other=0.0))
+    eye = (o_c[:, None] == o_c[None, :]).to(tl.float32)
+    y00, y11, y22, y33 = x0 + eye, x1 + eye, x2 + eye, x3 + eye
+
+    a10 = tl.zeros([BC, BC], dtype=tl.float32)
+    a20, a21, a30, a31, a32 = a10, a10, a10, a10, a10
+    for kp in range(0, K, BKP):
+        o_k = kp + tl.arange(0, BKP)
+        m_k = o_k < K
+        k0 = _load_block(p_k, o_c, m0, stride_kt, o_k, m_k)
+        k1 = _load_block(p_k, o_c + BC, m1, stride_kt, o_k, m_k)
+        k2 = _load_block(p_k, o_c + 2 * BC, m2, stride_kt, o_k, m_k)
+        k3 = _load_block(p_k, o_c + 3 * BC, m3, stride_kt, o_k, m_k)
+        a10 = tl.dot(k1, tl.trans(k0), a10)
+        a20 = tl.dot(k2, tl.trans(k0), a20)
+        a21 = tl.dot(k2, tl.trans(k1), a21)
+        a30 = tl.dot(k3, tl.trans(k0), a30)
+        a31 = tl.dot(k3, tl.trans(k1), a31)
+        a32 = tl.dot(k3, tl.trans(k2), a32)
+    a10 = _gate_block(a10, b1 * r1, r0, gc1, gc0, False)
+    a20 = _gate_block(a20, b2 * r2, r0, gc2, gc0, False)
+    a21 = _gate_block(a21, b2 * r2, r1, gc2, gc1, False)
+    a30 = _gate_block(a30, b3 * r3, r0, gc3, gc0, False)
+    a31 = _gate_block(a31, b3 * r3, r1, gc3, gc1, False)
+    a32 = _gate_block(a32, b3 * r3, r2, gc3, gc2, False)
+    # below the diagonal: Y_ij = -Y_ii sum_{j <= m < i} A_im Y_mj
+    y10 = -tl.dot(y11, tl.dot(a10, y00, input_precision=PRECISION), input_precision=PRECISION)
+    y21 = -tl.dot(y22, tl.dot(a21, y11, input_precision=PRECISION), input_precision=PRECISION)
+    y32 = -tl.dot(y33, tl.dot(a32, y22, input_precision=PRECISION), input_precision=PRECISION)
+    y20 = tl.dot(a21, y10, tl.dot(a20, y00, input_precision=PRECISION), input_precision=PRECISION)
+    y20 = -tl.dot(y22, y20, input_precision=PRECISION)
+    y31 = tl.dot(a32, y21, tl.dot(a31, y11, input_precision=PRECISION), input_precision=PRECISION)
+    y31 = -tl.dot(y33, y31, input_precision=PRECISION)
+    y30 = tl.dot(a31, y10, tl.dot(a30, y00, input_precision=PRECISION), input_precision=PRECISION)
+    y30 = -tl.dot(y33, tl.dot(a32, y20, y30, input_precision=PRECISION), input_precision=PRECISION)
+
+    # blocks above the diagonal are never written (nor read)
+    p_y = y + row * BT + o_c[:, None] * (HV * BT) + o_c[None, :]
+    tl.store(p_y, y00.to(dt), mask=m0[:, None])
+    tl.store(p_y + BC * HV * BT, y10.to(dt), mask=m1[:, None])
+    tl.store(p_y + BC * HV * BT + BC, y11.to(dt), mask=m1[:, None])
+    tl.store(p_y + 2 * BC * HV * BT, y20.to(dt), mask=m2[:, None])
+    tl.store(p_y + 2 * BC * HV * BT + BC, y21.to(dt), mask=m2[:, None])
+    tl.store(p_y + 2 * BC * HV * BT + 2 * BC, y22.to(dt), mask=m2[:, None])
+    tl.store(p_y + 3 * BC * HV * BT, y30.to(dt), mask=m3[:, None])
+    tl.store(p_y + 3 * BC * HV * BT + BC, y31.to(dt), mask=m3[:, None])
+    tl.store(p_y + 3 * BC * HV * BT + 2 * BC, y32.to(dt), mask=m3[:, None])
+    tl.store(p_y + 3 * BC * HV * BT + 3 * BC, y33.to(dt), mask=m3[:, None])
+
+
+@triton.jit(do_not_specialize=["num_seqs"])  # one compile for any batch size
+def _intra_kernel(
+    q,
+    k,
+    v,
+    beta,
+    cu_seqlens,
+    gcum,
+    rnorm,
+    y,
+    w,
+    u,
+    kd,
+    scores,
+    qscale,
+    num_seqs,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_bh,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BKP: tl.constexpr,
+    BVP: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    L2NORM: tl.constexpr,
+):
+    n, c = locate_chunk(cu_seqlens, num_seqs, tl.program_id(0), BT, BLOCK_N)
+    if n >= num_seqs:
+        return
+    hv = tl.program_id(1)
+    t0 = tl.load(cu_seqlens + n).to(tl.int32) + c * BT
+    length = tl.load(cu_seqlens + n + 1).to(tl.int32) - t0
+    t0 = t0.to(tl.int64)
+    row = t0 * HV + hv
+    dt = w.dtype.element_ty
+    p_q = q + t0 * stride_qt + (hv // GROUP) * stride_qh
+    p_k = k + t0 * stride_kt + (hv // GROUP) * stride_kh
+
+    o_t = tl.arange(0, BT)
+    m_t = o_t < length
+    lower = (o_t[None, :] // BC) <= (o_t[:, None] // BC)
+    b_y = tl.load(y + row * BT + o_t[:, None] * (HV * BT) + o_t[None, :], mask=m_t[:, None] & lower, other=0.0)
+    b_gc = tl.load(gcum + row + o_t * HV, mask=m_t, other=0.0)
+    b_beta = tl.load(beta + t0 * stride_bt + hv * stride_bh + o_t * stride_bt, mask=m_t, other=0.0).to(tl.float32)
+    scale_k = tl.full([BT], 1.0, dtype=tl.float32)
+    if L2NORM:
+        scale_k = tl.load(rnorm + row + o_t * HV, mask=m_t, other=0.0)
+    scale_w = scale_k * b_beta * tl.exp(b_gc)
+    g_last = tl.load(gcum + row + (tl.minimum(length, BT) - 1) * HV)
+    scale_kd = scale_k * tl.exp(g_last - b_gc)
+
+    # w = Y (beta exp(gamma) k) and kd = k exp(gamma_last - gamma) piece by piece over K, with raw q k^T
+    qk = tl.zeros([BT, BT], dtype=tl.float32)
+    ss_q = tl.zeros([BT], dtype=tl.float32)
+    for kp in range(0, K, BKP):
+        o_k = kp + tl.arange(0, BKP)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_k = _load_block(p_k, o_t, m_t, stride_kt, o_k, m_k).to(dt)
+        b_q = _load_block(p_q, o_t, m_t, stride_qt, o_k, m_k).to(dt)
+        qk = tl.dot(b_q, tl.trans(b_k), qk)
+        if L2NORM:
+            ss_q += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), 1)
+        b_k = b_k.to(tl.float32)
+        offs = row * K + o_t[:, None] * (HV * K) + o_k[None, :]
+        tl.store(w + offs, tl.dot(b_y, (b_k * scale_w[:, None]).to(dt)).to(dt), mask=m_tk)
+        tl.store(kd + offs, (b_k * scale_kd[:, None]).to(dt), mask=m_tk)
+    # u = Y (beta v)
+    p_v = v + t0 * stride_vt + hv * stride_vh
+    for vp in range(0, V, BVP):
+        o_v = vp + tl.arange(0, BVP)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        b_v = _load_block(p_v, o_t, m_t, stride_vt, o_v, o_v < V).to(tl.float32)
+        offs = row * V + o_t[:, None] * (HV * V) + o_v[None, :]
+        tl.store(u + offs, tl.dot(b_y, (b_v * b_beta[:, None]).to(dt)).to(dt), mask=m_tv)
+
+    # the state kernel's output terms: scores = (q k^T * causal decay) with the norms and scale folded
+    # in, and qscale, the factor of the q S term
+    scale_q = tl.full([BT], scale, dtype=tl.float32)
+    if L2NORM:
+        scale_q = scale_q * tl.rsqrt(ss_q + 1e-6)
+    causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+    decay = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
+    qk = qk * decay * scale_q[:, None] * scale_k[None, :]
+    tl.store(scores + row * BT + o_t[:, None] * (HV * BT) + o_t[None, :], qk.to(dt), mask=m_t[:, None])
+    tl.store(qscale + row + o_t * HV, scale_q * tl.exp(b_gc), mask=m_t)
+
+
+@triton.jit(do_not_specialize=["num_seqs"])  # one compile for any batch size
+def _state_kernel(
+    q,
+    w,
+    u,
+    kd,
+    scores,
+    qscale,
+    gcum,
+    o,
+    chunk_states,
+    pool,
+    cu_seqlens,
+    slots,
+    has_initial_state,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_ps,
+    stride_ph,
+    stride_pk,
+    stride_pv,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STORE_CHUNK_STATES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    NV = tl.cdiv(V, BV)
+    i_v = pid % NV
+    n = pid // NV // HV
+    hv = pid // NV % HV
+    bos = tl.load(cu_seqlens + n).to(tl.int32)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int32)
+    num_chunks = (eos - bos + BT - 1) // BT
+    dt = w.dtype.element_ty
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+
+    slot = tl.load(slots + n).to(tl.int64)
+    # no initial state: an empty row range, so the slot's old contents are never read
+    k_init = tl.where(tl.load(has_initial_state + n) != 0, K, 0)
+    p_pool = pool + slot * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
+    state = tl.load(p_pool, mask=(o_k < k_init)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    if STORE_CHUNK_STATES:
+        p_cs = chunk_states + (chunks_before(cu_seqlens, n, BT, BLOCK_N) * HV + hv).to(tl.int64) * (K * V)
+        p_cs += o_k[:, None] * V + o_v[None, :]
+
+    for c in range(num_chunks):
+        t0 = bos + c * BT
+        m_t = o_t < eos - t0
+        m_tv = m_t[:, None] & m_v[None, :]
+        row = t0.to(tl.int64) * HV + hv
+        b_w = tl.load(w + row * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        p_q = q + t0.to(tl.int64) * stride_qt + (hv // GROUP) * stride_qh + o_t[:, None] * stride_qt + o_k[None, :]
+        b_q = tl.load(p_q, mask=m_t[:, None] & m_k[None, :], other=0.0).to(dt)
+        p_u = u + row * V + o_t[:, None] * (HV * V) + o_v[None, :]
+        b_s = state.to(dt)
+        v_new = tl.load(p_u, mask=m_tv, other=0.0).to(tl.float32) - tl.dot(b_w, b_s)
+        v_new = v_new.to(dt)
+        # o = qscale * (q S) + scores v_new
+        out = tl.dot(b_q, b_s) * tl.load(qscale + row + o_t * HV, mask=m_t, other=0.0)[:, None]
+        b_sc = tl.load(scores + row * BT + o_t[:, None] * (HV * BT) + o_t[None, :], mask=m_t[:, None], other=0.0)
+        out = tl.dot(b_sc, v_new, out)
+        tl.store(o + row * V + o_t[:, None] * (HV * V) + o_v[None, :], out.to(o.dtype.element_ty), mask=m_tv)
+        # S = exp(gamma_last) S + kd^T v_new, kd^T as a [BK, BT] tile
+        decay = tl.exp(tl.load(gcum + row + (tl.minimum(eos - t0, BT) - 1) * HV))
+        b_kd = tl.load(
+            kd + row * K + o_k[:, None] + o_t[None, :] * (HV * K), mask=m_k[:, None] & m_t[None, :], other=0.0
+        )
+        state = state * decay + tl.dot(b_kd, v_new)
+        if STORE_CHUNK_STATES:
+            tl.store(p_cs + c * (HV * K * V), state, mask=m_kv)
+    if num_chunks > 0:
+        tl.store(p_pool, state.to(pool.dtype.element_ty), mask=m_kv)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the H200's count: CPU runs (interpreter) pick the same blocks as the GPU would
+
+
+def _contiguous_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def chunk_gated_delta_rule(
+    *,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    chunk_states_out: list | None = None,
+) -> torch.Tensor:
+    """Chunked gated delta rule over varlen sequences; updates their pool slots in place.
+
+    q, k: [T, Hk, K]; v: [T, Hv, V]; g (log decay, <= 0), beta: [T, Hv]; cu_seqlens: [N + 1];
+    state_pool: [S, Hv, K, V] float32; state_slots: [N]; has_initial_state: [N] bool. Returns
+    o: [T, Hv, V] in v's dtype. chunk_states_out, when a list, receives for each sequence a
+    [num_chunks, Hv, K, V] float32 tensor of the state after each chunk (this reads cu_seqlens on
+    the host). Only chunk_size 64 is supported. q, k, v may be strided views (last dim contiguous).
+    """
+    if chunk_size != CHUNK:
+        raise ValueError(f"chunk_size must be {CHUNK}, got {chunk_size}")
+    q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
+    num_tokens, num_k_heads, key_dim = q.shape
+    num_v_heads, value_dim = v.shape[1], v.shape[2]
+    num_seqs = cu_seqlens.shape[0] - 1
+    scale = key_dim**-0.5 if scale is None else scale
+    device, dt = v.device, k.dtype
+    out = torch.empty((num_tokens, num_v_heads, value_dim), dtype=v.dtype, device=device)
+    max_chunks = num_tokens // CHUNK + num_seqs
+    # scratch, in few allocations: per (token, value head) float32 vectors, then matmul-dtype tiles
+    gcum, rnorm, qscale = torch.empty((3, num_tokens, num_v_heads), dtype=torch.float32, device=device).unbind(0)
+    a_scratch = torch.empty((num_tokens, num_v_heads, SUB), dtype=torch.float32, device=device)
+    y, scores = torch.empty((2, num_tokens, num_v_heads, CHUNK), dtype=dt, device=device).unbind(0)
+    w, kd = torch.empty((2, num_tokens, num_v_heads, key_dim), dtype=dt, device=device).unbind(0)
+    u = torch.empty((num_tokens, num_v_heads, value_dim), dtype=dt, device=device)
+    chunk_states = None
+    if chunk_states_out is not None:
+        chunk_states = torch.empty((max_chunks, num_v_heads, key_dim, value_dim), dtype=torch.float32, device=device)
+    if num_seqs == 0:
+        return out
+
+    group = num_v_heads // num_k_heads
+    bk = max(16, triton.next_power_of_2(key_dim))
+    bv_all = max(16, triton.next_power_of_2(value_dim))
+    _solve_kernel[(max_chunks, num_v_heads)](
+        k, g, beta, cu_seqlens, gcum, rnorm, a_scratch, y, num_seqs,
+        k.stride(0), k.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        HV=num_v_heads, GROUP=group, K=key_dim, BKP=min(32, bk), BT=CHUNK, BC=SUB, BLOCK_N=BLOCK_N,
+        L2NORM=use_qk_l2norm, PRECISION="ieee" if dt == torch.float32 else "tf32",
+        num_warps=1, num_stages=1,
+    )  # fmt: skip
+    _intra_kernel[(max_chunks, num_v_heads)](
+        q, k, v, beta, cu_seqlens, gcum, rnorm, y, w, u, kd, scores, qscale, num_seqs, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0), beta.stride(1),
+        HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BKP=min(64, bk), BVP=min(64, bv_all), BT=CHUNK, BC=SUB,
+        BLOCK_N=BLOCK_N, L2NORM=use_qk_l2norm,
+        num_warps=8, num_stages=2,
+    )  # fmt: skip
+    # the sequential kernel: narrower V-blocks when there are too few (sequence, head) pairs to fill the GPU
+    bv = min(64, bv_all)
+    while bv > 32 and num_seqs * num_v_heads * triton.cdiv(value_dim, bv) < _num_sms(device):
+        bv //= 2
+    _state_kernel[(triton.cdiv(value_dim, bv) * num_seqs * num_v_heads,)](
+        q, w, u, kd, scores, qscale, gcum, out, w if chunk_states is None else chunk_states, state_pool,
+        cu_seqlens, state_slots, has_initial_state, num_seqs, q.stride(0), q.stride(1), *state_pool.stride(),
+        HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BK=bk, BV=bv, BT=CHUNK, BLOCK_N=BLOCK_N,
+        STORE_CHUNK_STATES=chunk_states is not None,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+
+    if chunk_states_out is not None:
+        counts = ((cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK).tolist()
+        start = 0
+        for count in counts:
+            chunk_states_out.append(chunk_states[start : start + count])
+            start += count
+    return out

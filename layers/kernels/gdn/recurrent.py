@@ -1,0 +1,152 @@
+"""Fused recurrent gated delta rule (decode, k-token verify) in Triton; same contract as
+naive.fused_recurrent_gated_delta_rule.
+
+One program per (sequence, value head, V-block): it reads its [K, BV] float32 state tile from the
+pool slot once, runs the L tokens with l2norm, gating and the delta update in registers, writes
+each token's output (and state, when asked), then writes the tile back. Memory-bound: the state
+moves once each way.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_V = 32  # 32 float32 columns: each state row segment is one 128-byte line
+
+
+@triton.jit
+def _recurrent_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    o,
+    pool,
+    slots,
+    inter,
+    scale,
+    length,
+    stride_qn,
+    stride_ql,
+    stride_qh,
+    stride_kn,
+    stride_kl,
+    stride_kh,
+    stride_vn,
+    stride_vl,
+    stride_vh,
+    stride_gn,
+    stride_gl,
+    stride_gh,
+    stride_bn,
+    stride_bl,
+    stride_bh,
+    stride_ps,
+    stride_ph,
+    stride_pk,
+    stride_pv,
+    stride_in,
+    stride_il,
+    stride_ih,
+    stride_ik,
+    stride_iv,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+    STORE_INTERMEDIATE: tl.constexpr,
+    UPDATE_STATE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    NV = tl.cdiv(V, BV)
+    i_v = pid % NV
+    hv = pid // NV % HV
+    n = pid // NV // HV
+    hk = hv // GROUP
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+
+    slot = tl.load(slots + n).to(tl.int64)
+    p_pool = pool + slot * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
+    state = tl.load(p_pool, mask=m_kv, other=0.0).to(tl.float32)
+
+    n64 = n.to(tl.int64)
+    p_q = q + n64 * stride_qn + hk * stride_qh + o_k
+    p_k = k + n64 * stride_kn + hk * stride_kh + o_k
+    p_v = v + n64 * stride_vn + hv * stride_vh + o_v
+    p_g = g + n64 * stride_gn + hv * stride_gh
+    p_b = beta + n64 * stride_bn + hv * stride_bh
+    p_o = o + (n64 * length * HV + hv) * V + o_v
+    p_i = inter + n64 * stride_in + hv * stride_ih + o_k[:, None] * stride_ik + o_v[None, :] * stride_iv
+    for t in range(length):
+        b_q = tl.load(p_q + t * stride_ql, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(p_k + t * stride_kl, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(p_v + t * stride_vl, mask=m_v, other=0.0).to(tl.float32)
+        b_g = tl.load(p_g + t * stride_gl).to(tl.float32)
+        b_beta = tl.load(p_b + t * stride_bl).to(tl.float32)
+        if L2NORM:
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6)
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+        state = state * tl.exp(b_g)
+        delta = b_beta * (b_v - tl.sum(state * b_k[:, None], 0))
+        state = state + b_k[:, None] * delta[None, :]
+        b_o = tl.sum(state * (b_q * scale)[:, None], 0)
+        tl.store(p_o + t * HV * V, b_o.to(o.dtype.element_ty), mask=m_v)
+        if STORE_INTERMEDIATE:
+            tl.store(p_i + t * stride_il, state.to(inter.dtype.element_ty), mask=m_kv)
+    if UPDATE_STATE:
+        tl.store(p_pool, state.to(pool.dtype.element_ty), mask=m_kv)
+
+
+def fused_recurrent_gated_delta_rule(
+    *,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    intermediate_states_out: torch.Tensor | None = None,
+    update_state: bool = True,
+) -> torch.Tensor:
+    """Token-by-token gated delta rule for L tokens of each of N sequences.
+
+    q, k: [N, L, Hk, K]; v: [N, L, Hv, V]; g, beta: [N, L, Hv]; state_pool: [S, Hv, K, V] float32;
+    state_slots: [N]. Returns o: [N, L, Hv, V] in v's dtype. intermediate_states_out
+    ([N, L, Hv, K, V]), when given, receives the state after each token; update_state writes the
+    state after the last token to the slot. No host syncs.
+    """
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    num_seqs, length, num_k_heads, key_dim = q.shape
+    num_v_heads, value_dim = v.shape[2], v.shape[3]
+    scale = key_dim**-0.5 if scale is None else scale
+    out = torch.empty((num_seqs, length, num_v_heads, value_dim), dtype=v.dtype, device=v.device)
+    if num_seqs == 0 or length == 0:
+        return out
+    # without intermediate states the pool stands in as a (never written) pointer argument
+    inter = intermediate_states_out if intermediate_states_out is not None else state_pool
+    bv = min(BLOCK_V, max(16, triton.next_power_of_2(value_dim)))
+    grid = (num_seqs * num_v_heads * triton.cdiv(value_dim, bv),)
+    _recurrent_kernel[grid](
+        q, k, v, g, beta, out, state_pool, state_slots, inter, scale, length,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(), *state_pool.stride(),
+        inter.stride(0), inter.stride(1) if intermediate_states_out is not None else 0, *inter.stride()[-3:],
+        HV=num_v_heads, GROUP=num_v_heads // num_k_heads, K=key_dim, V=value_dim,
+        BK=max(16, triton.next_power_of_2(key_dim)), BV=bv, L2NORM=use_qk_l2norm,
+        STORE_INTERMEDIATE=intermediate_states_out is not None, UPDATE_STATE=update_state,
+        num_warps=4,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,250 @@
+"""Triton gated delta rule kernels against the plain-torch reference (layers/kernels/gdn/naive.py).
+
+Without CUDA the kernels run on CPU float32 tensors under Triton's interpreter (tiny shapes); with
+CUDA the same tests run on the GPU, and the `gpu`-marked tests compare bf16 kernels at real shapes.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of a kernel module
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from deltaserve.layers.kernels.gdn import chunk as chunk_module  # noqa: E402
+from deltaserve.layers.kernels.gdn import naive  # noqa: E402
+from deltaserve.layers.kernels.gdn import recurrent as recurrent_module  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# float32 matmuls run as tf32 on the GPU
+TOL = 2e-2 if DEVICE == "cuda" else 1e-4
+
+
+class NanTorch:
+    """Stands in for `torch` inside a kernel module: empty buffers come back NaN-filled, so an
+    element a kernel forgets to write (or a scratch value it reads before writing) shows up."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        return torch.empty(*args, **kwargs).fill_(float("nan"))
+
+
+@pytest.fixture
+def nan_buffers(monkeypatch):
+    monkeypatch.setattr(chunk_module, "torch", NanTorch())
+    monkeypatch.setattr(recurrent_module, "torch", NanTorch())
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| over max(1, max |ref|); NaN anywhere fails."""
+    if torch.isnan(out).any():
+        return float("inf")
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1)).item()
+
+
+def make_inputs(num_tokens, num_k_heads, num_v_heads, key_dim, value_dim, dtype=torch.float32, lead=()):
+    shape = (*lead, num_tokens)
+    q = torch.randn(*shape, num_k_heads, key_dim, device=DEVICE).to(dtype)
+    k = torch.randn(*shape, num_k_heads, key_dim, device=DEVICE).to(dtype)
+    v = torch.randn(*shape, num_v_heads, value_dim, device=DEVICE).to(dtype)
+    g = F.logsigmoid(torch.randn(*shape, num_v_heads, device=DEVICE))  # log decay, < 0
+    beta = torch.rand(*shape, num_v_heads, device=DEVICE)
+    return q, k, v, g, beta
+
+
+def run_chunk(impl, q, k, v, g, beta, cu_seqlens, pool, slots, has_init, **kw):
+    pool = pool.clone()
+    states = []
+    out = impl(
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        cu_seqlens=cu_seqlens,
+        state_pool=pool,
+        state_slots=slots,
+        has_initial_state=has_init,
+        chunk_states_out=states,
+        **kw,
+    )
+    return out, pool, states
+
+
+@pytest.mark.parametrize(
+    "bounds, heads, dims, l2norm, scale",
+    [
+        ([0, 1, 70, 75, 203], (1, 2), (8, 12), True, None),  # GQA, odd lengths, a 1-token sequence
+        ([0, 5, 64, 129], (2, 2), (16, 16), False, 0.3),  # exact chunk boundaries, no l2norm
+        ([0, 30, 30, 33], (1, 3), (12, 20), True, None),  # shorter than a chunk, an empty sequence
+    ],
+)
+def test_chunk_matches_naive(nan_buffers, bounds, heads, dims, l2norm, scale):
+    torch.manual_seed(0)
+    (num_k_heads, num_v_heads), (key_dim, value_dim) = heads, dims
+    num_seqs = len(bounds) - 1
+    q, k, v, g, beta = make_inputs(bounds[-1], num_k_heads, num_v_heads, key_dim, value_dim)
+    if not l2norm:  # keep |k| near 1, as the delta rule needs
+        q, k = q * key_dim**-0.5, k * key_dim**-0.5
+    # q, k, v as strided views of one projection, as the layer passes them
+    packed = torch.cat([t.flatten(1) for t in (q, k, v)], dim=1)
+    q, k, v = (
+        packed[:, a : a + t.shape[1] * t.shape[2]].view(t.shape)
+        for a, t in zip((0, q[0].numel(), 2 * q[0].numel()), (q, k, v), strict=True)
+    )
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    pool = torch.randn(num_seqs + 3, num_v_heads, key_dim, value_dim, device=DEVICE)
+    slots = torch.randperm(num_seqs + 3, device=DEVICE)[:num_seqs]
+    has_init = (torch.arange(num_seqs, device=DEVICE) % 2) == 0
+    args = (q, k, v, g, beta, cu_seqlens, pool, slots, has_init)
+    ref, ref_pool, ref_states = run_chunk(naive.chunk_gated_delta_rule, *args, scale=scale, use_qk_l2norm=l2norm)
+    out, out_pool, out_states = run_chunk(chunk_module.chunk_gated_delta_rule, *args, scale=scale, use_qk_l2norm=l2norm)
+
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out, ref) < TOL
+    assert rel_err(out_pool, ref_pool) < TOL
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots[(cu_seqlens[1:] > cu_seqlens[:-1])].long()] = False
+    assert torch.equal(out_pool[untouched], pool[untouched])
+    assert len(out_states) == num_seqs
+    for got, want in zip(out_states, ref_states, strict=True):
+        assert got.shape == want.shape
+        if want.numel():
+            assert rel_err(got, want) < TOL
+
+
+def test_chunk_half_precision(nan_buffers):
+    """The 16-bit path (matmul operands and scratch in the inputs' dtype). float16 stands in for
+    bf16, whose matmuls the interpreter cannot run."""
+    torch.manual_seed(5)
+    bounds = [0, 50, 181]
+    q, k, v, g, beta = make_inputs(bounds[-1], 2, 4, 16, 16, dtype=torch.float16)
+    cu_seqlens = torch.tensor(bounds, device=DEVICE)
+    pool = torch.randn(3, 4, 16, 16, device=DEVICE)
+    slots = torch.tensor([2, 0], device=DEVICE)
+    has_init = torch.tensor([True, False], device=DEVICE)
+    args = (q, k, v, g, beta, cu_seqlens, pool, slots, has_init)
+    ref, ref_pool, ref_states = run_chunk(naive.chunk_gated_delta_rule, *args)
+    out, out_pool, out_states = run_chunk(chunk_module.chunk_gated_delta_rule, *args)
+    assert out.dtype == torch.float16
+    assert rel_err(out, ref) < 5e-3
+    assert rel_err(out_pool, ref_pool) < 5e-3
+    for got, want in zip(out_states, ref_states, strict=True):
+        assert rel_err(got, want) < 5e-3
+
+
+def test_chunk_ignores_slot_without_initial_state(nan_buffers):
+    """has_initial_state False must not read the slot, even when it holds NaN."""
+    torch.manual_seed(1)
+    q, k, v, g, beta = make_inputs(40, 1, 2, 8, 8)
+    cu_seqlens = torch.tensor([0, 40], device=DEVICE)
+    pool = torch.full((2, 2, 8, 8), float("nan"), device=DEVICE)
+    slots = torch.tensor([1], device=DEVICE)
+    has_init = torch.tensor([False], device=DEVICE)
+    args = (q, k, v, g, beta, cu_seqlens, pool, slots, has_init)
+    ref, ref_pool, _ = run_chunk(naive.chunk_gated_delta_rule, *args)
+    out, out_pool, _ = run_chunk(chunk_module.chunk_gated_delta_rule, *args)
+    assert rel_err(out, ref) < TOL
+    assert rel_err(out_pool[1], ref_pool[1]) < TOL
+
+
+@pytest.mark.parametrize("length, heads, dims", [(1, (2, 4), (8, 12)), (3, (1, 2), (16, 10))])
+@pytest.mark.parametrize("update_state", [True, False])
+def test_recurrent_matches_naive(nan_buffers, length, heads, dims, update_state):
+    torch.manual_seed(2)
+    (num_k_heads, num_v_heads), (key_dim, value_dim) = heads, dims
+    num_seqs = 5
+    q, k, v, g, beta = make_inputs(length, num_k_heads, num_v_heads, key_dim, value_dim, lead=(num_seqs,))
+    pool = torch.randn(num_seqs + 3, num_v_heads, key_dim, value_dim, device=DEVICE)
+    slots = torch.randperm(num_seqs + 3, device=DEVICE)[:num_seqs]
+    results = []
+    for impl in (naive.fused_recurrent_gated_delta_rule, recurrent_module.fused_recurrent_gated_delta_rule):
+        p = pool.clone()
+        inter = torch.full((num_seqs, length, num_v_heads, key_dim, value_dim), float("nan"), device=DEVICE)
+        o = impl(
+            q=q,
+            k=k,
+            v=v,
+            g=g,
+            beta=beta,
+            state_pool=p,
+            state_slots=slots,
+            intermediate_states_out=inter,
+            update_state=update_state,
+        )
+        results.append((o, p, inter))
+    (ref, ref_pool, ref_inter), (out, out_pool, out_inter) = results
+    assert rel_err(out, ref) < TOL
+    assert rel_err(out_inter, ref_inter) < TOL
+    assert rel_err(out_pool, ref_pool) < TOL
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=DEVICE)
+    if update_state:
+        untouched[slots.long()] = False
+    assert torch.equal(out_pool[untouched], pool[untouched])
+
+
+def test_recurrent_without_intermediate_states(nan_buffers):
+    torch.manual_seed(3)
+    q, k, v, g, beta = make_inputs(1, 2, 4, 8, 12, lead=(3,))
+    pool = torch.randn(4, 4, 8, 12, device=DEVICE)
+    slots = torch.tensor([2, 0, 3], device=DEVICE)
+    outs = []
+    for impl in (naive.fused_recurrent_gated_delta_rule, recurrent_module.fused_recurrent_gated_delta_rule):
+        p = pool.clone()
+        outs.append((impl(q=q, k=k, v=v, g=g, beta=beta, state_pool=p, state_slots=slots, scale=0.5), p))
+    assert rel_err(outs[1][0], outs[0][0]) < TOL
+    assert rel_err(outs[1][1], outs[0][1]) < TOL
+
+
+# ---- GPU: bf16 kernels at the model's shapes (Hk=16, Hv=32, K=V=128) -------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+BF16_TOL = 2e-2  # bf16 operands: the reference runs in float32 on the same bf16 inputs
+
+
+@pytest.mark.gpu
+@gpu
+def test_chunk_bf16_real_shapes(nan_buffers):
+    torch.manual_seed(4)
+    bounds = [0, 777, 2048, 2049, 3000]
+    q, k, v, g, beta = make_inputs(bounds[-1], 16, 32, 128, 128, dtype=torch.bfloat16)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    pool = torch.randn(6, 32, 128, 128, device=DEVICE) * 0.1
+    slots = torch.tensor([5, 0, 3, 1], dtype=torch.int32, device=DEVICE)
+    has_init = torch.tensor([True, False, True, True], device=DEVICE)
+    args = (q, k, v, g, beta, cu_seqlens, pool, slots, has_init)
+    ref, ref_pool, ref_states = run_chunk(naive.chunk_gated_delta_rule, *args)
+    out, out_pool, out_states = run_chunk(chunk_module.chunk_gated_delta_rule, *args)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, ref) < BF16_TOL
+    assert rel_err(out_pool, ref_pool) < BF16_TOL
+    assert torch.equal(out_pool[[2, 4]], pool[[2, 4]])
+    for got, want in zip(out_states, ref_states, strict=True):
+        assert rel_err(got, want) < BF16_TOL
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("length", [1, 4])
+def test_recurrent_bf16_real_shapes(nan_buffers, length):
+    torch.manual_seed(5)
+    num_seqs = 64
+    q, k, v, g, beta = make_inputs(length, 16, 32, 128, 128, dtype=torch.bfloat16, lead=(num_seqs,))
+    pool = torch.randn(num_seqs + 8, 32, 128, 128, device=DEVICE) * 0.1
+    slots = torch.randperm(num_seqs + 8, device=DEVICE)[:num_seqs].int()
+    results = []
+    for impl in (naive.fused_recurrent_gated_delta_rule, recurrent_module.fused_recurrent_gated_delta_rule):
+        p = pool.clone()
+        inter = torch.full((num_seqs, length, 32, 128, 128), float("nan"), device=DEVICE)
+        o = impl(q=q, k=k, v=v, g=g, beta=beta, state_pool=p, state_slots=slots, intermediate_states_out=inter)
+        results.append((o, p, inter))
+    (ref, ref_pool, ref_inter), (out, out_pool, out_inter) = results
+    assert rel_err(out, ref) < BF16_TOL
+    assert rel_err(out_pool, ref_pool) < 1e-4  # the state math is float32 on both sides
+    assert rel_err(out_inter, ref_inter) < 1e-4
