@@ -34,7 +34,7 @@ class EngineUnavailableError(RuntimeError):
 class EngineLoop:
     def __init__(self, config: EngineConfig, sink: Callable[[RequestOutput], None], engine: EngineCore | None = None):
         self.config = config
-        self.engine = engine or EngineCore(config)
+        self.engine = engine or EngineCore(config, output_mode="delta")
         self._user_sink = sink
         self._live: set[str] = set()  # submitted and not finished: ids in use
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -127,9 +127,25 @@ def make_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
     return RayExecutor(config, model_config)
 
 
+OUTPUT_MODES = ("cumulative", "delta", "final")
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None, executor: Executor | None = None):
+    """`output_mode`: "cumulative" (every output carries the whole completion so far), "delta"
+    (unfinished outputs carry only what the step added: cheap to stream and to send between
+    processes) or "final" (only finished requests produce outputs: offline generation)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig | None = None,
+        executor: Executor | None = None,
+        output_mode: str = "cumulative",
+    ):
         config.validate()
+        if output_mode not in OUTPUT_MODES:
+            raise ValueError(f"output_mode must be one of {OUTPUT_MODES}, got {output_mode!r}")
+        self.output_mode = output_mode
         if model_config is None:
             if config.model is None:
                 raise ValueError("model: a model directory is required")
@@ -230,7 +246,9 @@ class EngineCore:
             self.executor.restart()
             return outputs
         for req in self.scheduler.apply_output(plan, result):
-            outputs.append(self._on_token(req))
+            out = self._on_token(req)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     def fail_all(self, error: str) -> list[RequestOutput]:
@@ -241,7 +259,7 @@ class EngineCore:
             outputs.append(self._output(req, [], self._flush(req)))
         return outputs
 
-    def _on_token(self, req: Request) -> RequestOutput:
+    def _on_token(self, req: Request) -> RequestOutput | None:
         token = req.output_token_ids[-1]
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
@@ -254,6 +272,8 @@ class EngineCore:
                 self.scheduler.finish(req, FinishReason.STOP)
         if req.is_finished:
             delta += self._flush(req)
+        elif self.output_mode == "final":
+            return None
         return self._output(req, [token], delta)
 
     def _flush(self, req: Request) -> str:
@@ -261,26 +281,34 @@ class EngineCore:
         return "" if detok is None else detok.flush()
 
     def _output(self, req: Request, new_ids: list[int], delta: str) -> RequestOutput:
-        detok = self._detok.get(req.req_id)
-        text = detok.text[: detok.emitted] if detok is not None else ""
+        """The request's output; lists are the request's own (it is not mutated once finished)."""
         finished = req.is_finished
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(req.output_token_ids),
-            logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
-            finish_reason=req.finish_reason.value if finished else None,
-            stop_reason=req.stop_reason,
-        )
+        params = req.sampling_params
+        want_logprobs = params.logprobs is not None
+        if finished or self.output_mode == "cumulative":
+            detok = self._detok.get(req.req_id)
+            completion = CompletionOutput(
+                index=0,
+                text=detok.text[: detok.emitted] if detok is not None else "",
+                token_ids=req.output_token_ids,
+                logprobs=req.logprobs if want_logprobs else None,
+                finish_reason=req.finish_reason.value if finished else None,
+                stop_reason=req.stop_reason,
+            )
+            prompt_logprobs = req.prompt_logprobs if params.prompt_logprobs is not None else None
+        else:
+            completion = CompletionOutput(index=0, text="", token_ids=[], logprobs=None, finish_reason=None)
+            prompt_logprobs = None
         out = RequestOutput(
             request_id=req.req_id,
             prompt=self._prompts.get(req.req_id),
             prompt_token_ids=req.prompt_token_ids,
-            prompt_logprobs=list(req.prompt_logprobs) if req.sampling_params.prompt_logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
             outputs=[completion],
             finished=finished,
             delta_text=delta,
             delta_token_ids=new_ids,
+            delta_logprobs=req.logprobs[len(req.logprobs) - len(new_ids) :] if want_logprobs and new_ids else [],
             time_to_first_token_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
             error=req.error,
         )

@@ -242,11 +242,8 @@ def _token_logprob(lp: TokenLogprobs) -> pb.TokenLogprob:
 
 
 def _chunk(out: RequestOutput) -> pb.GenerateChunk:
-    completion = out.outputs[0]
     chunk = pb.GenerateChunk(token_ids=out.delta_token_ids, text=out.delta_text)
-    if completion.logprobs is not None:
-        end = len(completion.token_ids)  # the delta is the tail of the cumulative outputs
-        chunk.logprobs.extend(_token_logprob(lp) for lp in completion.logprobs[end - len(out.delta_token_ids) : end])
+    chunk.logprobs.extend(_token_logprob(lp) for lp in out.delta_logprobs)
     return chunk
 
 

@@ -60,7 +60,7 @@ class LLM:
             cpu_kv_cache_bytes=cpu_kv_cache_bytes,
             num_kv_blocks=num_kv_blocks,
         )
-        self.engine = EngineCore(self.config, model_config=model_config)
+        self.engine = EngineCore(self.config, model_config=model_config, output_mode="final")
         self._ids = itertools.count()
 
     @property

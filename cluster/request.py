@@ -54,6 +54,19 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_at(self, index: int) -> int:
+        """Token `index` of prompt + output, without building the joined list."""
+        prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < prompt else self.output_token_ids[index - prompt]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        prompt = len(self.prompt_token_ids)
+        if end <= prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt:
+            return self.output_token_ids[start - prompt : end - prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -95,6 +108,7 @@ class RequestOutput:
     # streaming: what this update added
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
     time_to_first_token_s: float | None = None
     error: str | None = None

@@ -118,14 +118,15 @@ class Scheduler:
             if want <= 0:
                 i += 1
                 continue
-            while not self.blocks.can_grow(req, req.num_computed_tokens + want):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is req:
-                    break
-            if req.status is not RequestStatus.RUNNING:
-                break  # req itself was the newest and got preempted
-            self.blocks.grow(req, req.num_computed_tokens + want)
+            if self.blocks.pages_needed(req, req.num_computed_tokens + want):  # most decode steps need none
+                while not self.blocks.can_grow(req, req.num_computed_tokens + want):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim is req:
+                        break
+                if req.status is not RequestStatus.RUNNING:
+                    break  # req itself was the newest and got preempted
+                self.blocks.grow(req, req.num_computed_tokens + want)
             scheduled.append((req, want))
             budget -= want
             i += 1
@@ -173,21 +174,21 @@ class Scheduler:
         prefill = [(r, n) for r, n in scheduled if not (n == 1 and r.num_computed_tokens > 0)]
         rows = decode + prefill
         bs = self.blocks.block_size
-        ids, positions, slot_mapping = [], [], []
-        starts = [0]
-        for req, n in rows:
+        # decode rows: one token each, in plain Python (numpy per row costs more than it saves)
+        ids = [r.token_at(r.num_computed_tokens) for r, _ in decode]
+        positions = [r.num_computed_tokens for r, _ in decode]
+        slot_mapping = [r.block_table[p // bs] * bs + p % bs for (r, _), p in zip(decode, positions, strict=True)]
+        position_parts = [np.asarray(positions, dtype=np.int64)]
+        slot_parts = [np.asarray(slot_mapping, dtype=np.int64)]
+        for req, n in prefill:
             start = req.num_computed_tokens
-            tokens = req.all_token_ids[start : start + n]
-            ids.extend(tokens)
+            ids.extend(req.token_slice(start, start + n))
             pos = np.arange(start, start + n)
-            positions.append(pos)
-            table = np.asarray(req.block_table, dtype=np.int64)
-            slot_mapping.append(table[pos // bs] * bs + pos % bs)
-            starts.append(starts[-1] + n)
+            position_parts.append(pos)
+            slot_parts.append(np.asarray(req.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+        lengths = [n for _, n in rows]
         width = max(len(r.block_table) for r, _ in rows)
-        block_tables = np.zeros((len(rows), width), dtype=np.int32)
-        for k, (req, _) in enumerate(rows):
-            block_tables[k, : len(req.block_table)] = req.block_table
+        block_tables = np.array([r.block_table + [0] * (width - len(r.block_table)) for r, _ in rows], dtype=np.int32)
 
         new_requests = []
         for req, _ in rows:
@@ -201,9 +202,9 @@ class Scheduler:
             req_ids=[r.req_id for r, _ in rows],
             num_decode_rows=len(decode),
             input_ids=np.asarray(ids, dtype=np.int32),
-            positions=np.concatenate(positions).astype(np.int32),
-            slot_mapping=np.concatenate(slot_mapping).astype(np.int64),
-            query_start_loc=np.asarray(starts, dtype=np.int32),
+            positions=np.concatenate(position_parts).astype(np.int32),
+            slot_mapping=np.concatenate(slot_parts),
+            query_start_loc=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
             seq_lens=np.asarray([r.num_computed_tokens + n for r, n in rows], dtype=np.int32),
             block_tables=block_tables,
             state_slots=np.asarray([r.state_slot for r, _ in rows], dtype=np.int32),

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import AttnLayerState, CheckpointTensor, ForwardContext
-from .common import RMSNorm, apply_rotary, col_range, empty_param, row_ranges
+from .common import RMSNorm, col_range, empty_param, row_ranges
 from .config import ModelConfig
 from .kernels import attention as attn_kernels
+from .kernels import rotary as rotary_kernels
 from .parallel import ParallelLayout, all_reduce
 
 
@@ -44,6 +45,7 @@ class GatedAttention(nn.Module):
             self.o_bias = empty_param(h)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.rotary_dim, self.rope_theta, self.eps = config.rotary_dim, config.rope_theta, config.rms_norm_eps
 
     def checkpoint_tensors(self, prefix: str) -> list[CheckpointTensor]:
         d, h = self.head_dim, self.hidden_size
@@ -71,23 +73,29 @@ class GatedAttention(nn.Module):
         shape = (block_size, self.num_kv_heads, self.head_dim)
         return {"k_cache": shape, "v_cache": shape}
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: AttnLayerState, rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: AttnLayerState) -> torch.Tensor:
         num_tokens, d = x.shape[0], self.head_dim
         q_gate = F.linear(x, self.q_proj, self.q_bias if self.bias else None).view(num_tokens, self.num_heads, 2 * d)
-        q, gate = q_gate[..., :d], q_gate[..., d:].reshape(num_tokens, self.num_heads * d)
+        gate = q_gate[..., d:].reshape(num_tokens, self.num_heads * d)
         k = F.linear(x, self.k_proj, self.k_bias if self.bias else None).view(num_tokens, self.num_kv_heads, d)
         v = F.linear(x, self.v_proj, self.v_bias if self.bias else None).view(num_tokens, self.num_kv_heads, d)
-        q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
+        q, k = rotary_kernels.qk_norm_rope(
+            q=q_gate[..., :d],
+            k=k,
+            q_weight=self.q_norm.weight,
+            k_weight=self.k_norm.weight,
+            positions=ctx.positions,
+            eps=self.eps,
+            rotary_dim=self.rotary_dim,
+            theta=self.rope_theta,
+        )
         attn_kernels.write_kv_cache(
             key=k, value=v, k_cache=state.k_cache, v_cache=state.v_cache, slot_mapping=ctx.slot_mapping
         )
-        out = torch.empty_like(q)
         num_decode = ctx.num_decode_tokens
+        decode_out = prefill_out = None
         if ctx.decode is not None:
-            out[:num_decode] = attn_kernels.paged_decode_attention(
+            decode_out = attn_kernels.paged_decode_attention(
                 q=q[:num_decode],
                 k_cache=state.k_cache,
                 v_cache=state.v_cache,
@@ -96,7 +104,7 @@ class GatedAttention(nn.Module):
                 scale=self.scale,
             )
         if ctx.prefill is not None:
-            out[num_decode:] = attn_kernels.paged_attention(
+            prefill_out = attn_kernels.paged_attention(
                 q=q[num_decode:],
                 k_cache=state.k_cache,
                 v_cache=state.v_cache,
@@ -105,9 +113,19 @@ class GatedAttention(nn.Module):
                 block_tables=ctx.prefill.block_tables,
                 scale=self.scale,
             )
+        out = join_rows(decode_out, prefill_out)
         out = out.reshape(num_tokens, self.num_heads * d) * torch.sigmoid(gate)
         out = F.linear(out, self.o_proj, self.o_bias if self.bias else None)
         return all_reduce(out, self.layout)
+
+
+def join_rows(decode: torch.Tensor | None, prefill: torch.Tensor | None) -> torch.Tensor:
+    """The decode rows' result followed by the prefill chunk's; no copy when a pass has only one."""
+    if decode is None:
+        return prefill
+    if prefill is None:
+        return decode
+    return torch.cat((decode, prefill))
 
 
 def _rank0_bias(name: str, param: torch.Tensor, layout: ParallelLayout) -> CheckpointTensor:

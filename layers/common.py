@@ -1,5 +1,5 @@
-"""Small pieces the layers share: the zero-centred RMSNorm, partial rotary embeddings, and the
-helpers that load a rank's rows or columns of a checkpoint tensor."""
+"""Small pieces the layers share: the zero-centred RMSNorm and the helpers that load a rank's rows
+or columns of a checkpoint tensor."""
 
 from __future__ import annotations
 
@@ -59,25 +59,3 @@ def col_range(name: str, param: torch.Tensor, full_shape: tuple[int, ...], start
     return CheckpointTensor(
         name, tuple(full_shape), lambda t: copy_into(param, t.get(slice(None), slice(start, start + cols)), name)
     )
-
-
-def rotary_cos_sin(
-    positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, rotary_dim] for the given positions (computed in float32, as transformers does)."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim)
-    )
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first rotary_dim features of each head (rotate-half convention); x: [T, H, D]."""
-    rotary_dim = cos.shape[-1]
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-    rot = rot * cos[:, None, :] + rotated_half * sin[:, None, :]
-    return torch.cat((rot, rest), dim=-1)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import join_rows
 from .base import CheckpointTensor, ForwardContext, SsmLayerState
 from .common import col_range, empty_param, row_ranges, whole
 from .config import ModelConfig
@@ -152,9 +153,9 @@ class GatedDeltaNet(nn.Module):
         conv_weight = self.conv_weight.squeeze(1)
 
         num_decode = ctx.num_decode_tokens
-        conv_out = torch.empty_like(mixed)
+        conv_decode = conv_prefill = None
         if ctx.decode is not None:
-            conv_out[:num_decode] = conv_kernels.causal_conv1d_update(
+            conv_decode = conv_kernels.causal_conv1d_update(
                 x=mixed[:num_decode],
                 weight=conv_weight,
                 bias=None,
@@ -163,7 +164,7 @@ class GatedDeltaNet(nn.Module):
                 activation="silu",
             )
         if ctx.prefill is not None:
-            conv_out[num_decode:] = conv_kernels.causal_conv1d_varlen(
+            conv_prefill = conv_kernels.causal_conv1d_varlen(
                 x=mixed[num_decode:],
                 weight=conv_weight,
                 bias=None,
@@ -173,17 +174,18 @@ class GatedDeltaNet(nn.Module):
                 has_initial_state=ctx.prefill.has_initial_state,
                 activation="silu",
             )
+        conv_out = join_rows(conv_decode, conv_prefill)
         q = conv_out[:, off["q"] : off["k"]].reshape(num_tokens, self.num_key_heads, self.key_head_dim)
         k = conv_out[:, off["k"] : off["v"]].reshape(num_tokens, self.num_key_heads, self.key_head_dim)
         v = conv_out[:, off["v"] :].reshape(num_tokens, self.num_value_heads, self.value_head_dim)
         beta = torch.sigmoid(b.float())
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
 
-        core = torch.empty_like(v)
+        core_decode = core_prefill = None
         if ctx.decode is not None:
             n = ctx.decode.num_seqs
             rows = ctx.decode.tokens_per_row
-            core[:num_decode] = gdn_kernels.fused_recurrent_gated_delta_rule(
+            core_decode = gdn_kernels.fused_recurrent_gated_delta_rule(
                 q=q[:num_decode].view(n, rows, *q.shape[1:]),
                 k=k[:num_decode].view(n, rows, *k.shape[1:]),
                 v=v[:num_decode].view(n, rows, *v.shape[1:]),
@@ -194,7 +196,7 @@ class GatedDeltaNet(nn.Module):
                 use_qk_l2norm=True,
             ).view(num_decode, *v.shape[1:])
         if ctx.prefill is not None:
-            core[num_decode:] = gdn_kernels.chunk_gated_delta_rule(
+            core_prefill = gdn_kernels.chunk_gated_delta_rule(
                 q=q[num_decode:],
                 k=k[num_decode:],
                 v=v[num_decode:],
@@ -206,6 +208,7 @@ class GatedDeltaNet(nn.Module):
                 has_initial_state=ctx.prefill.has_initial_state,
                 use_qk_l2norm=True,
             )
+        core = join_rows(core_decode, core_prefill)
         core = norm_kernels.gated_rms_norm(x=core, gate=z, weight=self.norm_weight, eps=self.eps)
         out = F.linear(core.reshape(num_tokens, self.value_dim), self.out_proj)
         return all_reduce(out, self.layout)

@@ -21,11 +21,17 @@ from .base import (
     TransformerLayer,
     copy_into,
 )
-from .common import RMSNorm, empty_param, rotary_cos_sin
+from .common import RMSNorm, empty_param
 from .config import ATTENTION, ModelConfig
 from .gdn import GatedDeltaNet
+from .kernels import norm as norm_kernels
 from .moe import DenseMLP, SparseMoeBlock
 from .parallel import ParallelLayout, all_gather_last_dim, all_reduce, validate_layout
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual) in one pass over memory."""
+    return norm_kernels.fused_add_rms_norm(x=x, residual=residual, weight=norm.weight, eps=norm.eps)
 
 
 class DecoderLayer(TransformerLayer):
@@ -61,18 +67,22 @@ class DecoderLayer(TransformerLayer):
             return {name: (shape, None) for name, shape in self.mixer.state_shapes(block_size).items()}
         return self.mixer.state_shapes()
 
-    def forward(self, hidden: torch.Tensor, ctx: ForwardContext, state: LayerState, rope) -> torch.Tensor:
-        x = self.input_layernorm(hidden)
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, state: LayerState
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) -> (this layer's FFN output, the residual stream before it): the
+        residual additions are fused into the following norms."""
+        if residual is None:
+            residual, x = hidden, self.input_layernorm(hidden)
+        else:
+            x, residual = add_rms_norm(hidden, residual, self.input_layernorm)
         if self.is_attention:
             assert isinstance(state, AttnLayerState)
-            mixed = self.mixer(x, ctx, state, rope)
         else:
             assert isinstance(state, SsmLayerState)
-            mixed = self.mixer(x, ctx, state)
-        hidden = hidden + mixed
-        x = self.post_attention_layernorm(hidden)
-        ffn = self.mlp(x, ctx) if self.is_moe else self.mlp(x)
-        return hidden + ffn
+        mixed = self.mixer(x, ctx, state)
+        x, residual = add_rms_norm(mixed, residual, self.post_attention_layernorm)
+        return (self.mlp(x, ctx) if self.is_moe else self.mlp(x)), residual
 
 
 class HybridModel(nn.Module):
@@ -129,11 +139,10 @@ class HybridModel(nn.Module):
 
     def forward(self, ctx: ForwardContext, states: list[LayerState]) -> torch.Tensor:
         """Final hidden states [T, hidden] for every token of the pass."""
-        hidden = self.embed(ctx.input_ids)
-        rope = rotary_cos_sin(ctx.positions, self.config.rotary_dim, self.config.rope_theta, hidden.dtype)
+        hidden, residual = self.embed(ctx.input_ids), None
         for layer, state in zip(self.layers, states, strict=True):
-            hidden = layer(hidden, ctx, state, rope)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, ctx, state)
+        return add_rms_norm(hidden, residual, self.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [R, vocab] (float32) for the rows given; gathered over TP ranks."""

@@ -16,8 +16,13 @@ def logits_rows(plan: PassPlan) -> tuple[np.ndarray, list[tuple[int, int, int]]]
     the span of its entries in that list and the entry of its sampled position (-1: none).
     A sampling row contributes its last token; a prompt-logprobs row contributes all its tokens."""
     starts = plan.query_start_loc
+    if not plan.prompt_logprob_rows.any():  # the common case, without a Python loop over rows
+        sampled = plan.sample_rows
+        order = np.cumsum(sampled) - 1
+        spans = [(int(o), 1, int(o)) if s else (int(o) + 1, 0, -1) for s, o in zip(sampled, order, strict=True)]
+        return (starts[1:][sampled] - 1).astype(np.int64), spans
     indices: list[np.ndarray] = []
-    spans: list[tuple[int, int, int]] = []
+    spans = []
     count = 0
     for n in range(plan.num_rows):
         lo, hi = int(starts[n]), int(starts[n + 1])

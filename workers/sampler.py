@@ -75,14 +75,17 @@ class Sampler:
             return [], {}
         states = [self.states[r] for r in req_ids]
         raw = logits
-        logits = logits.clone()
-        self._apply_penalties(logits, states)
-        tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)
+        if any(_needs_penalties(s) for s in states):
+            logits = logits.clone()
+            self._apply_penalties(logits, states)
         greedy = [i for i, s in enumerate(states) if s.spec.temperature == 0]
-        if greedy:
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
-        random_rows = [i for i, s in enumerate(states) if s.spec.temperature != 0]
-        if random_rows:
+        if len(greedy) == len(states):  # all greedy: one argmax, no gathers
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)
+            if greedy:
+                tokens[greedy] = logits[greedy].argmax(dim=-1)
+            random_rows = [i for i, s in enumerate(states) if s.spec.temperature != 0]
             tokens[random_rows] = self._draw(logits[random_rows], [states[i] for i in random_rows])
         token_list = tokens.tolist()
         want_logprobs = [i for i, s in enumerate(states) if s.spec.logprobs is not None]
@@ -133,6 +136,15 @@ class Sampler:
         """Logprobs of next_tokens[i] under logits[i] (one prompt position each)."""
         lp = torch.log_softmax(logits.float(), dim=-1)
         return [token_logprobs(lp[i], t, k) for i, t in enumerate(next_tokens)]
+
+
+def _needs_penalties(state: RequestSamplingState) -> bool:
+    spec = state.spec
+    return (
+        spec.repetition_penalty != 1.0
+        or bool(spec.presence_penalty or spec.frequency_penalty)
+        or (len(state.output_token_ids) < spec.min_tokens and bool(spec.min_tokens_banned_ids))
+    )
 
 
 def _filter(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:

@@ -1,0 +1,12 @@
+"""q/k head norm fused with partial rotary embeddings (gated attention's pre-attention step)."""
+
+from . import naive
+
+
+def qk_norm_rope(**kwargs):
+    """See naive.qk_norm_rope."""
+    if kwargs["q"].is_cuda:
+        from .triton_rotary import qk_norm_rope as impl
+    else:
+        impl = naive.qk_norm_rope
+    return impl(**kwargs)

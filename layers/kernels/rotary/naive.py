@@ -1,0 +1,50 @@
+"""Plain-torch q/k head norm + partial rotary embedding: the reference and the CPU path.
+
+Each head vector is RMS-normalised over the head dim with a zero-centred weight (1 + w), then its
+first `rotary_dim` features are rotated by position (rotate-half convention, theta ** (-2i / rotary_dim)
+as transformers computes it, in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..norm import naive as norm_naive
+
+
+def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, rotary_dim] in float32."""
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim
+    inv_freq = 1.0 / (theta**exponent)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim features of each head; x: [T, H, D], cos/sin: [T, rotary_dim]."""
+    rotary_dim = cos.shape[-1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
+    return torch.cat((rot * cos + rotated_half * sin, rest), dim=-1)
+
+
+def qk_norm_rope(
+    *,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    positions: torch.Tensor,
+    eps: float,
+    rotary_dim: int,
+    theta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, D], k: [T, Hkv, D] (may be strided views); weights [D]; positions [T].
+    Returns new contiguous (q, k) of the same shapes and dtype."""
+    cos, sin = rotary_cos_sin(positions, rotary_dim, theta)
+    q = norm_naive.rms_norm(x=q, weight=q_weight, eps=eps)
+    k = norm_naive.rms_norm(x=k, weight=k_weight, eps=eps)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
