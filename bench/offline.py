@@ -134,6 +134,9 @@ def bench_decode(
         engine.step()
         counter.enabled, runner.graphs, counts = False, graphs, list(counter.distinct)
     times = []
+    executor = engine.executor
+    if hasattr(executor, "pass_times"):
+        executor.pass_times.clear()
     for _ in range(steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -153,7 +156,10 @@ def bench_decode(
         print(f"--- profile of {profile_steps} decode steps at batch {batch} ---\n{profile}", flush=True)
     while engine.has_unfinished():
         engine.step()
-    return {"step_s": statistics.median(times), "distinct_experts_per_layer": counts}
+    result = {"step_s": statistics.median(times), "distinct_experts_per_layer": counts}
+    if hasattr(executor, "control_overhead_s"):
+        result["control_overhead_s"] = executor.control_overhead_s(last=steps)
+    return result
 
 
 def bench_prefill(llm: LLM, length: int, vocab: int) -> float:
@@ -216,6 +222,7 @@ def run(args: argparse.Namespace) -> dict:
         "context": args.context,
         "cuda_graphs": not args.enforce_eager,
         "tp": args.tp,
+        "ep": args.ep,
     }
     peer = {}
     if args.peer:
@@ -229,6 +236,7 @@ def run(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=max([*prefills, args.context * 4, 2048]),
         max_model_len=max([*prefills, 4096]) + 64,
         tensor_parallel_size=args.tp,
+        enable_expert_parallel=args.ep,
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
@@ -251,6 +259,8 @@ def run(args: argparse.Namespace) -> dict:
             "expert_fraction": distinct / (model_config.num_experts * len(per_layer) or 1),
             "floor_bytes": floor,
         }
+        if "control_overhead_s" in result:
+            row["control_overhead_ms"] = result["control_overhead_s"] * 1e3
         if b in peer:
             row["peer_step_ms"] = peer[b] * 1e3
             row["speedup_vs_peer"] = peer[b] / result["step_s"]
@@ -273,6 +283,8 @@ def _fmt_decode(r: dict) -> str:
         f" | floor {r['floor_ms']:7.2f} ms ({r['x_floor']:.2f}x floor,"
         f" experts touched {100 * r['expert_fraction']:.0f}%)"
     )
+    if "control_overhead_ms" in r:
+        s += f" | control overhead {r['control_overhead_ms']:.3f} ms"
     if "peer_step_ms" in r:
         s += f" | transformers {r['peer_step_ms']:8.2f} ms ({r['speedup_vs_peer']:.1f}x faster)"
     return s
@@ -288,6 +300,7 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--prefill-lens", default="2048,8192,32768")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ep", action="store_true", help="expert parallel over the TP ranks")
     p.add_argument("--peer", action="store_true", help="also time transformers on the same shapes")
     p.add_argument("--peer-max-batch", type=int, default=64)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

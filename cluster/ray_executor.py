@@ -39,6 +39,8 @@ class RayExecutor:
         self.placement_group = None
         self._dag = None
         self.pool_sizes: PoolSizes | None = None
+        # per pass: (seconds from plan ready to tokens decoded on the driver, rank 0's own execute time)
+        self.pass_times: list[tuple[float, float]] = []
         self._start()
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -133,6 +135,7 @@ class RayExecutor:
         import ray
         from ray.exceptions import RayError
 
+        started = time.perf_counter()
         blob = encode_plan(plan)
         try:
             if self._dag is not None:
@@ -141,7 +144,17 @@ class RayExecutor:
                 results = ray.get([w.execute.remote(blob) for w in self.workers])
         except RayError as e:
             raise WorkerFailure(f"a worker failed during pass {plan.pass_id}: {type(e).__name__}: {e}") from e
-        return decode_output(results[0])
+        output = decode_output(results[0])
+        if len(self.pass_times) < 100_000:
+            self.pass_times.append((time.perf_counter() - started, output.forward_time_s))
+        return output
+
+    def control_overhead_s(self, last: int | None = None) -> float:
+        """Median of (plan ready -> tokens back) minus rank 0's own execute time, over recent passes."""
+        import statistics
+
+        times = self.pass_times[-last:] if last else self.pass_times
+        return statistics.median(wall - forward for wall, forward in times) if times else 0.0
 
 
 def _cluster_address() -> str | None:

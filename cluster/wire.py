@@ -8,6 +8,7 @@ problem instead of reaching a kernel.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, fields
 
 import msgpack
@@ -31,6 +32,10 @@ _ARRAY_FIELDS = {
 }
 
 
+_NP_DTYPES = {name: np.dtype(name) for name in set(_ARRAY_FIELDS.values())}
+_PLAN_FIELDS = [f.name for f in fields(PassPlan)]
+
+
 class WireError(ValueError):
     """A message that is not a valid pass plan or runner output."""
 
@@ -41,21 +46,20 @@ def _pack_array(a: np.ndarray, dtype: str) -> dict:
 
 
 def _unpack_array(name: str, obj) -> np.ndarray:
-    if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
+    if not isinstance(obj, dict) or len(obj) != 3:
         raise WireError(f"plan field '{name}' is not an array record")
-    dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
+    dtype, shape, data = obj.get("dtype"), obj.get("shape"), obj.get("data")
     if dtype != _ARRAY_FIELDS[name]:
         raise WireError(f"plan field '{name}' has dtype {dtype!r}, expected {_ARRAY_FIELDS[name]!r}")
     if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
         raise WireError(f"plan field '{name}' has a bad shape {shape!r}")
-    itemsize = np.dtype(dtype).itemsize
-    count = int(np.prod(shape)) if shape else 1
-    if not isinstance(data, bytes) or len(data) != count * itemsize:
+    np_dtype = _NP_DTYPES[dtype]
+    if not isinstance(data, bytes) or len(data) != math.prod(shape) * np_dtype.itemsize:
         raise WireError(
             f"plan field '{name}' holds {len(data) if isinstance(data, bytes) else '?'} bytes "
             f"for shape {shape} of {dtype}"
         )
-    return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+    return np.frombuffer(data, dtype=np_dtype).reshape(shape)
 
 
 def encode_plan(plan: PassPlan) -> bytes:
@@ -75,16 +79,16 @@ def decode_plan(blob: bytes) -> PassPlan:
     body = _open(blob, "plan")
     try:
         kwargs = {}
-        for f in fields(PassPlan):
-            if f.name not in body:
-                if f.name in ("new_requests", "finished_req_ids", "next_prompt_token"):
+        for name in _PLAN_FIELDS:
+            if name not in body:
+                if name in ("new_requests", "finished_req_ids", "next_prompt_token"):
                     continue
-                raise WireError(f"plan field '{f.name}' is missing")
-            value = body[f.name]
-            if f.name in _ARRAY_FIELDS:
-                kwargs[f.name] = None if value is None else _unpack_array(f.name, value)
-            elif f.name == "new_requests":
-                kwargs[f.name] = [
+                raise WireError(f"plan field '{name}' is missing")
+            value = body[name]
+            if name in _ARRAY_FIELDS:
+                kwargs[name] = None if value is None else _unpack_array(name, value)
+            elif name == "new_requests":
+                kwargs[name] = [
                     NewRequestData(
                         r["req_id"],
                         list(r["prompt_token_ids"]),
@@ -94,7 +98,7 @@ def decode_plan(blob: bytes) -> PassPlan:
                     for r in value
                 ]
             else:
-                kwargs[f.name] = value
+                kwargs[name] = value
         plan = PassPlan(**kwargs)
     except WireError:
         raise
@@ -127,14 +131,32 @@ def check_plan_shapes(plan: PassPlan) -> None:
     if plan.next_prompt_token is not None and plan.next_prompt_token.shape != (n,):
         raise WireError(f"plan field 'next_prompt_token' has shape {plan.next_prompt_token.shape}, expected ({n},)")
     starts = plan.query_start_loc
-    if n and (starts[0] != 0 or starts[-1] != t or np.any(np.diff(starts) < 1)):
+    if n and (starts[0] != 0 or starts[-1] != t or (np.diff(starts) < 1).any()):
         raise WireError("plan field 'query_start_loc' must rise from 0 to the token count in steps >= 1")
     if not 0 <= plan.num_decode_rows <= n:
         raise WireError(f"plan field 'num_decode_rows' is {plan.num_decode_rows} for {n} rows")
 
 
+def _logprobs_record(lp: TokenLogprobs) -> dict:
+    return {
+        "token_id": lp.token_id,
+        "logprob": lp.logprob,
+        "rank": lp.rank,
+        "top_ids": lp.top_ids,
+        "top_logprobs": lp.top_logprobs,
+    }
+
+
 def encode_output(out: RunnerOutput) -> bytes:
-    body = asdict(out)
+    # built by hand: dataclasses.asdict deep-copies and costs more than the rest of the pass's wire work
+    body = {
+        "pass_id": out.pass_id,
+        "req_ids": out.req_ids,
+        "sampled_token_ids": out.sampled_token_ids,
+        "logprobs": {k: _logprobs_record(v) for k, v in out.logprobs.items()},
+        "prompt_logprobs": {k: [_logprobs_record(e) for e in v] for k, v in out.prompt_logprobs.items()},
+        "forward_time_s": out.forward_time_s,
+    }
     return msgpack.packb({"v": WIRE_VERSION, "kind": "output", "body": body}, use_bin_type=True)
 
 
