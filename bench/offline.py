@@ -247,7 +247,11 @@ def run(args: argparse.Namespace) -> dict:
         profile_steps = 3 if b in args.profile_batches else 0
         result = bench_decode(llm, b, args.context, args.steps, counter, model_config.vocab_size, profile_steps)
         per_layer = result["distinct_experts_per_layer"]
-        distinct = sum(per_layer) if per_layer else b * model_config.num_experts_per_tok * len(model_config.layer_types)
+        moe_layers = sum(t == "moe" for t in model_config.mlp_types)
+        if per_layer:  # counted by the hooks in this run
+            distinct = sum(per_layer)
+        else:  # worker processes (TP/EP): no hooks here, so the bound every step stays under
+            distinct = moe_layers * min(model_config.num_experts, b * model_config.num_experts_per_tok)
         floor = decode_floor_bytes(model_config, b, args.context + 4, distinct)
         floor_s = floor["total"] / bandwidth / max(1, args.tp)
         row = {
@@ -256,7 +260,8 @@ def run(args: argparse.Namespace) -> dict:
             "tok_s": b / result["step_s"],
             "floor_ms": floor_s * 1e3,
             "x_floor": result["step_s"] / floor_s,
-            "expert_fraction": distinct / (model_config.num_experts * len(per_layer) or 1),
+            "expert_fraction": distinct / (model_config.num_experts * moe_layers),
+            "experts_counted": bool(per_layer),
             "floor_bytes": floor,
         }
         if "control_overhead_s" in result:
@@ -281,7 +286,7 @@ def _fmt_decode(r: dict) -> str:
     s = (
         f"decode batch {r['batch']:>4}: {r['step_ms']:8.2f} ms/step {r['tok_s']:9.1f} tok/s"
         f" | floor {r['floor_ms']:7.2f} ms ({r['x_floor']:.2f}x floor,"
-        f" experts touched {100 * r['expert_fraction']:.0f}%)"
+        f" experts {'touched' if r['experts_counted'] else 'bound'} {100 * r['expert_fraction']:.0f}%)"
     )
     if "control_overhead_ms" in r:
         s += f" | control overhead {r['control_overhead_ms']:.3f} ms"
