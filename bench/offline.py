@@ -24,15 +24,7 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.moe import SparseMoeBlock
 
-PRESETS = {"qwen3_5_35b_a3b": "transformers.Qwen3_5MoeTextConfig"}
-
-
-def preset_config(name: str) -> ModelConfig:
-    if name != "qwen3_5_35b_a3b":
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
-    from transformers import Qwen3_5MoeTextConfig
-
-    return ModelConfig.from_hf(Qwen3_5MoeTextConfig().to_dict())
+from .presets import PRESETS, preset_config
 
 
 def copy_bandwidth(device: str) -> float:
