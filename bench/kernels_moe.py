@@ -1,14 +1,23 @@
-"""Fused MoE cases at Qwen3.5-35B-A3B shapes (hidden 2048, 256 experts, top-8, expert width 512,
-bf16) for 1 / 16 / 64 / 256 tokens, against the per-expert torch loop (naive.fused_moe on GPU).
+"""MoE cases at Qwen3.5-35B-A3B shapes (hidden 2048, 256 experts, top-8, expert width 512, bf16).
+
+- router: route_topk_softmax for 1 / 64 / 256 / 8192 tokens against torch's softmax + topk
+  (naive.route_topk_softmax), and 40 batch-1 calls (one decode step's layers) in a CUDA graph.
+- fused_moe: 1 / 16 / 64 / 256 tokens on the default path against the per-expert torch loop
+  (naive.fused_moe on GPU), called eagerly: at small batches that time includes the launches.
+- fused_moe[graph]: GRAPH_CALLS calls with distinct routings captured in one CUDA graph, each path
+  at decode batches: the kernels' own time with no launch gaps, and cold weights in every call
+  (each call routes to other experts than the one before). Time and floor are for all the calls.
 
     python -m deltaserve.bench.kernels --only moe
-    python -m deltaserve.bench.kernels_moe --sweep --tokens 1   # tile sweep of the chosen path
+    python -m deltaserve.bench.kernels_moe --sweep --tokens 1   # tile sweep of the chosen path (graph-timed)
+    python -m deltaserve.bench.kernels_moe --sweep --tokens 1 --path pairs_mma
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +27,8 @@ from deltaserve.layers.kernels.moe import triton_moe as tm
 
 H, E, TOP_K, INTER = 2048, 256, 8, 512
 DTYPE = torch.bfloat16
+EXPERT_BYTES = 3 * INTER * H * 2
+GRAPH_CALLS = 16
 _WEIGHTS: dict[str, torch.Tensor] = {}
 
 
@@ -44,10 +55,83 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
+def _moe_bytes(args: dict) -> int:
+    num_tokens = args["hidden"].shape[0]
+    routed = torch.unique(args["topk_ids"]).numel()
+    return routed * EXPERT_BYTES + 2 * num_tokens * H * 2 + num_tokens * TOP_K * (8 + 2)
+
+
+def _graphed(calls: list[Callable[[], object]]) -> Callable[[], None]:
+    """The calls captured, in order, into one CUDA graph (each compiled and run once first, on a side
+    stream as capture requires); returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return graph.replay
+
+
+# --- router ---------------------------------------------------------------------------------------
+
+
+def _router_err(logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> float:
+    """Largest weight difference against torch, and inf if an id points at an expert whose renormalised
+    probability is not the weight it came with (bf16 logits tie now and then, and torch orders ties
+    its own way, so ids are checked through the probabilities rather than compared)."""
+    ref_w, _ = naive.route_topk_softmax(router_logits=logits, top_k=TOP_K, renormalize=True)
+    picked = torch.softmax(logits.float(), dim=-1).gather(1, ids)
+    picked = picked / picked.sum(dim=-1, keepdim=True)
+    distinct = bool((ids.sort(dim=-1).values.diff(dim=-1) > 0).all())
+    if not distinct or (picked - weights).abs().max().item() > 1e-5:
+        return float("inf")
+    return (weights - ref_w).abs().max().item()
+
+
+def _router_case(num_tokens: int) -> Case:
+    logits = torch.randn(num_tokens, E, device="cuda", dtype=DTYPE)  # the router GEMV's output dtype
+    kw = dict(router_logits=logits, top_k=TOP_K, renormalize=True)
+    return Case(
+        op="route_topk_softmax",
+        shape=f"T={num_tokens} E={E} k={TOP_K}",
+        ours=lambda: tm.route_topk_softmax(**kw),
+        reference=lambda: naive.route_topk_softmax(**kw),
+        reference_label="torch softmax+topk",
+        check=lambda: _router_err(logits, *tm.route_topk_softmax(**kw)),
+        tolerance=1e-5,
+        bytes_moved=num_tokens * E * 2 + num_tokens * TOP_K * (4 + 8),
+        target="one launch; T=8192 >=3x torch" if num_tokens in (1, 8192) else "",
+    )
+
+
+def _router_step_case(layers: int = 40) -> Case:
+    """One decode step's routers (batch 1, one per MoE layer) in a CUDA graph: launch-bound, the
+    number that moves the decode step."""
+    logits = [torch.randn(1, E, device="cuda", dtype=DTYPE) for _ in range(layers)]
+    kws = [dict(router_logits=x, top_k=TOP_K, renormalize=True) for x in logits]
+    return Case(
+        op="route_topk_softmax[graph]",
+        shape=f"T=1 E={E} k={TOP_K} x{layers} calls",
+        ours=_graphed([lambda kw=kw: tm.route_topk_softmax(**kw) for kw in kws]),
+        reference=_graphed([lambda kw=kw: naive.route_topk_softmax(**kw) for kw in kws]),
+        reference_label="torch softmax+topk",
+        check=lambda: _router_err(logits[0], *tm.route_topk_softmax(**kws[0])),
+        tolerance=1e-5,
+        bytes_moved=layers * (E * 2 + TOP_K * 12),
+        target="<=0.1 ms per 40 calls",
+    )
+
+
+# --- fused MoE ------------------------------------------------------------------------------------
+
+
 def _case(num_tokens: int) -> Case:
     args = _inputs(num_tokens, seed=num_tokens)
-    routed = torch.unique(args["topk_ids"]).numel()
-    expert_bytes = 3 * INTER * H * 2
     target = ""
     if num_tokens == 1:
         target = ">=60% of copy BW (routed experts' weights)"
@@ -61,63 +145,108 @@ def _case(num_tokens: int) -> Case:
         reference_label="per-expert torch.mm",
         check=lambda: _rel_err(tm.fused_moe(**args), naive.fused_moe(**args)),
         tolerance=2e-2,
-        bytes_moved=routed * expert_bytes + 2 * num_tokens * H * 2 + num_tokens * TOP_K * (8 + 2),
+        bytes_moved=_moe_bytes(args),
         flops=2 * num_tokens * TOP_K * 3 * H * INTER,
         target=target,
     )
 
 
+def _graph_case(num_tokens: int, path: str, config: dict | None = None) -> Case:
+    """GRAPH_CALLS fused_moe calls on `path`, distinct routings, one graph."""
+    sets = [_inputs(num_tokens, seed=1000 * num_tokens + i) for i in range(GRAPH_CALLS)]
+    replay = _graphed([lambda a=a: tm.fused_moe(**a, path=path, config=config) for a in sets])
+    target = ">=60% of copy BW" if num_tokens <= 16 and path == "pairs" else ""
+    return Case(
+        op=f"fused_moe[graph,{path}]",
+        shape=f"T={num_tokens} x{GRAPH_CALLS} calls",
+        ours=replay,
+        reference=None,
+        reference_label="",
+        check=lambda: _rel_err(tm.fused_moe(**sets[0], path=path, config=config), naive.fused_moe(**sets[0])),
+        tolerance=2e-2,
+        bytes_moved=sum(_moe_bytes(a) for a in sets),
+        flops=GRAPH_CALLS * 2 * num_tokens * TOP_K * 3 * H * INTER,
+        target=target,
+    )
+
+
+GRAPH_CASES = [(1, "pairs"), (1, "pairs_mma"), (4, "pairs"), (8, "pairs"), (8, "sorted")]
+GRAPH_CASES += [(16, "pairs"), (16, "sorted"), (32, "pairs"), (32, "sorted")]
+
+
 def cases() -> list[Case]:
-    return [_case(t) for t in (1, 16, 64, 256)]
+    out = [_router_case(t) for t in (1, 64, 256, 8192)]
+    out.append(_router_step_case())
+    out += [_case(t) for t in (1, 16, 64, 256)]
+    out += [_graph_case(t, path) for t, path in GRAPH_CASES]
+    return out
+
+
+# --- tile sweeps ----------------------------------------------------------------------------------
 
 
 def _tiles(block_n: int, block_k: int, num_warps: int, num_stages: int) -> dict:
     return dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
 
 
-def sweep(num_tokens: int) -> None:
-    """Tile configs of the path fused_moe picks at this batch: time, share of copy BW, error."""
+def _sweep_configs(path: str) -> list[dict]:
+    if path == "pairs":
+        ups = [dict(block_n=n, block_k=k, num_warps=w) for n, k, w in itertools.product([2, 4, 8], [512, 1024], [2, 4])]
+        downs = [dict(block_h=h, block_i=512, num_warps=w) for h, w in itertools.product([1, 2, 4, 8], [1, 2, 4])]
+        # the up and down kernels are independent: sweep each against the other's default
+        default = tm._pairs_config(H, INTER, True)
+        return [dict(up=u, down=default["down"]) for u in ups] + [dict(up=default["up"], down=d) for d in downs]
+    if path == "pairs_mma":
+        return [
+            dict(up=_tiles(bn, 256, 4, s), down=_tiles(16, dk, 4, ds))
+            for bn, dk, s, ds in itertools.product([16, 32], [256, 512], [3, 4, 5], [3, 5])
+        ]
+    return [
+        dict(block_m=bm, up=_tiles(bn, bk, w, s), down=_tiles(bn, bk, w, s))
+        for bm, bn, bk, w, s in itertools.product([16, 32], [64, 128], [64, 128], [4, 8], [3, 4])
+    ]
+
+
+def sweep(num_tokens: int, path: str | None) -> None:
+    """Tile configs of one path at this batch, each timed as GRAPH_CALLS graph-captured calls with
+    distinct routings: time per call, share of copy BW, error."""
     import triton.testing
 
     from deltaserve.bench.kernels import measure_copy_bandwidth
 
     bandwidth = measure_copy_bandwidth()
-    args = _inputs(num_tokens, seed=num_tokens)
-    floor_bytes = torch.unique(args["topk_ids"]).numel() * 3 * INTER * H * 2
-    ref = naive.fused_moe(**args)
-    pairs = num_tokens * TOP_K <= tm.PAIRS_PATH_MAX
-    if pairs:
-        configs = [
-            dict(up=_tiles(bn, 256, 4, s), down=_tiles(16, dk, 4, ds))
-            for bn, dk, s, ds in itertools.product([16, 32], [256, 512], [3, 4, 5], [3, 5])
-        ]
+    path = path or ("pairs" if num_tokens * TOP_K <= tm.PAIRS_PATH_MAX else "sorted")
+    sets = [_inputs(num_tokens, seed=1000 * num_tokens + i) for i in range(GRAPH_CALLS)]
+    floor_bytes = sum(_moe_bytes(a) for a in sets)
+    ref = naive.fused_moe(**sets[0])
+    if path == "pairs":
+        default = tm._pairs_config(H, INTER, True)
+    elif path == "pairs_mma":
+        default = tm._pairs_mma_config(True)
     else:
-        configs = [
-            dict(block_m=bm, up=_tiles(bn, bk, w, s), down=_tiles(bn, bk, w, s))
-            for bm, bn, bk, w, s in itertools.product([16, 32], [64, 128], [64, 128], [4, 8], [3, 4])
-        ]
-    default = tm._pairs_config(True) if pairs else tm._sorted_config(num_tokens * TOP_K, E, True)
-    print(f"T={num_tokens} path={'pairs' if pairs else 'sorted'} default {default}")
+        default = tm._sorted_config(num_tokens * TOP_K, E, True)
+    print(f"T={num_tokens} path={path} default {default}")
     rows = []
-    for cfg in configs:
+    for cfg in _sweep_configs(path):
         try:
-            err = _rel_err(tm.fused_moe(**args, config=cfg), ref)
-            ms = triton.testing.do_bench(
-                lambda cfg=cfg: tm.fused_moe(**args, config=cfg), warmup=10, rep=50, return_mode="median"
-            )
+            err = _rel_err(tm.fused_moe(**sets[0], path=path, config=cfg), ref)
+            replay = _graphed([lambda a=a, cfg=cfg: tm.fused_moe(**a, path=path, config=cfg) for a in sets])
+            ms = triton.testing.do_bench(replay, warmup=10, rep=50, return_mode="median") / GRAPH_CALLS
         except Exception as e:  # a config that does not compile or fit is reported, not fatal
             print(f"{cfg} failed: {type(e).__name__}: {str(e)[:80]}")
             continue
         rows.append((ms, cfg, err))
-    for ms, cfg, err in sorted(rows, key=lambda r: r[0])[:15]:
+    for ms, cfg, err in sorted(rows, key=lambda r: r[0])[:20]:
         mark = "  <- default" if cfg == default else ""
-        print(f"{ms * 1e3:8.1f} us  {100 * floor_bytes / bandwidth / (ms * 1e-3):5.1f}%  err {err:.1e}  {cfg}{mark}")
+        frac = floor_bytes / GRAPH_CALLS / bandwidth / (ms * 1e-3)
+        print(f"{ms * 1e3:8.1f} us  {100 * frac:5.1f}%  err {err:.1e}  {cfg}{mark}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--tokens", type=int, default=1)
+    parser.add_argument("--path", choices=["pairs", "pairs_mma", "sorted"], default=None)
     a = parser.parse_args()
     if a.sweep:
-        sweep(a.tokens)
+        sweep(a.tokens, a.path)

@@ -131,7 +131,7 @@ class SparseMoeBlock(nn.Module):
             hidden=x,
             w13=self.w13,
             w2=self.w2,
-            topk_weights=weights.to(x.dtype),
+            topk_weights=weights,  # float32: fused_moe applies them in its accumulator
             topk_ids=ids,
             expert_offset=self.expert_start,
         )

@@ -3,11 +3,50 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton kernel tests: without CUDA the kernels run under Triton's interpreter on CPU tensors; with
+# CUDA the same tests run compiled on the GPU. Triton reads the switch when it is imported and when
+# a kernel is decorated, so it is set here, before any test module (or transformers, through
+# tiny_models) imports triton, and never on a CUDA machine: there it would also reach Triton's own
+# modules (gluon) and no kernel could be compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tiny_models import FAMILIES, save_tiny  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu are skipped, with the reason, where there is no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where the kernel tests' tensors live: the GPU when there is one (compiled kernels), else the
+    CPU (interpreted kernels)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def nan_fill():
+    """While the test runs, torch.empty / empty_like hand out NaN-filled memory (integers: their
+    largest value), so an output element a kernel never writes fails its check."""
+    det, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(det, warn_only=warn_only)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,11 @@ from . import naive
 
 def route_topk_softmax(**kwargs):
     """See naive.route_topk_softmax."""
-    return naive.route_topk_softmax(**kwargs)
+    if kwargs["router_logits"].is_cuda:
+        from .triton_moe import route_topk_softmax as impl
+    else:
+        impl = naive.route_topk_softmax
+    return impl(**kwargs)
 
 
 def fused_moe(**kwargs):

@@ -1,13 +1,23 @@
-"""Triton fused MoE: routed tokens grouped by expert, grouped GEMMs, weighted top-k sum.
+"""Triton MoE: the softmax top-k router, and the fused expert computation (routed tokens grouped by
+expert, grouped GEMMs, weighted top-k sum).
 
-Two paths, both without host syncs:
+Router: one program per token (or a few), softmax over the experts in float32 and top-k by k rounds
+of argmax-and-mask in registers; one launch instead of torch's cast / softmax / sort / gather /
+renormalise kernels.
+
+Fused MoE, three paths, all without host syncs:
 - sorted (the general one): (token, slot) pairs are grouped per local expert into BLOCK_M-row blocks
   padded with a sentinel (moe_align style, built on device by count -> scan -> scatter kernels);
   the gate/up grouped GEMM writes silu(gate) * up per pair, the down grouped GEMM writes
   weight * down(act) per pair, and a reduce kernel sums each token's top-k slots.
-- pairs (a handful of routed pairs, i.e. decode): each (token, slot) pair is its own block, so no
-  sorting kernels run, and the down projection of a token sums its top-k experts in registers.
-  Top-k experts of one token are distinct, so both paths read each routed expert once at batch 1.
+- pairs (a handful of routed pairs, i.e. decode): GEMV kernels on CUDA cores, no sorting. Up: one
+  program per (pair, BLOCK_N rows of the expert width) streams those gate and up rows with 16-byte
+  loads; down: one program per (token, BLOCK_H rows of the hidden size) streams its top-k experts'
+  rows and sums them in registers. Thin row blocks put several programs on every SM even at
+  batch 1, and the pair index is the fastest grid axis, so two tokens routed to one expert read its
+  rows at about the same time (the second read mostly hits L2).
+- pairs_mma: the previous pairs path (tl.dot on 16-row tiles whose row 0 is the pair), kept to
+  compare against.
 Experts outside [expert_offset, expert_offset + E) are skipped (expert parallelism).
 """
 
@@ -17,8 +27,101 @@ import torch
 import triton
 import triton.language as tl
 
-# at or under this many routed pairs the pairs path wins: few repeated experts, no sorting launches
-PAIRS_PATH_MAX = 32
+# at or under this many routed pairs the pairs path wins: no sorting launches, and repeated experts
+# mostly hit L2 (see NOTES.md: 128 = batch 16 at top-8 is a prediction for the H200 to confirm)
+PAIRS_PATH_MAX = 128
+
+
+# --- router -----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _router_kernel(
+    logits,
+    weights,
+    ids,
+    num_tokens,
+    num_experts,
+    s_lt,
+    TOPK: tl.constexpr,
+    TOPK_P: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """weights[t], ids[t] = top-k of softmax(logits[t]) in float32, descending; among equal values the
+    lower expert index comes first. Selection runs on the logits (softmax is monotonic), one
+    argmax-and-mask round per slot."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < num_tokens
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
+    x = tl.load(logits + t.to(tl.int64)[:, None] * s_lt + e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0)
+    x = tl.where(e_ok[None, :], x.to(tl.float32), float("-inf"))
+    m = tl.max(x, 1)
+    denom = tl.sum(tl.exp(x - m[:, None]), 1)
+    slots = tl.arange(0, TOPK_P)
+    top_w = tl.zeros([BLOCK_T, TOPK_P], tl.float32)
+    top_i = tl.zeros([BLOCK_T, TOPK_P], tl.int32)
+    for j in tl.static_range(TOPK):
+        v, i = tl.max(x, 1, return_indices=True, return_indices_tie_break_left=True)
+        p = tl.exp(v - m) / denom
+        top_w = tl.where(slots[None, :] == j, p[:, None], top_w)
+        top_i = tl.where(slots[None, :] == j, i[:, None], top_i)
+        x = tl.where(e[None, :] == i[:, None], float("-inf"), x)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 1)[:, None]  # padding slots hold 0
+    dst = t.to(tl.int64)[:, None] * TOPK + slots[None, :]
+    ok = t_ok[:, None] & (slots[None, :] < TOPK)
+    tl.store(weights + dst, top_w, mask=ok)
+    tl.store(ids + dst, top_i.to(tl.int64), mask=ok)
+
+
+def route_topk_softmax(
+    *, router_logits: torch.Tensor, top_k: int, renormalize: bool, config: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts (float32), top-k, optional renormalisation; see naive.route_topk_softmax.
+    router_logits: [T, E] (any float dtype) -> (weights [T, top_k] float32, ids [T, top_k] int64).
+    One launch, no host sync (runs inside CUDA graphs). `config` (block_t, num_warps) overrides the
+    choice made from the shapes."""
+    num_tokens, num_experts = router_logits.shape
+    assert 0 < top_k <= num_experts, "top_k must be in 1..num_experts"
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    device = router_logits.device
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
+    if num_tokens == 0:
+        return weights, ids
+    cfg = config or _router_config(num_tokens, router_logits.is_cuda)
+    _router_kernel[(triton.cdiv(num_tokens, cfg["block_t"]),)](
+        router_logits,
+        weights,
+        ids,
+        num_tokens,
+        num_experts,
+        router_logits.stride(0),
+        TOPK=top_k,
+        TOPK_P=triton.next_power_of_2(top_k),
+        RENORMALIZE=renormalize,
+        BLOCK_T=cfg["block_t"],
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        num_warps=cfg["num_warps"],
+    )
+    return weights, ids
+
+
+def _router_config(num_tokens: int, on_gpu: bool) -> dict:
+    """One warp per token while tokens are few (the batch-1 latency is k warp reductions); 4 tokens
+    per 4-warp program for large batches."""
+    if not on_gpu:
+        return dict(block_t=min(16, triton.next_power_of_2(num_tokens)), num_warps=4)
+    if num_tokens <= 1024:
+        return dict(block_t=1, num_warps=1)
+    return dict(block_t=4, num_warps=4)
+
+
+# --- fused MoE --------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -280,8 +383,125 @@ def _down_token_kernel(
     tl.store(out + t.to(tl.int64) * s_ot + n, tl.sum(acc, 0).to(out.dtype.element_ty), mask=n_ok)
 
 
-def _pairs_config(on_gpu: bool) -> dict:
-    """Pairs path tiles: thin N slices so a batch-1 call still spreads the weights over all SMs."""
+@triton.jit
+def _up_gemv_kernel(
+    hidden,
+    w13,
+    act,
+    topk_ids,
+    expert_offset,
+    num_experts,
+    s_ht,
+    s_we,
+    s_wn,
+    s_at,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """act[pair, n] = silu(x . gate[n]) * (x . up[n]) for BLOCK_N rows n of one pair's expert.
+    Pairs routed to another rank's expert exit (their act rows stay unset; the down kernel masks
+    them). The K loop is unrolled and accumulates [BLOCK_N, BLOCK_K] partial products, reduced once
+    at the end, so no barrier separates one chunk's loads from the next."""
+    pair = tl.program_id(0)
+    e = tl.load(topk_ids + pair).to(tl.int32) - expert_offset
+    if (e < 0) | (e >= num_experts):
+        return
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < INTER
+    k = tl.arange(0, BLOCK_K)
+    x_ptr = hidden + (pair // TOPK).to(tl.int64) * s_ht + k
+    g_ptr = w13 + e.to(tl.int64) * s_we + n[:, None] * s_wn + k[None, :]
+    u_ptr = g_ptr + INTER * s_wn
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.static_range(0, HIDDEN, BLOCK_K):
+        if HIDDEN % BLOCK_K == 0:
+            x = tl.load(x_ptr + k0).to(tl.float32)
+            if INTER % BLOCK_N == 0:
+                g = tl.load(g_ptr + k0, eviction_policy="evict_first")
+                u = tl.load(u_ptr + k0, eviction_policy="evict_first")
+            else:
+                g = tl.load(g_ptr + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+                u = tl.load(u_ptr + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+        else:
+            k_ok = k0 + k < HIDDEN
+            x = tl.load(x_ptr + k0, mask=k_ok, other=0.0).to(tl.float32)
+            w_ok = n_ok[:, None] & k_ok[None, :]
+            g = tl.load(g_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first")
+            u = tl.load(u_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first")
+        acc_g += g.to(tl.float32) * x[None, :]
+        acc_u += u.to(tl.float32) * x[None, :]
+    gate = tl.sum(acc_g, 1)
+    h = gate * tl.sigmoid(gate) * tl.sum(acc_u, 1)
+    tl.store(act + pair.to(tl.int64) * s_at + n, h.to(act.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    act,
+    w2,
+    out,
+    topk_weights,
+    topk_ids,
+    expert_offset,
+    num_experts,
+    s_at,
+    s_we,
+    s_wn,
+    s_ot,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """out[t, h] = sum_j weight[t, j] * act[t, j] . w2[e_j, h] for BLOCK_H rows h, all top-k slots
+    unrolled into one straight run of independent loads. A slot routed to another rank gets an
+    empty column range: its loads are fully masked (an empty range instead of a scalar mask, which
+    the interpreter mistypes)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < HIDDEN
+    i = tl.arange(0, BLOCK_I)
+    acc = tl.zeros([BLOCK_H, BLOCK_I], tl.float32)
+    for j in tl.static_range(TOPK):
+        pair = t * TOPK + j
+        e = tl.load(topk_ids + pair).to(tl.int32) - expert_offset
+        w = tl.load(topk_weights + pair).to(tl.float32)
+        local = (e >= 0) & (e < num_experts)
+        limit = tl.where(local, INTER, 0)
+        a_ptr = act + pair.to(tl.int64) * s_at + i
+        b_ptr = w2 + tl.where(local, e, 0).to(tl.int64) * s_we + h[:, None] * s_wn + i[None, :]
+        for i0 in tl.static_range(0, INTER, BLOCK_I):
+            i_ok = i0 + i < limit
+            a = tl.load(a_ptr + i0, mask=i_ok, other=0.0).to(tl.float32) * w
+            b = tl.load(b_ptr + i0, mask=h_ok[:, None] & i_ok[None, :], other=0.0, eviction_policy="evict_first")
+            acc += b.to(tl.float32) * a[None, :]
+    tl.store(out + t.to(tl.int64) * s_ot + h, tl.sum(acc, 1).to(out.dtype.element_ty), mask=h_ok)
+
+
+def _pairs_config(hidden_size: int, inter: int, on_gpu: bool) -> dict:
+    """Pairs path (GEMV) tiles. Thin row blocks so that batch 1 (8 pairs) already runs 1024 up and
+    1024 down programs, several per SM. From the sm_90 compile (NOTES.md): up 4 x 512 / 4 warps
+    issues 14 of its 16 16-byte weight loads per thread before the first FMA (104 registers, 4
+    programs per SM); down 2 x 512 / 2 warps 11 of 16 (126 registers, 8 programs per SM)."""
+    if not on_gpu:
+        block_k = min(64, triton.next_power_of_2(hidden_size))
+        block_i = min(64, triton.next_power_of_2(inter))
+        return dict(
+            up=dict(block_n=8, block_k=block_k, num_warps=4), down=dict(block_h=8, block_i=block_i, num_warps=4)
+        )
+    return dict(
+        up=dict(block_n=4, block_k=min(512, triton.next_power_of_2(hidden_size)), num_warps=4),
+        down=dict(block_h=2, block_i=min(512, triton.next_power_of_2(inter)), num_warps=2),
+    )
+
+
+def _pairs_mma_config(on_gpu: bool) -> dict:
+    """Previous pairs path tiles: thin N slices so a batch-1 call still spreads the weights over all SMs."""
     if not on_gpu:
         tiles = dict(block_n=16, block_k=16, num_warps=4, num_stages=1)
         return dict(up=tiles, down=tiles)
@@ -361,6 +581,54 @@ def align_pairs(
 
 
 def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg) -> None:
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
+    up, down = cfg["up"], cfg["down"]
+    _up_gemv_kernel[(num_pairs, triton.cdiv(inter, up["block_n"]))](
+        hidden,
+        w13,
+        act,
+        topk_ids,
+        expert_offset,
+        num_experts,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        act.stride(0),
+        HIDDEN=hidden_size,
+        INTER=inter,
+        TOPK=top_k,
+        BLOCK_N=up["block_n"],
+        BLOCK_K=up["block_k"],
+        num_warps=up["num_warps"],
+        num_stages=1,
+    )
+    _down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, down["block_h"]))](
+        act,
+        w2,
+        out,
+        topk_weights,
+        topk_ids,
+        expert_offset,
+        num_experts,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        HIDDEN=hidden_size,
+        INTER=inter,
+        TOPK=top_k,
+        BLOCK_H=down["block_h"],
+        BLOCK_I=down["block_i"],
+        num_warps=down["num_warps"],
+        num_stages=1,
+    )
+
+
+def _moe_pairs_mma(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg) -> None:
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -506,8 +774,9 @@ def fused_moe(
     """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts this rank holds.
 
     hidden: [T, H]; w13: [E, 2 * I, H] (gate rows then up rows); w2: [E, H, I];
-    topk_weights, topk_ids: [T, top_k]. Returns [T, H] in hidden's dtype. `path` ("pairs" or
-    "sorted") and `config` override the choice made from the shapes (tests and tuning sweeps)."""
+    topk_weights, topk_ids: [T, top_k] (weights in any float dtype). Returns [T, H] in hidden's dtype.
+    `path` ("pairs", "sorted" or "pairs_mma") and `config` override the choice made from the shapes
+    (tests and tuning sweeps)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
     assert w13.shape[2] == hidden_size and w2.shape == (num_experts, hidden_size, two_inter // 2), "weight shapes"
@@ -521,8 +790,13 @@ def fused_moe(
     path = path or ("pairs" if num_pairs <= PAIRS_PATH_MAX else "sorted")
     on_gpu = hidden.is_cuda
     if path == "pairs":
-        _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, config or _pairs_config(on_gpu))
+        cfg = config or _pairs_config(hidden_size, two_inter // 2, on_gpu)
+        _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg)
+    elif path == "pairs_mma":
+        cfg = config or _pairs_mma_config(on_gpu)
+        _moe_pairs_mma(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg)
     else:
+        assert path == "sorted", f"unknown path {path!r}"
         cfg = config or _sorted_config(num_pairs, num_experts, on_gpu)
         _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg)
     return out

@@ -1,0 +1,46 @@
+"""The fused q/k head norm + partial rotary kernel against its plain-torch reference (interpreted
+on CPU, compiled on CUDA), including strided q (a view into the fused q/gate projection)."""
+
+import pytest
+import torch
+
+from deltaserve.layers.kernels.rotary import naive
+from deltaserve.layers.kernels.rotary import triton_rotary as tr
+
+
+@pytest.mark.parametrize(
+    "tokens, q_heads, k_heads, head_dim, rotary_dim",
+    [(1, 6, 2, 16, 4), (7, 3, 1, 24, 8), (33, 4, 4, 64, 64), (5, 2, 1, 256, 64)],
+)
+def test_matches_reference(device, nan_fill, tokens, q_heads, k_heads, head_dim, rotary_dim):
+    g = torch.Generator().manual_seed(tokens)
+    q_gate = torch.randn(tokens, q_heads, 2 * head_dim, generator=g).to(device)
+    q = q_gate[..., :head_dim]  # strided, as the layer passes it
+    k = torch.randn(tokens, k_heads, head_dim, generator=g).to(device)
+    qw, kw = (
+        (0.3 * torch.randn(head_dim, generator=g)).to(device),
+        (0.3 * torch.randn(head_dim, generator=g)).to(device),
+    )
+    positions = torch.randint(0, 5000, (tokens,), generator=g).to(device)
+    kwargs = dict(q=q, k=k, q_weight=qw, k_weight=kw, positions=positions, eps=1e-6, rotary_dim=rotary_dim, theta=1e7)
+    ref_q, ref_k = naive.qk_norm_rope(**kwargs)
+    out_q, out_k = tr.qk_norm_rope(**kwargs)
+    tol = 2e-4 if device.type == "cpu" else 1e-3  # angles up to 5000 rad: float32 phase rounding
+    assert torch.allclose(out_q, ref_q, atol=tol, rtol=tol), (out_q - ref_q).abs().max()
+    assert torch.allclose(out_k, ref_k, atol=tol, rtol=tol), (out_k - ref_k).abs().max()
+
+
+@pytest.mark.gpu
+def test_bf16_at_real_shape(device):
+    tokens, d = 64, 256
+    q_gate = torch.randn(tokens, 16, 2 * d, device=device, dtype=torch.bfloat16)
+    k = torch.randn(tokens, 2, d, device=device, dtype=torch.bfloat16)
+    w = 0.1 * torch.randn(d, device=device, dtype=torch.bfloat16)
+    positions = torch.arange(30000, 30000 + tokens, device=device)
+    kwargs = dict(
+        q=q_gate[..., :d], k=k, q_weight=w, k_weight=w, positions=positions, eps=1e-6, rotary_dim=64, theta=1e7
+    )
+    ref_q, ref_k = naive.qk_norm_rope(**kwargs)
+    out_q, out_k = tr.qk_norm_rope(**kwargs)
+    assert (out_q.float() - ref_q.float()).abs().max() < 0.05
+    assert (out_k.float() - ref_k.float()).abs().max() < 0.05
