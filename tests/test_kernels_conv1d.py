@@ -4,19 +4,11 @@ Without CUDA the kernels run on CPU float32 tensors under Triton's interpreter (
 CUDA the same tests run on the GPU, and the `gpu`-marked tests compare bf16 kernels at real shapes.
 """
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of a kernel module
-
-import pytest  # noqa: E402
-
-from deltaserve.layers.kernels.conv1d import (
-    naive,  # noqa: E402
-    triton_conv1d,  # noqa: E402
-)
+# conftest.py sets TRITON_INTERPRET (no CUDA) before anything imports triton
+from deltaserve.layers.kernels.conv1d import naive, triton_conv1d
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -4,19 +4,14 @@ Without CUDA the kernels run on CPU float32 tensors under Triton's interpreter (
 CUDA the same tests run on the GPU, and the `gpu`-marked tests compare bf16 kernels at real shapes.
 """
 
-import os
-
+import pytest
 import torch
+import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of a kernel module
-
-import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from deltaserve.layers.kernels.gdn import chunk as chunk_module  # noqa: E402
-from deltaserve.layers.kernels.gdn import naive  # noqa: E402
-from deltaserve.layers.kernels.gdn import recurrent as recurrent_module  # noqa: E402
+# conftest.py sets TRITON_INTERPRET (no CUDA) before anything imports triton
+from deltaserve.layers.kernels.gdn import chunk as chunk_module
+from deltaserve.layers.kernels.gdn import naive
+from deltaserve.layers.kernels.gdn import recurrent as recurrent_module
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # float32 matmuls run as tf32 on the GPU
@@ -77,6 +72,12 @@ def run_chunk(impl, q, k, v, g, beta, cu_seqlens, pool, slots, has_init, **kw):
     return out, pool, states
 
 
+# the first design (fused, as measured first), the fused one with its loads pipelined, the split one;
+# on the CPU the other VARIANTS differ from these only in block sizes and warps
+CHUNK_VARIANTS = ["fused", "fused_pf", "split32"]
+
+
+@pytest.mark.parametrize("variant", CHUNK_VARIANTS)
 @pytest.mark.parametrize(
     "bounds, heads, dims, l2norm, scale",
     [
@@ -85,7 +86,7 @@ def run_chunk(impl, q, k, v, g, beta, cu_seqlens, pool, slots, has_init, **kw):
         ([0, 30, 30, 33], (1, 3), (12, 20), True, None),  # shorter than a chunk, an empty sequence
     ],
 )
-def test_chunk_matches_naive(nan_buffers, bounds, heads, dims, l2norm, scale):
+def test_chunk_matches_naive(nan_buffers, bounds, heads, dims, l2norm, scale, variant):
     torch.manual_seed(0)
     (num_k_heads, num_v_heads), (key_dim, value_dim) = heads, dims
     num_seqs = len(bounds) - 1
@@ -104,7 +105,9 @@ def test_chunk_matches_naive(nan_buffers, bounds, heads, dims, l2norm, scale):
     has_init = (torch.arange(num_seqs, device=DEVICE) % 2) == 0
     args = (q, k, v, g, beta, cu_seqlens, pool, slots, has_init)
     ref, ref_pool, ref_states = run_chunk(naive.chunk_gated_delta_rule, *args, scale=scale, use_qk_l2norm=l2norm)
-    out, out_pool, out_states = run_chunk(chunk_module.chunk_gated_delta_rule, *args, scale=scale, use_qk_l2norm=l2norm)
+    out, out_pool, out_states = run_chunk(
+        chunk_module.chunk_gated_delta_rule, *args, scale=scale, use_qk_l2norm=l2norm, variant=variant
+    )
 
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert rel_err(out, ref) < TOL
@@ -119,7 +122,8 @@ def test_chunk_matches_naive(nan_buffers, bounds, heads, dims, l2norm, scale):
             assert rel_err(got, want) < TOL
 
 
-def test_chunk_half_precision(nan_buffers):
+@pytest.mark.parametrize("variant", ["fused", "split32"])
+def test_chunk_half_precision(nan_buffers, variant):
     """The 16-bit path (matmul operands and scratch in the inputs' dtype). float16 stands in for
     bf16, whose matmuls the interpreter cannot run."""
     torch.manual_seed(5)
@@ -131,7 +135,7 @@ def test_chunk_half_precision(nan_buffers):
     has_init = torch.tensor([True, False], device=DEVICE)
     args = (q, k, v, g, beta, cu_seqlens, pool, slots, has_init)
     ref, ref_pool, ref_states = run_chunk(naive.chunk_gated_delta_rule, *args)
-    out, out_pool, out_states = run_chunk(chunk_module.chunk_gated_delta_rule, *args)
+    out, out_pool, out_states = run_chunk(chunk_module.chunk_gated_delta_rule, *args, variant=variant)
     assert out.dtype == torch.float16
     assert rel_err(out, ref) < 5e-3
     assert rel_err(out_pool, ref_pool) < 5e-3
@@ -139,7 +143,8 @@ def test_chunk_half_precision(nan_buffers):
         assert rel_err(got, want) < 5e-3
 
 
-def test_chunk_ignores_slot_without_initial_state(nan_buffers):
+@pytest.mark.parametrize("variant", CHUNK_VARIANTS)
+def test_chunk_ignores_slot_without_initial_state(nan_buffers, variant):
     """has_initial_state False must not read the slot, even when it holds NaN."""
     torch.manual_seed(1)
     q, k, v, g, beta = make_inputs(40, 1, 2, 8, 8)
@@ -149,14 +154,45 @@ def test_chunk_ignores_slot_without_initial_state(nan_buffers):
     has_init = torch.tensor([False], device=DEVICE)
     args = (q, k, v, g, beta, cu_seqlens, pool, slots, has_init)
     ref, ref_pool, _ = run_chunk(naive.chunk_gated_delta_rule, *args)
-    out, out_pool, _ = run_chunk(chunk_module.chunk_gated_delta_rule, *args)
+    out, out_pool, _ = run_chunk(chunk_module.chunk_gated_delta_rule, *args, variant=variant)
     assert rel_err(out, ref) < TOL
     assert rel_err(out_pool[1], ref_pool[1]) < TOL
 
 
-@pytest.mark.parametrize("length, heads, dims", [(1, (2, 4), (8, 12)), (3, (1, 2), (16, 10))])
+@pytest.mark.parametrize("variant", ["fused_pf", "split32", chunk_module.ChunkVariant(split=True, block_v=16)])
+def test_chunk_varlen_nan_slots(nan_buffers, variant):
+    """Odd varlen lengths (a 1-token, an empty and a multi-chunk sequence, a chunk boundary), with
+    every slot NaN but those with an initial state: the sequences without one must not read theirs,
+    the slots of no sequence (and of the empty one) must stay as they were, the per-chunk states must
+    match. A ChunkVariant instance also stands for a named variant (block_v 16: several V-blocks)."""
+    torch.manual_seed(6)
+    bounds = [0, 1, 1, 131, 195, 260]
+    q, k, v, g, beta = make_inputs(bounds[-1], 2, 4, 16, 40)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    pool = torch.full((8, 4, 16, 40), float("nan"), device=DEVICE)
+    slots = torch.tensor([6, 1, 3, 0, 4], device=DEVICE)
+    has_init = torch.tensor([True, True, False, True, False], device=DEVICE)
+    pool[slots[has_init].long()] = torch.randn(int(has_init.sum()), 4, 16, 40, device=DEVICE)
+    args = (q, k, v, g, beta, cu_seqlens, pool, slots, has_init)
+    ref, ref_pool, ref_states = run_chunk(naive.chunk_gated_delta_rule, *args)
+    out, out_pool, out_states = run_chunk(chunk_module.chunk_gated_delta_rule, *args, variant=variant)
+    assert rel_err(out, ref) < TOL
+    written = slots[[0, 2, 3, 4]].long()  # every sequence but the empty one
+    assert rel_err(out_pool[written], ref_pool[written]) < TOL
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[written] = False
+    assert torch.equal(out_pool[untouched].isnan(), pool[untouched].isnan())
+    assert torch.equal(out_pool[untouched].nan_to_num(), pool[untouched].nan_to_num())
+    assert [s.shape[0] for s in out_states] == [1, 0, 3, 1, 2]
+    for got, want in zip(out_states, ref_states, strict=True):
+        if want.numel():
+            assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("variant", ["bv32", "bv32_1p", "bv64w8_1p"])
+@pytest.mark.parametrize("length, heads, dims", [(1, (2, 4), (8, 12)), (3, (1, 2), (16, 10)), (2, (1, 1), (8, 70))])
 @pytest.mark.parametrize("update_state", [True, False])
-def test_recurrent_matches_naive(nan_buffers, length, heads, dims, update_state):
+def test_recurrent_matches_naive(nan_buffers, length, heads, dims, update_state, variant):
     torch.manual_seed(2)
     (num_k_heads, num_v_heads), (key_dim, value_dim) = heads, dims
     num_seqs = 5
@@ -164,7 +200,8 @@ def test_recurrent_matches_naive(nan_buffers, length, heads, dims, update_state)
     pool = torch.randn(num_seqs + 3, num_v_heads, key_dim, value_dim, device=DEVICE)
     slots = torch.randperm(num_seqs + 3, device=DEVICE)[:num_seqs]
     results = []
-    for impl in (naive.fused_recurrent_gated_delta_rule, recurrent_module.fused_recurrent_gated_delta_rule):
+    impls = (naive.fused_recurrent_gated_delta_rule, recurrent_module.fused_recurrent_gated_delta_rule)
+    for impl, kw in zip(impls, ({}, {"variant": variant}), strict=True):
         p = pool.clone()
         inter = torch.full((num_seqs, length, num_v_heads, key_dim, value_dim), float("nan"), device=DEVICE)
         o = impl(
@@ -177,6 +214,7 @@ def test_recurrent_matches_naive(nan_buffers, length, heads, dims, update_state)
             state_slots=slots,
             intermediate_states_out=inter,
             update_state=update_state,
+            **kw,
         )
         results.append((o, p, inter))
     (ref, ref_pool, ref_inter), (out, out_pool, out_inter) = results
@@ -187,6 +225,29 @@ def test_recurrent_matches_naive(nan_buffers, length, heads, dims, update_state)
     if update_state:
         untouched[slots.long()] = False
     assert torch.equal(out_pool[untouched], pool[untouched])
+
+
+@pytest.mark.parametrize("variant", ["bv32_1p", "bv64_1p"])
+def test_recurrent_strided_pool(nan_buffers, variant):
+    """A pool whose [K, V] tiles are not contiguous (a view of a wider buffer) takes the strided
+    addressing; the columns outside the view stay as they were."""
+    torch.manual_seed(7)
+    q, k, v, g, beta = make_inputs(2, 1, 2, 16, 40, lead=(3,))
+    wide = torch.randn(5, 2, 16, 48, device=DEVICE)
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    outs = []
+    impls = (naive.fused_recurrent_gated_delta_rule, recurrent_module.fused_recurrent_gated_delta_rule)
+    for impl, kw in zip(impls, ({}, {"variant": variant}), strict=True):
+        w = wide.clone()
+        inter = torch.full((3, 2, 2, 16, 40), float("nan"), device=DEVICE)
+        args = dict(q=q, k=k, v=v, g=g, beta=beta, state_slots=slots, intermediate_states_out=inter)
+        o = impl(state_pool=w[..., :40], **args, **kw)
+        outs.append((o, w, inter))
+    (ref, ref_wide, ref_inter), (out, out_wide, out_inter) = outs
+    assert rel_err(out, ref) < TOL
+    assert rel_err(out_wide, ref_wide) < TOL
+    assert rel_err(out_inter, ref_inter) < TOL
+    assert torch.equal(out_wide[..., 40:], wide[..., 40:])
 
 
 def test_recurrent_without_intermediate_states(nan_buffers):
@@ -210,39 +271,45 @@ BF16_TOL = 2e-2  # bf16 operands: the reference runs in float32 on the same bf16
 
 @pytest.mark.gpu
 @gpu
-def test_chunk_bf16_real_shapes(nan_buffers):
+@pytest.mark.parametrize("variant", [None, *chunk_module.VARIANTS])
+def test_chunk_bf16_real_shapes(nan_buffers, variant):
     torch.manual_seed(4)
-    bounds = [0, 777, 2048, 2049, 3000]
+    bounds = [0, 777, 2048, 2048, 2049, 3000]  # odd lengths, an empty and a 1-token sequence
     q, k, v, g, beta = make_inputs(bounds[-1], 16, 32, 128, 128, dtype=torch.bfloat16)
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
     pool = torch.randn(6, 32, 128, 128, device=DEVICE) * 0.1
-    slots = torch.tensor([5, 0, 3, 1], dtype=torch.int32, device=DEVICE)
-    has_init = torch.tensor([True, False, True, True], device=DEVICE)
+    pool[0] = float("nan")  # the slot of the sequence without an initial state: never read
+    slots = torch.tensor([5, 0, 2, 3, 1], dtype=torch.int32, device=DEVICE)
+    has_init = torch.tensor([True, False, True, True, True], device=DEVICE)
     args = (q, k, v, g, beta, cu_seqlens, pool, slots, has_init)
     ref, ref_pool, ref_states = run_chunk(naive.chunk_gated_delta_rule, *args)
-    out, out_pool, out_states = run_chunk(chunk_module.chunk_gated_delta_rule, *args)
+    out, out_pool, out_states = run_chunk(chunk_module.chunk_gated_delta_rule, *args, variant=variant)
     assert out.dtype == torch.bfloat16
     assert rel_err(out, ref) < BF16_TOL
     assert rel_err(out_pool, ref_pool) < BF16_TOL
-    assert torch.equal(out_pool[[2, 4]], pool[[2, 4]])
+    assert torch.equal(out_pool[[2, 4]], pool[[2, 4]])  # the empty sequence's slot and no sequence's
     for got, want in zip(out_states, ref_states, strict=True):
-        assert rel_err(got, want) < BF16_TOL
+        assert got.shape == want.shape
+        if want.numel():
+            assert rel_err(got, want) < BF16_TOL
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("length", [1, 4])
-def test_recurrent_bf16_real_shapes(nan_buffers, length):
+@pytest.mark.parametrize("variant", [None, *recurrent_module.VARIANTS])
+def test_recurrent_bf16_real_shapes(nan_buffers, length, variant):
     torch.manual_seed(5)
     num_seqs = 64
     q, k, v, g, beta = make_inputs(length, 16, 32, 128, 128, dtype=torch.bfloat16, lead=(num_seqs,))
     pool = torch.randn(num_seqs + 8, 32, 128, 128, device=DEVICE) * 0.1
     slots = torch.randperm(num_seqs + 8, device=DEVICE)[:num_seqs].int()
     results = []
-    for impl in (naive.fused_recurrent_gated_delta_rule, recurrent_module.fused_recurrent_gated_delta_rule):
+    impls = (naive.fused_recurrent_gated_delta_rule, recurrent_module.fused_recurrent_gated_delta_rule)
+    for impl, kw in zip(impls, ({}, {"variant": variant}), strict=True):
         p = pool.clone()
         inter = torch.full((num_seqs, length, 32, 128, 128), float("nan"), device=DEVICE)
-        o = impl(q=q, k=k, v=v, g=g, beta=beta, state_pool=p, state_slots=slots, intermediate_states_out=inter)
+        o = impl(q=q, k=k, v=v, g=g, beta=beta, state_pool=p, state_slots=slots, intermediate_states_out=inter, **kw)
         results.append((o, p, inter))
     (ref, ref_pool, ref_inter), (out, out_pool, out_inter) = results
     assert rel_err(out, ref) < BF16_TOL

@@ -1,4 +1,4 @@
-"""Chunked gated delta rule (varlen prefill) in three Triton kernels; same contract as naive.chunk_gated_delta_rule.
+"""Chunked gated delta rule (varlen prefill) in Triton; same contract as naive.chunk_gated_delta_rule.
 
 Per sequence, tokens are cut into chunks of BT = 64. With gamma the in-chunk cumulative sum of g,
 A = strictly-lower(beta_i * k_i.k_j * exp(gamma_i - gamma_j)) (l2-normalised keys) and
@@ -8,20 +8,29 @@ Y = (I + A)^-1 (the WY / UT transform of the chunk):
    (both stored), A in 16 x 16 blocks from raw k k^T, the four diagonal blocks of Y by forward
    substitution, the six below them by block merges; Y stored in the input dtype.
 2. `_intra_kernel`, per (chunk, value head), whole-chunk matmuls: w = Y (beta exp(gamma) k),
-   u = Y (beta v), kd = k exp(gamma_last - gamma) (the keys as the state update needs them), and
-   for the output the masked, decayed, normalised and scaled q k^T and the q factor.
-3. `_state_kernel`, the only sequential one, per (sequence, value head, V-block): walks the
-   sequence's chunks with the float32 state S in registers; per chunk v_new = u - w S,
-   o = qscale (q S) + scores v_new, S = exp(gamma_last) S + kd^T v_new. It reads the initial
-   state from the pool slot and writes the final one back.
+   u = Y (beta v), and what the sequential kernel of the chosen design needs besides.
+3. The sequential part, one program per (sequence, value head, V-block) walking the sequence's
+   chunks with the float32 state S in registers; it reads the initial state from the pool slot and
+   writes the final one back. Two designs (ChunkVariant.split):
+   - fused, `_state_kernel`: per chunk v_new = u - w S, o = qscale (q S) + scores v_new,
+     S = exp(gamma_last) S + kd^T v_new, with kd = k exp(gamma_last - gamma) and the masked, decayed
+     q k^T (scores) and the q factor (qscale) from the intra kernel. Four dependent matmuls a chunk.
+   - split, `_recur_kernel` then `_output_kernel`: the sequential kernel keeps only the recurrence
+     (v_new = u - w S stored over u, S = exp(gamma_last) S + k^T (kscale v_new), two matmuls a
+     chunk) and stores the state entering each chunk (h, input dtype); the output kernel, parallel
+     over (chunk, value head), computes o = qscale (q h) + scores v_new.
+   Each chunk's tiles are software-pipelined (num_stages); the small per-chunk vectors are fetched
+   a chunk ahead by hand, since the pipeliner leaves them as plain loads in the middle of the chain.
 
 Matmuls take the inputs' dtype (bf16) with float32 accumulation; the 16 x 16 solve merges run in
 tf32. Varlen chunks are located inside the kernels (varlen.py), so there is no host sync unless
-chunk_states_out is asked for.
+chunk_states_out is asked for. VARIANTS names the configurations that bench/kernels_gdn.py times;
+pick_variant chooses one when the caller names none. NOTES.md has the resources and predictions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -263,7 +272,11 @@ def _intra_kernel(
     BC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     L2NORM: tl.constexpr,
+    FUSED: tl.constexpr,
 ):
+    """FUSED: w, u, kd, scores and qscale for _state_kernel. Otherwise (split): w, u and, in the
+    `qscale` buffer, kscale = rnorm exp(gamma_last - gamma), the per-token factor _recur_kernel folds
+    into v_new so that it can take the raw keys."""
     n, c = locate_chunk(cu_seqlens, num_seqs, tl.program_id(0), BT, BLOCK_N)
     if n >= num_seqs:
         return
@@ -297,14 +310,16 @@ def _intra_kernel(
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         b_k = _load_block(p_k, o_t, m_t, stride_kt, o_k, m_k).to(dt)
-        b_q = _load_block(p_q, o_t, m_t, stride_qt, o_k, m_k).to(dt)
-        qk = tl.dot(b_q, tl.trans(b_k), qk)
-        if L2NORM:
-            ss_q += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), 1)
+        if FUSED:
+            b_q = _load_block(p_q, o_t, m_t, stride_qt, o_k, m_k).to(dt)
+            qk = tl.dot(b_q, tl.trans(b_k), qk)
+            if L2NORM:
+                ss_q += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), 1)
         b_k = b_k.to(tl.float32)
         offs = row * K + o_t[:, None] * (HV * K) + o_k[None, :]
         tl.store(w + offs, tl.dot(b_y, (b_k * scale_w[:, None]).to(dt)).to(dt), mask=m_tk)
-        tl.store(kd + offs, (b_k * scale_kd[:, None]).to(dt), mask=m_tk)
+        if FUSED:
+            tl.store(kd + offs, (b_k * scale_kd[:, None]).to(dt), mask=m_tk)
     # u = Y (beta v)
     p_v = v + t0 * stride_vt + hv * stride_vh
     for vp in range(0, V, BVP):
@@ -314,16 +329,29 @@ def _intra_kernel(
         offs = row * V + o_t[:, None] * (HV * V) + o_v[None, :]
         tl.store(u + offs, tl.dot(b_y, (b_v * b_beta[:, None]).to(dt)).to(dt), mask=m_tv)
 
-    # the state kernel's output terms: scores = (q k^T * causal decay) with the norms and scale folded
-    # in, and qscale, the factor of the q S term
-    scale_q = tl.full([BT], scale, dtype=tl.float32)
-    if L2NORM:
-        scale_q = scale_q * tl.rsqrt(ss_q + 1e-6)
-    causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
-    decay = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
-    qk = qk * decay * scale_q[:, None] * scale_k[None, :]
-    tl.store(scores + row * BT + o_t[:, None] * (HV * BT) + o_t[None, :], qk.to(dt), mask=m_t[:, None])
-    tl.store(qscale + row + o_t * HV, scale_q * tl.exp(b_gc), mask=m_t)
+    if FUSED:
+        # the state kernel's output terms: scores = (q k^T * causal decay) with the norms and scale
+        # folded in, and qscale, the factor of the q S term
+        scale_q = tl.full([BT], scale, dtype=tl.float32)
+        if L2NORM:
+            scale_q = scale_q * tl.rsqrt(ss_q + 1e-6)
+        causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+        decay = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
+        qk = qk * decay * scale_q[:, None] * scale_k[None, :]
+        tl.store(scores + row * BT + o_t[:, None] * (HV * BT) + o_t[None, :], qk.to(dt), mask=m_t[:, None])
+        tl.store(qscale + row + o_t * HV, scale_q * tl.exp(b_gc), mask=m_t)
+    else:
+        tl.store(qscale + row + o_t * HV, scale_kd, mask=m_t)
+
+
+@triton.jit
+def _first_chunk_decay_log(gcum, hv, bos, eos, HV: tl.constexpr, BT: tl.constexpr):
+    """gamma_last of a sequence's first chunk (0 for an empty sequence), read as a masked vector so
+    that an empty sequence at the end of the batch reads nothing."""
+    o_t = tl.arange(0, BT)
+    last = tl.minimum(eos - bos, BT) - 1
+    vals = tl.load(gcum + (bos + o_t).to(tl.int64) * HV + hv, mask=o_t == last, other=0.0)
+    return tl.sum(vals, 0)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])  # one compile for any batch size
@@ -357,7 +385,11 @@ def _state_kernel(
     BT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STORE_CHUNK_STATES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
+    """The fused sequential kernel (output inside the chunk loop). PREFETCH: the chunk's qscale and
+    decay are loaded one chunk ahead (at the end of the previous iteration) instead of in the middle
+    of the dot chain, where each costs a full memory latency per chunk."""
     pid = tl.program_id(0)
     NV = tl.cdiv(V, BV)
     i_v = pid % NV
@@ -383,6 +415,9 @@ def _state_kernel(
     if STORE_CHUNK_STATES:
         p_cs = chunk_states + (chunks_before(cu_seqlens, n, BT, BLOCK_N) * HV + hv).to(tl.int64) * (K * V)
         p_cs += o_k[:, None] * V + o_v[None, :]
+    if PREFETCH:
+        b_qs_next = tl.load(qscale + bos.to(tl.int64) * HV + hv + o_t * HV, mask=o_t < eos - bos, other=0.0)
+        g_last_next = _first_chunk_decay_log(gcum, hv, bos, eos, HV, BT)
 
     for c in range(num_chunks):
         t0 = bos + c * BT
@@ -397,20 +432,193 @@ def _state_kernel(
         v_new = tl.load(p_u, mask=m_tv, other=0.0).to(tl.float32) - tl.dot(b_w, b_s)
         v_new = v_new.to(dt)
         # o = qscale * (q S) + scores v_new
-        out = tl.dot(b_q, b_s) * tl.load(qscale + row + o_t * HV, mask=m_t, other=0.0)[:, None]
+        if PREFETCH:
+            b_qs = b_qs_next
+        else:
+            b_qs = tl.load(qscale + row + o_t * HV, mask=m_t, other=0.0)
+        out = tl.dot(b_q, b_s) * b_qs[:, None]
         b_sc = tl.load(scores + row * BT + o_t[:, None] * (HV * BT) + o_t[None, :], mask=m_t[:, None], other=0.0)
         out = tl.dot(b_sc, v_new, out)
         tl.store(o + row * V + o_t[:, None] * (HV * V) + o_v[None, :], out.to(o.dtype.element_ty), mask=m_tv)
         # S = exp(gamma_last) S + kd^T v_new, kd^T as a [BK, BT] tile
-        decay = tl.exp(tl.load(gcum + row + (tl.minimum(eos - t0, BT) - 1) * HV))
+        if PREFETCH:
+            decay = tl.exp(g_last_next)
+        else:
+            decay = tl.exp(tl.load(gcum + row + (tl.minimum(eos - t0, BT) - 1) * HV))
         b_kd = tl.load(
             kd + row * K + o_k[:, None] + o_t[None, :] * (HV * K), mask=m_k[:, None] & m_t[None, :], other=0.0
         )
         state = state * decay + tl.dot(b_kd, v_new)
         if STORE_CHUNK_STATES:
             tl.store(p_cs + c * (HV * K * V), state, mask=m_kv)
+        if PREFETCH:
+            # the next chunk's (the last chunk's again on the last iteration: always in bounds)
+            t1 = bos + tl.minimum(c + 1, num_chunks - 1) * BT
+            row1 = t1.to(tl.int64) * HV + hv
+            b_qs_next = tl.load(qscale + row1 + o_t * HV, mask=o_t < eos - t1, other=0.0)
+            g_last_next = tl.load(gcum + row1 + (tl.minimum(eos - t1, BT) - 1) * HV)
     if num_chunks > 0:
         tl.store(p_pool, state.to(pool.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit(do_not_specialize=["num_seqs"])  # one compile for any batch size
+def _recur_kernel(
+    k,
+    w,
+    u,
+    kscale,
+    gcum,
+    h,
+    chunk_states,
+    pool,
+    cu_seqlens,
+    slots,
+    has_initial_state,
+    num_seqs,
+    stride_kt,
+    stride_kh,
+    stride_ps,
+    stride_ph,
+    stride_pk,
+    stride_pv,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STORE_CHUNK_STATES: tl.constexpr,
+):
+    """The split design's sequential kernel: only the recurrence. Per chunk it stores the state
+    entering the chunk (h, input dtype) for _output_kernel, turns u into v_new = u - w S in place, and
+    updates S = exp(gamma_last) S + k^T (kscale * v_new) with the raw keys (kscale folds the key norm
+    and the decay to the chunk end into v_new's rows). Two dependent matmuls per chunk."""
+    pid = tl.program_id(0)
+    NV = tl.cdiv(V, BV)
+    i_v = pid % NV
+    n = pid // NV // HV
+    hv = pid // NV % HV
+    bos = tl.load(cu_seqlens + n).to(tl.int32)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int32)
+    num_chunks = (eos - bos + BT - 1) // BT
+    dt = w.dtype.element_ty
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+
+    slot = tl.load(slots + n).to(tl.int64)
+    # no initial state: an empty row range, so the slot's old contents are never read
+    k_init = tl.where(tl.load(has_initial_state + n) != 0, K, 0)
+    p_pool = pool + slot * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
+    state = tl.load(p_pool, mask=(o_k < k_init)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    first = chunks_before(cu_seqlens, n, BT, BLOCK_N)
+    p_h = h + (first * HV + hv).to(tl.int64) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    if STORE_CHUNK_STATES:
+        p_cs = chunk_states + (first * HV + hv).to(tl.int64) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    p_k = k + (hv // GROUP) * stride_kh + o_t[:, None] * stride_kt + o_k[None, :]
+    b_ks_next = tl.load(kscale + bos.to(tl.int64) * HV + hv + o_t * HV, mask=o_t < eos - bos, other=0.0)
+    g_last_next = _first_chunk_decay_log(gcum, hv, bos, eos, HV, BT)
+
+    for c in range(num_chunks):
+        t0 = bos + c * BT
+        m_t = o_t < eos - t0
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        row = t0.to(tl.int64) * HV + hv
+        b_s = state.to(dt)
+        tl.store(p_h + c * (HV * K * V), b_s, mask=m_kv)
+        b_w = tl.load(w + row * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
+        p_u = u + row * V + o_t[:, None] * (HV * V) + o_v[None, :]
+        v_new = tl.load(p_u, mask=m_tv, other=0.0).to(tl.float32) - tl.dot(b_w, b_s)
+        tl.store(p_u, v_new.to(dt), mask=m_tv)  # this program owns these columns: u becomes v_new
+        b_k = tl.load(p_k + t0.to(tl.int64) * stride_kt, mask=m_tk, other=0.0).to(dt)
+        v_scaled = (v_new * b_ks_next[:, None]).to(dt)
+        state = state * tl.exp(g_last_next) + tl.dot(tl.trans(b_k), v_scaled)
+        if STORE_CHUNK_STATES:
+            tl.store(p_cs + c * (HV * K * V), state, mask=m_kv)
+        # the next chunk's small vectors, fetched a chunk ahead (the last chunk's again at the end)
+        t1 = bos + tl.minimum(c + 1, num_chunks - 1) * BT
+        row1 = t1.to(tl.int64) * HV + hv
+        b_ks_next = tl.load(kscale + row1 + o_t * HV, mask=o_t < eos - t1, other=0.0)
+        g_last_next = tl.load(gcum + row1 + (tl.minimum(eos - t1, BT) - 1) * HV)
+    if num_chunks > 0:
+        tl.store(p_pool, state.to(pool.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit(do_not_specialize=["num_seqs"])  # one compile for any batch size
+def _output_kernel(
+    q,
+    k,
+    gcum,
+    rnorm,
+    h,
+    v_new,
+    o,
+    cu_seqlens,
+    num_seqs,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    L2NORM: tl.constexpr,
+):
+    """The split design's output, parallel over (chunk, value head):
+    o = qscale (q h) + (q k^T * causal decay, norms and scale folded in) v_new, over V in BV blocks."""
+    i_c = tl.program_id(0)
+    hv = tl.program_id(1)
+    n, c = locate_chunk(cu_seqlens, num_seqs, i_c, BT, BLOCK_N)
+    if n >= num_seqs:
+        return
+    t0 = tl.load(cu_seqlens + n).to(tl.int32) + c * BT
+    length = tl.load(cu_seqlens + n + 1).to(tl.int32) - t0
+    t0 = t0.to(tl.int64)
+    row = t0 * HV + hv
+    dt = v_new.dtype.element_ty
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_t = o_t < length
+    m_k = o_k < K
+    hk = hv // GROUP
+    # raw q and k feed the matmuls; their l2 norms scale the products (k's come from the solve kernel)
+    b_q = _load_block(q + t0 * stride_qt + hk * stride_qh, o_t, m_t, stride_qt, o_k, m_k).to(dt)
+    b_k = _load_block(k + t0 * stride_kt + hk * stride_kh, o_t, m_t, stride_kt, o_k, m_k).to(dt)
+    scale_q = tl.full([BT], scale, dtype=tl.float32)
+    scale_k = tl.full([BT], 1.0, dtype=tl.float32)
+    if L2NORM:
+        q32 = b_q.to(tl.float32)
+        scale_q = scale_q * tl.rsqrt(tl.sum(q32 * q32, 1) + 1e-6)
+        scale_k = tl.load(rnorm + row + o_t * HV, mask=m_t, other=0.0)
+    b_gc = tl.load(gcum + row + o_t * HV, mask=m_t, other=0.0)
+    causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+    decay = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
+    b_sc = (tl.dot(b_q, tl.trans(b_k)) * decay * scale_q[:, None] * scale_k[None, :]).to(dt)
+    b_qs = scale_q * tl.exp(b_gc)
+    p_h = h + (i_c * HV + hv).to(tl.int64) * (K * V) + o_k[:, None] * V
+    for vp in range(0, V, BV):
+        o_v = vp + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_h = tl.load(p_h + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_v = tl.load(v_new + row * V + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0)
+        out = tl.dot(b_q, b_h) * b_qs[:, None]
+        out = tl.dot(b_sc, b_v, out)
+        tl.store(o + row * V + o_t[:, None] * (HV * V) + o_v[None, :], out.to(o.dtype.element_ty), mask=m_tv)
 
 
 @functools.lru_cache(maxsize=8)
@@ -420,8 +628,77 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the H200's count: CPU runs (interpreter) pick the same blocks as the GPU would
 
 
+@functools.lru_cache(maxsize=8)
+def _smem_limit(device: torch.device) -> int:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return getattr(props, "shared_memory_per_block_optin", 232448)
+    return 232448  # the H200's (227 KB)
+
+
+def _stages_that_fit(wanted: int, per_stage: int, fixed: int, device: torch.device) -> int:
+    """The deepest software pipeline, up to `wanted`, whose tile buffers (per_stage bytes each, plus
+    `fixed` for the matmul operands the loop stages itself) fit in a program's shared memory."""
+    return max(1, min(wanted, (_smem_limit(device) - fixed) // per_stage))
+
+
 def _contiguous_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkVariant:
+    """How the sequential part runs; `chunk_gated_delta_rule(variant=...)` takes one of these or a name
+    from VARIANTS, and bench/kernels_gdn.py times them side by side.
+
+    split: True for _recur_kernel + _output_kernel, False for the fused _state_kernel.
+    block_v: V columns per sequential program; 0 picks 64, halved to 32 while the grid has fewer
+        programs than the GPU has SMs (the first design's rule).
+    num_warps: of the sequential kernel; 0 picks 4 at block_v 32 and 8 above (the fused kernel's
+        [K, 64] tiles spill at 4 warps once its loads are pipelined).
+    num_stages: depth of the software pipeline of the sequential kernel's per-chunk tile loads; the
+        wrapper lowers it until the tiles fit in shared memory.
+    prefetch: fused only; fetch the chunk's qscale and decay one chunk ahead.
+    out_block_v, out_warps: split only; the output kernel's V block and warps.
+    """
+
+    split: bool = True
+    block_v: int = 0
+    num_warps: int = 0
+    num_stages: int = 3
+    prefetch: bool = True
+    out_block_v: int = 64
+    out_warps: int = 4
+
+
+VARIANTS = {
+    # the first design, as measured on the H200 (0.193 / 0.734 / 3.022 ms at T = 2048 / 8192 / 32768)
+    "fused": ChunkVariant(split=False, num_warps=4, num_stages=2, prefetch=False),
+    "fused_pf": ChunkVariant(split=False, num_stages=3, prefetch=True),
+    "fused64w8": ChunkVariant(split=False, block_v=64, num_warps=8, num_stages=3, prefetch=True),
+    "split32": ChunkVariant(split=True, block_v=32, num_warps=4),
+    "split64": ChunkVariant(split=True, block_v=64, num_warps=4),
+    "split64w8": ChunkVariant(split=True, block_v=64, num_warps=8),
+    "split32_o128": ChunkVariant(split=True, block_v=32, num_warps=4, out_block_v=128, out_warps=8),
+}
+
+
+def pick_variant(num_seqs: int, num_v_heads: int, value_dim: int, device: torch.device) -> str:
+    """The variant used when none is named. The split design shortens the per-chunk dependency chain
+    (two matmuls instead of four) at the cost of an h round trip; it pays when the sequential grid is
+    latency-bound (about one wave of programs: few, long sequences). With many sequences the
+    sequential kernel is throughput-bound and the fused design moves fewer bytes."""
+    if num_seqs * num_v_heads * triton.cdiv(value_dim, 64) <= _num_sms(device):
+        return "split32"
+    return "fused_pf"
+
+
+def _resolve_variant(variant, num_seqs: int, num_v_heads: int, value_dim: int, device) -> ChunkVariant:
+    if variant is None:
+        variant = pick_variant(num_seqs, num_v_heads, value_dim, device)
+    if isinstance(variant, str):
+        variant = VARIANTS[variant]
+    return variant
 
 
 def chunk_gated_delta_rule(
@@ -439,6 +716,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
     chunk_states_out: list | None = None,
+    variant: str | ChunkVariant | None = None,
 ) -> torch.Tensor:
     """Chunked gated delta rule over varlen sequences; updates their pool slots in place.
 
@@ -447,6 +725,7 @@ def chunk_gated_delta_rule(
     o: [T, Hv, V] in v's dtype. chunk_states_out, when a list, receives for each sequence a
     [num_chunks, Hv, K, V] float32 tensor of the state after each chunk (this reads cu_seqlens on
     the host). Only chunk_size 64 is supported. q, k, v may be strided views (last dim contiguous).
+    variant: a VARIANTS name or a ChunkVariant; None picks by pick_variant.
     """
     if chunk_size != CHUNK:
         raise ValueError(f"chunk_size must be {CHUNK}, got {chunk_size}")
@@ -456,13 +735,22 @@ def chunk_gated_delta_rule(
     num_seqs = cu_seqlens.shape[0] - 1
     scale = key_dim**-0.5 if scale is None else scale
     device, dt = v.device, k.dtype
+    cfg = _resolve_variant(variant, num_seqs, num_v_heads, value_dim, device)
     out = torch.empty((num_tokens, num_v_heads, value_dim), dtype=v.dtype, device=device)
     max_chunks = num_tokens // CHUNK + num_seqs
-    # scratch, in few allocations: per (token, value head) float32 vectors, then matmul-dtype tiles
+    # scratch, in few allocations: per (token, value head) float32 vectors, then matmul-dtype tiles.
+    # qscale holds kscale in the split design
     gcum, rnorm, qscale = torch.empty((3, num_tokens, num_v_heads), dtype=torch.float32, device=device).unbind(0)
     a_scratch = torch.empty((num_tokens, num_v_heads, SUB), dtype=torch.float32, device=device)
-    y, scores = torch.empty((2, num_tokens, num_v_heads, CHUNK), dtype=dt, device=device).unbind(0)
-    w, kd = torch.empty((2, num_tokens, num_v_heads, key_dim), dtype=dt, device=device).unbind(0)
+    if cfg.split:
+        y = torch.empty((num_tokens, num_v_heads, CHUNK), dtype=dt, device=device)
+        w = torch.empty((num_tokens, num_v_heads, key_dim), dtype=dt, device=device)
+        kd, scores = w, y  # unused
+        # the state entering each chunk, for the output kernel
+        h = torch.empty((max_chunks, num_v_heads, key_dim, value_dim), dtype=dt, device=device)
+    else:
+        y, scores = torch.empty((2, num_tokens, num_v_heads, CHUNK), dtype=dt, device=device).unbind(0)
+        w, kd = torch.empty((2, num_tokens, num_v_heads, key_dim), dtype=dt, device=device).unbind(0)
     u = torch.empty((num_tokens, num_v_heads, value_dim), dtype=dt, device=device)
     chunk_states = None
     if chunk_states_out is not None:
@@ -484,20 +772,45 @@ def chunk_gated_delta_rule(
         q, k, v, beta, cu_seqlens, gcum, rnorm, y, w, u, kd, scores, qscale, num_seqs, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0), beta.stride(1),
         HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BKP=min(64, bk), BVP=min(64, bv_all), BT=CHUNK, BC=SUB,
-        BLOCK_N=BLOCK_N, L2NORM=use_qk_l2norm,
+        BLOCK_N=BLOCK_N, L2NORM=use_qk_l2norm, FUSED=not cfg.split,
         num_warps=8, num_stages=2,
     )  # fmt: skip
-    # the sequential kernel: narrower V-blocks when there are too few (sequence, head) pairs to fill the GPU
-    bv = min(64, bv_all)
-    while bv > 32 and num_seqs * num_v_heads * triton.cdiv(value_dim, bv) < _num_sms(device):
-        bv //= 2
-    _state_kernel[(triton.cdiv(value_dim, bv) * num_seqs * num_v_heads,)](
-        q, w, u, kd, scores, qscale, gcum, out, w if chunk_states is None else chunk_states, state_pool,
-        cu_seqlens, state_slots, has_initial_state, num_seqs, q.stride(0), q.stride(1), *state_pool.stride(),
-        HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BK=bk, BV=bv, BT=CHUNK, BLOCK_N=BLOCK_N,
-        STORE_CHUNK_STATES=chunk_states is not None,
-        num_warps=4, num_stages=2,
-    )  # fmt: skip
+    bv = min(cfg.block_v or 64, bv_all)
+    if not cfg.block_v:  # narrower V-blocks when there are too few (sequence, head) pairs to fill the GPU
+        while bv > 32 and num_seqs * num_v_heads * triton.cdiv(value_dim, bv) < _num_sms(device):
+            bv //= 2
+    seq_warps = cfg.num_warps or (4 if bv <= 32 else 8)
+    seq_grid = (triton.cdiv(value_dim, bv) * num_seqs * num_v_heads,)
+    cs_arg = w if chunk_states is None else chunk_states
+    # shared memory of the sequential loop (estimates above what sm_90 builds allocate): per stage its
+    # tiles (split: w, k, u; fused: w, q, kd, scores, u), besides the state and v_new matmul operands
+    esize = w.element_size()
+    fixed = esize * (bk + CHUNK) * bv + 8192
+    per_stage = esize * CHUNK * ((2 if cfg.split else 3) * bk + bv + (0 if cfg.split else CHUNK))
+    stages = _stages_that_fit(cfg.num_stages, per_stage, fixed, device)
+    if cfg.split:
+        _recur_kernel[seq_grid](
+            k, w, u, qscale, gcum, h, cs_arg, state_pool, cu_seqlens, state_slots, has_initial_state, num_seqs,
+            k.stride(0), k.stride(1), *state_pool.stride(),
+            HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BK=bk, BV=bv, BT=CHUNK, BLOCK_N=BLOCK_N,
+            STORE_CHUNK_STATES=chunk_states is not None,
+            num_warps=seq_warps, num_stages=stages,
+        )  # fmt: skip
+        _output_kernel[(max_chunks, num_v_heads)](
+            q, k, gcum, rnorm, h, u, out, cu_seqlens, num_seqs, scale, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1),
+            HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BK=bk, BV=min(cfg.out_block_v, bv_all), BT=CHUNK,
+            BLOCK_N=BLOCK_N, L2NORM=use_qk_l2norm,
+            num_warps=cfg.out_warps, num_stages=2,
+        )  # fmt: skip
+    else:
+        _state_kernel[seq_grid](
+            q, w, u, kd, scores, qscale, gcum, out, cs_arg, state_pool,
+            cu_seqlens, state_slots, has_initial_state, num_seqs, q.stride(0), q.stride(1), *state_pool.stride(),
+            HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BK=bk, BV=bv, BT=CHUNK, BLOCK_N=BLOCK_N,
+            STORE_CHUNK_STATES=chunk_states is not None, PREFETCH=cfg.prefetch,
+            num_warps=seq_warps, num_stages=stages,
+        )  # fmt: skip
 
     if chunk_states_out is not None:
         counts = ((cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK).tolist()

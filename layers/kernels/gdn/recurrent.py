@@ -5,15 +5,55 @@ One program per (sequence, value head, V-block): it reads its [K, BV] float32 st
 pool slot once, runs the L tokens with l2norm, gating and the delta update in registers, writes
 each token's output (and state, when asked), then writes the tile back. Memory-bound: the state
 moves once each way.
+
+ONE_PASS reads both products off the decayed state before the update, o = S'^T q + delta (k.q)
+with S' = exp(g) S and delta = beta (v - S'^T k): the two reductions over K run side by side as
+one multi-operand reduction, instead of the second waiting for the update.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
 BLOCK_V = 32  # 32 float32 columns: each state row segment is one 128-byte line
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentVariant:
+    """block_v: state columns per program (the program count is N * Hv * V / block_v); num_warps;
+    one_pass: see the module docstring; row_strides: when the [K, V] tiles of the pool (and of the
+    intermediate states) are contiguous, address them with constant offsets, which frees the
+    registers a [K, BV] tensor of 64-bit addresses holds; maxnreg: a register cap, so that more
+    programs (and more state bytes in flight) fit on an SM. bench/kernels_gdn.py times the VARIANTS
+    side by side."""
+
+    block_v: int = BLOCK_V
+    num_warps: int = 4
+    one_pass: bool = True
+    row_strides: bool = True
+    maxnreg: int | None = None
+
+
+VARIANTS = {
+    # the first design (H200: 75% of copy bandwidth at N=64)
+    "bv32": RecurrentVariant(block_v=32, num_warps=4, one_pass=False, row_strides=False),
+    "bv32_1p": RecurrentVariant(block_v=32, num_warps=4),
+    "bv32_1p_r64": RecurrentVariant(block_v=32, num_warps=4, maxnreg=64),
+    "bv64_1p": RecurrentVariant(block_v=64, num_warps=4),
+    "bv64w8_1p": RecurrentVariant(block_v=64, num_warps=8),
+    "bv64w8_1p_r64": RecurrentVariant(block_v=64, num_warps=8, maxnreg=64),
+    "bv128w8_1p": RecurrentVariant(block_v=128, num_warps=8),
+}
+DEFAULT_VARIANT = "bv32_1p"  # predicted best with bv64_1p and bv32_1p_r64 (NOTES.md)
+
+
+@triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
 
 
 @triton.jit
@@ -62,6 +102,8 @@ def _recurrent_kernel(
     L2NORM: tl.constexpr,
     STORE_INTERMEDIATE: tl.constexpr,
     UPDATE_STATE: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    ROW_STRIDES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     NV = tl.cdiv(V, BV)
@@ -77,7 +119,10 @@ def _recurrent_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
 
     slot = tl.load(slots + n).to(tl.int64)
-    p_pool = pool + slot * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
+    if ROW_STRIDES:  # the usual contiguous [K, V] tiles: constant offsets, one base address register
+        p_pool = pool + slot * stride_ps + hv * stride_ph + o_k[:, None] * V + o_v[None, :]
+    else:
+        p_pool = pool + slot * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
     state = tl.load(p_pool, mask=m_kv, other=0.0).to(tl.float32)
 
     n64 = n.to(tl.int64)
@@ -87,7 +132,10 @@ def _recurrent_kernel(
     p_g = g + n64 * stride_gn + hv * stride_gh
     p_b = beta + n64 * stride_bn + hv * stride_bh
     p_o = o + (n64 * length * HV + hv) * V + o_v
-    p_i = inter + n64 * stride_in + hv * stride_ih + o_k[:, None] * stride_ik + o_v[None, :] * stride_iv
+    if ROW_STRIDES:
+        p_i = inter + n64 * stride_in + hv * stride_ih + o_k[:, None] * V + o_v[None, :]
+    else:
+        p_i = inter + n64 * stride_in + hv * stride_ih + o_k[:, None] * stride_ik + o_v[None, :] * stride_iv
     for t in range(length):
         b_q = tl.load(p_q + t * stride_ql, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(p_k + t * stride_kl, mask=m_k, other=0.0).to(tl.float32)
@@ -98,9 +146,16 @@ def _recurrent_kernel(
             b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6)
             b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
         state = state * tl.exp(b_g)
-        delta = b_beta * (b_v - tl.sum(state * b_k[:, None], 0))
-        state = state + b_k[:, None] * delta[None, :]
-        b_o = tl.sum(state * (b_q * scale)[:, None], 0)
+        if ONE_PASS:
+            b_q = b_q * scale
+            pred, b_o = tl.reduce((state * b_k[:, None], state * b_q[:, None]), 0, _add_pair)
+            delta = b_beta * (b_v - pred)
+            b_o += delta * tl.sum(b_k * b_q, 0)
+            state = state + b_k[:, None] * delta[None, :]
+        else:
+            delta = b_beta * (b_v - tl.sum(state * b_k[:, None], 0))
+            state = state + b_k[:, None] * delta[None, :]
+            b_o = tl.sum(state * (b_q * scale)[:, None], 0)
         tl.store(p_o + t * HV * V, b_o.to(o.dtype.element_ty), mask=m_v)
         if STORE_INTERMEDIATE:
             tl.store(p_i + t * stride_il, state.to(inter.dtype.element_ty), mask=m_kv)
@@ -121,14 +176,17 @@ def fused_recurrent_gated_delta_rule(
     use_qk_l2norm: bool = True,
     intermediate_states_out: torch.Tensor | None = None,
     update_state: bool = True,
+    variant: str | RecurrentVariant | None = None,
 ) -> torch.Tensor:
     """Token-by-token gated delta rule for L tokens of each of N sequences.
 
     q, k: [N, L, Hk, K]; v: [N, L, Hv, V]; g, beta: [N, L, Hv]; state_pool: [S, Hv, K, V] float32;
     state_slots: [N]. Returns o: [N, L, Hv, V] in v's dtype. intermediate_states_out
     ([N, L, Hv, K, V]), when given, receives the state after each token; update_state writes the
-    state after the last token to the slot. No host syncs.
+    state after the last token to the slot. No host syncs. variant: a VARIANTS name or a
+    RecurrentVariant (None: DEFAULT_VARIANT).
     """
+    cfg = VARIANTS[variant or DEFAULT_VARIANT] if not isinstance(variant, RecurrentVariant) else variant
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     num_seqs, length, num_k_heads, key_dim = q.shape
     num_v_heads, value_dim = v.shape[2], v.shape[3]
@@ -138,7 +196,8 @@ def fused_recurrent_gated_delta_rule(
         return out
     # without intermediate states the pool stands in as a (never written) pointer argument
     inter = intermediate_states_out if intermediate_states_out is not None else state_pool
-    bv = min(BLOCK_V, max(16, triton.next_power_of_2(value_dim)))
+    row_strides = cfg.row_strides and all(t.stride(-1) == 1 and t.stride(-2) == value_dim for t in (state_pool, inter))
+    bv = min(cfg.block_v, max(16, triton.next_power_of_2(value_dim)))
     grid = (num_seqs * num_v_heads * triton.cdiv(value_dim, bv),)
     _recurrent_kernel[grid](
         q, k, v, g, beta, out, state_pool, state_slots, inter, scale, length,
@@ -146,7 +205,7 @@ def fused_recurrent_gated_delta_rule(
         inter.stride(0), inter.stride(1) if intermediate_states_out is not None else 0, *inter.stride()[-3:],
         HV=num_v_heads, GROUP=num_v_heads // num_k_heads, K=key_dim, V=value_dim,
         BK=max(16, triton.next_power_of_2(key_dim)), BV=bv, L2NORM=use_qk_l2norm,
-        STORE_INTERMEDIATE=intermediate_states_out is not None, UPDATE_STATE=update_state,
-        num_warps=4,
+        STORE_INTERMEDIATE=intermediate_states_out is not None, UPDATE_STATE=update_state, ONE_PASS=cfg.one_pass,
+        ROW_STRIDES=row_strides, num_warps=cfg.num_warps, **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
     return out
