@@ -4,13 +4,9 @@ from __future__ import annotations
 
 
 def add_bench_parser(sub) -> None:
-    from . import offline
+    from . import offline, serve
 
     bench = sub.add_parser("bench", help="benchmarks: offline (LLM) and serve (gRPC load)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     offline.add_parser(bench_sub)
-    try:
-        from . import serve
-    except ImportError:
-        return
     serve.add_parser(bench_sub)

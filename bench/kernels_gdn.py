@@ -119,7 +119,7 @@ def _chunk_cases(num_tokens: int, fla_chunk) -> list[Case]:
 
     io_bytes = num_tokens * (2 * HK * K * 2 + 2 * HV * V * 2 + 2 * HV * 4) + 2 * HV * K * V * 4
     peer = _working_peer(peer)
-    default = chunk_module.pick_variant(1, HV, V, torch.device("cuda"))
+    default = chunk_module.pick_variant(1, HV, V, torch.device("cuda"), num_tokens)
     cases = []
     for i, variant in enumerate([None, *_selected(list(chunk_module.VARIANTS))]):
         cases.append(

@@ -246,12 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.set_defaults(func=cmd_demo)
 
-    try:
-        from deltaserve.bench.cli import add_bench_parser
-    except ImportError:  # the benchmark module is optional at import time
-        add_bench_parser = None
-    if add_bench_parser is not None:
-        add_bench_parser(sub)
+    from deltaserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

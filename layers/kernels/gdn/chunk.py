@@ -683,19 +683,31 @@ VARIANTS = {
 }
 
 
-def pick_variant(num_seqs: int, num_v_heads: int, value_dim: int, device: torch.device) -> str:
+# Up to this many tokens per sequence the original fused design won on the H200 (0.197 vs 0.234 ms
+# for split32 at T=2048, one sequence; docs/PERF.md), above it split32 (0.51 vs 0.64 ms at 8192).
+FUSED_MAX_TOKENS_PER_SEQ = 2048
+
+
+def pick_variant(
+    num_seqs: int, num_v_heads: int, value_dim: int, device: torch.device, num_tokens: int | None = None
+) -> str:
     """The variant used when none is named. The split design shortens the per-chunk dependency chain
     (two matmuls instead of four) at the cost of an h round trip; it pays when the sequential grid is
     latency-bound (about one wave of programs: few, long sequences). With many sequences the
-    sequential kernel is throughput-bound and the fused design moves fewer bytes."""
+    sequential kernel is throughput-bound and the fused design moves fewer bytes; short sequences
+    keep the original fused kernel."""
+    if num_tokens is not None and num_tokens <= FUSED_MAX_TOKENS_PER_SEQ * num_seqs:
+        return "fused"
     if num_seqs * num_v_heads * triton.cdiv(value_dim, 64) <= _num_sms(device):
         return "split32"
     return "fused_pf"
 
 
-def _resolve_variant(variant, num_seqs: int, num_v_heads: int, value_dim: int, device) -> ChunkVariant:
+def _resolve_variant(
+    variant, num_seqs: int, num_v_heads: int, value_dim: int, device, num_tokens: int | None = None
+) -> ChunkVariant:
     if variant is None:
-        variant = pick_variant(num_seqs, num_v_heads, value_dim, device)
+        variant = pick_variant(num_seqs, num_v_heads, value_dim, device, num_tokens)
     if isinstance(variant, str):
         variant = VARIANTS[variant]
     return variant
@@ -735,7 +747,7 @@ def chunk_gated_delta_rule(
     num_seqs = cu_seqlens.shape[0] - 1
     scale = key_dim**-0.5 if scale is None else scale
     device, dt = v.device, k.dtype
-    cfg = _resolve_variant(variant, num_seqs, num_v_heads, value_dim, device)
+    cfg = _resolve_variant(variant, num_seqs, num_v_heads, value_dim, device, num_tokens)
     out = torch.empty((num_tokens, num_v_heads, value_dim), dtype=v.dtype, device=device)
     max_chunks = num_tokens // CHUNK + num_seqs
     # scratch, in few allocations: per (token, value head) float32 vectors, then matmul-dtype tiles.

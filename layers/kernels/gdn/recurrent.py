@@ -48,7 +48,7 @@ VARIANTS = {
     "bv64w8_1p_r64": RecurrentVariant(block_v=64, num_warps=8, maxnreg=64),
     "bv128w8_1p": RecurrentVariant(block_v=128, num_warps=8),
 }
-DEFAULT_VARIANT = "bv32_1p"  # predicted best with bv64_1p and bv32_1p_r64 (NOTES.md)
+DEFAULT_VARIANT = "bv64_1p"  # fastest on the H200 at N = 1, 64 and 256 (docs/PERF.md)
 
 
 @triton.jit
