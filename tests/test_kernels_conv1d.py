@@ -13,23 +13,6 @@ from deltaserve.layers.kernels.conv1d import naive, triton_conv1d
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class NanTorch:
-    """Stands in for `torch` inside the kernel module: outputs start NaN-filled, so an element the
-    kernel forgets to write shows up."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*args, **kwargs):
-        return torch.empty(*args, **kwargs).fill_(float("nan"))
-
-
-@pytest.fixture
-def nan_buffers(monkeypatch):
-    monkeypatch.setattr(triton_conv1d, "torch", NanTorch())
-
-
 def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if torch.isnan(out).any():
         return float("inf")
@@ -38,7 +21,7 @@ def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("width", [4, 2])
 @pytest.mark.parametrize("activation, with_bias", [("silu", False), (None, True)])
-def test_varlen_matches_naive(nan_buffers, width, activation, with_bias):
+def test_varlen_matches_naive(nan_fill, width, activation, with_bias):
     torch.manual_seed(0)
     bounds = [0, 1, 70, 72, 203, 203, 260]  # a 1-token and a 2-token sequence (shorter than the window), an empty one
     num_seqs, channels = len(bounds) - 1, 200  # two channel blocks, the second partial
@@ -71,7 +54,7 @@ def test_varlen_matches_naive(nan_buffers, width, activation, with_bias):
     assert torch.equal(out_pool[empty_slot], pool[empty_slot])
 
 
-def test_varlen_ignores_slot_without_initial_state(nan_buffers):
+def test_varlen_ignores_slot_without_initial_state(nan_fill):
     torch.manual_seed(1)
     x = torch.randn(10, 16, device=DEVICE)
     weight = torch.randn(16, 4, device=DEVICE)
@@ -93,7 +76,7 @@ def test_varlen_ignores_slot_without_initial_state(nan_buffers):
 
 @pytest.mark.parametrize("width", [4, 2])
 @pytest.mark.parametrize("activation, with_bias", [("silu", False), (None, True)])
-def test_update_matches_naive(nan_buffers, width, activation, with_bias):
+def test_update_matches_naive(nan_fill, width, activation, with_bias):
     torch.manual_seed(2)
     num_seqs, channels = 5, 300
     x = torch.randn(num_seqs, channels + 7, device=DEVICE)[:, :channels]
@@ -131,7 +114,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 
 @pytest.mark.gpu
 @gpu
-def test_varlen_and_update_bf16_real_shapes(nan_buffers):
+def test_varlen_and_update_bf16_real_shapes(nan_fill):
     torch.manual_seed(3)
     channels, bounds = 8192, [0, 2, 1000, 3001]
     x = torch.randn(bounds[-1], channels, device=DEVICE, dtype=torch.bfloat16)

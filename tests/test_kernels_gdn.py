@@ -18,24 +18,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 2e-2 if DEVICE == "cuda" else 1e-4
 
 
-class NanTorch:
-    """Stands in for `torch` inside a kernel module: empty buffers come back NaN-filled, so an
-    element a kernel forgets to write (or a scratch value it reads before writing) shows up."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*args, **kwargs):
-        return torch.empty(*args, **kwargs).fill_(float("nan"))
-
-
-@pytest.fixture
-def nan_buffers(monkeypatch):
-    monkeypatch.setattr(chunk_module, "torch", NanTorch())
-    monkeypatch.setattr(recurrent_module, "torch", NanTorch())
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max |out - ref| over max(1, max |ref|); NaN anywhere fails."""
     if torch.isnan(out).any():
@@ -86,7 +68,7 @@ CHUNK_VARIANTS = ["fused", "fused_pf", "split32"]
         ([0, 30, 30, 33], (1, 3), (12, 20), True, None),  # shorter than a chunk, an empty sequence
     ],
 )
-def test_chunk_matches_naive(nan_buffers, bounds, heads, dims, l2norm, scale, variant):
+def test_chunk_matches_naive(nan_fill, bounds, heads, dims, l2norm, scale, variant):
     torch.manual_seed(0)
     (num_k_heads, num_v_heads), (key_dim, value_dim) = heads, dims
     num_seqs = len(bounds) - 1
@@ -123,7 +105,7 @@ def test_chunk_matches_naive(nan_buffers, bounds, heads, dims, l2norm, scale, va
 
 
 @pytest.mark.parametrize("variant", ["fused", "split32"])
-def test_chunk_half_precision(nan_buffers, variant):
+def test_chunk_half_precision(nan_fill, variant):
     """The 16-bit path (matmul operands and scratch in the inputs' dtype). float16 stands in for
     bf16, whose matmuls the interpreter cannot run."""
     torch.manual_seed(5)
@@ -144,7 +126,7 @@ def test_chunk_half_precision(nan_buffers, variant):
 
 
 @pytest.mark.parametrize("variant", CHUNK_VARIANTS)
-def test_chunk_ignores_slot_without_initial_state(nan_buffers, variant):
+def test_chunk_ignores_slot_without_initial_state(nan_fill, variant):
     """has_initial_state False must not read the slot, even when it holds NaN."""
     torch.manual_seed(1)
     q, k, v, g, beta = make_inputs(40, 1, 2, 8, 8)
@@ -160,7 +142,7 @@ def test_chunk_ignores_slot_without_initial_state(nan_buffers, variant):
 
 
 @pytest.mark.parametrize("variant", ["fused_pf", "split32", chunk_module.ChunkVariant(split=True, block_v=16)])
-def test_chunk_varlen_nan_slots(nan_buffers, variant):
+def test_chunk_varlen_nan_slots(nan_fill, variant):
     """Odd varlen lengths (a 1-token, an empty and a multi-chunk sequence, a chunk boundary), with
     every slot NaN but those with an initial state: the sequences without one must not read theirs,
     the slots of no sequence (and of the empty one) must stay as they were, the per-chunk states must
@@ -192,7 +174,7 @@ def test_chunk_varlen_nan_slots(nan_buffers, variant):
 @pytest.mark.parametrize("variant", ["bv32", "bv32_1p", "bv64w8_1p"])
 @pytest.mark.parametrize("length, heads, dims", [(1, (2, 4), (8, 12)), (3, (1, 2), (16, 10)), (2, (1, 1), (8, 70))])
 @pytest.mark.parametrize("update_state", [True, False])
-def test_recurrent_matches_naive(nan_buffers, length, heads, dims, update_state, variant):
+def test_recurrent_matches_naive(nan_fill, length, heads, dims, update_state, variant):
     torch.manual_seed(2)
     (num_k_heads, num_v_heads), (key_dim, value_dim) = heads, dims
     num_seqs = 5
@@ -228,7 +210,7 @@ def test_recurrent_matches_naive(nan_buffers, length, heads, dims, update_state,
 
 
 @pytest.mark.parametrize("variant", ["bv32_1p", "bv64_1p"])
-def test_recurrent_strided_pool(nan_buffers, variant):
+def test_recurrent_strided_pool(nan_fill, variant):
     """A pool whose [K, V] tiles are not contiguous (a view of a wider buffer) takes the strided
     addressing; the columns outside the view stay as they were."""
     torch.manual_seed(7)
@@ -250,7 +232,7 @@ def test_recurrent_strided_pool(nan_buffers, variant):
     assert torch.equal(out_wide[..., 40:], wide[..., 40:])
 
 
-def test_recurrent_without_intermediate_states(nan_buffers):
+def test_recurrent_without_intermediate_states(nan_fill):
     torch.manual_seed(3)
     q, k, v, g, beta = make_inputs(1, 2, 4, 8, 12, lead=(3,))
     pool = torch.randn(4, 4, 8, 12, device=DEVICE)
@@ -272,7 +254,7 @@ BF16_TOL = 2e-2  # bf16 operands: the reference runs in float32 on the same bf16
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("variant", [None, *chunk_module.VARIANTS])
-def test_chunk_bf16_real_shapes(nan_buffers, variant):
+def test_chunk_bf16_real_shapes(nan_fill, variant):
     torch.manual_seed(4)
     bounds = [0, 777, 2048, 2048, 2049, 3000]  # odd lengths, an empty and a 1-token sequence
     q, k, v, g, beta = make_inputs(bounds[-1], 16, 32, 128, 128, dtype=torch.bfloat16)
@@ -298,7 +280,7 @@ def test_chunk_bf16_real_shapes(nan_buffers, variant):
 @gpu
 @pytest.mark.parametrize("length", [1, 4])
 @pytest.mark.parametrize("variant", [None, *recurrent_module.VARIANTS])
-def test_recurrent_bf16_real_shapes(nan_buffers, length, variant):
+def test_recurrent_bf16_real_shapes(nan_fill, length, variant):
     torch.manual_seed(5)
     num_seqs = 64
     q, k, v, g, beta = make_inputs(length, 16, 32, 128, 128, dtype=torch.bfloat16, lead=(num_seqs,))
