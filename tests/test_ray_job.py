@@ -76,35 +76,35 @@ def test_job_submit_serves_tokens(ray_head, tiny_checkpoints, tmp_path):
     model = str(tiny_checkpoints["qwen3_5_moe"][0])
     port_file = tmp_path / "port"
     job = "deltaserve-test-job"
-    submit = subprocess.run(
-        [
-            str(BIN / "ray"),
-            "job",
-            "submit",
-            "--address",
-            address,
-            "--submission-id",
-            job,
-            "--no-wait",
-            "--",
-            str(BIN / "deltaserve"),
-            "serve",
-            "--model",
-            model,
-            "--device",
-            "cpu",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    command = [
+        str(BIN / "ray"),
+        "job",
+        "submit",
+        "--address",
+        address,
+        "--submission-id",
+        job,
+        "--no-wait",
+        "--",
+        str(BIN / "deltaserve"),
+        "serve",
+        "--model",
+        model,
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+    ]
+    deadline = time.monotonic() + 90
+    while True:  # the head answers `job list` before its job agent is up: retry until it takes jobs
+        submit = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+        if submit.returncode == 0 or "No available agent" not in submit.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(2)
     assert submit.returncode == 0, submit.stderr
     try:
         deadline = time.monotonic() + 90
