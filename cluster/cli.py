@@ -66,8 +66,8 @@ def engine_config(args: argparse.Namespace, executor: str) -> EngineConfig:
 
 
 def _connect_ray(address: str | None) -> None:
-    """Join the Ray cluster of a `ray job submit` job (RAY_ADDRESS is set) or the given address;
-    otherwise start a local one."""
+    """Join the Ray cluster of a `ray job submit` job (RAY_ADDRESS is set) or the given address
+    (`auto` joins the `ray start` cluster of this machine); otherwise start a local one."""
     import ray
 
     if ray.is_initialized():
@@ -76,7 +76,8 @@ def _connect_ray(address: str | None) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(include_dashboard=False, log_to_driver=True)
+        # "local": a cluster of our own, never a stale one a past `ray start` left on the machine
+        ray.init(address="local", include_dashboard=False, log_to_driver=True)
 
 
 async def start_stack(config: EngineConfig, host: str, port: int, backend: str):

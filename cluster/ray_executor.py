@@ -29,7 +29,8 @@ class RayExecutor:
         # every split checked here, before any actor starts or any weight loads
         validate_layout(model_config, ParallelLayout(0, config.tensor_parallel_size, config.enable_expert_parallel))
         if not ray.is_initialized():
-            ray.init(address="auto" if _cluster_address() else None, log_to_driver=True)
+            # RAY_ADDRESS (a Ray job, or set by the user) joins that cluster; otherwise a local one
+            ray.init(address=_cluster_address() or "local", log_to_driver=True)
         self.config = config
         self.model_config = model_config
         self.world_size = config.tensor_parallel_size
