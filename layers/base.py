@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -141,14 +141,6 @@ class MoeLoraRoute(enum.Enum):
     REFUSE = "refuse"
 
 
-@dataclass(frozen=True)
-class ModelSwitches:
-    """The model's switches for a pass."""
-
-    use_triton: bool = False  # CUDA tensors run the Triton kernels; CPU always runs naive.py
-    capturing_graph: bool = False  # inside CUDA-graph capture: no host syncs allowed
-
-
 @dataclass
 class ForwardContext:
     """What one forward pass hands every layer: config, device, the pass's token ids and metadata.
@@ -165,7 +157,6 @@ class ForwardContext:
     decode: AttnMetadata | None
     prefill: BatchedAttnMetadata | None
     logits_indices: torch.Tensor
-    switches: ModelSwitches = field(default_factory=ModelSwitches)
     midchunk_capture: MidchunkCapture | None = None
     moe_lora_route: MoeLoraRoute = MoeLoraRoute.SKIP
 

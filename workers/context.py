@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from deltaserve.cluster.plan import PassPlan
-from deltaserve.layers.base import AttnMetadata, BatchedAttnMetadata, ForwardContext, ModelSwitches
+from deltaserve.layers.base import AttnMetadata, BatchedAttnMetadata, ForwardContext
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.parallel import ParallelLayout
 
@@ -46,7 +46,6 @@ def build_forward_context(
     layout: ParallelLayout,
     device: torch.device | str,
     logits_indices: np.ndarray,
-    switches: ModelSwitches | None = None,
 ) -> ForwardContext:
     def up(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         # arrays decoded from the wire are read-only views of the message: copy those
@@ -96,5 +95,4 @@ def build_forward_context(
         decode=decode,
         prefill=prefill,
         logits_indices=up(logits_indices, torch.long),
-        switches=switches or ModelSwitches(),
     )

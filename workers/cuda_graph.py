@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from deltaserve.cluster.plan import PassPlan
-from deltaserve.layers.base import AttnMetadata, ForwardContext, ModelSwitches
+from deltaserve.layers.base import AttnMetadata, ForwardContext
 from deltaserve.layers.model import HybridModel
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,6 @@ class DecodeGraphs:
             decode=decode,
             prefill=None,
             logits_indices=torch.arange(bs, device=self.device),
-            switches=ModelSwitches(use_triton=True, capturing_graph=True),
         )
 
     def _stage_padding(self, start: int) -> None:

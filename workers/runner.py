@@ -13,7 +13,6 @@ import torch
 
 from deltaserve.cluster.plan import PassPlan, RunnerOutput
 from deltaserve.cluster.wire import WireError
-from deltaserve.layers.base import ModelSwitches
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.loader import load_model
 from deltaserve.layers.parallel import ParallelLayout
@@ -70,7 +69,6 @@ class ModelRunner:
         self.pool: StatePool | None = None
         self.graphs = None
         self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
-        self.switches = ModelSwitches(use_triton=self.device.type == "cuda")
         self.sizes = self._size_pools()  # what this rank could hold; the executor picks the final sizes
 
     @property
@@ -151,7 +149,7 @@ class ModelRunner:
         indices, spans = logits_rows(plan)
         if self.graphs is not None and pool is self.pool and self.graphs.can_run(plan):
             return self.graphs.run(plan), spans
-        ctx = build_forward_context(plan, self.model_config, self.layout, self.device, indices, self.switches)
+        ctx = build_forward_context(plan, self.model_config, self.layout, self.device, indices)
         with torch.inference_mode():
             hidden = self.model(ctx, pool.layer_states)
             logits = self.model.compute_logits(hidden[ctx.logits_indices]) if len(indices) else None
