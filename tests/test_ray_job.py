@@ -32,6 +32,19 @@ def ray_head(tmp_path):
     """A blocking `ray start --head` of its own ports; terminating it stops that cluster only."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     gcs, dashboard = free_port(), free_port()
+    # every port its own: the test session's other Ray instance holds the defaults (its agent: 52365)
+    own_ports = [
+        f"--{flag}={free_port()}"
+        for flag in (
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "runtime-env-agent-port",
+            "metrics-export-port",
+            "ray-client-server-port",
+            "node-manager-port",
+            "object-manager-port",
+        )
+    ]
     head = subprocess.Popen(
         [
             str(BIN / "ray"),
@@ -40,6 +53,7 @@ def ray_head(tmp_path):
             "--block",
             f"--port={gcs}",
             f"--dashboard-port={dashboard}",
+            *own_ports,
             "--dashboard-host=127.0.0.1",
             "--num-cpus=4",
             "--include-dashboard=true",
