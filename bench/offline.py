@@ -141,11 +141,21 @@ def bench_decode(
         from torch.profiler import profile as torch_profile
 
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
             for _ in range(profile_steps):
                 engine.step()
             torch.cuda.synchronize()
-        profile = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
-        print(f"--- profile of {profile_steps} decode steps at batch {batch} ---\n{profile}", flush=True)
+            wall = (time.perf_counter() - t0) / profile_steps
+        events = prof.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in events) / profile_steps
+        launches = sum(e.count for e in events if e.self_device_time_total > 0) / profile_steps
+        profile = events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=72)
+        print(
+            f"--- profile of {profile_steps} decode steps at batch {batch}: GPU busy {gpu_us / 1e3:.2f} ms/step, "
+            f"wall {wall * 1e3:.2f} ms/step (profiled), ~{launches:.0f} GPU ops/step ---\n{profile}",
+            flush=True,
+        )
     while engine.has_unfinished():
         engine.step()
     result = {"step_s": statistics.median(times), "distinct_experts_per_layer": counts}

@@ -247,6 +247,11 @@ class Scheduler:
     def apply_output(self, plan: PassPlan, output: RunnerOutput) -> list[Request]:
         """Append sampled tokens; finish requests on EOS, stop ids, max_tokens or the length limit.
         Returns the requests that got a token this pass (finished ones included)."""
+        # prompt logprobs first: a request that finishes on this pass's token leaves self.requests
+        for req_id, entries in output.prompt_logprobs.items():
+            req = self.requests.get(req_id)
+            if req is not None:
+                _extend_prompt_logprobs(req, entries, plan)
         touched = []
         for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
             req = self.requests.get(req_id)
@@ -257,10 +262,6 @@ class Scheduler:
                 req.logprobs.append(output.logprobs[req_id])
             touched.append(req)
             self._check_stop(req, int(token))
-        for req_id, entries in output.prompt_logprobs.items():
-            req = self.requests.get(req_id)
-            if req is not None:
-                _extend_prompt_logprobs(req, entries, plan)
         return touched
 
     def _check_stop(self, req: Request, token: int) -> None:

@@ -117,9 +117,12 @@ def test_eos_ends_generation_unless_ignored(tiny_checkpoints):
 def test_prompt_logprobs_match_transformers(moe, tiny_checkpoints):
     llm, hf = moe
     prompt = some_prompts()[5]
-    for budget_llm in (llm, LLM(str(tiny_checkpoints["qwen3_5_moe"][0]), max_num_batched_tokens=7)):
+    chunked = LLM(str(tiny_checkpoints["qwen3_5_moe"][0]), max_num_batched_tokens=7)
+    # max_tokens=1: the request finishes on the pass that computes its last prompt logprobs
+    for budget_llm, max_tokens in ((llm, 2), (chunked, 2), (llm, 1), (chunked, 1)):
         (out,) = budget_llm.generate(
-            [prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, logprobs=2), use_tqdm=False
+            [prompt], SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=3, logprobs=2),
+            use_tqdm=False,
         )
         with torch.no_grad():
             ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)

@@ -4,6 +4,7 @@ worker actor wraps it."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -95,6 +96,8 @@ class ModelRunner:
     def _gpu_budget(self) -> int:
         """Memory left for pools: utilisation x total, minus weights and a profiled activation peak."""
         torch.cuda.synchronize(self.device)
+        gc.collect()  # an engine dropped earlier in this process still holds cached blocks until then
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         activation = self._profile_activation_bytes()
         used = total - free
