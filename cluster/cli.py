@@ -36,6 +36,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--max-waiting-requests", type=int, default=1024)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--enforce-eager", action="store_true", help="run decode passes without CUDA graphs")
 
 
 def engine_config(args: argparse.Namespace, executor: str) -> EngineConfig:
@@ -61,6 +62,7 @@ def engine_config(args: argparse.Namespace, executor: str) -> EngineConfig:
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_waiting_requests=args.max_waiting_requests,
+        enable_cuda_graphs=not args.enforce_eager,
         executor=executor,
     )
 

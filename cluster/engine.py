@@ -115,6 +115,7 @@ def runner_config(config: EngineConfig):
         gpu_memory_utilization=config.gpu_memory_utilization,
         cpu_kv_cache_bytes=config.cpu_kv_cache_bytes,
         num_kv_blocks=config.num_kv_blocks,
+        enable_cuda_graphs=config.enable_cuda_graphs,
     )
 
 

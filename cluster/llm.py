@@ -59,6 +59,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             cpu_kv_cache_bytes=cpu_kv_cache_bytes,
             num_kv_blocks=num_kv_blocks,
+            enable_cuda_graphs=not enforce_eager,
         )
         self.engine = EngineCore(self.config, model_config=model_config, output_mode="final")
         self._ids = itertools.count()

@@ -30,6 +30,7 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_checkpoints, family):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     eager = LLM(path, device="cuda", dtype="bfloat16", enforce_eager=True, max_num_seqs=16, **POOL)
     graphs = LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=16, **POOL)
+    assert eager.engine.executor.runner.graphs is None
     assert graphs.engine.executor.runner.graphs is not None
     a = [o.outputs[0].token_ids for o in eager.generate(prompts(), params, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in graphs.generate(prompts(), params, use_tqdm=False)]
