@@ -37,33 +37,39 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_checkpoints, family):
     assert a == b
 
 
+def prompt_logprob_errors(cpu, gpu) -> list[float]:
+    errors = []
+    for c, g in zip(cpu, gpu, strict=True):
+        assert len(c.prompt_logprobs) == len(g.prompt_logprobs) == len(c.prompt_token_ids)
+        errors += [
+            abs(a.logprob - b.logprob) for a, b in zip(c.prompt_logprobs[1:], g.prompt_logprobs[1:], strict=True)
+        ]
+    return errors
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cuda_float32_matches_cpu_prompt_logprobs(tiny_checkpoints, family):
-    """Prompt logprobs through the Triton kernels (float32) against the CPU reference path."""
+def test_cuda_float32_matches_cpu_prompt_logprobs(tiny_checkpoints, family, monkeypatch):
+    """Prompt logprobs of the whole GPU path (Triton kernels, chunked prefill, pools) against the CPU
+    reference, both float32. Triton runs float32 dots in TF32 unless told otherwise: TF32's 10-bit
+    mantissa moves these large-logit tiny models' logprobs by up to ~0.5, so ask for IEEE float32."""
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     path = str(tiny_checkpoints[family][0])
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     cpu = LLM(path, device="cpu").generate(prompts(), params, use_tqdm=False)
     gpu = LLM(path, device="cuda", dtype="float32", max_num_batched_tokens=97, **POOL).generate(
         prompts(), params, use_tqdm=False
     )
-    worst = 0.0
-    for c, g in zip(cpu, gpu, strict=True):
-        for a, b in zip(c.prompt_logprobs[1:], g.prompt_logprobs[1:], strict=True):
-            worst = max(worst, abs(a.logprob - b.logprob))
-    assert worst < 2e-2, worst  # tf32 matmuls in the kernels
+    assert max(prompt_logprob_errors(cpu, gpu)) < 1e-3
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_greedy_picks_a_float32_top_token(tiny_checkpoints, family):
-    """bf16 on the GPU may break a near-tie differently from float32 on the CPU, but never picks a
-    token the float32 model ranks far below its best (random tiny weights give near-flat logits)."""
+def test_bf16_prompt_logprobs_track_float32(tiny_checkpoints, family):
+    """bf16 weights and activations on the GPU against float32 on the CPU: per-position differences
+    are bf16 noise (a wrong kernel or misplaced row shows up as errors of order one on average)."""
     path = str(tiny_checkpoints[family][0])
-    gpu_params = SamplingParams(temperature=0, max_tokens=1)
-    gpu = [o.outputs[0].token_ids[0] for o in LLM(path, device="cuda", **POOL).generate(prompts(), gpu_params,
-                                                                                        use_tqdm=False)]
-    cpu_params = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
-    cpu = [o.outputs[0].logprobs[0] for o in LLM(path, device="cpu").generate(prompts(), cpu_params, use_tqdm=False)]
-    for token, ref in zip(gpu, cpu, strict=True):
-        assert token in ref.top_ids, (token, ref.top_ids)
-        gap = ref.top_logprobs[0] - ref.top_logprobs[ref.top_ids.index(token)]
-        assert gap < 0.05, (token, ref.top_ids[:3], gap)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    cpu = LLM(path, device="cpu").generate(prompts(), params, use_tqdm=False)
+    gpu = LLM(path, device="cuda", **POOL).generate(prompts(), params, use_tqdm=False)
+    errors = prompt_logprob_errors(cpu, gpu)
+    print(f"{family}: bf16 vs float32 prompt logprobs: mean {sum(errors) / len(errors):.4f}, max {max(errors):.4f}")
+    assert sum(errors) / len(errors) < 0.1
