@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-OPS = ("gdn", "conv1d", "attention", "moe", "norm")
+OPS = ("gdn", "conv1d", "attention", "moe", "norm", "linear")
 
 
 def measure_copy_bandwidth() -> float:

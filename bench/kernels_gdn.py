@@ -5,10 +5,23 @@ the peer when it is importable (q and k handed to it already expanded to the val
 Every kernel variant (chunk.VARIANTS, recurrent.VARIANTS; the first of each is the design measured
 first) is a row of its own, checked against the reference, so that one run times old and new side
 by side; the row marked default= is the wrapper's own pick. DELTASERVE_GDN_VARIANTS=name,name,...
-limits the other rows to those variants."""
+limits the other rows to those variants.
+
+Gating (op gdn_gating: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) from the strided
+a / b columns of a bf16 in_proj output) and decode with raw gates (op gdn_decode_gates: the
+recurrent kernel computing g / beta itself, against the torch gating ops + recurrent kernel it
+replaces in the layer, and the fused gating kernel + recurrent kernel as the peer) are
+microsecond kernels: each row captures GRAPH_CALLS back-to-back calls in one CUDA graph and times
+its replay, so ours_ms / ref_ms / peer_ms there are per GRAPH_CALLS calls (the shape says so) and
+bytes_moved counts all of them. Just those rows, per call:
+
+    python -m deltaserve.bench.kernels_gdn [--json gates.json]
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
 
@@ -17,6 +30,7 @@ import torch.nn.functional as F
 
 from deltaserve.bench.kernel_cases import Case
 from deltaserve.layers.kernels.gdn import chunk as chunk_module
+from deltaserve.layers.kernels.gdn import gating as gating_module
 from deltaserve.layers.kernels.gdn import naive
 from deltaserve.layers.kernels.gdn import recurrent as recurrent_module
 from deltaserve.layers.kernels.gdn.chunk import CHUNK, chunk_gated_delta_rule
@@ -24,6 +38,8 @@ from deltaserve.layers.kernels.gdn.recurrent import fused_recurrent_gated_delta_
 
 HK, HV, K, V = 16, 32, 128, 128
 TOLERANCE = 2e-2  # bf16 operands against the float32 reference, relative to the reference's magnitude
+GRAPH_CALLS = 20  # calls captured back to back in one CUDA graph by the gating / raw-gate rows
+IN_PROJ_WIDTH = 2 * HK * K + 2 * HV * V + 2 * HV  # [q | k | v | z | b | a]
 
 
 def _fla():
@@ -193,9 +209,167 @@ def _recurrent_cases(num_seqs: int, fla_recurrent) -> list[Case]:
     return cases
 
 
+def _graphed(fn, calls: int = GRAPH_CALLS):
+    """A callable replaying one CUDA graph of `calls` back-to-back fn() calls (captured at the first
+    call, after a warm-up that compiles the kernels on a side stream)."""
+    graph = []
+
+    def replay():
+        if not graph:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured):
+                for _ in range(calls):
+                    fn()
+            graph.append(captured)
+        graph[0].replay()
+
+    return replay
+
+
+def _raw_gates(num_tokens: int, lead: tuple[int, ...] = ()):
+    """a, b: [*lead, T, Hv] column views of a bf16 [*lead, T, in_proj width] tensor (the layer's
+    layout), A_log, dt_bias: [Hv] bf16 (the model's dtype), with trained-like ranges."""
+    proj = torch.randn(*lead, num_tokens, IN_PROJ_WIDTH, device="cuda", dtype=torch.bfloat16) * 4
+    b, a = proj[..., -2 * HV : -HV], proj[..., -HV:]
+    a_log = (torch.rand(HV, device="cuda") * 15 + 1).log().to(torch.bfloat16)  # A in [1, 16)
+    dt_bias = torch.randn(HV, device="cuda").to(torch.bfloat16)
+    return a, b, a_log, dt_bias
+
+
+def _torch_gating(a, b, a_log, dt_bias):
+    """The layer's former torch ops (8 kernels: casts, sigmoid, exp, neg, add, softplus, mul)."""
+    beta = torch.sigmoid(b.float())
+    g = -torch.exp(a_log.float()) * F.softplus(a.float() + dt_bias.float())
+    return g, beta
+
+
+def _gating_cases(num_tokens: int) -> list[Case]:
+    a, b, a_log, dt_bias = _raw_gates(num_tokens)
+    kwargs = dict(a=a, b=b, A_log=a_log, dt_bias=dt_bias)
+
+    def check() -> float:
+        g, beta = gating_module.gdn_gating(**kwargs)
+        ref_g, ref_beta = naive.gdn_gating(**kwargs)
+        return max(_rel_err(g, ref_g), _rel_err(beta, ref_beta))
+
+    return [
+        Case(
+            op="gdn_gating",
+            shape=f"T={num_tokens} Hv={HV} bf16 a,b [graph x{GRAPH_CALLS}]",
+            ours=_graphed(lambda: gating_module.gdn_gating(**kwargs)),
+            reference=_graphed(lambda: _torch_gating(a, b, a_log, dt_bias)),
+            reference_label="torch ops",
+            check=check,
+            tolerance=1e-5,  # float32 math on both sides, relative to max |g|
+            bytes_moved=GRAPH_CALLS * num_tokens * HV * (2 * 2 + 2 * 4),  # a, b in (bf16), g, beta out
+            target="one launch: ~the cost of one torch elementwise op at T=1 (8 before)",
+        )
+    ]
+
+
+def _decode_gate_cases(num_seqs: int) -> list[Case]:
+    """The layer's decode step after the conv: gating + recurrent. Ours: the recurrent kernel on the
+    raw a / b; reference: the former torch gating ops, then the recurrent kernel on g / beta; peer:
+    the fused gating kernel, then the same."""
+    q, k, v, _, _ = _inputs(1, lead=(num_seqs,))
+    a, b, a_log, dt_bias = _raw_gates(1, lead=(num_seqs,))
+    pool = torch.randn(num_seqs + 8, HV, K, V, device="cuda") * 0.1
+    slots = torch.randperm(num_seqs + 8, device="cuda")[:num_seqs].to(torch.int32)
+    raw = dict(a=a, b=b, A_log=a_log, dt_bias=dt_bias)
+    qkv = dict(q=q, k=k, v=v, state_slots=slots)
+    work_pool = pool.clone()
+
+    def ours():
+        return fused_recurrent_gated_delta_rule(state_pool=work_pool, **qkv, **raw)
+
+    def torch_gates_then_recurrent():
+        g, beta = _torch_gating(a, b, a_log, dt_bias)
+        return fused_recurrent_gated_delta_rule(g=g, beta=beta, state_pool=work_pool, **qkv)
+
+    def fused_gates_then_recurrent():
+        g, beta = gating_module.gdn_gating(**raw)
+        return fused_recurrent_gated_delta_rule(g=g, beta=beta, state_pool=work_pool, **qkv)
+
+    def check() -> float:
+        ours_pool, ref_pool = pool.clone(), pool.clone()
+        out = fused_recurrent_gated_delta_rule(state_pool=ours_pool, **qkv, **raw)
+        g, beta = naive.gdn_gating(**raw)
+        ref = naive.fused_recurrent_gated_delta_rule(g=g, beta=beta, state_pool=ref_pool, **qkv)
+        return max(_rel_err(out, ref), _rel_err(ours_pool, ref_pool))
+
+    state_bytes = 2 * num_seqs * HV * K * V * 4
+    io_bytes = num_seqs * ((2 * HK * K + 2 * HV * V) * 2 + 2 * HV * 2)
+    return [
+        Case(
+            op="gdn_decode_gates",
+            shape=f"N={num_seqs} L=1 raw a,b {recurrent_module.DEFAULT_VARIANT} [graph x{GRAPH_CALLS}]",
+            ours=_graphed(ours),
+            reference=_graphed(torch_gates_then_recurrent),
+            reference_label="torch gating + recurrent",
+            check=check,
+            tolerance=TOLERANCE,
+            bytes_moved=GRAPH_CALLS * (state_bytes + io_bytes),
+            peer=_graphed(fused_gates_then_recurrent),
+            peer_label="gating kernel + recurrent",
+            target="the gating ops' ~8 launches gone from the decode step (~10 us per layer at N=1)",
+        )
+    ]
+
+
+def gate_cases() -> list[Case]:
+    """The CUDA-graph rows: the fused gating kernel and decode with raw gates."""
+    out = [case for t in (1, 64, 256, 8192) for case in _gating_cases(t)]
+    out += [case for n in (1, 64, 256) for case in _decode_gate_cases(n)]
+    return out
+
+
 def cases() -> list[Case]:
     torch.manual_seed(0)
     fla_chunk, fla_recurrent = _fla()
     out = [case for t in (2048, 8192, 32768) for case in _chunk_cases(t, fla_chunk)]
     out += [case for n in (1, 64, 256) for case in _recurrent_cases(n, fla_recurrent)]
+    out += gate_cases()
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CUDA-graph rows only, in microseconds per call."""
+    import triton.testing
+
+    parser = argparse.ArgumentParser(description="GDN gating and raw-gate decode, timed in CUDA graphs")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}  ({GRAPH_CALLS} calls per CUDA graph, median of replays)")
+    rows = []
+    for case in gate_cases():
+        err = case.check()
+        row = {"op": case.op, "shape": case.shape, "max_err": err, "ok": err <= case.tolerance}
+        for key, fn in (("ours_us", case.ours), ("ref_us", case.reference), ("peer_us", case.peer)):
+            if fn is not None:
+                ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                row[key] = ms * 1e3 / GRAPH_CALLS
+        rows.append(row)
+        line = f"{row['op']:<17} {row['shape']:<44} ours {row['ours_us']:7.2f} us"
+        line += f"  {case.reference_label} {row['ref_us']:7.2f} us ({row['ref_us'] / row['ours_us']:.2f}x)"
+        if "peer_us" in row:
+            line += f"  {case.peer_label} {row['peer_us']:7.2f} us ({row['peer_us'] / row['ours_us']:.2f}x)"
+        line += f"  err {err:.1e} {'ok' if row['ok'] else 'FAIL'}"
+        print(line, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "graph_calls": GRAPH_CALLS, "rows": rows}, f, indent=1)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

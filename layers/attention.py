@@ -5,6 +5,9 @@ RMSNorm over the head dim and rotary embeddings on the first `rotary_dim` featur
 output is multiplied by sigmoid(gate) before o_proj. Grouped-query attention: q head h reads kv
 head h // (num_heads // num_kv_heads).
 
+q_proj, k_proj and v_proj load into one fused local weight whose rows are [q_gate | k | v] (this
+rank's heads of each), so the input projection is one GEMM; q, gate, k and v are views of its output.
+
 Tensor parallel: q heads split; kv heads split, or replicated when TP exceeds them; o_proj is
 row-parallel with one all-reduce.
 """
@@ -12,13 +15,13 @@ row-parallel with one all-reduce.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .base import AttnLayerState, CheckpointTensor, ForwardContext
 from .common import RMSNorm, col_range, empty_param, row_ranges
 from .config import ModelConfig
 from .kernels import attention as attn_kernels
+from .kernels import linear as linear_kernels
 from .kernels import rotary as rotary_kernels
 from .parallel import ParallelLayout, all_reduce
 
@@ -33,15 +36,13 @@ class GatedAttention(nn.Module):
         self.head_start, self.num_heads = layout.split(config.num_attention_heads, "num_attention_heads")
         self.kv_head_start, self.num_kv_heads = layout.kv_heads(config.num_kv_heads, config.num_attention_heads)
         self.scale = d**-0.5
-        self.q_proj = empty_param(self.num_heads * 2 * d, h)  # per head: query rows, then gate rows
-        self.k_proj = empty_param(self.num_kv_heads * d, h)
-        self.v_proj = empty_param(self.num_kv_heads * d, h)
+        # fused input projection, rows [q_gate | k | v]; per q head: query rows, then gate rows
+        self.q_size, self.kv_size = self.num_heads * 2 * d, self.num_kv_heads * d
+        self.qkv_proj = empty_param(self.q_size + 2 * self.kv_size, h)
         self.o_proj = empty_param(h, self.num_heads * d)
         self.bias = config.attention_bias
         if self.bias:
-            self.q_bias = empty_param(self.num_heads * 2 * d)
-            self.k_bias = empty_param(self.num_kv_heads * d)
-            self.v_bias = empty_param(self.num_kv_heads * d)
+            self.qkv_bias = empty_param(self.q_size + 2 * self.kv_size)
             self.o_bias = empty_param(h)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -49,21 +50,25 @@ class GatedAttention(nn.Module):
 
     def checkpoint_tensors(self, prefix: str) -> list[CheckpointTensor]:
         d, h = self.head_dim, self.hidden_size
-        q_rows = (self.head_start * 2 * d, 0, self.num_heads * 2 * d)
-        kv_rows = (self.kv_head_start * d, 0, self.num_kv_heads * d)
+        qs, kvs = self.q_size, self.kv_size
+        # (checkpoint row start, fused row start, rows) of this rank's q, k and v
+        q_rows = (self.head_start * 2 * d, 0, qs)
+        k_rows = (self.kv_head_start * d, qs, kvs)
+        v_rows = (self.kv_head_start * d, qs + kvs, kvs)
+        q_shape, kv_shape = (self.total_heads * 2 * d, h), (self.total_kv_heads * d, h)
         out = [
-            row_ranges(f"{prefix}q_proj.weight", self.q_proj, (self.total_heads * 2 * d, h), [q_rows]),
-            row_ranges(f"{prefix}k_proj.weight", self.k_proj, (self.total_kv_heads * d, h), [kv_rows]),
-            row_ranges(f"{prefix}v_proj.weight", self.v_proj, (self.total_kv_heads * d, h), [kv_rows]),
+            row_ranges(f"{prefix}q_proj.weight", self.qkv_proj, q_shape, [q_rows]),
+            row_ranges(f"{prefix}k_proj.weight", self.qkv_proj, kv_shape, [k_rows]),
+            row_ranges(f"{prefix}v_proj.weight", self.qkv_proj, kv_shape, [v_rows]),
             col_range(f"{prefix}o_proj.weight", self.o_proj, (h, self.total_heads * d), self.head_start * d),
             *self.q_norm.checkpoint_tensors(f"{prefix}q_norm.weight"),
             *self.k_norm.checkpoint_tensors(f"{prefix}k_norm.weight"),
         ]
         if self.bias:
             out += [
-                row_ranges(f"{prefix}q_proj.bias", self.q_bias, (self.total_heads * 2 * d,), [q_rows], init="zeros"),
-                row_ranges(f"{prefix}k_proj.bias", self.k_bias, (self.total_kv_heads * d,), [kv_rows], init="zeros"),
-                row_ranges(f"{prefix}v_proj.bias", self.v_bias, (self.total_kv_heads * d,), [kv_rows], init="zeros"),
+                row_ranges(f"{prefix}q_proj.bias", self.qkv_bias, q_shape[:1], [q_rows], init="zeros"),
+                row_ranges(f"{prefix}k_proj.bias", self.qkv_bias, kv_shape[:1], [k_rows], init="zeros"),
+                row_ranges(f"{prefix}v_proj.bias", self.qkv_bias, kv_shape[:1], [v_rows], init="zeros"),
                 # the o_proj bias is added once, after the all-reduce, by rank 0's share
                 _rank0_bias(f"{prefix}o_proj.bias", self.o_bias, self.layout),
             ]
@@ -75,10 +80,12 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: AttnLayerState) -> torch.Tensor:
         num_tokens, d = x.shape[0], self.head_dim
-        q_gate = F.linear(x, self.q_proj, self.q_bias if self.bias else None).view(num_tokens, self.num_heads, 2 * d)
+        qs, kvs = self.q_size, self.kv_size
+        qkv = linear_kernels.linear(x=x, weight=self.qkv_proj, bias=self.qkv_bias if self.bias else None)
+        q_gate = qkv[:, :qs].view(num_tokens, self.num_heads, 2 * d)
         gate = q_gate[..., d:].reshape(num_tokens, self.num_heads * d)
-        k = F.linear(x, self.k_proj, self.k_bias if self.bias else None).view(num_tokens, self.num_kv_heads, d)
-        v = F.linear(x, self.v_proj, self.v_bias if self.bias else None).view(num_tokens, self.num_kv_heads, d)
+        k = qkv[:, qs : qs + kvs].view(num_tokens, self.num_kv_heads, d)
+        v = qkv[:, qs + kvs :].view(num_tokens, self.num_kv_heads, d)
         q, k = rotary_kernels.qk_norm_rope(
             q=q_gate[..., :d],
             k=k,
@@ -115,7 +122,7 @@ class GatedAttention(nn.Module):
             )
         out = join_rows(decode_out, prefill_out)
         out = out.reshape(num_tokens, self.num_heads * d) * torch.sigmoid(gate)
-        out = F.linear(out, self.o_proj, self.o_bias if self.bias else None)
+        out = linear_kernels.linear(x=out, weight=self.o_proj, bias=self.o_bias if self.bias else None)
         return all_reduce(out, self.layout)
 
 

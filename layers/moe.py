@@ -6,9 +6,17 @@ and w2 [E_local, H, I_local], and load from either checkpoint layout: per expert
 (`experts.N.{gate,up,down}_proj.weight`, what transformers saves) or fused
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]).
 
+The router, the shared expert's gate/up and the shared expert's sigmoid gate load into one fused
+local weight `in_proj`, rows [router (E) | shared gate_up (2 * I_shared_local) | shared gate (1)],
+so every projection that reads the block's input is one GEMM (the shared gate row goes last so the
+gate_up slice starts at an aligned column); the router logits come out of it in the activations'
+dtype, as from the unfused F.linear.
+
 Parallelism: by default every expert is split along its intermediate dim (column- then
 row-parallel); with expert parallelism each rank holds E / tp whole experts and skips tokens routed
-elsewhere. Either way the routed and shared partial outputs are summed by one all-reduce.
+elsewhere. Either way the routed and shared partial outputs are summed by one all-reduce. The
+router and the shared gate rows are replicated on every rank; the shared expert's gate/up rows
+are this rank's column-parallel shard (also under expert parallelism).
 """
 
 from __future__ import annotations
@@ -18,36 +26,49 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import CheckpointTensor, ForwardContext, LazyTensor, MoeLoraRoute, copy_into
-from .common import col_range, empty_param, row_ranges, whole
+from .common import col_range, empty_param, row_ranges
 from .config import ModelConfig
+from .kernels import linear as linear_kernels
 from .kernels import moe as moe_kernels
 from .parallel import ParallelLayout, all_reduce
 
 
 class DenseMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); gate/up column-parallel (fused as w13), down row-parallel.
-    `reduce=False` leaves the partial sum for a caller that all-reduces once for several blocks."""
+    `reduce=False` leaves the partial sum for a caller that all-reduces once for several blocks.
+    `own_gate_up=False`: the gate/up rows live in a caller's fused weight (the MoE block's in_proj);
+    the caller passes it and their first row to checkpoint_tensors and runs `down` on its output."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, layout: ParallelLayout, what: str):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, layout: ParallelLayout, what: str, own_gate_up: bool = True
+    ):
         super().__init__()
         self.layout = layout
         self.hidden_size, self.total_inter = hidden_size, intermediate_size
         self.inter_start, self.inter = layout.split(intermediate_size, what)
-        self.w13 = empty_param(2 * self.inter, hidden_size)
+        if own_gate_up:
+            self.w13 = empty_param(2 * self.inter, hidden_size)
         self.w2 = empty_param(hidden_size, self.inter)
 
-    def checkpoint_tensors(self, prefix: str) -> list[CheckpointTensor]:
-        full = (self.total_inter, self.hidden_size)
+    def checkpoint_tensors(
+        self, prefix: str, gate_up: torch.Tensor | None = None, first_row: int = 0
+    ) -> list[CheckpointTensor]:
+        gate_up = self.w13 if gate_up is None else gate_up
+        full, i0, inter = (self.total_inter, self.hidden_size), self.inter_start, self.inter
         return [
-            row_ranges(f"{prefix}gate_proj.weight", self.w13, full, [(self.inter_start, 0, self.inter)]),
-            row_ranges(f"{prefix}up_proj.weight", self.w13, full, [(self.inter_start, self.inter, self.inter)]),
-            col_range(f"{prefix}down_proj.weight", self.w2, (self.hidden_size, self.total_inter), self.inter_start),
+            row_ranges(f"{prefix}gate_proj.weight", gate_up, full, [(i0, first_row, inter)]),
+            row_ranges(f"{prefix}up_proj.weight", gate_up, full, [(i0, first_row + inter, inter)]),
+            col_range(f"{prefix}down_proj.weight", self.w2, (self.hidden_size, self.total_inter), i0),
         ]
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        gate_up = F.linear(x, self.w13)
-        out = F.linear(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], self.w2)
+    def down(self, gate_up: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """down(silu(gate) * up) from the gate/up projection's output [T, 2 * I_local]."""
+        act = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
+        out = linear_kernels.linear(x=act, weight=self.w2)
         return all_reduce(out, self.layout) if reduce else out
+
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        return self.down(linear_kernels.linear(x=x, weight=self.w13), reduce)
 
 
 class SparseMoeBlock(nn.Module):
@@ -64,15 +85,27 @@ class SparseMoeBlock(nn.Module):
         else:
             self.expert_start, self.num_local_experts = 0, config.num_experts
             self.inter_start, self.inter = layout.split(config.moe_intermediate_size, "moe_intermediate_size")
-        self.router = empty_param(config.num_experts, h)
         self.w13 = empty_param(self.num_local_experts, 2 * self.inter, h)
         self.w2 = empty_param(self.num_local_experts, h, self.inter)
         self.shared_expert = None
+        rows = config.num_experts
         if config.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(
-                h, config.shared_expert_intermediate_size, layout, "shared_expert_intermediate_size"
+                h, config.shared_expert_intermediate_size, layout, "shared_expert_intermediate_size", own_gate_up=False
             )
-            self.shared_expert_gate = empty_param(1, h)
+            rows += 2 * self.shared_expert.inter + 1
+        # fused input projection: [router | shared gate_up (this rank's shard) | shared gate]
+        self.in_proj = empty_param(rows, h)
+
+    @property
+    def router(self) -> torch.Tensor:
+        """The router's rows of in_proj [E, H]."""
+        return self.in_proj[: self.num_experts]
+
+    @property
+    def shared_expert_gate(self) -> torch.Tensor:
+        """The shared expert gate's row of in_proj [1, H]."""
+        return self.in_proj[-1:]
 
     def checkpoint_tensors(self, prefix: str) -> list[CheckpointTensor]:
         h, total_inter = self.hidden_size, self.total_inter
@@ -108,10 +141,12 @@ class SparseMoeBlock(nn.Module):
                 shape = (h, total_inter) if proj == "down_proj" else (total_inter, h)
                 load = None if local is None else _per_expert_loader(self, local, proj, name(e, proj))
                 out.append(CheckpointTensor(name(e, proj), shape, load))
-        out.append(whole(f"{prefix}gate.weight", self.router))
+        num_experts = self.num_experts
+        out.append(row_ranges(f"{prefix}gate.weight", self.in_proj, (num_experts, h), [(0, 0, num_experts)]))
         if self.shared_expert is not None:
-            out += self.shared_expert.checkpoint_tensors(f"{prefix}shared_expert.")
-            out.append(whole(f"{prefix}shared_expert_gate.weight", self.shared_expert_gate))
+            out += self.shared_expert.checkpoint_tensors(f"{prefix}shared_expert.", self.in_proj, num_experts)
+            gate_row = self.in_proj.shape[0] - 1
+            out.append(row_ranges(f"{prefix}shared_expert_gate.weight", self.in_proj, (1, h), [(0, gate_row, 1)]))
         return out
 
     def _load_fused_gate_up(self, t: LazyTensor, name: str) -> None:
@@ -123,7 +158,9 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if ctx.moe_lora_route is not MoeLoraRoute.SKIP:
             raise NotImplementedError("MoE LoRA is not built yet: only MoeLoraRoute.SKIP passes run")
-        router_logits = F.linear(x, self.router)
+        num_experts = self.num_experts
+        proj = linear_kernels.linear(x=x, weight=self.in_proj)
+        router_logits = proj[:, :num_experts]
         weights, ids = moe_kernels.route_topk_softmax(
             router_logits=router_logits, top_k=self.top_k, renormalize=self.renormalize
         )
@@ -136,8 +173,8 @@ class SparseMoeBlock(nn.Module):
             expert_offset=self.expert_start,
         )
         if self.shared_expert is not None:
-            shared = self.shared_expert(x, reduce=False)
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+            shared = self.shared_expert.down(proj[:, num_experts:-1], reduce=False)
+            out = out + torch.sigmoid(proj[:, -1:]) * shared
         return all_reduce(out, self.layout)
 
 

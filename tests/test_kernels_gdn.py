@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 # conftest.py sets TRITON_INTERPRET (no CUDA) before anything imports triton
 from deltaserve.layers.kernels.gdn import chunk as chunk_module
+from deltaserve.layers.kernels.gdn import gating as gating_module
 from deltaserve.layers.kernels.gdn import naive
 from deltaserve.layers.kernels.gdn import recurrent as recurrent_module
 
@@ -245,6 +246,110 @@ def test_recurrent_without_intermediate_states(nan_fill):
     assert rel_err(outs[1][1], outs[0][1]) < TOL
 
 
+def make_raw_gates(lead, num_v_heads, dtype=torch.float32, param_dtype=torch.float32, spread=12.0):
+    """a, b: [*lead, Hv] column slices of one wider projection (as the layer passes them, a row
+    stride of the projection's width), A_log, dt_bias: [Hv]. a spans |a + dt_bias| > 20 (softplus's
+    threshold: above it softplus(x) = x) as well as the curved part; the first few sit at the
+    threshold or far past it (exp overflows float32 above 88: without the threshold, g would be -inf)."""
+    width = 3 * num_v_heads + 7
+    proj = torch.randn(*lead, width, device=DEVICE) * spread
+    edge_values = torch.tensor([20.0, 19.99, 20.01, -20.0, 95.0, -95.0, 300.0, -300.0], device=DEVICE)
+    edge = torch.arange(min(len(edge_values), proj.numel() // width * num_v_heads), device=DEVICE)
+    edge_values = edge_values[: len(edge)]
+    proj.view(-1, width)[edge // num_v_heads, 2 + edge % num_v_heads] = edge_values
+    proj = proj.to(dtype)
+    a = proj[..., 2 : 2 + num_v_heads]
+    b = proj[..., 5 + num_v_heads : 5 + 2 * num_v_heads]
+    a_log = torch.linspace(-2.0, 2.5, num_v_heads, device=DEVICE).to(param_dtype)
+    dt_bias = torch.zeros(num_v_heads, device=DEVICE).to(param_dtype)  # a at 20 stays at 20
+    dt_bias[num_v_heads // 2 :] = torch.randn(num_v_heads - num_v_heads // 2, device=DEVICE).to(param_dtype)
+    return a, b, a_log, dt_bias
+
+
+@pytest.mark.parametrize(
+    "lead, num_v_heads, dtype, param_dtype",
+    [
+        ((1,), 3, torch.float32, torch.float32),  # decode at one token
+        ((37,), 5, torch.float32, torch.float32),  # odd T and Hv: masked tokens and heads
+        ((70,), 12, torch.bfloat16, torch.float32),  # bf16 projection, float32 parameters; several programs
+        ((3, 3), 7, torch.float16, torch.bfloat16),  # [N, L, Hv], as the decode path views them
+    ],
+)
+def test_gating_matches_naive(nan_fill, lead, num_v_heads, dtype, param_dtype):
+    torch.manual_seed(8)
+    a, b, a_log, dt_bias = make_raw_gates(lead, num_v_heads, dtype, param_dtype)
+    assert a.stride(-2) > num_v_heads  # rows of a wider projection
+    ref_g, ref_beta = naive.gdn_gating(a=a, b=b, A_log=a_log, dt_bias=dt_bias)
+    g, beta = gating_module.gdn_gating(a=a, b=b, A_log=a_log, dt_bias=dt_bias)
+    assert g.shape == beta.shape == (*lead, num_v_heads)
+    assert g.dtype == beta.dtype == torch.float32 and g.is_contiguous() and beta.is_contiguous()
+    x = a.float() + dt_bias.float()
+    if x.numel() > 100:  # softplus's threshold: both sides and the curved part covered
+        assert (x > 20).any() and (x < -20).any() and (x.abs() < 5).any()
+    assert (g <= 0).all()  # a log decay
+    assert rel_err(g, ref_g) < TOL * 1e-1
+    assert rel_err(beta, ref_beta) < TOL * 1e-1
+    large = (a.float() + dt_bias.float()).abs() > 20  # softplus(x) is x, or ~0: no rounding beyond g's own
+    assert torch.allclose(g[large], ref_g[large], rtol=1e-5, atol=1e-6)
+
+
+def test_gating_no_tokens():
+    a, b, a_log, dt_bias = make_raw_gates((0,), 4)
+    g, beta = gating_module.gdn_gating(a=a, b=b, A_log=a_log, dt_bias=dt_bias)
+    assert g.shape == beta.shape == (0, 4)
+
+
+@pytest.mark.parametrize("variant", ["bv32", "bv64_1p"])
+@pytest.mark.parametrize(
+    "length, heads, dims, dtype", [(1, (2, 6), (8, 12), torch.float32), (3, (1, 3), (16, 40), torch.float16)]
+)
+def test_recurrent_raw_gates_matches_naive(nan_fill, length, heads, dims, dtype, variant):
+    """The recurrent kernel given the raw a, b (strided, as in_proj wrote them) with A_log, dt_bias
+    against the naive recurrent with g, beta from the naive gating; other slots untouched."""
+    torch.manual_seed(9)
+    (num_k_heads, num_v_heads), (key_dim, value_dim) = heads, dims
+    num_seqs = 5
+    q, k, v, _, _ = make_inputs(length, num_k_heads, num_v_heads, key_dim, value_dim, lead=(num_seqs,))
+    a, b, a_log, dt_bias = make_raw_gates((num_seqs * length,), num_v_heads, dtype, spread=4.0)
+    a, b = a.view(num_seqs, length, -1), b.view(num_seqs, length, -1)  # the layer's [N, L, Hv] views
+    g, beta = naive.gdn_gating(a=a, b=b, A_log=a_log, dt_bias=dt_bias)
+    pool = torch.randn(num_seqs + 3, num_v_heads, key_dim, value_dim, device=DEVICE)
+    slots = torch.randperm(num_seqs + 3, device=DEVICE)[:num_seqs]
+    inter_shape = (num_seqs, length, num_v_heads, key_dim, value_dim)
+
+    ref_pool, ref_inter = pool.clone(), torch.full(inter_shape, float("nan"), device=DEVICE)
+    ref = naive.fused_recurrent_gated_delta_rule(
+        q=q, k=k, v=v, g=g, beta=beta, state_pool=ref_pool, state_slots=slots, intermediate_states_out=ref_inter
+    )
+    out_pool, out_inter = pool.clone(), torch.full(inter_shape, float("nan"), device=DEVICE)
+    raw = dict(a=a, b=b, A_log=a_log, dt_bias=dt_bias)
+    out = recurrent_module.fused_recurrent_gated_delta_rule(
+        q=q, k=k, v=v, state_pool=out_pool, state_slots=slots, intermediate_states_out=out_inter, variant=variant, **raw
+    )
+    assert rel_err(out, ref) < TOL
+    assert rel_err(out_inter, ref_inter) < TOL
+    assert rel_err(out_pool, ref_pool) < TOL
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots.long()] = False
+    assert torch.equal(out_pool[untouched], pool[untouched])
+    # the naive recurrent takes the raw form too (the CPU path of the layer)
+    naive_pool = pool.clone()
+    naive_out = naive.fused_recurrent_gated_delta_rule(q=q, k=k, v=v, state_pool=naive_pool, state_slots=slots, **raw)
+    assert torch.equal(naive_out, ref) and torch.equal(naive_pool, ref_pool)
+
+
+@pytest.mark.parametrize(
+    "impl", [naive.fused_recurrent_gated_delta_rule, recurrent_module.fused_recurrent_gated_delta_rule]
+)
+def test_recurrent_gate_forms_exclusive(impl):
+    q, k, v, g, beta = make_inputs(1, 1, 2, 8, 8, lead=(1,))
+    a, b, a_log, dt_bias = make_raw_gates((1, 1), 2)
+    pool, slots = torch.zeros(1, 2, 8, 8, device=DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for gates in (dict(g=g, beta=beta, a=a, b=b, A_log=a_log, dt_bias=dt_bias), dict(g=g), dict(a=a, b=b)):
+        with pytest.raises(ValueError, match="raw gates"):
+            impl(q=q, k=k, v=v, state_pool=pool, state_slots=slots, **gates)
+
+
 # ---- GPU: bf16 kernels at the model's shapes (Hk=16, Hv=32, K=V=128) -------------------------------
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -297,3 +402,40 @@ def test_recurrent_bf16_real_shapes(nan_fill, length, variant):
     assert rel_err(out, ref) < BF16_TOL
     assert rel_err(out_pool, ref_pool) < 1e-4  # the state math is float32 on both sides
     assert rel_err(out_inter, ref_inter) < 1e-4
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_gating_bf16_real_shapes(nan_fill, param_dtype):
+    torch.manual_seed(10)
+    a, b, a_log, dt_bias = make_raw_gates((8195,), 32, torch.bfloat16, param_dtype)
+    ref_g, ref_beta = naive.gdn_gating(a=a, b=b, A_log=a_log, dt_bias=dt_bias)
+    g, beta = gating_module.gdn_gating(a=a, b=b, A_log=a_log, dt_bias=dt_bias)
+    assert rel_err(g, ref_g) < 1e-5
+    assert rel_err(beta, ref_beta) < 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("length", [1, 4])
+@pytest.mark.parametrize("variant", [None, *recurrent_module.VARIANTS])
+def test_recurrent_raw_gates_bf16_real_shapes(nan_fill, length, variant):
+    torch.manual_seed(11)
+    num_seqs = 64
+    q, k, v, _, _ = make_inputs(length, 16, 32, 128, 128, dtype=torch.bfloat16, lead=(num_seqs,))
+    a, b, a_log, dt_bias = make_raw_gates((num_seqs * length,), 32, torch.bfloat16, spread=4.0)
+    a, b = a.view(num_seqs, length, -1), b.view(num_seqs, length, -1)
+    g, beta = naive.gdn_gating(a=a, b=b, A_log=a_log, dt_bias=dt_bias)
+    pool = torch.randn(num_seqs + 8, 32, 128, 128, device=DEVICE) * 0.1
+    slots = torch.randperm(num_seqs + 8, device=DEVICE)[:num_seqs].int()
+    ref_pool, out_pool = pool.clone(), pool.clone()
+    ref = naive.fused_recurrent_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, state_pool=ref_pool, state_slots=slots)
+    out = recurrent_module.fused_recurrent_gated_delta_rule(
+        q=q, k=k, v=v, a=a, b=b, A_log=a_log, dt_bias=dt_bias, state_pool=out_pool, state_slots=slots, variant=variant
+    )
+    assert rel_err(out, ref) < BF16_TOL
+    assert rel_err(out_pool, ref_pool) < 1e-4
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots.long()] = False
+    assert torch.equal(out_pool[untouched], pool[untouched])

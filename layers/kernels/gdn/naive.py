@@ -13,6 +13,36 @@ Per head, with S the [K, V] state, q scaled by `scale` and q, k l2-normalised wh
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def gdn_gating(
+    *,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDN decay and write strength from the raw projections (the layer's torch ops, unchanged).
+
+    a, b: [..., Hv], any float dtype and strides; A_log, dt_bias: [Hv]. Returns (g, beta):
+    [..., Hv] float32, g = -exp(A_log) * softplus(a + dt_bias) (log decay, <= 0; F.softplus with
+    beta 1, threshold 20), beta = sigmoid(b).
+    """
+    beta = torch.sigmoid(b.float())
+    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
+    return g, beta
+
+
+def raw_gate_form(g, beta, a, b, A_log, dt_bias) -> bool:
+    """Whether a recurrent call gives raw gates (a, b, A_log, dt_bias) rather than g and beta;
+    ValueError unless exactly one of the two forms is complete."""
+    given = [t is not None for t in (g, beta)], [t is not None for t in (a, b, A_log, dt_bias)]
+    if all(given[0]) and not any(given[1]):
+        return False
+    if all(given[1]) and not any(given[0]):
+        return True
+    raise ValueError("give either g and beta, or a, b, A_log and dt_bias (raw gates)")
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -115,14 +145,18 @@ def fused_recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
     state_pool: torch.Tensor,
     state_slots: torch.Tensor,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     intermediate_states_out: torch.Tensor | None = None,
     update_state: bool = True,
+    a: torch.Tensor | None = None,
+    b: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Token-by-token gated delta rule for L tokens of each of N sequences.
 
@@ -130,7 +164,11 @@ def fused_recurrent_gated_delta_rule(
     state_slots: [N]. Decode is L = 1; verifying k speculative drafts is L = k. Returns
     o: [N, L, Hv, V] in v's dtype. intermediate_states_out ([N, L, Hv, K, V]), when given, receives
     the state after each token; update_state writes the state after the last token to the slot.
+    Raw gates: instead of g and beta, a and b ([N, L, Hv], any float dtype and strides) with A_log
+    and dt_bias ([Hv]); g and beta are then gdn_gating's.
     """
+    if raw_gate_form(g, beta, a, b, A_log, dt_bias):
+        g, beta = gdn_gating(a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     n_seqs, length = q.shape[:2]
     flat = [t.reshape(n_seqs * length, *t.shape[2:]) for t in (q, k, v, g, beta)]
     qf, kf, vf, gf, bf = (t.reshape(n_seqs, length, *t.shape[1:]) for t in _prepare(*flat, scale, use_qk_l2norm))

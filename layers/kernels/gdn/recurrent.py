@@ -9,6 +9,10 @@ moves once each way.
 ONE_PASS reads both products off the decayed state before the update, o = S'^T q + delta (k.q)
 with S' = exp(g) S and delta = beta (v - S'^T k): the two reductions over K run side by side as
 one multi-operand reduction, instead of the second waiting for the update.
+
+RAW_GATE (the decode path's form: a, b, A_log, dt_bias given instead of g, beta) reads the raw
+gate projections where in_proj wrote them and computes g = -exp(A_log) softplus(a + dt_bias) and
+beta = sigmoid(b) in the kernel (gating.gate_values), saving the standalone gating launch.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+
+from .gating import gate_values
+from .naive import raw_gate_form
 
 BLOCK_V = 32  # 32 float32 columns: each state row segment is one 128-byte line
 
@@ -63,6 +70,8 @@ def _recurrent_kernel(
     v,
     g,
     beta,
+    A_log,
+    dt_bias,
     o,
     pool,
     slots,
@@ -104,6 +113,7 @@ def _recurrent_kernel(
     UPDATE_STATE: tl.constexpr,
     ONE_PASS: tl.constexpr,
     ROW_STRIDES: tl.constexpr,
+    RAW_GATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     NV = tl.cdiv(V, BV)
@@ -131,6 +141,9 @@ def _recurrent_kernel(
     p_v = v + n64 * stride_vn + hv * stride_vh + o_v
     p_g = g + n64 * stride_gn + hv * stride_gh
     p_b = beta + n64 * stride_bn + hv * stride_bh
+    if RAW_GATE:  # g, beta point at the raw a, b
+        neg_a_exp = -tl.exp(tl.load(A_log + hv).to(tl.float32))
+        bias = tl.load(dt_bias + hv).to(tl.float32)
     p_o = o + (n64 * length * HV + hv) * V + o_v
     if ROW_STRIDES:
         p_i = inter + n64 * stride_in + hv * stride_ih + o_k[:, None] * V + o_v[None, :]
@@ -142,6 +155,8 @@ def _recurrent_kernel(
         b_v = tl.load(p_v + t * stride_vl, mask=m_v, other=0.0).to(tl.float32)
         b_g = tl.load(p_g + t * stride_gl).to(tl.float32)
         b_beta = tl.load(p_b + t * stride_bl).to(tl.float32)
+        if RAW_GATE:
+            b_g, b_beta = gate_values(b_g, b_beta, neg_a_exp, bias)
         if L2NORM:
             b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6)
             b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
@@ -168,8 +183,8 @@ def fused_recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
     state_pool: torch.Tensor,
     state_slots: torch.Tensor,
     scale: float | None = None,
@@ -177,6 +192,10 @@ def fused_recurrent_gated_delta_rule(
     intermediate_states_out: torch.Tensor | None = None,
     update_state: bool = True,
     variant: str | RecurrentVariant | None = None,
+    a: torch.Tensor | None = None,
+    b: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Token-by-token gated delta rule for L tokens of each of N sequences.
 
@@ -184,8 +203,15 @@ def fused_recurrent_gated_delta_rule(
     state_slots: [N]. Returns o: [N, L, Hv, V] in v's dtype. intermediate_states_out
     ([N, L, Hv, K, V]), when given, receives the state after each token; update_state writes the
     state after the last token to the slot. No host syncs. variant: a VARIANTS name or a
-    RecurrentVariant (None: DEFAULT_VARIANT).
+    RecurrentVariant (None: DEFAULT_VARIANT). Raw gates: instead of g and beta, a and b
+    ([N, L, Hv], any float dtype and strides, e.g. column slices of the in_proj output) with A_log
+    and dt_bias ([Hv]); the kernel computes g and beta as gating.gdn_gating would.
     """
+    raw_gate = raw_gate_form(g, beta, a, b, A_log, dt_bias)
+    if raw_gate:
+        g, beta = a, b  # the kernel reads them through the g / beta pointers and strides
+    else:
+        A_log = dt_bias = g  # never read
     cfg = VARIANTS[variant or DEFAULT_VARIANT] if not isinstance(variant, RecurrentVariant) else variant
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     num_seqs, length, num_k_heads, key_dim = q.shape
@@ -200,12 +226,13 @@ def fused_recurrent_gated_delta_rule(
     bv = min(cfg.block_v, max(16, triton.next_power_of_2(value_dim)))
     grid = (num_seqs * num_v_heads * triton.cdiv(value_dim, bv),)
     _recurrent_kernel[grid](
-        q, k, v, g, beta, out, state_pool, state_slots, inter, scale, length,
+        q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_slots, inter, scale, length,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(), *state_pool.stride(),
         inter.stride(0), inter.stride(1) if intermediate_states_out is not None else 0, *inter.stride()[-3:],
         HV=num_v_heads, GROUP=num_v_heads // num_k_heads, K=key_dim, V=value_dim,
         BK=max(16, triton.next_power_of_2(key_dim)), BV=bv, L2NORM=use_qk_l2norm,
         STORE_INTERMEDIATE=intermediate_states_out is not None, UPDATE_STATE=update_state, ONE_PASS=cfg.one_pass,
-        ROW_STRIDES=row_strides, num_warps=cfg.num_warps, **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
+        ROW_STRIDES=row_strides, RAW_GATE=raw_gate, num_warps=cfg.num_warps,
+        **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
     return out

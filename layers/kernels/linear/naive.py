@@ -1,0 +1,14 @@
+"""Plain-torch linear: the reference and the CPU path."""
+
+from __future__ import annotations
+
+import torch
+
+
+def linear(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) accumulated in float32, returned in x's dtype.
+    x: [M, K]; weight: [N, K]; bias: [N] -> [M, N]."""
+    out = x.float() @ weight.float().t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -1,0 +1,173 @@
+"""Triton skinny GEMM vs the plain-torch reference at tiny, odd shapes (GEMV and MMA forms, with and
+without split-K, both split-K reductions, strided x, bias): interpreted on CPU tensors without CUDA,
+compiled on the GPU with it; and (marked gpu) bf16 at the real shapes inside a CUDA graph."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve.layers.kernels import linear as linear_kernels
+from deltaserve.layers.kernels.linear import naive
+from deltaserve.layers.kernels.linear import triton_linear as tl_
+
+# conftest: TRITON_INTERPRET without CUDA, the `device` fixture, gpu-marked tests skipped on CPU
+pytestmark = pytest.mark.usefixtures("nan_fill")
+
+
+def tol(device: torch.device) -> float:
+    """float32 inputs: float32 math everywhere (the MMA form uses ieee dots for float32)."""
+    return 1e-4
+
+
+def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not out.isnan().any(), "NaN in the output (an element was never written)"
+    return (out.float() - ref.float()).abs().max().item()
+
+
+def make(m, n, k, device, dtype=torch.float32, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * max(k, 1) ** -0.5
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    to = dict(device=device, dtype=dtype)
+    return x.to(**to), w.to(**to), None if b is None else b.to(**to)
+
+
+# configs by name: GEMV 1 / 2 / 4 rows per program, MMA; each without and with split-K
+CONFIGS = {
+    "gemv1": dict(block_m=1, block_n=16, block_k=32, split_k=1),
+    "gemv2_split3": dict(block_m=2, block_n=8, block_k=16, split_k=3),
+    "gemv4_split4": dict(block_m=4, block_n=8, block_k=64, split_k=4),
+    "gemv1_split2_pass": dict(block_m=1, block_n=16, block_k=16, split_k=2, reduce="pass"),
+    "mma": dict(block_n=16, block_k=32, split_k=1, dot=True, num_stages=2),
+    "mma_split3": dict(block_n=32, block_k=16, split_k=3, dot=True, num_stages=2),
+}
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17])
+@pytest.mark.parametrize("n", [1, 7, 130])
+@pytest.mark.parametrize("k", [5, 64, 200])
+def test_default_config(device, m, n, k):
+    """The shape heuristic's pick (on CPU: the GEMV form, no split)."""
+    x, w, b = make(m, n, k, device)
+    assert max_err(tl_.linear(x=x, weight=w, bias=b), naive.linear(x=x, weight=w, bias=b)) < tol(device)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 130, 200), (3, 7, 64), (16, 130, 5), (17, 1, 200)])
+def test_forced_configs(device, name, m, n, k):
+    x, w, b = make(m, n, k, device, bias=m % 2 == 1)
+    out = tl_.linear(x=x, weight=w, bias=b, config=CONFIGS[name])
+    assert max_err(out, naive.linear(x=x, weight=w, bias=b)) < tol(device)
+
+
+def test_split_k_taken_and_reproducible(device):
+    """Split-K really splits here, both reductions give the same bits, and so do repeated calls."""
+    m, n, k = 3, 130, 200
+    cfg = dict(block_m=4, block_n=8, block_k=16, split_k=4)
+    assert tl_.resolve(cfg, m, n, k, torch.float32)["split_k"] == 4
+    x, w, b = make(m, n, k, device)
+    first = tl_.linear(x=x, weight=w, bias=b, config=cfg)
+    again = tl_.linear(x=x, weight=w, bias=b, config=cfg)
+    passed = tl_.linear(x=x, weight=w, bias=b, config={**cfg, "reduce": "pass"})
+    assert torch.equal(first, again) and torch.equal(first, passed)
+    assert max_err(first, naive.linear(x=x, weight=w, bias=b)) < tol(device)
+    # the "sem" counters are back to zero for the next launch
+    assert int(tl_._counters(x.device).abs().sum()) == 0
+
+
+def test_split_k_no_empty_splits():
+    """split_k larger than K's chunks shrinks to the chunks there are."""
+    cfg = tl_.resolve(dict(block_n=4, block_k=64, split_k=16), 1, 10, 200, torch.float32)
+    assert cfg["split_k"] == 4 and cfg["k_split"] == 64
+
+
+@pytest.mark.parametrize("name", ["gemv1", "gemv4_split4", "mma_split3"])
+def test_strided_x(device, name):
+    """x as a view: a column slice of a wider activation (row stride > K), and every other row."""
+    m, n, k = 5, 130, 64
+    wide = torch.randn(2 * m, k + 24, device=device)
+    _, w, b = make(m, n, k, device)
+    for x in (wide[:m, 8 : 8 + k], wide[::2, :k]):
+        assert x.stride(0) != k
+        out = tl_.linear(x=x, weight=w, bias=b, config=CONFIGS[name])
+        assert max_err(out, naive.linear(x=x, weight=w, bias=b)) < tol(device)
+
+
+def test_weight_row_view(device):
+    """weight as a block of rows of a larger (fused) weight, as the MoE block's router view."""
+    x, w, _ = make(2, 40, 64, device, bias=False)
+    out = tl_.linear(x=x, weight=w[8:30], config=CONFIGS["gemv2_split3"])
+    assert max_err(out, naive.linear(x=x, weight=w[8:30])) < tol(device)
+
+
+@pytest.mark.parametrize("name", ["gemv1", "gemv2_split3", "gemv4_split4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(device, name, dtype):
+    """16-bit inputs, float32 accumulation: within one rounding of the output."""
+    x, w, b = make(3, 130, 200, device, dtype=dtype)
+    ref = naive.linear(x=x, weight=w, bias=b)
+    out = tl_.linear(x=x, weight=w, bias=b, config=CONFIGS[name])
+    assert max_err(out, ref) <= 2 * ref.float().abs().max().item() * torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("name", ["mma", "mma_split3"])
+def test_half_precision_mma(device, name):
+    """float16 on the MMA form (the interpreter's bf16 tl.dot is broken; bf16 MMA is tested on the GPU)."""
+    x, w, b = make(9, 130, 200, device, dtype=torch.float16)
+    ref = naive.linear(x=x, weight=w, bias=b)
+    out = tl_.linear(x=x, weight=w, bias=b, config=CONFIGS[name])
+    assert max_err(out, ref) <= 2 * ref.float().abs().max().item() * torch.finfo(torch.float16).eps
+
+
+def test_empty(device):
+    x, w, b = make(0, 7, 64, device)
+    assert tl_.linear(x=x, weight=w, bias=b).shape == (0, 7)
+    x, w, b = make(2, 7, 0, device)
+    assert max_err(tl_.linear(x=x, weight=w, bias=b), naive.linear(x=x, weight=w, bias=b)) == 0
+
+
+def test_dispatch(device):
+    """The op: F.linear on CPU and above MAX_TOKENS rows, the Triton kernel for few CUDA rows."""
+    for m in (1, linear_kernels.MAX_TOKENS, linear_kernels.MAX_TOKENS + 1):
+        x, w, b = make(m, 130, 64, device)
+        out = linear_kernels.linear(x=x, weight=w, bias=b)
+        if device.type == "cpu" or m > linear_kernels.MAX_TOKENS:
+            assert torch.equal(out, F.linear(x, w, b))
+        else:
+            assert torch.equal(out, tl_.linear(x=x, weight=w, bias=b))
+
+
+# --- GPU, bf16, the real shapes ------------------------------------------------------------------
+
+SHAPES = [(12352, 2048), (8192 + 1024, 2048), (2048, 4096), (1281, 2048), (2048, 512)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_gpu_bf16_real_shapes(m, n, k):
+    x, w, b = make(m, n, k, "cuda", dtype=torch.bfloat16, bias=m == 2)
+    ref = naive.linear(x=x, weight=w, bias=b)
+    out = linear_kernels.linear(x=x, weight=w, bias=b)
+    assert max_err(out, ref) <= 2 * ref.float().abs().max().item() * torch.finfo(torch.bfloat16).eps
+    assert torch.equal(out, linear_kernels.linear(x=x, weight=w, bias=b))  # bit-reproducible
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph():
+    """Captured calls (split-K "sem" included) replay to the eager results, repeatedly."""
+    shapes = [(1, 1281, 2048), (1, 2048, 4096), (8, 2048, 4096), (3, 12352, 2048)]
+    inputs = [make(m, n, k, "cuda", dtype=torch.bfloat16, seed=i) for i, (m, n, k) in enumerate(shapes)]
+    eager = [linear_kernels.linear(x=x, weight=w, bias=b) for x, w, b in inputs]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [linear_kernels.linear(x=x, weight=w, bias=b) for x, w, b in inputs]
+    for _ in range(3):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for o, e in zip(outs, eager, strict=True):
+            assert torch.equal(o, e)
