@@ -7,9 +7,10 @@ import torch.nn.functional as F
 
 from . import naive  # noqa: F401  (the reference, for tests and benches)
 
-# At or under this many rows (tokens) a CUDA input takes the Triton kernel: the weights are read once
-# and the work is bandwidth-bound. Above it the GEMM has enough rows for cuBLAS's tiles.
-MAX_TOKENS = 16
+# At or under this many rows (tokens) a CUDA input takes the Triton GEMV form: the weights are read
+# once and the work is bandwidth-bound. On the H200 (docs/PERF.md) its tensor-core form at 8 rows
+# lost to cuBLAS on 4 of 5 model shapes, so cuBLAS takes everything above 4 rows.
+MAX_TOKENS = 4
 
 
 def linear(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
