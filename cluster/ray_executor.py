@@ -1,14 +1,16 @@
 """RayExecutor: a group of worker actors, one per TP rank, kept on one node by a placement group.
 
-Each pass's plan is encoded once (msgpack) and the same bytes go to every worker, through a Ray
-compiled graph when available (shared-memory channels: a fraction of a plain actor call's
-overhead) or plain actor calls. A worker that dies fails the pass with `WorkerFailure`; `restart()`
+Each pass's plan is encoded once (msgpack) and the same bytes go to every worker. Transports, in
+order of preference: `shm` (a shared-memory ring polled by a thread in each worker, when the driver
+runs on the workers' node: tens of microseconds a round trip), `compiled` (a Ray compiled graph),
+`calls` (plain actor calls). A worker that dies fails the pass with `WorkerFailure`; `restart()`
 replaces the whole group.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from deltaserve.layers.config import ModelConfig
@@ -17,13 +19,16 @@ from deltaserve.workers.state_pool import PoolSizes
 
 from .engine import EngineConfig, WorkerFailure, runner_config
 from .plan import PassPlan, RunnerOutput
+from .shm_channel import ChannelClosed, ShmBroadcast, WaitPolicy, process_alive
 from .wire import decode_output, encode_plan
 
 log = logging.getLogger(__name__)
 
 
 class RayExecutor:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, use_compiled_graph: bool | None = None):
+    TRANSPORTS = ("auto", "shm", "compiled", "calls")
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, transport: str = "auto"):
         import ray
 
         # every split checked here, before any actor starts or any weight loads
@@ -35,10 +40,16 @@ class RayExecutor:
         self.model_config = model_config
         self.world_size = config.tensor_parallel_size
         self.use_gpu = config.device.startswith("cuda")
-        self.use_compiled_graph = use_compiled_graph if use_compiled_graph is not None else True
+        if transport not in self.TRANSPORTS:
+            raise ValueError(f"transport: must be one of {', '.join(self.TRANSPORTS)}; got {transport!r}")
+        self.requested_transport = transport
+        self.transport = "calls"  # what the running group uses (set by _start)
         self.workers = []
         self.placement_group = None
         self._dag = None
+        self._plans: ShmBroadcast | None = None
+        self._replies: list[ShmBroadcast] = []
+        self._worker_pids: list[int] = []
         self.pool_sizes: PoolSizes | None = None
         # per pass: (seconds from plan ready to tokens decoded on the driver, rank 0's own execute time)
         self.pass_times: list[tuple[float, float]] = []
@@ -84,13 +95,54 @@ class RayExecutor:
             final = self.pool_sizes  # a restart keeps the sizes the engine's allocators use
         ray.get([w.allocate.remote(final) for w in self.workers])
         self.pool_sizes = final
-        self._dag = self._compile() if self.use_compiled_graph else None
-        log.info(
-            "worker group of %d ready in %.1fs (compiled graph: %s)",
-            self.world_size,
-            time.perf_counter() - started,
-            self._dag is not None,
+        self.transport = self._connect()
+        elapsed = time.perf_counter() - started
+        log.info("worker group of %d ready in %.1fs (plans by %s)", self.world_size, elapsed, self.transport)
+
+    def _connect(self) -> str:
+        """Pick and set up the plan transport; returns its name."""
+        import ray
+
+        wanted = self.requested_transport
+        if wanted in ("auto", "shm"):
+            here = ray.get_runtime_context().get_node_id()
+            same_node = all(n == here for n in ray.get([w.node_id.remote() for w in self.workers]))
+            if same_node:
+                self._open_channels()
+                return "shm"
+            if wanted == "shm":
+                raise ValueError("transport: 'shm' needs the driver on the workers' node")
+        if wanted in ("auto", "compiled"):
+            self._dag = self._compile()
+            if self._dag is not None:
+                return "compiled"
+        return "calls"
+
+    def _open_channels(self) -> None:
+        import ray
+
+        # on a GPU host keep polling between passes (a core per process) to wake in microseconds
+        wait = WaitPolicy(spin_s=0.0, yield_s=1.0) if self.use_gpu else WaitPolicy()
+        self._plans = ShmBroadcast.create(self.world_size, num_slots=4, slot_bytes=1 << 20, wait=wait)
+        self._replies = [
+            ShmBroadcast.create(1, num_slots=4, slot_bytes=256 << 10, reader=0, wait=wait) for _ in self.workers
+        ]
+        self._worker_pids = ray.get(
+            [
+                w.start_channels.remote(self._plans.handle, self._replies[r].handle, os.getpid(), wait)
+                for r, w in enumerate(self.workers)
+            ]
         )
+
+    def _workers_alive(self) -> bool:
+        return all(process_alive(pid) for pid in self._worker_pids)
+
+    def _close_channels(self) -> None:
+        # the plan ring first: the worker loops drain it and exit
+        for channel in [self._plans, *self._replies]:
+            if channel is not None:
+                channel.close()
+        self._plans, self._replies, self._worker_pids = None, [], []
 
     def _compile(self):
         try:
@@ -106,6 +158,7 @@ class RayExecutor:
     def shutdown(self) -> None:
         import ray
 
+        self._close_channels()
         if self._dag is not None:
             try:
                 self._dag.teardown()
@@ -138,17 +191,33 @@ class RayExecutor:
 
         started = time.perf_counter()
         blob = encode_plan(plan)
-        try:
-            if self._dag is not None:
-                results = ray.get(self._dag.execute(blob))
-            else:
-                results = ray.get([w.execute.remote(blob) for w in self.workers])
-        except RayError as e:
-            raise WorkerFailure(f"a worker failed during pass {plan.pass_id}: {type(e).__name__}: {e}") from e
-        output = decode_output(results[0])
+        if self._plans is not None:
+            output = decode_output(self._execute_shm(blob, plan.pass_id))
+        else:
+            try:
+                if self._dag is not None:
+                    results = ray.get(self._dag.execute(blob))
+                else:
+                    results = ray.get([w.execute.remote(blob) for w in self.workers])
+            except RayError as e:
+                raise WorkerFailure(f"a worker failed during pass {plan.pass_id}: {type(e).__name__}: {e}") from e
+            output = decode_output(results[0])
         if len(self.pass_times) < 100_000:
             self.pass_times.append((time.perf_counter() - started, output.forward_time_s))
         return output
+
+    def _execute_shm(self, blob: bytes, pass_id: int) -> bytes:
+        """Broadcast the plan on the ring, collect every rank's reply; rank 0's carries the output."""
+        try:
+            self._plans.write(blob, alive=self._workers_alive)
+            frames = [channel.read(alive=self._workers_alive) for channel in self._replies]
+        except (ChannelClosed, TimeoutError) as e:
+            raise WorkerFailure(f"a worker failed during pass {pass_id}: {e}") from e
+        for rank, frame in enumerate(frames):
+            if frame[:1] != b"\0":
+                error = frame[1:].decode(errors="replace")[-4000:]
+                raise WorkerFailure(f"worker rank {rank} failed during pass {pass_id}:\n{error}")
+        return frames[0][1:]
 
     def control_overhead_s(self, last: int | None = None) -> float:
         """Median of (plan ready -> tokens back) minus rank 0's own execute time, over recent passes."""

@@ -65,14 +65,12 @@ def test_layout_that_does_not_divide_fails_before_start(ray_session, tiny_checkp
     assert len(ray_session.util.placement_group_table()) == groups_before  # no worker group was started
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_killed_worker_fails_requests_then_group_is_replaced(ray_session, tp_checkpoints, compiled):
-    from deltaserve.cluster.ray_executor import RayExecutor
-
+@pytest.mark.parametrize("transport", ["shm", "compiled", "calls"])
+def test_killed_worker_fails_requests_then_group_is_replaced(ray_session, tp_checkpoints, transport):
     path = tp_checkpoints["qwen3_5_moe"]
     config = EngineConfig(model=path, tensor_parallel_size=2)
-    engine = EngineCore(config, executor=None if compiled else _plain_executor(config))
-    assert isinstance(engine.executor, RayExecutor) and (engine.executor._dag is not None) == compiled
+    engine = EngineCore(config, executor=_executor(config, transport))
+    assert engine.executor.transport == transport
     reference = tokens(LLM(path))
     for i, p in enumerate(prompts()):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
@@ -104,11 +102,11 @@ def test_killed_worker_fails_requests_then_group_is_replaced(ray_session, tp_che
     engine.shutdown()
 
 
-def _plain_executor(config):
+def _executor(config, transport: str):
     from deltaserve.cluster.ray_executor import RayExecutor
     from deltaserve.layers.config import ModelConfig
 
-    return RayExecutor(config, ModelConfig.from_pretrained(config.model), use_compiled_graph=False)
+    return RayExecutor(config, ModelConfig.from_pretrained(config.model), transport=transport)
 
 
 def test_llm_generate_raises_after_worker_death_and_recovers(ray_session, tp_checkpoints):

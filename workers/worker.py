@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from deltaserve.cluster.shm_channel import ChannelClosed, ShmBroadcast, ShmHandle, WaitPolicy, process_alive
 from deltaserve.cluster.wire import decode_plan, encode_output
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.parallel import ParallelLayout
@@ -24,6 +27,7 @@ class Worker:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.runner: ModelRunner | None = None
+        self._loop: threading.Thread | None = None
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port, for the process group's rendezvous (rank 0)."""
@@ -62,6 +66,44 @@ class Worker:
     def execute(self, plan_blob: bytes) -> bytes | None:
         out = self.runner.execute(decode_plan(plan_blob))
         return None if out is None else encode_output(out)
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def start_channels(self, plans: ShmHandle, reply: ShmHandle, driver_pid: int, wait: WaitPolicy) -> int:
+        """Serve plans from the driver's shared-memory ring on a thread of this actor until the driver
+        closes it; each reply is one status byte (0 ok, 1 error) and the output (rank 0) or a traceback."""
+        plan_channel = ShmBroadcast.attach(plans, reader=self.rank, wait=wait)
+        reply_channel = ShmBroadcast.attach(reply, wait=wait)
+        self._loop = threading.Thread(
+            target=self._serve_channels, args=(plan_channel, reply_channel, driver_pid), name="plans", daemon=True
+        )
+        self._loop.start()
+        return os.getpid()
+
+    def _serve_channels(self, plans: ShmBroadcast, reply: ShmBroadcast, driver_pid: int) -> None:
+        if self.runner is not None and self.runner.device.type == "cuda":
+            torch.cuda.set_device(0)  # the current device is per thread; Ray exposes the one GPU as 0
+
+        def alive() -> bool:
+            return process_alive(driver_pid)
+
+        try:
+            while True:
+                blob = plans.read(alive=alive)
+                try:
+                    out = self.execute(blob)
+                    frame = b"\0" + (out or b"")
+                except Exception:
+                    frame = b"\1" + traceback.format_exc().encode()
+                reply.write(frame, alive=alive)
+        except ChannelClosed:
+            pass  # the driver closed the ring (shutdown or restart) or is gone
+        finally:
+            plans.close()
+            reply.close()
 
     def ping(self) -> int:
         return self.rank
