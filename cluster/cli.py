@@ -37,6 +37,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=1024)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--enforce-eager", action="store_true", help="run decode passes without CUDA graphs")
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan the next pass while the current one runs (single-process executor; Ray runs synchronously)",
+    )
 
 
 def engine_config(args: argparse.Namespace, executor: str) -> EngineConfig:
@@ -63,6 +69,7 @@ def engine_config(args: argparse.Namespace, executor: str) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_waiting_requests=args.max_waiting_requests,
         enable_cuda_graphs=not args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         executor=executor,
     )
 

@@ -3,6 +3,12 @@
 It owns the scheduler and the allocators, hands each PassPlan to an executor (the in-process
 ModelRunner, or the Ray worker group), and turns the sampled tokens into text, stop decisions and
 outputs. The same core runs under `LLM` (synchronously) and under the driver actor (in a loop).
+
+Async scheduling (`EngineConfig.async_scheduling`, local executor): a step plans and launches pass
+N+1 before it waits for pass N's tokens, then turns pass N's tokens into outputs while N+1 runs.
+Pass N+1's decode rows for requests whose pass-N token is not known yet take their input id from
+pass N's sampled ids on the device; a request that pass N's token finishes has its extra token of
+pass N+1 discarded. Outputs are the synchronous engine's, one step later.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ class EngineConfig:
     # the gateway answers RESOURCE_EXHAUSTED beyond this many waiting requests
     max_waiting_requests: int = 1024
     enable_cuda_graphs: bool = True  # decode passes replay captured CUDA graphs
+    # plan and launch pass N+1 before pass N's tokens are back (executors with `execute_async`: the
+    # local one; the Ray executor runs passes synchronously whatever this says)
+    async_scheduling: bool = True
     # "local": the model in this process (TP = 1 only); "ray": worker actors; "auto": local when TP = 1
     executor: str = "auto"
 
@@ -69,7 +78,9 @@ class WorkerFailure(RuntimeError):
 
 
 class Executor(Protocol):
-    """Runs pass plans on the model's ranks; `pool_sizes` is what the workers allocated."""
+    """Runs pass plans on the model's ranks; `pool_sizes` is what the workers allocated. An executor
+    that can launch a pass without waiting for it also has `execute_async(plan)`, returning an
+    object whose `result()` waits for the RunnerOutput (async scheduling uses it when present)."""
 
     pool_sizes: object
 
@@ -93,8 +104,13 @@ class LocalExecutor:
     def execute(self, plan: PassPlan) -> RunnerOutput:
         return self.runner.execute(plan)
 
+    def execute_async(self, plan: PassPlan):
+        """Launch the pass; `.result()` of the returned PassOutput waits for its RunnerOutput."""
+        return self.runner.execute_async(plan)
+
     def restart(self) -> None:
-        pass  # an in-process runner cannot die separately from the engine
+        # an in-process runner cannot die separately from the engine; the passes in flight are void
+        self.runner.drop_in_flight()
 
     def shutdown(self) -> None:
         self.runner = None
@@ -176,13 +192,16 @@ class EngineCore:
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
+        self.async_scheduling = config.async_scheduling and hasattr(self.executor, "execute_async")
+        self._in_flight: tuple[PassPlan, object] | None = None  # the launched pass not yet applied
         log.info(
-            "engine ready: %d KV tokens (%d pages of %d), %d sequences, max_model_len %d",
+            "engine ready: %d KV tokens (%d pages of %d), %d sequences, max_model_len %d, async scheduling %s",
             sizes.num_blocks * sizes.block_size,
             sizes.num_blocks,
             sizes.block_size,
             self.scheduler.config.max_num_seqs,
             limit,
+            "on" if self.async_scheduling else "off",
         )
 
     # ---- requests ----------------------------------------------------------------------------
@@ -231,10 +250,14 @@ class EngineCore:
         return None if req is None else self._output(req, [], "")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # ---- one pass ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one pass: synchronously, or (async scheduling) launch the next pass and then apply the
+        one launched by the previous step."""
+        if self.async_scheduling:
+            return self._step_async()
         plan = self.scheduler.schedule()
         outputs = [self._output(req, [], self._flush(req)) for req in self.scheduler.pop_failed()]
         if plan is None:
@@ -242,18 +265,49 @@ class EngineCore:
         try:
             result = self.executor.execute(plan)
         except WorkerFailure as e:
-            log.error("%s; failing %d requests and restarting the workers", e, len(self.scheduler.requests))
-            outputs += self.fail_all(str(e))
-            self.executor.restart()
-            return outputs
+            return outputs + self._on_worker_failure(e)
+        return outputs + self._apply(plan, result)
+
+    def _step_async(self) -> list[RequestOutput]:
+        # plan and launch pass N+1 while pass N (launched by the previous step) still runs
+        plan = self.scheduler.schedule()
+        outputs = [self._output(req, [], self._flush(req)) for req in self.scheduler.pop_failed()]
+        launched = None
+        if plan is not None:
+            try:
+                launched = self.executor.execute_async(plan)
+            except WorkerFailure as e:
+                return outputs + self._on_worker_failure(e)
+        previous, self._in_flight = self._in_flight, (plan, launched) if plan is not None else None
+        if previous is not None:
+            # then wait for pass N's tokens and turn them into outputs while pass N+1 runs
+            prev_plan, prev_launched = previous
+            try:
+                result = prev_launched.result()
+            except WorkerFailure as e:
+                return outputs + self._on_worker_failure(e)
+            outputs += self._apply(prev_plan, result)
+        return outputs
+
+    def _apply(self, plan: PassPlan, result: RunnerOutput) -> list[RequestOutput]:
+        outputs = []
         for req in self.scheduler.apply_output(plan, result):
             out = self._on_token(req)
             if out is not None:
                 outputs.append(out)
         return outputs
 
+    def _on_worker_failure(self, e: WorkerFailure) -> list[RequestOutput]:
+        log.error("%s; failing %d requests and restarting the workers", e, len(self.scheduler.requests))
+        outputs = self.fail_all(str(e))
+        self.executor.restart()
+        return outputs
+
     def fail_all(self, error: str) -> list[RequestOutput]:
-        """End every queued and running request with an error (a worker died)."""
+        """End every queued and running request with an error (a worker died); the passes in flight
+        are dropped."""
+        self._in_flight = None
+        self.scheduler.forget_in_flight()
         outputs = []
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.finish(req, FinishReason.ERROR, error)

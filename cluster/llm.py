@@ -36,6 +36,7 @@ class LLM:
         cpu_kv_cache_bytes: int = 256 * 2**20,
         num_kv_blocks: int | None = None,
         enforce_eager: bool = False,
+        async_scheduling: bool = True,
         seed: int = 0,
         load_format: str = "auto",
         model_config=None,
@@ -60,6 +61,7 @@ class LLM:
             cpu_kv_cache_bytes=cpu_kv_cache_bytes,
             num_kv_blocks=num_kv_blocks,
             enable_cuda_graphs=not enforce_eager,
+            async_scheduling=async_scheduling,
         )
         self.engine = EngineCore(self.config, model_config=model_config, output_mode="final")
         self._ids = itertools.count()

@@ -2,6 +2,10 @@
 pass runs) and `RunnerOutput` (the tokens it produced). Arrays are numpy, so the msgpack codec
 (`cluster/wire.py`) sends them as raw little-endian bytes.
 
+Under async scheduling the plan of pass N+1 is built before pass N's tokens are known: a decode
+row whose input is such a token says so in `input_from_prev`, and the worker fills it in on the
+device from pass N's sampled ids (no host round trip).
+
 Rows of a pass: the decode rows first (one new token each), then the prefill streams (a chunk of
 one or more prompt tokens each). Whether a row is decode or prefill follows from its token count
 and cached length; the scheduler has no phases.
@@ -62,6 +66,10 @@ class PassPlan:
     # [N] int32: the prompt token right after the row's chunk (-1: none), so that the chunk's last
     # position gets a prompt logprob too
     next_prompt_token: np.ndarray | None = None
+    # [N] int32 (async scheduling): -1, or j: the row is one decode token whose id is not known on
+    # the driver yet (input_ids holds a placeholder); the runner takes it on the device from entry j
+    # of the sampled ids of the previous pass (pass_id - 1, its sampling rows in plan order)
+    input_from_prev: np.ndarray | None = None
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
 

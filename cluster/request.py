@@ -49,6 +49,10 @@ class Request:
     first_token_time: float | None = None
     # set by the scheduler when the request (re)enters the running set; the next plan carries it
     needs_worker_state: bool = True
+    # async scheduling: tokens sampled by passes in flight whose ids the driver has not seen yet,
+    # and where the latest one is: (pass id, its index among that pass's sampled rows)
+    num_pending_outputs: int = 0
+    last_sample: tuple[int, int] | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -5,6 +5,11 @@ cached requests first (decode rows), then the prefill streams batched into one c
 
 When pages run out, the newest running request is preempted: its pages and slot are freed and it
 is recomputed later from its prompt and the tokens it already produced.
+
+Async scheduling: the engine may plan pass N+1 before pass N's sampled tokens are known. A request
+whose token from the previous pass is still in flight (`num_pending_outputs`) gets a one-token decode
+row whose input the worker takes on the device from that pass's sampled ids (`input_from_prev`).
+When the output arrives, a token for a request that finished in the meantime is discarded.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class SchedulerConfig:
 class SchedulerStats:
     num_preemptions: int = 0
     num_passes: int = 0
+    # sampled tokens dropped because their request finished while the pass ran (async scheduling)
+    num_discarded_tokens: int = 0
 
 
 class Scheduler:
@@ -50,6 +57,8 @@ class Scheduler:
         self._finished_since_last_plan: list[str] = []
         self._failed: list[Request] = []
         self._pass_id = 0
+        # pass id -> the requests of its rows, from planning until its output is applied
+        self._rows_in_flight: dict[int, list[Request]] = {}
 
     # ---- queue -----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -88,6 +97,8 @@ class Scheduler:
         return req
 
     def _release(self, req: Request) -> None:
+        # a pass in flight may still use these pages and this slot: a later pass that reuses them runs
+        # after it in stream order (one CUDA stream per worker, passes executed in plan order)
         self.blocks.free(req)
         self.slots.free(req)
 
@@ -114,7 +125,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            want = min(req.num_tokens - req.num_computed_tokens, budget)
+            want = min(self._tokens_wanted(req), budget)
             if want <= 0:
                 i += 1
                 continue
@@ -134,6 +145,8 @@ class Scheduler:
         # then waiting requests, in arrival order (preempted ones were put back in front)
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self.slots.num_free:
             req = self.waiting[0]
+            if req.num_pending_outputs:
+                break  # preempted with a token in flight: it resumes once that token is known
             want = req.num_tokens - req.num_computed_tokens
             if want > budget:
                 if not cfg.enable_chunked_prefill:
@@ -155,14 +168,39 @@ class Scheduler:
             return None
         return self._build_plan(scheduled)
 
+    def _tokens_wanted(self, req: Request) -> int:
+        """Tokens `req` could run in the next pass: its uncomputed tokens, or (async scheduling) one
+        decode token for the token the previous pass sampled, not known here yet."""
+        pending = req.num_pending_outputs
+        if not pending:
+            return req.num_tokens - req.num_computed_tokens
+        if pending > 1 or req.last_sample is None or req.last_sample[0] != self._pass_id - 1:
+            return 0  # only the previous pass's sampled ids are on the device for the next one
+        if req.num_computed_tokens != req.num_tokens:
+            return 0
+        if (
+            len(req.output_token_ids) + pending >= req.sampling_params.max_tokens
+            or req.num_tokens + pending >= self.config.max_model_len
+        ):
+            return 0  # that token is its last: no pass for a token that would be discarded
+        return pending
+
     def _check_progress(self) -> None:
         """A request that can never fit the page pool would wait forever: fail it instead."""
-        if self.running:
+        if self.running or self.waiting[0].num_pending_outputs:
             return
         req = self.waiting[0]
         if -(-min(req.num_tokens, self.config.max_num_batched_tokens) // self.blocks.block_size) > self.blocks.capacity:
             self.finish(req, FinishReason.ERROR, "request does not fit the KV page pool")
             self._failed.append(req)
+
+    def forget_in_flight(self) -> None:
+        """The passes in flight are lost (a worker failed): nothing of theirs will be applied."""
+        for rows in self._rows_in_flight.values():
+            for req in rows:
+                req.num_pending_outputs = 0
+                req.last_sample = None
+        self._rows_in_flight.clear()
 
     def pop_failed(self) -> list[Request]:
         """Requests the scheduler itself ended with an error since the last call."""
@@ -174,8 +212,16 @@ class Scheduler:
         prefill = [(r, n) for r, n in scheduled if not (n == 1 and r.num_computed_tokens > 0)]
         rows = decode + prefill
         bs = self.blocks.block_size
-        # decode rows: one token each, in plain Python (numpy per row costs more than it saves)
-        ids = [r.token_at(r.num_computed_tokens) for r, _ in decode]
+        # decode rows: one token each, in plain Python (numpy per row costs more than it saves);
+        # a token still in flight is a placeholder the worker replaces from the previous pass's ids
+        ids, from_prev = [], []
+        for r, _ in decode:
+            if r.num_computed_tokens < r.num_tokens:
+                ids.append(r.token_at(r.num_computed_tokens))
+                from_prev.append(-1)
+            else:
+                ids.append(0)
+                from_prev.append(r.last_sample[1])
         positions = [r.num_computed_tokens for r, _ in decode]
         slot_mapping = [r.block_table[p // bs] * bs + p % bs for (r, _), p in zip(decode, positions, strict=True)]
         position_parts = [np.asarray(positions, dtype=np.int64)]
@@ -209,7 +255,9 @@ class Scheduler:
             block_tables=block_tables,
             state_slots=np.asarray([r.state_slot for r, _ in rows], dtype=np.int32),
             has_initial_state=np.asarray([r.num_computed_tokens > 0 for r, _ in rows], dtype=bool),
-            sample_rows=np.asarray([r.num_computed_tokens + n == r.num_tokens for r, n in rows], dtype=bool),
+            sample_rows=np.asarray(
+                [r.num_computed_tokens + n == r.num_tokens + r.num_pending_outputs for r, n in rows], dtype=bool
+            ),
             prompt_logprob_rows=np.asarray(
                 [r.wants_prompt_logprobs and r.num_computed_tokens < r.num_prompt_tokens for r, _ in rows], dtype=bool
             ),
@@ -222,14 +270,23 @@ class Scheduler:
                 ],
                 dtype=np.int32,
             ),
+            input_from_prev=(
+                np.asarray(from_prev + [-1] * len(prefill), dtype=np.int32) if any(j >= 0 for j in from_prev) else None
+            ),
             new_requests=new_requests,
             finished_req_ids=self._finished_since_last_plan,
         )
         self._finished_since_last_plan = []
         self._pass_id += 1
         self.stats.num_passes += 1
-        for req, n in rows:
+        j = 0
+        for (req, n), sampled in zip(rows, plan.sample_rows.tolist(), strict=True):
             req.num_computed_tokens += n
+            if sampled:
+                req.num_pending_outputs += 1
+                req.last_sample = (plan.pass_id, j)
+                j += 1
+        self._rows_in_flight[plan.pass_id] = [r for r, _ in rows]
         return plan
 
     @staticmethod
@@ -247,16 +304,23 @@ class Scheduler:
     def apply_output(self, plan: PassPlan, output: RunnerOutput) -> list[Request]:
         """Append sampled tokens; finish requests on EOS, stop ids, max_tokens or the length limit.
         Returns the requests that got a token this pass (finished ones included)."""
+        # the plan's own request objects: an id may be reused by a new request while the pass ran
+        rows = self._rows_in_flight.pop(plan.pass_id, None)
+        by_id = {r.req_id: r for r in rows} if rows is not None else self.requests
         # prompt logprobs first: a request that finishes on this pass's token leaves self.requests
         for req_id, entries in output.prompt_logprobs.items():
-            req = self.requests.get(req_id)
-            if req is not None:
+            req = by_id.get(req_id)
+            if req is not None and not req.is_finished:
                 _extend_prompt_logprobs(req, entries, plan)
         touched = []
         for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
-            req = self.requests.get(req_id)
-            if req is None or req.is_finished:
-                continue  # aborted while the pass ran
+            req = by_id.get(req_id)
+            if req is None:
+                continue
+            req.num_pending_outputs = max(0, req.num_pending_outputs - 1)
+            if req.is_finished:
+                self.stats.num_discarded_tokens += 1  # aborted or stopped while the pass ran
+                continue
             req.output_token_ids.append(int(token))
             if req_id in output.logprobs:
                 req.logprobs.append(output.logprobs[req_id])

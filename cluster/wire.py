@@ -16,7 +16,7 @@ import numpy as np
 
 from .plan import NewRequestData, PassPlan, RunnerOutput, SamplingSpec, TokenLogprobs
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: PassPlan.input_from_prev (async scheduling)
 _ARRAY_FIELDS = {
     "input_ids": "<i4",
     "positions": "<i4",
@@ -29,6 +29,7 @@ _ARRAY_FIELDS = {
     "sample_rows": "|b1",
     "prompt_logprob_rows": "|b1",
     "next_prompt_token": "<i4",
+    "input_from_prev": "<i4",
 }
 
 
@@ -81,7 +82,7 @@ def decode_plan(blob: bytes) -> PassPlan:
         kwargs = {}
         for name in _PLAN_FIELDS:
             if name not in body:
-                if name in ("new_requests", "finished_req_ids", "next_prompt_token"):
+                if name in ("new_requests", "finished_req_ids", "next_prompt_token", "input_from_prev"):
                     continue
                 raise WireError(f"plan field '{name}' is missing")
             value = body[name]
@@ -130,11 +131,20 @@ def check_plan_shapes(plan: PassPlan) -> None:
         raise WireError(f"plan field 'block_tables' has shape {plan.block_tables.shape}, expected ({n}, pages)")
     if plan.next_prompt_token is not None and plan.next_prompt_token.shape != (n,):
         raise WireError(f"plan field 'next_prompt_token' has shape {plan.next_prompt_token.shape}, expected ({n},)")
+    if plan.input_from_prev is not None:
+        if plan.input_from_prev.shape != (n,):
+            raise WireError(f"plan field 'input_from_prev' has shape {plan.input_from_prev.shape}, expected ({n},)")
+        if plan.input_from_prev.size and plan.input_from_prev.min() < -1:
+            raise WireError("plan field 'input_from_prev' holds values below -1")
     starts = plan.query_start_loc
     if n and (starts[0] != 0 or starts[-1] != t or (np.diff(starts) < 1).any()):
         raise WireError("plan field 'query_start_loc' must rise from 0 to the token count in steps >= 1")
     if not 0 <= plan.num_decode_rows <= n:
         raise WireError(f"plan field 'num_decode_rows' is {plan.num_decode_rows} for {n} rows")
+    if plan.input_from_prev is not None and n:
+        rows = plan.input_from_prev >= 0
+        if (np.diff(starts)[rows] != 1).any() or rows[plan.num_decode_rows :].any():
+            raise WireError("plan field 'input_from_prev' names a row that is not a one-token decode row")
 
 
 def _logprobs_record(lp: TokenLogprobs) -> dict:

@@ -430,6 +430,7 @@ def test_request_failed_by_the_engine_ends_unavailable(served, client, monkeypat
     items = client.generate([4, 5, 6], **LONG)
     next(items)
     monkeypatch.setattr(executor, "execute", worker_dies)
+    monkeypatch.setattr(executor, "execute_async", worker_dies)  # the async-scheduling engine launches with it
     with pytest.raises(grpc.RpcError) as error:
         list(items)
     monkeypatch.undo()

@@ -1,6 +1,11 @@
-"""PassPlan (host, numpy) -> ForwardContext (device tensors), uploaded once per pass."""
+"""PassPlan (host, numpy) -> ForwardContext (device tensors), uploaded once per pass; and the two
+host/device transfer helpers every pass uses without blocking the host: `upload` (host arrays to the
+device: one pinned buffer, one non-blocking copy) and `HostCopy` (device results to pinned host
+memory, non-blocking, with one CUDA event that is waited for only when the results are read)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -9,6 +14,59 @@ from deltaserve.cluster.plan import PassPlan
 from deltaserve.layers.base import AttnMetadata, BatchedAttnMetadata, ForwardContext
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.parallel import ParallelLayout
+
+
+def upload(arrays: Sequence[np.ndarray], device, dtype: torch.dtype = torch.int64) -> list[torch.Tensor]:
+    """Host arrays -> device tensors of `dtype`, shapes kept; the results are fresh tensors that
+    alias no host array. On CUDA the arrays are packed into one pinned buffer and copied with one
+    non-blocking copy: no host sync (the caching host allocator keeps the buffer until the copy ran)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        return [torch.from_numpy(np.array(a, dtype=np_dtype)) for a in arrays]
+    flat = [np.asarray(a).reshape(-1) for a in arrays]
+    align = max(1, 16 // torch.empty(0, dtype=dtype).element_size())  # each part 16-byte aligned (Triton)
+    offsets, total = [], 0
+    for f in flat:
+        offsets.append(total)
+        total += -(-f.size // align) * align
+    staging = torch.empty(max(total, 1), dtype=dtype, pin_memory=True)
+    host = staging.numpy()
+    for f, offset in zip(flat, offsets, strict=True):
+        host[offset : offset + f.size] = f
+    dev = staging.to(device, non_blocking=True)
+    return [dev[offset : offset + f.size].view(np.shape(a)) for a, f, offset in zip(arrays, flat, offsets, strict=True)]
+
+
+class HostCopy:
+    """Device tensors brought to the host without blocking it: on CUDA each is copied non_blocking
+    into pinned memory and `record()` puts one event after the copies; `get` waits for that event
+    (the pass's only wait, when its output is consumed). On CPU the tensors are used as they are."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self._items: list[torch.Tensor] = []
+        self._event = None
+        self._ready = not self.cuda
+
+    def add(self, t: torch.Tensor) -> int:
+        if self.cuda:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            t = host
+        self._items.append(t)
+        return len(self._items) - 1
+
+    def record(self) -> None:
+        if self.cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def get(self, index: int) -> torch.Tensor:
+        if not self._ready:
+            self._event.synchronize()
+            self._ready = True
+        return self._items[index]
 
 
 def logits_rows(plan: PassPlan) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
@@ -46,20 +104,37 @@ def build_forward_context(
     layout: ParallelLayout,
     device: torch.device | str,
     logits_indices: np.ndarray,
+    prev_tokens: torch.Tensor | None = None,
 ) -> ForwardContext:
-    def up(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        # arrays decoded from the wire are read-only views of the message: copy those
-        return torch.from_numpy(np.require(a, requirements=["C", "W"])).to(device=device, dtype=dtype)
-
+    """`prev_tokens`: the previous pass's sampled ids on the device; rows the plan marks in
+    `input_from_prev` take their input id from it (a device-side scatter, no host round trip)."""
     nd = plan.num_decode_rows
     starts = plan.query_start_loc
     num_decode_tokens = int(starts[nd])
-    input_ids = up(plan.input_ids, torch.long)
-    positions = up(plan.positions, torch.long)
-    slot_mapping = up(plan.slot_mapping, torch.long)
-    block_tables = up(plan.block_tables, torch.int32)
-    seq_lens = up(plan.seq_lens, torch.int32)
-    state_slots = up(plan.state_slots, torch.long)
+    has_prefill = plan.num_rows > nd
+    arrays = [
+        plan.input_ids,
+        plan.positions,
+        plan.slot_mapping,
+        plan.block_tables,
+        plan.seq_lens,
+        plan.state_slots,
+        logits_indices,
+    ]
+    if has_prefill:
+        arrays += [starts[nd:] - num_decode_tokens, plan.has_initial_state[nd:]]
+    from_prev = plan.input_from_prev
+    scatter = prev_tokens is not None and from_prev is not None and bool((from_prev >= 0).any())
+    if scatter:
+        rows = np.flatnonzero(from_prev >= 0)
+        arrays += [starts[rows], from_prev[rows]]
+    up = upload(arrays, device)
+    input_ids, positions, slot_mapping, block_tables, seq_lens, state_slots, logits_idx = up[:7]
+    block_tables = block_tables.to(torch.int32)
+    seq_lens = seq_lens.to(torch.int32)
+    if scatter:
+        dst, src = up[-2], up[-1]
+        input_ids.index_copy_(0, dst, prev_tokens.index_select(0, src))
 
     decode = None
     if nd:
@@ -73,16 +148,16 @@ def build_forward_context(
             tokens_per_row=tokens_per_row,
         )
     prefill = None
-    if plan.num_rows > nd:
+    if has_prefill:
         q_lens = np.diff(starts[nd:])
         prefill = BatchedAttnMetadata(
             positions=positions[num_decode_tokens:],
             slot_mapping=slot_mapping[num_decode_tokens:],
-            cu_seqlens=up(starts[nd:] - num_decode_tokens, torch.int32),
+            cu_seqlens=up[7].to(torch.int32),
             block_tables=block_tables[nd:],
             seq_lens=seq_lens[nd:],
             state_slots=state_slots[nd:],
-            has_initial_state=up(plan.has_initial_state[nd:], torch.bool),
+            has_initial_state=up[8].to(torch.bool),
             max_query_len=int(q_lens.max()),
             max_seq_len=int(plan.seq_lens[nd:].max()),
         )
@@ -94,5 +169,5 @@ def build_forward_context(
         slot_mapping=slot_mapping,
         decode=decode,
         prefill=prefill,
-        logits_indices=up(logits_indices, torch.long),
+        logits_indices=logits_idx,
     )

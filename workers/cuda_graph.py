@@ -4,6 +4,11 @@ A decode pass (every row one token of a cached sequence) is captured once per ba
 static metadata buffers; at run time the plan's arrays are copied into those buffers, padded to the
 captured size, and the graph is replayed. Padding rows write no KV (slot -1) and run their GDN
 update on the reserved scratch slot, so they touch no request's state.
+
+Nothing waits for the device: the small fields go through pinned staging buffers (two, used in
+turn, each reused only after the event recorded behind its copies has passed, so a pass can be
+staged while the previous one still runs), and rows whose input id the previous pass sampled
+(`input_from_prev`) take it from that pass's ids on the device before the replay.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 2
 
 
 # rows of the small-field staging buffer
-_IDS, _POS, _SLOT, _LEN, _STATE = range(5)
+_IDS, _POS, _SLOT, _LEN, _STATE, _PREV = range(6)
+_NUM_FIELDS = 6
 
 
 class DecodeGraphs:
@@ -43,12 +49,14 @@ class DecodeGraphs:
         self.max_batch = n = self.batch_sizes[-1]
         self.max_pages = max_pages
         self.scratch_slot, self.scratch_page = scratch_slot, scratch_page
-        # small fields: one pinned staging buffer, one H2D copy per replay
-        self.host = torch.zeros((5, n), dtype=torch.int64, pin_memory=True)
-        self.fields = torch.zeros((5, n), dtype=torch.int64, device=device)
+        # small fields: pinned staging (two buffers in turn), one H2D copy per replay
+        self._staging = [torch.zeros(_NUM_FIELDS * n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.fields = torch.zeros((_NUM_FIELDS, n), dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         # block tables: only the [rows, pages] corner a pass uses is copied
-        self.host_tables = torch.zeros(n * max_pages, dtype=torch.int32, pin_memory=True)
+        self._staging_tables = [torch.zeros(n * max_pages, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self._staged = [torch.cuda.Event(), torch.cuda.Event()]  # recorded after each buffer's copies
+        self._turn = 0
         self.block_tables = torch.full((n, max_pages), scratch_page, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -74,22 +82,34 @@ class DecodeGraphs:
             logits_indices=torch.arange(bs, device=self.device),
         )
 
-    def _stage_padding(self, start: int) -> None:
+    def _stage_padding(self, h: torch.Tensor, start: int) -> None:
         """Rows from `start` on: no KV write, the scratch slot, one cached token on the scratch page."""
-        h = self.host
         h[_IDS, start:] = 0
         h[_POS, start:] = 0
         h[_SLOT, start:] = -1
         h[_LEN, start:] = 1
         h[_STATE, start:] = self.scratch_slot
+        h[_PREV, start:] = -1
 
-    def _upload(self, bs: int) -> None:
-        self.fields[:, :bs].copy_(self.host[:, :bs], non_blocking=True)
+    def _staging_buffers(self, bs: int, pages: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The next pinned staging pair as [fields, bs] and [bs * pages]; waits (in practice never)
+        until the copies of the pass that used it last have run."""
+        turn = self._turn
+        self._turn ^= 1
+        if not self._staged[turn].query():  # recorded a pass ago or more: in practice always passed
+            self._staged[turn].synchronize()
+        fields = self._staging[turn][: _NUM_FIELDS * bs].view(_NUM_FIELDS, bs)
+        return fields, self._staging_tables[turn], turn
+
+    def _upload(self, h: torch.Tensor, bs: int) -> None:
+        self.fields[:, :bs].copy_(h, non_blocking=True)
         self.seq_lens[:bs].copy_(self.fields[_LEN, :bs])
 
     def _capture_all(self) -> None:
-        self._stage_padding(0)
-        self._upload(self.max_batch)
+        h, _, _ = self._staging_buffers(self.max_batch, 0)
+        self._stage_padding(h, 0)
+        self._upload(h, self.max_batch)
+        torch.cuda.synchronize(self.device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -116,26 +136,33 @@ class DecodeGraphs:
             and plan.block_tables.shape[1] <= self.max_pages
         )
 
-    def run(self, plan: PassPlan) -> torch.Tensor:
-        """Logits [N, vocab] of a decode-only plan."""
+    def run(self, plan: PassPlan, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N, vocab] of a decode-only plan. `prev_tokens`: the previous pass's sampled ids on
+        the device, for the rows the plan marks in `input_from_prev`."""
         n = plan.num_rows
         bs = next(b for b in self.batch_sizes if b >= n)
-        h = self.host
+        pages = plan.block_tables.shape[1]
+        h, host_tables, turn = self._staging_buffers(bs, pages)
+        from_prev = plan.input_from_prev if prev_tokens is not None else None
         for row, values in (
             (_IDS, plan.input_ids),
             (_POS, plan.positions),
             (_SLOT, plan.slot_mapping),
             (_LEN, plan.seq_lens),
             (_STATE, plan.state_slots),
+            (_PREV, from_prev if from_prev is not None else -1),
         ):
             h[row, :n] = torch.from_numpy(np.asarray(values, dtype=np.int64))
-        self._stage_padding(n)
-        pages = plan.block_tables.shape[1]
-        staged = self.host_tables[: n * pages].view(n, pages)
+        self._stage_padding(h, n)
+        staged = host_tables[: n * pages].view(n, pages)
         staged.copy_(torch.from_numpy(np.ascontiguousarray(plan.block_tables, dtype=np.int32)))
-        self._upload(bs)
+        self._upload(h, bs)
         self.block_tables[:n, :pages].copy_(staged, non_blocking=True)
+        self._staged[turn].record()
         if bs > n:
             self.block_tables[n:bs, 0] = self.scratch_page
+        if from_prev is not None:
+            ids, src = self.fields[_IDS, :bs], self.fields[_PREV, :bs]
+            ids.copy_(torch.where(src >= 0, prev_tokens.index_select(0, src.clamp(min=0)), ids))
         self.graphs[bs].replay()
         return self.logits[bs][:n]

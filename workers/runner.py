@@ -1,12 +1,20 @@
 """ModelRunner: one rank's model shard, state pools and sampler. `execute(plan)` runs one pass and,
 on TP rank 0, returns the sampled tokens. The single-process engine calls it directly; the Ray
-worker actor wraps it."""
+worker actor wraps it.
+
+`execute_async(plan)` launches the pass and returns a `PassOutput` without waiting for the device:
+the sampled ids stay in a device tensor (the next plan's `input_from_prev` rows read their input
+from it), their copy to pinned host memory is non-blocking behind one CUDA event, and
+`PassOutput.result()` waits for that event. Outputs are resolved in pass order; before a pass
+samples, every pass but the one just before it is resolved (its ids feed the penalties).
+"""
 
 from __future__ import annotations
 
 import gc
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,8 +25,8 @@ from deltaserve.cluster.wire import WireError
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.loader import load_model
 from deltaserve.layers.parallel import ParallelLayout
-from deltaserve.workers.context import build_forward_context, logits_rows
-from deltaserve.workers.sampler import Sampler
+from deltaserve.workers.context import HostCopy, build_forward_context, logits_rows, upload
+from deltaserve.workers.sampler import LogprobParts, SampledBatch, Sampler
 from deltaserve.workers.state_pool import PoolSizes, StatePool, size_pools
 
 log = logging.getLogger(__name__)
@@ -70,6 +78,8 @@ class ModelRunner:
         self.pool: StatePool | None = None
         self.graphs = None
         self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
+        self._unresolved: deque[PassOutput] = deque()  # launched passes whose output is not read yet
+        self._prev: tuple[int, torch.Tensor] | None = None  # (pass id, its sampled ids on the device)
         self.sizes = self._size_pools()  # what this rank could hold; the executor picks the final sizes
 
     @property
@@ -148,49 +158,145 @@ class ModelRunner:
             )
 
     # ---- one pass ----------------------------------------------------------------------------
-    def _forward(self, plan: PassPlan, pool: StatePool):
+    def _forward(self, plan: PassPlan, pool: StatePool, prev_tokens: torch.Tensor | None = None):
         indices, spans = logits_rows(plan)
         if self.graphs is not None and pool is self.pool and self.graphs.can_run(plan):
-            return self.graphs.run(plan), spans
-        ctx = build_forward_context(plan, self.model_config, self.layout, self.device, indices)
+            return self.graphs.run(plan, prev_tokens), spans
+        ctx = build_forward_context(plan, self.model_config, self.layout, self.device, indices, prev_tokens)
         with torch.inference_mode():
             hidden = self.model(ctx, pool.layer_states)
             logits = self.model.compute_logits(hidden[ctx.logits_indices]) if len(indices) else None
         return logits, spans
 
     def execute(self, plan: PassPlan) -> RunnerOutput | None:
+        """Run one pass and wait for its output (None on ranks other than TP rank 0)."""
+        return self.execute_async(plan).result()
+
+    def execute_async(self, plan: PassPlan) -> PassOutput:
+        """Launch one pass; nothing here waits for the device (on CPU the pass simply runs)."""
         started = time.perf_counter()
         check_plan_ranges(plan, self.sizes, self.model_config.vocab_size)
+        prev_tokens = self._check_input_from_prev(plan)
+        while len(self._unresolved) > 1:  # only the previous pass may still be unread when this one samples
+            self._resolve_oldest()
         for req_id in plan.finished_req_ids:
             self.sampler.remove(req_id)
         for data in plan.new_requests:
             self.sampler.add(data)
-        logits, spans = self._forward(plan, self.pool)
+        logits, spans = self._forward(plan, self.pool, prev_tokens)
         if not self.is_driver_rank:
-            return None
-        out = RunnerOutput(pass_id=plan.pass_id, req_ids=[], sampled_token_ids=[])
-        sample_ids, sample_rows = [], []
+            self._prev = None
+            return PassOutput(self, plan.pass_id, None, None, [], started, resolved=True)
+        copy = HostCopy(self.device)
+        from_prev = plan.input_from_prev if prev_tokens is not None else None
+        sample_ids, sample_rows, pending_rows, pending_src, prompt_parts = [], [], [], [], []
         for n, (first, count, sampled_at) in enumerate(spans):
             req_id = plan.req_ids[n]
             if sampled_at >= 0:
+                if from_prev is not None and from_prev[n] >= 0:
+                    pending_rows.append(len(sample_ids))
+                    pending_src.append(int(from_prev[n]))
                 sample_ids.append(req_id)
                 sample_rows.append(sampled_at)
             if plan.prompt_logprob_rows[n] and count:
-                out.prompt_logprobs[req_id] = self._prompt_logprobs(plan, n, logits[first : first + count])
+                prompt_parts.append(self._prompt_logprobs(plan, n, logits[first : first + count], copy))
+        batch = None
         if sample_ids:
-            tokens, logprobs = self.sampler.sample(sample_ids, logits[sample_rows])
-            out.req_ids, out.sampled_token_ids, out.logprobs = sample_ids, tokens, logprobs
-        out.forward_time_s = time.perf_counter() - started
-        return out
+            if sample_rows == list(range(logits.shape[0])):
+                sampled_logits = logits
+            else:
+                (rows,) = upload([np.asarray(sample_rows)], self.device)
+                sampled_logits = logits.index_select(0, rows)
 
-    def _prompt_logprobs(self, plan: PassPlan, row: int, logits: torch.Tensor):
-        """Logprob of each next prompt token within (and right after) the row's chunk."""
+            def pending_tokens() -> torch.Tensor:
+                (src,) = upload([np.asarray(pending_src)], self.device)
+                return prev_tokens.index_select(0, src)
+
+            batch = self.sampler.sample_async(sample_ids, sampled_logits, copy, pending_rows, pending_tokens)
+        copy.record()
+        tokens = batch.tokens if batch is not None else torch.zeros(0, dtype=torch.long, device=self.device)
+        self._prev = (plan.pass_id, tokens)
+        handle = PassOutput(self, plan.pass_id, batch, copy, prompt_parts, started)
+        self._unresolved.append(handle)
+        return handle
+
+    def _check_input_from_prev(self, plan: PassPlan) -> torch.Tensor | None:
+        """The previous pass's sampled ids when the plan reads input ids from them; a plan that names
+        ids this rank does not hold is rejected before anything runs."""
+        from_prev = plan.input_from_prev
+        if from_prev is None or not (from_prev >= 0).any():
+            return None
+        prev = self._prev
+        if prev is None or prev[0] != plan.pass_id - 1:
+            held = "none" if prev is None else f"those of pass {prev[0]}"
+            raise WireError(
+                f"plan field 'input_from_prev' reads pass {plan.pass_id - 1}'s sampled ids; this rank holds {held}"
+            )
+        rows = np.flatnonzero(from_prev >= 0)
+        if from_prev.max() >= prev[1].shape[0]:
+            raise WireError(f"plan field 'input_from_prev' holds values outside [-1, {prev[1].shape[0]})")
+        if rows.max() >= plan.num_decode_rows or (np.diff(plan.query_start_loc)[rows] != 1).any():
+            raise WireError("plan field 'input_from_prev' names a row that is not a one-token decode row")
+        return prev[1]
+
+    def _prompt_logprobs(self, plan: PassPlan, row: int, logits: torch.Tensor, copy: HostCopy):
+        """Logprob of each next prompt token within (and right after) the row's chunk (on the device)."""
         lo, hi = int(plan.query_start_loc[row]), int(plan.query_start_loc[row + 1])
         next_tokens = plan.input_ids[lo + 1 : hi].tolist()
         if plan.next_prompt_token is not None and plan.next_prompt_token[row] >= 0:
             next_tokens.append(int(plan.next_prompt_token[row]))
         k = self.sampler.states[plan.req_ids[row]].spec.prompt_logprobs or 0
-        return self.sampler.prompt_logprobs(logits[: len(next_tokens)], next_tokens, k)
+        (tokens,) = upload([np.asarray(next_tokens, dtype=np.int64)], self.device)
+        return plan.req_ids[row], LogprobParts(copy, tokens, logits[: len(next_tokens)], k), [k] * len(next_tokens)
+
+    def _resolve_oldest(self) -> None:
+        self._unresolved.popleft()._resolve()
+
+    def drop_in_flight(self) -> None:
+        """Forget the launched passes (their requests failed): no output of theirs will be read, and
+        no later plan may read their sampled ids."""
+        self._unresolved.clear()
+        self._prev = None
+
+
+class PassOutput:
+    """A launched pass. `result()` waits for its host copies (after resolving every older pass, so
+    that request histories grow in order) and returns its RunnerOutput (None off TP rank 0)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        pass_id: int,
+        batch: SampledBatch | None,
+        copy: HostCopy | None,
+        prompt_parts: list,
+        started: float,
+        resolved: bool = False,
+    ):
+        self.pass_id = pass_id
+        self._runner, self._batch, self._copy, self._prompt_parts = runner, batch, copy, prompt_parts
+        self._started = started
+        self._resolved = resolved
+        self._output: RunnerOutput | None = None
+
+    def result(self) -> RunnerOutput | None:
+        queue = self._runner._unresolved
+        while not self._resolved and queue:
+            queue.popleft()._resolve()
+        if not self._resolved:
+            raise RuntimeError(f"pass {self.pass_id}'s output was dropped")
+        return self._output
+
+    def _resolve(self) -> None:
+        out = RunnerOutput(pass_id=self.pass_id, req_ids=[], sampled_token_ids=[])
+        for req_id, parts, ks in self._prompt_parts:
+            out.prompt_logprobs[req_id] = parts.result(ks)
+        if self._batch is not None:
+            tokens, logprobs = self._batch.result()
+            out.req_ids, out.sampled_token_ids, out.logprobs = list(self._batch.req_ids), tokens, logprobs
+        out.forward_time_s = time.perf_counter() - self._started
+        self._output, self._resolved = out, True
+        self._batch = self._copy = self._prompt_parts = None
 
 
 def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int) -> None:

@@ -5,13 +5,24 @@ The draw is an exponential race, argmax(p / E) with E ~ Exp(1) per vocabulary en
 exactly from p. For a request with a seed, E comes from a counter-based hash of (seed, output index,
 token id): the same request gives the same tokens whatever else is in the batch, on CPU or GPU, and
 after a preemption.
+
+Nothing here waits for the device: `sample_async` leaves the tokens (and logprob tensors) on the
+device and registers their copies to the host with a `HostCopy`; `SampledBatch.result()` reads them
+once copied and only then records the ids in each request's history. Under async scheduling a
+request's latest token may still be on its way when the next pass samples it: the output counter
+(`num_sampled`, the seeded draw's index) counts it already, and penalties take its id from the
+device (`pending_rows` / `pending_tokens`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
+import numpy as np
 import torch
 
 from deltaserve.cluster.plan import NewRequestData, SamplingSpec, TokenLogprobs
+from deltaserve.workers.context import HostCopy, upload
 
 _M32 = 0xFFFFFFFF
 
@@ -46,7 +57,71 @@ class RequestSamplingState:
     def __init__(self, data: NewRequestData):
         self.spec: SamplingSpec = data.sampling
         self.prompt_token_ids = list(data.prompt_token_ids)
+        # the output ids known on the host (a token whose pass is not resolved yet is missing)
         self.output_token_ids = list(data.output_token_ids)
+        # outputs sampled so far, known or still on the device: the index of the next draw
+        self.num_sampled = len(self.output_token_ids)
+
+
+def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, k: int):
+    """On the device: log-softmax of logits [R, V], then per row the logprob of tokens[r], its rank
+    (1 = most likely) and the top-k (values, ids) (None when k = 0)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens.view(-1, 1))
+    rank = (lp > chosen).sum(dim=1) + 1
+    top = torch.topk(lp, k, dim=-1) if k else None
+    return chosen.view(-1), rank, top
+
+
+class LogprobParts:
+    """`logprob_tensors` registered with a HostCopy; `result(ks)` builds the TokenLogprobs."""
+
+    def __init__(self, copy: HostCopy, tokens: torch.Tensor, logits: torch.Tensor, kmax: int):
+        chosen, rank, top = logprob_tensors(logits, tokens, kmax)
+        self.copy = copy
+        self.slots = [copy.add(tokens), copy.add(chosen), copy.add(rank)]
+        if top is not None:
+            self.slots += [copy.add(top.values), copy.add(top.indices)]
+
+    def result(self, ks: Sequence[int]) -> list[TokenLogprobs]:
+        tokens, chosen, rank = (self.copy.get(s).tolist() for s in self.slots[:3])
+        top_lp, top_ids = (self.copy.get(s).tolist() for s in self.slots[3:]) if len(self.slots) > 3 else ([], [])
+        out = []
+        for r, k in enumerate(ks):
+            ids, lps = (top_ids[r][:k], top_lp[r][:k]) if k else ([], [])
+            out.append(
+                TokenLogprobs(token_id=int(tokens[r]), logprob=chosen[r], rank=rank[r], top_ids=ids, top_logprobs=lps)
+            )
+        return out
+
+
+class SampledBatch:
+    """One `sample_async` call: `tokens` [R] (int64) stays on the device (the next pass may read its
+    input ids from it); `result()` waits for the host copies, records the ids in the request
+    histories and returns (ids, logprobs by request id)."""
+
+    def __init__(self, req_ids, states, tokens, copy, logprob_rows, logprobs: LogprobParts | None):
+        self.req_ids = req_ids
+        self.states = states  # the state objects sampled: a request id re-added later is another state
+        self.tokens = tokens
+        self._copy = copy
+        self._tokens_slot = copy.add(tokens)
+        self._logprob_rows = logprob_rows
+        self._logprobs = logprobs
+        self._result = None
+
+    def result(self) -> tuple[list[int], dict[str, TokenLogprobs]]:
+        if self._result is None:
+            token_list = self._copy.get(self._tokens_slot).tolist()
+            for state, token in zip(self.states, token_list, strict=True):
+                state.output_token_ids.append(token)
+            logprobs = {}
+            if self._logprobs is not None:
+                ks = [self.states[i].spec.logprobs for i in self._logprob_rows]
+                for i, entry in zip(self._logprob_rows, self._logprobs.result(ks), strict=True):
+                    logprobs[self.req_ids[i]] = entry
+            self._result = token_list, logprobs
+        return self._result
 
 
 class Sampler:
@@ -70,72 +145,158 @@ class Sampler:
 
     # ---- sampling ------------------------------------------------------------------------------
     def sample(self, req_ids: list[str], logits: torch.Tensor) -> tuple[list[int], dict[str, TokenLogprobs]]:
-        """One token for each row of logits [R, V] (float32); records it in the request's history."""
+        """One token for each row of logits [R, V] (float32), waited for; records it in the history."""
         if not req_ids:
             return [], {}
+        copy = HostCopy(logits.device)
+        batch = self.sample_async(req_ids, logits, copy)
+        copy.record()
+        return batch.result()
+
+    def sample_async(
+        self,
+        req_ids: list[str],
+        logits: torch.Tensor,
+        copy: HostCopy,
+        pending_rows: Sequence[int] = (),
+        pending_tokens: Callable[[], torch.Tensor] | None = None,
+    ) -> SampledBatch:
+        """One token for each row of logits [R, V] (float32), left on the device. `pending_rows`:
+        rows whose request's latest output id is not in its history yet; `pending_tokens()` gives
+        those ids [P] on the device (called only when penalties need them)."""
         states = [self.states[r] for r in req_ids]
+        steps = [s.num_sampled for s in states]
         raw = logits
         if any(_needs_penalties(s) for s in states):
-            logits = logits.clone()
-            self._apply_penalties(logits, states)
-        greedy = [i for i, s in enumerate(states) if s.spec.temperature == 0]
-        if len(greedy) == len(states):  # all greedy: one argmax, no gathers
+            logits = logits.clone(memory_format=torch.contiguous_format)
+            self._apply_penalties(logits, states, pending_rows, pending_tokens)
+        greedy = [s.spec.temperature == 0 for s in states]
+        if all(greedy):  # one argmax, no gathers
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)
-            if greedy:
-                tokens[greedy] = logits[greedy].argmax(dim=-1)
-            random_rows = [i for i, s in enumerate(states) if s.spec.temperature != 0]
-            tokens[random_rows] = self._draw(logits[random_rows], [states[i] for i in random_rows])
-        token_list = tokens.tolist()
-        want_logprobs = [i for i, s in enumerate(states) if s.spec.logprobs is not None]
-        logprobs = {}
-        if want_logprobs:
-            lp = torch.log_softmax(raw[want_logprobs].float(), dim=-1)
-            for j, i in enumerate(want_logprobs):
-                logprobs[req_ids[i]] = token_logprobs(lp[j], token_list[i], states[i].spec.logprobs)
-        for state, token in zip(states, token_list, strict=True):
-            state.output_token_ids.append(token)
-        return token_list, logprobs
-
-    def _apply_penalties(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> None:
-        for i, s in enumerate(states):
-            spec = s.spec
-            if len(s.output_token_ids) < spec.min_tokens and spec.min_tokens_banned_ids:
-                logits[i, spec.min_tokens_banned_ids] = float("-inf")
-            if spec.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(s.prompt_token_ids) | set(s.output_token_ids)), device=logits.device)
-                values = logits[i, seen]
-                logits[i, seen] = torch.where(
-                    values > 0, values / spec.repetition_penalty, values * spec.repetition_penalty
+            random_rows = [i for i, g in enumerate(greedy) if not g]
+            if len(random_rows) == len(states):
+                tokens = self._draw(logits, states, steps)
+            else:
+                tokens = logits.argmax(dim=-1)
+                (rows,) = upload([np.asarray(random_rows)], logits.device)
+                drawn = self._draw(
+                    logits.index_select(0, rows), [states[i] for i in random_rows], [steps[i] for i in random_rows]
                 )
-            if (spec.presence_penalty or spec.frequency_penalty) and s.output_token_ids:
-                out = torch.tensor(s.output_token_ids, device=logits.device)
-                counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
-                logits[i] -= spec.frequency_penalty * counts + spec.presence_penalty * (counts > 0).to(logits.dtype)
+                tokens.index_copy_(0, rows, drawn)
+        for s in states:
+            s.num_sampled += 1
+        want = [i for i, s in enumerate(states) if s.spec.logprobs is not None]
+        parts = None
+        if want:
+            kmax = max(states[i].spec.logprobs for i in want)
+            if len(want) == len(states):
+                parts = LogprobParts(copy, tokens, raw, kmax)
+            else:
+                (rows,) = upload([np.asarray(want)], logits.device)
+                parts = LogprobParts(copy, tokens.index_select(0, rows), raw.index_select(0, rows), kmax)
+        return SampledBatch(req_ids, states, tokens, copy, want, parts)
 
-    def _draw(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
+    def _apply_penalties(
+        self,
+        logits: torch.Tensor,
+        states: list[RequestSamplingState],
+        pending_rows: Sequence[int] = (),
+        pending_tokens: Callable[[], torch.Tensor] | None = None,
+    ) -> None:
+        """In place on logits [R, V] (contiguous), row i for states[i]: min_tokens bans, then the
+        repetition penalty, then presence and frequency penalties; built as flat index lists on the
+        host and applied with device-side fills (no host sync)."""
+        device, vocab = logits.device, logits.shape[1]
+        flat_logits = logits.view(-1)
+        pending = {row: j for j, row in enumerate(pending_rows)}
+        pending_ids = None
+
+        def pending_for(rows: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+            """(flat row offsets, ids) on the device for the pending tokens of `rows`."""
+            nonlocal pending_ids
+            mine = [r for r in rows if r in pending]
+            if not mine:
+                return None
+            if pending_ids is None:
+                pending_ids = pending_tokens()
+            at, offsets = upload([np.asarray([pending[r] for r in mine]), np.asarray(mine) * vocab], device)
+            return offsets, pending_ids.index_select(0, at)
+
+        banned = [
+            i * vocab + t
+            for i, s in enumerate(states)
+            if s.num_sampled < s.spec.min_tokens
+            for t in s.spec.min_tokens_banned_ids
+        ]
+        if banned:
+            (flat,) = upload([np.asarray(banned)], device)
+            flat_logits.index_fill_(0, flat, float("-inf"))
+
+        rep = [i for i, s in enumerate(states) if s.spec.repetition_penalty != 1.0]
+        if rep:
+            seen_ids = [
+                i * vocab + np.unique(np.asarray(states[i].prompt_token_ids + states[i].output_token_ids, np.int64))
+                for i in rep
+            ]
+            penalty = np.ones((len(states), 1), np.float32)
+            penalty[rep, 0] = [states[i].spec.repetition_penalty for i in rep]
+            flat, penalty = upload([np.concatenate(seen_ids)], device) + upload([penalty], device, torch.float32)
+            seen = torch.zeros(logits.numel(), dtype=torch.bool, device=device)
+            seen.index_fill_(0, flat, True)
+            extra = pending_for(rep)
+            if extra is not None:
+                seen.index_fill_(0, extra[0] + extra[1], True)
+            seen = seen.view_as(logits)
+            penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits.copy_(torch.where(seen, penalised, logits))
+
+        pf = [i for i, s in enumerate(states) if s.spec.presence_penalty or s.spec.frequency_penalty]
+        if pf:
+            out_ids = [i * vocab + np.asarray(states[i].output_token_ids, np.int64) for i in pf]
+            scale = np.zeros((2, len(states), 1), np.float32)
+            scale[0, pf, 0] = [states[i].spec.frequency_penalty for i in pf]
+            scale[1, pf, 0] = [states[i].spec.presence_penalty for i in pf]
+            (flat,) = upload([np.concatenate(out_ids)], device)
+            (scale,) = upload([scale], device, torch.float32)
+            counts = torch.zeros(logits.numel(), dtype=logits.dtype, device=device)
+            counts.index_add_(0, flat, torch.ones(flat.shape[0], dtype=logits.dtype, device=device))
+            extra = pending_for(pf)
+            if extra is not None:
+                counts.index_add_(
+                    0, extra[0] + extra[1], torch.ones(extra[0].shape[0], dtype=logits.dtype, device=device)
+                )
+            counts = counts.view_as(logits)
+            logits -= scale[0] * counts + scale[1] * (counts > 0).to(logits.dtype)
+
+    def _draw(self, logits: torch.Tensor, states: list[RequestSamplingState], steps: list[int]) -> torch.Tensor:
         device = logits.device
-        temps = torch.tensor([s.spec.temperature for s in states], device=device, dtype=torch.float32)
+        (temps,) = upload([np.asarray([s.spec.temperature for s in states], np.float32)], device, torch.float32)
         logits = logits / temps[:, None]
         if any(s.spec.top_k > 0 or s.spec.top_p < 1.0 or s.spec.min_p > 0 for s in states):
             logits = _filter(logits, states)
         probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
         unseeded = [i for i, s in enumerate(states) if s.spec.seed is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(
-                (len(unseeded), probs.shape[1]), device=device, dtype=probs.dtype
-            ).exponential_(generator=self._generator(device))
-        for i, s in enumerate(states):
-            if s.spec.seed is not None:
-                noise[i] = seeded_exponentials(s.spec.seed, len(s.output_token_ids), probs.shape[1], device)
+        if len(unseeded) == len(states):
+            noise = torch.empty_like(probs).exponential_(generator=self._generator(device))
+        else:
+            noise = torch.empty_like(probs)
+            if unseeded:
+                (rows,) = upload([np.asarray(unseeded)], device)
+                drawn = torch.empty((len(unseeded), probs.shape[1]), device=device, dtype=probs.dtype)
+                noise.index_copy_(0, rows, drawn.exponential_(generator=self._generator(device)))
+            for i, s in enumerate(states):
+                if s.spec.seed is not None:
+                    noise[i] = seeded_exponentials(s.spec.seed, steps[i], probs.shape[1], device)
         return (probs / noise).argmax(dim=-1)
 
     def prompt_logprobs(self, logits: torch.Tensor, next_tokens: list[int], k: int) -> list[TokenLogprobs]:
-        """Logprobs of next_tokens[i] under logits[i] (one prompt position each)."""
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        return [token_logprobs(lp[i], t, k) for i, t in enumerate(next_tokens)]
+        """Logprobs of next_tokens[i] under logits[i] (one prompt position each), waited for."""
+        copy = HostCopy(logits.device)
+        (tokens,) = upload([np.asarray(next_tokens)], logits.device)
+        parts = LogprobParts(copy, tokens, logits[: len(next_tokens)], k)
+        copy.record()
+        return parts.result([k] * len(next_tokens))
 
 
 def _needs_penalties(state: RequestSamplingState) -> bool:
@@ -143,16 +304,17 @@ def _needs_penalties(state: RequestSamplingState) -> bool:
     return (
         spec.repetition_penalty != 1.0
         or bool(spec.presence_penalty or spec.frequency_penalty)
-        or (len(state.output_token_ids) < spec.min_tokens and bool(spec.min_tokens_banned_ids))
+        or (state.num_sampled < spec.min_tokens and bool(spec.min_tokens_banned_ids))
     )
 
 
 def _filter(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
     """top-k, then top-p, then min-p, per row (-inf for removed tokens)."""
     device, vocab = logits.device, logits.shape[1]
-    top_k = torch.tensor([s.spec.top_k if s.spec.top_k > 0 else vocab for s in states], device=device)
-    top_p = torch.tensor([s.spec.top_p for s in states], device=device, dtype=torch.float32)
-    min_p = torch.tensor([s.spec.min_p for s in states], device=device, dtype=torch.float32)
+    (top_k,) = upload([np.asarray([s.spec.top_k if s.spec.top_k > 0 else vocab for s in states])], device)
+    top_p, min_p = upload(
+        [np.asarray([s.spec.top_p for s in states]), np.asarray([s.spec.min_p for s in states])], device, torch.float32
+    )
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device)[None, :]
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
@@ -166,7 +328,7 @@ def _filter(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.T
 
 
 def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
-    """The token's logprob and rank, and the top-k alternatives, from a [V] logprob row."""
+    """The token's logprob and rank, and the top-k alternatives, from a [V] logprob row (waits)."""
     value = logprobs[token]
     rank = int((logprobs > value).sum().item()) + 1
     if k:
