@@ -108,7 +108,7 @@ def bench_decode(
 ) -> dict:
     engine = llm.engine
     rng = np.random.default_rng(batch)
-    params = SamplingParams(temperature=0, max_tokens=steps + profile_steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + profile_steps + 6, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"d{batch}-{i}", rng.integers(10, vocab - 10, context).tolist(), params)
     # run until every request is decoding (prefill done, first token out)
@@ -137,6 +137,16 @@ def bench_decode(
         engine.step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t0) / steps
+    sync_step_s = None
+    if engine.async_scheduling:  # the same steps without overlap, for the comparison
+        engine.set_async_scheduling(False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        sync_step_s = (time.perf_counter() - t0) / steps
+        engine.set_async_scheduling(True)
     profile = None
     if profile_steps:
         from torch.profiler import ProfilerActivity
@@ -160,17 +170,17 @@ def bench_decode(
         )
     while engine.has_unfinished():
         engine.step()
-    result = {"step_s": step_s, "distinct_experts_per_layer": counts}
+    result = {"step_s": step_s, "sync_step_s": sync_step_s, "distinct_experts_per_layer": counts}
     if hasattr(executor, "control_overhead_s"):
         result["control_overhead_s"] = executor.control_overhead_s(last=steps)
     return result
 
 
-def bench_prefill(llm: LLM, length: int, vocab: int) -> float:
+def bench_prefill(llm: LLM, length: int, vocab: int, profile: bool = False) -> float:
     engine = llm.engine
     rng = np.random.default_rng(length)
-    times = []
-    for rep in range(3):
+
+    def one(rep: int) -> float:
         engine.add_request(
             f"p{length}-{rep}",
             rng.integers(10, vocab - 10, length).tolist(),
@@ -181,8 +191,21 @@ def bench_prefill(llm: LLM, length: int, vocab: int) -> float:
         while engine.has_unfinished():
             engine.step()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return min(times[1:]) if len(times) > 1 else times[0]
+        return time.perf_counter() - t0
+
+    times = [one(rep) for rep in range(3)]
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            wall = one(3)
+        events = prof.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in events)
+        table = events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=72)
+        print(f"--- profile of a {length}-token prefill: GPU busy {gpu_us / 1e3:.2f} ms, wall {wall * 1e3:.2f} ms ---")
+        print(table, flush=True)
+    return min(times[1:])
 
 
 def bench_peer(model_config: ModelConfig, batches: list[int], context: int, steps: int) -> dict:
@@ -270,6 +293,8 @@ def run(args: argparse.Namespace) -> dict:
         }
         if "control_overhead_s" in result:
             row["control_overhead_ms"] = result["control_overhead_s"] * 1e3
+        if result["sync_step_s"] is not None:
+            row["sync_step_ms"] = result["sync_step_s"] * 1e3
         if b in peer:
             row["peer_step_ms"] = peer[b] * 1e3
             row["speedup_vs_peer"] = peer[b] / result["step_s"]
@@ -278,7 +303,7 @@ def run(args: argparse.Namespace) -> dict:
     report["decode"] = rows
     pre = []
     for n in prefills:
-        seconds = bench_prefill(llm, n, model_config.vocab_size)
+        seconds = bench_prefill(llm, n, model_config.vocab_size, profile=n in args.profile_prefills)
         pre.append({"tokens": n, "seconds": seconds, "tok_s": n / seconds})
         print(f"prefill {n:>6} tokens: {seconds * 1e3:8.1f} ms  {n / seconds:10.0f} tok/s", flush=True)
     report["prefill"] = pre
@@ -292,6 +317,8 @@ def _fmt_decode(r: dict) -> str:
         f" | floor {r['floor_ms']:7.2f} ms ({r['x_floor']:.2f}x floor,"
         f" experts {'touched' if r['experts_counted'] else 'bound'} {100 * r['expert_fraction']:.0f}%)"
     )
+    if "sync_step_ms" in r:
+        s += f" | without overlap {r['sync_step_ms']:.2f} ms"
     if "control_overhead_ms" in r:
         s += f" | control overhead {r['control_overhead_ms']:.3f} ms"
     if "peer_step_ms" in r:
@@ -319,6 +346,12 @@ def add_parser(sub) -> None:
         type=lambda v: [int(b) for b in v.split(",") if b],
         default=[],
         help="print a torch.profiler kernel table of 3 decode steps at these batch sizes",
+    )
+    p.add_argument(
+        "--profile-prefills",
+        type=lambda v: [int(n) for n in v.split(",") if n],
+        default=[],
+        help="print a torch.profiler kernel table of one prefill at these prompt lengths",
     )
     p.add_argument("--json", default=None)
     p.set_defaults(func=_main)

@@ -289,6 +289,19 @@ class EngineCore:
             outputs += self._apply(prev_plan, result)
         return outputs
 
+    def set_async_scheduling(self, enabled: bool) -> list[RequestOutput]:
+        """Switch between overlapped and synchronous passes (benchmarks compare the two); the pass in
+        flight, if any, is finished first and its outputs returned."""
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None:
+            (plan, launched), self._in_flight = self._in_flight, None
+            try:
+                outputs = self._apply(plan, launched.result())
+            except WorkerFailure as e:
+                outputs = self._on_worker_failure(e)
+        self.async_scheduling = enabled and hasattr(self.executor, "execute_async")
+        return outputs
+
     def _apply(self, plan: PassPlan, result: RunnerOutput) -> list[RequestOutput]:
         outputs = []
         for req in self.scheduler.apply_output(plan, result):

@@ -432,3 +432,27 @@ def test_cuda_async_matches_sync_and_decode_launches_do_not_sync(tiny_checkpoint
     assert len(checked) > 5
     assert_same(sync, asyn, exact=False, atol=1e-3)  # tokens exact; logprobs as GPU kernels round
     assert_pools_full(core)
+
+
+def test_switching_overlap_off_and_on_mid_generation_keeps_the_tokens(tiny_checkpoints):
+    """`set_async_scheduling` (the offline benchmark times both modes on one engine) finishes the
+    pass in flight and carries on with the same tokens as an engine that never switched."""
+    path = tiny_checkpoints["qwen3_5_moe"][0]
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)
+    requests = [(f"r{i}", p, params) for i, p in enumerate(prompts()[:4])]
+    reference = [o.outputs[0].token_ids for o in run(engine(path, True), requests)]
+    core = engine(path, True)
+    for req_id, prompt, sp in requests:
+        core.add_request(req_id, prompt, sp)
+    final = {}
+    for step in range(40):
+        if step in (3, 7):
+            outs = core.set_async_scheduling(step == 7)
+            assert core.async_scheduling is (step == 7)
+        else:
+            outs = core.step()
+        final.update({o.request_id: o for o in outs if o.finished})
+        if not core.has_unfinished():
+            break
+    assert [final[r].outputs[0].token_ids for r, _, _ in requests] == reference
+    assert_pools_full(core)
