@@ -7,7 +7,7 @@ and w2 [E_local, H, I_local], and load from either checkpoint layout: per expert
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]).
 
 The router, the shared expert's gate/up and the shared expert's sigmoid gate load into one fused
-local weight `in_proj`, rows [router (E) | shared gate_up (2 * I_shared_local) | shared gate (1)],
+local weight `in_proj`, rows [router (E) | shared gate_up (2 * I_shared_local) | shared gate (1) | pad],
 so every projection that reads the block's input is one GEMM (the shared gate row goes last so the
 gate_up slice starts at an aligned column); the router logits come out of it in the activations'
 dtype, as from the unfused F.linear.
@@ -20,6 +20,8 @@ are this rank's column-parallel shard (also under expert parallelism).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -94,8 +96,10 @@ class SparseMoeBlock(nn.Module):
                 h, config.shared_expert_intermediate_size, layout, "shared_expert_intermediate_size", own_gate_up=False
             )
             rows += 2 * self.shared_expert.inter + 1
-        # fused input projection: [router | shared gate_up (this rank's shard) | shared gate]
-        self.in_proj = empty_param(rows, h)
+        self.gate_row = rows - 1  # the shared expert gate's row (when there is a shared expert)
+        # fused input projection: [router | shared gate_up (this rank's shard) | shared gate | unused
+        # rows up to a multiple of 8]: cuBLAS takes an sm_75 kernel at 4x the time for N = 1281
+        self.in_proj = empty_param(-(-rows // 8) * 8, h)
 
     @property
     def router(self) -> torch.Tensor:
@@ -105,7 +109,7 @@ class SparseMoeBlock(nn.Module):
     @property
     def shared_expert_gate(self) -> torch.Tensor:
         """The shared expert gate's row of in_proj [1, H]."""
-        return self.in_proj[-1:]
+        return self.in_proj[self.gate_row : self.gate_row + 1]
 
     def checkpoint_tensors(self, prefix: str) -> list[CheckpointTensor]:
         h, total_inter = self.hidden_size, self.total_inter
@@ -142,12 +146,20 @@ class SparseMoeBlock(nn.Module):
                 load = None if local is None else _per_expert_loader(self, local, proj, name(e, proj))
                 out.append(CheckpointTensor(name(e, proj), shape, load))
         num_experts = self.num_experts
-        out.append(row_ranges(f"{prefix}gate.weight", self.in_proj, (num_experts, h), [(0, 0, num_experts)]))
+        router = row_ranges(f"{prefix}gate.weight", self.in_proj, (num_experts, h), [(0, 0, num_experts)])
+        out.append(replace(router, load=self._load_router_and_zero_padding(router.load)))
         if self.shared_expert is not None:
             out += self.shared_expert.checkpoint_tensors(f"{prefix}shared_expert.", self.in_proj, num_experts)
-            gate_row = self.in_proj.shape[0] - 1
+            gate_row = self.gate_row
             out.append(row_ranges(f"{prefix}shared_expert_gate.weight", self.in_proj, (1, h), [(0, gate_row, 1)]))
         return out
+
+    def _load_router_and_zero_padding(self, load_router):
+        def load(t: LazyTensor) -> None:
+            load_router(t)
+            self.in_proj.data[self.gate_row + 1 :].zero_()  # the padding rows: never read, but defined
+
+        return load
 
     def _load_fused_gate_up(self, t: LazyTensor, name: str) -> None:
         e0, e1 = self.expert_start, self.expert_start + self.num_local_experts
@@ -173,8 +185,9 @@ class SparseMoeBlock(nn.Module):
             expert_offset=self.expert_start,
         )
         if self.shared_expert is not None:
-            shared = self.shared_expert.down(proj[:, num_experts:-1], reduce=False)
-            out = out + torch.sigmoid(proj[:, -1:]) * shared
+            gate_row = self.gate_row
+            shared = self.shared_expert.down(proj[:, num_experts:gate_row], reduce=False)
+            out = out + torch.sigmoid(proj[:, gate_row : gate_row + 1]) * shared
         return all_reduce(out, self.layout)
 
 
