@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
 from deltaserve.cluster.plan import PassPlan
@@ -144,6 +143,7 @@ class DecodeGraphs:
         pages = plan.block_tables.shape[1]
         h, host_tables, turn = self._staging_buffers(bs, pages)
         from_prev = plan.input_from_prev if prev_tokens is not None else None
+        host = h.numpy()  # numpy assignment copies from the plan's read-only wire buffers
         for row, values in (
             (_IDS, plan.input_ids),
             (_POS, plan.positions),
@@ -152,10 +152,10 @@ class DecodeGraphs:
             (_STATE, plan.state_slots),
             (_PREV, from_prev if from_prev is not None else -1),
         ):
-            h[row, :n] = torch.from_numpy(np.asarray(values, dtype=np.int64))
+            host[row, :n] = values
         self._stage_padding(h, n)
         staged = host_tables[: n * pages].view(n, pages)
-        staged.copy_(torch.from_numpy(np.ascontiguousarray(plan.block_tables, dtype=np.int32)))
+        staged.numpy()[:] = plan.block_tables
         self._upload(h, bs)
         self.block_tables[:n, :pages].copy_(staged, non_blocking=True)
         self._staged[turn].record()
