@@ -40,8 +40,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="plan the next pass while the current one runs (single-process executor; Ray runs synchronously)",
+        default=None,
+        help="plan the next pass while the current one runs (default: on in-process; the Ray worker group "
+        "overlaps over its shared-memory ring only with --async-scheduling)",
     )
 
 

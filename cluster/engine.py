@@ -4,7 +4,8 @@ It owns the scheduler and the allocators, hands each PassPlan to an executor (th
 ModelRunner, or the Ray worker group), and turns the sampled tokens into text, stop decisions and
 outputs. The same core runs under `LLM` (synchronously) and under the driver actor (in a loop).
 
-Async scheduling (`EngineConfig.async_scheduling`, local executor): a step plans and launches pass
+Async scheduling (`EngineConfig.async_scheduling`: by default on for the in-process executor; the
+Ray executor overlaps over its shared-memory transport when asked with True): a step plans and launches pass
 N+1 before it waits for pass N's tokens, then turns pass N's tokens into outputs while N+1 runs.
 Pass N+1's decode rows for requests whose pass-N token is not known yet take their input id from
 pass N's sampled ids on the device; a request that pass N's token finishes has its extra token of
@@ -50,9 +51,12 @@ class EngineConfig:
     # the gateway answers RESOURCE_EXHAUSTED beyond this many waiting requests
     max_waiting_requests: int = 1024
     enable_cuda_graphs: bool = True  # decode passes replay captured CUDA graphs
-    # plan and launch pass N+1 before pass N's tokens are back (executors with `execute_async`: the
-    # local one; the Ray executor runs passes synchronously whatever this says)
-    async_scheduling: bool = True
+    # plan and launch pass N+1 before pass N's tokens are back (executors that overlap passes: the
+    # local one, and the Ray executor over "shm"; its "compiled" and "calls" transports run passes
+    # synchronously whatever this says)
+    # None: overlap passes with the in-process executor (measured on the H200), not yet with the Ray
+    # worker group (built and CPU-tested, unmeasured on GPUs); True / False: wherever supported / never
+    async_scheduling: bool | None = None
     # "local": the model in this process (TP = 1 only); "ray": worker actors; "auto": local when TP = 1
     executor: str = "auto"
 
@@ -80,7 +84,8 @@ class WorkerFailure(RuntimeError):
 class Executor(Protocol):
     """Runs pass plans on the model's ranks; `pool_sizes` is what the workers allocated. An executor
     that can launch a pass without waiting for it also has `execute_async(plan)`, returning an
-    object whose `result()` waits for the RunnerOutput (async scheduling uses it when present)."""
+    object whose `result()` waits for the RunnerOutput (async scheduling uses it when present and
+    the executor's optional `supports_async` is not False; see `overlaps_passes`)."""
 
     pool_sizes: object
 
@@ -114,6 +119,16 @@ class LocalExecutor:
 
     def shutdown(self) -> None:
         self.runner = None
+
+
+def overlaps_passes(executor, requested: bool | None = True) -> bool:
+    """Whether passes overlap on this executor: it has `execute_async`, its `supports_async` (the Ray
+    executor: True over the shared-memory ring only), if any, is true, and overlap was asked for
+    (None, the default, asks for it on the in-process executor only)."""
+    if requested is False:
+        return False
+    supported = hasattr(executor, "execute_async") and bool(getattr(executor, "supports_async", True))
+    return supported and (requested is True or isinstance(executor, LocalExecutor))
 
 
 def runner_config(config: EngineConfig):
@@ -192,7 +207,7 @@ class EngineCore:
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
-        self.async_scheduling = config.async_scheduling and hasattr(self.executor, "execute_async")
+        self.async_scheduling = overlaps_passes(self.executor, config.async_scheduling)
         self._in_flight: tuple[PassPlan, object] | None = None  # the launched pass not yet applied
         log.info(
             "engine ready: %d KV tokens (%d pages of %d), %d sequences, max_model_len %d, async scheduling %s",
@@ -299,7 +314,7 @@ class EngineCore:
                 outputs = self._apply(plan, launched.result())
             except WorkerFailure as e:
                 outputs = self._on_worker_failure(e)
-        self.async_scheduling = enabled and hasattr(self.executor, "execute_async")
+        self.async_scheduling = enabled and overlaps_passes(self.executor)
         return outputs
 
     def _apply(self, plan: PassPlan, result: RunnerOutput) -> list[RequestOutput]:
@@ -314,6 +329,8 @@ class EngineCore:
         log.error("%s; failing %d requests and restarting the workers", e, len(self.scheduler.requests))
         outputs = self.fail_all(str(e))
         self.executor.restart()
+        # a restarted group may use another transport (no overlap over a compiled graph)
+        self.async_scheduling = self.async_scheduling and overlaps_passes(self.executor)
         return outputs
 
     def fail_all(self, error: str) -> list[RequestOutput]:

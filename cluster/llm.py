@@ -36,7 +36,7 @@ class LLM:
         cpu_kv_cache_bytes: int = 256 * 2**20,
         num_kv_blocks: int | None = None,
         enforce_eager: bool = False,
-        async_scheduling: bool = True,
+        async_scheduling: bool | None = None,
         seed: int = 0,
         load_format: str = "auto",
         model_config=None,

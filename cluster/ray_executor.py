@@ -5,6 +5,13 @@ order of preference: `shm` (a shared-memory ring polled by a thread in each work
 runs on the workers' node: tens of microseconds a round trip), `compiled` (a Ray compiled graph),
 `calls` (plain actor calls). A worker that dies fails the pass with `WorkerFailure`; `restart()`
 replaces the whole group.
+
+Over `shm` passes may overlap (async scheduling): `execute_async(plan)` writes the plan and returns
+a handle; `result()` reads the replies. Each worker keeps up to one pass in flight (it launches
+plan N+1 as soon as it arrives, then answers pass N), every rank samples (so pass N+1 can take its
+decode input ids from pass N's sampled ids on the device of every rank), and replies come back in
+pass order, read through a FIFO of the outstanding passes. The other transports run each pass
+synchronously (`supports_async` is False; the engine then does not overlap).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.parallel import ParallelLayout, validate_layout
@@ -53,6 +61,8 @@ class RayExecutor:
         self.pool_sizes: PoolSizes | None = None
         # per pass: (seconds from plan ready to tokens decoded on the driver, rank 0's own execute time)
         self.pass_times: list[tuple[float, float]] = []
+        self.blocked_times: list[float] = []  # per pass: how long the driver waited for its replies
+        self._outstanding: deque[ShmPass] = deque()  # passes written to the ring, replies not read yet
         self._start()
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -138,6 +148,10 @@ class RayExecutor:
         return all(process_alive(pid) for pid in self._worker_pids)
 
     def _close_channels(self) -> None:
+        # passes still outstanding will never be answered: their handles fail
+        for handle in self._outstanding:
+            handle.fail(WorkerFailure(f"pass {handle.pass_id} was dropped (the worker group was shut down)"))
+        self._outstanding.clear()
         # the plan ring first: the worker loops drain it and exit
         for channel in [self._plans, *self._replies]:
             if channel is not None:
@@ -185,31 +199,72 @@ class RayExecutor:
         self._start()
 
     # ---- one pass ----------------------------------------------------------------------------
+    @property
+    def supports_async(self) -> bool:
+        """Whether `execute_async` overlaps passes: only over the shared-memory ring (the compiled
+        graph and plain calls run each pass synchronously)."""
+        return self._plans is not None
+
     def execute(self, plan: PassPlan) -> RunnerOutput:
+        if self._plans is not None:
+            return self.execute_async(plan).result()
         import ray
         from ray.exceptions import RayError
 
         started = time.perf_counter()
         blob = encode_plan(plan)
-        if self._plans is not None:
-            output = decode_output(self._execute_shm(blob, plan.pass_id))
-        else:
-            try:
-                if self._dag is not None:
-                    results = ray.get(self._dag.execute(blob))
-                else:
-                    results = ray.get([w.execute.remote(blob) for w in self.workers])
-            except RayError as e:
-                raise WorkerFailure(f"a worker failed during pass {plan.pass_id}: {type(e).__name__}: {e}") from e
-            output = decode_output(results[0])
-        if len(self.pass_times) < 100_000:
-            self.pass_times.append((time.perf_counter() - started, output.forward_time_s))
+        try:
+            if self._dag is not None:
+                results = ray.get(self._dag.execute(blob))
+            else:
+                results = ray.get([w.execute.remote(blob) for w in self.workers])
+        except RayError as e:
+            raise WorkerFailure(f"a worker failed during pass {plan.pass_id}: {type(e).__name__}: {e}") from e
+        output = decode_output(results[0])
+        self._record(time.perf_counter() - started, output.forward_time_s)
         return output
 
-    def _execute_shm(self, blob: bytes, pass_id: int) -> bytes:
-        """Broadcast the plan on the ring, collect every rank's reply; rank 0's carries the output."""
+    def execute_async(self, plan: PassPlan) -> ShmPass | DonePass:
+        """Write the plan to the ring and return at once; the handle's `result()` reads the replies.
+        Other transports run the pass here (a handle that is already done)."""
+        if self._plans is None:
+            return DonePass(self.execute(plan))
+        started = time.perf_counter()
+        blob = encode_plan(plan)
         try:
             self._plans.write(blob, alive=self._workers_alive)
+        except (ChannelClosed, TimeoutError) as e:
+            raise WorkerFailure(f"a worker failed during pass {plan.pass_id}: {e}") from e
+        handle = ShmPass(self, plan.pass_id, started)
+        self._outstanding.append(handle)
+        return handle
+
+    def _collect(self, handle: ShmPass) -> None:
+        """Read replies, oldest outstanding pass first, until `handle`'s are in (replies come back in
+        pass order). A failure fails that pass and every later one (the group is restarted next)."""
+        while not handle.finished:
+            if not self._outstanding:
+                handle.fail(WorkerFailure(f"pass {handle.pass_id} was dropped (the worker group was restarted)"))
+                return
+            head = self._outstanding[0]
+            waited = time.perf_counter()
+            try:
+                output = decode_output(self._read_replies(head.pass_id))
+                if output.pass_id != head.pass_id:
+                    raise WorkerFailure(f"rank 0 answered pass {output.pass_id} for pass {head.pass_id}")
+            except WorkerFailure as e:
+                for h in self._outstanding:
+                    h.fail(e if h is head else WorkerFailure(f"pass {h.pass_id} lost: {e}"))
+                self._outstanding.clear()
+                return
+            self._outstanding.popleft()
+            now = time.perf_counter()
+            head.finish(output)
+            self._record(now - head.started, output.forward_time_s, now - waited)
+
+    def _read_replies(self, pass_id: int) -> bytes:
+        """Every rank's reply to the oldest outstanding pass; rank 0's carries the output."""
+        try:
             frames = [channel.read(alive=self._workers_alive) for channel in self._replies]
         except (ChannelClosed, TimeoutError) as e:
             raise WorkerFailure(f"a worker failed during pass {pass_id}: {e}") from e
@@ -219,12 +274,73 @@ class RayExecutor:
                 raise WorkerFailure(f"worker rank {rank} failed during pass {pass_id}:\n{error}")
         return frames[0][1:]
 
+    def _record(self, wall: float, forward: float, blocked: float | None = None) -> None:
+        if len(self.pass_times) < 100_000:
+            self.pass_times.append((wall, forward))
+            self.blocked_times.append(wall if blocked is None else blocked)
+
     def control_overhead_s(self, last: int | None = None) -> float:
-        """Median of (plan ready -> tokens back) minus rank 0's own execute time, over recent passes."""
+        """Median of (plan ready -> tokens back) minus rank 0's own execute time, over recent passes.
+
+        Synchronous passes: the control path's cost (encode, ring, wake-ups, decode). Overlapped
+        passes (async scheduling over shm): the same, plus any time the reply waited in the ring
+        while the driver was planning the next pass (rank 0's execute time then runs from the plan's
+        arrival to the pass's end, including time queued behind the previous pass on the device);
+        `exposed_wait_s` says what the overlap leaves visible."""
         import statistics
 
         times = self.pass_times[-last:] if last else self.pass_times
         return statistics.median(wall - forward for wall, forward in times) if times else 0.0
+
+    def exposed_wait_s(self, last: int | None = None) -> float:
+        """Median time the driver was blocked reading a pass's replies (synchronous passes: the whole
+        pass, plan write included)."""
+        import statistics
+
+        times = self.blocked_times[-last:] if last else self.blocked_times
+        return statistics.median(times) if times else 0.0
+
+
+class ShmPass:
+    """A pass written to the ring; `result()` reads the replies (older outstanding passes' first)
+    and returns rank 0's RunnerOutput, or raises WorkerFailure."""
+
+    def __init__(self, executor: RayExecutor, pass_id: int, started: float):
+        self.pass_id, self.started = pass_id, started
+        self._executor = executor
+        self._output: RunnerOutput | None = None
+        self._error: WorkerFailure | None = None
+        self.finished = False
+
+    def finish(self, output: RunnerOutput) -> None:
+        self._output, self.finished = output, True
+
+    def fail(self, error: WorkerFailure) -> None:
+        if not self.finished:
+            self._error, self.finished = error, True
+
+    def done(self) -> bool:
+        return self.finished
+
+    def result(self) -> RunnerOutput:
+        if not self.finished:
+            self._executor._collect(self)
+        if self._error is not None:
+            raise self._error
+        return self._output
+
+
+class DonePass:
+    """The handle of a pass that already ran (transports without overlap)."""
+
+    def __init__(self, output: RunnerOutput):
+        self._output = output
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> RunnerOutput:
+        return self._output
 
 
 def _cluster_address() -> str | None:

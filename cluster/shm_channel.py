@@ -410,6 +410,13 @@ class ShmBroadcast:
         meta = self._meta_word + (self._next % self._handle.num_slots) * self._meta_words
         return self._words[meta + _M_SEQ] == self._next + 1
 
+    def wait_pending_or(self, other: Callable[[], bool], timeout: float | None = None, alive: Alive = None) -> None:
+        """Block, waiting as `read` does (this channel's WaitPolicy), until a message is pending or
+        `other()` is true (a worker polls for the next plan and its pass's completion at once)."""
+        self._check_usable(writer=False)
+        if not (self.pending() or other()):
+            self._block(lambda: self.pending() or other(), timeout, alive, "a message or the other event")
+
     def _take(self, meta: int, seq: int) -> bytes:
         words = self._words
         n, kind, aux = words[meta + _M_LEN], words[meta + _M_KIND], words[meta + _M_AUX]

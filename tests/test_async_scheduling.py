@@ -256,7 +256,7 @@ def test_flag_reaches_the_engine(tiny_checkpoints, tmp_path):
     path = str(tiny_checkpoints["qwen3_5"][0])
     assert LLM(path).engine.async_scheduling  # on by default, CPU included
     assert not LLM(path, async_scheduling=False).engine.async_scheduling
-    for argv, on in (([], True), (["--no-async-scheduling"], False), (["--async-scheduling"], True)):
+    for argv, on in (([], None), (["--no-async-scheduling"], False), (["--async-scheduling"], True)):
         args = build_parser().parse_args(["serve", "--model", str(tmp_path), *argv])
         assert engine_config(args, "local").async_scheduling is on
 

@@ -49,6 +49,7 @@ def test_parallel_tokens_equal_single_rank(ray_session, tp_checkpoints, family, 
     path = tp_checkpoints[family]
     reference = tokens(LLM(path))
     llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, max_num_batched_tokens=40)
+    assert not llm.engine.async_scheduling  # the Ray worker group overlaps passes only when asked
     try:
         assert tokens(llm) == reference
     finally:
@@ -65,12 +66,65 @@ def test_layout_that_does_not_divide_fails_before_start(ray_session, tiny_checkp
     assert len(ray_session.util.placement_group_table()) == groups_before  # no worker group was started
 
 
+# greedy and seeded draws, with penalties (their history includes ids still on the device under
+# async scheduling), min_tokens bans and logprobs (computed on TP rank 0 only)
+MIXED = [
+    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    SamplingParams(
+        temperature=0.9, top_k=20, seed=7, max_tokens=8, ignore_eos=True,
+        repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3, logprobs=2,
+    ),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=8, ignore_eos=True, frequency_penalty=0.6),
+    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.5, min_tokens=4),
+]  # fmt: skip
+
+
+def mixed_tokens(llm: LLM) -> list[list[int]]:
+    outs = llm.generate(prompts(), MIXED, use_tqdm=False)
+    logprobs = outs[1].outputs[0].logprobs
+    assert [lp.token_id for lp in logprobs] == outs[1].outputs[0].token_ids
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("family", sorted(TP_OVERRIDES))
+def test_async_scheduling_over_shm_gives_single_rank_tokens(ray_session, tp_checkpoints, family):
+    """TP = 2 with passes overlapped over the shared-memory ring: decode rows read their input ids
+    from the previous pass's sampled ids on every rank (each rank samples); the tokens are those of
+    TP = 1 and of TP = 2 without overlap, chunked prefill included (a 24-token budget)."""
+    path = tp_checkpoints[family]
+    reference = mixed_tokens(LLM(path, max_num_batched_tokens=24))
+    llm = LLM(path, tensor_parallel_size=2, max_num_batched_tokens=24, async_scheduling=True)
+    try:
+        engine = llm.engine
+        executor = engine.executor
+        assert executor.transport == "shm" and engine.async_scheduling
+        from_prev = []
+        launch = executor.execute_async
+
+        def spy(plan):
+            from_prev.append(plan.input_from_prev is not None and bool((plan.input_from_prev >= 0).any()))
+            return launch(plan)
+
+        executor.execute_async = spy
+        assert mixed_tokens(llm) == reference
+        assert any(from_prev)  # passes did overlap: later plans named ids only the workers held
+        assert engine.blocks.num_free == engine.blocks.capacity
+        assert not executor._outstanding
+        engine.set_async_scheduling(False)
+        assert not engine.async_scheduling
+        assert mixed_tokens(llm) == reference
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("transport", ["shm", "compiled", "calls"])
 def test_killed_worker_fails_requests_then_group_is_replaced(ray_session, tp_checkpoints, transport):
     path = tp_checkpoints["qwen3_5_moe"]
-    config = EngineConfig(model=path, tensor_parallel_size=2)
+    config = EngineConfig(model=path, tensor_parallel_size=2, async_scheduling=True)
     engine = EngineCore(config, executor=_executor(config, transport))
     assert engine.executor.transport == transport
+    # passes overlap over the shared-memory ring only; the other transports stay synchronous
+    assert engine.async_scheduling is (transport == "shm")
     reference = tokens(LLM(path))
     for i, p in enumerate(prompts()):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
@@ -90,6 +144,7 @@ def test_killed_worker_fails_requests_then_group_is_replaced(ray_session, tp_che
     assert engine.blocks.num_free == engine.blocks.capacity
     assert engine.slots.num_free == engine.slots.capacity
     assert engine.executor.workers[1] is not old
+    assert engine.async_scheduling is (transport == "shm")
     # the replaced group serves new requests with the same tokens
     for i, p in enumerate(prompts()):
         engine.add_request(f"again{i}", p, GREEDY)

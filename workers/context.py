@@ -62,6 +62,12 @@ class HostCopy:
             self._event = torch.cuda.Event()
             self._event.record()
 
+    def ready(self) -> bool:
+        """Whether `get` would return without waiting (an event query on CUDA; never blocks)."""
+        if not self._ready and self._event is not None and self._event.query():
+            self._ready = True
+        return self._ready
+
     def get(self, index: int) -> torch.Tensor:
         if not self._ready:
             self._event.synchronize()

@@ -6,7 +6,9 @@ worker actor wraps it.
 the sampled ids stay in a device tensor (the next plan's `input_from_prev` rows read their input
 from it), their copy to pinned host memory is non-blocking behind one CUDA event, and
 `PassOutput.result()` waits for that event. Outputs are resolved in pass order; before a pass
-samples, every pass but the one just before it is resolved (its ids feed the penalties).
+samples, every pass but the one just before it is resolved (its ids feed the penalties). Every TP
+rank samples (same logits, seeds and counters: the same ids), so that a plan's `input_from_prev`
+rows find their ids on every rank; only TP rank 0 computes logprobs and returns the RunnerOutput.
 """
 
 from __future__ import annotations
@@ -184,9 +186,10 @@ class ModelRunner:
         for data in plan.new_requests:
             self.sampler.add(data)
         logits, spans = self._forward(plan, self.pool, prev_tokens)
-        if not self.is_driver_rank:
-            self._prev = None
-            return PassOutput(self, plan.pass_id, None, None, [], started, resolved=True)
+        # every TP rank samples (its logits are the full vocabulary after the all-gather, and its
+        # sampler sees the same plans, seeds and counters): the next plan may read its decode input
+        # ids from these sampled ids on any rank. Only rank 0 computes logprobs and returns outputs.
+        driver = self.is_driver_rank
         copy = HostCopy(self.device)
         from_prev = plan.input_from_prev if prev_tokens is not None else None
         sample_ids, sample_rows, pending_rows, pending_src, prompt_parts = [], [], [], [], []
@@ -198,7 +201,7 @@ class ModelRunner:
                     pending_src.append(int(from_prev[n]))
                 sample_ids.append(req_id)
                 sample_rows.append(sampled_at)
-            if plan.prompt_logprob_rows[n] and count:
+            if driver and plan.prompt_logprob_rows[n] and count:
                 prompt_parts.append(self._prompt_logprobs(plan, n, logits[first : first + count], copy))
         batch = None
         if sample_ids:
@@ -212,7 +215,9 @@ class ModelRunner:
                 (src,) = upload([np.asarray(pending_src)], self.device)
                 return prev_tokens.index_select(0, src)
 
-            batch = self.sampler.sample_async(sample_ids, sampled_logits, copy, pending_rows, pending_tokens)
+            batch = self.sampler.sample_async(
+                sample_ids, sampled_logits, copy, pending_rows, pending_tokens, logprobs=driver
+            )
         copy.record()
         tokens = batch.tokens if batch is not None else torch.zeros(0, dtype=torch.long, device=self.device)
         self._prev = (plan.pass_id, tokens)
@@ -261,7 +266,10 @@ class ModelRunner:
 
 class PassOutput:
     """A launched pass. `result()` waits for its host copies (after resolving every older pass, so
-    that request histories grow in order) and returns its RunnerOutput (None off TP rank 0)."""
+    that request histories grow in order) and returns its RunnerOutput (None off TP rank 0, which
+    still resolves the pass: its sampler records the ids too). `done()` says, without waiting,
+    whether `result()` would return at once (its copies are on the host; passes complete in order
+    on the device)."""
 
     def __init__(
         self,
@@ -279,6 +287,9 @@ class PassOutput:
         self._resolved = resolved
         self._output: RunnerOutput | None = None
 
+    def done(self) -> bool:
+        return self._resolved or self._copy is None or self._copy.ready()
+
     def result(self) -> RunnerOutput | None:
         queue = self._runner._unresolved
         while not self._resolved and queue:
@@ -295,7 +306,8 @@ class PassOutput:
             tokens, logprobs = self._batch.result()
             out.req_ids, out.sampled_token_ids, out.logprobs = list(self._batch.req_ids), tokens, logprobs
         out.forward_time_s = time.perf_counter() - self._started
-        self._output, self._resolved = out, True
+        self._output = out if self._runner.is_driver_rank else None
+        self._resolved = True
         self._batch = self._copy = self._prompt_parts = None
 
 

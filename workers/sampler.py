@@ -1,5 +1,5 @@
-"""Token sampling on the worker (TP rank 0): penalties, temperature, top-k / top-p / min-p, and
-the draw itself; plus logprobs of sampled and prompt tokens.
+"""Token sampling on the worker (every TP rank; logprobs on rank 0 only): penalties, temperature,
+top-k / top-p / min-p, and the draw itself; plus logprobs of sampled and prompt tokens.
 
 The draw is an exponential race, argmax(p / E) with E ~ Exp(1) per vocabulary entry, which samples
 exactly from p. For a request with a seed, E comes from a counter-based hash of (seed, output index,
@@ -160,10 +160,12 @@ class Sampler:
         copy: HostCopy,
         pending_rows: Sequence[int] = (),
         pending_tokens: Callable[[], torch.Tensor] | None = None,
+        logprobs: bool = True,
     ) -> SampledBatch:
         """One token for each row of logits [R, V] (float32), left on the device. `pending_rows`:
         rows whose request's latest output id is not in its history yet; `pending_tokens()` gives
-        those ids [P] on the device (called only when penalties need them)."""
+        those ids [P] on the device (called only when penalties need them). `logprobs=False`
+        (TP ranks other than 0) skips the requests' logprobs."""
         states = [self.states[r] for r in req_ids]
         steps = [s.num_sampled for s in states]
         raw = logits
@@ -186,7 +188,7 @@ class Sampler:
                 tokens.index_copy_(0, rows, drawn)
         for s in states:
             s.num_sampled += 1
-        want = [i for i, s in enumerate(states) if s.spec.logprobs is not None]
+        want = [i for i, s in enumerate(states) if s.spec.logprobs is not None] if logprobs else []
         parts = None
         if want:
             kmax = max(states[i].spec.logprobs for i in want)

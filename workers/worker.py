@@ -74,7 +74,8 @@ class Worker:
 
     def start_channels(self, plans: ShmHandle, reply: ShmHandle, driver_pid: int, wait: WaitPolicy) -> int:
         """Serve plans from the driver's shared-memory ring on a thread of this actor until the driver
-        closes it; each reply is one status byte (0 ok, 1 error) and the output (rank 0) or a traceback."""
+        closes it; each reply is one status byte (0 ok, 1 error) and the output (rank 0) or a traceback.
+        Replies go back in pass order, one per plan."""
         plan_channel = ShmBroadcast.attach(plans, reader=self.rank, wait=wait)
         reply_channel = ShmBroadcast.attach(reply, wait=wait)
         self._loop = threading.Thread(
@@ -84,26 +85,38 @@ class Worker:
         return os.getpid()
 
     def _serve_channels(self, plans: ShmBroadcast, reply: ShmBroadcast, driver_pid: int) -> None:
+        """At most one pass in flight: after launching pass k the loop waits (the channel's WaitPolicy)
+        for whichever comes first, plan k+1 or the end of pass k. A new plan is launched at once
+        (stream order keeps the passes in order; the runner reads its `input_from_prev` ids from pass
+        k's device tensor), then pass k's reply is written. With no new plan, pass k's reply is written
+        as soon as it is done, so a synchronous driver (reply k before plan k+1) never deadlocks."""
         if self.runner is not None and self.runner.device.type == "cuda":
             torch.cuda.set_device(0)  # the current device is per thread; Ray exposes the one GPU as 0
 
         def alive() -> bool:
             return process_alive(driver_pid)
 
+        in_flight: _Launched | None = None  # launched, its reply not written yet
         try:
             while True:
-                blob = plans.read(alive=alive)
-                try:
-                    out = self.execute(blob)
-                    frame = b"\0" + (out or b"")
-                except Exception:
-                    frame = b"\1" + traceback.format_exc().encode()
-                reply.write(frame, alive=alive)
+                if in_flight is None:
+                    in_flight = self._launch(plans.read(alive=alive))
+                    continue
+                plans.wait_pending_or(in_flight.done, alive=alive)
+                following = self._launch(plans.try_read()) if plans.pending() else None
+                reply.write(in_flight.frame(), alive=alive)
+                in_flight = following
         except ChannelClosed:
             pass  # the driver closed the ring (shutdown or restart) or is gone
         finally:
             plans.close()
             reply.close()
+
+    def _launch(self, blob: bytes) -> _Launched:
+        try:
+            return _Launched(self.runner.execute_async(decode_plan(blob)))
+        except Exception:
+            return _Launched(None, traceback.format_exc())
 
     def ping(self) -> int:
         return self.rank
@@ -114,3 +127,22 @@ class Worker:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _Launched:
+    """A pass launched by the channel loop (or its launch error); `frame()` waits for its reply."""
+
+    def __init__(self, handle, error: str | None = None):
+        self.handle, self.error = handle, error
+
+    def done(self) -> bool:
+        return self.error is not None or self.handle.done()
+
+    def frame(self) -> bytes:
+        if self.error is None:
+            try:
+                out = self.handle.result()
+                return b"\0" + (b"" if out is None else encode_output(out))
+            except Exception:
+                self.error = traceback.format_exc()
+        return b"\1" + self.error.encode()

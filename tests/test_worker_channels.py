@@ -1,0 +1,83 @@
+"""The worker's shared-memory loop (no Ray, a fake runner): it keeps one pass in flight, launching
+the next plan before the previous pass is done when that plan is already there; it answers a pass
+that is done when no plan follows (a synchronous driver never deadlocks); replies come back in pass
+order, an error as an error frame."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+
+from deltaserve.cluster.plan import RunnerOutput
+from deltaserve.cluster.shm_channel import ShmBroadcast, WaitPolicy
+from deltaserve.cluster.wire import decode_output, encode_plan
+from deltaserve.workers.runner import _profile_plan
+from deltaserve.workers.worker import Worker
+
+
+class FakeHandle:
+    def __init__(self, runner: FakeRunner, pass_id: int):
+        self.runner, self.pass_id = runner, pass_id
+
+    def done(self) -> bool:
+        # pass k "runs on the device" until plan k+1 was launched, or for at most a second
+        return self.pass_id + 1 in self.runner.launched or time.perf_counter() - self.runner.t0[self.pass_id] > 1.0
+
+    def result(self) -> RunnerOutput:
+        self.runner.events.append(("result", self.pass_id))
+        return RunnerOutput(pass_id=self.pass_id, req_ids=[], sampled_token_ids=[])
+
+
+class FakeRunner:
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.launched: list[int] = []
+        self.events: list[tuple[str, int]] = []
+        self.t0: dict[int, float] = {}
+
+    def execute_async(self, plan) -> FakeHandle:
+        if plan.pass_id < 0:
+            raise ValueError("a bad plan")
+        self.t0[plan.pass_id] = time.perf_counter()
+        self.launched.append(plan.pass_id)
+        self.events.append(("launch", plan.pass_id))
+        return FakeHandle(self, plan.pass_id)
+
+
+def plan_blob(pass_id: int) -> bytes:
+    return encode_plan(dataclasses.replace(_profile_plan(4, 4), pass_id=pass_id))
+
+
+def test_worker_loop_overlaps_and_replies_in_order():
+    wait = WaitPolicy()
+    plans = ShmBroadcast.create(1, num_slots=4, slot_bytes=1 << 16, wait=wait)
+    reply = ShmBroadcast.create(1, num_slots=4, slot_bytes=1 << 16, reader=0, wait=wait)
+    worker = Worker(0, 1)
+    worker.runner = runner = FakeRunner()
+    try:
+        worker.start_channels(plans.handle, reply.handle, os.getpid(), wait)
+        # a synchronous driver: each reply before the next plan (pass 0 is done only after 1 s)
+        plans.write(plan_blob(0))
+        assert decode_output(reply.read(timeout=10)[1:]).pass_id == 0
+        # overlapped: plan 2 is written while pass 1 still runs; the worker launches it first
+        plans.write(plan_blob(1))
+        time.sleep(0.05)
+        plans.write(plan_blob(2))
+        assert decode_output(reply.read(timeout=10)[1:]).pass_id == 1
+        assert decode_output(reply.read(timeout=10)[1:]).pass_id == 2
+        assert runner.events.index(("launch", 2)) < runner.events.index(("result", 1))
+        # a plan that fails to launch answers with an error frame, in its turn
+        plans.write(plan_blob(3))
+        plans.write(plan_blob(-1))
+        assert decode_output(reply.read(timeout=10)[1:]).pass_id == 3
+        frame = reply.read(timeout=10)
+        assert frame[:1] == b"\1" and b"a bad plan" in frame
+    finally:
+        plans.close()
+        worker._loop.join(timeout=10)
+        reply.close()
+    assert not worker._loop.is_alive()
