@@ -154,6 +154,7 @@ def bench_decode(
         engine.set_async_scheduling(True)
     if hasattr(executor, "control_overhead_s"):
         timings["control_overhead_s"] = executor.control_overhead_s(last=steps)
+        timings["control_stages_s"] = executor.control_stages_s(last=steps)
     profile = None
     if profile_steps:
         from torch.profiler import ProfilerActivity
@@ -299,6 +300,8 @@ def run(args: argparse.Namespace) -> dict:
         }
         if "control_overhead_s" in result:
             row["control_overhead_ms"] = result["control_overhead_s"] * 1e3
+        if result.get("control_stages_s"):
+            row["control_stages_ms"] = {k: v * 1e3 for k, v in result["control_stages_s"].items()}
         if "exposed_wait_s" in result:
             row["exposed_wait_ms"] = result["exposed_wait_s"] * 1e3
         if result["sync_step_s"] is not None:
@@ -329,8 +332,12 @@ def _fmt_decode(r: dict) -> str:
         s += f" | without overlap {r['sync_step_ms']:.2f} ms"
     if "control_overhead_ms" in r:
         s += f" | control overhead {r['control_overhead_ms']:.3f} ms"
+    if "exposed_wait_ms" in r:
+        s += f" | exposed wait {r['exposed_wait_ms']:.3f} ms"
     if "peer_step_ms" in r:
         s += f" | transformers {r['peer_step_ms']:8.2f} ms ({r['speedup_vs_peer']:.1f}x faster)"
+    if "control_stages_ms" in r:
+        s += "\n    control stages (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in r["control_stages_ms"].items())
     return s
 
 

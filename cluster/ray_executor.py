@@ -28,7 +28,7 @@ from deltaserve.workers.state_pool import PoolSizes
 from .engine import EngineConfig, WorkerFailure, runner_config
 from .plan import PassPlan, RunnerOutput
 from .shm_channel import ChannelClosed, ShmBroadcast, WaitPolicy, process_alive
-from .wire import decode_output, encode_plan
+from .wire import REPLY_STAMPS, decode_output, decode_reply, encode_plan
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class RayExecutor:
         # per pass: (seconds from plan ready to tokens decoded on the driver, rank 0's own execute time)
         self.pass_times: list[tuple[float, float]] = []
         self.blocked_times: list[float] = []  # per pass: how long the driver waited for its replies
+        self.pass_stages: list[dict[str, float]] = []  # per pass over shm: seconds in each control stage
         self._outstanding: deque[ShmPass] = deque()  # passes written to the ring, replies not read yet
         self._start()
 
@@ -236,6 +237,7 @@ class RayExecutor:
         except (ChannelClosed, TimeoutError) as e:
             raise WorkerFailure(f"a worker failed during pass {plan.pass_id}: {e}") from e
         handle = ShmPass(self, plan.pass_id, started)
+        handle.written = time.perf_counter()
         self._outstanding.append(handle)
         return handle
 
@@ -249,7 +251,8 @@ class RayExecutor:
             head = self._outstanding[0]
             waited = time.perf_counter()
             try:
-                output = decode_output(self._read_replies(head.pass_id))
+                frames, read_at = self._read_replies(head.pass_id)
+                output = decode_output(frames[0][2])
                 if output.pass_id != head.pass_id:
                     raise WorkerFailure(f"rank 0 answered pass {output.pass_id} for pass {head.pass_id}")
             except WorkerFailure as e:
@@ -261,18 +264,45 @@ class RayExecutor:
             now = time.perf_counter()
             head.finish(output)
             self._record(now - head.started, output.forward_time_s, now - waited)
+            self._record_stages(head, [stamps for _, stamps, _ in frames], read_at, now)
 
-    def _read_replies(self, pass_id: int) -> bytes:
-        """Every rank's reply to the oldest outstanding pass; rank 0's carries the output."""
+    def _read_replies(self, pass_id: int) -> tuple[list[tuple[bool, tuple, bytes]], list[float]]:
+        """Every rank's decoded reply frame to the oldest outstanding pass (rank 0's payload is the
+        output) and when each was read."""
+        frames, read_at = [], []
         try:
-            frames = [channel.read(alive=self._workers_alive) for channel in self._replies]
-        except (ChannelClosed, TimeoutError) as e:
+            for channel in self._replies:
+                frames.append(decode_reply(channel.read(alive=self._workers_alive)))
+                read_at.append(time.perf_counter())
+        except (ChannelClosed, TimeoutError, ValueError) as e:
             raise WorkerFailure(f"a worker failed during pass {pass_id}: {e}") from e
-        for rank, frame in enumerate(frames):
-            if frame[:1] != b"\0":
-                error = frame[1:].decode(errors="replace")[-4000:]
+        for rank, (ok, _, payload) in enumerate(frames):
+            if not ok:
+                error = payload.decode(errors="replace")[-4000:]
                 raise WorkerFailure(f"worker rank {rank} failed during pass {pass_id}:\n{error}")
-        return frames[0][1:]
+        return frames, read_at
+
+    def _record_stages(self, handle: ShmPass, stamps: list[tuple], read_at: list[float], decoded: float) -> None:
+        """Where a pass's control time went, from the driver's clock and the workers' stamps (one
+        host, one monotonic clock). Rank 0's stamps, plus how long the other ranks lagged."""
+        if len(self.pass_stages) >= 100_000:
+            return
+        w = dict(zip(REPLY_STAMPS, stamps[0]))
+        self.pass_stages.append(
+            {
+                "plan_encode_write": handle.written - handle.started,
+                "plan_to_worker": w["plan_read"] - handle.written,
+                "plan_decode": w["plan_decoded"] - w["plan_read"],
+                "launch": w["launched"] - w["plan_decoded"],
+                "device_wait": w["reply_started"] - w["launched"],
+                "resolve": w["resolved"] - w["reply_started"],
+                "reply_encode": w["encoded"] - w["resolved"],
+                "reply_to_driver": read_at[0] - w["encoded"],
+                "other_ranks": read_at[-1] - read_at[0],
+                "output_decode": decoded - read_at[-1],
+                "slowest_plan_to_worker": max(s[0] for s in stamps) - handle.written,
+            }
+        )
 
     def _record(self, wall: float, forward: float, blocked: float | None = None) -> None:
         if len(self.pass_times) < 100_000:
@@ -292,6 +322,18 @@ class RayExecutor:
         times = self.pass_times[-last:] if last else self.pass_times
         return statistics.median(wall - forward for wall, forward in times) if times else 0.0
 
+    def control_stages_s(self, last: int | None = None) -> dict[str, float]:
+        """Median seconds of each control stage over recent passes (shared-memory ring only):
+        `plan_encode_write`, `plan_to_worker` (ring + wake-up of rank 0), `plan_decode`, `launch`
+        and `device_wait` (rank 0 issuing the pass, then waiting for it), `resolve`, `reply_encode`,
+        `reply_to_driver`, `other_ranks` (later ranks' replies after rank 0's), `output_decode`."""
+        import statistics
+
+        stages = self.pass_stages[-last:] if last else self.pass_stages
+        if not stages:
+            return {}
+        return {name: statistics.median(s[name] for s in stages) for name in stages[0]}
+
     def exposed_wait_s(self, last: int | None = None) -> float:
         """Median time the driver was blocked reading a pass's replies (synchronous passes: the whole
         pass, plan write included)."""
@@ -307,6 +349,7 @@ class ShmPass:
 
     def __init__(self, executor: RayExecutor, pass_id: int, started: float):
         self.pass_id, self.started = pass_id, started
+        self.written = started  # when the plan was in the ring
         self._executor = executor
         self._output: RunnerOutput | None = None
         self._error: WorkerFailure | None = None

@@ -9,6 +9,7 @@ problem instead of reaching a kernel.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import asdict, fields
 
 import msgpack
@@ -197,3 +198,29 @@ def _open(blob: bytes, kind: str) -> dict:
     if msg.get("kind") != kind or not isinstance(msg.get("body"), dict):
         raise WireError(f"message is not a {kind}")
     return msg["body"]
+
+
+# ---- shared-memory reply frames -----------------------------------------------------------------
+# A worker's reply to one pass over the ring: a status byte, then (ok) the worker's stage stamps and
+# rank 0's encoded RunnerOutput, or (error) the traceback. The stamps are `time.perf_counter()`
+# values, which on Linux read CLOCK_MONOTONIC and so compare across the processes of one host.
+REPLY_STAMPS = ("plan_read", "plan_decoded", "launched", "reply_started", "resolved", "encoded")
+_STAMPS = struct.Struct(f"<{len(REPLY_STAMPS)}d")
+
+
+def encode_reply(output_blob: bytes, stamps: tuple[float, ...]) -> bytes:
+    """An ok reply: `output_blob` is rank 0's `encode_output` bytes (empty on other ranks)."""
+    return b"\0" + _STAMPS.pack(*stamps) + output_blob
+
+
+def encode_error_reply(text: str) -> bytes:
+    return b"\1" + text.encode()
+
+
+def decode_reply(frame: bytes) -> tuple[bool, tuple[float, ...], bytes]:
+    """(ok, stamps, payload): payload is the output blob when ok, else the error text's bytes."""
+    if frame[:1] == b"\0" and len(frame) >= 1 + _STAMPS.size:
+        return True, _STAMPS.unpack_from(frame, 1), frame[1 + _STAMPS.size :]
+    if frame[:1] == b"\1":
+        return False, (), frame[1:]
+    raise WireError(f"reply frame: unknown status byte {frame[:1]!r} ({len(frame)} bytes)")

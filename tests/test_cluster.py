@@ -112,7 +112,17 @@ def test_async_scheduling_over_shm_gives_single_rank_tokens(ray_session, tp_chec
         assert not executor._outstanding
         engine.set_async_scheduling(False)
         assert not engine.async_scheduling
+        executor.pass_stages.clear()
         assert mixed_tokens(llm) == reference
+        # synchronous passes: every control stage is measured, none negative, and together with
+        # rank 0's forward they fit inside the pass's wall time on the driver
+        stages = executor.control_stages_s()
+        assert set(stages) >= {"plan_to_worker", "plan_decode", "reply_to_driver", "other_ranks"}
+        assert all(v >= 0 for v in stages.values()), stages
+        wall, forward = executor.pass_times[-1]
+        last = executor.pass_stages[-1]
+        control = sum(v for k, v in last.items() if k not in ("launch", "device_wait", "resolve", "slowest_plan_to_worker"))
+        assert control <= wall - forward + 1e-3
     finally:
         llm.shutdown()
 

@@ -13,7 +13,7 @@ import torch
 
 from deltaserve.cluster.plan import RunnerOutput
 from deltaserve.cluster.shm_channel import ShmBroadcast, WaitPolicy
-from deltaserve.cluster.wire import decode_output, encode_plan
+from deltaserve.cluster.wire import REPLY_STAMPS, decode_output, decode_reply, encode_plan
 from deltaserve.workers.runner import _profile_plan
 from deltaserve.workers.worker import Worker
 
@@ -52,6 +52,14 @@ def plan_blob(pass_id: int) -> bytes:
     return encode_plan(dataclasses.replace(_profile_plan(4, 4), pass_id=pass_id))
 
 
+def reply_output(frame: bytes) -> RunnerOutput:
+    ok, stamps, payload = decode_reply(frame)
+    assert ok and len(stamps) == len(REPLY_STAMPS)
+    # the worker's stage stamps come in order: read, decoded, launched, reply started, resolved, encoded
+    assert list(stamps) == sorted(stamps)
+    return decode_output(payload)
+
+
 def test_worker_loop_overlaps_and_replies_in_order():
     wait = WaitPolicy()
     plans = ShmBroadcast.create(1, num_slots=4, slot_bytes=1 << 16, wait=wait)
@@ -62,20 +70,20 @@ def test_worker_loop_overlaps_and_replies_in_order():
         worker.start_channels(plans.handle, reply.handle, os.getpid(), wait)
         # a synchronous driver: each reply before the next plan (pass 0 is done only after 1 s)
         plans.write(plan_blob(0))
-        assert decode_output(reply.read(timeout=10)[1:]).pass_id == 0
+        assert reply_output(reply.read(timeout=10)).pass_id == 0
         # overlapped: plan 2 is written while pass 1 still runs; the worker launches it first
         plans.write(plan_blob(1))
         time.sleep(0.05)
         plans.write(plan_blob(2))
-        assert decode_output(reply.read(timeout=10)[1:]).pass_id == 1
-        assert decode_output(reply.read(timeout=10)[1:]).pass_id == 2
+        assert reply_output(reply.read(timeout=10)).pass_id == 1
+        assert reply_output(reply.read(timeout=10)).pass_id == 2
         assert runner.events.index(("launch", 2)) < runner.events.index(("result", 1))
         # a plan that fails to launch answers with an error frame, in its turn
         plans.write(plan_blob(3))
         plans.write(plan_blob(-1))
-        assert decode_output(reply.read(timeout=10)[1:]).pass_id == 3
-        frame = reply.read(timeout=10)
-        assert frame[:1] == b"\1" and b"a bad plan" in frame
+        assert reply_output(reply.read(timeout=10)).pass_id == 3
+        ok, _, error = decode_reply(reply.read(timeout=10))
+        assert not ok and b"a bad plan" in error
     finally:
         plans.close()
         worker._loop.join(timeout=10)

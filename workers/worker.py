@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 import traceback
 from datetime import timedelta
 
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from deltaserve.cluster.shm_channel import ChannelClosed, ShmBroadcast, ShmHandle, WaitPolicy, process_alive
-from deltaserve.cluster.wire import decode_plan, encode_output
+from deltaserve.cluster.wire import decode_plan, encode_error_reply, encode_output, encode_reply
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.parallel import ParallelLayout
 from deltaserve.workers.runner import ModelRunner, RunnerConfig
@@ -113,8 +114,11 @@ class Worker:
             reply.close()
 
     def _launch(self, blob: bytes) -> _Launched:
+        read = time.perf_counter()
         try:
-            return _Launched(self.runner.execute_async(decode_plan(blob)))
+            plan = decode_plan(blob)
+            decoded = time.perf_counter()
+            return _Launched(self.runner.execute_async(plan), stamps=(read, decoded, time.perf_counter()))
         except Exception:
             return _Launched(None, traceback.format_exc())
 
@@ -130,10 +134,11 @@ class Worker:
 
 
 class _Launched:
-    """A pass launched by the channel loop (or its launch error); `frame()` waits for its reply."""
+    """A pass launched by the channel loop (or its launch error); `frame()` waits for its reply.
+    `stamps`: when the plan was read, decoded and launched (the reply adds three more)."""
 
-    def __init__(self, handle, error: str | None = None):
-        self.handle, self.error = handle, error
+    def __init__(self, handle, error: str | None = None, stamps: tuple[float, ...] = ()):
+        self.handle, self.error, self.stamps = handle, error, stamps
 
     def done(self) -> bool:
         return self.error is not None or self.handle.done()
@@ -141,8 +146,11 @@ class _Launched:
     def frame(self) -> bytes:
         if self.error is None:
             try:
+                started = time.perf_counter()
                 out = self.handle.result()
-                return b"\0" + (b"" if out is None else encode_output(out))
+                resolved = time.perf_counter()
+                blob = b"" if out is None else encode_output(out)
+                return encode_reply(blob, (*self.stamps, started, resolved, time.perf_counter()))
             except Exception:
                 self.error = traceback.format_exc()
-        return b"\1" + self.error.encode()
+        return encode_error_reply(self.error)
