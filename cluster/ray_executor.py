@@ -287,7 +287,7 @@ class RayExecutor:
         host, one monotonic clock). Rank 0's stamps, plus how long the other ranks lagged."""
         if len(self.pass_stages) >= 100_000:
             return
-        w = dict(zip(REPLY_STAMPS, stamps[0]))
+        w = dict(zip(REPLY_STAMPS, stamps[0], strict=True))
         self.pass_stages.append(
             {
                 "plan_encode_write": handle.written - handle.started,
