@@ -41,8 +41,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="plan the next pass while the current one runs (default: on in-process; the Ray worker group "
-        "overlaps over its shared-memory ring only with --async-scheduling)",
+        help="plan the next pass while the current one runs (default: on wherever the executor can: in-process, "
+        "and the Ray worker group over its shared-memory ring)",
     )
 
 

@@ -4,8 +4,8 @@ It owns the scheduler and the allocators, hands each PassPlan to an executor (th
 ModelRunner, or the Ray worker group), and turns the sampled tokens into text, stop decisions and
 outputs. The same core runs under `LLM` (synchronously) and under the driver actor (in a loop).
 
-Async scheduling (`EngineConfig.async_scheduling`: by default on for the in-process executor; the
-Ray executor overlaps over its shared-memory transport when asked with True): a step plans and launches pass
+Async scheduling (`EngineConfig.async_scheduling`: by default on wherever the executor can overlap
+passes: the in-process runner, and the Ray worker group over its shared-memory ring): a step plans and launches pass
 N+1 before it waits for pass N's tokens, then turns pass N's tokens into outputs while N+1 runs.
 Pass N+1's decode rows for requests whose pass-N token is not known yet take their input id from
 pass N's sampled ids on the device; a request that pass N's token finishes has its extra token of
@@ -54,8 +54,7 @@ class EngineConfig:
     # plan and launch pass N+1 before pass N's tokens are back (executors that overlap passes: the
     # local one, and the Ray executor over "shm"; its "compiled" and "calls" transports run passes
     # synchronously whatever this says)
-    # None: overlap passes with the in-process executor (measured on the H200), not yet with the Ray
-    # worker group (built and CPU-tested, unmeasured on GPUs); True / False: wherever supported / never
+    # None or True: wherever supported (measured on one H200 and on two with TP = 2); False: never
     async_scheduling: bool | None = None
     # "local": the model in this process (TP = 1 only); "ray": worker actors; "auto": local when TP = 1
     executor: str = "auto"
@@ -123,12 +122,11 @@ class LocalExecutor:
 
 def overlaps_passes(executor, requested: bool | None = True) -> bool:
     """Whether passes overlap on this executor: it has `execute_async`, its `supports_async` (the Ray
-    executor: True over the shared-memory ring only), if any, is true, and overlap was asked for
-    (None, the default, asks for it on the in-process executor only)."""
+    executor: True over the shared-memory ring only), if any, is true, and overlap was not turned off
+    (`requested` False)."""
     if requested is False:
         return False
-    supported = hasattr(executor, "execute_async") and bool(getattr(executor, "supports_async", True))
-    return supported and (requested is True or isinstance(executor, LocalExecutor))
+    return hasattr(executor, "execute_async") and bool(getattr(executor, "supports_async", True))
 
 
 def runner_config(config: EngineConfig):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import VOCAB_SIZE, save_tiny
+from tiny_models import TP2_OVERRIDES, VOCAB_SIZE, save_tiny
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.cluster.engine import EngineConfig, EngineCore, WorkerFailure
@@ -13,12 +13,7 @@ from deltaserve.layers.parallel import ParallelConfigError
 
 pytestmark = pytest.mark.ray
 
-# sizes that divide by 2; qwen3_5 has one KV head, replicated on both ranks
-TP_OVERRIDES = {
-    "qwen3_next": dict(linear_num_key_heads=2, linear_num_value_heads=6),
-    "qwen3_5": dict(linear_num_key_heads=2, linear_num_value_heads=4, num_key_value_heads=1),
-    "qwen3_5_moe": dict(linear_num_key_heads=2, linear_num_value_heads=6),
-}
+TP_OVERRIDES = TP2_OVERRIDES
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
@@ -49,7 +44,7 @@ def test_parallel_tokens_equal_single_rank(ray_session, tp_checkpoints, family, 
     path = tp_checkpoints[family]
     reference = tokens(LLM(path))
     llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, max_num_batched_tokens=40)
-    assert not llm.engine.async_scheduling  # the Ray worker group overlaps passes only when asked
+    assert llm.engine.async_scheduling  # on by default over the shared-memory ring
     try:
         assert tokens(llm) == reference
     finally:

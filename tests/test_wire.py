@@ -36,15 +36,25 @@ def make_plan() -> PassPlan:
     )
 
 
-def test_plan_round_trip():
+@pytest.mark.parametrize("input_from_prev", [None, [0, -1]])
+def test_plan_round_trip(input_from_prev):
     plan = make_plan()
+    if input_from_prev is not None:
+        plan.input_from_prev = np.array(input_from_prev, np.int32)
     back = decode_plan(encode_plan(plan))
     for name in vars(plan):
         a, b = getattr(plan, name), getattr(back, name)
         if isinstance(a, np.ndarray):
-            assert a.dtype == b.dtype and np.array_equal(a, b), name
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
         else:
             assert a == b, name
+
+
+def test_encoder_rejects_arrays_that_disagree_with_the_rows():
+    plan = make_plan()
+    plan.seq_lens = np.array([10, 3, 4], np.int32)
+    with pytest.raises(WireError, match=r"'seq_lens' has shape \(3,\), expected \(2,\)"):
+        encode_plan(plan)
 
 
 def test_output_round_trip():
@@ -65,21 +75,28 @@ def _tamper(edit) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
 
+def _with_starts(msg: dict, starts: list[int]) -> bytes:
+    """The int32 buffer with query_start_loc (after input_ids and positions, 4 tokens each) replaced."""
+    flat = np.frombuffer(msg["body"]["int32"], np.int32).copy()
+    flat[8:11] = starts
+    return flat.tobytes()
+
+
 @pytest.mark.parametrize(
     "edit, match",
     [
         (lambda m: m.update(v=WIRE_VERSION + 1), "version"),
         (lambda m: m.pop("v"), "version"),
         (lambda m: m.update(kind="output"), "not a plan"),
-        (lambda m: m["body"].pop("seq_lens"), "'seq_lens' is missing"),
-        (lambda m: m["body"]["positions"].update(data=b"\x00" * 3), "'positions' holds 3 bytes"),
-        (lambda m: m["body"]["slot_mapping"].update(dtype="<f4"), "'slot_mapping' has dtype"),
-        (lambda m: m["body"]["state_slots"].update(shape=[1], data=b"\x00" * 4), "'state_slots' has shape"),
-        (lambda m: m["body"]["query_start_loc"].update(data=np.array([0, 3, 4], np.int32).tobytes()), None),
-        (
-            lambda m: m["body"]["query_start_loc"].update(data=np.array([0, 2, 2], np.int32).tobytes()),
-            "query_start_loc",
-        ),
+        (lambda m: m["body"].pop("max_pages"), "'max_pages' is missing"),
+        (lambda m: m["body"].pop("int64"), "'int64' is missing"),
+        (lambda m: m["body"].update(int32=m["body"]["int32"][:-4]), "input_ids.* holds 88 bytes, expected 92"),
+        (lambda m: m["body"].update(int64=m["body"]["int64"] + b"\0" * 8), "'int64' .*slot_mapping.* holds 40"),
+        (lambda m: m["body"].update(bool=None), "'bool' .*has_initial_state.* holds NoneType"),
+        (lambda m: m["body"].update(num_tokens=5), "for 5 tokens"),
+        (lambda m: m["body"].update(optional=[]), "'int32' .*holds 92 bytes, expected 84"),
+        (lambda m: m["body"].update(int32=_with_starts(m, [0, 3, 4])), None),
+        (lambda m: m["body"].update(int32=_with_starts(m, [0, 2, 2])), "query_start_loc"),
         (lambda m: m["body"].update(num_decode_rows=5), "num_decode_rows"),
     ],
 )

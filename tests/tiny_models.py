@@ -15,6 +15,12 @@ import torch
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 VOCAB_SIZE = 320
+# head counts that divide by 2 (TP = 2); qwen3_5 has one KV head, replicated on both ranks
+TP2_OVERRIDES = {
+    "qwen3_next": dict(linear_num_key_heads=2, linear_num_value_heads=6),
+    "qwen3_5": dict(linear_num_key_heads=2, linear_num_value_heads=4, num_key_value_heads=1),
+    "qwen3_5_moe": dict(linear_num_key_heads=2, linear_num_value_heads=6),
+}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2; EOS is 2
 
 _COMMON = dict(
