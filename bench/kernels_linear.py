@@ -12,11 +12,11 @@ Time and floor are for all the calls of a row; "% of copy BW" is the floor over 
 
     python -m deltaserve.bench.kernels --only linear            # default configs vs cuBLAS
     python -m deltaserve.bench.kernels_linear --sweep           # every config, best per shape
-    python -m deltaserve.bench.kernels_linear --sweep --tokens 1 --shapes 1281:2048,2048:4096 --json out.json
+    python -m deltaserve.bench.kernels_linear --sweep --tokens 1 --shapes 1288:2048,2048:4096 --json out.json
 
 The sweep prints, per (M, N, K), cuBLAS, the default pick and the fastest configs (us per call,
 GB/s, % of copy BW, error, bit-reproducibility), then a summary and `TUNED[...] = {...}` lines to
-paste into layers/kernels/linear/triton_linear.py where the best beats the default.
+paste into layers/kernels/linear/tuned.py where the best beats the default.
 """
 
 from __future__ import annotations
@@ -35,13 +35,14 @@ from deltaserve.bench.kernel_cases import Case
 from deltaserve.layers.kernels import linear as linear_kernels
 from deltaserve.layers.kernels.linear import naive
 from deltaserve.layers.kernels.linear import triton_linear as tl_
+from deltaserve.layers.kernels.linear.tuned import tuned_key
 
 DTYPE = torch.bfloat16
 SHAPES = [
     ("gdn_in_proj", 12352, 2048),
     ("attn_qkv", 8192 + 512 + 512, 2048),
     ("o_proj", 2048, 4096),
-    ("moe_in", 256 + 1024 + 1, 2048),
+    ("moe_in", 1288, 2048),  # router 256 + shared gate_up 1,024 + shared gate 1, padded to 8
     ("shared_down", 2048, 512),
 ]
 TOKENS = (1, 8)
@@ -251,7 +252,7 @@ def sweep(tokens: list[int], shapes: list[tuple[str, int, int]], json_path: str 
                     text += f" default {default_row['us']:6.2f} us"
                 summary.append(text)
                 if default_row is None or best["us"] < 0.97 * default_row["us"]:
-                    tuned.append(f"TUNED[({tl_.m_bucket(m)}, {n}, {k})] = {best['cfg']!r}")
+                    tuned.append(f"TUNED[{tuned_key(m, n, k)}] = {best['cfg']!r}")
             results.append(dict(res, label=label))
             if json_path:
                 with open(json_path, "w") as f:
@@ -259,7 +260,7 @@ def sweep(tokens: list[int], shapes: list[tuple[str, int, int]], json_path: str 
     print("summary:")
     for text in summary:
         print("  " + text)
-    print("paste into layers/kernels/linear/triton_linear.py (where the best beats the default by >3%):")
+    print("paste into layers/kernels/linear/tuned.py (where the best beats the default by >3%):")
     for text in tuned:
         print(text)
 

@@ -143,6 +143,7 @@ def bench_decode(
     timings = {}
     if hasattr(executor, "exposed_wait_s"):
         timings["exposed_wait_s"] = executor.exposed_wait_s(last=steps)
+        timings["overlapped_stages_s"] = executor.control_stages_s(last=steps)
     if engine.async_scheduling:  # the same steps without overlap, for the comparison
         engine.set_async_scheduling(False)
         torch.cuda.synchronize()
@@ -273,6 +274,7 @@ def run(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        time_passes=args.tp > 1 or args.ep,  # worker processes: GPU busy / idle per pass from CUDA events
     )
     runner = getattr(llm.engine.executor, "runner", None)
     counter = ExpertCounter(runner.model) if runner is not None else None
@@ -300,8 +302,9 @@ def run(args: argparse.Namespace) -> dict:
         }
         if "control_overhead_s" in result:
             row["control_overhead_ms"] = result["control_overhead_s"] * 1e3
-        if result.get("control_stages_s"):
-            row["control_stages_ms"] = {k: v * 1e3 for k, v in result["control_stages_s"].items()}
+        for key in ("control_stages_s", "overlapped_stages_s"):
+            if result.get(key) and (key == "control_stages_s" or result["sync_step_s"] is not None):
+                row[key[: -len("_s")] + "_ms"] = {k: v * 1e3 for k, v in result[key].items()}
         if "exposed_wait_s" in result:
             row["exposed_wait_ms"] = result["exposed_wait_s"] * 1e3
         if result["sync_step_s"] is not None:
@@ -338,6 +341,10 @@ def _fmt_decode(r: dict) -> str:
         s += f" | transformers {r['peer_step_ms']:8.2f} ms ({r['speedup_vs_peer']:.1f}x faster)"
     if "control_stages_ms" in r:
         s += "\n    control stages (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in r["control_stages_ms"].items())
+    if "overlapped_stages_ms" in r:
+        s += "\n    overlapped passes (ms): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in r["overlapped_stages_ms"].items() if k.startswith("device")
+        )
     return s
 
 

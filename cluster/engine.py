@@ -56,6 +56,9 @@ class EngineConfig:
     # synchronously whatever this says)
     # None or True: wherever supported (measured on one H200 and on two with TP = 2); False: never
     async_scheduling: bool | None = None
+    # CUDA events around each pass on the device (benchmarks): each RunnerOutput then says how long
+    # the pass kept the GPU busy and how long the GPU sat idle between the previous pass and it
+    time_passes: bool = False
     # "local": the model in this process (TP = 1 only); "ray": worker actors; "auto": local when TP = 1
     executor: str = "auto"
 
@@ -145,6 +148,7 @@ def runner_config(config: EngineConfig):
         cpu_kv_cache_bytes=config.cpu_kv_cache_bytes,
         num_kv_blocks=config.num_kv_blocks,
         enable_cuda_graphs=config.enable_cuda_graphs,
+        time_passes=config.time_passes,
     )
 
 

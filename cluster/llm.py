@@ -37,6 +37,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         enforce_eager: bool = False,
         async_scheduling: bool | None = None,
+        time_passes: bool = False,
         seed: int = 0,
         load_format: str = "auto",
         model_config=None,
@@ -62,6 +63,7 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             enable_cuda_graphs=not enforce_eager,
             async_scheduling=async_scheduling,
+            time_passes=time_passes,
         )
         self.engine = EngineCore(self.config, model_config=model_config, output_mode="final")
         self._ids = itertools.count()

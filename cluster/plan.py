@@ -103,3 +103,7 @@ class RunnerOutput:
     # req_id -> logprobs of the prompt tokens this pass covered (token i given tokens < i)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     forward_time_s: float = 0.0
+    # with RunnerConfig.time_passes on a GPU (else -1): device time from the pass's first to last
+    # operation, and the device's idle time between the previous pass's last operation and its first
+    device_busy_s: float = -1.0
+    device_gap_s: float = -1.0

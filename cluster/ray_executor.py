@@ -64,6 +64,8 @@ class RayExecutor:
         self.blocked_times: list[float] = []  # per pass: how long the driver waited for its replies
         self.pass_stages: list[dict[str, float]] = []  # per pass over shm: seconds in each control stage
         self._outstanding: deque[ShmPass] = deque()  # passes written to the ring, replies not read yet
+        self._last_plan: PassPlan | None = None  # the last plan and output blob, re-coded by _warm
+        self._last_output: bytes | None = None
         self._start()
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -232,6 +234,7 @@ class RayExecutor:
             return DonePass(self.execute(plan))
         started = time.perf_counter()
         blob = encode_plan(plan)
+        self._last_plan = plan
         try:
             self._plans.write(blob, alive=self._workers_alive)
         except (ChannelClosed, TimeoutError) as e:
@@ -253,6 +256,7 @@ class RayExecutor:
             try:
                 frames, read_at = self._read_replies(head.pass_id)
                 output = decode_output(frames[0][2])
+                self._last_output = frames[0][2]
                 if output.pass_id != head.pass_id:
                     raise WorkerFailure(f"rank 0 answered pass {output.pass_id} for pass {head.pass_id}")
             except WorkerFailure as e:
@@ -264,7 +268,7 @@ class RayExecutor:
             now = time.perf_counter()
             head.finish(output)
             self._record(now - head.started, output.forward_time_s, now - waited)
-            self._record_stages(head, [stamps for _, stamps, _ in frames], read_at, now)
+            self._record_stages(head, output, [stamps for _, stamps, _ in frames], read_at, now)
 
     def _read_replies(self, pass_id: int) -> tuple[list[tuple[bool, tuple, bytes]], list[float]]:
         """Every rank's decoded reply frame to the oldest outstanding pass (rank 0's payload is the
@@ -272,7 +276,7 @@ class RayExecutor:
         frames, read_at = [], []
         try:
             for channel in self._replies:
-                frames.append(decode_reply(channel.read(alive=self._workers_alive)))
+                frames.append(decode_reply(channel.read(alive=self._workers_alive, idle=self._warm)))
                 read_at.append(time.perf_counter())
         except (ChannelClosed, TimeoutError, ValueError) as e:
             raise WorkerFailure(f"a worker failed during pass {pass_id}: {e}") from e
@@ -282,7 +286,9 @@ class RayExecutor:
                 raise WorkerFailure(f"worker rank {rank} failed during pass {pass_id}:\n{error}")
         return frames, read_at
 
-    def _record_stages(self, handle: ShmPass, stamps: list[tuple], read_at: list[float], decoded: float) -> None:
+    def _record_stages(
+        self, handle: ShmPass, output: RunnerOutput, stamps: list[tuple], read_at: list[float], decoded: float
+    ) -> None:
         """Where a pass's control time went, from the driver's clock and the workers' stamps (one
         host, one monotonic clock). Rank 0's stamps, plus how long the other ranks lagged."""
         if len(self.pass_stages) >= 100_000:
@@ -303,6 +309,17 @@ class RayExecutor:
                 "slowest_plan_to_worker": max(s[0] for s in stamps) - handle.written,
             }
         )
+        if output.device_gap_s >= 0:  # EngineConfig.time_passes on a GPU
+            self.pass_stages[-1].update(device_busy=output.device_busy_s, device_idle_before=output.device_gap_s)
+
+    def _warm(self) -> None:
+        """While the workers run a pass: encode the last plan and decode the last output again
+        (results dropped), so that the next pass's codec work runs from warm CPU caches (see
+        Worker._warm)."""
+        if self._last_plan is not None:
+            encode_plan(self._last_plan)
+        if self._last_output is not None:
+            decode_output(self._last_output)
 
     def _record(self, wall: float, forward: float, blocked: float | None = None) -> None:
         if len(self.pass_times) < 100_000:
@@ -326,13 +343,15 @@ class RayExecutor:
         """Median seconds of each control stage over recent passes (shared-memory ring only):
         `plan_encode_write`, `plan_to_worker` (ring + wake-up of rank 0), `plan_decode`, `launch`
         and `device_wait` (rank 0 issuing the pass, then waiting for it), `resolve`, `reply_encode`,
-        `reply_to_driver`, `other_ranks` (later ranks' replies after rank 0's), `output_decode`."""
+        `reply_to_driver`, `other_ranks` (later ranks' replies after rank 0's), `output_decode`; with
+        EngineConfig.time_passes on GPUs also `device_busy` (rank 0's GPU from the pass's first to
+        last operation) and `device_idle_before` (its GPU idle between the previous pass and this one:
+        what the control path and the driver's bookkeeping cost the GPU)."""
         import statistics
 
         stages = self.pass_stages[-last:] if last else self.pass_stages
-        if not stages:
-            return {}
-        return {name: statistics.median(s[name] for s in stages) for name in stages[0]}
+        names = dict.fromkeys(name for s in stages for name in s)
+        return {name: statistics.median(s[name] for s in stages if name in s) for name in names}
 
     def exposed_wait_s(self, last: int | None = None) -> float:
         """Median time the driver was blocked reading a pass's replies (synchronous passes: the whole

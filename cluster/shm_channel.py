@@ -100,7 +100,10 @@ _KIND_INLINE, _KIND_OVERFLOW = 0, 1
 _MIN_SLOT_BYTES = 256  # an overflow segment's name must fit in a slot
 _MIN_OVERFLOW_BYTES = 1 << 20
 _FIRST_SLEEP_S = 20e-6
+# a waiting poller calls its `idle` hook (if any) at most this often, starting this long into the wait
+IDLE_EVERY_S = 0.5e-3
 Alive = Callable[[], bool] | None  # a check that the peer process still lives
+Idle = Callable[[], None] | None  # work a poller does while it waits (keeps its next steps in cache)
 _X86 = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
 
 
@@ -383,18 +386,19 @@ class ShmBroadcast:
         return fresh
 
     # ---- reader ------------------------------------------------------------------------------
-    def read(self, timeout: float | None = None, alive: Alive = None) -> bytes:
+    def read(self, timeout: float | None = None, alive: Alive = None, idle: Idle = None) -> bytes:
         """The next message, in order; blocks until the writer has published it.
 
         Raises `ChannelClosed` once the writer closed and every message it wrote was read, or when
         `alive()` (optional, checked every `wait.check_s`) returns False; `TimeoutError` on timeout.
+        `idle()` (optional) is called every IDLE_EVERY_S while polling (the caller's cache warm-up).
         """
         self._check_usable(writer=False)
         seq = self._next + 1
         meta = self._meta_word + (self._next % self._handle.num_slots) * self._meta_words
         words = self._words
         if words[meta + _M_SEQ] != seq:
-            self._block(lambda: words[meta + _M_SEQ] == seq, timeout, alive, "a message")
+            self._block(lambda: words[meta + _M_SEQ] == seq, timeout, alive, "a message", idle)
         return self._take(meta, seq)
 
     def try_read(self) -> bytes | None:
@@ -410,12 +414,14 @@ class ShmBroadcast:
         meta = self._meta_word + (self._next % self._handle.num_slots) * self._meta_words
         return self._words[meta + _M_SEQ] == self._next + 1
 
-    def wait_pending_or(self, other: Callable[[], bool], timeout: float | None = None, alive: Alive = None) -> None:
+    def wait_pending_or(
+        self, other: Callable[[], bool], timeout: float | None = None, alive: Alive = None, idle: Idle = None
+    ) -> None:
         """Block, waiting as `read` does (this channel's WaitPolicy), until a message is pending or
         `other()` is true (a worker polls for the next plan and its pass's completion at once)."""
         self._check_usable(writer=False)
         if not (self.pending() or other()):
-            self._block(lambda: self.pending() or other(), timeout, alive, "a message or the other event")
+            self._block(lambda: self.pending() or other(), timeout, alive, "a message or the other event", idle)
 
     def _take(self, meta: int, seq: int) -> bytes:
         words = self._words
@@ -447,18 +453,25 @@ class ShmBroadcast:
         return mapping
 
     # ---- waiting -----------------------------------------------------------------------------
-    def _block(self, ready: Callable[[], bool], timeout: float | None, alive: Alive, what: str) -> None:
+    def _block(
+        self, ready: Callable[[], bool], timeout: float | None, alive: Alive, what: str, idle: Idle = None
+    ) -> None:
         policy = self.wait
         start = time.perf_counter()
         deadline = None if timeout is None else start + timeout
         # poll for spin_s after the wait starts, and for as long as the last message is younger than yield_s
         poll_until = max(start + policy.spin_s, self._last_activity + policy.yield_s)
         next_check = start + policy.check_s
+        next_idle = start + IDLE_EVERY_S if idle is not None else float("inf")
         sleep = _FIRST_SLEEP_S
         while True:
             if ready():
                 return
             now = time.perf_counter()
+            if now >= next_idle and now < poll_until:
+                idle()
+                next_idle = time.perf_counter() + IDLE_EVERY_S
+                continue
             if now >= next_check:
                 next_check = now + policy.check_s
                 reason = self._peer_gone()

@@ -159,6 +159,7 @@ def encode_output(out: RunnerOutput) -> bytes:
         "logprobs": {k: _logprobs_record(v) for k, v in out.logprobs.items()},
         "prompt_logprobs": {k: [_logprobs_record(e) for e in v] for k, v in out.prompt_logprobs.items()},
         "forward_time_s": out.forward_time_s,
+        "device_s": [out.device_busy_s, out.device_gap_s],
     }
     return msgpack.packb({"v": WIRE_VERSION, "kind": "output", "body": body}, use_bin_type=True)
 
@@ -173,6 +174,8 @@ def decode_output(blob: bytes) -> RunnerOutput:
             logprobs={k: TokenLogprobs(**v) for k, v in body["logprobs"].items()},
             prompt_logprobs={k: [TokenLogprobs(**e) for e in v] for k, v in body["prompt_logprobs"].items()},
             forward_time_s=body["forward_time_s"],
+            device_busy_s=body["device_s"][0],
+            device_gap_s=body["device_s"][1],
         )
     except (KeyError, TypeError) as e:
         raise WireError(f"malformed runner output: {e}") from e

@@ -51,13 +51,16 @@ def test_tp2_overlapped_passes_give_synchronous_and_single_gpu_tokens(gpu_ray, t
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     save_tiny(family, tmp_path, **TP2_OVERRIDES[family])
     single = run(LLM(str(tmp_path), device="cuda", dtype="float32", **POOL))
-    llm = LLM(str(tmp_path), device="cuda", dtype="float32", tensor_parallel_size=2, **POOL)
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", tensor_parallel_size=2, time_passes=True, **POOL)
     try:
         engine = llm.engine
         assert engine.executor.transport == "shm" and engine.async_scheduling
         overlapped = run(llm)
         engine.set_async_scheduling(False)
         synchronous = run(llm)
+        # time_passes: rank 0's CUDA events give each pass's GPU busy time and the idle gap before it
+        stages = engine.executor.control_stages_s()
+        assert stages["device_busy"] > 0 and stages["device_idle_before"] >= 0
     finally:
         llm.shutdown()
     assert overlapped == synchronous

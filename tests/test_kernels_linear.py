@@ -139,13 +139,29 @@ def test_dispatch(device):
             assert torch.equal(out, tl_.linear(x=x, weight=w, bias=b))
 
 
+def test_dispatch_above_gemv_rows_takes_only_tuned_half_shapes():
+    uses = linear_kernels.uses_triton
+    (bucket, n, k), *_ = [key for key in linear_kernels.TUNED if key[0] == 16]
+    assert uses(1, 130, 64, torch.float32) and uses(4, 130, 64, torch.float32)
+    assert uses(5, n, k, torch.bfloat16) and uses(16, n, k, torch.float16)
+    assert not uses(5, n, k, torch.float32)  # tiles measured in bf16 only
+    assert not uses(17, n, k, torch.bfloat16) and not uses(8, n + 1, k, torch.bfloat16)
+
+
+def test_tuned_configs_resolve():
+    """Every measured config is complete and valid for its own shape (the GPU test runs them)."""
+    for (bucket, n, k), cfg in linear_kernels.TUNED.items():
+        cfg = tl_.resolve(cfg, bucket, n, k, torch.bfloat16)
+        assert cfg["dot"] == (bucket == 16) and cfg["k_split"] % cfg["block_k"] == 0
+
+
 # --- GPU, bf16, the real shapes ------------------------------------------------------------------
 
-SHAPES = [(12352, 2048), (8192 + 1024, 2048), (2048, 4096), (1281, 2048), (2048, 512)]
+SHAPES = [(12352, 2048), (8192 + 1024, 2048), (2048, 4096), (1288, 2048), (1281, 2048), (2048, 512)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 16])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_gpu_bf16_real_shapes(m, n, k):
     x, w, b = make(m, n, k, "cuda", dtype=torch.bfloat16, bias=m == 2)

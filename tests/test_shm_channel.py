@@ -10,11 +10,19 @@ import pickle
 import random
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-from deltaserve.cluster.shm_channel import ChannelClosed, ShmBroadcast, ShmHandle, WaitPolicy, process_alive
+from deltaserve.cluster.shm_channel import (
+    IDLE_EVERY_S,
+    ChannelClosed,
+    ShmBroadcast,
+    ShmHandle,
+    WaitPolicy,
+    process_alive,
+)
 
 SLOT = 1024
 FAST = WaitPolicy(check_s=1e-3)  # notice dead peers quickly in tests
@@ -327,3 +335,34 @@ def test_polling_policy_round_trips(channel):
         assert [r.read(timeout=1) for r in readers] == [message(i)] * 2
     with pytest.raises(TimeoutError):
         readers[0].read(timeout=0.02)
+
+
+def test_idle_hook_runs_while_polling_and_the_message_still_arrives(channel):
+    """A polling reader calls its idle hook (the codec warm-up) every IDLE_EVERY_S or so while it
+    waits, never once the message is there; a sleeping reader (no recent traffic) does not call it."""
+    writer, readers = channel
+    for ch in (writer, *readers):
+        ch.wait = WaitPolicy(yield_s=1.0, check_s=1e-3)
+    writer.write(b"recent traffic")
+    readers[0].read(timeout=1)
+    calls = []
+    timer = threading.Timer(0.02, writer.write, args=(b"late",))
+    timer.start()
+    started = time.perf_counter()
+    try:
+        assert readers[0].read(timeout=5, idle=lambda: calls.append(time.perf_counter())) == b"late"
+    finally:
+        timer.join()
+    waited = time.perf_counter() - started
+    assert 3 <= len(calls) <= waited / IDLE_EVERY_S + 1
+    assert all(b - a >= IDLE_EVERY_S for a, b in zip(calls, calls[1:], strict=False))
+    readers[0].wait = WaitPolicy(spin_s=0.0, yield_s=0.0)  # sleeps at once: no idle work
+    readers[0]._last_activity = 0.0
+    before = len(calls)
+    timer = threading.Timer(0.01, writer.write, args=(b"slept",))
+    timer.start()
+    try:
+        assert readers[0].read(timeout=5, idle=lambda: calls.append(-2.0)) == b"slept"
+    finally:
+        timer.join()
+    assert len(calls) == before

@@ -59,6 +59,7 @@ class RunnerConfig:
     num_kv_blocks: int | None = None  # exact KV page count, overriding the memory budget
     enable_cuda_graphs: bool = True  # decode passes replay captured graphs (CUDA only)
     cuda_graph_max_batch: int = 256
+    time_passes: bool = False  # CUDA events around each pass (RunnerOutput.device_busy_s / device_gap_s)
 
 
 class ModelRunner:
@@ -81,6 +82,7 @@ class ModelRunner:
         self.graphs = None
         self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
         self._unresolved: deque[PassOutput] = deque()  # launched passes whose output is not read yet
+        self._last_pass_end = None  # with config.time_passes: the last launched pass's end event
         self._prev: tuple[int, torch.Tensor] | None = None  # (pass id, its sampled ids on the device)
         self.sizes = self._size_pools()  # what this rank could hold; the executor picks the final sizes
 
@@ -185,6 +187,7 @@ class ModelRunner:
             self.sampler.remove(req_id)
         for data in plan.new_requests:
             self.sampler.add(data)
+        events = self._start_events()
         logits, spans = self._forward(plan, self.pool, prev_tokens)
         # every TP rank samples (its logits are the full vocabulary after the all-gather, and its
         # sampler sees the same plans, seeds and counters): the next plan may read its decode input
@@ -218,12 +221,24 @@ class ModelRunner:
             batch = self.sampler.sample_async(
                 sample_ids, sampled_logits, copy, pending_rows, pending_tokens, logprobs=driver
             )
+        if events is not None:  # before the copies' event, so the pass's own wait covers it
+            events[2].record()
+            self._last_pass_end = events[2]
         copy.record()
         tokens = batch.tokens if batch is not None else torch.zeros(0, dtype=torch.long, device=self.device)
         self._prev = (plan.pass_id, tokens)
-        handle = PassOutput(self, plan.pass_id, batch, copy, prompt_parts, started)
+        handle = PassOutput(self, plan.pass_id, batch, copy, prompt_parts, started, events=events)
         self._unresolved.append(handle)
         return handle
+
+    def _start_events(self) -> tuple | None:
+        """With config.time_passes on CUDA: (previous pass's end event or None, this pass's start
+        event, recorded now, and its end event, recorded after its last operation)."""
+        if not (self.config.time_passes and self.device.type == "cuda"):
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        return self._last_pass_end, start, end
 
     def _check_input_from_prev(self, plan: PassPlan) -> torch.Tensor | None:
         """The previous pass's sampled ids when the plan reads input ids from them; a plan that names
@@ -280,10 +295,12 @@ class PassOutput:
         prompt_parts: list,
         started: float,
         resolved: bool = False,
+        events: tuple | None = None,
     ):
         self.pass_id = pass_id
         self._runner, self._batch, self._copy, self._prompt_parts = runner, batch, copy, prompt_parts
         self._started = started
+        self._events = events
         self._resolved = resolved
         self._output: RunnerOutput | None = None
 
@@ -305,10 +322,15 @@ class PassOutput:
         if self._batch is not None:
             tokens, logprobs = self._batch.result()
             out.req_ids, out.sampled_token_ids, out.logprobs = list(self._batch.req_ids), tokens, logprobs
+        if self._events is not None:
+            previous, start, end = self._events
+            end.synchronize()  # done already when the pass had host copies (recorded before their event)
+            out.device_busy_s = start.elapsed_time(end) / 1e3
+            out.device_gap_s = previous.elapsed_time(start) / 1e3 if previous is not None else -1.0
         out.forward_time_s = time.perf_counter() - self._started
         self._output = out if self._runner.is_driver_rank else None
         self._resolved = True
-        self._batch = self._copy = self._prompt_parts = None
+        self._batch = self._copy = self._prompt_parts = self._events = None
 
 
 def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int) -> None:

@@ -37,15 +37,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .tuned import TUNED, tuned_key
+
 # Split-K "sem" counters: one int32 per output tile of a launch; a launch with more tiles uses "pass".
 COUNTER_SLOTS = 16384
 _COUNTERS: dict[int, torch.Tensor] = {}
 _NUM_SMS: dict[int, int] = {}
-
-# Measured picks, (block_m bucket, N, K) -> config, where the bench's sweep found better than the
-# heuristic. block_m bucket: next power of two of M, at most 16. Filled from
-# `python -m deltaserve.bench.kernels_linear --sweep` on the target GPU (it prints the lines).
-TUNED: dict[tuple[int, int, int], dict] = {}
 
 
 @triton.jit
@@ -296,12 +293,12 @@ def pick_config(num_rows: int, n: int, k: int, dtype: torch.dtype, device: torch
     tiles; then K is split (powers of two, up to 16, each split keeping >= 2 chunks of K) until
     there are ~4 programs per SM. Interpreter (CPU tensors): small tiles."""
     bm = m_bucket(num_rows)
-    tuned = TUNED.get((bm, n, k))
-    if tuned is not None:
-        return dict(tuned)
     if device.type != "cuda":
         return dict(block_m=min(bm, 4), block_n=8, block_k=min(64, triton.next_power_of_2(k)), split_k=1)
     elem = torch.empty((), dtype=dtype).element_size()
+    tuned = TUNED.get(tuned_key(num_rows, n, k)) if elem == 2 else None  # measured in bf16
+    if tuned is not None:
+        return dict(tuned)
     if bm <= 4:
         cfg = dict(block_m=bm, block_n=4 if bm == 1 else 2, block_k=1024 // elem, num_warps=4, dot=False)
     else:

@@ -27,9 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-# at or under this many routed pairs the pairs path wins: no sorting launches, and repeated experts
-# mostly hit L2 (see NOTES.md: 128 = batch 16 at top-8 is a prediction for the H200 to confirm)
-PAIRS_PATH_MAX = 128
+# at or under this many routed pairs the pairs path wins: no sorting launches. Above it repeated
+# experts cost the pairs path re-reads: at batch 16 (128 pairs) on the H200 the sorted path took 164 us
+# a call against 185 us (16 graph-captured calls, NOTES.md), so batch 8 at top-8 is the last on pairs
+PAIRS_PATH_MAX = 64
 
 
 # --- router -----------------------------------------------------------------------------------------

@@ -1,0 +1,23 @@
+"""Measured linear tiles for the H200 in bf16, from `python -m deltaserve.bench.kernels_linear
+--sweep --tokens 1,16` (docs/PERF.md): (row bucket, N, K) -> config, where the sweep beat the shape
+heuristic (bucket 1, 2 or 4: the GEMV form) or cuBLAS (bucket 16: 5..16 rows on tensor cores).
+No triton import here: the op's dispatch reads it on every call."""
+
+from __future__ import annotations
+
+TUNED: dict[tuple[int, int, int], dict] = {
+    # o_proj / GDN out_proj at one token: 6.7 us vs 8.1 (heuristic) and 9.7 (cuBLAS)
+    (1, 2048, 4096): dict(block_m=1, block_n=2, block_k=1024, split_k=1, num_warps=4, dot=False),
+    # fused router | shared gate_up | shared gate, 1,281 rows padded to 1,288: 3.5 us vs 4.7
+    (1, 1288, 2048): dict(block_m=1, block_n=1, block_k=1024, split_k=1, num_warps=4, dot=False),
+    # 16 rows: GDN in_proj 15.1 us vs cuBLAS 16.4; o_proj 8.3 vs 9.8; MoE fused input 5.9 vs 12.2
+    (16, 12352, 2048): dict(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=4, dot=True),
+    (16, 2048, 4096): dict(block_n=32, block_k=128, split_k=4, num_warps=4, num_stages=4, dot=True),
+    (16, 1288, 2048): dict(block_n=32, block_k=64, split_k=4, num_warps=4, num_stages=6, dot=True),
+}
+
+
+def tuned_key(num_rows: int, n: int, k: int) -> tuple[int, int, int]:
+    """The TUNED key of an M-row call: GEMV buckets 1, 2, 4; 16 for 5..16 rows."""
+    bucket = 1 if num_rows <= 1 else 2 if num_rows <= 2 else 4 if num_rows <= 4 else 16
+    return bucket, n, k
