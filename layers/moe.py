@@ -185,9 +185,14 @@ class SparseMoeBlock(nn.Module):
             expert_offset=self.expert_start,
         )
         if self.shared_expert is not None:
-            gate_row = self.gate_row
-            shared = self.shared_expert.down(proj[:, num_experts:gate_row], reduce=False)
-            out = out + torch.sigmoid(proj[:, gate_row : gate_row + 1]) * shared
+            gate_up, gate_logit = proj[:, num_experts : self.gate_row], proj[:, self.gate_row : self.gate_row + 1]
+            if moe_kernels.fuses_shared_combine(out):  # decode: one kernel for all of the below
+                out = moe_kernels.shared_expert_combine(
+                    routed=out, gate_up=gate_up, w2=self.shared_expert.w2, gate_logit=gate_logit
+                )
+            else:
+                shared = self.shared_expert.down(gate_up, reduce=False)
+                out = out + torch.sigmoid(gate_logit) * shared
         return all_reduce(out, self.layout)
 
 

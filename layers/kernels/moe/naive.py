@@ -47,3 +47,16 @@ def fused_moe(
         y = act @ w2[e].float().t()
         out.index_add_(0, token_idx, y * topk_weights[token_idx, k_idx, None].float())
     return out.to(hidden.dtype)
+
+
+def shared_expert_combine(
+    *, routed: torch.Tensor, gate_up: torch.Tensor, w2: torch.Tensor, gate_logit: torch.Tensor
+) -> torch.Tensor:
+    """routed + sigmoid(gate_logit) * down(silu(gate) * up): the shared expert's down projection,
+    its sigmoid gate and the sum with the routed experts' output, in float32.
+    routed: [T, H]; gate_up: [T, 2 * I] (gate columns then up); w2: [H, I]; gate_logit: [T, 1].
+    Returns [T, H] in routed's dtype."""
+    inter = w2.shape[1]
+    act = F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
+    shared = act @ w2.float().t()
+    return (routed.float() + torch.sigmoid(gate_logit.float()) * shared).to(routed.dtype)
