@@ -316,10 +316,13 @@ class RayExecutor:
         """While the workers run a pass: encode the last plan and decode the last output again
         (results dropped), so that the next pass's codec work runs from warm CPU caches (see
         Worker._warm)."""
-        if self._last_plan is not None:
-            encode_plan(self._last_plan)
-        if self._last_output is not None:
-            decode_output(self._last_output)
+        try:
+            if self._last_plan is not None:
+                encode_plan(self._last_plan)
+            if self._last_output is not None:
+                decode_output(self._last_output)
+        except Exception:  # never: both were coded once already; a warm-up must not fail a pass
+            self._last_plan = self._last_output = None
 
     def _record(self, wall: float, forward: float, blocked: float | None = None) -> None:
         if len(self.pass_times) < 100_000:

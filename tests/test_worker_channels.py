@@ -89,3 +89,32 @@ def test_worker_loop_overlaps_and_replies_in_order():
         worker._loop.join(timeout=10)
         reply.close()
     assert not worker._loop.is_alive()
+
+
+def test_worker_warms_its_codec_while_a_pass_runs():
+    """With a polling wait policy (the GPU one) the loop re-decodes the last plan and re-encodes the
+    last output while a pass is in flight; the replies are unchanged by it."""
+    wait = WaitPolicy(spin_s=0.0, yield_s=1.0)
+    plans = ShmBroadcast.create(1, num_slots=4, slot_bytes=1 << 16, wait=wait)
+    reply = ShmBroadcast.create(1, num_slots=4, slot_bytes=1 << 16, reader=0, wait=wait)
+    worker = Worker(0, 1)
+    worker.runner = FakeRunner()
+    warmed = []
+    warm = worker._warm
+
+    def counting_warm():
+        warmed.append((worker._last_plan is not None, worker._last_output is not None))
+        warm()
+
+    worker._warm = counting_warm
+    try:
+        worker.start_channels(plans.handle, reply.handle, os.getpid(), wait)
+        for pass_id in range(2):  # each pass "runs" for a second (no next plan comes)
+            plans.write(plan_blob(pass_id))
+            assert reply_output(reply.read(timeout=10)).pass_id == pass_id
+    finally:
+        plans.close()
+        worker._loop.join(timeout=10)
+        reply.close()
+    assert len(warmed) > 10
+    assert (True, False) in warmed and (True, True) in warmed  # the second pass also re-encodes pass 0's output

@@ -121,17 +121,20 @@ class Worker:
         """While a pass runs on the device: decode the last plan and encode the last output again
         (results dropped). Launching a pass evicts the codec's code and data from the CPU caches;
         cold, the next plan's decode took ~5x its warm time, on the control path of every pass."""
-        if self._last_plan is not None:
-            decode_plan(self._last_plan)
-        if self._last_output is not None:
-            encode_output(self._last_output)
+        try:
+            if self._last_plan is not None:
+                decode_plan(self._last_plan)
+            if self._last_output is not None:
+                encode_output(self._last_output)
+        except Exception:  # never: both were coded once already; a warm-up must not end the loop
+            self._last_plan = self._last_output = None
 
     def _launch(self, blob: bytes) -> _Launched:
         read = time.perf_counter()
-        self._last_plan = blob
         try:
             plan = decode_plan(blob)
             decoded = time.perf_counter()
+            self._last_plan = blob  # a plan that decodes (the warm-up re-decodes it)
             return _Launched(self.runner.execute_async(plan), stamps=(read, decoded, time.perf_counter()))
         except Exception:
             return _Launched(None, traceback.format_exc())
