@@ -22,6 +22,10 @@ from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# a step slower than this is logged with what it ran (a kernel compiled on first use stalls every
+# running request for seconds; the log line shows when and on which batch)
+SLOW_STEP_S = 1.0
+
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at `max_waiting_requests`."""
@@ -120,6 +124,7 @@ class EngineLoop:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            started = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception as e:  # an engine bug must not hang every client: fail loudly
@@ -128,6 +133,16 @@ class EngineLoop:
                 for out in self.engine.fail_all(self.failure):
                     self.sink(out)
                 return
+            elapsed = time.perf_counter() - started
+            if elapsed > SLOW_STEP_S:
+                sched = self.engine.scheduler
+                log.warning(
+                    "slow engine step: %.2f s (%d running, %d waiting, pass %d)",
+                    elapsed,
+                    len(sched.running),
+                    sched.num_waiting,
+                    sched.stats.num_passes,
+                )
             for out in outputs:
                 self.sink(out)
 

@@ -130,7 +130,9 @@ class ModelRunner:
         cfg = self.config
         tokens = cfg.max_num_batched_tokens
         pages = -(-tokens // cfg.block_size)
-        sizes = PoolSizes(num_blocks=pages + 1, block_size=cfg.block_size, num_slots=2)
+        # slots for the warm-up batches' rows too (a few GiB at most, freed below)
+        slots = 1 + max(len(batch) for batch in WARMUP_BATCHES)
+        sizes = PoolSizes(num_blocks=pages + 1, block_size=cfg.block_size, num_slots=slots)
         pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
         plan = _profile_plan(tokens, cfg.block_size)
         torch.cuda.synchronize(self.device)
@@ -139,15 +141,17 @@ class ModelRunner:
         self._forward(plan, pool)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        # shorter prompts pick other kernel tiles (the MoE grouped GEMMs by rows per expert): compile
-        # them now, not on the first users' requests (the serving benchmark's first wave waited on it)
-        for warm in WARMUP_PREFILL_TOKENS:
-            if warm < tokens:
-                self._forward(_profile_plan(warm, cfg.block_size), pool)
+        self.compile_warmup(pool)
         torch.cuda.synchronize(self.device)
         del pool
         torch.cuda.empty_cache()
         return int(peak * 1.1)
+
+    def compile_warmup(self, pool: StatePool) -> None:
+        """Run WARMUP_BATCHES (those that fit) on `pool`'s scratch pages and slots, outputs dropped."""
+        for streams in WARMUP_BATCHES:
+            if warmup_fits(streams, self.config.max_num_batched_tokens, pool.sizes):
+                self._forward(_warmup_plan(streams, pool.sizes.block_size), pool)
 
     def allocate(self, sizes: PoolSizes) -> None:
         """Allocate the pools (the same sizes on every rank)."""
@@ -353,25 +357,61 @@ def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int) -> None
     out_of("seq_lens", plan.seq_lens, plan.block_tables.shape[1] * sizes.block_size + 1, lo=1)
 
 
-# prompt lengths run once at start-up (besides max_num_batched_tokens) so that every prefill tile
-# config is compiled before serving: 256 experts x top-8 give ~8 / 32 / 96 / 256 rows per expert
-WARMUP_PREFILL_TOKENS = (256, 1024, 3072)
+# Batches run once at start-up, besides the profiling pass (one prompt of max_num_batched_tokens), so
+# that the kernel variants a server meets are compiled before its first requests: Triton compiles a
+# kernel per tile config (the MoE grouped GEMMs pick tiles by rows per expert: 256 experts x top-8
+# give ~8 / 32 / 96 rows at these lengths) and per integer-argument class (1, a multiple of 16,
+# other). Each batch is a list of streams (cached tokens, new tokens); decode rows (1 new token on a
+# cache) come first. A first-use compile in a serving run stalls every running request for seconds.
+WARMUP_BATCHES = (
+    ((0, 256),),
+    ((0, 1024),),
+    ((0, 3072),),
+    ((0, 100), (0, 333), (0, 568)),  # 3 prompts, 1,001 tokens
+    tuple((0, 61) for _ in range(17)),  # 17 prompts, 1,037 tokens
+    tuple((0, 64) for _ in range(16)),  # 16 prompts, 1,024 tokens
+    ((40, 1), (17, 1), (300, 200), (0, 99)),  # decode rows, a continued chunk, a new prompt
+    tuple((20 + i, 1) for i in range(16)) + ((0, 77),),  # 16 decode rows and a short prompt
+)
+
+
+def _warmup_plan(streams: tuple[tuple[int, int], ...], block_size: int) -> PassPlan:
+    """A prefill/decode plan over scratch pages and slots 0..N-1 (token ids 0): what runs matters,
+    not the values. streams: (cached tokens, new tokens) per row, decode rows first."""
+    pages_per_row = [-(-(cached + new) // block_size) for cached, new in streams]
+    block_tables = np.zeros((len(streams), max(pages_per_row)), np.int32)
+    positions, slot_mapping, first_page = [], [], 0
+    for row, ((cached, new), pages) in enumerate(zip(streams, pages_per_row, strict=True)):
+        block_tables[row, :pages] = np.arange(first_page, first_page + pages)
+        pos = np.arange(cached, cached + new)
+        positions.append(pos)
+        slot_mapping.append(block_tables[row, pos // block_size].astype(np.int64) * block_size + pos % block_size)
+        first_page += pages
+    new_tokens = np.array([new for _, new in streams])
+    cached = np.array([cached for cached, _ in streams])
+    num_rows = len(streams)
+    return PassPlan(
+        pass_id=-1,
+        req_ids=[f"warmup-{i}" for i in range(num_rows)],
+        num_decode_rows=int(((new_tokens == 1) & (cached > 0)).sum()),
+        input_ids=np.zeros(int(new_tokens.sum()), np.int32),
+        positions=np.concatenate(positions).astype(np.int32),
+        slot_mapping=np.concatenate(slot_mapping),
+        query_start_loc=np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32),
+        seq_lens=(cached + new_tokens).astype(np.int32),
+        block_tables=block_tables,
+        state_slots=np.arange(num_rows, dtype=np.int32),
+        has_initial_state=cached > 0,
+        sample_rows=np.ones(num_rows, bool),
+        prompt_logprob_rows=np.zeros(num_rows, bool),
+    )
+
+
+def warmup_fits(streams: tuple[tuple[int, int], ...], max_tokens: int, sizes: PoolSizes) -> bool:
+    """Whether a warm-up batch fits the token budget and the profiling pool's pages and slots."""
+    pages = sum(-(-(cached + new) // sizes.block_size) for cached, new in streams)
+    return sum(new for _, new in streams) <= max_tokens and pages < sizes.num_blocks and len(streams) < sizes.num_slots
 
 
 def _profile_plan(tokens: int, block_size: int) -> PassPlan:
-    pages = -(-tokens // block_size)
-    return PassPlan(
-        pass_id=-1,
-        req_ids=["profile"],
-        num_decode_rows=0,
-        input_ids=np.zeros(tokens, np.int32),
-        positions=np.arange(tokens, dtype=np.int32),
-        slot_mapping=np.arange(tokens, dtype=np.int64),
-        query_start_loc=np.array([0, tokens], np.int32),
-        seq_lens=np.array([tokens], np.int32),
-        block_tables=np.arange(pages, dtype=np.int32)[None, :],
-        state_slots=np.array([0], np.int32),
-        has_initial_state=np.array([False]),
-        sample_rows=np.array([True]),
-        prompt_logprob_rows=np.array([False]),
-    )
+    return _warmup_plan(((0, tokens),), block_size)

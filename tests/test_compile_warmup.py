@@ -1,0 +1,67 @@
+"""The start-up warm-up batches (run on the GPU before serving, so that no kernel compiles on a
+user's request): each is a valid plan (the worker's own checks pass) whose rows are what it says,
+and the runner runs all of them on a scratch pool (here on CPU, with a tiny model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deltaserve.cluster.wire import decode_plan, encode_plan
+from deltaserve.layers.config import ModelConfig
+from deltaserve.workers import runner as runner_module
+from deltaserve.workers.runner import (
+    WARMUP_BATCHES,
+    ModelRunner,
+    RunnerConfig,
+    _warmup_plan,
+    check_plan_ranges,
+    warmup_fits,
+)
+from deltaserve.workers.state_pool import PoolSizes, StatePool
+
+SIZES = PoolSizes(num_blocks=1024, block_size=16, num_slots=32)
+
+
+@pytest.mark.parametrize("streams", WARMUP_BATCHES)
+def test_warmup_plans_are_valid(streams):
+    plan = decode_plan(encode_plan(_warmup_plan(streams, SIZES.block_size)))  # the codec's checks
+    check_plan_ranges(plan, SIZES, vocab_size=10)
+    assert plan.num_rows == len(streams) and plan.num_tokens == sum(new for _, new in streams)
+    cached = np.array([c for c, _ in streams])
+    assert np.array_equal(plan.has_initial_state, cached > 0)
+    assert np.array_equal(plan.seq_lens, [c + n for c, n in streams])
+    decode = [c > 0 and n == 1 for c, n in streams]
+    assert plan.num_decode_rows == sum(decode) and all(decode[: plan.num_decode_rows])
+    # every new token lands on its own KV slot inside its row's pages
+    assert len(set(plan.slot_mapping.tolist())) == plan.num_tokens
+    for row, (c, n) in enumerate(streams):
+        lo, hi = plan.query_start_loc[row], plan.query_start_loc[row + 1]
+        assert np.array_equal(plan.positions[lo:hi], np.arange(c, c + n))
+        pages = plan.block_tables[row][plan.positions[lo:hi] // SIZES.block_size]
+        assert np.array_equal(plan.slot_mapping[lo:hi] // SIZES.block_size, pages)
+
+
+def test_profile_plan_is_one_prompt():
+    plan = runner_module._profile_plan(100, 16)
+    assert plan.num_rows == 1 and plan.num_tokens == 100 and plan.block_tables.shape == (1, 7)
+    assert np.array_equal(plan.slot_mapping, np.arange(100))
+
+
+def test_warmup_fits_the_budget_and_pool():
+    small = PoolSizes(num_blocks=8, block_size=16, num_slots=4)
+    assert warmup_fits(((0, 64),), 64, small) and not warmup_fits(((0, 65),), 64, small)
+    assert not warmup_fits(((0, 16),) * 4, 1024, small)  # 4 rows need 5 slots (one is scratch)
+    assert not warmup_fits(((0, 128),), 1024, small)  # 8 pages of the 8 (one is scratch)
+
+
+def test_runner_runs_every_fitting_warmup_batch(tiny_checkpoints, monkeypatch):
+    path = str(tiny_checkpoints["qwen3_5_moe"][0])
+    runner = ModelRunner(RunnerConfig(model=path, max_num_batched_tokens=2048), ModelConfig.from_pretrained(path))
+    ran = []
+    forward = runner._forward
+    monkeypatch.setattr(runner, "_forward", lambda plan, pool: ran.append(plan.num_tokens) or forward(plan, pool))
+    pool = StatePool(runner.model, SIZES, dtype=runner.dtype, device=runner.device)
+    runner.compile_warmup(pool)
+    expected = [sum(n for _, n in b) for b in WARMUP_BATCHES if warmup_fits(b, 2048, SIZES)]
+    assert ran == expected and 3072 not in ran  # over the token budget: skipped
