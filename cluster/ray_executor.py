@@ -28,7 +28,7 @@ from deltaserve.workers.state_pool import PoolSizes
 from .engine import EngineConfig, WorkerFailure, runner_config
 from .plan import PassPlan, RunnerOutput
 from .shm_channel import ChannelClosed, ShmBroadcast, WaitPolicy, process_alive
-from .wire import REPLY_STAMPS, decode_output, decode_reply, encode_plan
+from .wire import REPLY_STAMPS, decode_output, decode_reply, encode_plan, rerun_codec
 
 log = logging.getLogger(__name__)
 
@@ -316,12 +316,7 @@ class RayExecutor:
         """While the workers run a pass: encode the last plan and decode the last output again
         (results dropped), so that the next pass's codec work runs from warm CPU caches (see
         Worker._warm)."""
-        try:
-            if self._last_plan is not None:
-                encode_plan(self._last_plan)
-            if self._last_output is not None:
-                decode_output(self._last_output)
-        except Exception:  # never: both were coded once already; a warm-up must not fail a pass
+        if not rerun_codec(plan=self._last_plan, output_blob=self._last_output):
             self._last_plan = self._last_output = None
 
     def _record(self, wall: float, forward: float, blocked: float | None = None) -> None:

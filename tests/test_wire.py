@@ -10,7 +10,15 @@ import pytest
 from deltaserve import LLM, SamplingParams
 from deltaserve.cluster.engine import EngineConfig, EngineCore
 from deltaserve.cluster.plan import NewRequestData, PassPlan, RunnerOutput, SamplingSpec, TokenLogprobs
-from deltaserve.cluster.wire import WIRE_VERSION, WireError, decode_output, decode_plan, encode_output, encode_plan
+from deltaserve.cluster.wire import (
+    WIRE_VERSION,
+    WireError,
+    decode_output,
+    decode_plan,
+    encode_output,
+    encode_plan,
+    rerun_codec,
+)
 from deltaserve.workers.runner import check_plan_ranges
 from deltaserve.workers.state_pool import PoolSizes
 
@@ -147,3 +155,9 @@ def test_rejected_plan_leaves_running_requests_intact(tiny_checkpoints):
         for out in engine.step():
             tokens = out.outputs[0].token_ids
     assert tokens == reference.outputs[0].token_ids
+
+
+def test_rerun_codec_reports_failure_instead_of_raising():
+    plan, out = make_plan(), RunnerOutput(3, ["a"], [17])
+    assert rerun_codec(plan=plan, plan_blob=encode_plan(plan), output=out, output_blob=encode_output(out))
+    assert not rerun_codec(plan_blob=b"not a plan")

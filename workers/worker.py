@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from deltaserve.cluster.plan import RunnerOutput
 from deltaserve.cluster.shm_channel import ChannelClosed, ShmBroadcast, ShmHandle, WaitPolicy, process_alive
-from deltaserve.cluster.wire import decode_plan, encode_error_reply, encode_output, encode_reply
+from deltaserve.cluster.wire import decode_plan, encode_error_reply, encode_output, encode_reply, rerun_codec
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.parallel import ParallelLayout
 from deltaserve.workers.runner import ModelRunner, RunnerConfig
@@ -121,12 +121,7 @@ class Worker:
         """While a pass runs on the device: decode the last plan and encode the last output again
         (results dropped). Launching a pass evicts the codec's code and data from the CPU caches;
         cold, the next plan's decode took ~5x its warm time, on the control path of every pass."""
-        try:
-            if self._last_plan is not None:
-                decode_plan(self._last_plan)
-            if self._last_output is not None:
-                encode_output(self._last_output)
-        except Exception:  # never: both were coded once already; a warm-up must not end the loop
+        if not rerun_codec(plan_blob=self._last_plan, output=self._last_output):
             self._last_plan = self._last_output = None
 
     def _launch(self, blob: bytes) -> _Launched:
