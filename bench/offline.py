@@ -140,7 +140,7 @@ def bench_decode(
     sync_step_s = None
     # control overhead is taken over synchronous passes (under overlap it also counts time a reply
     # waits while the driver plans the next pass); the exposed wait over the timed steps as run
-    timings = {}
+    timings = {"device": _device_times(engine, steps)}
     if hasattr(executor, "exposed_wait_s"):
         timings["exposed_wait_s"] = executor.exposed_wait_s(last=steps)
         timings["overlapped_stages_s"] = executor.control_stages_s(last=steps)
@@ -152,6 +152,7 @@ def bench_decode(
             engine.step()
         torch.cuda.synchronize()
         sync_step_s = (time.perf_counter() - t0) / steps
+        timings["sync_device"] = _device_times(engine, steps)
         engine.set_async_scheduling(True)
     if hasattr(executor, "control_overhead_s"):
         timings["control_overhead_s"] = executor.control_overhead_s(last=steps)
@@ -274,7 +275,7 @@ def run(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        time_passes=args.tp > 1 or args.ep,  # worker processes: GPU busy / idle per pass from CUDA events
+        time_passes=True,  # GPU busy / idle per pass from CUDA events (two events a pass)
     )
     runner = getattr(llm.engine.executor, "runner", None)
     counter = ExpertCounter(runner.model) if runner is not None else None
@@ -302,6 +303,9 @@ def run(args: argparse.Namespace) -> dict:
         }
         if "control_overhead_s" in result:
             row["control_overhead_ms"] = result["control_overhead_s"] * 1e3
+        for key in ("device", "sync_device"):
+            if result.get(key):
+                row[f"gpu_{key}_ms"] = result[key]
         for key in ("control_stages_s", "overlapped_stages_s"):
             if result.get(key) and (key == "control_stages_s" or result["sync_step_s"] is not None):
                 row[key[: -len("_s")] + "_ms"] = {k: v * 1e3 for k, v in result[key].items()}
@@ -325,6 +329,20 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
+def _device_times(engine, steps: int) -> dict[str, float] | None:
+    """Median GPU busy time per pass and GPU idle time before it over the last `steps` passes (CUDA
+    events, LLM(time_passes=True)), in ms; None without them."""
+    import statistics
+
+    times = list(engine.pass_device_times)[-steps:]
+    if not times:
+        return None
+    return {
+        "busy_ms": statistics.median(t[0] for t in times) * 1e3,
+        "idle_ms": statistics.median(t[1] for t in times) * 1e3,
+    }
+
+
 def _fmt_decode(r: dict) -> str:
     s = (
         f"decode batch {r['batch']:>4}: {r['step_ms']:8.2f} ms/step {r['tok_s']:9.1f} tok/s"
@@ -337,6 +355,11 @@ def _fmt_decode(r: dict) -> str:
         s += f" | control overhead {r['control_overhead_ms']:.3f} ms"
     if "exposed_wait_ms" in r:
         s += f" | exposed wait {r['exposed_wait_ms']:.3f} ms"
+    if "gpu_device_ms" in r:
+        d = r["gpu_device_ms"]
+        s += f" | GPU per pass: busy {d['busy_ms']:.3f} ms, idle before {d['idle_ms']:.3f} ms"
+        if "gpu_sync_device_ms" in r:
+            s += f" (without overlap: idle before {r['gpu_sync_device_ms']['idle_ms']:.3f} ms)"
     if "peer_step_ms" in r:
         s += f" | transformers {r['peer_step_ms']:8.2f} ms ({r['speedup_vs_peer']:.1f}x faster)"
     if "control_stages_ms" in r:

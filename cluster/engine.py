@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -211,6 +212,8 @@ class EngineCore:
         self._prompts: dict[str, str | None] = {}
         self.async_scheduling = overlaps_passes(self.executor, config.async_scheduling)
         self._in_flight: tuple[PassPlan, object] | None = None  # the launched pass not yet applied
+        # with config.time_passes on a GPU: (device busy s, device idle before it s) of recent passes
+        self.pass_device_times: deque[tuple[float, float]] = deque(maxlen=4096)
         log.info(
             "engine ready: %d KV tokens (%d pages of %d), %d sequences, max_model_len %d, async scheduling %s",
             sizes.num_blocks * sizes.block_size,
@@ -320,6 +323,8 @@ class EngineCore:
         return outputs
 
     def _apply(self, plan: PassPlan, result: RunnerOutput) -> list[RequestOutput]:
+        if result.device_gap_s >= 0:
+            self.pass_device_times.append((result.device_busy_s, result.device_gap_s))
         outputs = []
         for req in self.scheduler.apply_output(plan, result):
             out = self._on_token(req)

@@ -78,3 +78,18 @@ def test_bf16_prompt_logprobs_track_float32(tiny_checkpoints, family):
     print(f"{family}: bf16 vs float32 prompt logprobs: median {median:.4f}, max {errors[-1]:.4f}")
     # bf16 flips some MoE routing choices (errors up to ~2.4 at those positions): the median is the test
     assert median < 0.05
+
+
+def test_time_passes_records_device_busy_and_idle(tiny_checkpoints):
+    """LLM(time_passes=True): every applied pass carries its GPU busy time and the idle gap before
+    it (CUDA events around the pass); off by default."""
+    path = str(tiny_checkpoints["qwen3_5_moe"][0])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    timed = LLM(path, device="cuda", time_passes=True, **POOL)
+    timed.generate(prompts()[:2], params, use_tqdm=False)
+    times = list(timed.engine.pass_device_times)
+    assert len(times) >= 8 and all(busy > 0 for busy, _ in times)
+    assert all(idle >= 0 for _, idle in times[1:])  # the first pass has no previous one (-1)
+    plain = LLM(path, device="cuda", **POOL)
+    plain.generate(prompts()[:1], params, use_tqdm=False)
+    assert not plain.engine.pass_device_times
