@@ -4,9 +4,9 @@
   (naive.route_topk_softmax), and 40 batch-1 calls (one decode step's layers) in a CUDA graph.
 - fused_moe: 1 / 16 / 64 / 256 tokens on the default path against the per-expert torch loop
   (naive.fused_moe on GPU), called eagerly: at small batches that time includes the launches.
-- shared_expert_combine[graph]: one decode step's shared-expert tails (40 layers, batch 1) in a
-  CUDA graph, the fused kernel against the model's torch composition (silu, mul, down GEMV,
-  sigmoid, mul, add: six launches per layer).
+- fused_moe+shared[graph]: GRAPH_CALLS blocks' experts with the shared expert folded into the last
+  kernel, against the routed kernels plus the torch composition of the shared expert's tail (silu,
+  mul, down GEMM, sigmoid, mul, add: six launches per block), at batch 1 / 8 / 16 / 64.
 - fused_moe[graph]: GRAPH_CALLS calls with distinct routings captured in one CUDA graph, each path
   at decode batches: the kernels' own time with no launch gaps, and cold weights in every call
   (each call routes to other experts than the one before). Time and floor are for all the calls.
@@ -27,8 +27,9 @@ import torch.nn.functional as F
 
 from deltaserve.bench.kernel_cases import Case
 from deltaserve.layers.kernels import linear as linear_kernels
-from deltaserve.layers.kernels.moe import naive, triton_shared
+from deltaserve.layers.kernels.moe import naive
 from deltaserve.layers.kernels.moe import triton_moe as tm
+from deltaserve.layers.kernels.moe.naive import SharedExpert
 
 H, E, TOP_K, INTER = 2048, 256, 8, 512
 DTYPE = torch.bfloat16
@@ -175,35 +176,36 @@ def _graph_case(num_tokens: int, path: str, config: dict | None = None) -> Case:
     )
 
 
-def _shared_step_case(num_tokens: int = 1, layers: int = 40) -> Case:
-    """The shared expert's tail of every MoE layer of one decode step, each layer its own w2."""
+def _shared_graph_case(num_tokens: int) -> Case:
+    """GRAPH_CALLS MoE blocks' expert part with the shared expert (distinct routings and shared
+    weights), one graph: folded into fused_moe's last kernel against the routed kernels followed by
+    the torch composition the model ran before (silu, mul, down GEMM, sigmoid, mul, add)."""
     g = torch.Generator(device="cuda").manual_seed(7)
     sets = []
-    for _ in range(layers):
+    for i in range(GRAPH_CALLS):
+        args = _inputs(num_tokens, seed=5000 + 100 * num_tokens + i)
         proj = torch.randn(num_tokens, E + 2 * INTER + 8, device="cuda", dtype=DTYPE, generator=g)
-        w2 = torch.randn(H, INTER, device="cuda", dtype=DTYPE, generator=g) * INTER**-0.5
-        routed = torch.randn(num_tokens, H, device="cuda", dtype=DTYPE, generator=g)
         gate_row = E + 2 * INTER
-        gate_logit = proj[:, gate_row : gate_row + 1]
-        sets.append(dict(routed=routed, gate_up=proj[:, E:gate_row], w2=w2, gate_logit=gate_logit))
+        w2 = torch.randn(H, INTER, device="cuda", dtype=DTYPE, generator=g) * INTER**-0.5
+        args["shared"] = SharedExpert(gate_up=proj[:, E:gate_row], w2=w2, gate_logit=proj[:, gate_row : gate_row + 1])
+        sets.append(args)
 
-    def composed(a: dict) -> torch.Tensor:  # SparseMoeBlock.forward's path above the fused row cap
-        act = F.silu(a["gate_up"][:, :INTER]) * a["gate_up"][:, INTER:]
-        return a["routed"] + torch.sigmoid(a["gate_logit"]) * linear_kernels.linear(x=act, weight=a["w2"])
+    def composed(a: dict) -> torch.Tensor:
+        routed = tm.fused_moe(**{k: v for k, v in a.items() if k != "shared"})
+        s = a["shared"]
+        act = F.silu(s.gate_up[:, :INTER]) * s.gate_up[:, INTER:]
+        return routed + torch.sigmoid(s.gate_logit) * linear_kernels.linear(x=act, weight=s.w2)
 
-    def err() -> float:
-        ref = naive.shared_expert_combine(**sets[0]).float()
-        return ((triton_shared.shared_expert_combine(**sets[0]).float() - ref).abs().max() / ref.abs().max()).item()
-
+    shared_bytes = GRAPH_CALLS * H * INTER * 2
     return Case(
-        op="shared_expert_combine[graph]",
-        shape=f"T={num_tokens} H={H} I={INTER} x{layers} layers",
-        ours=_graphed([lambda a=a: triton_shared.shared_expert_combine(**a) for a in sets]),
+        op="fused_moe+shared[graph]",
+        shape=f"T={num_tokens} x{GRAPH_CALLS} calls",
+        ours=_graphed([lambda a=a: tm.fused_moe(**a) for a in sets]),
         reference=_graphed([lambda a=a: composed(a) for a in sets]),
-        reference_label="torch composition (6 launches)",
-        check=err,
-        tolerance=1e-2,
-        bytes_moved=layers * (H * INTER * 2 + num_tokens * (2 * INTER + 1 + 2 * H) * 2),
+        reference_label="routed + torch composition (6 launches)",
+        check=lambda: _rel_err(tm.fused_moe(**sets[0]), naive.fused_moe(**sets[0])),
+        tolerance=2e-2,
+        bytes_moved=sum(_moe_bytes(a) for a in sets) + shared_bytes,
         target="faster than the composition",
     )
 
@@ -215,7 +217,7 @@ GRAPH_CASES += [(16, "pairs"), (16, "sorted"), (32, "pairs"), (32, "sorted")]
 def cases() -> list[Case]:
     out = [_router_case(t) for t in (1, 64, 256, 8192)]
     out.append(_router_step_case())
-    out.append(_shared_step_case())
+    out += [_shared_graph_case(t) for t in (1, 8, 16, 64)]
     out += [_case(t) for t in (1, 16, 64, 256)]
     out += [_graph_case(t, path) for t, path in GRAPH_CASES]
     return out

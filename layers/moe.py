@@ -176,6 +176,13 @@ class SparseMoeBlock(nn.Module):
         weights, ids = moe_kernels.route_topk_softmax(
             router_logits=router_logits, top_k=self.top_k, renormalize=self.renormalize
         )
+        shared = None
+        if self.shared_expert is not None:
+            shared = moe_kernels.SharedExpert(
+                gate_up=proj[:, num_experts : self.gate_row],
+                w2=self.shared_expert.w2,
+                gate_logit=proj[:, self.gate_row : self.gate_row + 1],
+            )
         out = moe_kernels.fused_moe(
             hidden=x,
             w13=self.w13,
@@ -183,16 +190,8 @@ class SparseMoeBlock(nn.Module):
             topk_weights=weights,  # float32: fused_moe applies them in its accumulator
             topk_ids=ids,
             expert_offset=self.expert_start,
+            shared=shared,  # summed in the same kernel at decode sizes
         )
-        if self.shared_expert is not None:
-            gate_up, gate_logit = proj[:, num_experts : self.gate_row], proj[:, self.gate_row : self.gate_row + 1]
-            if moe_kernels.fuses_shared_combine(out):  # decode: one kernel for all of the below
-                out = moe_kernels.shared_expert_combine(
-                    routed=out, gate_up=gate_up, w2=self.shared_expert.w2, gate_logit=gate_logit
-                )
-            else:
-                shared = self.shared_expert.down(gate_up, reduce=False)
-                out = out + torch.sigmoid(gate_logit) * shared
         return all_reduce(out, self.layout)
 
 

@@ -1,80 +1,136 @@
-"""The fused shared-expert tail (down projection + sigmoid gate + routed sum) against its plain-torch
-reference at odd shapes, strided column-slice inputs, outputs pre-filled with NaN: interpreted on CPU
-tensors without CUDA, compiled with it; and (marked gpu) bf16 at the model's shape."""
+"""The shared expert inside the fused MoE (the pairs path's down GEMV, the sorted path's routed sum,
+torch ops above SHARED_FUSED_MAX_TOKENS) against the plain-torch reference: odd shapes, strided
+column-slice inputs as the MoE block slices them from its fused projection, expert parallelism,
+outputs pre-filled with NaN. Interpreted on CPU tensors without CUDA, compiled with it; and (marked
+gpu) bf16 at the model's shape inside a CUDA graph."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from deltaserve.layers.kernels import moe as moe_kernels
-from deltaserve.layers.kernels.moe import naive, triton_shared
+from deltaserve.layers.kernels.moe import naive
+from deltaserve.layers.kernels.moe import triton_moe as tm
+from deltaserve.layers.kernels.moe.naive import SharedExpert
 
 pytestmark = pytest.mark.usefixtures("nan_fill")
 
 
-def make(tokens: int, hidden: int, inter: int, device, dtype=torch.float32, seed=0):
-    """Inputs as the MoE block slices them out of its fused projection [T, E + 2I + 1 + pad]."""
+def make(*, tokens, hidden, inter, shared_inter, local, total, top_k, offset, device, dtype=torch.float32, seed=0):
+    """Routed inputs (some tokens routed to other ranks' experts) and the shared expert's inputs as
+    column slices of a [T, E + 2 I_s + 1 + pad] projection, like the MoE block's in_proj output."""
     g = torch.Generator().manual_seed(seed)
-    experts, pad = 5, 3
-    proj = torch.randn(tokens, experts + 2 * inter + 1 + pad, generator=g)
-    w2 = torch.randn(hidden, inter, generator=g) * inter**-0.5
-    routed = torch.randn(tokens, hidden, generator=g)
     to = dict(device=device, dtype=dtype)
-    proj, w2, routed = proj.to(**to), w2.to(**to), routed.to(**to)
-    gate_row = experts + 2 * inter
-    return dict(routed=routed, gate_up=proj[:, experts:gate_row], w2=w2, gate_logit=proj[:, gate_row : gate_row + 1])
+    proj = torch.randn(tokens, total + 2 * shared_inter + 1 + 3, generator=g).to(**to)
+    weights, ids = naive.route_topk_softmax(router_logits=proj[:, :total].float().cpu(), top_k=top_k, renormalize=True)
+    gate_row = total + 2 * shared_inter
+    return dict(
+        hidden=torch.randn(tokens, hidden, generator=g).to(**to),
+        w13=(torch.randn(local, 2 * inter, hidden, generator=g) * hidden**-0.5).to(**to),
+        w2=(torch.randn(local, hidden, inter, generator=g) * inter**-0.5).to(**to),
+        topk_weights=weights.to(**to),
+        topk_ids=ids.to(device),
+        expert_offset=offset,
+        shared=SharedExpert(
+            gate_up=proj[:, total:gate_row],
+            w2=(torch.randn(hidden, shared_inter, generator=g) * shared_inter**-0.5).to(**to),
+            gate_logit=proj[:, gate_row : gate_row + 1],
+        ),
+    )
 
 
 def test_reference_is_the_model_composition():
-    """naive == routed + sigmoid(gate) * down(silu(gate) * up), as the MoE block composes it."""
-    args = make(3, 12, 7, "cpu", dtype=torch.float64)
-    inter = 7
-    act = F.silu(args["gate_up"][:, :inter]) * args["gate_up"][:, inter:]
-    composed = args["routed"] + torch.sigmoid(args["gate_logit"]) * (act @ args["w2"].t())
-    assert torch.allclose(naive.shared_expert_combine(**args), composed, atol=1e-12)
+    """naive == routed + sigmoid(gate) * down(silu(gate) * up), as transformers composes the block."""
+    args = make(
+        tokens=3,
+        hidden=12,
+        inter=5,
+        shared_inter=7,
+        local=4,
+        total=4,
+        top_k=2,
+        offset=0,
+        device="cpu",
+        dtype=torch.float64,
+    )
+    shared = args.pop("shared")
+    act = F.silu(shared.gate_up[:, :7]) * shared.gate_up[:, 7:]
+    composed = naive.fused_moe(**args) + torch.sigmoid(shared.gate_logit) * (act @ shared.w2.t())
+    assert torch.allclose(naive.fused_moe(**args, shared=shared), composed, atol=1e-12)
 
 
-@pytest.mark.parametrize(("tokens", "hidden", "inter"), [(1, 16, 8), (3, 37, 24), (4, 130, 100), (2, 9, 64)])
-@pytest.mark.parametrize("config", [None, dict(block_n=4, block_k=16, num_warps=2)])
-def test_matches_reference(device, tokens, hidden, inter, config):
-    args = make(tokens, hidden, inter, device)
-    out = triton_shared.shared_expert_combine(**args, config=config)
-    ref = naive.shared_expert_combine(**args)
+CASES = [
+    # path, tokens, hidden, inter, shared inter, local experts, total experts, top_k, offset
+    ("pairs", 1, 16, 8, 8, 4, 4, 2, 0),
+    ("pairs", 3, 37, 24, 40, 6, 6, 2, 0),  # shared wider than the routed experts, odd hidden
+    ("pairs", 4, 33, 16, 100, 4, 12, 3, 4),  # expert parallel: a middle rank; shared width not a power of 2
+    ("sorted", 9, 40, 16, 24, 5, 15, 2, 10),  # expert parallel, the last rank
+    ("sorted", 21, 48, 24, 72, 8, 8, 4, 0),  # two 16-token tiles, the second partial
+]
+
+
+@pytest.mark.parametrize("path,tokens,hidden,inter,shared_inter,local,total,top_k,offset", CASES)
+def test_matches_reference(device, path, tokens, hidden, inter, shared_inter, local, total, top_k, offset):
+    args = make(
+        tokens=tokens,
+        hidden=hidden,
+        inter=inter,
+        shared_inter=shared_inter,
+        local=local,
+        total=total,
+        top_k=top_k,
+        offset=offset,
+        device=device,
+    )
+    ref = naive.fused_moe(**args)
+    out = tm.fused_moe(**args, path=path)
     assert not out.isnan().any(), "an output element was never written"
-    assert (out - ref).abs().max().item() <= 1e-4
+    tol = 1e-5 if device.type == "cpu" else 5e-3  # tf32-free float32 on the interpreter
+    assert ((out - ref).norm() / ref.norm()).item() < tol
 
 
-def test_empty(device):
-    args = make(0, 16, 8, device)
-    assert triton_shared.shared_expert_combine(**args).shape == (0, 16)
+def test_above_the_fused_cap_composes_with_torch(device, monkeypatch):
+    """Past SHARED_FUSED_MAX_TOKENS (prefill) the shared expert runs as torch ops after the routed sum."""
+    monkeypatch.setattr(tm, "SHARED_FUSED_MAX_TOKENS", 2)
+    args = make(tokens=5, hidden=24, inter=8, shared_inter=16, local=4, total=4, top_k=2, offset=0, device=device)
+    ref = naive.fused_moe(**args)
+    for path in ("pairs", "sorted"):
+        out = tm.fused_moe(**args, path=path)
+        assert ((out - ref).norm() / ref.norm()).item() < (1e-5 if device.type == "cpu" else 5e-3)
 
 
-def test_dispatch(device):
-    """The op: the kernel on CUDA, the reference on CPU; the model fuses only up to the row cap."""
-    args = make(2, 16, 8, device)
-    out = moe_kernels.shared_expert_combine(**args)
-    if device.type == "cpu":
-        assert torch.equal(out, naive.shared_expert_combine(**args))
-        assert not moe_kernels.fuses_shared_combine(args["routed"])
-    else:
-        assert torch.equal(out, triton_shared.shared_expert_combine(**args))
-        cap = moe_kernels.SHARED_COMBINE_MAX_TOKENS
-        assert moe_kernels.fuses_shared_combine(make(cap, 16, 8, device)["routed"])
-        assert not moe_kernels.fuses_shared_combine(make(cap + 1, 16, 8, device)["routed"])
+def test_bad_shared_shapes_name_the_tensor(device):
+    args = make(tokens=2, hidden=16, inter=8, shared_inter=8, local=4, total=4, top_k=2, offset=0, device=device)
+    shared = args.pop("shared")
+    bad = shared._replace(gate_logit=shared.gate_logit[:1])
+    for impl in (naive.fused_moe, moe_kernels.fused_moe):
+        with pytest.raises(ValueError, match="shared.gate_logit"):
+            impl(**args, shared=bad)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 2, 4])
+@pytest.mark.parametrize("tokens", [1, 4, 8, 16, 64])
 def test_gpu_bf16_model_shape(tokens):
-    """Qwen3.5-35B-A3B's shared expert (H 2,048, I 512) in bf16, inside a CUDA graph too."""
-    args = make(tokens, 2048, 512, "cuda", dtype=torch.bfloat16)
-    ref = naive.shared_expert_combine(**args)
-    out = triton_shared.shared_expert_combine(**args)
-    scale = ref.float().abs().max().item()
-    assert (out.float() - ref.float()).abs().max().item() <= 2 * scale * torch.finfo(torch.bfloat16).eps
+    """Qwen3.5-35B-A3B's block (H 2,048, 256 experts, top 8, I 512, shared I 512) in bf16, through the
+    default path for the batch size, eager and inside a CUDA graph (same bits)."""
+    args = make(
+        tokens=tokens,
+        hidden=2048,
+        inter=512,
+        shared_inter=512,
+        local=256,
+        total=256,
+        top_k=8,
+        offset=0,
+        device="cuda",
+        dtype=torch.bfloat16,
+    )
+    ref = naive.fused_moe(**args).float()
+    out = tm.fused_moe(**args)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = triton_shared.shared_expert_combine(**args)
+        captured = tm.fused_moe(**args)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)

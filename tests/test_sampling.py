@@ -121,7 +121,8 @@ def test_prompt_logprobs_match_transformers(moe, tiny_checkpoints):
     # max_tokens=1: the request finishes on the pass that computes its last prompt logprobs
     for budget_llm, max_tokens in ((llm, 2), (chunked, 2), (llm, 1), (chunked, 1)):
         (out,) = budget_llm.generate(
-            [prompt], SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=3, logprobs=2),
+            [prompt],
+            SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=3, logprobs=2),
             use_tqdm=False,
         )
         with torch.no_grad():

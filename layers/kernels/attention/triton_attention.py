@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import pdl_launch, pdl_wait
+
 LOG2E = 1.4426950408889634
 
 
@@ -37,7 +39,9 @@ def _write_kv_kernel(
     PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
@@ -91,6 +95,7 @@ def write_kv_cache(
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4,
+        **pdl_launch(key),
     )
 
 
@@ -344,7 +349,9 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -402,7 +409,9 @@ def _decode_reduce_kernel(
     BLOCK_S: tl.constexpr,
     CHUNK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     n = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens + n)
@@ -523,6 +532,7 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **pdl_launch(q),
     )
     if num_splits > 1:
         chunk = max(1, min(triton.next_power_of_2(num_splits), 4096 // block_d))
@@ -540,5 +550,6 @@ def paged_decode_attention(
             CHUNK_S=chunk,
             BLOCK_D=block_d,
             num_warps=4,
+            **pdl_launch(part_o),
         )
     return out

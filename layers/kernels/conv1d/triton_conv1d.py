@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..gdn.varlen import locate_chunk
+from ..pdl import pdl_launch, pdl_wait
 
 BLOCK_T = 64  # tokens per prefill program
 BLOCK_C = 128  # channels per prefill program: 256-byte bf16 rows
@@ -153,7 +154,9 @@ def _conv_update_kernel(
     BC: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     n = tl.program_id(0)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     m_c = o_c < channels
@@ -244,5 +247,6 @@ def causal_conv1d_update(
         x.stride(0), y.stride(0), *conv_state_pool.stride(), weight.stride(0),
         W=width, BW=triton.next_power_of_2(width), BC=UPDATE_BLOCK_C, HAS_BIAS=bias is not None, SILU=silu,
         num_warps=4,
+        **pdl_launch(x),
     )  # fmt: skip
     return y

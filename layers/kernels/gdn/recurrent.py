@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import pdl_launch, pdl_wait
 from .gating import gate_values
 from .naive import raw_gate_form
 
@@ -114,7 +115,9 @@ def _recurrent_kernel(
     ONE_PASS: tl.constexpr,
     ROW_STRIDES: tl.constexpr,
     RAW_GATE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     NV = tl.cdiv(V, BV)
     i_v = pid % NV
@@ -234,5 +237,6 @@ def fused_recurrent_gated_delta_rule(
         STORE_INTERMEDIATE=intermediate_states_out is not None, UPDATE_STATE=update_state, ONE_PASS=cfg.one_pass,
         ROW_STRIDES=row_strides, RAW_GATE=raw_gate, num_warps=cfg.num_warps,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
+        **pdl_launch(q),
     )  # fmt: skip
     return out

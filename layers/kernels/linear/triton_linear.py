@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import pdl_launch, pdl_wait
 from .tuned import TUNED, tuned_key
 
 # Split-K "sem" counters: one int32 per output tile of a launch; a launch with more tiles uses "pass".
@@ -116,7 +117,9 @@ def _linear_kernel(
     UNROLL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SEMAPHORE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -245,8 +248,20 @@ def _linear_kernel(
 
 
 @triton.jit
-def _reduce_kernel(part, bias, out, M, N, s_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _reduce_kernel(
+    part,
+    bias,
+    out,
+    M,
+    N,
+    s_om,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """out[m, n] = sum over s in order of part[s, m, n] (+ bias[n]): the "pass" split-K reduction."""
+    pdl_wait(USE_PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     size = M * N
     ok = i < size
@@ -391,6 +406,7 @@ def linear(
         SEMAPHORE=semaphore,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **pdl_launch(x),
     )
     if split > 1 and not semaphore:
         block = 1024
@@ -405,5 +421,6 @@ def linear(
             BLOCK=block,
             HAS_BIAS=bias is not None,
             num_warps=4,
+            **pdl_launch(part),
         )
     return out

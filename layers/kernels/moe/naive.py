@@ -7,8 +7,34 @@ experts [expert_offset, expert_offset + E) and skips tokens routed elsewhere.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+
+class SharedExpert(NamedTuple):
+    """The shared expert's part of an MoE block, for fused_moe: gate_up [T, 2 * I] (the gate then
+    the up projection of the block's input, rows may be strided column slices of a fused
+    projection), w2 [H, I] (its down projection) and gate_logit [T, 1] (its sigmoid gate's logit)."""
+
+    gate_up: torch.Tensor
+    w2: torch.Tensor
+    gate_logit: torch.Tensor
+
+
+def check_shared(shared: SharedExpert, num_tokens: int, hidden_size: int) -> None:
+    """Shapes and layouts every fused_moe implementation relies on; errors name the tensor."""
+    inter = shared.w2.shape[1]
+    if shared.w2.shape[0] != hidden_size:
+        raise ValueError(f"shared.w2: expected [{hidden_size}, I], got {list(shared.w2.shape)}")
+    if shared.gate_up.shape != (num_tokens, 2 * inter):
+        raise ValueError(f"shared.gate_up: expected [{num_tokens}, {2 * inter}], got {list(shared.gate_up.shape)}")
+    if shared.gate_logit.shape != (num_tokens, 1):
+        raise ValueError(f"shared.gate_logit: expected [{num_tokens}, 1], got {list(shared.gate_logit.shape)}")
+    for name in ("gate_up", "w2"):
+        if getattr(shared, name).stride(-1) != 1:
+            raise ValueError(f"shared.{name}: the last dim must be contiguous")
 
 
 def route_topk_softmax(
@@ -31,8 +57,11 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_offset: int = 0,
+    shared: SharedExpert | None = None,
 ) -> torch.Tensor:
-    """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts this rank holds.
+    """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts this rank holds, plus
+    sigmoid(gate_logit) * down(silu(gate) * up) of the shared expert when `shared` is given; float32
+    throughout, one rounding at the end.
     hidden: [T, H]; topk_weights, topk_ids: [T, top_k]. Returns [T, H] in hidden's dtype."""
     num_local, inter = w13.shape[0], w2.shape[2]
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
@@ -46,6 +75,9 @@ def fused_moe(
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         y = act @ w2[e].float().t()
         out.index_add_(0, token_idx, y * topk_weights[token_idx, k_idx, None].float())
+    if shared is not None:
+        check_shared(shared, hidden.shape[0], hidden.shape[1])
+        return shared_expert_combine(routed=out, **shared._asdict()).to(hidden.dtype)
     return out.to(hidden.dtype)
 
 

@@ -24,13 +24,21 @@ Experts outside [expert_offset, expert_offset + E) are skipped (expert paralleli
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from ..pdl import pdl_launch, pdl_wait
+from .naive import SharedExpert, check_shared
+from .triton_shared import sum_pairs_with_shared
 
 # at or under this many routed pairs the pairs path wins: no sorting launches. Above it repeated
 # experts cost the pairs path re-reads: at batch 16 (128 pairs) on the H200 the sorted path took 164 us
 # a call against 185 us (16 graph-captured calls, NOTES.md), so batch 8 at top-8 is the last on pairs
 PAIRS_PATH_MAX = 64
+# up to this many tokens the shared expert runs inside the fused MoE's last kernel (decode batches);
+# prefill-sized batches keep cuBLAS for its down projection
+SHARED_FUSED_MAX_TOKENS = 64
 
 
 # --- router -----------------------------------------------------------------------------------------
@@ -49,10 +57,12 @@ def _router_kernel(
     RENORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """weights[t], ids[t] = top-k of softmax(logits[t]) in float32, descending; among equal values the
     lower expert index comes first. Selection runs on the logits (softmax is monotonic), one
     argmax-and-mask round per slot."""
+    pdl_wait(USE_PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < num_tokens
     e = tl.arange(0, BLOCK_E)
@@ -108,6 +118,7 @@ def route_topk_softmax(
         BLOCK_T=cfg["block_t"],
         BLOCK_E=triton.next_power_of_2(num_experts),
         num_warps=cfg["num_warps"],
+        **pdl_launch(router_logits),
     )
     return weights, ids
 
@@ -126,8 +137,11 @@ def _router_config(num_tokens: int, on_gpu: bool) -> dict:
 
 
 @triton.jit
-def _count_kernel(topk_ids, counts, ranks, expert_offset, num_experts, num_pairs, BLOCK: tl.constexpr):
+def _count_kernel(
+    topk_ids, counts, ranks, expert_offset, num_experts, num_pairs, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
     """Per pair: its rank within its expert (atomic increment; order within an expert is free)."""
+    pdl_wait(USE_PDL)
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(topk_ids + p, mask=p < num_pairs, other=-1).to(tl.int32) - expert_offset
     local = (p < num_pairs) & (e >= 0) & (e < num_experts)
@@ -136,8 +150,9 @@ def _count_kernel(topk_ids, counts, ranks, expert_offset, num_experts, num_pairs
 
 
 @triton.jit
-def _scan_kernel(counts, offsets, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+def _scan_kernel(counts, offsets, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):
     """offsets[e] = start of expert e's padded rows; offsets[E] = all padded rows."""
+    pdl_wait(USE_PDL)
     e = tl.arange(0, BLOCK_E)
     c = tl.load(counts + e, mask=e < num_experts, other=0)
     padded = tl.cdiv(c, BLOCK_M) * BLOCK_M
@@ -163,9 +178,11 @@ def _place_kernel(
     CHUNK_E: tl.constexpr,
     CHUNK_B: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program i: scatters pairs chunk i to their rows, fills expert chunk i's padding rows with the
     sentinel num_pairs, and maps block chunk i to its expert (-1 past the last padded row)."""
+    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
     e = tl.load(topk_ids + p, mask=p < num_pairs, other=-1).to(tl.int32) - expert_offset
@@ -212,9 +229,11 @@ def _up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """act[pair, n] = silu(x @ gate^T) * (x @ up^T) for one block of pairs of one expert and one
     BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e]."""
+    pdl_wait(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -276,8 +295,10 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """y[pair, n] = weight[pair] * act[pair] @ w2[e, n]^T for one block of sorted pairs."""
+    pdl_wait(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded):
@@ -319,8 +340,10 @@ def _sum_kernel(
     HIDDEN: tl.constexpr,
     TOPK: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[t] = sum of its local slots' rows of y (non-local slots were never written)."""
+    pdl_wait(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
@@ -353,9 +376,11 @@ def _down_token_kernel(
     NUM_KB: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[t, n] = sum_j weight[t, j] * act[t, j] @ w2[e_j, n]^T in one pipelined loop over
     (slot, k-chunk); the act row sits in row 0 of a 16-row tile so the loads feed tl.dot."""
+    pdl_wait(USE_PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < HIDDEN
@@ -401,11 +426,13 @@ def _up_gemv_kernel(
     TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """act[pair, n] = silu(x . gate[n]) * (x . up[n]) for BLOCK_N rows n of one pair's expert.
     Pairs routed to another rank's expert exit (their act rows stay unset; the down kernel masks
     them). The K loop is unrolled and accumulates [BLOCK_N, BLOCK_K] partial products, reduced once
     at the end, so no barrier separates one chunk's loads from the next."""
+    pdl_wait(USE_PDL)
     pair = tl.program_id(0)
     e = tl.load(topk_ids + pair).to(tl.int32) - expert_offset
     if (e < 0) | (e >= num_experts):
@@ -453,16 +480,27 @@ def _down_gemv_kernel(
     s_we,
     s_wn,
     s_ot,
+    shared_gate_up,
+    shared_w2,
+    shared_gate_logit,
+    s_sgu,
+    s_sw2,
+    s_sgl,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
     TOPK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_I: tl.constexpr,
+    SHARED_INTER: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[t, h] = sum_j weight[t, j] * act[t, j] . w2[e_j, h] for BLOCK_H rows h, all top-k slots
     unrolled into one straight run of independent loads. A slot routed to another rank gets an
     empty column range: its loads are fully masked (an empty range instead of a scalar mask, which
-    the interpreter mistypes)."""
+    the interpreter mistypes). SHARED_INTER > 0: the shared expert is one more slot, its activation
+    silu(gate) * up formed on the fly from its gate/up projection and weighted by sigmoid(gate
+    logit), so the block's whole output leaves in one rounding."""
+    pdl_wait(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < HIDDEN
@@ -481,6 +519,16 @@ def _down_gemv_kernel(
             a = tl.load(a_ptr + i0, mask=i_ok, other=0.0).to(tl.float32) * w
             b = tl.load(b_ptr + i0, mask=h_ok[:, None] & i_ok[None, :], other=0.0, eviction_policy="evict_first")
             acc += b.to(tl.float32) * a[None, :]
+    if SHARED_INTER > 0:
+        scale = tl.sigmoid(tl.load(shared_gate_logit + t.to(tl.int64) * s_sgl).to(tl.float32))
+        g_ptr = shared_gate_up + t.to(tl.int64) * s_sgu + i
+        b_ptr = shared_w2 + h[:, None].to(tl.int64) * s_sw2 + i[None, :]
+        for i0 in tl.static_range(0, SHARED_INTER, BLOCK_I):
+            i_ok = i0 + i < SHARED_INTER
+            g = tl.load(g_ptr + i0, mask=i_ok, other=0.0).to(tl.float32)
+            u = tl.load(g_ptr + SHARED_INTER + i0, mask=i_ok, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + i0, mask=h_ok[:, None] & i_ok[None, :], other=0.0, eviction_policy="evict_first")
+            acc += b.to(tl.float32) * (g * tl.sigmoid(g) * u * scale)[None, :]
     tl.store(out + t.to(tl.int64) * s_ot + h, tl.sum(acc, 1).to(out.dtype.element_ty), mask=h_ok)
 
 
@@ -557,9 +605,16 @@ def align_pairs(
     chunk_e = max(1, 2048 // block_m)
     chunk_b = max(1, 4096 // block_e)
     _count_kernel[(triton.cdiv(num_pairs, block_p),)](
-        topk_ids, counts, ranks, expert_offset, num_experts, num_pairs, BLOCK=block_p
+        topk_ids,
+        counts,
+        ranks,
+        expert_offset,
+        num_experts,
+        num_pairs,
+        BLOCK=block_p,
+        **pdl_launch(topk_ids),
     )
-    _scan_kernel[(1,)](counts, offsets, num_experts, BLOCK_M=block_m, BLOCK_E=block_e)
+    _scan_kernel[(1,)](counts, offsets, num_experts, BLOCK_M=block_m, BLOCK_E=block_e, **pdl_launch(counts))
     grid = max(triton.cdiv(num_pairs, block_p), triton.cdiv(num_experts, chunk_e), triton.cdiv(max_blocks, chunk_b))
     _place_kernel[(grid,)](
         topk_ids,
@@ -577,11 +632,12 @@ def align_pairs(
         CHUNK_E=chunk_e,
         CHUNK_B=chunk_b,
         BLOCK_E=block_e,
+        **pdl_launch(topk_ids),
     )
     return sorted_ids, block_expert, offsets
 
 
-def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg) -> None:
+def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared=None) -> None:
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -606,6 +662,7 @@ def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg)
         BLOCK_K=up["block_k"],
         num_warps=up["num_warps"],
         num_stages=1,
+        **pdl_launch(hidden),
     )
     _down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, down["block_h"]))](
         act,
@@ -619,13 +676,30 @@ def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg)
         w2.stride(0),
         w2.stride(1),
         out.stride(0),
+        *_shared_args(shared, out),
         HIDDEN=hidden_size,
         INTER=inter,
         TOPK=top_k,
         BLOCK_H=down["block_h"],
         BLOCK_I=down["block_i"],
+        SHARED_INTER=0 if shared is None else shared.w2.shape[1],
         num_warps=down["num_warps"],
         num_stages=1,
+        **pdl_launch(act),
+    )
+
+
+def _shared_args(shared: SharedExpert | None, out: torch.Tensor) -> tuple:
+    """The down GEMV's shared-expert pointers and row strides (placeholders when there is none)."""
+    if shared is None:
+        return out, out, out, 0, 0, 0
+    return (
+        shared.gate_up,
+        shared.w2,
+        shared.gate_logit,
+        shared.gate_up.stride(0),
+        shared.w2.stride(0),
+        shared.gate_logit.stride(0),
     )
 
 
@@ -660,6 +734,7 @@ def _moe_pairs_mma(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, 
         BLOCK_K=up["block_k"],
         num_warps=up["num_warps"],
         num_stages=up["num_stages"],
+        **pdl_launch(hidden),
     )
     _down_token_kernel[(num_tokens, triton.cdiv(hidden_size, down["block_n"]))](
         act,
@@ -682,10 +757,11 @@ def _moe_pairs_mma(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, 
         BLOCK_K=down["block_k"],
         num_warps=down["num_warps"],
         num_stages=down["num_stages"],
+        **pdl_launch(act),
     )
 
 
-def _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg) -> None:
+def _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared=None) -> None:
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -723,6 +799,7 @@ def _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg
         BLOCK_K=up["block_k"],
         num_warps=up["num_warps"],
         num_stages=up["num_stages"],
+        **pdl_launch(hidden),
     )
     _down_kernel[(max_blocks, triton.cdiv(hidden_size, down["block_n"]))](
         act,
@@ -744,7 +821,20 @@ def _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg
         BLOCK_K=down["block_k"],
         num_warps=down["num_warps"],
         num_stages=down["num_stages"],
+        **pdl_launch(act),
     )
+    if shared is not None:
+        sum_pairs_with_shared(
+            y=y,
+            topk_ids=topk_ids,
+            expert_offset=expert_offset,
+            num_experts=num_experts,
+            gate_up=shared.gate_up,
+            w2=shared.w2,
+            gate_logit=shared.gate_logit,
+            out=out,
+        )
+        return
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     _sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
         y,
@@ -758,6 +848,7 @@ def _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg
         TOPK=top_k,
         BLOCK=block_h,
         num_warps=4,
+        **pdl_launch(y),
     )
 
 
@@ -769,19 +860,25 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_offset: int = 0,
+    shared: SharedExpert | None = None,
     path: str | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts this rank holds.
+    """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts this rank holds, plus the
+    gated shared expert when `shared` is given (naive.fused_moe).
 
     hidden: [T, H]; w13: [E, 2 * I, H] (gate rows then up rows); w2: [E, H, I];
     topk_weights, topk_ids: [T, top_k] (weights in any float dtype). Returns [T, H] in hidden's dtype.
+    Up to SHARED_FUSED_MAX_TOKENS rows the shared expert runs inside the last kernel (pairs: the down
+    GEMV; sorted: the routed sum); above it, after the routed experts as bf16 torch ops.
     `path` ("pairs", "sorted" or "pairs_mma") and `config` override the choice made from the shapes
     (tests and tuning sweeps)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
     assert w13.shape[2] == hidden_size and w2.shape == (num_experts, hidden_size, two_inter // 2), "weight shapes"
     assert hidden.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1, "contiguous last dims"
+    if shared is not None:
+        check_shared(shared, num_tokens, hidden_size)
     out = torch.empty_like(hidden)
     if num_tokens == 0:
         return out
@@ -789,15 +886,20 @@ def fused_moe(
     topk_weights = topk_weights.contiguous()
     num_pairs = topk_ids.numel()
     path = path or ("pairs" if num_pairs <= PAIRS_PATH_MAX else "sorted")
+    fold_shared = shared if num_tokens <= SHARED_FUSED_MAX_TOKENS and path != "pairs_mma" else None
     on_gpu = hidden.is_cuda
     if path == "pairs":
         cfg = config or _pairs_config(hidden_size, two_inter // 2, on_gpu)
-        _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg)
+        _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, fold_shared)
     elif path == "pairs_mma":
         cfg = config or _pairs_mma_config(on_gpu)
         _moe_pairs_mma(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg)
     else:
         assert path == "sorted", f"unknown path {path!r}"
         cfg = config or _sorted_config(num_pairs, num_experts, on_gpu)
-        _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg)
+        _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, fold_shared)
+    if shared is not None and fold_shared is None:  # prefill-sized: cuBLAS GEMM and a few elementwise ops
+        inter = shared.w2.shape[1]
+        act = F.silu(shared.gate_up[:, :inter]) * shared.gate_up[:, inter:]
+        out = out + torch.sigmoid(shared.gate_logit) * F.linear(act, shared.w2)
     return out

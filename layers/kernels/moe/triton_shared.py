@@ -1,12 +1,16 @@
-"""The shared expert's tail at decode, one kernel: out = routed + sigmoid(gate_logit) *
-(silu(gate) * up) @ w2.T. At batch 1 this replaced six launches per MoE layer (silu, mul, the down
-GEMV, sigmoid, mul, add), each a few microseconds of mostly launch gap inside the decode graph.
+"""The shared expert folded into the fused MoE's last kernel, for the sorted path (the pairs path
+folds it into its down GEMV, triton_moe._down_gemv_kernel).
 
-Grid (H / BLOCK_N, T): a program streams BLOCK_N rows of w2 (16-byte loads, evict_first) and
-forms the activation of its token on the fly, in float32, from the gate/up projection's output.
-The activation chunk is loaded broadcast to the weight tile's shape (the same addresses in every
-row: L1 hits), so it arrives in the tile's register layout without a shared-memory shuffle. The
-gate and the routed sum are applied in the epilogue; one rounding to the output dtype at the end.
+out[t] = sum_j y[t * top_k + j] + sigmoid(gate_logit[t]) * (silu(gate[t]) * up[t]) @ w2.T
+
+y holds the down kernel's weighted per-pair rows. Before this kernel the block ended with the
+routed sum kernel and then six launches for the shared expert's tail (silu, mul, the down GEMM,
+sigmoid, mul, add): at batch 16 about 15 us per layer of mostly launch gaps in the decode graph.
+
+Grid (H / BLOCK_N, T / BLOCK_T): a program forms the activation of BLOCK_T tokens from the gate/up
+projection's output (float32, rounded to the weights' dtype for the tensor cores), multiplies it by
+BLOCK_N rows of w2 with tl.dot, scales each token's row by its gate, adds the token's routed slots
+and rounds once.
 """
 
 from __future__ import annotations
@@ -15,82 +19,118 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import pdl_launch, pdl_wait
+
 
 @triton.jit
-def _shared_combine_kernel(
-    routed,
+def _sum_shared_kernel(
+    y,
+    topk_ids,
     gate_up,
     w2,
     gate_logit,
     out,
-    H,
-    s_routed,
-    s_gate_up,
+    expert_offset,
+    num_experts,
+    num_tokens,
+    s_yp,
+    s_gu,
     s_w2,
-    s_gate,
-    s_out,
+    s_gl,
+    s_ot,
+    HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    t = tl.program_id(1).to(tl.int64)
+    pdl_wait(USE_PDL)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < num_tokens
+    t64 = tl.where(t_ok, t, 0).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ld = tl.minimum(n, H - 1).to(tl.int64)  # rows past H re-read the last one; never stored
+    n_ok = n < HIDDEN
     k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for k0 in tl.static_range(0, INTER, BLOCK_K):
-        cols = k0 + k[None, :] + 0 * n[:, None]  # [BLOCK_N, BLOCK_K], every row the same columns
-        k_ok = cols < INTER
-        g = tl.load(gate_up + t * s_gate_up + cols, mask=k_ok, other=0.0).to(tl.float32)
-        u = tl.load(gate_up + t * s_gate_up + INTER + cols, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w2 + n_ld[:, None] * s_w2 + cols, mask=k_ok, other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * (g * tl.sigmoid(g) * u)
-    shared = tl.sum(acc, 1)
-    scale = tl.sigmoid(tl.load(gate_logit + t * s_gate).to(tl.float32))
-    base = tl.load(routed + t * s_routed + n_ld).to(tl.float32)
-    tl.store(out + t * s_out + n, (base + scale * shared).to(out.dtype.element_ty), mask=n < H)
+        k_ok = k0 + k < INTER
+        a_ok = t_ok[:, None] & k_ok[None, :]
+        g_ptr = gate_up + t64[:, None] * s_gu + (k0 + k)[None, :]
+        g = tl.load(g_ptr, mask=a_ok, other=0.0).to(tl.float32)
+        u = tl.load(g_ptr + INTER, mask=a_ok, other=0.0).to(tl.float32)
+        a = (g * tl.sigmoid(g) * u).to(w2.dtype.element_ty)
+        w_ptr = w2 + n[None, :].to(tl.int64) * s_w2 + (k0 + k)[:, None]
+        w = tl.load(w_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0, eviction_policy="evict_first")
+        if DOT_IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    scale = tl.sigmoid(tl.load(gate_logit + t64 * s_gl, mask=t_ok, other=0.0).to(tl.float32))
+    acc = acc * scale[:, None]
+    for j in tl.static_range(TOPK):
+        pair = t64 * TOPK + j
+        e = tl.load(topk_ids + pair, mask=t_ok, other=0).to(tl.int32) - expert_offset
+        local = t_ok & (e >= 0) & (e < num_experts)  # other ranks' slots were never written
+        routed = tl.load(y + pair[:, None] * s_yp + n[None, :], mask=local[:, None] & n_ok[None, :], other=0.0)
+        acc += routed.to(tl.float32)
+    dst = out + t64[:, None] * s_ot + n[None, :]
+    tl.store(dst, acc.to(out.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
 
 
-def shared_expert_combine(
+def sum_pairs_with_shared(
     *,
-    routed: torch.Tensor,
+    y: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int,
+    num_experts: int,
     gate_up: torch.Tensor,
     w2: torch.Tensor,
     gate_logit: torch.Tensor,
+    out: torch.Tensor,
     config: dict | None = None,
-) -> torch.Tensor:
-    """See naive.shared_expert_combine. routed: [T, H]; gate_up: [T, 2 * I]; w2: [H, I];
-    gate_logit: [T, 1]; rows may be strided (column slices of a fused projection), columns must be
-    contiguous. `config` (block_n, block_k, num_warps) overrides the tiles."""
-    num_tokens, hidden = routed.shape
-    inter = w2.shape[1]
-    assert w2.shape[0] == hidden and gate_up.shape == (num_tokens, 2 * inter), "shapes"
-    assert gate_logit.shape == (num_tokens, 1), "gate_logit is [T, 1]"
-    for name, t in (("routed", routed), ("gate_up", gate_up), ("w2", w2)):
+) -> None:
+    """out[t] = sum of token t's local rows of y [T * top_k, H] + sigmoid(gate_logit[t]) *
+    (silu(gate) * up)[t] @ w2.T. topk_ids: [T, top_k] (contiguous); gate_up: [T, 2 * I] and
+    gate_logit: [T, 1] may be column slices of one projection (strided rows); w2: [H, I];
+    out: [T, H]. `config` (block_t, block_n, block_k, num_warps) overrides the tiles."""
+    num_tokens, hidden = out.shape
+    top_k, inter = topk_ids.shape[1], w2.shape[1]
+    assert y.shape == (num_tokens * top_k, hidden) and w2.shape[0] == hidden, "shapes"
+    assert gate_up.shape == (num_tokens, 2 * inter) and gate_logit.shape == (num_tokens, 1), "shared shapes"
+    for name, t in (("y", y), ("gate_up", gate_up), ("w2", w2), ("out", out)):
         assert t.stride(-1) == 1, f"{name}: contiguous last dim"
-    out = torch.empty_like(routed)
-    if num_tokens == 0 or hidden == 0:
-        return out
+    if num_tokens == 0:
+        return
     if config is None:
-        if routed.is_cuda:  # 2 rows x 512 columns of bf16: the linear sweep's best GEMV tile at N=2048, K=512
-            config = dict(block_n=2, block_k=min(512, triton.next_power_of_2(inter)), num_warps=4)
-        else:  # interpreter
-            config = dict(block_n=8, block_k=min(64, triton.next_power_of_2(inter)), num_warps=4)
-    _shared_combine_kernel[(triton.cdiv(hidden, config["block_n"]), num_tokens)](
-        routed,
+        block_k = max(16, min(128 if out.is_cuda else 32, triton.next_power_of_2(inter)))
+        block_t = max(16, min(64, triton.next_power_of_2(num_tokens)))
+        config = dict(block_t=block_t, block_n=32 if out.is_cuda else 16, block_k=block_k, num_warps=4)
+    grid = (triton.cdiv(hidden, config["block_n"]), triton.cdiv(num_tokens, config["block_t"]))
+    _sum_shared_kernel[grid](
+        y,
+        topk_ids,
         gate_up,
         w2,
         gate_logit,
         out,
-        hidden,
-        routed.stride(0),
+        expert_offset,
+        num_experts,
+        num_tokens,
+        y.stride(0),
         gate_up.stride(0),
         w2.stride(0),
         gate_logit.stride(0),
         out.stride(0),
+        HIDDEN=hidden,
         INTER=inter,
+        TOPK=top_k,
+        BLOCK_T=config["block_t"],
         BLOCK_N=config["block_n"],
         BLOCK_K=config["block_k"],
+        DOT_IEEE=w2.dtype == torch.float32,
         num_warps=config["num_warps"],
+        **pdl_launch(y),
     )
-    return out

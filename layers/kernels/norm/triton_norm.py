@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import pdl_launch, pdl_wait
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -30,7 +32,9 @@ def _rms_norm_kernel(
     ZERO_CENTERED: tl.constexpr,
     HAS_GATE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = (r < num_rows)[:, None] & (d < DIM)[None, :]
@@ -97,6 +101,7 @@ def _launch(x, weight, eps, *, gate=None, residual=None, zero_centered=False):
         HAS_GATE=gate is not None,
         HAS_RESIDUAL=residual is not None,
         num_warps=8 if rows * block_d >= 4096 else 4,
+        **pdl_launch(x2),
     )
     return out, res_out
 

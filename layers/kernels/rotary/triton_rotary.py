@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import pdl_launch, pdl_wait
+
 
 @triton.jit
 def _qk_norm_rope_kernel(
@@ -33,7 +35,9 @@ def _qk_norm_rope_kernel(
     D: tl.constexpr,
     ROT: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     is_q = h < num_q_heads
@@ -121,5 +125,6 @@ def qk_norm_rope(
         ROT=rotary_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=1 if head_dim <= 128 else 2,
+        **pdl_launch(q),
     )
     return q_out, k_out
