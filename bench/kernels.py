@@ -1,7 +1,7 @@
 """Kernel benchmark: each Triton kernel at Qwen3.5-35B-A3B shapes against its reference (and fla
 for GDN) in the same run, with an agreement check and the HBM floor.
 
-    python -m deltaserve.bench.kernels [--only gdn,attention,moe,conv1d,norm] [--json out.json]
+    python -m deltaserve.bench.kernels [--only gdn,attention,moe,conv1d,norm] [--match shared,graph] [--json out.json]
 
 GPU only. Cases come from bench/kernels_<op>.py modules, each exposing `cases() -> list[Case]`.
 """
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default=",".join(OPS))
     parser.add_argument("--json", default=None)
+    parser.add_argument("--match", default="", help="only cases whose op name contains one of these (comma-separated)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.kernels needs a CUDA device", file=sys.stderr)
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     for op in args.only.split(","):
         module = importlib.import_module(f"deltaserve.bench.kernels_{op}")
         for case in module.cases():
+            if args.match and not any(m in case.op for m in args.match.split(",")):
+                continue
             err = case.check()
             ok = err <= case.tolerance
             row = {"op": case.op, "shape": case.shape, "max_err": err, "ok": ok, "target": case.target}

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.layers.kernels import moe as moe_kernels
-from deltaserve.layers.kernels.moe import naive
+from deltaserve.layers.kernels.moe import naive, triton_shared
 from deltaserve.layers.kernels.moe import triton_moe as tm
 from deltaserve.layers.kernels.moe.naive import SharedExpert
 
@@ -87,6 +87,38 @@ def test_matches_reference(device, path, tokens, hidden, inter, shared_inter, lo
     assert not out.isnan().any(), "an output element was never written"
     tol = 1e-5 if device.type == "cpu" else 5e-3  # tf32-free float32 on the interpreter
     assert ((out - ref).norm() / ref.norm()).item() < tol
+
+
+@pytest.mark.parametrize("form", ["gemv", "mma"])
+@pytest.mark.parametrize(("tokens", "offset"), [(1, 0), (7, 3), (16, 0)])
+def test_sum_pairs_with_shared_forms(device, form, tokens, offset):
+    """The sorted path's last kernel in both forms: each token's local weighted rows of y summed
+    (other ranks' slots never written: NaN there must not leak) plus the gated shared expert."""
+    g = torch.Generator().manual_seed(tokens)
+    hidden, inter, top_k, local = 37, 24, 3, 5
+    ids = torch.randint(0, 9, (tokens, top_k), generator=g)
+    y = torch.randn(tokens * top_k, hidden, generator=g)
+    is_local = ((ids.flatten() >= offset) & (ids.flatten() < offset + local))[:, None]
+    y = torch.where(is_local, y, torch.nan)
+    proj = torch.randn(tokens, 2 * inter + 5, generator=g)
+    w2 = torch.randn(hidden, inter, generator=g) * inter**-0.5
+    shared = SharedExpert(gate_up=proj[:, : 2 * inter], w2=w2, gate_logit=proj[:, 2 * inter + 2 : 2 * inter + 3])
+    ref = naive.shared_expert_combine(
+        routed=torch.where(is_local, y, 0.0).view(tokens, top_k, hidden).sum(1), **shared._asdict()
+    )
+    shared = SharedExpert(*(t.to(device) for t in shared))
+    out = torch.empty(tokens, hidden, device=device)
+    triton_shared.sum_pairs_with_shared(
+        y=y.to(device),
+        topk_ids=ids.to(device),
+        expert_offset=offset,
+        num_experts=local,
+        **shared._asdict(),
+        out=out,
+        config=dict(form=form),
+    )
+    assert not out.isnan().any()
+    assert (out.cpu() - ref).abs().max().item() < (1e-5 if device.type == "cpu" else 5e-3)
 
 
 def test_above_the_fused_cap_composes_with_torch(device, monkeypatch):

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import pdl_launch, pdl_wait
+from ..pdl import pdl_launch, pdl_prefetch, pdl_wait, prefetch_l2
 
 
 @triton.jit
@@ -80,6 +80,64 @@ def _sum_shared_kernel(
     tl.store(dst, acc.to(out.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _sum_shared_gemv_kernel(
+    y,
+    topk_ids,
+    gate_up,
+    w2,
+    gate_logit,
+    out,
+    expert_offset,
+    num_experts,
+    num_tokens,
+    s_yp,
+    s_gu,
+    s_w2,
+    s_gl,
+    s_ot,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    TOPK: tl.constexpr,
+    MAX_TOKENS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """The GEMV form: one program per BLOCK_H rows of w2, every token in turn (unrolled up to
+    MAX_TOKENS), the weight chunk re-read from L1 for each token after the first; activations are
+    loaded broadcast to the weight tile's shape (same addresses per row: L1 hits)."""
+    h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ld = tl.minimum(h, HIDDEN - 1).to(tl.int64)
+    i = tl.arange(0, BLOCK_I)
+    cols = i[None, :] + 0 * h[:, None]  # [BLOCK_H, BLOCK_I], every row the same columns
+    if PREFETCH:
+        prefetch_l2(w2 + h_ld[:, None] * s_w2 + tl.minimum(cols, INTER - 1))
+    pdl_wait(USE_PDL)
+    for t in tl.static_range(MAX_TOKENS):
+        # tokens past num_tokens: empty column and row ranges (masked loads, no store)
+        inter_t = tl.where(t < num_tokens, INTER, 0)
+        acc = tl.zeros([BLOCK_H, BLOCK_I], tl.float32)
+        for i0 in tl.static_range(0, INTER, BLOCK_I):
+            a_ok = i0 + cols < inter_t
+            g = tl.load(gate_up + t * s_gu + i0 + cols, mask=a_ok, other=0.0).to(tl.float32)
+            u = tl.load(gate_up + t * s_gu + INTER + i0 + cols, mask=a_ok, other=0.0).to(tl.float32)
+            w = tl.load(w2 + h_ld[:, None] * s_w2 + i0 + cols, mask=a_ok, other=0.0)
+            acc += w.to(tl.float32) * (g * tl.sigmoid(g) * u)
+        t_ld = tl.minimum(t, num_tokens - 1)
+        total = tl.sum(acc, 1) * tl.sigmoid(tl.load(gate_logit + t_ld * s_gl).to(tl.float32))
+        for j in tl.static_range(TOPK):
+            e = tl.load(topk_ids + t_ld * TOPK + j).to(tl.int32) - expert_offset
+            local = (e >= 0) & (e < num_experts)
+            row_ok = h < tl.where(local & (t < num_tokens), HIDDEN, 0)
+            total += tl.load(y + (t_ld * TOPK + j) * s_yp + h, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(out + t_ld * s_ot + h, total.to(out.dtype.element_ty), mask=h < tl.where(t < num_tokens, HIDDEN, 0))
+
+
+GEMV_MAX_TOKENS = 16  # the GEMV form unrolls its token loop; larger batches take the MMA form
+
+
 def sum_pairs_with_shared(
     *,
     y: torch.Tensor,
@@ -95,7 +153,9 @@ def sum_pairs_with_shared(
     """out[t] = sum of token t's local rows of y [T * top_k, H] + sigmoid(gate_logit[t]) *
     (silu(gate) * up)[t] @ w2.T. topk_ids: [T, top_k] (contiguous); gate_up: [T, 2 * I] and
     gate_logit: [T, 1] may be column slices of one projection (strided rows); w2: [H, I];
-    out: [T, H]. `config` (block_t, block_n, block_k, num_warps) overrides the tiles."""
+    out: [T, H]. `config` overrides the form ("gemv" up to GEMV_MAX_TOKENS tokens, the default
+    there; "mma") and its tiles (gemv: block_h, num_warps; mma: block_t, block_n, block_k,
+    num_warps)."""
     num_tokens, hidden = out.shape
     top_k, inter = topk_ids.shape[1], w2.shape[1]
     assert y.shape == (num_tokens * top_k, hidden) and w2.shape[0] == hidden, "shapes"
@@ -104,10 +164,41 @@ def sum_pairs_with_shared(
         assert t.stride(-1) == 1, f"{name}: contiguous last dim"
     if num_tokens == 0:
         return
-    if config is None:
-        block_k = max(16, min(128 if out.is_cuda else 32, triton.next_power_of_2(inter)))
-        block_t = max(16, min(64, triton.next_power_of_2(num_tokens)))
-        config = dict(block_t=block_t, block_n=32 if out.is_cuda else 16, block_k=block_k, num_warps=4)
+    form = (config or {}).get("form") or ("gemv" if num_tokens <= GEMV_MAX_TOKENS else "mma")
+    if form == "gemv":
+        assert num_tokens <= GEMV_MAX_TOKENS, "the GEMV form takes up to GEMV_MAX_TOKENS tokens"
+        block_h = (config or {}).get("block_h", 4 if out.is_cuda else 8)
+        block_i = min(512 if out.is_cuda else 32, triton.next_power_of_2(inter))
+        _sum_shared_gemv_kernel[(triton.cdiv(hidden, block_h),)](
+            y,
+            topk_ids,
+            gate_up,
+            w2,
+            gate_logit,
+            out,
+            expert_offset,
+            num_experts,
+            num_tokens,
+            y.stride(0),
+            gate_up.stride(0),
+            w2.stride(0),
+            gate_logit.stride(0),
+            out.stride(0),
+            HIDDEN=hidden,
+            INTER=inter,
+            TOPK=top_k,
+            MAX_TOKENS=triton.next_power_of_2(num_tokens),
+            BLOCK_H=block_h,
+            BLOCK_I=block_i,
+            num_warps=(config or {}).get("num_warps", 4),
+            PREFETCH=pdl_prefetch(w2),
+            **pdl_launch(y),
+        )
+        return
+    block_k = max(16, min(128 if out.is_cuda else 32, triton.next_power_of_2(inter)))
+    block_t = max(16, min(64, triton.next_power_of_2(num_tokens)))
+    tiles = dict(block_t=block_t, block_n=32 if out.is_cuda else 16, block_k=block_k, num_warps=4)
+    config = {**tiles, **(config or {})}
     grid = (triton.cdiv(hidden, config["block_n"]), triton.cdiv(num_tokens, config["block_t"]))
     _sum_shared_kernel[grid](
         y,
