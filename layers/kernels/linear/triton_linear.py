@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import pdl_launch, pdl_prefetch, pdl_wait, prefetch_l2
+from ..pdl import pdl_launch, pdl_wait
 from .tuned import TUNED, tuned_key
 
 # Split-K "sem" counters: one int32 per output tile of a launch; a launch with more tiles uses "pass".
@@ -118,9 +118,6 @@ def _linear_kernel(
     HAS_BIAS: tl.constexpr,
     SEMAPHORE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    LINE_ELEMS: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -132,9 +129,6 @@ def _linear_kernel(
     k_start = pid_k * K_SPLIT
     k_left = K - k_start
     w_ptr = w + n_ld[:, None] * s_wn + (k_start + k_rel)[None, :]
-    if PREFETCH:  # this program's weight lines towards L2 while the previous kernel finishes
-        lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, tl.minimum(K_SPLIT, k_left) - 1)
-        prefetch_l2(w + n_ld[:, None] * s_wn + (k_start + lines)[None, :])
     pdl_wait(USE_PDL)
 
     if USE_DOT:
@@ -410,11 +404,8 @@ def linear(
         UNROLL=cfg["k_split"] // cfg["block_k"] <= 16,
         HAS_BIAS=bias is not None,
         SEMAPHORE=semaphore,
-        LINE_ELEMS=128 // weight.element_size(),
-        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(cfg["k_split"] * weight.element_size(), 128)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        PREFETCH=pdl_prefetch(weight),
         **pdl_launch(x),
     )
     if split > 1 and not semaphore:

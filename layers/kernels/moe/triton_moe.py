@@ -28,18 +28,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..pdl import pdl_launch, pdl_prefetch, pdl_wait, prefetch_l2
+from ..pdl import pdl_launch, pdl_wait
 from .naive import SharedExpert, check_shared
-from .triton_shared import sum_pairs_with_shared
 
 # at or under this many routed pairs the pairs path wins: no sorting launches. Above it repeated
 # experts cost the pairs path re-reads: at batch 16 (128 pairs) on the H200 the sorted path took 164 us
 # a call against 185 us (16 graph-captured calls, NOTES.md), so batch 8 at top-8 is the last on pairs
 PAIRS_PATH_MAX = 64
-# up to this many tokens the shared expert runs inside the fused MoE's last kernel. H200, 16 graph-
-# captured blocks against the routed kernels + the torch composition: batch 1 299 vs 499 us, batch 8
-# 1.62 vs 1.90 ms, batch 16 2.86 vs 2.86 ms, batch 64 5.90 vs 5.62 ms (docs/PERF.md)
-SHARED_FUSED_MAX_TOKENS = 16
 
 
 # --- router -----------------------------------------------------------------------------------------
@@ -494,33 +489,18 @@ def _down_gemv_kernel(
     BLOCK_I: tl.constexpr,
     SHARED_INTER: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    LINE_ELEMS: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
 ):
     """out[t, h] = sum_j weight[t, j] * act[t, j] . w2[e_j, h] for BLOCK_H rows h, all top-k slots
     unrolled into one straight run of independent loads. A slot routed to another rank gets an
     empty column range: its loads are fully masked (an empty range instead of a scalar mask, which
     the interpreter mistypes). SHARED_INTER > 0: the shared expert is one more slot, its activation
     silu(gate) * up formed on the fly from its gate/up projection and weighted by sigmoid(gate
-    logit), so the block's whole output leaves in one rounding.
-    With PDL the program first sends its weight rows towards L2. topk_ids may be read before the
-    wait: they were written before the up kernel, and this launch follows the up kernel's own wait;
-    act (the up kernel's output) is read after it."""
+    logit), so the block's whole output leaves in one rounding."""
+    pdl_wait(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < HIDDEN
     i = tl.arange(0, BLOCK_I)
-    if PREFETCH:
-        h_ld = tl.minimum(h, HIDDEN - 1).to(tl.int64)[:, None]
-        line = tl.arange(0, PREFETCH_LINES)[None, :] * LINE_ELEMS
-        for j in tl.static_range(TOPK):
-            e = tl.load(topk_ids + t * TOPK + j).to(tl.int32) - expert_offset
-            e = tl.where((e >= 0) & (e < num_experts), e, 0)
-            prefetch_l2(w2 + e.to(tl.int64) * s_we + h_ld * s_wn + tl.minimum(line, INTER - 1))
-        if SHARED_INTER > 0:
-            prefetch_l2(shared_w2 + h_ld * s_sw2 + tl.minimum(line, SHARED_INTER - 1))
-    pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_H, BLOCK_I], tl.float32)
     for j in tl.static_range(TOPK):
         pair = t * TOPK + j
@@ -699,13 +679,8 @@ def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg,
         BLOCK_H=down["block_h"],
         BLOCK_I=down["block_i"],
         SHARED_INTER=0 if shared is None else shared.w2.shape[1],
-        LINE_ELEMS=128 // w2.element_size(),
-        PREFETCH_LINES=triton.next_power_of_2(
-            triton.cdiv(max(inter, 0 if shared is None else shared.w2.shape[1]) * w2.element_size(), 128)
-        ),
         num_warps=down["num_warps"],
         num_stages=1,
-        PREFETCH=pdl_prefetch(w2),
         **pdl_launch(act),
     )
 
@@ -782,7 +757,7 @@ def _moe_pairs_mma(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, 
     )
 
 
-def _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared=None) -> None:
+def _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg) -> None:
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -844,18 +819,6 @@ def _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg
         num_stages=down["num_stages"],
         **pdl_launch(act),
     )
-    if shared is not None:
-        sum_pairs_with_shared(
-            y=y,
-            topk_ids=topk_ids,
-            expert_offset=expert_offset,
-            num_experts=num_experts,
-            gate_up=shared.gate_up,
-            w2=shared.w2,
-            gate_logit=shared.gate_logit,
-            out=out,
-        )
-        return
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     _sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
         y,
@@ -890,8 +853,11 @@ def fused_moe(
 
     hidden: [T, H]; w13: [E, 2 * I, H] (gate rows then up rows); w2: [E, H, I];
     topk_weights, topk_ids: [T, top_k] (weights in any float dtype). Returns [T, H] in hidden's dtype.
-    Up to SHARED_FUSED_MAX_TOKENS rows the shared expert runs inside the last kernel (pairs: the down
-    GEMV; sorted: the routed sum); above it, after the routed experts as bf16 torch ops.
+    The pairs path (decode batches up to 8 tokens at top-8) runs the shared expert inside its down
+    GEMV; the other paths add it after the routed experts with torch ops (cuBLAS for its down
+    projection). H200, 16 graph-captured blocks against the routed kernels + the torch
+    composition: batch 1 299 vs 499 us, batch 8 1.62 vs 1.90 ms (docs/PERF.md); at batch 16 a
+    tensor-core kernel fusing it into the sorted path's routed sum only tied the composition.
     `path` ("pairs", "sorted" or "pairs_mma") and `config` override the choice made from the shapes
     (tests and tuning sweeps)."""
     num_tokens, hidden_size = hidden.shape
@@ -907,7 +873,7 @@ def fused_moe(
     topk_weights = topk_weights.contiguous()
     num_pairs = topk_ids.numel()
     path = path or ("pairs" if num_pairs <= PAIRS_PATH_MAX else "sorted")
-    fold_shared = shared if num_tokens <= SHARED_FUSED_MAX_TOKENS and path != "pairs_mma" else None
+    fold_shared = shared if path == "pairs" else None
     on_gpu = hidden.is_cuda
     if path == "pairs":
         cfg = config or _pairs_config(hidden_size, two_inter // 2, on_gpu)
@@ -918,8 +884,8 @@ def fused_moe(
     else:
         assert path == "sorted", f"unknown path {path!r}"
         cfg = config or _sorted_config(num_pairs, num_experts, on_gpu)
-        _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, fold_shared)
-    if shared is not None and fold_shared is None:  # prefill-sized: cuBLAS GEMM and a few elementwise ops
+        _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg)
+    if shared is not None and fold_shared is None:
         inter = shared.w2.shape[1]
         act = F.silu(shared.gate_up[:, :inter]) * shared.gate_up[:, inter:]
         out = out + torch.sigmoid(shared.gate_logit) * F.linear(act, shared.w2)
