@@ -389,7 +389,7 @@ def add_parser(sub) -> None:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="overlap passes (default: in-process yes, Ray worker group no; --async-scheduling with --tp)",
+        help="overlap passes (default: wherever supported: in-process, and the Ray worker group over the shm ring)",
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument(

@@ -65,3 +65,17 @@ def test_runner_runs_every_fitting_warmup_batch(tiny_checkpoints, monkeypatch):
     runner.compile_warmup(pool)
     expected = [sum(n for _, n in b) for b in WARMUP_BATCHES if warmup_fits(b, 2048, SIZES)]
     assert ran == expected and 3072 not in ran  # over the token budget: skipped
+
+
+def test_late_compile_log_records_and_warns(caplog):
+    """The JIT hooks the runner installs after start-up: a compile is timed, kept and logged as a
+    warning naming the kernel; the before-hook never asks Triton to skip the compile."""
+    from deltaserve.workers.compile_watch import LateCompileLog
+
+    late = LateCompileLog()
+    assert late.before(key="k1", repr="_linear_kernel[num_warps=4](x: *bf16)") is None
+    with caplog.at_level("WARNING", logger="deltaserve.workers.compile_watch"):
+        late.after(key="k1", repr="_linear_kernel[num_warps=4](x: *bf16)")
+    assert [r for r, _ in late.events] == ["_linear_kernel[num_warps=4](x: *bf16)"]
+    assert late.events[0][1] >= 0
+    assert "_linear_kernel" in caplog.text and "after start-up" in caplog.text

@@ -27,6 +27,7 @@ from deltaserve.cluster.wire import WireError
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.loader import load_model
 from deltaserve.layers.parallel import ParallelLayout
+from deltaserve.workers.compile_watch import LateCompileLog
 from deltaserve.workers.context import HostCopy, build_forward_context, logits_rows, upload
 from deltaserve.workers.sampler import LogprobParts, SampledBatch, Sampler
 from deltaserve.workers.state_pool import PoolSizes, StatePool, size_pools
@@ -80,6 +81,7 @@ class ModelRunner:
         )
         self.pool: StatePool | None = None
         self.graphs = None
+        self.late_compiles: LateCompileLog | None = None  # set once start-up is over (allocate)
         self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
         self._unresolved: deque[PassOutput] = deque()  # launched passes whose output is not read yet
         self._last_pass_end = None  # with config.time_passes: the last launched pass's end event
@@ -154,7 +156,8 @@ class ModelRunner:
                 self._forward(_warmup_plan(streams, pool.sizes.block_size), pool)
 
     def allocate(self, sizes: PoolSizes) -> None:
-        """Allocate the pools (the same sizes on every rank)."""
+        """Allocate the pools (the same sizes on every rank); from here on a Triton compile is logged
+        (`compile_watch`): start-up compiled what it could."""
         self.sizes = sizes
         self.pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
         if self.device.type == "cuda" and self.config.enable_cuda_graphs:
@@ -170,6 +173,9 @@ class ModelRunner:
                 scratch_page=sizes.num_blocks - 1,
                 batch_sizes=tuple(b for b in DEFAULT_BATCH_SIZES if b <= self.config.cuda_graph_max_batch),
             )
+        if self.device.type == "cuda":  # after the graph captures, which compile the decode kernels
+            self.late_compiles = LateCompileLog()
+            self.late_compiles.install()
 
     # ---- one pass ----------------------------------------------------------------------------
     def _forward(self, plan: PassPlan, pool: StatePool, prev_tokens: torch.Tensor | None = None):

@@ -1,0 +1,37 @@
+"""Triton compiles after start-up, logged: a kernel compiled on first use in the middle of serving
+stalls every running request for as long as the compile takes (seconds), which shows in TTFT and
+ITL tails. Start-up warm-up (`runner.WARMUP_BATCHES`) aims to compile every variant a server
+meets; this names the ones it missed."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+log = logging.getLogger(__name__)
+
+
+class LateCompileLog:
+    """Triton's JIT hooks (before and after each compile): each compile is logged as a warning with
+    its kernel signature and how long it took, and kept in `events` (repr, seconds)."""
+
+    def __init__(self, keep: int = 256):
+        self.events: deque[tuple[str, float]] = deque(maxlen=keep)
+        self._started: dict[str, float] = {}
+
+    def before(self, *, key: str, **_) -> None:
+        self._started[key] = time.perf_counter()
+        return None  # a true value would tell Triton to skip the compile
+
+    def after(self, *, key: str, repr: str, **_) -> None:
+        took = time.perf_counter() - self._started.pop(key, time.perf_counter())
+        self.events.append((repr, took))
+        log.warning("Triton compiled a kernel after start-up in %.2f s (a first-use stall): %s", took, repr[:400])
+
+    def install(self) -> None:
+        """Hook this log into Triton (process-wide: one model runner per worker process)."""
+        import triton
+
+        triton.knobs.runtime.jit_cache_hook = self.before
+        triton.knobs.runtime.jit_post_compile_hook = self.after
