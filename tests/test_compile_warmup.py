@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+import triton
+import triton.language as tl
 
 from deltaserve.cluster.wire import decode_plan, encode_plan
 from deltaserve.layers.config import ModelConfig
@@ -79,3 +82,28 @@ def test_late_compile_log_records_and_warns(caplog):
     assert [r for r, _ in late.events] == ["_linear_kernel[num_warps=4](x: *bf16)"]
     assert late.events[0][1] >= 0
     assert "_linear_kernel" in caplog.text and "after start-up" in caplog.text
+
+
+@pytest.mark.gpu
+def test_gpu_late_compile_log_sees_a_real_compile():
+    """Installed into this Triton, the hooks see a kernel compiled after installation (their keyword
+    signature matches what Triton passes), and the kernel still runs."""
+    from deltaserve.workers.compile_watch import LateCompileLog
+
+    before = (triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook)
+    late = LateCompileLog()
+    late.install()
+    try:
+        x = torch.zeros(5, device="cuda")
+        _add_one[(1,)](x, 5, BLOCK=8)
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook = before
+    assert torch.equal(x.cpu(), torch.ones(5))
+    assert any("_add_one" in r for r, _ in late.events)
+
+
+@triton.jit
+def _add_one(x, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(x + i, tl.load(x + i, mask=i < n) + 1, mask=i < n)
