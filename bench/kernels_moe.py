@@ -6,7 +6,7 @@
   (naive.fused_moe on GPU), called eagerly: at small batches that time includes the launches.
 - fused_moe+shared[graph]: GRAPH_CALLS blocks' experts with the shared expert folded into the last
   kernel, against the routed kernels plus the torch composition of the shared expert's tail (silu,
-  mul, down GEMM, sigmoid, mul, add: six launches per block), at batch 1 and 8 (the pairs path).
+  mul, down GEMM, sigmoid, mul, add: six launches per block), at batch 1 and 8 (pairs path) and 16 and 64 (sorted path).
 - fused_moe[graph]: GRAPH_CALLS calls with distinct routings captured in one CUDA graph, each path
   at decode batches: the kernels' own time with no launch gaps, and cold weights in every call
   (each call routes to other experts than the one before). Time and floor are for all the calls.
@@ -217,7 +217,7 @@ GRAPH_CASES += [(16, "pairs"), (16, "sorted"), (32, "pairs"), (32, "sorted")]
 def cases() -> list[Case]:
     out = [_router_case(t) for t in (1, 64, 256, 8192)]
     out.append(_router_step_case())
-    out += [_shared_graph_case(t) for t in (1, 8)]
+    out += [_shared_graph_case(t) for t in (1, 8, 16, 64)]
     out += [_case(t) for t in (1, 16, 64, 256)]
     out += [_graph_case(t, path) for t, path in GRAPH_CASES]
     return out

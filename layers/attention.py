@@ -83,7 +83,7 @@ class GatedAttention(nn.Module):
         qs, kvs = self.q_size, self.kv_size
         qkv = linear_kernels.linear(x=x, weight=self.qkv_proj, bias=self.qkv_bias if self.bias else None)
         q_gate = qkv[:, :qs].view(num_tokens, self.num_heads, 2 * d)
-        gate = q_gate[..., d:].reshape(num_tokens, self.num_heads * d)
+        gate = q_gate[..., d:]  # the output gate [T, H, D], applied by the decode kernel / below
         k = qkv[:, qs : qs + kvs].view(num_tokens, self.num_kv_heads, d)
         v = qkv[:, qs + kvs :].view(num_tokens, self.num_kv_heads, d)
         q, k = rotary_kernels.qk_norm_rope(
@@ -109,6 +109,7 @@ class GatedAttention(nn.Module):
                 seq_lens=ctx.decode.seq_lens,
                 block_tables=ctx.decode.block_tables,
                 scale=self.scale,
+                output_gate=gate[:num_decode],
             )
         if ctx.prefill is not None:
             prefill_out = attn_kernels.paged_attention(
@@ -120,8 +121,8 @@ class GatedAttention(nn.Module):
                 block_tables=ctx.prefill.block_tables,
                 scale=self.scale,
             )
-        out = join_rows(decode_out, prefill_out)
-        out = out.reshape(num_tokens, self.num_heads * d) * torch.sigmoid(gate)
+            prefill_out = prefill_out * torch.sigmoid(gate[num_decode:])
+        out = join_rows(decode_out, prefill_out).reshape(num_tokens, self.num_heads * d)
         out = linear_kernels.linear(x=out, weight=self.o_proj, bias=self.o_bias if self.bias else None)
         return all_reduce(out, self.layout)
 

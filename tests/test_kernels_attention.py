@@ -125,6 +125,23 @@ def test_paged_decode_attention(device, hq, hkv, d, num_splits):
     assert rel_err(out, ref) < tol(device)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_attention_output_gate(device, num_splits):
+    """The gated attention's output gate applied in the kernel (single-split store and split
+    reduce): attention * sigmoid(gate), the gate a strided view as the layer slices it."""
+    batch = make_batch(q_lens=[1, 1, 1], ctx_lens=[3, 0, 29], hq=4, hkv=2, d=24, block_size=4, seed=5, device=device)
+    del batch["cu_seqlens_q"]
+    g = torch.Generator().manual_seed(9)
+    q_gate = torch.randn(3, 4, 2 * 24, generator=g).to(device)  # [N, H, q | gate]
+    gate = q_gate[..., 24:]
+    plain = naive.paged_decode_attention(**batch, scale=0.2)
+    ref = naive.paged_decode_attention(**batch, scale=0.2, output_gate=gate)
+    assert torch.allclose(ref, plain * torch.sigmoid(gate), atol=1e-6)
+    cfg = dict(block_n=16, num_splits=num_splits, num_warps=4, num_stages=1)
+    out = ta.paged_decode_attention(**batch, scale=0.2, output_gate=gate, config=cfg)
+    assert rel_err(out, ref) < tol(device)
+
+
 def test_decode_matches_prefill_of_one_token(device):
     batch = make_batch(q_lens=[1, 1, 1], ctx_lens=[7, 0, 22], hq=6, hkv=2, d=24, block_size=4, seed=3, device=device)
     prefill = ta.paged_attention(**batch, scale=0.25)

@@ -1,5 +1,5 @@
-"""The shared expert inside the fused MoE (the pairs path's down GEMV; torch ops after the other
-paths) against the plain-torch reference: odd shapes, strided
+"""The shared expert inside the fused MoE (the pairs path's down GEMV; the sorted path's activation
+kernel, down GEMM and routed sum) against the plain-torch reference: odd shapes, strided
 column-slice inputs as the MoE block slices them from its fused projection, expert parallelism,
 outputs pre-filled with NaN. Interpreted on CPU tensors without CUDA, compiled with it; and (marked
 gpu) bf16 at the model's shape inside a CUDA graph."""
@@ -89,12 +89,14 @@ def test_matches_reference(device, path, tokens, hidden, inter, shared_inter, lo
     assert ((out - ref).norm() / ref.norm()).item() < tol
 
 
-def test_other_paths_compose_with_torch(device):
-    """Off the pairs path (the sorted path, prefill-sized) the shared expert is added after the
-    routed sum with torch ops: the same result."""
-    args = make(tokens=5, hidden=24, inter=8, shared_inter=16, local=4, total=4, top_k=2, offset=0, device=device)
+@pytest.mark.parametrize("path", ["sorted", "pairs_mma"])
+def test_sorted_and_pairs_mma_paths(device, path):
+    """The sorted path (its activation kernel, the down GEMM, the gate inside the routed sum) and
+    pairs_mma (torch ops after the routed sum) at a prefill-like shape: the reference's result."""
+    args = make(tokens=37, hidden=24, inter=8, shared_inter=16, local=4, total=6, top_k=2, offset=1, device=device)
     ref = naive.fused_moe(**args)
-    out = tm.fused_moe(**args, path="sorted")
+    out = tm.fused_moe(**args, path=path)
+    assert not out.isnan().any()
     assert ((out - ref).norm() / ref.norm()).item() < (1e-5 if device.type == "cpu" else 5e-3)
 
 

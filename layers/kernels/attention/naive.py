@@ -49,7 +49,11 @@ def paged_attention(
 
     q: [T, Hq, D]; cu_seqlens_q: [N + 1]; seq_lens: [N] tokens cached after this pass (the last
     q_len of them are the queries); block_tables: [N, max_pages]. Returns o: [T, Hq, D]."""
-    out = torch.empty_like(q)
+    return _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, q.dtype)
+
+
+def _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out_dtype) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     bounds = cu_seqlens_q.tolist()
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -66,7 +70,7 @@ def paged_attention(
         k_pos = torch.arange(seq_len, device=q.device)
         scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         probs = scores.softmax(dim=-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(out_dtype)
     return out
 
 
@@ -78,15 +82,13 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    output_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query per sequence over all its cached positions. q: [N, Hq, D] -> [N, Hq, D]."""
+    """One query per sequence over all its cached positions. q: [N, Hq, D] -> [N, Hq, D].
+    output_gate [N, Hq, D] (any strides): the result times sigmoid(output_gate), one rounding (the
+    gated attention's output gate)."""
     cu = torch.arange(q.shape[0] + 1, device=q.device)
-    return paged_attention(
-        q=q,
-        k_cache=k_cache,
-        v_cache=v_cache,
-        cu_seqlens_q=cu,
-        seq_lens=seq_lens,
-        block_tables=block_tables,
-        scale=scale,
-    )
+    if output_gate is None:
+        return _attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, q.dtype)
+    out = _attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, torch.float32)
+    return (out * torch.sigmoid(output_gate.float())).to(q.dtype)

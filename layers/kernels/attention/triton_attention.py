@@ -342,6 +342,9 @@ def _decode_kernel(
     s_btp,
     s_on,
     s_oh,
+    gate,
+    s_gn,
+    s_gh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
@@ -349,6 +352,7 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_GATE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
@@ -387,6 +391,8 @@ def _decode_kernel(
         )  # fmt: skip
     o = acc / l_i[:, None]
     if NUM_SPLITS == 1:
+        if HAS_GATE:  # the gated attention's output gate, before the one rounding
+            o *= tl.sigmoid(tl.load(gate + n * s_gn + head[:, None] * s_gh + d[None, :], mask=mask).to(tl.float32))
         tl.store(out + n * s_on + head[:, None] * s_oh + d[None, :], o.to(out.dtype.element_ty), mask=mask)
     else:
         # partials: [N, Hq, NUM_SPLITS, HEAD_DIM] outputs and [N, Hq, NUM_SPLITS] log2-sum-exp
@@ -403,12 +409,16 @@ def _decode_reduce_kernel(
     out,
     s_on,
     s_oh,
+    gate,
+    s_gn,
+    s_gh,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     CHUNK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_GATE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
@@ -432,7 +442,10 @@ def _decode_reduce_kernel(
         o = tl.load(part_o + (row0 + sc)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None] & (d < HEAD_DIM)[None, :])
         acc += tl.sum(w[:, None] * o, 0)
         denom += w
-    tl.store(out + n * s_on + head * s_oh + d, (acc / tl.sum(denom, 0)).to(out.dtype.element_ty), mask=d < HEAD_DIM)
+    o = acc / tl.sum(denom, 0)
+    if HAS_GATE:
+        o *= tl.sigmoid(tl.load(gate + n * s_gn + head * s_gh + d, mask=d < HEAD_DIM).to(tl.float32))
+    tl.store(out + n * s_on + head * s_oh + d, o.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -469,10 +482,12 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    output_gate: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """One query per sequence over all its cached positions. q: [N, Hq, D] -> [N, Hq, D];
-    seq_lens: [N]; block_tables: [N, max_pages].
+    seq_lens: [N]; block_tables: [N, max_pages]; output_gate [N, Hq, D] (contiguous head dim): the
+    result times sigmoid(output_gate), applied where the output is stored.
 
     Flash-decoding: grid (N, Hkv, S) where each program runs all q heads of one kv head over one of S
     spans of its sequence (each sequence splits its own length, so short ones finish early), then a
@@ -484,6 +499,9 @@ def paged_decode_attention(
     assert num_q_heads % num_kv_heads == 0, "q heads must be a multiple of kv heads"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "contiguous head dim"
     group = num_q_heads // num_kv_heads
+    if output_gate is not None:
+        assert output_gate.shape == q.shape and output_gate.stride(-1) == 1, "output_gate: [N, Hq, D], contiguous D"
+    gate_args = (q, 0, 0) if output_gate is None else (output_gate, output_gate.stride(0), output_gate.stride(1))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
@@ -523,6 +541,7 @@ def paged_decode_attention(
         block_tables.stride(1),
         out.stride(0),
         out.stride(1),
+        *gate_args,
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE=k_cache.shape[1],
@@ -530,6 +549,7 @@ def paged_decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=cfg["block_n"],
         BLOCK_D=block_d,
+        HAS_GATE=output_gate is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_launch(q),
@@ -543,12 +563,14 @@ def paged_decode_attention(
             out,
             out.stride(0),
             out.stride(1),
+            *gate_args,
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
             BLOCK_N=cfg["block_n"],
             BLOCK_S=triton.next_power_of_2(num_splits),
             CHUNK_S=chunk,
             BLOCK_D=block_d,
+            HAS_GATE=output_gate is not None,
             num_warps=4,
             **pdl_launch(part_o),
         )

@@ -329,16 +329,23 @@ def _sum_kernel(
     y,
     topk_ids,
     out,
+    shared,
+    gate_logit,
     expert_offset,
     num_experts,
     s_yp,
     s_ot,
+    s_st,
+    s_gl,
     HIDDEN: tl.constexpr,
     TOPK: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """out[t] = sum of its local slots' rows of y (non-local slots were never written)."""
+    """out[t] = sum of its local slots' rows of y (non-local slots were never written), plus
+    sigmoid(gate_logit[t]) * shared[t] (the shared expert's down projection) when HAS_SHARED; one
+    rounding."""
     pdl_wait(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -349,7 +356,23 @@ def _sum_kernel(
         local = (e >= 0) & (e < num_experts)
         h_ok = h < tl.where(local, HIDDEN, 0)
         acc += tl.load(y + pair.to(tl.int64) * s_yp + h, mask=h_ok, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        scale = tl.sigmoid(tl.load(gate_logit + t.to(tl.int64) * s_gl).to(tl.float32))
+        acc += scale * tl.load(shared + t.to(tl.int64) * s_st + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
     tl.store(out + t.to(tl.int64) * s_ot + h, acc.to(out.dtype.element_ty), mask=h < HIDDEN)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up, act, s_gt, s_at, INTER: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """act[t, i] = silu(gate[t, i]) * up[t, i] from gate_up [T, 2 * INTER] (strided rows), in float32,
+    one rounding."""
+    pdl_wait(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < INTER
+    g = tl.load(gate_up + t * s_gt + i, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gate_up + t * s_gt + INTER + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(act + t * s_at + i, (g * tl.sigmoid(g) * u).to(act.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -757,7 +780,7 @@ def _moe_pairs_mma(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, 
     )
 
 
-def _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg) -> None:
+def _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared=None) -> None:
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -819,21 +842,41 @@ def _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg
         num_stages=down["num_stages"],
         **pdl_launch(act),
     )
+    shared_out = gate_logit = None
+    if shared is not None:  # its down projection on cuBLAS; the gate and the sum in the sum kernel
+        shared_out = F.linear(_silu_mul(shared.gate_up, shared.w2.shape[1]), shared.w2)
+        gate_logit = shared.gate_logit
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     _sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
         y,
         topk_ids,
         out,
+        out if shared_out is None else shared_out,
+        out if gate_logit is None else gate_logit,
         expert_offset,
         num_experts,
         y.stride(0),
         out.stride(0),
+        0 if shared_out is None else shared_out.stride(0),
+        0 if gate_logit is None else gate_logit.stride(0),
         HIDDEN=hidden_size,
         TOPK=top_k,
         BLOCK=block_h,
+        HAS_SHARED=shared is not None,
         num_warps=4,
         **pdl_launch(y),
     )
+
+
+def _silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """silu(gate) * up of gate_up [T, 2 * inter] -> [T, inter], one launch."""
+    num_tokens = gate_up.shape[0]
+    act = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+        gate_up, act, gate_up.stride(0), act.stride(0), INTER=inter, BLOCK=block, num_warps=4, **pdl_launch(act)
+    )
+    return act
 
 
 def fused_moe(
@@ -854,10 +897,11 @@ def fused_moe(
     hidden: [T, H]; w13: [E, 2 * I, H] (gate rows then up rows); w2: [E, H, I];
     topk_weights, topk_ids: [T, top_k] (weights in any float dtype). Returns [T, H] in hidden's dtype.
     The pairs path (decode batches up to 8 tokens at top-8) runs the shared expert inside its down
-    GEMV; the other paths add it after the routed experts with torch ops (cuBLAS for its down
-    projection). H200, 16 graph-captured blocks against the routed kernels + the torch
-    composition: batch 1 299 vs 499 us, batch 8 1.62 vs 1.90 ms (docs/PERF.md); at batch 16 a
-    tensor-core kernel fusing it into the sorted path's routed sum only tied the composition.
+    GEMV: 16 graph-captured blocks on the H200 took 299 against 499 us at batch 1 and 1.62 against
+    1.90 ms at batch 8, against the routed kernels + a six-launch torch composition (docs/PERF.md).
+    The sorted path runs its activation (one kernel) and down projection (cuBLAS), and adds it
+    with its gate in the routed sum kernel: three launches instead of six. pairs_mma (kept for
+    comparison) composes it with torch ops.
     `path` ("pairs", "sorted" or "pairs_mma") and `config` override the choice made from the shapes
     (tests and tuning sweeps)."""
     num_tokens, hidden_size = hidden.shape
@@ -873,7 +917,7 @@ def fused_moe(
     topk_weights = topk_weights.contiguous()
     num_pairs = topk_ids.numel()
     path = path or ("pairs" if num_pairs <= PAIRS_PATH_MAX else "sorted")
-    fold_shared = shared if path == "pairs" else None
+    fold_shared = shared if path in ("pairs", "sorted") else None
     on_gpu = hidden.is_cuda
     if path == "pairs":
         cfg = config or _pairs_config(hidden_size, two_inter // 2, on_gpu)
@@ -884,7 +928,7 @@ def fused_moe(
     else:
         assert path == "sorted", f"unknown path {path!r}"
         cfg = config or _sorted_config(num_pairs, num_experts, on_gpu)
-        _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg)
+        _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared)
     if shared is not None and fold_shared is None:
         inter = shared.w2.shape[1]
         act = F.silu(shared.gate_up[:, :inter]) * shared.gate_up[:, inter:]
