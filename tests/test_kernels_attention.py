@@ -197,3 +197,35 @@ def test_gpu_paged_decode_attention_bf16(batch_size):
     ref = naive.paged_decode_attention(**batch, scale=256**-0.5)
     out = ta.paged_decode_attention(**batch, scale=256**-0.5)
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_decode_split_counts_share_one_compiled_variant():
+    """The split count follows the batch's decode rows; it is a run-time argument, so passes with
+    3, 5, 6, 7 and 9 splits run the kernels compiled for the first of them (no mid-serving compile)."""
+    batch = make_batch(
+        q_lens=[1] * 3,
+        ctx_lens=[700, 90, 1500],
+        hq=16,
+        hkv=2,
+        d=256,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    del batch["cu_seqlens_q"]
+    ref = naive.paged_decode_attention(**batch, scale=0.0625)
+
+    def variants() -> int:
+        return sum(
+            len(cache[0]) for k in (ta._decode_kernel, ta._decode_reduce_kernel) for cache in k.device_caches.values()
+        )
+
+    counts = []
+    for splits in (3, 5, 6, 7, 9):
+        out = ta.paged_decode_attention(
+            **batch, scale=0.0625, config=dict(block_n=32, num_splits=splits, num_warps=4, num_stages=5)
+        )
+        assert rel_err(out, ref) < 1e-2
+        counts.append(variants())
+    assert counts[1:] == [counts[0]] * 4

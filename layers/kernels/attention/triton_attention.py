@@ -312,14 +312,14 @@ def paged_attention(
 
 
 @triton.jit
-def _split_bounds(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Each sequence cuts its own context into NUM_SPLITS spans of whole KV tiles (short ones too)."""
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+def _split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
+    """Each sequence cuts its own context into num_splits spans of whole KV tiles (short ones too)."""
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     return start, tl.minimum(start + split_len, seq_len)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one variant for every split count
 def _decode_kernel(
     q,
     k_cache,
@@ -342,13 +342,13 @@ def _decode_kernel(
     s_btp,
     s_on,
     s_oh,
+    num_splits,
     gate,
     s_gn,
     s_gh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -360,7 +360,7 @@ def _decode_kernel(
     h = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + n)
-    start, end = _split_bounds(seq_len, split, NUM_SPLITS, BLOCK_N)
+    start, end = _split_bounds(seq_len, split, num_splits, BLOCK_N)
     if start >= end:
         return
     g = tl.arange(0, BLOCK_G)
@@ -390,18 +390,18 @@ def _decode_kernel(
             qk_scale, PAGE, HEAD_DIM, BLOCK_N, True,
         )  # fmt: skip
     o = acc / l_i[:, None]
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         if HAS_GATE:  # the gated attention's output gate, before the one rounding
             o *= tl.sigmoid(tl.load(gate + n * s_gn + head[:, None] * s_gh + d[None, :], mask=mask).to(tl.float32))
         tl.store(out + n * s_on + head[:, None] * s_oh + d[None, :], o.to(out.dtype.element_ty), mask=mask)
     else:
-        # partials: [N, Hq, NUM_SPLITS, HEAD_DIM] outputs and [N, Hq, NUM_SPLITS] log2-sum-exp
-        row = (n * tl.num_programs(1) * GROUP + head) * NUM_SPLITS + split
+        # partials: [N, Hq, num_splits, HEAD_DIM] outputs and [N, Hq, num_splits] log2-sum-exp
+        row = (n * tl.num_programs(1) * GROUP + head) * num_splits + split
         tl.store(part_o + row[:, None] * HEAD_DIM + d[None, :], o, mask=mask)
         tl.store(part_lse + row, m_i + tl.log2(l_i), mask=g < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one variant for every split count
 def _decode_reduce_kernel(
     part_o,
     part_lse,
@@ -409,11 +409,11 @@ def _decode_reduce_kernel(
     out,
     s_on,
     s_oh,
+    num_splits,
     gate,
     s_gn,
     s_gh,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     CHUNK_S: tl.constexpr,
@@ -425,19 +425,19 @@ def _decode_reduce_kernel(
     n = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens + n)
-    row0 = (n * tl.num_programs(1) + head) * NUM_SPLITS
+    row0 = (n * tl.num_programs(1) + head) * num_splits
     splits = tl.arange(0, BLOCK_S)
-    start, _ = _split_bounds(seq_len, splits, NUM_SPLITS, BLOCK_N)
-    lse = tl.load(part_lse + row0 + splits, mask=(splits < NUM_SPLITS) & (start < seq_len), other=float("-inf"))
+    start = _split_bounds(seq_len, splits, num_splits, BLOCK_N)[0]
+    lse = tl.load(part_lse + row0 + splits, mask=(splits < num_splits) & (start < seq_len), other=float("-inf"))
     m = tl.max(lse, 0)
     d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_D], tl.float32)
     denom = tl.zeros([CHUNK_S], tl.float32)
     # the partial outputs are read CHUNK_S splits at a time to bound registers
-    for s0 in tl.static_range(0, NUM_SPLITS, CHUNK_S):
+    for s0 in range(0, num_splits, CHUNK_S):
         sc = s0 + tl.arange(0, CHUNK_S)
-        start_c, _ = _split_bounds(seq_len, sc, NUM_SPLITS, BLOCK_N)
-        ok = (sc < NUM_SPLITS) & (start_c < seq_len)
+        start_c = _split_bounds(seq_len, sc, num_splits, BLOCK_N)[0]
+        ok = (sc < num_splits) & (start_c < seq_len)
         w = tl.where(ok, tl.exp2(tl.load(part_lse + row0 + sc, mask=ok, other=float("-inf")) - m), 0.0)
         o = tl.load(part_o + (row0 + sc)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None] & (d < HEAD_DIM)[None, :])
         acc += tl.sum(w[:, None] * o, 0)
@@ -449,6 +449,10 @@ def _decode_reduce_kernel(
 
 
 _NUM_SMS: dict[int, int] = {}
+# the most splits _decode_config picks; the split count is a run-time argument of both decode
+# kernels (it follows the batch's decode rows, and a compile-time constant would compile one
+# variant per value in the middle of serving)
+MAX_SPLITS = 64
 
 
 def _num_sms(device: torch.device) -> int:
@@ -465,7 +469,7 @@ def _decode_config(*, num_seqs: int, num_kv_heads: int, max_context: int, head_d
     if device.type != "cuda":
         return dict(block_n=16, num_splits=max(1, min(4, max_context // 16)), num_warps=4, num_stages=1)
     block_n = max(16, min(64, 8192 // max(16, triton.next_power_of_2(head_dim))))
-    max_splits = max(1, min(64, max_context // (4 * block_n)))
+    max_splits = max(1, min(MAX_SPLITS, max_context // (4 * block_n)))
     # about two programs per SM: the H200 sweep at 64 x 4096 (D=256) peaked there (89% of copy
     # bandwidth at 2 splits x 32-token tiles; 62% at the earlier 5 programs per SM x 16-token tiles)
     num_splits = max(1, min(max_splits, round(2 * _num_sms(device) / (num_seqs * num_kv_heads))))
@@ -541,11 +545,11 @@ def paged_decode_attention(
         block_tables.stride(1),
         out.stride(0),
         out.stride(1),
+        num_splits,
         *gate_args,
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE=k_cache.shape[1],
-        NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=cfg["block_n"],
         BLOCK_D=block_d,
@@ -555,7 +559,9 @@ def paged_decode_attention(
         **pdl_launch(q),
     )
     if num_splits > 1:
-        chunk = max(1, min(triton.next_power_of_2(num_splits), 4096 // block_d))
+        # one reduce variant for every split count (a new constant would compile mid-serving)
+        block_s = max(MAX_SPLITS, triton.next_power_of_2(num_splits))
+        chunk = max(1, min(block_s, 4096 // block_d))
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             part_o,
             part_lse,
@@ -563,11 +569,11 @@ def paged_decode_attention(
             out,
             out.stride(0),
             out.stride(1),
+            num_splits,
             *gate_args,
             HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
             BLOCK_N=cfg["block_n"],
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=block_s,
             CHUNK_S=chunk,
             BLOCK_D=block_d,
             HAS_GATE=output_gate is not None,
