@@ -70,6 +70,21 @@ def test_runner_runs_every_fitting_warmup_batch(tiny_checkpoints, monkeypatch):
     assert ran == expected and 3072 not in ran  # over the token budget: skipped
 
 
+def test_warmup_reaches_every_gdn_chunk_variant():
+    """At the serving default budget (8,192 tokens) and Qwen3.5-35B-A3B's GDN shape (32 value heads
+    of 128) on an H200's 132 SMs, the warm-up (with the profiling pass of one full-budget prompt)
+    runs each chunk variant the default picker can choose, so none compiles mid-serving."""
+    from deltaserve.layers.kernels.gdn.chunk import pick_variant
+
+    cpu = torch.device("cpu")  # pick_variant counts 132 SMs off the GPU
+    prefills = [[n for cached, n in b if not (n == 1 and cached > 0)] for b in WARMUP_BATCHES]
+    prefills.append([8192])  # the profiling pass
+    sizes = PoolSizes(num_blocks=8192 // 16 + 1, block_size=16, num_slots=1 + max(len(b) for b in WARMUP_BATCHES))
+    fitting = [p for p, b in zip(prefills, [*WARMUP_BATCHES, ((0, 8192),)], strict=True) if warmup_fits(b, 8192, sizes)]
+    picked = {pick_variant(len(p), 32, 128, cpu, sum(p)) for p in fitting if p}
+    assert picked == {"fused", "split32", "fused_pf"}
+
+
 def test_late_compile_log_records_and_warns(caplog):
     """The JIT hooks the runner installs after start-up: a compile is timed, kept and logged as a
     warning naming the kernel; the before-hook never asks Triton to skip the compile."""
