@@ -99,6 +99,17 @@ def test_paged_attention_varlen(device, hq, hkv, d):
     assert rel_err(out, ref) < tol(device)
 
 
+def test_paged_attention_scans_sequences_in_blocks(device, monkeypatch):
+    """More sequences than one scan block (the owner search runs several steps), one of them empty."""
+    monkeypatch.setattr(ta, "PREFILL_SEQ_BLOCK", 2)
+    batch = make_batch(
+        q_lens=[3, 1, 0, 9, 2], ctx_lens=[4, 0, 6, 1, 13], hq=4, hkv=2, d=16, block_size=4, device=device
+    )
+    ref = naive.paged_attention(**batch, scale=0.25)
+    out = ta.paged_attention(**batch, scale=0.25)
+    assert rel_err(out, ref) < tol(device)
+
+
 def test_paged_attention_empty_sequence_and_tile_shapes(device):
     """A sequence with no new tokens in the batch, strided q, and tiles of several tokens with a group
     that does not divide the tile rows (group 3 in 32 rows: 10 tokens, 2 padding rows)."""

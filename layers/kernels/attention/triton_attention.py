@@ -17,6 +17,9 @@ from ..pdl import pdl_launch, pdl_wait
 LOG2E = 1.4426950408889634
 
 
+PREFILL_SEQ_BLOCK = 64  # sequences the prefill kernel scans per step to find its q block's owner
+
+
 @triton.jit
 def _write_kv_kernel(
     key,
@@ -183,11 +186,15 @@ def _prefill_kernel(
     # the last q blocks attend to the most keys: launch them first to shorten the tail
     b = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
-    # sequence n owns q blocks [cu[n] // BLOCK_Q + n, cu[n + 1] // BLOCK_Q + n + 1): found without a host sync
-    seqs = tl.arange(0, BLOCK_SEQ)
-    seq_ok = seqs < num_seqs
-    first_block = tl.load(cu_seqlens_q + seqs, mask=seq_ok, other=0) // BLOCK_Q + seqs
-    n = tl.sum(tl.where(seq_ok & (first_block <= b), 1, 0), 0) - 1
+    # sequence n owns q blocks [cu[n] // BLOCK_Q + n, cu[n + 1] // BLOCK_Q + n + 1): found without a
+    # host sync, BLOCK_SEQ sequences at a time (a fixed block: the sequence count compiles no variant)
+    owners = 0
+    for seq0 in range(0, num_seqs, BLOCK_SEQ):
+        seqs = seq0 + tl.arange(0, BLOCK_SEQ)
+        seq_ok = seqs < num_seqs
+        first_block = tl.load(cu_seqlens_q + seqs, mask=seq_ok, other=0) // BLOCK_Q + seqs
+        owners += tl.sum(tl.where(seq_ok & (first_block <= b), 1, 0), 0)
+    n = owners - 1
     q_start = tl.load(cu_seqlens_q + n)
     q_len = tl.load(cu_seqlens_q + n + 1) - q_start
     tok0 = (b - (q_start // BLOCK_Q + n)) * BLOCK_Q
@@ -304,7 +311,7 @@ def paged_attention(
         BLOCK_Q=block_q,
         BLOCK_N=cfg["block_n"],
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SEQ=max(16, triton.next_power_of_2(num_seqs)),
+        BLOCK_SEQ=PREFILL_SEQ_BLOCK,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
