@@ -19,6 +19,8 @@ Fused MoE, three paths, all without host syncs:
 - pairs_mma: the previous pairs path (tl.dot on 16-row tiles whose row 0 is the pair), kept to
   compare against.
 Experts outside [expert_offset, expert_offset + E) are skipped (expert parallelism).
+The shared expert (`shared=`): one more slot of the pairs path's down GEMV; on the sorted path its
+activation kernel, a cuBLAS down projection, and its gated sum inside the routed sum kernel.
 """
 
 from __future__ import annotations
