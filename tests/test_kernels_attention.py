@@ -195,16 +195,23 @@ def test_gpu_paged_attention_bf16():
     assert rel_err(out, ref) < 1e-2
 
 
+def real_decode_batch(ctx_lens: list[int]) -> dict:
+    """One decode query per sequence at the model's attention shape, bf16 on the GPU."""
+    batch = make_batch(
+        q_lens=[1] * len(ctx_lens), ctx_lens=ctx_lens, hq=16, hkv=2, d=256, block_size=16,
+        dtype=torch.bfloat16, device="cuda",
+    )  # fmt: skip
+    del batch["cu_seqlens_q"]
+    return batch
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch_size", [1, 64])
 def test_gpu_paged_decode_attention_bf16(batch_size):
     g = torch.Generator().manual_seed(batch_size)
     ctx = torch.randint(1, 4096, (batch_size,), generator=g).tolist()
     ctx[0] = 4095
-    batch = make_batch(
-        q_lens=[1] * batch_size, ctx_lens=ctx, hq=16, hkv=2, d=256, block_size=16, dtype=torch.bfloat16, device="cuda"
-    )
-    del batch["cu_seqlens_q"]
+    batch = real_decode_batch(ctx)
     ref = naive.paged_decode_attention(**batch, scale=256**-0.5)
     out = ta.paged_decode_attention(**batch, scale=256**-0.5)
     assert rel_err(out, ref) < 1e-2
@@ -214,17 +221,7 @@ def test_gpu_paged_decode_attention_bf16(batch_size):
 def test_gpu_decode_split_counts_share_one_compiled_variant():
     """The split count follows the batch's decode rows; it is a run-time argument, so passes with
     3, 5, 6, 7 and 9 splits run the kernels compiled for the first of them (no mid-serving compile)."""
-    batch = make_batch(
-        q_lens=[1] * 3,
-        ctx_lens=[700, 90, 1500],
-        hq=16,
-        hkv=2,
-        d=256,
-        block_size=16,
-        dtype=torch.bfloat16,
-        device="cuda",
-    )
-    del batch["cu_seqlens_q"]
+    batch = real_decode_batch([700, 90, 1500])
     ref = naive.paged_decode_attention(**batch, scale=0.0625)
 
     def variants() -> int:
