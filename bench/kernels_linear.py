@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from deltaserve.bench.kernel_cases import Case
 from deltaserve.layers.kernels import linear as linear_kernels
@@ -265,6 +266,60 @@ def sweep(tokens: list[int], shapes: list[tuple[str, int, int]], json_path: str 
         print(text)
 
 
+# --- one-row kernel (triton_row.py) ------------------------------------------------------------------
+
+ROW_TILES = [(1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8)]  # (block_n, num_warps)
+
+
+def row_sweep(shapes: list[tuple[str, int, int]]) -> None:
+    """Batch 1: the one-row kernel's tiles, weights loaded before or after the PDL wait, against the
+    GEMV form of triton_linear (its tuned or heuristic tiles); then the input norm fused into it
+    against the norm kernel followed by the one-row GEMV. Graph-timed, us per call."""
+    from deltaserve.layers.kernels import norm as norm_kernels
+    from deltaserve.layers.kernels.linear import triton_row
+
+    for label, n, k in shapes:
+        if not triton_row.supports(1, k, DTYPE):
+            continue
+        calls = _num_calls(n, k)
+        gemv_us = _time_graph(_graphed(_calls(lambda x, w: tl_.linear(x=x, weight=w), 1, n, k)), calls)
+        print(
+            f"{label} N={n} K={k}: triton_linear GEMV {gemv_us:6.2f} us  (default row config "
+            f"{triton_row.pick_config(n, k)})",
+            flush=True,
+        )
+        rows = []
+        for block_n, warps in ROW_TILES:
+            if block_n * triton.next_power_of_2(k) > triton_row.MAX_ELEMS_PER_THREAD * 32 * warps:
+                continue
+            for preload in (True, False):
+                cfg = dict(block_n=block_n, num_warps=warps)
+
+                def fn(x, w, cfg=cfg, preload=preload):
+                    return triton_row.row_gemv(x=x, weight=w, config=cfg, preload=preload)
+
+                us = _time_graph(_graphed(_calls(fn, 1, n, k)), calls)
+                rows.append((us, block_n, warps, preload))
+        rows.sort()
+        for us, block_n, warps, preload in rows[:6]:
+            print(f"  row n{block_n} w{warps} {'preload' if preload else 'after-wait'}: {us:6.2f} us")
+        _, block_n, warps, _ = rows[0]
+        cfg = dict(block_n=block_n, num_warps=warps)
+        residual = _x(1, k) * 3
+        norm_w = torch.zeros(k, device="cuda", dtype=DTYPE)
+
+        def fused(x, w, residual=residual, norm_w=norm_w, cfg=cfg):
+            return triton_row.row_gemv(x=x, weight=w, residual=residual, norm_weight=norm_w, config=cfg)
+
+        def unfused(x, w, residual=residual, norm_w=norm_w, cfg=cfg):
+            y, _ = norm_kernels.fused_add_rms_norm(x=x, residual=residual, weight=norm_w, eps=1e-6)
+            return triton_row.row_gemv(x=y, weight=w, config=cfg)
+
+        fused_us = _time_graph(_graphed(_calls(fused, 1, n, k)), calls)
+        unfused_us = _time_graph(_graphed(_calls(unfused, 1, n, k)), calls)
+        print(f"  add+norm fused {fused_us:6.2f} us  vs norm kernel + row GEMV {unfused_us:6.2f} us", flush=True)
+
+
 def _short(cfg: dict) -> str:
     c = _public(cfg)
     form = "mma" if c["dot"] else f"gemv{c['block_m']}"
@@ -277,6 +332,7 @@ def _short(cfg: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="time every config per shape (else: the cases)")
+    parser.add_argument("--row-sweep", action="store_true", help="batch 1: the one-row kernel's tiles")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated M values")
     parser.add_argument("--shapes", default=None, help="comma-separated N:K (default: the five model shapes)")
     parser.add_argument("--json", default=None)
@@ -290,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.sweep:
         sweep(tokens, shapes, args.json)
+        return 0
+    if args.row_sweep:
+        row_sweep(shapes)
         return 0
     import importlib
 

@@ -78,10 +78,23 @@ class GatedAttention(nn.Module):
         shape = (block_size, self.num_kv_heads, self.head_dim)
         return {"k_cache": shape, "v_cache": shape}
 
+    @property
+    def in_proj(self) -> torch.Tensor:
+        """The fused input projection [q_gate | k | v rows, hidden]."""
+        return self.qkv_proj
+
+    @property
+    def in_proj_bias(self) -> torch.Tensor | None:
+        return self.qkv_bias if self.bias else None
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: AttnLayerState) -> torch.Tensor:
-        num_tokens, d = x.shape[0], self.head_dim
+        return self.mix(linear_kernels.linear(x=x, weight=self.qkv_proj, bias=self.in_proj_bias), ctx, state)
+
+    def mix(self, qkv: torch.Tensor, ctx: ForwardContext, state: AttnLayerState) -> torch.Tensor:
+        """Everything after the input projection: qkv [T, q_gate | k | v] -> [T, hidden] (reduced
+        over TP ranks). The decoder layer calls it with qkv_proj fused into the input norm."""
+        num_tokens, d = qkv.shape[0], self.head_dim
         qs, kvs = self.q_size, self.kv_size
-        qkv = linear_kernels.linear(x=x, weight=self.qkv_proj, bias=self.qkv_bias if self.bias else None)
         q_gate = qkv[:, :qs].view(num_tokens, self.num_heads, 2 * d)
         gate = q_gate[..., d:]  # the output gate [T, H, D], applied by the decode kernel / below
         k = qkv[:, qs : qs + kvs].view(num_tokens, self.num_kv_heads, d)

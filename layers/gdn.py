@@ -142,11 +142,17 @@ class GatedDeltaNet(nn.Module):
             "conv": ((self.conv_dim, self.kernel_size - 1), None),
         }
 
+    in_proj_bias = None  # the decoder layer's fused norm + in_proj reads it, as for attention
+
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: SsmLayerState) -> torch.Tensor:
-        num_tokens = x.shape[0]
+        return self.mix(linear_kernels.linear(x=x, weight=self.in_proj), ctx, state)
+
+    def mix(self, proj: torch.Tensor, ctx: ForwardContext, state: SsmLayerState) -> torch.Tensor:
+        """Everything after the input projection: proj [T, in_proj rows] -> [T, hidden] (reduced
+        over TP ranks). The decoder layer calls it with in_proj fused into the input norm."""
+        num_tokens = proj.shape[0]
         off = self._offsets()
-        proj = linear_kernels.linear(x=x, weight=self.in_proj)
         mixed = proj[:, : self.conv_dim]
         z = proj[:, off["z"] : off["b"]].reshape(num_tokens, self.num_value_heads, self.value_head_dim)
         b, a = proj[:, off["b"] : off["a"]], proj[:, off["a"] :]

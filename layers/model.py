@@ -24,6 +24,7 @@ from .base import (
 from .common import RMSNorm, empty_param
 from .config import ATTENTION, ModelConfig
 from .gdn import GatedDeltaNet
+from .kernels import linear as linear_kernels
 from .kernels import norm as norm_kernels
 from .moe import DenseMLP, SparseMoeBlock
 from .parallel import ParallelLayout, all_gather_last_dim, all_reduce, validate_layout
@@ -71,18 +72,33 @@ class DecoderLayer(TransformerLayer):
         self, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, state: LayerState
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) -> (this layer's FFN output, the residual stream before it): the
-        residual additions are fused into the following norms."""
-        if residual is None:
-            residual, x = hidden, self.input_layernorm(hidden)
-        else:
-            x, residual = add_rms_norm(hidden, residual, self.input_layernorm)
+        residual additions and the norms are fused into the projections that follow them."""
         if self.is_attention:
             assert isinstance(state, AttnLayerState)
         else:
             assert isinstance(state, SsmLayerState)
-        mixed = self.mixer(x, ctx, state)
-        x, residual = add_rms_norm(mixed, residual, self.post_attention_layernorm)
-        return (self.mlp(x, ctx) if self.is_moe else self.mlp(x)), residual
+        proj, _, residual = linear_kernels.rms_norm_linear(
+            x=hidden,
+            residual=residual,
+            norm_weight=self.input_layernorm.weight,
+            eps=self.input_layernorm.eps,
+            weight=self.mixer.in_proj,
+            bias=self.mixer.in_proj_bias,
+        )
+        mixed = self.mixer.mix(proj, ctx, state)
+        if not self.is_moe:
+            x, residual = add_rms_norm(mixed, residual, self.post_attention_layernorm)
+            return self.mlp(x), residual
+        # the MoE block's experts read the normed input too: the fused kernel writes it
+        proj, x, residual = linear_kernels.rms_norm_linear(
+            x=mixed,
+            residual=residual,
+            norm_weight=self.post_attention_layernorm.weight,
+            eps=self.post_attention_layernorm.eps,
+            weight=self.mlp.in_proj,
+            write_normed=True,
+        )
+        return self.mlp.from_projection(x, proj, ctx), residual
 
 
 class HybridModel(nn.Module):

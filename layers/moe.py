@@ -170,8 +170,12 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if ctx.moe_lora_route is not MoeLoraRoute.SKIP:
             raise NotImplementedError("MoE LoRA is not built yet: only MoeLoraRoute.SKIP passes run")
+        return self.from_projection(x, linear_kernels.linear(x=x, weight=self.in_proj), ctx)
+
+    def from_projection(self, x: torch.Tensor, proj: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The block given its input x [T, H] and in_proj's output [T, in_proj rows] (the decoder
+        layer computes that one fused into the post-attention norm)."""
         num_experts = self.num_experts
-        proj = linear_kernels.linear(x=x, weight=self.in_proj)
         router_logits = proj[:, :num_experts]
         weights, ids = moe_kernels.route_topk_softmax(
             router_logits=router_logits, top_k=self.top_k, renormalize=self.renormalize

@@ -1,0 +1,171 @@
+"""One-row GEMV (a batch-1 decode projection) whose weight loads start before the previous kernel
+has finished, with an optional residual add + zero-centred RMSNorm in front of it.
+
+out[n] = sum_k w[n, k] * y[k], where y is x itself, or (NORM) y = rms_norm(x + residual) * (1 + g)
+rounded to x's dtype exactly as the standalone norm kernel rounds it (the sum first, then the
+normed value), so the fused form feeds the GEMV the same input bits as norm-then-linear.
+
+Why: at batch 1 each kernel of a decode step costs ~2 us beyond its bytes, mostly the latency of
+its first loads. Under programmatic dependent launch a program may start while the previous kernel
+is still running; the weights never change during a pass, so each program issues its whole
+[BLOCK_N, K] weight tile *before* `pdl_wait` and only the activations wait. With NORM, the norm
+launch before the projection goes too (each program recomputes the row's sum of squares from L1).
+
+Grid: cdiv(N, BLOCK_N) programs; BLOCK_K = next_power_of_2(K), the whole row in one tile. The
+activations are loaded broadcast to the weight tile's shape (every row the same addresses: L1 hits)
+so they arrive in its register layout without a shared-memory conversion. Program 0 writes the new
+residual (x + residual) and, when asked, the normed row for later kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..pdl import pdl_launch, pdl_wait
+
+# the whole row is one register tile: at most this many weight elements per thread
+MAX_ELEMS_PER_THREAD = 64
+MAX_K = 8192
+
+
+@triton.jit
+def _load(ptr, mask, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
+    if EVEN_K:
+        return tl.load(ptr, eviction_policy=EVICT)
+    return tl.load(ptr, mask=mask, other=0.0, eviction_policy=EVICT)
+
+
+@triton.jit
+def _row_gemv_kernel(
+    x,
+    residual,
+    norm_weight,
+    w,
+    bias,
+    out,
+    res_out,
+    normed_out,
+    N,
+    K,
+    s_wn,
+    eps,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    WRITE_NORMED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PRELOAD: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    r = tl.arange(0, BLOCK_N)
+    n = pid * BLOCK_N + r
+    n_ld = tl.minimum(n, N - 1).to(tl.int64)  # rows past N re-read row N - 1, never stored
+    k = tl.arange(0, BLOCK_K)
+    cols = k[None, :] + 0 * r[:, None]  # [BLOCK_N, BLOCK_K], every row the same columns
+    k_ok = cols < K  # unused when EVEN_K: unmasked loads vectorise to 16 bytes
+    w_ptr = w + n_ld[:, None] * s_wn + k[None, :]
+    if PRELOAD:  # weights are constant during the pass: fetch them while the previous kernel ends
+        wt = _load(w_ptr, k_ok, EVEN_K, "evict_first")
+    pdl_wait(USE_PDL)
+    if not PRELOAD:
+        wt = _load(w_ptr, k_ok, EVEN_K, "evict_first")
+    y = _load(x + cols, k_ok, EVEN_K, "").to(tl.float32)
+    if NORM:
+        if HAS_RESIDUAL:
+            # rounded to the stream's dtype before it is normed, as the unfused ops do
+            summed = (y + _load(residual + cols, k_ok, EVEN_K, "").to(tl.float32)).to(x.dtype.element_ty)
+            if pid == 0:  # every row of the tile holds the same values: identical, vectorised writes
+                tl.store(res_out + cols, summed, mask=k_ok)
+            y = summed.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(y * y, 1) / K + eps)
+        scale = 1.0 + _load(norm_weight + cols, k_ok, EVEN_K, "").to(tl.float32)
+        normed = ((y * inv[:, None]) * scale).to(x.dtype.element_ty)
+        if WRITE_NORMED:  # noqa: SIM102 (a constexpr test, then a run-time one)
+            if pid == 0:
+                tl.store(normed_out + cols, normed, mask=k_ok)
+        y = normed.to(tl.float32)
+    acc = tl.sum(wt.to(tl.float32) * y, 1)
+    if HAS_BIAS:
+        acc += tl.load(bias + n_ld).to(tl.float32)
+    tl.store(out + n, acc.to(out.dtype.element_ty), mask=n < N)
+
+
+def supports(num_rows: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether a call of this shape can take the one-row kernel."""
+    return num_rows == 1 and k <= MAX_K and dtype in (torch.bfloat16, torch.float16)
+
+
+def pick_config(n: int, k: int) -> dict:
+    """block_n rows per program and num_warps, keeping the [block_n, K] tile within
+    MAX_ELEMS_PER_THREAD elements per thread and ~4+ programs per SM at the model's shapes."""
+    block_k = triton.next_power_of_2(k)
+    block_n = 4 if n >= 8192 else 2 if n >= 2048 else 1
+    num_warps = 4
+    while block_n * block_k > MAX_ELEMS_PER_THREAD * 32 * num_warps and num_warps < 8:
+        num_warps *= 2
+    while block_n > 1 and block_n * block_k > MAX_ELEMS_PER_THREAD * 32 * num_warps:
+        block_n //= 2
+    return dict(block_n=block_n, num_warps=num_warps)
+
+
+def row_gemv(
+    *,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    write_normed: bool = False,
+    preload: bool = True,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """x: [1, K] (last dim contiguous); weight: [N, K]; bias: [N]. Without norm_weight: (x @ w.T,
+    None, None). With it: y = rms_norm(x + residual) * (1 + norm_weight) (residual [1, K] or None),
+    returns (y @ w.T (+ bias), y if write_normed else None, x + residual if residual is given else
+    None). Output in x's dtype. `config` forces block_n / num_warps (the bench sweeps them)."""
+    assert supports(x.shape[0], x.shape[1], x.dtype) and x.dim() == 2, "one row of a half-precision x"
+    assert weight.shape[1] == x.shape[1] and weight.dtype == x.dtype, "weight [N, K] in x's dtype"
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    norm = norm_weight is not None
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if norm and residual is not None else None
+    normed = torch.empty_like(x) if norm and write_normed else None
+    if residual is not None:
+        assert norm and residual.shape == x.shape and residual.dtype == x.dtype, "residual [1, K] like x"
+        residual = residual if residual.stride(1) == 1 else residual.contiguous()
+    cfg = config or pick_config(n, k)
+    _row_gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
+        x,
+        residual if residual is not None else x,
+        norm_weight if norm else x,
+        weight,
+        bias if bias is not None else out,
+        out,
+        res_out if res_out is not None else out,
+        normed if normed is not None else out,
+        n,
+        k,
+        weight.stride(0),
+        eps,
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=triton.next_power_of_2(k),
+        NORM=norm,
+        HAS_RESIDUAL=residual is not None,
+        WRITE_NORMED=normed is not None,
+        HAS_BIAS=bias is not None,
+        PRELOAD=preload,
+        EVEN_K=triton.next_power_of_2(k) == k,
+        num_warps=cfg["num_warps"],
+        num_stages=1,
+        **pdl_launch(x),
+    )
+    return out, normed, res_out

@@ -1,0 +1,180 @@
+"""The one-row GEMV (triton_row.py) and the input norm fused into it (`rms_norm_linear`) against the
+plain-torch composition norm -> linear: odd N and K (K not a power of two: masked columns), with and
+without the residual add, bias, the normed row written or not, weights loaded before or after the
+wait; interpreted on CPU tensors without CUDA, compiled on the GPU with it; and (marked gpu) bf16 at
+the model's shapes, eager and inside a CUDA graph."""
+
+import pytest
+import torch
+
+from deltaserve.layers.kernels import linear as linear_kernels
+from deltaserve.layers.kernels import norm as norm_kernels
+from deltaserve.layers.kernels.linear import naive, triton_row
+from deltaserve.layers.kernels.norm import naive as norm_naive
+
+# conftest: TRITON_INTERPRET without CUDA, the `device` fixture, gpu-marked tests skipped on CPU
+pytestmark = pytest.mark.usefixtures("nan_fill")
+EPS = 1e-6
+
+
+def make(n, k, device, dtype=torch.bfloat16, seed=0):
+    """x (a block's output), residual, norm weight, projection weight, bias."""
+    g = torch.Generator().manual_seed(seed)
+    to = dict(device=device, dtype=dtype)
+    x = torch.randn(1, k, generator=g).to(**to)
+    residual = (torch.randn(1, k, generator=g) * 3).to(**to)
+    norm_w = (torch.randn(k, generator=g) * 0.1).to(**to)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(**to)
+    b = torch.randn(n, generator=g).to(**to)
+    return x, residual, norm_w, w, b
+
+
+def reference(x, residual, norm_w, w, b):
+    """(out, normed, summed) of the unfused plain-torch ops, float32 accumulate."""
+    summed = x if residual is None else x + residual
+    normed = norm_naive.rms_norm(x=summed, weight=norm_w, eps=EPS)
+    return naive.linear(x=normed, weight=w, bias=b), normed, summed
+
+
+def same_rounding(out: torch.Tensor, ref: torch.Tensor, device: torch.device) -> bool:
+    """Bit-equal on the GPU; the interpreter's float32 -> bf16 cast does not round to nearest, so
+    on CPU one bf16 step."""
+    if device.type == "cuda":
+        return torch.equal(out, ref)
+    return (out.float() - ref.float()).abs().max().item() <= torch.finfo(out.dtype).eps * ref.float().abs().max()
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Within two bf16 roundings of the output's scale (the accumulation orders differ)."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype and not out.isnan().any()
+    return (out.float() - ref.float()).abs().max().item() <= 4 * torch.finfo(out.dtype).eps * ref.float().abs().max()
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 64), (7, 200), (130, 5), (37, 96)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("preload", [False, True])
+def test_row_gemv_plain(device, n, k, with_bias, preload):
+    x, _, _, w, b = make(n, k, device)
+    b = b if with_bias else None
+    out, normed, summed = triton_row.row_gemv(x=x, weight=w, bias=b, preload=preload)
+    assert normed is None and summed is None
+    assert close(out, naive.linear(x=x, weight=w, bias=b))
+
+
+@pytest.mark.parametrize(("n", "k"), [(7, 200), (130, 64), (33, 48)])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("block_n", [1, 4])
+def test_row_gemv_norm(device, n, k, with_residual, block_n):
+    """The new residual is the exact sum; the normed row is what the unfused norm writes, to one
+    rounding; the projection matches the composition."""
+    x, residual, norm_w, w, b = make(n, k, device, seed=n + k)
+    residual = residual if with_residual else None
+    out, normed, summed = triton_row.row_gemv(
+        x=x,
+        weight=w,
+        residual=residual,
+        norm_weight=norm_w,
+        eps=EPS,
+        write_normed=True,
+        config=dict(block_n=block_n, num_warps=4),
+    )
+    ref_out, ref_normed, ref_summed = reference(x, residual, norm_w, w, None)
+    if with_residual:
+        assert same_rounding(summed, ref_summed, device)
+    else:
+        assert summed is None
+    assert close(normed, ref_normed)
+    assert close(out, ref_out)
+
+
+def test_row_gemv_rows_past_n_not_written(device):
+    """N not a multiple of block_n: the last program's extra rows re-read row N - 1 and are never
+    stored (the output has exactly N columns, all written)."""
+    x, residual, norm_w, w, _ = make(5, 64, device)
+    out, _, _ = triton_row.row_gemv(
+        x=x, weight=w, residual=residual, norm_weight=norm_w, eps=EPS, config=dict(block_n=4, num_warps=4)
+    )
+    assert out.shape == (1, 5)
+    assert close(out, reference(x, residual, norm_w, w, None)[0])
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_rms_norm_linear_op(device, m):
+    """The op: one kernel for a CUDA row, else norm then linear. On CPU (and for several rows) it is
+    exactly the unfused ops."""
+    g = torch.Generator().manual_seed(m)
+    to = dict(device=device, dtype=torch.bfloat16)
+    x, residual = torch.randn(m, 64, generator=g).to(**to), torch.randn(m, 64, generator=g).to(**to)
+    norm_w, w = (torch.randn(64, generator=g) * 0.1).to(**to), (torch.randn(24, 64, generator=g) / 8).to(**to)
+    res = linear_kernels.rms_norm_linear(
+        x=x, residual=residual, norm_weight=norm_w, eps=EPS, weight=w, write_normed=True
+    )
+    normed, summed = norm_kernels.fused_add_rms_norm(x=x, residual=residual, weight=norm_w, eps=EPS)
+    unfused = linear_kernels.linear(x=normed, weight=w)
+    if device.type == "cpu" or m > 1:
+        assert torch.equal(res.out, unfused) and torch.equal(res.normed, normed)
+    else:
+        assert close(res.out, unfused) and close(res.normed, normed)
+    assert torch.equal(res.residual, summed)
+    no_res = linear_kernels.rms_norm_linear(x=x, residual=None, norm_weight=norm_w, eps=EPS, weight=w)
+    assert no_res.normed is None and no_res.residual is x
+    assert close(no_res.out, linear_kernels.linear(x=norm_kernels.rms_norm(x=x, weight=norm_w, eps=EPS), weight=w))
+
+
+def test_pick_config_bounds_registers():
+    """The whole-row tile stays within MAX_ELEMS_PER_THREAD elements per thread at the model's shapes."""
+    for n, k in [(12352, 2048), (9216, 2048), (2048, 4096), (1288, 2048), (2048, 512), (5, 8192)]:
+        cfg = triton_row.pick_config(n, k)
+        assert cfg["block_n"] * k <= triton_row.MAX_ELEMS_PER_THREAD * 32 * cfg["num_warps"]
+
+
+# --- GPU, bf16, the model's shapes ----------------------------------------------------------------
+
+SHAPES = [(12352, 2048), (8192 + 1024, 2048), (1288, 2048), (2048, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("preload", [False, True])
+def test_gpu_real_shapes(n, k, preload):
+    x, residual, norm_w, w, _ = make(n, k, "cuda")
+    out, normed, summed = triton_row.row_gemv(
+        x=x, weight=w, residual=residual, norm_weight=norm_w, eps=EPS, write_normed=True, preload=preload
+    )
+    ref_normed, ref_summed = norm_kernels.fused_add_rms_norm(x=x, residual=residual, weight=norm_w, eps=EPS)
+    assert torch.equal(summed, ref_summed)
+    assert close(normed, ref_normed)
+    assert close(out, naive.linear(x=ref_normed, weight=w))
+    plain, _, _ = triton_row.row_gemv(x=x, weight=w, preload=preload)
+    assert close(plain, naive.linear(x=x, weight=w))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_pdl_chain():
+    """A chain norm-GEMV -> GEMV -> norm-GEMV captured in a graph (PDL edges between them) replays
+    to the eager results, repeatedly."""
+    x, residual, norm_w, w_in, _ = make(12352, 2048, "cuda")
+    w_out = make(2048, 12352 // 2, "cuda", seed=1)[3][:, :4096].contiguous()
+
+    def chain():
+        proj, _, summed = triton_row.row_gemv(x=x, weight=w_in, residual=residual, norm_weight=norm_w, eps=EPS)
+        y, _, _ = triton_row.row_gemv(x=proj[:, :4096], weight=w_out)
+        return triton_row.row_gemv(x=y, weight=w_in, residual=summed, norm_weight=norm_w, eps=EPS, write_normed=True)
+
+    eager = chain()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain()
+    for _ in range(3):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for o, e in zip(outs, eager, strict=True):
+            assert torch.equal(o, e)
