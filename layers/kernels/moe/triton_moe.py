@@ -520,12 +520,19 @@ def _down_gemv_kernel(
     empty column range: its loads are fully masked (an empty range instead of a scalar mask, which
     the interpreter mistypes). SHARED_INTER > 0: the shared expert is one more slot, its activation
     silu(gate) * up formed on the fly from its gate/up projection and weighted by sigmoid(gate
-    logit), so the block's whole output leaves in one rounding."""
-    pdl_wait(USE_PDL)
+    logit), so the block's whole output leaves in one rounding. The shared expert's weights do not
+    depend on the routing: when they fit one chunk they are loaded before the PDL wait, while the
+    previous kernel finishes."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < HIDDEN
     i = tl.arange(0, BLOCK_I)
+    shared_ptr = shared_w2 + h[:, None].to(tl.int64) * s_sw2 + i[None, :]
+    PRELOAD_SHARED: tl.constexpr = SHARED_INTER > 0 and SHARED_INTER <= BLOCK_I
+    if PRELOAD_SHARED:
+        shared_mask = h_ok[:, None] & (i < SHARED_INTER)[None, :]
+        shared_b = tl.load(shared_ptr, mask=shared_mask, other=0.0, eviction_policy="evict_first")
+    pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_H, BLOCK_I], tl.float32)
     for j in tl.static_range(TOPK):
         pair = t * TOPK + j
@@ -543,12 +550,15 @@ def _down_gemv_kernel(
     if SHARED_INTER > 0:
         scale = tl.sigmoid(tl.load(shared_gate_logit + t.to(tl.int64) * s_sgl).to(tl.float32))
         g_ptr = shared_gate_up + t.to(tl.int64) * s_sgu + i
-        b_ptr = shared_w2 + h[:, None].to(tl.int64) * s_sw2 + i[None, :]
         for i0 in tl.static_range(0, SHARED_INTER, BLOCK_I):
             i_ok = i0 + i < SHARED_INTER
             g = tl.load(g_ptr + i0, mask=i_ok, other=0.0).to(tl.float32)
             u = tl.load(g_ptr + SHARED_INTER + i0, mask=i_ok, other=0.0).to(tl.float32)
-            b = tl.load(b_ptr + i0, mask=h_ok[:, None] & i_ok[None, :], other=0.0, eviction_policy="evict_first")
+            if PRELOAD_SHARED:
+                b = shared_b
+            else:
+                b_mask = h_ok[:, None] & i_ok[None, :]
+                b = tl.load(shared_ptr + i0, mask=b_mask, other=0.0, eviction_policy="evict_first")
             acc += b.to(tl.float32) * (g * tl.sigmoid(g) * u * scale)[None, :]
     tl.store(out + t.to(tl.int64) * s_ot + h, tl.sum(acc, 1).to(out.dtype.element_ty), mask=h_ok)
 
