@@ -121,6 +121,11 @@ def test_rms_norm_linear_op(device, m):
     assert close(no_res.out, linear_kernels.linear(x=norm_kernels.rms_norm(x=x, weight=norm_w, eps=EPS), weight=w))
 
 
+def test_fused_norm_only_where_measured_to_pay():
+    """The MoE input (1,288 rows) fuses its norm; the 12K-row GDN in_proj keeps the norm kernel."""
+    assert triton_row.fuses_norm(1288) and not triton_row.fuses_norm(12352)
+
+
 def test_pick_config_bounds_registers():
     """The whole-row tile stays within MAX_ELEMS_PER_THREAD elements per thread at the model's shapes."""
     for n, k in [(12352, 2048), (9216, 2048), (2048, 4096), (1288, 2048), (2048, 512), (5, 8192)]:

@@ -27,7 +27,10 @@ class LateCompileLog:
     def after(self, *, key: str, repr: str, **_) -> None:
         took = time.perf_counter() - self._started.pop(key, time.perf_counter())
         self.events.append((repr, took))
-        log.warning("Triton compiled a kernel after start-up in %.2f s (a first-use stall): %s", took, repr[:400])
+        # one line: the kernel, its launch options, and the specialisation key (argument types and
+        # the integer properties Triton specialises on), which says what the warm-up did not cover
+        text = " ".join(f"{repr} key={key}".split())
+        log.warning("Triton compiled a kernel after start-up in %.2f s (a first-use stall): %s", took, text[:3000])
 
     def install(self) -> None:
         """Hook this log into Triton (process-wide: one model runner per worker process)."""

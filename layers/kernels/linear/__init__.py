@@ -64,9 +64,10 @@ def rms_norm_linear(
 ) -> NormLinearOut:
     """residual' = x + residual (x itself when residual is None), y = rms_norm(residual') * (1 +
     norm_weight), out = y @ weight.T (+ bias). x, residual: [M, K]; norm_weight: [K]; weight: [N, K].
-    One kernel for a CUDA row (batch-1 decode): the norm runs inside the GEMV; otherwise the norm
-    kernel, then `linear`. normed is y when write_normed (else None)."""
-    if x.is_cuda and _one_row(x):
+    One kernel for a CUDA row (batch-1 decode) and a weight of at most FUSED_NORM_MAX_N rows (where
+    the measured fusion pays): the norm runs inside the GEMV; otherwise the norm kernel, then
+    `linear`. normed is y when write_normed (else None)."""
+    if x.is_cuda and _one_row(x) and _fuses_norm(weight.shape[0]):
         from .triton_row import row_gemv
 
         out, normed, summed = row_gemv(
@@ -93,3 +94,9 @@ def _one_row(x: torch.Tensor) -> bool:
     from .triton_row import supports
 
     return supports(x.shape[0], x.shape[1], x.dtype) and os.environ.get("DELTASERVE_ROW_GEMV", "1") != "0"
+
+
+def _fuses_norm(n: int) -> bool:
+    from .triton_row import fuses_norm
+
+    return fuses_norm(n)

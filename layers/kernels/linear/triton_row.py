@@ -100,9 +100,29 @@ def supports(num_rows: int, k: int, dtype: torch.dtype) -> bool:
     return num_rows == 1 and k <= MAX_K and dtype in (torch.bfloat16, torch.float16)
 
 
+def fuses_norm(n: int) -> bool:
+    """Whether rms_norm_linear runs the norm inside the one-row kernel for an N-row weight."""
+    return n <= FUSED_NORM_MAX_N
+
+
+# measured on the H200 (`python -m deltaserve.bench.kernels_linear --row-sweep`, graph-timed, us per
+# call against the GEMV form of triton_linear): (N, K) -> block_n, num_warps
+TUNED_ROW: dict[tuple[int, int], dict] = {
+    (12352, 2048): dict(block_n=2, num_warps=8),  # GDN in_proj: 13.4 vs 13.8
+    (9216, 2048): dict(block_n=2, num_warps=8),  # attention q_gate | k | v: 10.4 vs 10.7
+    (2048, 4096): dict(block_n=1, num_warps=4),  # o_proj / out_proj: 5.7 vs 5.8
+    (1288, 2048): dict(block_n=4, num_warps=8),  # MoE router | shared gate_up | gate: 2.8 vs 3.0
+}
+# the add + norm prologue costs each program ~a few hundred ns: it pays where there are few programs
+# (MoE input: 3.1 us fused vs 4.1 norm kernel + GEMV) and loses on the 12K-row in_proj (19.1 vs 15.0)
+FUSED_NORM_MAX_N = 2048
+
+
 def pick_config(n: int, k: int) -> dict:
-    """block_n rows per program and num_warps, keeping the [block_n, K] tile within
-    MAX_ELEMS_PER_THREAD elements per thread and ~4+ programs per SM at the model's shapes."""
+    """block_n rows per program and num_warps: TUNED_ROW, else keep the [block_n, K] tile within
+    MAX_ELEMS_PER_THREAD elements per thread with ~4+ programs per SM at the model's shapes."""
+    if (n, k) in TUNED_ROW:
+        return dict(TUNED_ROW[(n, k)])
     block_k = triton.next_power_of_2(k)
     block_n = 4 if n >= 8192 else 2 if n >= 2048 else 1
     num_warps = 4
