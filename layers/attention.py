@@ -108,9 +108,8 @@ class GatedAttention(nn.Module):
             eps=self.eps,
             rotary_dim=self.rotary_dim,
             theta=self.rope_theta,
-        )
-        attn_kernels.write_kv_cache(
-            key=k, value=v, k_cache=state.k_cache, v_cache=state.v_cache, slot_mapping=ctx.slot_mapping
+            # the finished k and v go into the paged cache from the same launch
+            kv_cache=rotary_kernels.KvCacheWrite(v, state.k_cache, state.v_cache, ctx.slot_mapping),
         )
         num_decode = ctx.num_decode_tokens
         decode_out = prefill_out = None

@@ -44,3 +44,34 @@ def test_bf16_at_real_shape(device):
     out_q, out_k = tr.qk_norm_rope(**kwargs)
     assert (out_q.float() - ref_q.float()).abs().max() < 0.05
     assert (out_k.float() - ref_k.float()).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("tokens, q_heads, k_heads, head_dim, rotary_dim", [(5, 4, 2, 24, 8), (3, 2, 1, 16, 16)])
+def test_writes_kv_cache(device, nan_fill, tokens, q_heads, k_heads, head_dim, rotary_dim):
+    """With kv_cache the same launch writes the finished k and the value to their slots: every
+    written slot equals the reference's, a slot of -1 writes nothing, untouched slots keep their
+    bits; q and k are returned as without it."""
+    g = torch.Generator().manual_seed(tokens + head_dim)
+    q = torch.randn(tokens, q_heads, 2 * head_dim, generator=g).to(device)[..., :head_dim]
+    kv = torch.randn(tokens, 2 * k_heads, head_dim, generator=g).to(device)
+    k, v = kv[:, :k_heads], kv[:, k_heads:]  # strided views, as the fused projection gives them
+    qw, kw = ((0.3 * torch.randn(head_dim, generator=g)).to(device) for _ in range(2))
+    positions = torch.arange(100, 100 + tokens, device=device)
+    pages, block = 4, 4
+    slots = torch.tensor([13, 2, -1, 7, 0][:tokens], device=device)
+    kwargs = dict(q=q, k=k, q_weight=qw, k_weight=kw, positions=positions, eps=1e-6, rotary_dim=rotary_dim, theta=1e6)
+    caches = {}
+    for name, impl in (("ref", naive.qk_norm_rope), ("ours", tr.qk_norm_rope)):
+        k_cache = torch.full((pages, block, k_heads, head_dim), 7.0, device=device)
+        v_cache = torch.full((pages, block, k_heads, head_dim), 7.0, device=device)
+        out = impl(**kwargs, kv_cache=naive.KvCacheWrite(v, k_cache, v_cache, slots))
+        caches[name] = (out, k_cache, v_cache)
+    (ref_q, ref_k), ref_kc, ref_vc = caches["ref"]
+    (out_q, out_k), out_kc, out_vc = caches["ours"]
+    tol = 2e-4 if device.type == "cpu" else 1e-3
+    assert torch.allclose(out_q, ref_q, atol=tol, rtol=tol) and torch.allclose(out_k, ref_k, atol=tol, rtol=tol)
+    assert torch.allclose(out_kc, ref_kc, atol=tol, rtol=tol)
+    assert torch.equal(out_vc, ref_vc)
+    written = torch.zeros(pages * block, dtype=torch.bool)
+    written[[s for s in slots.tolist() if s >= 0]] = True
+    assert (out_kc.view(pages * block, -1)[~written.to(device)] == 7.0).all()  # untouched slots, -1 included

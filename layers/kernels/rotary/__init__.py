@@ -1,6 +1,7 @@
 """q/k head norm fused with partial rotary embeddings (gated attention's pre-attention step)."""
 
 from . import naive
+from .naive import KvCacheWrite  # noqa: F401  (qk_norm_rope's kv_cache argument)
 
 
 def qk_norm_rope(**kwargs):

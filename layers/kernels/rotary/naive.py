@@ -7,9 +7,22 @@ as transformers computes it, in float32).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from ..attention import naive as attention_naive
 from ..norm import naive as norm_naive
+
+
+class KvCacheWrite(NamedTuple):
+    """Where qk_norm_rope also writes each token's finished k and its v: value [T, Hkv, D];
+    k_cache, v_cache [num_blocks, block_size, Hkv, D]; slot_mapping [T] (flat slot, -1 = none)."""
+
+    value: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,10 +54,21 @@ def qk_norm_rope(
     eps: float,
     rotary_dim: int,
     theta: float,
+    kv_cache: KvCacheWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hkv, D] (may be strided views); weights [D]; positions [T].
-    Returns new contiguous (q, k) of the same shapes and dtype."""
+    Returns new contiguous (q, k) of the same shapes and dtype; with kv_cache, also writes k and
+    the value into the paged cache (attention's write_kv_cache)."""
     cos, sin = rotary_cos_sin(positions, rotary_dim, theta)
     q = norm_naive.rms_norm(x=q, weight=q_weight, eps=eps)
     k = norm_naive.rms_norm(x=k, weight=k_weight, eps=eps)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    if kv_cache is not None:
+        attention_naive.write_kv_cache(
+            key=k,
+            value=kv_cache.value,
+            k_cache=kv_cache.k_cache,
+            v_cache=kv_cache.v_cache,
+            slot_mapping=kv_cache.slot_mapping,
+        )
+    return q, k

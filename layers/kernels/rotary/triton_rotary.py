@@ -1,8 +1,10 @@
-"""Triton q/k head norm + partial rotary embedding in one launch for q and k.
+"""Triton q/k head norm + partial rotary embedding in one launch for q and k, optionally
+writing the finished k and the value into the paged KV cache in the same launch.
 
-One program per (token, head) over q's heads then k's: it loads the head vector once (plus the
-rotation partners, from L1), normalises in float32, rotates the first rotary_dim features with
-cos/sin computed from the position in registers, and writes the result. This replaces two norm
+One program per (token, head) over q's heads then k's (then v's, when it writes the cache): it
+loads the head vector once (plus the rotation partners, from L1), normalises in float32, rotates
+the first rotary_dim features with cos/sin computed from the position in registers, and writes
+the result. This replaces two norm
 launches and about twenty elementwise launches per attention layer in a decode step.
 """
 
@@ -13,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..pdl import pdl_launch, pdl_wait
+from .naive import KvCacheWrite
 
 
 @triton.jit
@@ -32,9 +35,23 @@ def _qk_norm_rope_kernel(
     num_q_heads,
     num_k_heads,
     eps,
+    V,
+    K_CACHE,
+    V_CACHE,
+    SLOTS,
+    v_stride_t,
+    v_stride_h,
+    s_kcb,
+    s_kco,
+    s_kch,
+    s_vcb,
+    s_vco,
+    s_vch,
     D: tl.constexpr,
     ROT: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    WRITE_KV: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
@@ -43,6 +60,17 @@ def _qk_norm_rope_kernel(
     is_q = h < num_q_heads
     offs = tl.arange(0, BLOCK_D)
     in_dim = offs < D
+    if WRITE_KV:
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        # a slot of -1 is padding: an empty feature range masks every lane
+        in_cache = offs < tl.where(slot >= 0, D, 0)
+        page, off = slot // PAGE, slot % PAGE
+        if h >= num_q_heads + num_k_heads:  # the value heads: a copy into the cache
+            vh = h - num_q_heads - num_k_heads
+            v = tl.load(V + t * v_stride_t + vh * v_stride_h + offs, mask=in_cache)
+            v_dst = V_CACHE + page * s_vcb + off * s_vco + vh * s_vch + offs
+            tl.store(v_dst, v.to(V_CACHE.dtype.element_ty), mask=in_cache)
+            return
     half = ROT // 2
     # the rotation partner of feature i: i + half in the first half, i - half in the second
     partner = tl.where(offs < half, offs + half, tl.where(offs < ROT, offs - half, offs))
@@ -69,8 +97,11 @@ def _qk_norm_rope_kernel(
     angle = pos * inv_freq
     c, s = tl.cos(angle), tl.sin(angle)
     rotated = tl.where(offs < half, y * c - yp * s, y * c + yp * s)
-    out = tl.where(offs < ROT, rotated, y)
-    tl.store(dst + offs, out.to(dst.dtype.element_ty), mask=in_dim)
+    out = tl.where(offs < ROT, rotated, y).to(dst.dtype.element_ty)
+    tl.store(dst + offs, out, mask=in_dim)
+    if WRITE_KV and not is_q:
+        k_dst = K_CACHE + page * s_kcb + off * s_kco + (h - num_q_heads) * s_kch + offs
+        tl.store(k_dst, out.to(K_CACHE.dtype.element_ty), mask=in_cache)
 
 
 _INV_FREQ: dict[tuple, torch.Tensor] = {}
@@ -95,8 +126,11 @@ def qk_norm_rope(
     eps: float,
     rotary_dim: int,
     theta: float,
+    kv_cache: KvCacheWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See naive.qk_norm_rope. q: [T, Hq, D], k: [T, Hkv, D] with unit stride over D."""
+    """See naive.qk_norm_rope. q: [T, Hq, D], k: [T, Hkv, D] with unit stride over D. kv_cache:
+    k and v go into the paged cache from the same launch (value [T, Hkv, D] with unit stride
+    over D; caches [num_blocks, block_size, Hkv, D])."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1, "head dim must be contiguous"
@@ -105,7 +139,16 @@ def qk_norm_rope(
     k_out = torch.empty((num_tokens, num_k_heads, head_dim), dtype=k.dtype, device=k.device)
     if num_tokens == 0:
         return q_out, k_out
-    _qk_norm_rope_kernel[(num_tokens, num_q_heads + num_k_heads)](
+    if kv_cache is not None:
+        value, k_cache, v_cache, slots = kv_cache
+        assert value.stride(2) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "contiguous head dim"
+        cache_args = (value, k_cache, v_cache, slots, value.stride(0), value.stride(1))
+        cache_args += (*k_cache.stride()[:3], *v_cache.stride()[:3])
+        page = k_cache.shape[1]
+    else:
+        cache_args, page = (q, q, q, positions, 0, 0, 0, 0, 0, 0, 0, 0), 1
+    heads = num_q_heads + num_k_heads * (2 if kv_cache is not None else 1)
+    _qk_norm_rope_kernel[(num_tokens, heads)](
         q,
         k,
         q_out,
@@ -121,9 +164,12 @@ def qk_norm_rope(
         num_q_heads,
         num_k_heads,
         eps,
+        *cache_args,
         D=head_dim,
         ROT=rotary_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE=page,
+        WRITE_KV=kv_cache is not None,
         num_warps=1 if head_dim <= 128 else 2,
         **pdl_launch(q),
     )
