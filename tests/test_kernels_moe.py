@@ -122,12 +122,6 @@ GEMV_CONFIGS = [
     dict(up=dict(block_n=16, block_k=32, num_warps=4), down=dict(block_h=32, block_i=16, num_warps=4)),
     # one chunk over all of K, thin row blocks, one warp
     dict(up=dict(block_n=2, block_k=64, num_warps=1), down=dict(block_h=4, block_i=64, num_warps=1)),
-    # the down GEMV that loads every slot's weights before the wait, with a tail over hidden
-    dict(
-        up=dict(block_n=8, block_k=32, num_warps=4),
-        down=dict(block_h=4, block_i=32, num_warps=1),
-        down_early=dict(block_h=16, block_i=32, num_warps=2),
-    ),
 ]
 
 

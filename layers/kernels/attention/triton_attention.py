@@ -151,7 +151,8 @@ def _attend_block(
     return acc, m_new, l_i
 
 
-@triton.jit
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["cu_seqlens_q", "seq_lens", "block_tables", "num_seqs", "s_btn"])
 def _prefill_kernel(
     q,
     k_cache,
@@ -326,7 +327,8 @@ def _split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
     return start, tl.minimum(start + split_len, seq_len)
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # one variant for every split count
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_splits", "seq_lens", "block_tables", "s_btn"])
 def _decode_kernel(
     q,
     k_cache,
@@ -408,7 +410,8 @@ def _decode_kernel(
         tl.store(part_lse + row, m_i + tl.log2(l_i), mask=g < GROUP)
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # one variant for every split count
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_splits", "seq_lens"])
 def _decode_reduce_kernel(
     part_o,
     part_lse,

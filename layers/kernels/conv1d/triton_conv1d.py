@@ -65,7 +65,8 @@ def _conv_rows(
     return acc
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # one compile for any batch size
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state"])
 def _conv_varlen_kernel(
     x,
     weight,
@@ -134,7 +135,8 @@ def _conv_varlen_kernel(
         tl.store(p_s + o_w[:, None] * stride_sw, new.to(state.dtype.element_ty), mask=m_w)
 
 
-@triton.jit
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["slots"])
 def _conv_update_kernel(
     x,
     weight,

@@ -68,7 +68,8 @@ def _substitute_row(x, sel, a):
     return tl.where(sel, (a + tl.sum(a[:, None] * x, 0))[None, :], x)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # one compile for any batch size
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens"])
 def _solve_kernel(
     k,
     g,
@@ -237,7 +238,8 @@ def _solve_kernel(
     tl.store(p_y + 3 * BC * HV * BT + 3 * BC, y33.to(dt), mask=m3[:, None])
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # one compile for any batch size
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens"])
 def _intra_kernel(
     q,
     k,
@@ -354,7 +356,8 @@ def _first_chunk_decay_log(gcum, hv, bos, eos, HV: tl.constexpr, BT: tl.constexp
     return tl.sum(vals, 0)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # one compile for any batch size
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state"])
 def _state_kernel(
     q,
     w,
@@ -461,7 +464,8 @@ def _state_kernel(
         tl.store(p_pool, state.to(pool.dtype.element_ty), mask=m_kv)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # one compile for any batch size
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state"])
 def _recur_kernel(
     k,
     w,
@@ -551,7 +555,8 @@ def _recur_kernel(
         tl.store(p_pool, state.to(pool.dtype.element_ty), mask=m_kv)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # one compile for any batch size
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens"])
 def _output_kernel(
     q,
     k,

@@ -36,7 +36,8 @@ def gate_values(a, b, neg_a_exp, dt_bias):
     return neg_a_exp * softplus(a + dt_bias), tl.sigmoid(b)
 
 
-@triton.jit
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_tokens"])
 def _gating_kernel(
     a,
     b,

@@ -64,7 +64,8 @@ def _add_pair(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
 
 
-@triton.jit
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["slots"])
 def _recurrent_kernel(
     q,
     k,

@@ -42,7 +42,8 @@ PAIRS_PATH_MAX = 64
 # --- router -----------------------------------------------------------------------------------------
 
 
-@triton.jit
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_tokens"])
 def _router_kernel(
     logits,
     weights,
@@ -563,91 +564,21 @@ def _down_gemv_kernel(
     tl.store(out + t.to(tl.int64) * s_ot + h, tl.sum(acc, 1).to(out.dtype.element_ty), mask=h_ok)
 
 
-@triton.jit
-def _down_gemv_early_kernel(
-    act,
-    w2,
-    out,
-    topk_weights,
-    topk_ids,
-    expert_offset,
-    num_experts,
-    s_at,
-    s_we,
-    s_wn,
-    s_ot,
-    shared_gate_up,
-    shared_w2,
-    shared_gate_logit,
-    s_sgu,
-    s_sw2,
-    s_sgl,
-    HIDDEN: tl.constexpr,
-    INTER: tl.constexpr,
-    TOPK: tl.constexpr,
-    TOPK_P: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    SHARED_INTER: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """_down_gemv_kernel's result for INTER and SHARED_INTER <= BLOCK_I, with every weight load
-    issued before the PDL wait. The routing is safe to read that early: under PDL this kernel
-    launches only once every program of the up GEMV before it has passed its own wait, that is,
-    once the router (launched before the up GEMV) has completed. Only the activations wait.
-    Slots are one [TOPK_P, BLOCK_H, BLOCK_I] tile; the activations are loaded broadcast over h
-    (L1 hits) so they arrive in the weights' register layout."""
-    t = tl.program_id(0)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = h < HIDDEN
-    i = tl.arange(0, BLOCK_I)
-    j = tl.arange(0, TOPK_P)
-    pair = t * TOPK + j
-    e = tl.load(topk_ids + pair, mask=j < TOPK, other=0).to(tl.int32) - expert_offset
-    local = (j < TOPK) & (e >= 0) & (e < num_experts)
-    w = tl.load(topk_weights + pair, mask=local, other=0.0).to(tl.float32)
-    rows = tl.where(local, e, 0).to(tl.int64)[:, None, None] * s_we + h[None, :, None] * s_wn
-    mask = local[:, None, None] & h_ok[None, :, None] & (i < INTER)[None, None, :]
-    b = tl.load(w2 + rows + i[None, None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-    if SHARED_INTER > 0:
-        shared_mask = h_ok[:, None] & (i < SHARED_INTER)[None, :]
-        shared_ptr = shared_w2 + h[:, None].to(tl.int64) * s_sw2 + i[None, :]
-        shared_b = tl.load(shared_ptr, mask=shared_mask, other=0.0, eviction_policy="evict_first")
-    pdl_wait(USE_PDL)
-    a_ptr = act + pair.to(tl.int64)[:, None, None] * s_at + i[None, None, :] + 0 * h[None, :, None]
-    a = tl.load(a_ptr, mask=mask, other=0.0).to(tl.float32) * w[:, None, None]
-    acc = tl.sum(b.to(tl.float32) * a, 0)
-    if SHARED_INTER > 0:
-        scale = tl.sigmoid(tl.load(shared_gate_logit + t.to(tl.int64) * s_sgl).to(tl.float32))
-        g_ptr = shared_gate_up + t.to(tl.int64) * s_sgu + i
-        i_ok = i < SHARED_INTER
-        g = tl.load(g_ptr, mask=i_ok, other=0.0).to(tl.float32)
-        u = tl.load(g_ptr + SHARED_INTER, mask=i_ok, other=0.0).to(tl.float32)
-        acc += shared_b.to(tl.float32) * (g * tl.sigmoid(g) * u * scale)[None, :]
-    tl.store(out + t.to(tl.int64) * s_ot + h, tl.sum(acc, 1).to(out.dtype.element_ty), mask=h_ok)
-
-
 def _pairs_config(hidden_size: int, inter: int, on_gpu: bool) -> dict:
     """Pairs path (GEMV) tiles. Thin row blocks so that batch 1 (8 pairs) already runs 1024 up and
     1024 down programs, several per SM. From the sm_90 compile (NOTES.md): up 4 x 512 / 4 warps
     issues 14 of its 16 16-byte weight loads per thread before the first FMA (104 registers, 4
-    programs per SM); down 2 x 512 / 2 warps 11 of 16 (126 registers, 8 programs per SM).
-    down_early: the down GEMV that loads its weights before the PDL wait (taken when the expert
-    widths fit one block_i chunk)."""
+    programs per SM); down 2 x 512 / 2 warps 11 of 16 (126 registers, 8 programs per SM)."""
     if not on_gpu:
         block_k = min(64, triton.next_power_of_2(hidden_size))
         block_i = min(64, triton.next_power_of_2(inter))
         return dict(
             up=dict(block_n=8, block_k=block_k, num_warps=4),
             down=dict(block_h=8, block_i=block_i, num_warps=4),
-            down_early=dict(block_h=8, block_i=block_i, num_warps=4),
         )
-    block_i = min(512, triton.next_power_of_2(inter))
     return dict(
         up=dict(block_n=4, block_k=min(512, triton.next_power_of_2(hidden_size)), num_warps=4),
-        down=dict(block_h=2, block_i=block_i, num_warps=2),
-        # every slot's weights before the wait: [8, 2, 512] per program, 4 warps
-        down_early=dict(block_h=2, block_i=block_i, num_warps=4),
+        down=dict(block_h=2, block_i=min(512, triton.next_power_of_2(inter)), num_warps=2),
     )
 
 
@@ -769,22 +700,6 @@ def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg,
     shared_inter = 0 if shared is None else shared.w2.shape[1]
     args = (act, w2, out, topk_weights, topk_ids, expert_offset, num_experts)
     args += (act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *_shared_args(shared, out))
-    early = cfg.get("down_early")
-    if early is not None and max(inter, shared_inter) <= early["block_i"]:
-        _down_gemv_early_kernel[(num_tokens, triton.cdiv(hidden_size, early["block_h"]))](
-            *args,
-            HIDDEN=hidden_size,
-            INTER=inter,
-            TOPK=top_k,
-            TOPK_P=triton.next_power_of_2(top_k),
-            BLOCK_H=early["block_h"],
-            BLOCK_I=early["block_i"],
-            SHARED_INTER=shared_inter,
-            num_warps=early["num_warps"],
-            num_stages=1,
-            **pdl_launch(act),
-        )
-        return
     _down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, down["block_h"]))](
         *args,
         HIDDEN=hidden_size,

@@ -11,7 +11,8 @@ import triton.language as tl
 from ..pdl import pdl_launch, pdl_wait
 
 
-@triton.jit
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x,
     gate,

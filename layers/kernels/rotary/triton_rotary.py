@@ -18,7 +18,8 @@ from ..pdl import pdl_launch, pdl_wait
 from .naive import KvCacheWrite
 
 
-@triton.jit
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["POS", "SLOTS"])
 def _qk_norm_rope_kernel(
     Q,
     K,
