@@ -13,7 +13,10 @@ recurrent kernel computing g / beta itself, against the torch gating ops + recur
 replaces in the layer, and the fused gating kernel + recurrent kernel as the peer) are
 microsecond kernels: each row captures GRAPH_CALLS back-to-back calls in one CUDA graph and times
 its replay, so ours_ms / ref_ms / peer_ms there are per GRAPH_CALLS calls (the shape says so) and
-bytes_moved counts all of them. Just those rows, per call:
+bytes_moved counts all of them. So is the whole decode step between in_proj and out_proj (op
+gdn_decode_step: decode.fused_gdn_decode, one launch, against the three unfused Triton kernels the
+layer ran before, conv1d update + recurrent on raw gates + gated norm; the peer is the fused kernel
+at block_v 64 instead of 32). Just those rows, per call:
 
     python -m deltaserve.bench.kernels_gdn [--json gates.json]
 """
@@ -29,14 +32,19 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.bench.kernel_cases import Case
+from deltaserve.layers.kernels.conv1d import triton_conv1d
 from deltaserve.layers.kernels.gdn import chunk as chunk_module
+from deltaserve.layers.kernels.gdn import decode as decode_module
 from deltaserve.layers.kernels.gdn import gating as gating_module
 from deltaserve.layers.kernels.gdn import naive
 from deltaserve.layers.kernels.gdn import recurrent as recurrent_module
 from deltaserve.layers.kernels.gdn.chunk import CHUNK, chunk_gated_delta_rule
 from deltaserve.layers.kernels.gdn.recurrent import fused_recurrent_gated_delta_rule
+from deltaserve.layers.kernels.norm import triton_norm
 
 HK, HV, K, V = 16, 32, 128, 128
+CONV_WIDTH = 4
+CONV_DIM = 2 * HK * K + HV * V  # the conv channels [q | k | v]
 TOLERANCE = 2e-2  # bf16 operands against the float32 reference, relative to the reference's magnitude
 GRAPH_CALLS = 20  # calls captured back to back in one CUDA graph by the gating / raw-gate rows
 IN_PROJ_WIDTH = 2 * HK * K + 2 * HV * V + 2 * HV  # [q | k | v | z | b | a]
@@ -322,10 +330,72 @@ def _decode_gate_cases(num_seqs: int) -> list[Case]:
     ]
 
 
+def _decode_step_cases(num_seqs: int) -> list[Case]:
+    """The layer's decode step between in_proj and out_proj at one token per sequence. Ours: the
+    fused kernel (conv update, delta rule, gated norm in one launch); reference: the three unfused
+    Triton kernels (conv1d update, recurrent on raw gates, gated norm); peer: the fused kernel at
+    block_v 64 instead of its 32. Inputs are column views of one bf16 in_proj output."""
+    proj = torch.randn(num_seqs, IN_PROJ_WIDTH, device="cuda", dtype=torch.bfloat16)
+    mixed = proj[:, :CONV_DIM]
+    z = proj[:, CONV_DIM : CONV_DIM + HV * V].unflatten(-1, (HV, V))
+    _, _, a_log, dt_bias = _raw_gates(1)
+    b, a = proj[:, -2 * HV : -HV], proj[:, -HV:]
+    conv_weight = torch.randn(CONV_DIM, CONV_WIDTH, device="cuda", dtype=torch.bfloat16) * 0.5
+    conv_pool = torch.randn(num_seqs + 8, CONV_DIM, CONV_WIDTH - 1, device="cuda", dtype=torch.bfloat16)
+    pool = torch.randn(num_seqs + 8, HV, K, V, device="cuda") * 0.1
+    slots = torch.randperm(num_seqs + 8, device="cuda")[:num_seqs].to(torch.int32)
+    norm_weight = torch.ones(V, device="cuda", dtype=torch.bfloat16)
+    step = dict(mixed_qkv=mixed, z=z, a=a, b=b, conv_weight=conv_weight, A_log=a_log, dt_bias=dt_bias,
+                state_slots=slots, norm_weight=norm_weight, eps=1e-6)  # fmt: skip
+    work_conv, work_pool = conv_pool.clone(), pool.clone()
+
+    def fused(block_v: int | None = None):
+        return decode_module.fused_gdn_decode(conv_state_pool=work_conv, state_pool=work_pool, block_v=block_v, **step)
+
+    def unfused():
+        conv_out = triton_conv1d.causal_conv1d_update(
+            x=mixed, weight=conv_weight, bias=None, conv_state_pool=work_conv, state_slots=slots
+        )
+        q, k, v = conv_out.split([HK * K, HK * K, HV * V], dim=1)
+        core = fused_recurrent_gated_delta_rule(
+            q=q.view(num_seqs, 1, HK, K), k=k.view(num_seqs, 1, HK, K), v=v.view(num_seqs, 1, HV, V),
+            a=a.unsqueeze(1), b=b.unsqueeze(1), A_log=a_log, dt_bias=dt_bias, state_pool=work_pool,
+            state_slots=slots,
+        )  # fmt: skip
+        return triton_norm.gated_rms_norm(x=core[:, 0], gate=z, weight=norm_weight, eps=1e-6)
+
+    def check() -> float:
+        ours_conv, ours_pool, ref_conv, ref_pool = conv_pool.clone(), pool.clone(), conv_pool.clone(), pool.clone()
+        out = decode_module.fused_gdn_decode(conv_state_pool=ours_conv, state_pool=ours_pool, **step)
+        ref = naive.fused_gdn_decode(conv_state_pool=ref_conv, state_pool=ref_pool, **step)
+        conv_ok = torch.equal(ours_conv, ref_conv)  # the windows are copied, not computed
+        return max(_rel_err(out, ref), _rel_err(ours_pool, ref_pool), 0.0 if conv_ok else float("inf"))
+
+    state_bytes = 2 * num_seqs * HV * K * V * 4
+    io_bytes = num_seqs * ((CONV_DIM + HV * V + 2 * HV) * 2 + 2 * CONV_DIM * (CONV_WIDTH - 1) * 2 + HV * V * 2)
+    block_v, other = decode_module.BLOCK_V, 64
+    return [
+        Case(
+            op="gdn_decode_step",
+            shape=f"N={num_seqs} conv+recurrent+norm bv{block_v} bf16 [graph x{GRAPH_CALLS}]",
+            ours=_graphed(fused),
+            reference=_graphed(unfused),
+            reference_label="3 unfused kernels",
+            check=check,
+            tolerance=TOLERANCE,
+            bytes_moved=GRAPH_CALLS * (state_bytes + io_bytes),
+            peer=_graphed(lambda: fused(other)),
+            peer_label=f"fused bv{other}",
+            target="below the unfused kernels' time where the layer takes it (N <= 12)",
+        )
+    ]
+
+
 def gate_cases() -> list[Case]:
-    """The CUDA-graph rows: the fused gating kernel and decode with raw gates."""
+    """The CUDA-graph rows: the fused gating kernel, decode with raw gates, and the fused decode step."""
     out = [case for t in (1, 64, 256, 8192) for case in _gating_cases(t)]
     out += [case for n in (1, 64, 256) for case in _decode_gate_cases(n)]
+    out += [case for n in (1, 8, 12, 16, 64) for case in _decode_step_cases(n)]
     return out
 
 
@@ -342,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     """The CUDA-graph rows only, in microseconds per call."""
     import triton.testing
 
-    parser = argparse.ArgumentParser(description="GDN gating and raw-gate decode, timed in CUDA graphs")
+    parser = argparse.ArgumentParser(description="GDN gating, raw-gate decode, fused decode step: CUDA graphs")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

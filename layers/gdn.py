@@ -8,6 +8,10 @@ The input projections of both checkpoint layouts load into one fused local weigh
     [q, k, v (r heads), z (r heads)] and [b (r), a (r)] with r = value heads per key head.
 The conv runs over the channels [q | k | v] in both layouts.
 
+Decode rows of one token each, in batches of up to gdn_kernels.FUSED_DECODE_MAX_SEQS sequences,
+run conv, delta rule and gated norm as one kernel (gdn_kernels.fused_gdn_decode); prefill chunks,
+larger decode batches and multi-token rows (speculative verify) run them as three ops.
+
 Tensor parallel: key heads split, each with its r value heads and their conv channels;
 out_proj is row-parallel with one all-reduce.
 """
@@ -18,7 +22,7 @@ import torch
 from torch import nn
 
 from .attention import join_rows
-from .base import CheckpointTensor, ForwardContext, SsmLayerState
+from .base import AttnMetadata, CheckpointTensor, ForwardContext, SsmLayerState
 from .common import col_range, empty_param, row_ranges, whole
 from .config import ModelConfig
 from .kernels import conv1d as conv_kernels
@@ -159,14 +163,59 @@ class GatedDeltaNet(nn.Module):
         conv_weight = self.conv_weight.squeeze(1)
 
         num_decode = ctx.num_decode_tokens
+        decode = ctx.decode
+        if decode is not None and decode.tokens_per_row == 1 and decode.num_seqs <= gdn_kernels.FUSED_DECODE_MAX_SEQS:
+            # small batches of one token per row: conv, delta rule and gated norm in one launch
+            # (three at batch 1 are mostly launch latency); the prefill rows take the separate ops
+            core_decode = gdn_kernels.fused_gdn_decode(
+                mixed_qkv=mixed[:num_decode],
+                z=z[:num_decode],
+                a=a[:num_decode],
+                b=b[:num_decode],
+                conv_weight=conv_weight,
+                conv_state_pool=state.conv,
+                A_log=self.A_log,
+                dt_bias=self.dt_bias,
+                state_pool=state.recurrent,
+                state_slots=decode.state_slots,
+                norm_weight=self.norm_weight,
+                eps=self.eps,
+            )
+            core_prefill = None
+            if ctx.prefill is not None:
+                rows = slice(num_decode, None)
+                core_prefill = self._unfused(mixed[rows], z[rows], a[rows], b[rows], conv_weight, None, ctx, state)
+            core = join_rows(core_decode, core_prefill)
+        else:
+            core = self._unfused(mixed, z, a, b, conv_weight, ctx.decode, ctx, state)
+        out = linear_kernels.linear(x=core.reshape(num_tokens, self.value_dim), weight=self.out_proj)
+        return all_reduce(out, self.layout)
+
+    def _unfused(
+        self,
+        mixed: torch.Tensor,
+        z: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        conv_weight: torch.Tensor,
+        decode: AttnMetadata | None,
+        ctx: ForwardContext,
+        state: SsmLayerState,
+    ) -> torch.Tensor:
+        """conv1d, the gated delta rule and the gated norm as separate ops over `decode`'s rows (any
+        tokens_per_row; None: no decode rows) followed by the prefill chunk's. mixed: [T, conv_dim];
+        z: [T, Hv, V]; a, b: [T, Hv]. Returns the normed heads [T, Hv, V]."""
+        num_tokens = mixed.shape[0]
+        off = self._offsets()
+        num_decode = 0 if decode is None else decode.num_tokens
         conv_decode = conv_prefill = None
-        if ctx.decode is not None:
+        if decode is not None:
             conv_decode = conv_kernels.causal_conv1d_update(
                 x=mixed[:num_decode],
                 weight=conv_weight,
                 bias=None,
                 conv_state_pool=state.conv,
-                state_slots=ctx.decode.state_slots,
+                state_slots=decode.state_slots,
                 activation="silu",
             )
         if ctx.prefill is not None:
@@ -188,9 +237,9 @@ class GatedDeltaNet(nn.Module):
         # recurrent kernel from the raw a, b; prefill in one fused gating launch
 
         core_decode = core_prefill = None
-        if ctx.decode is not None:
-            n = ctx.decode.num_seqs
-            rows = ctx.decode.tokens_per_row
+        if decode is not None:
+            n = decode.num_seqs
+            rows = decode.tokens_per_row
             core_decode = gdn_kernels.fused_recurrent_gated_delta_rule(
                 q=q[:num_decode].view(n, rows, *q.shape[1:]),
                 k=k[:num_decode].view(n, rows, *k.shape[1:]),
@@ -200,7 +249,7 @@ class GatedDeltaNet(nn.Module):
                 A_log=self.A_log,
                 dt_bias=self.dt_bias,
                 state_pool=state.recurrent,
-                state_slots=ctx.decode.state_slots,
+                state_slots=decode.state_slots,
                 use_qk_l2norm=True,
             ).view(num_decode, *v.shape[1:])
         if ctx.prefill is not None:
@@ -218,6 +267,4 @@ class GatedDeltaNet(nn.Module):
                 use_qk_l2norm=True,
             )
         core = join_rows(core_decode, core_prefill)
-        core = norm_kernels.gated_rms_norm(x=core, gate=z, weight=self.norm_weight, eps=self.eps)
-        out = linear_kernels.linear(x=core.reshape(num_tokens, self.value_dim), weight=self.out_proj)
-        return all_reduce(out, self.layout)
+        return norm_kernels.gated_rms_norm(x=core, gate=z, weight=self.norm_weight, eps=self.eps)

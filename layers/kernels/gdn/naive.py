@@ -15,6 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..conv1d import naive as conv_naive
+from ..norm import naive as norm_naive
+
 
 def gdn_gating(
     *,
@@ -186,3 +189,59 @@ def fused_recurrent_gated_delta_rule(
     if update_state:
         state_pool[slots] = state.to(state_pool.dtype)
     return out.to(v.dtype)
+
+
+def fused_gdn_decode(
+    *,
+    mixed_qkv: torch.Tensor,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state_pool: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One GDN decode step (one new token per sequence) from the in_proj columns to the normed
+    heads: the three unfused ops one after another, conv1d update (SiLU) -> recurrent gated delta
+    rule (raw gates, q/k l2norm) -> gated RMSNorm, each rounding its output to the activations'
+    dtype as it does on its own.
+
+    mixed_qkv: [N, 2 * Hk * K + Hv * V], the conv channels [q | k | v]; z: [N, Hv, V]; a, b:
+    [N, Hv] raw gates (any strides); conv_weight: [C, W]; conv_state_pool: [S, C, W - 1]; A_log,
+    dt_bias: [Hv]; state_pool: [S, Hv, K, V] float32; state_slots: [N]; norm_weight: [V]. Hk is
+    what the channel count leaves. Returns [N, Hv, V] in mixed_qkv's dtype; updates the slots' conv
+    windows and states in place.
+    """
+    num_seqs, channels = mixed_qkv.shape
+    num_v_heads, key_dim, value_dim = state_pool.shape[1:]
+    key_channels = (channels - num_v_heads * value_dim) // 2
+    num_k_heads = key_channels // key_dim
+    conv_out = conv_naive.causal_conv1d_update(
+        x=mixed_qkv,
+        weight=conv_weight,
+        bias=None,
+        conv_state_pool=conv_state_pool,
+        state_slots=state_slots,
+        activation="silu",
+    )
+    q, k, v = conv_out.split([key_channels, key_channels, num_v_heads * value_dim], dim=1)
+    core = fused_recurrent_gated_delta_rule(
+        q=q.reshape(num_seqs, 1, num_k_heads, key_dim),
+        k=k.reshape(num_seqs, 1, num_k_heads, key_dim),
+        v=v.reshape(num_seqs, 1, num_v_heads, value_dim),
+        a=a.unsqueeze(1),
+        b=b.unsqueeze(1),
+        A_log=A_log,
+        dt_bias=dt_bias,
+        state_pool=state_pool,
+        state_slots=state_slots,
+        scale=scale,
+        use_qk_l2norm=True,
+    )
+    return norm_naive.gated_rms_norm(x=core[:, 0], gate=z, weight=norm_weight, eps=eps)
