@@ -98,7 +98,7 @@ class DecoderLayer(TransformerLayer):
             weight=self.mlp.in_proj,
             write_normed=True,
         )
-        return self.mlp.from_projection(x, proj, ctx), residual
+        return self.mlp(x, ctx, proj), residual
 
 
 class HybridModel(nn.Module):

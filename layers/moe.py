@@ -167,14 +167,13 @@ class SparseMoeBlock(nn.Module):
         copy_into(self.w13[:, :inter], t.get(slice(e0, e1), slice(i0, i0 + inter)), name)
         copy_into(self.w13[:, inter:], t.get(slice(e0, e1), slice(total + i0, total + i0 + inter)), name)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, proj: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. proj: in_proj's output [T, in_proj rows] when the caller has it (the
+        decoder layer computes it fused into the post-attention norm), else computed here."""
         if ctx.moe_lora_route is not MoeLoraRoute.SKIP:
             raise NotImplementedError("MoE LoRA is not built yet: only MoeLoraRoute.SKIP passes run")
-        return self.from_projection(x, linear_kernels.linear(x=x, weight=self.in_proj), ctx)
-
-    def from_projection(self, x: torch.Tensor, proj: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The block given its input x [T, H] and in_proj's output [T, in_proj rows] (the decoder
-        layer computes that one fused into the post-attention norm)."""
+        if proj is None:
+            proj = linear_kernels.linear(x=x, weight=self.in_proj)
         num_experts = self.num_experts
         router_logits = proj[:, :num_experts]
         weights, ids = moe_kernels.route_topk_softmax(
