@@ -135,7 +135,8 @@ def _router_config(num_tokens: int, on_gpu: bool) -> dict:
 # --- fused MoE --------------------------------------------------------------------------------------
 
 
-@triton.jit
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_pairs"])
 def _count_kernel(
     topk_ids, counts, ranks, expert_offset, num_experts, num_pairs, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
 ):
@@ -160,7 +161,8 @@ def _scan_kernel(counts, offsets, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: t
     tl.store(offsets + num_experts, tl.sum(padded, 0))
 
 
-@triton.jit
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _place_kernel(
     topk_ids,
     counts,
@@ -205,7 +207,8 @@ def _place_kernel(
     tl.store(block_expert + b, owner, mask=b < max_blocks)
 
 
-@triton.jit
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_pairs"])
 def _up_kernel(
     hidden,
     w13,
@@ -275,7 +278,8 @@ def _up_kernel(
     tl.store(dst, h.to(act.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     act,
     w2,
