@@ -274,7 +274,8 @@ ROW_TILES = [(1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8)]  # (block_n, num_wa
 def row_sweep(shapes: list[tuple[str, int, int]]) -> None:
     """Batch 1: the one-row kernel's tiles, weights loaded before or after the PDL wait, against the
     GEMV form of triton_linear (its tuned or heuristic tiles); then the input norm fused into it
-    against the norm kernel followed by the one-row GEMV. Graph-timed, us per call."""
+    (exact, and with 1 / rms deferred to after the dot) against the norm kernel followed by the
+    one-row GEMV. Graph-timed, us per call."""
     from deltaserve.layers.kernels import norm as norm_kernels
     from deltaserve.layers.kernels.linear import triton_row
 
@@ -315,9 +316,19 @@ def row_sweep(shapes: list[tuple[str, int, int]]) -> None:
             y, _ = norm_kernels.fused_add_rms_norm(x=x, residual=residual, weight=norm_w, eps=1e-6)
             return triton_row.row_gemv(x=y, weight=w, config=cfg)
 
+        def deferred(x, w, residual=residual, norm_w=norm_w, cfg=cfg):
+            return triton_row.row_gemv(
+                x=x, weight=w, residual=residual, norm_weight=norm_w, config=cfg, defer_norm=True
+            )
+
         fused_us = _time_graph(_graphed(_calls(fused, 1, n, k)), calls)
+        deferred_us = _time_graph(_graphed(_calls(deferred, 1, n, k)), calls)
         unfused_us = _time_graph(_graphed(_calls(unfused, 1, n, k)), calls)
-        print(f"  add+norm fused {fused_us:6.2f} us  vs norm kernel + row GEMV {unfused_us:6.2f} us", flush=True)
+        print(
+            f"  add+norm fused {fused_us:6.2f} us, deferred 1/rms {deferred_us:6.2f} us"
+            f"  vs norm kernel + row GEMV {unfused_us:6.2f} us",
+            flush=True,
+        )
 
 
 def _short(cfg: dict) -> str:

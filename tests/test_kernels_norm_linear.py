@@ -64,9 +64,10 @@ def test_row_gemv_plain(device, n, k, with_bias, preload):
 @pytest.mark.parametrize(("n", "k"), [(7, 200), (130, 64), (33, 48)])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("block_n", [1, 4])
-def test_row_gemv_norm(device, n, k, with_residual, block_n):
+@pytest.mark.parametrize("defer_norm", [False, True])
+def test_row_gemv_norm(device, n, k, with_residual, block_n, defer_norm):
     """The new residual is the exact sum; the normed row is what the unfused norm writes, to one
-    rounding; the projection matches the composition."""
+    rounding; the projection matches the composition (deferred: 1 / rms applied after the dot)."""
     x, residual, norm_w, w, b = make(n, k, device, seed=n + k)
     residual = residual if with_residual else None
     out, normed, summed = triton_row.row_gemv(
@@ -76,6 +77,7 @@ def test_row_gemv_norm(device, n, k, with_residual, block_n):
         norm_weight=norm_w,
         eps=EPS,
         write_normed=True,
+        defer_norm=defer_norm,
         config=dict(block_n=block_n, num_warps=4),
     )
     ref_out, ref_normed, ref_summed = reference(x, residual, norm_w, w, None)
@@ -140,11 +142,18 @@ SHAPES = [(12352, 2048), (8192 + 1024, 2048), (1288, 2048), (2048, 4096)]
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-@pytest.mark.parametrize("preload", [False, True])
-def test_gpu_real_shapes(n, k, preload):
+@pytest.mark.parametrize(("preload", "defer_norm"), [(False, False), (True, False), (True, True)])
+def test_gpu_real_shapes(n, k, preload, defer_norm):
     x, residual, norm_w, w, _ = make(n, k, "cuda")
     out, normed, summed = triton_row.row_gemv(
-        x=x, weight=w, residual=residual, norm_weight=norm_w, eps=EPS, write_normed=True, preload=preload
+        x=x,
+        weight=w,
+        residual=residual,
+        norm_weight=norm_w,
+        eps=EPS,
+        write_normed=True,
+        preload=preload,
+        defer_norm=defer_norm,
     )
     ref_normed, ref_summed = norm_kernels.fused_add_rms_norm(x=x, residual=residual, weight=norm_w, eps=EPS)
     assert torch.equal(summed, ref_summed)

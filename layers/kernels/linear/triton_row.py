@@ -38,6 +38,11 @@ def _load(ptr, mask, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
 
 
 @triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _row_gemv_kernel(
     x,
     residual,
@@ -58,6 +63,7 @@ def _row_gemv_kernel(
     WRITE_NORMED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PRELOAD: tl.constexpr,
+    DEFER_NORM: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -82,14 +88,23 @@ def _row_gemv_kernel(
             if pid == 0:  # every row of the tile holds the same values: identical, vectorised writes
                 tl.store(res_out + cols, summed, mask=k_ok)
             y = summed.to(tl.float32)
-        inv = tl.rsqrt(tl.sum(y * y, 1) / K + eps)
         scale = 1.0 + _load(norm_weight + cols, k_ok, EVEN_K, "").to(tl.float32)
+        if DEFER_NORM:
+            # the row's 1 / rms is a common factor of the dot: one two-operand reduction gives the
+            # dot with the unnormed row and the sum of squares, with no serial prologue
+            acc, squares = tl.reduce((wt.to(tl.float32) * (y * scale), y * y), 1, _add_pair)
+            inv = tl.rsqrt(squares / K + eps)
+            acc = acc * inv
+        else:
+            inv = tl.rsqrt(tl.sum(y * y, 1) / K + eps)
         normed = ((y * inv[:, None]) * scale).to(x.dtype.element_ty)
         if WRITE_NORMED:  # noqa: SIM102 (a constexpr test, then a run-time one)
             if pid == 0:
                 tl.store(normed_out + cols, normed, mask=k_ok)
-        y = normed.to(tl.float32)
-    acc = tl.sum(wt.to(tl.float32) * y, 1)
+        if not DEFER_NORM:
+            acc = tl.sum(wt.to(tl.float32) * normed.to(tl.float32), 1)
+    else:
+        acc = tl.sum(wt.to(tl.float32) * y, 1)
     if HAS_BIAS:
         acc += tl.load(bias + n_ld).to(tl.float32)
     tl.store(out + n, acc.to(out.dtype.element_ty), mask=n < N)
@@ -143,12 +158,18 @@ def row_gemv(
     eps: float = 1e-6,
     write_normed: bool = False,
     preload: bool = True,
+    defer_norm: bool = False,
     config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x: [1, K] (last dim contiguous); weight: [N, K]; bias: [N]. Without norm_weight: (x @ w.T,
     None, None). With it: y = rms_norm(x + residual) * (1 + norm_weight) (residual [1, K] or None),
     returns (y @ w.T (+ bias), y if write_normed else None, x + residual if residual is given else
-    None). Output in x's dtype. `config` forces block_n / num_warps (the bench sweeps them)."""
+    None). Output in x's dtype. `config` forces block_n / num_warps (the bench sweeps them).
+    defer_norm: the dot runs on the unnormed row times (1 + norm_weight) and is scaled by 1 / rms at
+    the end, from the same reduction (no serial norm before the dot in each program); its input is
+    then not rounded to x's dtype first, so the result differs from norm-then-linear by that
+    rounding (the normed row written for later kernels is the exact one either way). Not the
+    default yet: `bench.kernels_linear --row-sweep` times it against the exact form."""
     assert supports(x.shape[0], x.shape[1], x.dtype) and x.dim() == 2, "one row of a half-precision x"
     assert weight.shape[1] == x.shape[1] and weight.dtype == x.dtype, "weight [N, K] in x's dtype"
     num_rows, k = x.shape
@@ -183,6 +204,7 @@ def row_gemv(
         WRITE_NORMED=normed is not None,
         HAS_BIAS=bias is not None,
         PRELOAD=preload,
+        DEFER_NORM=defer_norm,
         EVEN_K=triton.next_power_of_2(k) == k,
         num_warps=cfg["num_warps"],
         num_stages=1,
