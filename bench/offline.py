@@ -108,7 +108,11 @@ def bench_decode(
 ) -> dict:
     engine = llm.engine
     rng = np.random.default_rng(batch)
-    params = SamplingParams(temperature=0, max_tokens=2 * steps + profile_steps + 6, ignore_eos=True)
+    # the first prompts decode beside the later ones' prefill chunks: a token a pass from then on,
+    # so the budget covers those passes too (a request that finished mid-timing would shrink the batch)
+    prefill_passes = -(-batch * context // engine.scheduler.config.max_num_batched_tokens) + 1
+    max_tokens = prefill_passes + 2 * steps + profile_steps + 6
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"d{batch}-{i}", rng.integers(10, vocab - 10, context).tolist(), params)
     # run until every request is decoding (prefill done, first token out)
@@ -137,6 +141,7 @@ def bench_decode(
         engine.step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t0) / steps
+    _check_whole(engine, batch)
     sync_step_s = None
     # control overhead is taken over synchronous passes (under overlap it also counts time a reply
     # waits while the driver plans the next pass); the exposed wait over the timed steps as run
@@ -152,6 +157,7 @@ def bench_decode(
             engine.step()
         torch.cuda.synchronize()
         sync_step_s = (time.perf_counter() - t0) / steps
+        _check_whole(engine, batch)
         timings["sync_device"] = _device_times(engine, steps)
         engine.set_async_scheduling(True)
     if hasattr(executor, "control_overhead_s"):
@@ -182,6 +188,13 @@ def bench_decode(
         engine.step()
     result = {"step_s": step_s, "sync_step_s": sync_step_s, "distinct_experts_per_layer": counts, **timings}
     return result
+
+
+def _check_whole(engine, batch: int) -> None:
+    """Every request of the batch still decoding: a timing over fewer sequences is not this batch's."""
+    running = len(engine.scheduler.running)
+    if running != batch or engine.scheduler.waiting:
+        raise RuntimeError(f"decode batch {batch}: {running} running after the timed steps (budget too small)")
 
 
 def bench_prefill(llm: LLM, length: int, vocab: int, profile: bool = False) -> float:

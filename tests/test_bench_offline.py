@@ -27,3 +27,18 @@ def test_expert_counter_sees_every_moe_block(tiny_checkpoints):
     counter.enabled = False
     seqs.run([("a", [1])])
     assert len(counter.distinct) == len(blocks)  # disabled: nothing counted
+
+
+def test_decode_batch_stays_whole_through_the_timed_steps(tiny_checkpoints, monkeypatch):
+    """With a token budget far below the batch's prompts the first requests decode beside the later
+    prefill chunks; the requests' token budget covers that, so every timed step runs the whole
+    batch (before: the first requests finished mid-timing and the batch shrank)."""
+    from deltaserve import LLM
+    from deltaserve.bench import offline
+
+    monkeypatch.setattr(offline.torch.cuda, "synchronize", lambda *a, **k: None)  # CPU run
+    path, _ = tiny_checkpoints["qwen3_5_moe"]
+    llm = LLM(str(path), max_num_seqs=8, max_num_batched_tokens=32)
+    result = offline.bench_decode(llm, batch=6, context=64, steps=3, counter=None, vocab=100)
+    assert result["step_s"] > 0
+    assert not llm.engine.has_unfinished()
