@@ -128,8 +128,9 @@ TUNED_ROW: dict[tuple[int, int], dict] = {
     (2048, 4096): dict(block_n=1, num_warps=4),  # o_proj / out_proj: 5.7 vs 5.8
     (1288, 2048): dict(block_n=4, num_warps=8),  # MoE router | shared gate_up | gate: 2.8 vs 3.0
 }
-# the add + norm prologue costs each program ~a few hundred ns: it pays where there are few programs
-# (MoE input: 3.1 us fused vs 4.1 norm kernel + GEMV) and loses on the 12K-row in_proj (19.1 vs 15.0)
+# the exact add + norm prologue is a serial chain in every program (loads, a reduction, then the
+# dot), paid once per wave of programs: it pays where there are few (MoE input: 3.1 us fused vs 4.1
+# norm kernel + GEMV) and loses on the 12K-row in_proj (19.1 vs 15.0); defer_norm removes the chain
 FUSED_NORM_MAX_N = 2048
 
 
