@@ -269,13 +269,15 @@ def sweep(tokens: list[int], shapes: list[tuple[str, int, int]], json_path: str 
 # --- one-row kernel (triton_row.py) ------------------------------------------------------------------
 
 ROW_TILES = [(1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8)]  # (block_n, num_warps)
+ROW_PERSISTENT = (None, 2, 4, 8)  # programs per SM (None: one program per row block)
 
 
 def row_sweep(shapes: list[tuple[str, int, int]]) -> None:
-    """Batch 1: the one-row kernel's tiles, weights loaded before or after the PDL wait, against the
-    GEMV form of triton_linear (its tuned or heuristic tiles); then the input norm fused into it
-    (exact, and with 1 / rms deferred to after the dot) against the norm kernel followed by the
-    one-row GEMV. Graph-timed, us per call."""
+    """Batch 1: the one-row kernel's tiles (one program per row block, or persistent programs
+    looping over blocks), weights loaded before or after the PDL wait, against the GEMV form of
+    triton_linear (its tuned or heuristic tiles); then the input norm fused into it (exact, and
+    with 1 / rms deferred to after the dot) at the best tiles of each form, against the norm kernel
+    followed by the one-row GEMV. Graph-timed, us per call."""
     from deltaserve.layers.kernels import norm as norm_kernels
     from deltaserve.layers.kernels.linear import triton_row
 
@@ -293,42 +295,43 @@ def row_sweep(shapes: list[tuple[str, int, int]]) -> None:
         for block_n, warps in ROW_TILES:
             if block_n * triton.next_power_of_2(k) > triton_row.MAX_ELEMS_PER_THREAD * 32 * warps:
                 continue
-            for preload in (True, False):
-                cfg = dict(block_n=block_n, num_warps=warps)
+            for per_sm in ROW_PERSISTENT:
+                for preload in (True, False):
+                    cfg = dict(block_n=block_n, num_warps=warps, persistent=per_sm)
 
-                def fn(x, w, cfg=cfg, preload=preload):
-                    return triton_row.row_gemv(x=x, weight=w, config=cfg, preload=preload)
+                    def fn(x, w, cfg=cfg, preload=preload):
+                        return triton_row.row_gemv(x=x, weight=w, config=cfg, preload=preload)
 
-                us = _time_graph(_graphed(_calls(fn, 1, n, k)), calls)
-                rows.append((us, block_n, warps, preload))
-        rows.sort()
-        for us, block_n, warps, preload in rows[:6]:
-            print(f"  row n{block_n} w{warps} {'preload' if preload else 'after-wait'}: {us:6.2f} us")
-        _, block_n, warps, _ = rows[0]
-        cfg = dict(block_n=block_n, num_warps=warps)
+                    us = _time_graph(_graphed(_calls(fn, 1, n, k)), calls)
+                    rows.append((us, block_n, warps, per_sm, preload))
+        rows.sort(key=lambda r: r[0])
+        for us, block_n, warps, per_sm, preload in rows[:8]:
+            form = f"persistent {per_sm}/SM" if per_sm else "a program per block"
+            print(f"  row n{block_n} w{warps} {form} {'preload' if preload else 'after-wait'}: {us:6.2f} us")
         residual = _x(1, k) * 3
         norm_w = torch.zeros(k, device="cuda", dtype=DTYPE)
+        best = {}
+        for _us, block_n, warps, per_sm, _ in rows:  # the fastest tiles of each form
+            best.setdefault(per_sm is not None, dict(block_n=block_n, num_warps=warps, persistent=per_sm))
+        for cfg in best.values():
 
-        def fused(x, w, residual=residual, norm_w=norm_w, cfg=cfg):
-            return triton_row.row_gemv(x=x, weight=w, residual=residual, norm_weight=norm_w, config=cfg)
+            def fused(x, w, residual=residual, norm_w=norm_w, cfg=cfg, defer=False):
+                return triton_row.row_gemv(
+                    x=x, weight=w, residual=residual, norm_weight=norm_w, config=cfg, defer_norm=defer
+                )
 
-        def unfused(x, w, residual=residual, norm_w=norm_w, cfg=cfg):
-            y, _ = norm_kernels.fused_add_rms_norm(x=x, residual=residual, weight=norm_w, eps=1e-6)
-            return triton_row.row_gemv(x=y, weight=w, config=cfg)
+            def unfused(x, w, residual=residual, norm_w=norm_w, cfg=cfg):
+                y, _ = norm_kernels.fused_add_rms_norm(x=x, residual=residual, weight=norm_w, eps=1e-6)
+                return triton_row.row_gemv(x=y, weight=w, config=cfg)
 
-        def deferred(x, w, residual=residual, norm_w=norm_w, cfg=cfg):
-            return triton_row.row_gemv(
-                x=x, weight=w, residual=residual, norm_weight=norm_w, config=cfg, defer_norm=True
+            fused_us = _time_graph(_graphed(_calls(fused, 1, n, k)), calls)
+            deferred_us = _time_graph(_graphed(_calls(lambda x, w, f=fused: f(x, w, defer=True), 1, n, k)), calls)
+            unfused_us = _time_graph(_graphed(_calls(unfused, 1, n, k)), calls)
+            print(
+                f"  {cfg}: add+norm fused {fused_us:6.2f} us, deferred 1/rms {deferred_us:6.2f} us"
+                f"  vs norm kernel + row GEMV {unfused_us:6.2f} us",
+                flush=True,
             )
-
-        fused_us = _time_graph(_graphed(_calls(fused, 1, n, k)), calls)
-        deferred_us = _time_graph(_graphed(_calls(deferred, 1, n, k)), calls)
-        unfused_us = _time_graph(_graphed(_calls(unfused, 1, n, k)), calls)
-        print(
-            f"  add+norm fused {fused_us:6.2f} us, deferred 1/rms {deferred_us:6.2f} us"
-            f"  vs norm kernel + row GEMV {unfused_us:6.2f} us",
-            flush=True,
-        )
 
 
 def _short(cfg: dict) -> str:

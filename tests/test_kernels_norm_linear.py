@@ -89,6 +89,26 @@ def test_row_gemv_norm(device, n, k, with_residual, block_n, defer_norm):
     assert close(out, ref_out)
 
 
+@pytest.mark.parametrize(("n", "block_n", "per_sm"), [(37, 2, 1), (130, 4, 2), (64, 8, 1)])
+@pytest.mark.parametrize("mode", ["plain", "norm", "deferred"])
+def test_row_gemv_persistent(device, n, block_n, per_sm, mode):
+    """Fewer programs than row blocks (interpreter: 4 "SMs"): every block of every program written,
+    the last one partial, with the activations and the norm computed once per program."""
+    x, residual, norm_w, w, b = make(n, 48, device, seed=n)
+    cfg = dict(block_n=block_n, num_warps=4, persistent=per_sm)
+    if mode == "plain":
+        out, _, _ = triton_row.row_gemv(x=x, weight=w, bias=b, config=cfg)
+        assert close(out, naive.linear(x=x, weight=w, bias=b))
+        return
+    out, normed, summed = triton_row.row_gemv(
+        x=x, weight=w, bias=b, residual=residual, norm_weight=norm_w, eps=EPS, write_normed=True,
+        defer_norm=mode == "deferred", config=cfg,
+    )  # fmt: skip
+    ref_out, ref_normed, ref_summed = reference(x, residual, norm_w, w, b)
+    assert same_rounding(summed, ref_summed, device) and close(normed, ref_normed)
+    assert close(out, ref_out)
+
+
 def test_row_gemv_rows_past_n_not_written(device):
     """N not a multiple of block_n: the last program's extra rows re-read row N - 1 and are never
     stored (the output has exactly N columns, all written)."""

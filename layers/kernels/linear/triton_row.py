@@ -11,7 +11,8 @@ is still running; the weights never change during a pass, so each program issues
 [BLOCK_N, K] weight tile *before* `pdl_wait` and only the activations wait. With NORM, the norm
 launch before the projection goes too (each program recomputes the row's sum of squares from L1).
 
-Grid: cdiv(N, BLOCK_N) programs; BLOCK_K = next_power_of_2(K), the whole row in one tile. The
+Grid: cdiv(N, BLOCK_N) programs (or, `persistent`, at most that many per SM, each looping over
+row blocks); BLOCK_K = next_power_of_2(K), the whole row in one tile. The
 activations are loaded broadcast to the weight tile's shape (every row the same addresses: L1 hits)
 so they arrive in its register layout without a shared-memory conversion. Program 0 writes the new
 residual (x + residual) and, when asked, the normed row for later kernels.
@@ -64,6 +65,7 @@ def _row_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     PRELOAD: tl.constexpr,
     DEFER_NORM: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -105,9 +107,49 @@ def _row_gemv_kernel(
             acc = tl.sum(wt.to(tl.float32) * normed.to(tl.float32), 1)
     else:
         acc = tl.sum(wt.to(tl.float32) * y, 1)
-    if HAS_BIAS:
-        acc += tl.load(bias + n_ld).to(tl.float32)
-    tl.store(out + n, acc.to(out.dtype.element_ty), mask=n < N)
+    if not PERSISTENT:
+        if HAS_BIAS:
+            acc += tl.load(bias + n_ld).to(tl.float32)
+        tl.store(out + n, acc.to(out.dtype.element_ty), mask=n < N)
+    else:
+        # fewer programs than row blocks: this one also takes blocks pid + P, pid + 2P, ... with the
+        # activations (and the norm) it already has, each block's weights loaded one block ahead
+        if NORM:
+            if DEFER_NORM:
+                xin, post = y * scale, inv
+            else:
+                xin, post = normed.to(tl.float32), inv * 0.0 + 1.0
+        else:
+            xin, post = y, tl.full([BLOCK_N], 1.0, tl.float32)
+        num_blocks = tl.cdiv(N, BLOCK_N)
+        step = tl.num_programs(0)
+        for blk in range(pid, num_blocks, step):
+            n = blk * BLOCK_N + r
+            nxt = blk + step
+            n_next = tl.minimum(nxt * BLOCK_N + r, N - 1).to(tl.int64)
+            live = (r * 0 + nxt < num_blocks)[:, None] & k_ok  # past the last block: no traffic
+            wt_next = tl.load(
+                w + n_next[:, None] * s_wn + k[None, :], mask=live, other=0.0, eviction_policy="evict_first"
+            )
+            if blk != pid:  # the first block's dot is acc, from above
+                acc = tl.sum(wt.to(tl.float32) * xin, 1) * post
+            if HAS_BIAS:
+                acc += tl.load(bias + tl.minimum(n, N - 1)).to(tl.float32)
+            tl.store(out + n, acc.to(out.dtype.element_ty), mask=n < N)
+            wt = wt_next
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessor count of a CUDA device (cached); 4 for the interpreter."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
 
 
 def supports(num_rows: int, k: int, dtype: torch.dtype) -> bool:
@@ -165,7 +207,10 @@ def row_gemv(
     """x: [1, K] (last dim contiguous); weight: [N, K]; bias: [N]. Without norm_weight: (x @ w.T,
     None, None). With it: y = rms_norm(x + residual) * (1 + norm_weight) (residual [1, K] or None),
     returns (y @ w.T (+ bias), y if write_normed else None, x + residual if residual is given else
-    None). Output in x's dtype. `config` forces block_n / num_warps (the bench sweeps them).
+    None). Output in x's dtype. `config` forces block_n / num_warps (the bench sweeps them) and
+    may set `persistent`: at most that many programs per SM, each looping over row blocks with the
+    next block's weights loaded one block ahead and the activations (and the norm) computed once
+    per program instead of once per block (not in TUNED_ROW until measured).
     defer_norm: the dot runs on the unnormed row times (1 + norm_weight) and is scaled by 1 / rms at
     the end, from the same reduction (no serial norm before the dot in each program); its input is
     then not rounded to x's dtype first, so the result differs from norm-then-linear by that
@@ -185,7 +230,10 @@ def row_gemv(
         assert norm and residual.shape == x.shape and residual.dtype == x.dtype, "residual [1, K] like x"
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
     cfg = config or pick_config(n, k)
-    _row_gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
+    blocks = triton.cdiv(n, cfg["block_n"])
+    per_sm = cfg.get("persistent")
+    programs = min(blocks, per_sm * _num_sms(x.device)) if per_sm else blocks
+    _row_gemv_kernel[(programs,)](
         x,
         residual if residual is not None else x,
         norm_weight if norm else x,
@@ -206,6 +254,7 @@ def row_gemv(
         HAS_BIAS=bias is not None,
         PRELOAD=preload,
         DEFER_NORM=defer_norm,
+        PERSISTENT=programs < blocks,
         EVEN_K=triton.next_power_of_2(k) == k,
         num_warps=cfg["num_warps"],
         num_stages=1,
