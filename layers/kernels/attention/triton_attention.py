@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import num_sms
 from ..pdl import pdl_launch, pdl_wait
 
 LOG2E = 1.4426950408889634
@@ -458,19 +459,10 @@ def _decode_reduce_kernel(
     tl.store(out + n * s_on + head * s_oh + d, o.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-_NUM_SMS: dict[int, int] = {}
 # the most splits _decode_config picks; the split count is a run-time argument of both decode
 # kernels (it follows the batch's decode rows, and a compile-time constant would compile one
 # variant per value in the middle of serving)
 MAX_SPLITS = 64
-
-
-def _num_sms(device: torch.device) -> int:
-    """Multiprocessor count of a CUDA device (cached)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
 
 
 def _decode_config(*, num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int, device: torch.device) -> dict:
@@ -482,7 +474,7 @@ def _decode_config(*, num_seqs: int, num_kv_heads: int, max_context: int, head_d
     max_splits = max(1, min(MAX_SPLITS, max_context // (4 * block_n)))
     # about two programs per SM: the H200 sweep at 64 x 4096 (D=256) peaked there (89% of copy
     # bandwidth at 2 splits x 32-token tiles; 62% at the earlier 5 programs per SM x 16-token tiles)
-    num_splits = max(1, min(max_splits, round(2 * _num_sms(device) / (num_seqs * num_kv_heads))))
+    num_splits = max(1, min(max_splits, round(2 * num_sms(device) / (num_seqs * num_kv_heads))))
     if num_splits == 1:  # enough sequences to fill the GPU: smaller tiles (256 x 4096: ~100% at 16, 84% at 32)
         block_n = max(16, block_n // 2)
     return dict(block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=5)

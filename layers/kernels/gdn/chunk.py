@@ -37,7 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import num_sms
 from .varlen import chunks_before, locate_chunk
+
+H200_SMS = 132  # interpreter runs pick the blocks the H200 would
 
 CHUNK = 64  # tokens per chunk (BT)
 SUB = 16  # rows per block of the triangular solve (BC); CHUNK == 4 * SUB
@@ -627,13 +630,6 @@ def _output_kernel(
 
 
 @functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the H200's count: CPU runs (interpreter) pick the same blocks as the GPU would
-
-
-@functools.lru_cache(maxsize=8)
 def _smem_limit(device: torch.device) -> int:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -703,7 +699,7 @@ def pick_variant(
     keep the original fused kernel."""
     if num_tokens is not None and num_tokens <= FUSED_MAX_TOKENS_PER_SEQ * num_seqs:
         return "fused"
-    if num_seqs * num_v_heads * triton.cdiv(value_dim, 64) <= _num_sms(device):
+    if num_seqs * num_v_heads * triton.cdiv(value_dim, 64) <= num_sms(device, cpu=H200_SMS):
         return "split32"
     return "fused_pf"
 
@@ -794,7 +790,7 @@ def chunk_gated_delta_rule(
     )  # fmt: skip
     bv = min(cfg.block_v or 64, bv_all)
     if not cfg.block_v:  # narrower V-blocks when there are too few (sequence, head) pairs to fill the GPU
-        while bv > 32 and num_seqs * num_v_heads * triton.cdiv(value_dim, bv) < _num_sms(device):
+        while bv > 32 and num_seqs * num_v_heads * triton.cdiv(value_dim, bv) < num_sms(device, cpu=H200_SMS):
             bv //= 2
     seq_warps = cfg.num_warps or (4 if bv <= 32 else 8)
     seq_grid = (triton.cdiv(value_dim, bv) * num_seqs * num_v_heads,)

@@ -37,13 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import num_sms
 from ..pdl import pdl_launch, pdl_wait
 from .tuned import TUNED, tuned_key
 
 # Split-K "sem" counters: one int32 per output tile of a launch; a launch with more tiles uses "pass".
 COUNTER_SLOTS = 16384
 _COUNTERS: dict[int, torch.Tensor] = {}
-_NUM_SMS: dict[int, int] = {}
 
 
 @triton.jit
@@ -274,15 +274,6 @@ def _reduce_kernel(
     tl.store(out + m * s_om + n, total.to(out.dtype.element_ty), mask=ok)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
-
-
 def _counters(device: torch.device) -> torch.Tensor | None:
     """The zeroed counter buffer of this device; None while a capture is running and it does not
     exist yet (a buffer made inside a capture would be zeroed only when the graph replays)."""
@@ -320,7 +311,7 @@ def pick_config(num_rows: int, n: int, k: int, dtype: torch.dtype, device: torch
         cfg = dict(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, dot=True)
     cfg["block_k"] = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
     tiles = triton.cdiv(n, cfg["block_n"]) * triton.cdiv(num_rows, cfg["block_m"])
-    want = 4 * _num_sms(device)
+    want = 4 * num_sms(device)
     split = 1
     while tiles * split < want and split < 16 and k >= 4 * split * cfg["block_k"]:
         split *= 2

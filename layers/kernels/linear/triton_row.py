@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import num_sms
 from ..pdl import pdl_launch, pdl_wait
 
 # the whole row is one register tile: at most this many weight elements per thread
@@ -139,19 +140,6 @@ def _row_gemv_kernel(
             wt = wt_next
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    """Multiprocessor count of a CUDA device (cached); 4 for the interpreter."""
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
-
-
 def supports(num_rows: int, k: int, dtype: torch.dtype) -> bool:
     """Whether a call of this shape can take the one-row kernel."""
     return num_rows == 1 and k <= MAX_K and dtype in (torch.bfloat16, torch.float16)
@@ -232,7 +220,7 @@ def row_gemv(
     cfg = config or pick_config(n, k)
     blocks = triton.cdiv(n, cfg["block_n"])
     per_sm = cfg.get("persistent")
-    programs = min(blocks, per_sm * _num_sms(x.device)) if per_sm else blocks
+    programs = min(blocks, per_sm * num_sms(x.device)) if per_sm else blocks
     _row_gemv_kernel[(programs,)](
         x,
         residual if residual is not None else x,
