@@ -53,8 +53,9 @@ def close(out: torch.Tensor, ref: torch.Tensor) -> bool:
 @pytest.mark.parametrize(("n", "k"), [(1, 64), (7, 200), (130, 5), (37, 96)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("preload", [False, True])
-def test_row_gemv_plain(device, n, k, with_bias, preload):
-    x, _, _, w, b = make(n, k, device)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_row_gemv_plain(device, n, k, with_bias, preload, dtype):
+    x, _, _, w, b = make(n, k, device, dtype=dtype)
     b = b if with_bias else None
     out, normed, summed = triton_row.row_gemv(x=x, weight=w, bias=b, preload=preload)
     assert normed is None and summed is None
