@@ -184,10 +184,42 @@ def bench_decode(
             f"wall {wall * 1e3:.2f} ms/step (profiled), ~{launches:.0f} GPU ops/step ---\n{profile}",
             flush=True,
         )
+        print(marginal_table(prof, profile_steps), flush=True)
     while engine.has_unfinished():
         engine.step()
     result = {"step_s": step_s, "sync_step_s": sync_step_s, "distinct_experts_per_layer": counts, **timings}
     return result
+
+
+def marginal_table(prof, steps: int, rows: int = 40) -> str:
+    """Each GPU op's in-place cost: its end minus the previous op's end on the device (or its own
+    duration after an idle gap), summed per name per step. Under programmatic dependent launch a
+    kernel's own duration includes its wait for the one before; this attribution does not, and its
+    total is the busy time of the timeline."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    ops = sorted(
+        (e["ts"] + e["dur"], e["ts"], e["name"])
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    cost: dict[str, list[float]] = {}
+    prev_end = None
+    for end, start, name in ops:
+        marginal = end - start if prev_end is None or start >= prev_end else end - prev_end
+        prev_end = end if prev_end is None else max(prev_end, end)
+        entry = cost.setdefault(name, [0.0, 0])
+        entry[0] += max(0.0, marginal)
+        entry[1] += 1
+    total = sum(v[0] for v in cost.values())
+    lines = [f"--- in-place cost per step (end minus previous end): {total / steps / 1e3:.3f} ms over {len(ops) / steps:.0f} ops ---"]
+    for name, (us, count) in sorted(cost.items(), key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(f"{us / steps:9.1f} us  {count / steps:6.1f}x  {us / count:7.2f} us each  {name[:90]}")
+    return "\n".join(lines)
 
 
 def _check_whole(engine, batch: int) -> None:
@@ -353,6 +385,10 @@ def _device_times(engine, steps: int) -> dict[str, float] | None:
     return {
         "busy_ms": statistics.median(t[0] for t in times) * 1e3,
         "idle_ms": statistics.median(t[1] for t in times) * 1e3,
+        # the step is a mean: these show whether a few slow passes or gaps make up its difference
+        "mean_busy_ms": statistics.fmean(t[0] for t in times) * 1e3,
+        "mean_idle_ms": statistics.fmean(t[1] for t in times) * 1e3,
+        "max_idle_ms": max(t[1] for t in times) * 1e3,
     }
 
 
@@ -371,6 +407,8 @@ def _fmt_decode(r: dict) -> str:
     if "gpu_device_ms" in r:
         d = r["gpu_device_ms"]
         s += f" | GPU per pass: busy {d['busy_ms']:.3f} ms, idle before {d['idle_ms']:.3f} ms"
+        if "mean_busy_ms" in d:
+            s += f" (means {d['mean_busy_ms']:.3f} / {d['mean_idle_ms']:.3f}, idle max {d['max_idle_ms']:.3f})"
         if "gpu_sync_device_ms" in r:
             s += f" (without overlap: idle before {r['gpu_sync_device_ms']['idle_ms']:.3f} ms)"
     if "peer_step_ms" in r:
