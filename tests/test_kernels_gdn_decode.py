@@ -18,6 +18,7 @@ from tiny_models import VOCAB_SIZE
 from deltaserve.layers.kernels import gdn as gdn_kernels
 from deltaserve.layers.kernels.conv1d import naive as conv_naive
 from deltaserve.layers.kernels.conv1d import triton_conv1d
+from deltaserve.layers.kernels.device import ticket_buffers
 from deltaserve.layers.kernels.gdn import decode as decode_module
 from deltaserve.layers.kernels.gdn import naive
 from deltaserve.layers.kernels.gdn import recurrent as recurrent_module
@@ -130,7 +131,7 @@ SHAPES = [
 
 def assert_tickets_reset(device):
     """Every launch leaves the shared ticket counters at zero for the next."""
-    for tickets in decode_module._TICKETS.get((torch.device(device).type, torch.device(device).index), []):
+    for tickets in ticket_buffers("fused_gdn_decode", torch.device(device)):
         assert not tickets.any()
 
 

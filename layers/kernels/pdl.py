@@ -4,10 +4,14 @@ that kernel has completed and its writes are visible. What it saves is the launc
 each small decode kernel, which at batch 1 is most of their time. CUDA graphs keep the
 programmatic edges.
 
-Every kernel launched with `pdl_launch` calls `pdl_wait(USE_PDL)` first, before any load or store:
-so it never reads a buffer the previous kernel is writing, and never writes one it is still
-reading (graph buffers are reused). It then lets the next kernel launch early, whose own wait still
-covers this kernel's completion: the chain stays ordered even through kernels that exit early.
+Every kernel launched with `pdl_launch` calls `pdl_wait(USE_PDL)` before any store and before any
+load of what the previous kernel writes: so it never reads a buffer the previous kernel is
+writing, and never writes one it is still reading (graph buffers are reused). It then lets the
+next kernel launch early, whose own wait still covers this kernel's completion: the chain stays
+ordered even through kernels that exit early. Loads of anything else may come before the wait
+(weights, recurrent state, cached KV): a kernel starts only once every program of the one before
+it has passed its own wait, i.e. once every earlier kernel has completed, so only the immediately
+preceding kernel can still be running.
 
 DELTASERVE_PDL=0 turns it off (the benchmark compares both). With it on, torch.profiler's kernel
 times include the wait: attribute time per kernel with it off.

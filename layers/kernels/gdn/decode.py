@@ -22,8 +22,8 @@ program computed the same), reads the GROUP heads' outputs back and norms them i
 zeroes the counter for the next launch. (The pattern of CUTLASS's serial split-K semaphore: the
 barrier orders every thread's stores and window reads before the release, the acquire orders the
 last program's loads and stores after them.) The counters are one zeroed int32 buffer per device
-(`_tickets`), shared by every launch: launches on a device must not overlap. The v windows are
-each program's own (a barrier, then the shift).
+(`device.ticket_counters`), shared by every launch: launches on a device must not overlap. The v
+windows are each program's own (a barrier, then the shift).
 
 Rounding follows the unfused path, so that results agree within bf16 rounding (and bit for bit
 under the interpreter): the conv output is rounded to the activations' dtype (the conv kernel
@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import ticket_counters
 from ..pdl import pdl_launch, pdl_wait
 from .gating import gate_values
 from .recurrent import _add_pair
@@ -52,18 +53,17 @@ BLOCK_V = 32
 
 
 @triton.jit
-def _conv_load(x_row, weight, p_win, c, m_c, stride_cc, stride_cw, stride_wc, W: tl.constexpr, BW: tl.constexpr):
-    """The loads of the conv of channels c: the new input x_row[c], the window [len(c), BW]
-    (positions >= W - 1 zero), the taps [len(c), BW] and the window shifted by one (position i
-    holds window position i + 1, the last valid position zero). Nothing computed, so that the
-    caller can issue every load before the first layout conversion's barrier."""
+def _window_load(weight, p_win, c, m_c, stride_cc, stride_cw, stride_wc, W: tl.constexpr, BW: tl.constexpr):
+    """The loads of the conv of channels c that the previous kernel does not write: the window
+    [len(c), BW] (positions >= W - 1 zero), the taps [len(c), BW] and the window shifted by one
+    (position i holds window position i + 1, the last valid position zero). Nothing computed, so
+    that the caller can issue every load before the first layout conversion's barrier."""
     o_w = tl.arange(0, BW)
-    b_x = tl.load(x_row + c, mask=m_c, other=0.0)
     p_c = p_win + c[:, None] * stride_cc
     window = tl.load(p_c + o_w[None, :] * stride_cw, mask=m_c[:, None] & (o_w < W - 1)[None, :], other=0.0)
     taps = tl.load(weight + c[:, None] * stride_wc + o_w[None, :], mask=m_c[:, None] & (o_w < W)[None, :], other=0.0)
     shifted = tl.load(p_c + (o_w + 1)[None, :] * stride_cw, mask=m_c[:, None] & (o_w + 1 < W - 1)[None, :], other=0.0)
-    return b_x, window, taps, shifted
+    return window, taps, shifted
 
 
 @triton.jit
@@ -133,7 +133,6 @@ def _fused_gdn_decode_kernel(
     ROW_STRIDES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     NV: tl.constexpr = (V + BV - 1) // BV
     HV: tl.constexpr = HK * GROUP
@@ -155,23 +154,30 @@ def _fused_gdn_decode_kernel(
         p_state = pool + slot * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
 
     # every load up front, before any math, so that the compute waits for one round trip (on
-    # sm_90 ptxas keeps them there: SASS of Triton 3.6 and 3.9)
+    # sm_90 ptxas keeps them there: SASS of Triton 3.6 and 3.9). The state, the conv windows and
+    # the weights are not written by the previous kernel (in_proj), and every kernel before that
+    # has completed once this one runs (each passes its own wait before letting the next launch):
+    # they load before the PDL wait, while in_proj still streams its weights
     state = tl.load(p_state, mask=m_kv, other=0.0).to(tl.float32)
     c_q = hk * K + o_k
     c_k = HK * K + c_q
     c_v = 2 * HK * K + hv * V + o_v
-    conv_q = _conv_load(x_row, conv_weight, p_win, c_q, m_k, stride_cc, stride_cw, stride_wc, W, BW)
-    conv_k = _conv_load(x_row, conv_weight, p_win, c_k, m_k, stride_cc, stride_cw, stride_wc, W, BW)
-    conv_v = _conv_load(x_row, conv_weight, p_win, c_v, m_v, stride_cc, stride_cw, stride_wc, W, BW)
+    win_q = _window_load(conv_weight, p_win, c_q, m_k, stride_cc, stride_cw, stride_wc, W, BW)
+    win_k = _window_load(conv_weight, p_win, c_k, m_k, stride_cc, stride_cw, stride_wc, W, BW)
+    win_v = _window_load(conv_weight, p_win, c_v, m_v, stride_cc, stride_cw, stride_wc, W, BW)
     a_log = tl.load(A_log + hv)
     bias = tl.load(dt_bias + hv)
+    pdl_wait(USE_PDL)
+    x_q = tl.load(x_row + c_q, mask=m_k, other=0.0)
+    x_k = tl.load(x_row + c_k, mask=m_k, other=0.0)
+    x_v = tl.load(x_row + c_v, mask=m_v, other=0.0)
     raw_a = tl.load(a + n * stride_an + hv * stride_ah)
     raw_b = tl.load(b + n * stride_bn + hv * stride_bh)
 
     # the conv outputs rounded as the conv kernel stores them; q, k: the recurrent kernel's l2norm and scale
-    b_q, win_q = _conv_silu(*conv_q, W, BW)
-    b_k, win_k = _conv_silu(*conv_k, W, BW)
-    b_v, win_v = _conv_silu(*conv_v, W, BW)
+    b_q, win_q = _conv_silu(x_q, *win_q, W, BW)
+    b_k, win_k = _conv_silu(x_k, *win_k, W, BW)
+    b_v, win_v = _conv_silu(x_v, *win_v, W, BW)
     b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
     b_q = b_q * scale
@@ -215,26 +221,6 @@ def _fused_gdn_decode_kernel(
         inv = tl.rsqrt(tl.sum(core * core, 1) / V + eps)
         y = w[None, :] * (core * inv[:, None]) * (gate * tl.sigmoid(gate))
         tl.store(p_core, y.to(out.dtype.element_ty), mask=m_gf)
-
-
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """A zeroed int32 counter per (sequence, key head), shared by every launch on the device (they
-    run one after another, and each leaves its counters at zero). Grown, never freed: a captured
-    CUDA graph keeps the address it was captured with. Allocate outside capture: a zero fill inside
-    one would only run at replay."""
-    key = (device.type, device.index)
-    have = _TICKETS.get(key)
-    if have is None or have[-1].numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"fused_gdn_decode: run {count} (sequence, key head) pairs eagerly before capturing them"
-            )
-        _TICKETS.setdefault(key, []).append(torch.zeros(max(count, MIN_TICKETS), dtype=torch.int32, device=device))
-    return _TICKETS[key][-1]
-
-
-_TICKETS: dict[tuple, list[torch.Tensor]] = {}
-MIN_TICKETS = 1 << 16  # 256 KB: 4096 sequences at 16 key heads
 
 
 def fused_gdn_decode(
@@ -286,7 +272,7 @@ def fused_gdn_decode(
     if num_seqs == 0:
         return out
     block_v = block_v or min(BLOCK_V, max(16, triton.next_power_of_2(value_dim)))
-    tickets = _tickets(mixed_qkv.device, num_seqs * num_k_heads)
+    tickets = ticket_counters(mixed_qkv.device, num_seqs * num_k_heads, "fused_gdn_decode")
     row_strides = state_pool.stride()[-2:] == (value_dim, 1)
     grid = (num_seqs * num_v_heads * triton.cdiv(value_dim, block_v),)
     _fused_gdn_decode_kernel[grid](
