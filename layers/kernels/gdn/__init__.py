@@ -5,13 +5,16 @@ and the whole one-token decode step (conv1d update, recurrent, gated norm) as on
 The wrappers pick the Triton kernel for CUDA tensors and the plain-torch reference otherwise.
 """
 
+import os
+
 from . import naive
 
 # Decode batches up to this many sequences (one token each) take fused_gdn_decode; larger ones the
 # three separate kernels. On the H200, in CUDA graphs, per layer: fused 4.7 / 13.5 / 18.5 / 24.1 /
 # 98 us against 6.7 / 15.6 / 19.7 / 24.0 / 84 us at N = 1 / 8 / 12 / 16 / 64 (the fused programs
 # each redo their key head's q / k conv, which costs more than the launches it saves at large N).
-FUSED_DECODE_MAX_SEQS = 12
+# Read once at import: DELTASERVE_FUSED_GDN_MAX_SEQS moves the cut (the benchmark compares).
+FUSED_DECODE_MAX_SEQS = int(os.environ.get("DELTASERVE_FUSED_GDN_MAX_SEQS", "12"))
 
 
 def chunk_gated_delta_rule(**kwargs):

@@ -67,8 +67,7 @@ def rms_norm_linear(
     One kernel for a CUDA row (batch-1 decode) and a weight of at most FUSED_NORM_MAX_N rows (where
     the measured fusion pays): the norm runs inside the GEMV; otherwise the norm kernel, then
     `linear`. normed is y when write_normed (else None)."""
-    defer = x.is_cuda and _one_row(x) and os.environ.get("DELTASERVE_DEFER_NORM", "0") == "1"
-    if x.is_cuda and _one_row(x) and (defer or _fuses_norm(weight.shape[0])):
+    if x.is_cuda and _one_row(x) and _fuses_norm(weight.shape[0]):
         from .triton_row import row_gemv
 
         out, normed, summed = row_gemv(
@@ -79,7 +78,6 @@ def rms_norm_linear(
             norm_weight=norm_weight,
             eps=eps,
             write_normed=write_normed,
-            defer_norm=defer,
         )
         return NormLinearOut(out, normed, x if summed is None else summed)
     if residual is None:
