@@ -7,9 +7,11 @@ renormalise kernels.
 
 Fused MoE, three paths, all without host syncs:
 - sorted (the general one): (token, slot) pairs are grouped per local expert into BLOCK_M-row blocks
-  padded with a sentinel (moe_align style, built on device by count -> scan -> scatter kernels);
-  the gate/up grouped GEMM writes silu(gate) * up per pair, the down grouped GEMM writes
-  weight * down(act) per pair, and a reduce kernel sums each token's top-k slots.
+  padded with a sentinel (moe_align style, built on device: up to ALIGN_ONE_LAUNCH_MAX pairs by one
+  single-program kernel, histogram + scan + one in-register sort, deterministic; above it by
+  zeros -> count -> scan -> scatter, 4 launches); the gate/up grouped GEMM writes silu(gate) * up
+  per pair, the down grouped GEMM writes weight * down(act) per pair, and a reduce kernel sums each
+  token's top-k slots.
 - pairs (a handful of routed pairs, i.e. decode): GEMV kernels on CUDA cores, no sorting. Up: one
   program per (pair, BLOCK_N rows of the expert width) streams those gate and up rows with 16-byte
   loads; down: one program per (token, BLOCK_H rows of the hidden size) streams its top-k experts'
@@ -37,6 +39,14 @@ from .naive import SharedExpert, check_shared
 # experts cost the pairs path re-reads: at batch 16 (128 pairs) on the H200 the sorted path took 164 us
 # a call against 185 us (16 graph-captured calls, NOTES.md), so batch 8 at top-8 is the last on pairs
 PAIRS_PATH_MAX = 64
+
+# at or under this many routed pairs (batch 128 at top-8) align_pairs is one single-program launch
+# holding every pair's sort key in registers (NOTES.md). Its registers stay ~40 a thread up to 2048
+# keys (8 warps, sm_90), but its bitonic sort does not spread: ~620 SASS instructions a warp and 22
+# barriers at 128 pairs, ~2100 and 49 at 1024, ~4100 and 58 at 2048, where it would near the 4-op
+# path (zeros, count, scan, place: 5.6 us a layer at 128 pairs, mostly launch latency, and
+# little more at 2048 pairs since those kernels spread over programs). Unmeasured.
+ALIGN_ONE_LAUNCH_MAX = 1024
 
 
 # --- router -----------------------------------------------------------------------------------------
@@ -205,6 +215,61 @@ def _place_kernel(
     owner = tl.sum(tl.where((ea < num_experts)[None, :] & (ends[None, :] <= first_row[:, None]), 1, 0), 1)
     owner = tl.where(first_row < tl.load(offsets + num_experts), owner, -1)
     tl.store(block_expert + b, owner, mask=b < max_blocks)
+
+
+@triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def _align_kernel(
+    topk_ids,
+    sorted_ids,
+    block_expert,
+    offsets,
+    expert_offset,
+    num_experts,
+    num_pairs,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK_B: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """align_pairs in one program, no atomics and no scratch (BLOCK_P >= num_pairs): per-expert
+    counts by tl.histogram, the padded scan, then one sort of the keys expert * BLOCK_P + pair
+    (non-local pairs last) puts the local pairs in expert-then-pair order; sorted position i of
+    expert e goes to row i + (padded start - unpadded start of e). Every block starts with a real
+    pair (padding only ends an expert's last block), so the pair at a block's first row names its
+    expert."""
+    pdl_wait(USE_PDL)
+    p = tl.arange(0, BLOCK_P)
+    e = tl.load(topk_ids + p, mask=p < num_pairs, other=-1).to(tl.int32) - expert_offset
+    local = (p < num_pairs) & (e >= 0) & (e < num_experts)
+    counts = tl.histogram(e, BLOCK_E, mask=local)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    # one scan for both: padded row ends, and the padding rows up to each expert (inclusive)
+    ends, spare_ends = tl.associative_scan((padded, padded - counts), 0, _add_pair)
+    starts = ends - padded
+    total = tl.sum(padded, 0)
+    ea = tl.arange(0, BLOCK_E)
+    tl.store(offsets + ea, starts, mask=ea < num_experts)
+    tl.store(offsets + num_experts, total)
+    pad = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_ids + pad, tl.zeros_like(pad) + num_pairs, mask=pad < ends[:, None])
+    shift = spare_ends - (padded - counts)  # padded minus unpadded start of each expert
+    key = tl.sort(tl.where(local, e, BLOCK_E) * BLOCK_P + p)
+    se = key // BLOCK_P
+    ok = se < BLOCK_E
+    row = p + tl.gather(shift, tl.minimum(se, BLOCK_E - 1), 0)
+    tl.store(sorted_ids + row, key % BLOCK_P, mask=ok)
+    tl.store(block_expert + row // BLOCK_M, se, mask=ok & (row % BLOCK_M == 0))
+    for b0 in range(0, max_blocks, CHUNK_B):
+        b = b0 + tl.arange(0, CHUNK_B)
+        tl.store(block_expert + b, tl.full([CHUNK_B], -1, tl.int32), mask=(b < max_blocks) & (b * BLOCK_M >= total))
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
@@ -621,24 +686,48 @@ def _sorted_config(num_pairs: int, num_experts: int, on_gpu: bool) -> dict:
 
 
 def align_pairs(
-    *, topk_ids: torch.Tensor, num_experts: int, expert_offset: int, block_m: int
+    *, topk_ids: torch.Tensor, num_experts: int, expert_offset: int, block_m: int, one_launch: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, slot) pairs of topk_ids [T, top_k] (flat pair = t * top_k + slot) by local expert.
 
     Returns sorted_ids [max_blocks * block_m] (pair per row, num_pairs = padding; rows past the
     total are unset), block_expert [max_blocks] (local expert per block, -1 = unused) and
     offsets [E + 1] (padded row start per expert; offsets[E] = total padded rows). max_blocks bounds
-    sum_e cdiv(count_e, block_m) from shapes alone, so nothing syncs with the host."""
+    sum_e cdiv(count_e, block_m) from shapes alone, so nothing syncs with the host.
+    Up to ALIGN_ONE_LAUNCH_MAX pairs: one single-program launch, pairs in ascending order within an
+    expert; above it zeros + count + scan + place (order within an expert free). `one_launch`
+    overrides the choice (tests)."""
     num_pairs = topk_ids.numel()
     device = topk_ids.device
     max_blocks = triton.cdiv(num_pairs, block_m) + min(num_pairs, num_experts)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
     sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
-    block_p = 1024 if device.type == "cuda" else 64
     block_e = triton.next_power_of_2(num_experts)
+    if one_launch is None:
+        one_launch = num_pairs <= ALIGN_ONE_LAUNCH_MAX
+    if one_launch:
+        block_p = max(16, triton.next_power_of_2(num_pairs))
+        _align_kernel[(1,)](
+            topk_ids,
+            sorted_ids,
+            block_expert,
+            offsets,
+            expert_offset,
+            num_experts,
+            num_pairs,
+            max_blocks,
+            BLOCK_M=block_m,
+            BLOCK_P=block_p,
+            BLOCK_E=block_e,
+            CHUNK_B=512,
+            num_warps=8,
+            **pdl_launch(topk_ids),
+        )
+        return sorted_ids, block_expert, offsets
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    block_p = 1024 if device.type == "cuda" else 64
     chunk_e = max(1, 2048 // block_m)
     chunk_b = max(1, 4096 // block_e)
     _count_kernel[(triton.cdiv(num_pairs, block_p),)](
