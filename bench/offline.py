@@ -201,7 +201,8 @@ def marginal_table(prof, steps: int, rows: int = 40) -> str:
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as trace_file:
+            trace = json.load(trace_file)
     ops = sorted(
         (e["ts"] + e["dur"], e["ts"], e["name"])
         for e in trace.get("traceEvents", [])
@@ -216,7 +217,10 @@ def marginal_table(prof, steps: int, rows: int = 40) -> str:
         entry[0] += max(0.0, marginal)
         entry[1] += 1
     total = sum(v[0] for v in cost.values())
-    lines = [f"--- in-place cost per step (end minus previous end): {total / steps / 1e3:.3f} ms over {len(ops) / steps:.0f} ops ---"]
+    lines = [
+        f"--- in-place cost per step (end minus previous end): {total / steps / 1e3:.3f} ms"
+        f" over {len(ops) / steps:.0f} ops ---"
+    ]
     for name, (us, count) in sorted(cost.items(), key=lambda kv: -kv[1][0])[:rows]:
         lines.append(f"{us / steps:9.1f} us  {count / steps:6.1f}x  {us / count:7.2f} us each  {name[:90]}")
     return "\n".join(lines)

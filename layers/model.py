@@ -7,6 +7,8 @@ Checkpoint names are those transformers uses for `*ForCausalLM` (`model.layers.N
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,7 @@ from .common import RMSNorm, empty_param
 from .config import ATTENTION, ModelConfig
 from .gdn import GatedDeltaNet
 from .kernels import linear as linear_kernels
+from .kernels import moe as moe_kernels
 from .kernels import norm as norm_kernels
 from .moe import DenseMLP, SparseMoeBlock
 from .parallel import ParallelLayout, all_gather_last_dim, all_reduce, validate_layout
@@ -69,26 +72,39 @@ class DecoderLayer(TransformerLayer):
         return self.mixer.state_shapes()
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, state: LayerState
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) -> (this layer's FFN output, the residual stream before it): the
-        residual additions and the norms are fused into the projections that follow them."""
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+        state: LayerState,
+        input_normed: bool = False,
+        next_norm: RMSNorm | None = None,
+    ) -> LayerOut:
+        """(hidden, residual) -> this layer's FFN output and the residual stream before it: the
+        residual additions and the norms are fused into the projections that follow them.
+        input_normed: hidden is already this layer's input norm of the stream, residual the stream
+        (the previous layer's MoE block applied it). next_norm: the norm after this layer (the
+        next layer's input norm, or the final one), which an MoE block applies in its last kernel;
+        the result says whether it did."""
         if self.is_attention:
             assert isinstance(state, AttnLayerState)
         else:
             assert isinstance(state, SsmLayerState)
-        proj, _, residual = linear_kernels.rms_norm_linear(
-            x=hidden,
-            residual=residual,
-            norm_weight=self.input_layernorm.weight,
-            eps=self.input_layernorm.eps,
-            weight=self.mixer.in_proj,
-            bias=self.mixer.in_proj_bias,
-        )
+        if input_normed:
+            proj = linear_kernels.linear(x=hidden, weight=self.mixer.in_proj, bias=self.mixer.in_proj_bias)
+        else:
+            proj, _, residual = linear_kernels.rms_norm_linear(
+                x=hidden,
+                residual=residual,
+                norm_weight=self.input_layernorm.weight,
+                eps=self.input_layernorm.eps,
+                weight=self.mixer.in_proj,
+                bias=self.mixer.in_proj_bias,
+            )
         mixed = self.mixer.mix(proj, ctx, state)
         if not self.is_moe:
             x, residual = add_rms_norm(mixed, residual, self.post_attention_layernorm)
-            return self.mlp(x), residual
+            return LayerOut(self.mlp(x), residual, normed=False)
         # the MoE block's experts read the normed input too: the fused kernel writes it
         proj, x, residual = linear_kernels.rms_norm_linear(
             x=mixed,
@@ -98,7 +114,20 @@ class DecoderLayer(TransformerLayer):
             weight=self.mlp.in_proj,
             write_normed=True,
         )
-        return self.mlp(x, ctx, proj), residual
+        if next_norm is None:
+            return LayerOut(self.mlp(x, ctx, proj), residual, normed=False)
+        add_norm = moe_kernels.AddNorm(residual, next_norm.weight, next_norm.eps)
+        normed, residual = self.mlp(x, ctx, proj, add_norm=add_norm)
+        return LayerOut(normed, residual, normed=True)
+
+
+class LayerOut(NamedTuple):
+    """A decoder layer's result: hidden (its FFN output, or with normed the next norm of the
+    stream already applied) and the residual stream (with normed: the stream including it)."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor
+    normed: bool
 
 
 class HybridModel(nn.Module):
@@ -155,10 +184,12 @@ class HybridModel(nn.Module):
 
     def forward(self, ctx: ForwardContext, states: list[LayerState]) -> torch.Tensor:
         """Final hidden states [T, hidden] for every token of the pass."""
-        hidden, residual = self.embed(ctx.input_ids), None
-        for layer, state in zip(self.layers, states, strict=True):
-            hidden, residual = layer(hidden, residual, ctx, state)
-        return add_rms_norm(hidden, residual, self.norm)[0]
+        hidden, residual, normed = self.embed(ctx.input_ids), None, False
+        norms_after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, state, norm_after in zip(self.layers, states, norms_after, strict=True):
+            # each MoE block applies the norm after it in its last kernel: one launch fewer a layer
+            hidden, residual, normed = layer(hidden, residual, ctx, state, input_normed=normed, next_norm=norm_after)
+        return hidden if normed else add_rms_norm(hidden, residual, self.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [R, vocab] (float32) for the rows given; gathered over TP ranks."""

@@ -167,9 +167,17 @@ class SparseMoeBlock(nn.Module):
         copy_into(self.w13[:, :inter], t.get(slice(e0, e1), slice(i0, i0 + inter)), name)
         copy_into(self.w13[:, inter:], t.get(slice(e0, e1), slice(total + i0, total + i0 + inter)), name)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, proj: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: ForwardContext,
+        proj: torch.Tensor | None = None,
+        add_norm: moe_kernels.AddNorm | None = None,
+    ) -> torch.Tensor | moe_kernels.NormedOut:
         """x [T, H] -> [T, H]. proj: in_proj's output [T, in_proj rows] when the caller has it (the
-        decoder layer computes it fused into the post-attention norm), else computed here."""
+        decoder layer computes it fused into the post-attention norm), else computed here.
+        add_norm: the residual add + norm that follows the block; then the result is NormedOut
+        (the experts' last kernel does it on one rank; after the all-reduce under TP)."""
         if ctx.moe_lora_route is not MoeLoraRoute.SKIP:
             raise NotImplementedError("MoE LoRA is not built yet: only MoeLoraRoute.SKIP passes run")
         if proj is None:
@@ -194,8 +202,11 @@ class SparseMoeBlock(nn.Module):
             topk_ids=ids,
             expert_offset=self.expert_start,
             shared=shared,  # summed in the same kernel at decode sizes
+            add_norm=add_norm if self.layout.tp_size == 1 else None,
         )
-        return all_reduce(out, self.layout)
+        if self.layout.tp_size == 1:
+            return out
+        return moe_kernels.apply_add_norm(all_reduce(out, self.layout), add_norm)
 
 
 def _per_expert_loader(block: SparseMoeBlock, local: int, proj: str, name: str):

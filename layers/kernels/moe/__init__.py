@@ -1,9 +1,9 @@
 """MoE routing and the fused expert computation."""
 
 from . import naive
-from .naive import SharedExpert
+from .naive import AddNorm, NormedOut, SharedExpert, apply_add_norm
 
-__all__ = ["SharedExpert", "fused_moe", "route_topk_softmax"]
+__all__ = ["AddNorm", "NormedOut", "SharedExpert", "apply_add_norm", "fused_moe", "route_topk_softmax"]
 
 
 def route_topk_softmax(**kwargs):

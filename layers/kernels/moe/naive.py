@@ -23,6 +23,36 @@ class SharedExpert(NamedTuple):
     gate_logit: torch.Tensor
 
 
+class AddNorm(NamedTuple):
+    """The norm that follows an MoE block, for fused_moe to apply in its last kernel: the residual
+    stream [T, H] to add the block's output to, and the next zero-centred RMSNorm's weight [H] and
+    eps. fused_moe then returns NormedOut."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
+class NormedOut(NamedTuple):
+    """fused_moe's result with add_norm: rms_norm(out + residual) * (1 + weight), and out + residual
+    (the new residual stream), both [T, H] in hidden's dtype."""
+
+    normed: torch.Tensor
+    residual: torch.Tensor
+
+
+def apply_add_norm(out: torch.Tensor, add_norm: AddNorm | None) -> torch.Tensor | NormedOut:
+    """out itself, or NormedOut of out under add_norm (the norm op: its own kernel on CUDA)."""
+    if add_norm is None:
+        return out
+    from .. import norm
+
+    normed, summed = norm.fused_add_rms_norm(
+        x=out, residual=add_norm.residual, weight=add_norm.weight, eps=add_norm.eps
+    )
+    return NormedOut(normed, summed)
+
+
 def check_shared(shared: SharedExpert, num_tokens: int, hidden_size: int) -> None:
     """Shapes and layouts every fused_moe implementation relies on; errors name the tensor."""
     inter = shared.w2.shape[1]
@@ -58,11 +88,13 @@ def fused_moe(
     topk_ids: torch.Tensor,
     expert_offset: int = 0,
     shared: SharedExpert | None = None,
-) -> torch.Tensor:
+    add_norm: AddNorm | None = None,
+) -> torch.Tensor | NormedOut:
     """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts this rank holds, plus
     sigmoid(gate_logit) * down(silu(gate) * up) of the shared expert when `shared` is given; float32
     throughout, one rounding at the end.
-    hidden: [T, H]; topk_weights, topk_ids: [T, top_k]. Returns [T, H] in hidden's dtype."""
+    hidden: [T, H]; topk_weights, topk_ids: [T, top_k]. Returns [T, H] in hidden's dtype, or with
+    add_norm the next norm of it (NormedOut)."""
     num_local, inter = w13.shape[0], w2.shape[2]
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     local_ids = topk_ids - expert_offset
@@ -77,8 +109,8 @@ def fused_moe(
         out.index_add_(0, token_idx, y * topk_weights[token_idx, k_idx, None].float())
     if shared is not None:
         check_shared(shared, hidden.shape[0], hidden.shape[1])
-        return shared_expert_combine(routed=out, **shared._asdict()).to(hidden.dtype)
-    return out.to(hidden.dtype)
+        return apply_add_norm(shared_expert_combine(routed=out, **shared._asdict()).to(hidden.dtype), add_norm)
+    return apply_add_norm(out.to(hidden.dtype), add_norm)
 
 
 def shared_expert_combine(

@@ -27,13 +27,17 @@ activation kernel, a cuBLAS down projection, and its gated sum inside the routed
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..device import ticket_counters
+from ..norm.triton_norm import add_rms_norm_row
 from ..pdl import pdl_launch, pdl_wait
-from .naive import SharedExpert, check_shared
+from .naive import AddNorm, NormedOut, SharedExpert, apply_add_norm, check_shared
 
 # at or under this many routed pairs the pairs path wins: no sorting launches. Above it repeated
 # experts cost the pairs path re-reads: at batch 16 (128 pairs) on the H200 the sorted path took 164 us
@@ -409,15 +413,23 @@ def _sum_kernel(
     s_ot,
     s_st,
     s_gl,
+    residual,
+    norm_weight,
+    normed_out,
+    res_out,
+    s_rt,
+    eps,
     HIDDEN: tl.constexpr,
     TOPK: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    ADD_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[t] = sum of its local slots' rows of y (non-local slots were never written), plus
     sigmoid(gate_logit[t]) * shared[t] (the shared expert's down projection) when HAS_SHARED; one
-    rounding."""
+    rounding. ADD_NORM (BLOCK covers the row): the next norm of the row instead, res_out[t] =
+    out[t] + residual[t] and normed_out[t] = its zero-centred RMSNorm (rows of stride s_rt)."""
     pdl_wait(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -431,7 +443,12 @@ def _sum_kernel(
     if HAS_SHARED:
         scale = tl.sigmoid(tl.load(gate_logit + t.to(tl.int64) * s_gl).to(tl.float32))
         acc += scale * tl.load(shared + t.to(tl.int64) * s_st + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
-    tl.store(out + t.to(tl.int64) * s_ot + h, acc.to(out.dtype.element_ty), mask=h < HIDDEN)
+    if ADD_NORM:
+        row = t.to(tl.int64) * s_rt
+        xv = acc.to(out.dtype.element_ty).to(tl.float32)
+        add_rms_norm_row(xv, residual + row, res_out + row, normed_out + row, norm_weight, eps, h, h < HIDDEN, HIDDEN)
+    else:
+        tl.store(out + t.to(tl.int64) * s_ot + h, acc.to(out.dtype.element_ty), mask=h < HIDDEN)
 
 
 @triton.jit
@@ -577,12 +594,21 @@ def _down_gemv_kernel(
     s_sgu,
     s_sw2,
     s_sgl,
+    residual,
+    norm_weight,
+    normed_out,
+    res_out,
+    tickets,
+    s_rt,
+    eps,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
     TOPK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_I: tl.constexpr,
     SHARED_INTER: tl.constexpr,
+    ADD_NORM: tl.constexpr,
+    BLOCK_HID: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[t, h] = sum_j weight[t, j] * act[t, j] . w2[e_j, h] for BLOCK_H rows h, all top-k slots
@@ -592,7 +618,12 @@ def _down_gemv_kernel(
     silu(gate) * up formed on the fly from its gate/up projection and weighted by sigmoid(gate
     logit), so the block's whole output leaves in one rounding. The shared expert's weights do not
     depend on the routing: when they fit one chunk they are loaded before the PDL wait, while the
-    previous kernel finishes."""
+    previous kernel finishes.
+    ADD_NORM: the next norm of the block's output too (the norm kernel's work, without its launch).
+    The last of a token's programs to finish (a ticket, as in gdn/decode.py: a CTA barrier orders
+    the row's stores before the acq_rel add, whose acquire orders the last program's reads after
+    every other's) reads the whole row back from L2 and writes res_out = out + residual and
+    normed_out = its zero-centred RMSNorm, then zeroes the ticket for the next launch."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < HIDDEN
@@ -631,6 +662,16 @@ def _down_gemv_kernel(
                 b = tl.load(shared_ptr + i0, mask=b_mask, other=0.0, eviction_policy="evict_first")
             acc += b.to(tl.float32) * (g * tl.sigmoid(g) * u * scale)[None, :]
     tl.store(out + t.to(tl.int64) * s_ot + h, tl.sum(acc, 1).to(out.dtype.element_ty), mask=h_ok)
+    if ADD_NORM:
+        tl.debug_barrier()
+        p_ticket = tickets + t
+        if tl.atomic_add(p_ticket, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+            tl.store(p_ticket, 0)
+            d = tl.arange(0, BLOCK_HID)
+            d_ok = d < HIDDEN
+            xv = tl.load(out + t.to(tl.int64) * s_ot + d, mask=d_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            row = t.to(tl.int64) * s_rt
+            add_rms_norm_row(xv, residual + row, res_out + row, normed_out + row, norm_weight, eps, d, d_ok, HIDDEN)
 
 
 def _pairs_config(hidden_size: int, inter: int, on_gpu: bool) -> dict:
@@ -763,7 +804,7 @@ def align_pairs(
     return sorted_ids, block_expert, offsets
 
 
-def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared=None) -> None:
+def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared=None, norm=None) -> None:
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -793,6 +834,19 @@ def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg,
     shared_inter = 0 if shared is None else shared.w2.shape[1]
     args = (act, w2, out, topk_weights, topk_ids, expert_offset, num_experts)
     args += (act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *_shared_args(shared, out))
+    if norm is not None:
+        tickets = ticket_counters(out.device, num_tokens, "moe_down_norm")
+        args += (
+            norm.add.residual,
+            norm.add.weight,
+            norm.out.normed,
+            norm.out.residual,
+            tickets,
+            norm.row_stride,
+            norm.add.eps,
+        )
+    else:
+        args += (out, out, out, out, out, 0, 0.0)
     _down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, down["block_h"]))](
         *args,
         HIDDEN=hidden_size,
@@ -801,6 +855,8 @@ def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg,
         BLOCK_H=down["block_h"],
         BLOCK_I=down["block_i"],
         SHARED_INTER=shared_inter,
+        ADD_NORM=norm is not None,
+        BLOCK_HID=triton.next_power_of_2(hidden_size),
         num_warps=down["num_warps"],
         num_stages=1,
         **pdl_launch(act),
@@ -879,7 +935,7 @@ def _moe_pairs_mma(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, 
     )
 
 
-def _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared=None) -> None:
+def _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared=None, norm=None) -> None:
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -945,7 +1001,21 @@ def _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg
     if shared is not None:  # its down projection on cuBLAS; the gate and the sum in the sum kernel
         shared_out = F.linear(_silu_mul(shared.gate_up, shared.w2.shape[1]), shared.w2)
         gate_logit = shared.gate_logit
-    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    # with the norm a program takes a whole row (a norm needs all of it)
+    block_h = (
+        triton.next_power_of_2(hidden_size) if norm is not None else min(1024, triton.next_power_of_2(hidden_size))
+    )
+    if norm is not None:
+        norm_args = (
+            norm.add.residual,
+            norm.add.weight,
+            norm.out.normed,
+            norm.out.residual,
+            norm.row_stride,
+            norm.add.eps,
+        )
+    else:
+        norm_args = (out, out, out, out, 0, 0.0)
     _sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
         y,
         topk_ids,
@@ -958,10 +1028,12 @@ def _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg
         out.stride(0),
         0 if shared_out is None else shared_out.stride(0),
         0 if gate_logit is None else gate_logit.stride(0),
+        *norm_args,
         HIDDEN=hidden_size,
         TOPK=top_k,
         BLOCK=block_h,
         HAS_SHARED=shared is not None,
+        ADD_NORM=norm is not None,
         num_warps=4,
         **pdl_launch(y),
     )
@@ -989,7 +1061,8 @@ def fused_moe(
     shared: SharedExpert | None = None,
     path: str | None = None,
     config: dict | None = None,
-) -> torch.Tensor:
+    add_norm: AddNorm | None = None,
+) -> torch.Tensor | NormedOut:
     """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts this rank holds, plus the
     gated shared expert when `shared` is given (naive.fused_moe).
 
@@ -1002,7 +1075,10 @@ def fused_moe(
     with its gate in the routed sum kernel: three launches instead of six. pairs_mma (kept for
     comparison) composes it with torch ops.
     `path` ("pairs", "sorted" or "pairs_mma") and `config` override the choice made from the shapes
-    (tests and tuning sweeps)."""
+    (tests and tuning sweeps).
+    add_norm: the residual add + zero-centred RMSNorm that follows the block, done by its last
+    kernel (the pairs path's down GEMV, the sorted path's sum) instead of a norm launch; returns
+    NormedOut(normed, residual). Needs hidden sizes <= MAX_NORM_HIDDEN (else the norm kernel)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
     assert w13.shape[2] == hidden_size and w2.shape == (num_experts, hidden_size, two_inter // 2), "weight shapes"
@@ -1011,7 +1087,8 @@ def fused_moe(
         check_shared(shared, num_tokens, hidden_size)
     out = torch.empty_like(hidden)
     if num_tokens == 0:
-        return out
+        return apply_add_norm(out, add_norm)
+    norm = _fused_norm(add_norm, hidden)
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
     num_pairs = topk_ids.numel()
@@ -1020,16 +1097,47 @@ def fused_moe(
     on_gpu = hidden.is_cuda
     if path == "pairs":
         cfg = config or _pairs_config(hidden_size, two_inter // 2, on_gpu)
-        _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, fold_shared)
+        _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, fold_shared, norm)
     elif path == "pairs_mma":
+        norm = None  # the comparison path: the norm kernel after it
         cfg = config or _pairs_mma_config(on_gpu)
         _moe_pairs_mma(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg)
     else:
         assert path == "sorted", f"unknown path {path!r}"
         cfg = config or _sorted_config(num_pairs, num_experts, on_gpu)
-        _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared)
+        _moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm)
     if shared is not None and fold_shared is None:
         inter = shared.w2.shape[1]
         act = F.silu(shared.gate_up[:, :inter]) * shared.gate_up[:, inter:]
         out = out + torch.sigmoid(shared.gate_logit) * F.linear(act, shared.w2)
-    return out
+    if norm is not None:
+        return norm.out
+    return apply_add_norm(out, add_norm)
+
+
+# the fused norm holds a whole row in one program's registers
+MAX_NORM_HIDDEN = 8192
+
+
+class _FusedNorm(NamedTuple):
+    """add_norm with its output buffers, for the kernels (rows of one stride in all four tensors)."""
+
+    add: AddNorm
+    out: NormedOut
+    row_stride: int
+
+
+def _fused_norm(add_norm: AddNorm | None, hidden: torch.Tensor) -> _FusedNorm | None:
+    """The buffers of a fused add + norm, or None where the norm kernel runs after the block."""
+    if add_norm is None or hidden.shape[1] > MAX_NORM_HIDDEN:
+        return None
+    residual = add_norm.residual.contiguous()
+    if residual.shape != hidden.shape or residual.dtype != hidden.dtype:
+        raise ValueError(
+            f"add_norm.residual: expected {list(hidden.shape)} {hidden.dtype}, got "
+            f"{list(residual.shape)} {residual.dtype}"
+        )
+    if add_norm.weight.shape != (hidden.shape[1],):
+        raise ValueError(f"add_norm.weight: expected [{hidden.shape[1]}], got {list(add_norm.weight.shape)}")
+    out = NormedOut(torch.empty_like(hidden), torch.empty_like(hidden))
+    return _FusedNorm(AddNorm(residual, add_norm.weight, add_norm.eps), out, residual.stride(0))

@@ -58,6 +58,21 @@ def _rms_norm_kernel(
     tl.store(out + r[:, None] * s_o + d[None, :], y.to(out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def add_rms_norm_row(xv, residual, res_out, normed_out, weight, eps, d, mask, DIM: tl.constexpr):
+    """One row's residual add + zero-centred RMSNorm inside another kernel (the MoE block's last
+    one): xv [BLOCK] float32 holds the block output already rounded to the stream's dtype; the
+    pointers are the row's starts. The norm kernel's arithmetic and roundings (its sum of squares
+    may add up in another order)."""
+    xv += tl.load(residual + d, mask=mask, other=0.0).to(tl.float32)
+    summed = xv.to(res_out.dtype.element_ty)
+    tl.store(res_out + d, summed, mask=mask)
+    xv = summed.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xv * xv, 0) / DIM + eps)
+    w = 1.0 + tl.load(weight + d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(normed_out + d, ((xv * inv) * w).to(normed_out.dtype.element_ty), mask=mask)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """[..., D] as [R, D] with a row stride, without a copy when the layout allows it."""
     if t.stride(-1) != 1:
