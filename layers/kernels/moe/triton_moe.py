@@ -56,42 +56,6 @@ ALIGN_ONE_LAUNCH_MAX = 1024
 # --- router -----------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _topk_softmax(
-    logits,
-    t,
-    t_ok,
-    num_experts,
-    s_lt,
-    TOPK: tl.constexpr,
-    TOPK_P: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
-    """(weights, ids) [BLOCK_T, TOPK_P] of tokens t: the top-k of softmax(logits[t]) in float32,
-    descending, ties to the lower expert; padding slots hold 0. Selection runs on the logits
-    (softmax is monotonic), one argmax-and-mask round per slot."""
-    e = tl.arange(0, BLOCK_E)
-    e_ok = e < num_experts
-    x = tl.load(logits + t.to(tl.int64)[:, None] * s_lt + e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0)
-    x = tl.where(e_ok[None, :], x.to(tl.float32), float("-inf"))
-    m = tl.max(x, 1)
-    denom = tl.sum(tl.exp(x - m[:, None]), 1)
-    slots = tl.arange(0, TOPK_P)
-    top_w = tl.zeros([BLOCK_T, TOPK_P], tl.float32)
-    top_i = tl.zeros([BLOCK_T, TOPK_P], tl.int32)
-    for j in tl.static_range(TOPK):
-        v, i = tl.max(x, 1, return_indices=True, return_indices_tie_break_left=True)
-        p = tl.exp(v - m) / denom
-        top_w = tl.where(slots[None, :] == j, p[:, None], top_w)
-        top_i = tl.where(slots[None, :] == j, i[:, None], top_i)
-        x = tl.where(e[None, :] == i[:, None], float("-inf"), x)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, 1)[:, None]  # padding slots hold 0
-    return top_w, top_i
-
-
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_tokens"])
 def _router_kernel(
@@ -114,8 +78,23 @@ def _router_kernel(
     pdl_wait(USE_PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < num_tokens
-    top_w, top_i = _topk_softmax(logits, t, t_ok, num_experts, s_lt, TOPK, TOPK_P, RENORMALIZE, BLOCK_T, BLOCK_E)
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
+    x = tl.load(logits + t.to(tl.int64)[:, None] * s_lt + e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0)
+    x = tl.where(e_ok[None, :], x.to(tl.float32), float("-inf"))
+    m = tl.max(x, 1)
+    denom = tl.sum(tl.exp(x - m[:, None]), 1)
     slots = tl.arange(0, TOPK_P)
+    top_w = tl.zeros([BLOCK_T, TOPK_P], tl.float32)
+    top_i = tl.zeros([BLOCK_T, TOPK_P], tl.int32)
+    for j in tl.static_range(TOPK):
+        v, i = tl.max(x, 1, return_indices=True, return_indices_tie_break_left=True)
+        p = tl.exp(v - m) / denom
+        top_w = tl.where(slots[None, :] == j, p[:, None], top_w)
+        top_i = tl.where(slots[None, :] == j, i[:, None], top_i)
+        x = tl.where(e[None, :] == i[:, None], float("-inf"), x)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 1)[:, None]  # padding slots hold 0
     dst = t.to(tl.int64)[:, None] * TOPK + slots[None, :]
     ok = t_ok[:, None] & (slots[None, :] < TOPK)
     tl.store(weights + dst, top_w, mask=ok)
@@ -550,41 +529,20 @@ def _up_gemv_kernel(
     s_we,
     s_wn,
     s_at,
-    router_logits,
-    topk_weights,
-    num_routed,
-    s_lt,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
     TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ROUTE: tl.constexpr,
-    TOPK_P: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    BLOCK_E: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """act[pair, n] = silu(x . gate[n]) * (x . up[n]) for BLOCK_N rows n of one pair's expert.
-    ROUTE: the router's work too, so its launch goes: each program takes the top-k of its token's
-    logits over the num_routed experts (the router kernel's arithmetic, _topk_softmax) for its
-    pair's expert, and the programs of row block 0 write topk_ids / topk_weights for the down GEMV.
     Pairs routed to another rank's expert exit (their act rows stay unset; the down kernel masks
     them). The K loop is unrolled and accumulates [BLOCK_N, BLOCK_K] partial products, reduced once
     at the end, so no barrier separates one chunk's loads from the next."""
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
-    if ROUTE:
-        t = pair // TOPK + tl.zeros([1], tl.int32)
-        top_w, top_i = _topk_softmax(router_logits, t, t >= 0, num_routed, s_lt, TOPK, TOPK_P, RENORMALIZE, 1, BLOCK_E)
-        mine = tl.arange(0, TOPK_P)[None, :] == pair % TOPK
-        routed = tl.sum(tl.sum(tl.where(mine, top_i, 0), 1), 0)
-        if tl.program_id(1) == 0:
-            tl.store(topk_ids + pair, routed.to(tl.int64))
-            tl.store(topk_weights + pair, tl.sum(tl.sum(tl.where(mine, top_w, 0.0), 1), 0))
-        e = routed - expert_offset
-    else:
-        e = tl.load(topk_ids + pair).to(tl.int32) - expert_offset
+    e = tl.load(topk_ids + pair).to(tl.int32) - expert_offset
     if (e < 0) | (e >= num_experts):
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -846,17 +804,13 @@ def align_pairs(
     return sorted_ids, block_expert, offsets
 
 
-def _moe_pairs(
-    hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared=None, norm=None, route=None
-) -> None:
-    """route: (router_logits, renormalize) when the up GEMV routes, filling topk_ids / topk_weights."""
+def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared=None, norm=None) -> None:
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
     up, down = cfg["up"], cfg["down"]
-    logits, renormalize = route if route is not None else (hidden, False)
     _up_gemv_kernel[(num_pairs, triton.cdiv(inter, up["block_n"]))](
         hidden,
         w13,
@@ -868,19 +822,11 @@ def _moe_pairs(
         w13.stride(0),
         w13.stride(1),
         act.stride(0),
-        logits,
-        topk_weights,
-        logits.shape[1],
-        logits.stride(0),
         HIDDEN=hidden_size,
         INTER=inter,
         TOPK=top_k,
         BLOCK_N=up["block_n"],
         BLOCK_K=up["block_k"],
-        ROUTE=route is not None,
-        TOPK_P=triton.next_power_of_2(top_k),
-        RENORMALIZE=renormalize,
-        BLOCK_E=triton.next_power_of_2(logits.shape[1]),
         num_warps=up["num_warps"],
         num_stages=1,
         **pdl_launch(hidden),
@@ -1169,48 +1115,6 @@ def fused_moe(
     return apply_add_norm(out, add_norm)
 
 
-def routed_moe(
-    *,
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    router_logits: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    expert_offset: int = 0,
-    shared: SharedExpert | None = None,
-    add_norm: AddNorm | None = None,
-    path: str | None = None,
-) -> torch.Tensor | NormedOut:
-    """route_topk_softmax, then fused_moe (naive.routed_moe), in one launch fewer on the pairs path:
-    its up GEMV routes. router_logits: [T, E_total] (E_total >= expert_offset + w13's E); the rest
-    as fused_moe. `path` forces one ("pairs" routes in the up GEMV; the others route first)."""
-    num_tokens = hidden.shape[0]
-    path = path or ("pairs" if num_tokens * top_k <= PAIRS_PATH_MAX else "sorted")
-    if path != "pairs" or num_tokens == 0 or router_logits.shape[1] > MAX_ROUTED_EXPERTS:
-        weights, ids = route_topk_softmax(router_logits=router_logits, top_k=top_k, renormalize=renormalize)
-        return fused_moe(
-            hidden=hidden, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, expert_offset=expert_offset,
-            shared=shared, add_norm=add_norm, path=path,
-        )  # fmt: skip
-    assert 0 < top_k <= router_logits.shape[1], "top_k must be in 1..num_experts"
-    assert router_logits.shape[0] == num_tokens, "router_logits: one row per token"
-    num_experts, two_inter, hidden_size = w13.shape
-    assert hidden.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1, "contiguous last dims"
-    if shared is not None:
-        check_shared(shared, num_tokens, hidden_size)
-    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=hidden.device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=hidden.device)
-    out = torch.empty_like(hidden)
-    norm = _fused_norm(add_norm, hidden)
-    cfg = _pairs_config(hidden_size, two_inter // 2, hidden.is_cuda)
-    _moe_pairs(hidden, w13, w2, weights, ids, expert_offset, out, cfg, shared, norm, route=(logits, renormalize))
-    return norm.out if norm is not None else apply_add_norm(out, add_norm)
-
-
-# the up GEMV's programs hold a token's logits in registers to route
-MAX_ROUTED_EXPERTS = 1024
 # the fused norm holds a whole row in one program's registers
 MAX_NORM_HIDDEN = 8192
 
