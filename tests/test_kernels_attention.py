@@ -6,6 +6,7 @@ import torch
 
 from deltaserve.layers.kernels.attention import naive
 from deltaserve.layers.kernels.attention import triton_attention as ta
+from deltaserve.layers.kernels.device import ticket_buffers
 
 # conftest: TRITON_INTERPRET without CUDA, the `device` fixture, gpu-marked tests skipped on CPU
 pytestmark = pytest.mark.usefixtures("nan_fill")
@@ -245,8 +246,8 @@ def test_decode_single_launch_back_to_back(device):
         ref = naive.paged_decode_attention(**batch, scale=0.3)
         out = ta.paged_decode_attention(**batch, scale=0.3, config=cfg, path="fused")
         assert rel_err(out, ref) < tol(device)
-        tickets = ta._tickets(device, 1)
-        assert not tickets.any(), "a ticket counter was not reset"
+        for tickets in ticket_buffers(ta.TICKETS, torch.device(device)):
+            assert not tickets.any(), "a ticket counter was not reset"
 
 
 def test_decode_path_default(monkeypatch, device):
@@ -372,4 +373,4 @@ def test_gpu_decode_single_launch_cuda_graph_replays():
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, naive.paged_decode_attention(**batch, scale=0.0625)) < 1e-2
-        assert not ta._tickets(out.device, 1).any()
+        assert not any(t.any() for t in ticket_buffers(ta.TICKETS, out.device))

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import num_sms
+from ..device import num_sms, ticket_counters
 from ..pdl import pdl_launch, pdl_wait
 
 LOG2E = 1.4426950408889634
@@ -614,22 +614,8 @@ def _decode_config(
     return dict(block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=5)
 
 
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """A zeroed int32 counter per (sequence, kv head), shared by every single-launch decode on the
-    device (they run one after another, and each leaves its counters at zero). Grown, never freed:
-    a captured CUDA graph keeps the address it was captured with. Allocate outside capture: a zero
-    fill inside one would only run at replay."""
-    key = (device.type, device.index)
-    have = _TICKETS.get(key)
-    if have is None or have[-1].numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"paged_decode_attention: run {count} (sequence, kv head) pairs eagerly before capture")
-        _TICKETS.setdefault(key, []).append(torch.zeros(max(count, MIN_TICKETS), dtype=torch.int32, device=device))
-    return _TICKETS[key][-1]
-
-
-_TICKETS: dict[tuple, list[torch.Tensor]] = {}
-MIN_TICKETS = 4096  # 16 KB
+# the single-launch decode's counters, one per (sequence, kv head) (kernels/device.py)
+TICKETS = "paged_decode_attention"
 
 
 def paged_decode_attention(
@@ -694,7 +680,7 @@ def paged_decode_attention(
         part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out
-    tickets = _tickets(q.device, num_seqs * num_kv_heads) if fused else part_lse
+    tickets = ticket_counters(q.device, num_seqs * num_kv_heads, TICKETS) if fused else part_lse
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
