@@ -578,15 +578,14 @@ def _decode_reduce_kernel(
 # variant per value in the middle of serving)
 MAX_SPLITS = 64
 # Decode batches of at most this many sequences merge their spans in the decode kernel (the last
-# span of each (sequence, kv head) to finish, by a ticket) instead of a second, reduce kernel. At
-# batch 1 the reduce kernel cost 6.6 us per layer in place against 5.3 for the decode kernel
-# (H200, CUDA graphs, PDL): a launch, a ramp and a serial chain of loads for 16 KB per program.
-# The merge moves the same partials but in N * Hkv programs instead of N * Hq, each reading
-# spans x GROUP x D x 4 bytes; _decode_config's split count (about 2 programs per SM) puts that at
-# 64 KB (8 spans) at N = 16, where the grid is already 2 programs per SM, and above that the
-# decode kernel streams ctx x N KB: the launch saved is a shrinking share, so the measured
-# two-kernel path stays there (a guess to measure: bench/kernels_attention.py --sweep-path).
-FUSED_MAX_SEQS = 16
+# span of each (sequence, kv head) to finish, by a ticket) instead of a second, reduce kernel. None
+# do by default: measured on the H200 (CUDA graphs, PDL, 512 tokens of context, in place in the
+# batch-1 step at 4a4eb2d) the single launch took 16.8 us a layer against 5.3 + 6.5 for decode +
+# reduce, and 22.9 against 13.9 + 3.6 at batch 16; back to back (`bench.kernels_attention
+# --sweep-path`) 10.8 against 9.1 us at B = 1, even at 16, 0.92-0.99x from 24 up: the merge is a
+# serial chain in one program per (sequence, kv head) over 128 KB of partials, after an atomic
+# round trip, which costs more than the reduce launch under PDL. Kept selectable (`path="fused"`).
+FUSED_MAX_SEQS = 0
 # and the single launch caps the spans at 16 (128 KB merged by one program at head dim 256, ~1 us
 # of one SM's L2 bandwidth); at 512 tokens of context 16 spans of 32 tokens are what 64 give too
 FUSED_MAX_SPLITS = 16
