@@ -42,6 +42,20 @@ def test_gated_rms_norm(device, shape):
     assert max_err(tn.gated_rms_norm(x=x, gate=gate, weight=w, eps=1e-6), ref) < 1e-5
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_gated_rms_norm_gate_from_a_projection(device, tokens):
+    """GDN's gate z: [T, H, D] columns of the in_proj output (token rows 300 apart, heads D apart),
+    read in place (reshaping it to rows would copy it every pass)."""
+    heads, dim = 4, 16
+    proj = torch.randn(tokens, 300, device=device)
+    gate = proj[:, 37 : 37 + heads * dim].reshape(tokens, heads, dim)
+    assert gate.data_ptr() == proj[:, 37:].data_ptr(), "the test's gate must be a view"
+    x = torch.randn(tokens, heads, dim, device=device)
+    w = 1 + 0.2 * torch.randn(dim, device=device)
+    ref = naive.gated_rms_norm(x=x, gate=gate.contiguous(), weight=w, eps=1e-6)
+    assert max_err(tn.gated_rms_norm(x=x, gate=gate, weight=w, eps=1e-6), ref) < 1e-5
+
+
 def test_fused_add_rms_norm(device):
     x, residual = torch.randn(11, 56, device=device), torch.randn(11, 56, device=device)
     w = torch.randn(56, device=device) * 0.3

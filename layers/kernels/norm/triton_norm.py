@@ -23,6 +23,8 @@ def _rms_norm_kernel(
     num_rows,
     s_x,
     s_g,
+    gate_heads,
+    s_gh,
     s_r,
     s_o,
     s_ro,
@@ -51,7 +53,9 @@ def _rms_norm_kernel(
     if ZERO_CENTERED:
         w = 1.0 + w
     if HAS_GATE:
-        g = tl.load(gate + r[:, None] * s_g + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        # the gate may be a [T, H, D] view of a wider projection (GDN's z): row r is (r // H, r % H)
+        g_row = (r // gate_heads) * s_g + (r % gate_heads) * s_gh
+        g = tl.load(gate + g_row[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
         y = w[None, :] * (xv * inv[:, None]) * (g * tl.sigmoid(g))
     else:
         y = (xv * inv[:, None]) * w[None, :]
@@ -80,6 +84,15 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _head_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(rows, heads, head stride): a [T, H, D] view whose token rows are strided apart (a column
+    slice of a projection, which reshape would copy) stays a view, addressed as token t's head h
+    at t * rows.stride(0) + h * head stride; anything else as _rows gives it (one head)."""
+    if t.dim() == 3 and t.stride(-1) == 1 and t.shape[1] > 1:
+        return t[:, 0], t.shape[1], t.stride(1)
+    return _rows(t), 1, 0
+
+
 def _launch(x, weight, eps, *, gate=None, residual=None, zero_centered=False):
     dim = x.shape[-1]
     x2 = _rows(x)
@@ -92,7 +105,7 @@ def _launch(x, weight, eps, *, gate=None, residual=None, zero_centered=False):
     assert block_d <= 65536, "rows above 64K elements are not supported"
     # ~2-4K elements per program: many short rows share a program, long rows get more warps
     rows = max(1, 2048 // block_d) if x.is_cuda else max(1, min(4, 64 // block_d))
-    g2 = _rows(gate) if gate is not None else x2
+    g2, gate_heads, s_gh = _head_rows(gate) if gate is not None else (x2, 1, 0)
     r2 = _rows(residual) if residual is not None else x2
     o2 = out.view(-1, dim)
     ro2 = res_out.view(-1, dim) if res_out is not None else o2
@@ -106,6 +119,8 @@ def _launch(x, weight, eps, *, gate=None, residual=None, zero_centered=False):
         num_rows,
         x2.stride(0),
         g2.stride(0),
+        gate_heads,
+        s_gh,
         r2.stride(0),
         o2.stride(0),
         ro2.stride(0),
