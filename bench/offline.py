@@ -192,10 +192,7 @@ def bench_decode(
 
 
 def marginal_table(prof, steps: int, rows: int = 40) -> str:
-    """Each GPU op's in-place cost: its end minus the previous op's end on the device (or its own
-    duration after an idle gap), summed per name per step. Under programmatic dependent launch a
-    kernel's own duration includes its wait for the one before; this attribution does not, and its
-    total is the busy time of the timeline."""
+    """Each GPU op's in-place cost per step (in_place_cost over the profiler's trace) as a table."""
     import json
     import tempfile
 
@@ -203,20 +200,13 @@ def marginal_table(prof, steps: int, rows: int = 40) -> str:
         prof.export_chrome_trace(f.name)
         with open(f.name) as trace_file:
             trace = json.load(trace_file)
-    ops = sorted(
-        (e["ts"] + e["dur"], e["ts"], e["name"])
+    ops = [
+        (e["ts"], e["ts"] + e["dur"], e["name"])
         for e in trace.get("traceEvents", [])
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-    )
-    cost: dict[str, list[float]] = {}
-    prev_end = None
-    for end, start, name in ops:
-        marginal = end - start if prev_end is None or start >= prev_end else end - prev_end
-        prev_end = end if prev_end is None else max(prev_end, end)
-        entry = cost.setdefault(name, [0.0, 0])
-        entry[0] += max(0.0, marginal)
-        entry[1] += 1
-    total = sum(v[0] for v in cost.values())
+    ]
+    cost = in_place_cost(ops)
+    total = sum(us for us, _ in cost.values())
     lines = [
         f"--- in-place cost per step (end minus previous end): {total / steps / 1e3:.3f} ms"
         f" over {len(ops) / steps:.0f} ops ---"
@@ -224,6 +214,27 @@ def marginal_table(prof, steps: int, rows: int = 40) -> str:
     for name, (us, count) in sorted(cost.items(), key=lambda kv: -kv[1][0])[:rows]:
         lines.append(f"{us / steps:9.1f} us  {count / steps:6.1f}x  {us / count:7.2f} us each  {name[:90]}")
     return "\n".join(lines)
+
+
+def in_place_cost(ops: list[tuple[float, float, str]]) -> dict[str, tuple[float, int]]:
+    """name -> (summed in-place cost, count) of device ops given as (start, end, name), in order of
+    their ends: an op's end minus the previous op's end, or, after an idle gap, minus the earliest
+    start among the ops still running. Under programmatic dependent launch a kernel's own duration
+    includes its wait for the one before; this attribution does not, and its total is the
+    timeline's busy time (the union of the ops' intervals)."""
+    ordered = sorted(ops, key=lambda op: (op[1], op[0]))
+    open_from = [0.0] * len(ordered)  # the earliest start among this op and those ending later
+    earliest = float("inf")
+    for i in range(len(ordered) - 1, -1, -1):
+        earliest = min(earliest, ordered[i][0])
+        open_from[i] = earliest
+    cost: dict[str, tuple[float, int]] = {}
+    prev_end = float("-inf")
+    for (_, end, name), since in zip(ordered, open_from, strict=True):
+        us, count = cost.get(name, (0.0, 0))
+        cost[name] = (us + max(0.0, end - max(prev_end, since)), count + 1)
+        prev_end = max(prev_end, end)
+    return cost
 
 
 def _check_whole(engine, batch: int) -> None:

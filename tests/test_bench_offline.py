@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from passes import Sequences
 
-from deltaserve.bench.offline import ExpertCounter
+from deltaserve.bench.offline import ExpertCounter, in_place_cost
 from deltaserve.layers.loader import load_model
 from deltaserve.layers.moe import SparseMoeBlock
 
@@ -42,3 +42,16 @@ def test_decode_batch_stays_whole_through_the_timed_steps(tiny_checkpoints, monk
     result = offline.bench_decode(llm, batch=6, context=64, steps=3, counter=None, vocab=100)
     assert result["step_s"] > 0
     assert not llm.engine.has_unfinished()
+
+
+def test_in_place_cost_attributes_each_op_its_end_minus_the_previous_end():
+    """Overlapping kernels (programmatic dependent launch: b starts while a runs and waits) count
+    only past the previous end; after an idle gap an op counts its own duration; the total is the
+    busy time of the timeline (here 0-10 and 12-15: 13)."""
+    ops = [(0.0, 4.0, "a"), (1.0, 6.0, "b"), (5.0, 10.0, "a"), (12.0, 15.0, "c")]
+    cost = in_place_cost(ops)
+    assert cost == {"a": (4.0 + 4.0, 2), "b": (2.0, 1), "c": (3.0, 1)}
+    assert sum(us for us, _ in cost.values()) == 13.0
+    # an op that ends first takes the time since the cluster began; the total is still the union
+    nested = in_place_cost([(0.0, 10.0, "long"), (2.0, 3.0, "inside")])
+    assert nested == {"inside": (3.0, 1), "long": (7.0, 1)}
