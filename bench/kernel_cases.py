@@ -1,5 +1,6 @@
 """What a kernel benchmark case is: how to run ours, the reference and (optionally) a peer, how to
-check agreement, and the bytes / FLOPs that give its hardware floor."""
+check agreement, and the bytes / FLOPs that give its hardware floor; and `graphed`, the CUDA-graph
+capture the cases time their calls in."""
 
 from __future__ import annotations
 
@@ -21,3 +22,22 @@ class Case:
     peer: Callable[[], object] | None = None  # e.g. fla, when importable
     peer_label: str = ""
     target: str = ""  # the issue's target, in words
+
+
+def graphed(calls: list[Callable[[], object]]) -> Callable[[], None]:
+    """The calls captured, in order, into one CUDA graph (each run once first on a side stream, as
+    capture requires, so Triton compiles and ticket buffers are allocated outside it); returns its
+    replay."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return graph.replay

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from deltaserve.bench.kernel_cases import Case
+from deltaserve.bench.kernel_cases import Case, graphed
 from deltaserve.layers.kernels.attention import naive
 from deltaserve.layers.kernels.attention import triton_attention as ta
 
@@ -69,22 +69,6 @@ def _decode_args(batch: int, ctx: int, *, seed: int, table_pages: int = 0, gate:
     return args
 
 
-def _graphed(calls: list[Callable[[], object]]) -> Callable[[], None]:
-    """The calls captured, in order, into one CUDA graph (each run once first on a side stream, so
-    Triton compiles and the ticket buffer is allocated outside the capture); returns its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return graph.replay
-
-
 def _decode_graph_calls(batch: int, ctx: int, table_pages: int, path: str | None, cfg: dict | None = None):
     """Back-to-back decode calls, each over its own KV pool (>= 64 MB in all, at most 64 calls, so
     the KV is not in L2), the layer's gate; returns (calls, args of the first, KV bytes per call)."""
@@ -108,8 +92,8 @@ def _decode_graph_case(batch: int, ctx: int, path: str, table_pages: int = 4096)
     return Case(
         op="attn_decode[graph]",
         shape=f"B={batch} ctx={ctx} {path} x{num}",
-        ours=_graphed(calls),
-        reference=_graphed(other_calls),
+        ours=graphed(calls),
+        reference=graphed(other_calls),
         reference_label=f"{other} path (x{num})",
         check=check,
         tolerance=2e-2,
@@ -244,7 +228,7 @@ def sweep(batch: int = 64, ctx: int = 4096, path: str | None = None, table_pages
         try:
             err = _max_err(ta.paged_decode_attention(**args, config=cfg, path=path), ref)
             calls, _, kv_bytes = _decode_graph_calls(batch, ctx, table_pages, path, cfg)
-            us = _time_graph(_graphed(calls), len(calls))
+            us = _time_graph(graphed(calls), len(calls))
         except Exception as e:  # a config that does not compile or fit is reported, not fatal
             print(f"{cfg} failed: {type(e).__name__}: {str(e)[:80]}")
             continue
@@ -261,7 +245,7 @@ def sweep_path(ctx: int = 512, table_pages: int = 4096) -> None:
         us = {}
         for path in ("fused", "reduce"):
             calls, _, _ = _decode_graph_calls(batch, ctx, table_pages, path)
-            us[path] = _time_graph(_graphed(calls), len(calls))
+            us[path] = _time_graph(graphed(calls), len(calls))
         pick = "fused" if batch <= ta.FUSED_MAX_SEQS else "reduce"
         print(
             f"B={batch:<4} fused {us['fused']:7.1f} us  reduce {us['reduce']:7.1f} us  "

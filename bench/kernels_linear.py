@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from deltaserve.bench.kernel_cases import Case
+from deltaserve.bench.kernel_cases import Case, graphed
 from deltaserve.layers.kernels import linear as linear_kernels
 from deltaserve.layers.kernels.linear import naive
 from deltaserve.layers.kernels.linear import triton_linear as tl_
@@ -75,22 +75,6 @@ def _bytes(m: int, n: int, k: int) -> int:
     return 2 * (n * k + m * k + m * n)
 
 
-def _graphed(calls: list[Callable[[], object]]) -> Callable[[], None]:
-    """The calls captured, in order, into one CUDA graph (each run once first on a side stream, as
-    capture requires, so Triton compiles outside it); returns its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return graph.replay
-
-
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
@@ -111,8 +95,8 @@ def _case(label: str, m: int, n: int, k: int) -> Case:
     return Case(
         op="linear[graph]",
         shape=f"{label} M={m} N={n} K={k} x{calls}",
-        ours=_graphed(_calls(lambda x, w: linear_kernels.linear(x=x, weight=w), m, n, k)),
-        reference=_graphed(_calls(lambda x, w: F.linear(x, w), m, n, k)),
+        ours=graphed(_calls(lambda x, w: linear_kernels.linear(x=x, weight=w), m, n, k)),
+        reference=graphed(_calls(lambda x, w: F.linear(x, w), m, n, k)),
         reference_label="cuBLAS",
         check=lambda: _rel_err(linear_kernels.linear(x=x, weight=w), naive.linear(x=x.float(), weight=w.float())),
         tolerance=TOLERANCE,
@@ -177,7 +161,7 @@ def _sweep_case(m: int, n: int, k: int, num_sms: int) -> dict:
     x, w = _x(m, k), _weights(n, k)[0]
     ref = naive.linear(x=x.float(), weight=w.float())
     default = _public(tl_.resolve(tl_.pick_config(m, n, k, DTYPE, x.device), m, n, k, DTYPE))
-    cublas_us = _time_graph(_graphed(_calls(lambda x, w: F.linear(x, w), m, n, k)), calls)
+    cublas_us = _time_graph(graphed(_calls(lambda x, w: F.linear(x, w), m, n, k)), calls)
     configs = sweep_configs(m, n, k, num_sms)
     if default not in [_public(tl_.resolve(c, m, n, k, DTYPE)) for c in configs]:
         configs.append(default)
@@ -187,7 +171,7 @@ def _sweep_case(m: int, n: int, k: int, num_sms: int) -> dict:
             out = _ours(x, w, cfg)
             err = _rel_err(out, ref)
             same = torch.equal(out, _ours(x, w, cfg))
-            us = _time_graph(_graphed(_calls(lambda x, w, cfg=cfg: _ours(x, w, cfg), m, n, k)), calls)
+            us = _time_graph(graphed(_calls(lambda x, w, cfg=cfg: _ours(x, w, cfg), m, n, k)), calls)
         except Exception as e:  # a config that does not compile or fit is reported, not fatal
             print(f"  {cfg} failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
             continue
@@ -197,7 +181,7 @@ def _sweep_case(m: int, n: int, k: int, num_sms: int) -> dict:
     passed = None
     if best is not None and best["cfg"]["split_k"] > 1:  # the best split-K config, two-kernel reduction
         cfg = {**best["cfg"], "reduce": "pass"}
-        us = _time_graph(_graphed(_calls(lambda x, w: _ours(x, w, cfg), m, n, k)), calls)
+        us = _time_graph(graphed(_calls(lambda x, w: _ours(x, w, cfg), m, n, k)), calls)
         passed = dict(us=us, cfg=cfg, err=_rel_err(_ours(x, w, cfg), ref), reproducible=True)
     return dict(
         m=m,
@@ -285,7 +269,7 @@ def row_sweep(shapes: list[tuple[str, int, int]]) -> None:
         if not triton_row.supports(1, k, DTYPE):
             continue
         calls = _num_calls(n, k)
-        gemv_us = _time_graph(_graphed(_calls(lambda x, w: tl_.linear(x=x, weight=w), 1, n, k)), calls)
+        gemv_us = _time_graph(graphed(_calls(lambda x, w: tl_.linear(x=x, weight=w), 1, n, k)), calls)
         print(
             f"{label} N={n} K={k}: triton_linear GEMV {gemv_us:6.2f} us  (default row config "
             f"{triton_row.pick_config(n, k)})",
@@ -302,7 +286,7 @@ def row_sweep(shapes: list[tuple[str, int, int]]) -> None:
                     def fn(x, w, cfg=cfg, preload=preload):
                         return triton_row.row_gemv(x=x, weight=w, config=cfg, preload=preload)
 
-                    us = _time_graph(_graphed(_calls(fn, 1, n, k)), calls)
+                    us = _time_graph(graphed(_calls(fn, 1, n, k)), calls)
                     rows.append((us, block_n, warps, per_sm, preload))
         rows.sort(key=lambda r: r[0])
         for us, block_n, warps, per_sm, preload in rows[:8]:
@@ -324,9 +308,9 @@ def row_sweep(shapes: list[tuple[str, int, int]]) -> None:
                 y, _ = norm_kernels.fused_add_rms_norm(x=x, residual=residual, weight=norm_w, eps=1e-6)
                 return triton_row.row_gemv(x=y, weight=w, config=cfg)
 
-            fused_us = _time_graph(_graphed(_calls(fused, 1, n, k)), calls)
-            deferred_us = _time_graph(_graphed(_calls(lambda x, w, f=fused: f(x, w, defer=True), 1, n, k)), calls)
-            unfused_us = _time_graph(_graphed(_calls(unfused, 1, n, k)), calls)
+            fused_us = _time_graph(graphed(_calls(fused, 1, n, k)), calls)
+            deferred_us = _time_graph(graphed(_calls(lambda x, w, f=fused: f(x, w, defer=True), 1, n, k)), calls)
+            unfused_us = _time_graph(graphed(_calls(unfused, 1, n, k)), calls)
             print(
                 f"  {cfg}: add+norm fused {fused_us:6.2f} us, deferred 1/rms {deferred_us:6.2f} us"
                 f"  vs norm kernel + row GEMV {unfused_us:6.2f} us",

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from deltaserve.bench.kernel_cases import Case
+from deltaserve.bench.kernel_cases import Case, graphed
 from deltaserve.layers.kernels import linear as linear_kernels
 from deltaserve.layers.kernels.moe import naive
 from deltaserve.layers.kernels.moe import triton_moe as tm
@@ -65,22 +64,6 @@ def _moe_bytes(args: dict) -> int:
     num_tokens = args["hidden"].shape[0]
     routed = torch.unique(args["topk_ids"]).numel()
     return routed * EXPERT_BYTES + 2 * num_tokens * H * 2 + num_tokens * TOP_K * (8 + 2)
-
-
-def _graphed(calls: list[Callable[[], object]]) -> Callable[[], None]:
-    """The calls captured, in order, into one CUDA graph (each compiled and run once first, on a side
-    stream as capture requires); returns its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return graph.replay
 
 
 # --- router ---------------------------------------------------------------------------------------
@@ -123,8 +106,8 @@ def _router_step_case(layers: int = 40) -> Case:
     return Case(
         op="route_topk_softmax[graph]",
         shape=f"T=1 E={E} k={TOP_K} x{layers} calls",
-        ours=_graphed([lambda kw=kw: tm.route_topk_softmax(**kw) for kw in kws]),
-        reference=_graphed([lambda kw=kw: naive.route_topk_softmax(**kw) for kw in kws]),
+        ours=graphed([lambda kw=kw: tm.route_topk_softmax(**kw) for kw in kws]),
+        reference=graphed([lambda kw=kw: naive.route_topk_softmax(**kw) for kw in kws]),
         reference_label="torch softmax+topk",
         check=lambda: _router_err(logits[0], *tm.route_topk_softmax(**kws[0])),
         tolerance=1e-5,
@@ -160,7 +143,7 @@ def _case(num_tokens: int) -> Case:
 def _graph_case(num_tokens: int, path: str, config: dict | None = None) -> Case:
     """GRAPH_CALLS fused_moe calls on `path`, distinct routings, one graph."""
     sets = [_inputs(num_tokens, seed=1000 * num_tokens + i) for i in range(GRAPH_CALLS)]
-    replay = _graphed([lambda a=a: tm.fused_moe(**a, path=path, config=config) for a in sets])
+    replay = graphed([lambda a=a: tm.fused_moe(**a, path=path, config=config) for a in sets])
     target = ">=60% of copy BW" if num_tokens <= 16 and path == "pairs" else ""
     return Case(
         op=f"fused_moe[graph,{path}]",
@@ -200,8 +183,8 @@ def _shared_graph_case(num_tokens: int) -> Case:
     return Case(
         op="fused_moe+shared[graph]",
         shape=f"T={num_tokens} x{GRAPH_CALLS} calls",
-        ours=_graphed([lambda a=a: tm.fused_moe(**a) for a in sets]),
-        reference=_graphed([lambda a=a: composed(a) for a in sets]),
+        ours=graphed([lambda a=a: tm.fused_moe(**a) for a in sets]),
+        reference=graphed([lambda a=a: composed(a) for a in sets]),
         reference_label="routed + torch composition (6 launches)",
         check=lambda: _rel_err(tm.fused_moe(**sets[0]), naive.fused_moe(**sets[0])),
         tolerance=2e-2,
@@ -271,7 +254,7 @@ def sweep(num_tokens: int, path: str | None) -> None:
     for cfg in _sweep_configs(path):
         try:
             err = _rel_err(tm.fused_moe(**sets[0], path=path, config=cfg), ref)
-            replay = _graphed([lambda a=a, cfg=cfg: tm.fused_moe(**a, path=path, config=cfg) for a in sets])
+            replay = graphed([lambda a=a, cfg=cfg: tm.fused_moe(**a, path=path, config=cfg) for a in sets])
             ms = triton.testing.do_bench(replay, warmup=10, rep=50, return_mode="median") / GRAPH_CALLS
         except Exception as e:  # a config that does not compile or fit is reported, not fatal
             print(f"{cfg} failed: {type(e).__name__}: {str(e)[:80]}")
