@@ -118,7 +118,6 @@ def _recurrent_kernel(
     RAW_GATE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     NV = tl.cdiv(V, BV)
     i_v = pid % NV
@@ -137,6 +136,8 @@ def _recurrent_kernel(
         p_pool = pool + slot * stride_ps + hv * stride_ph + o_k[:, None] * V + o_v[None, :]
     else:
         p_pool = pool + slot * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
+    # the state (and the gate constants below) come from earlier passes, never from the kernel
+    # before this one (a conv): they load before the PDL wait (kernels/pdl.py), q / k / v after it
     state = tl.load(p_pool, mask=m_kv, other=0.0).to(tl.float32)
 
     n64 = n.to(tl.int64)
@@ -148,6 +149,7 @@ def _recurrent_kernel(
     if RAW_GATE:  # g, beta point at the raw a, b
         neg_a_exp = -tl.exp(tl.load(A_log + hv).to(tl.float32))
         bias = tl.load(dt_bias + hv).to(tl.float32)
+    pdl_wait(USE_PDL)
     p_o = o + (n64 * length * HV + hv) * V + o_v
     if ROW_STRIDES:
         p_i = inter + n64 * stride_in + hv * stride_ih + o_k[:, None] * V + o_v[None, :]
