@@ -429,10 +429,14 @@ def _sum_kernel(
     """out[t] = sum of its local slots' rows of y (non-local slots were never written), plus
     sigmoid(gate_logit[t]) * shared[t] (the shared expert's down projection) when HAS_SHARED; one
     rounding. ADD_NORM (BLOCK covers the row): the next norm of the row instead, res_out[t] =
-    out[t] + residual[t] and normed_out[t] = its zero-centred RMSNorm (rows of stride s_rt)."""
-    pdl_wait(USE_PDL)
+    out[t] + residual[t] and normed_out[t] = its zero-centred RMSNorm (rows of stride s_rt).
+    With the shared expert, its two launches run between the routed down GEMM and this kernel, so
+    the routed rows (and the ids and gate logits, older still) load before the PDL wait
+    (kernels/pdl.py) and only the shared expert's output after it."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    if not HAS_SHARED:  # the routed down GEMM is the kernel just before
+        pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK], tl.float32)
     for j in tl.static_range(TOPK):
         pair = t * TOPK + j
@@ -442,6 +446,7 @@ def _sum_kernel(
         acc += tl.load(y + pair.to(tl.int64) * s_yp + h, mask=h_ok, other=0.0).to(tl.float32)
     if HAS_SHARED:
         scale = tl.sigmoid(tl.load(gate_logit + t.to(tl.int64) * s_gl).to(tl.float32))
+        pdl_wait(USE_PDL)
         acc += scale * tl.load(shared + t.to(tl.int64) * s_st + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
     if ADD_NORM:
         row = t.to(tl.int64) * s_rt
