@@ -158,27 +158,31 @@ def _conv_update_kernel(
     SILU: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
     n = tl.program_id(0)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     m_c = o_c < channels
     o_w = tl.arange(0, BW)
     slot = tl.load(slots + n).to(tl.int64)
     p_s = state + slot * stride_ss + o_c[:, None] * stride_sc
+    # the window, the taps and the bias come from earlier passes and the weights, never from the
+    # kernel before this one (the input projection): they load before the PDL wait (kernels/pdl.py)
+    m_win = m_c[:, None] & (o_w < W - 1)[None, :]
+    window = tl.load(p_s + o_w[None, :] * stride_sw, mask=m_win, other=0.0)
+    shifted = tl.load(p_s + (o_w + 1)[None, :] * stride_sw, mask=m_c[:, None] & (o_w + 1 < W - 1)[None, :], other=0.0)
+    taps = tl.load(weight + o_c[:, None] * stride_wc + o_w[None, :], mask=m_c[:, None] & (o_w < W)[None, :], other=0.0)
+    if HAS_BIAS:
+        b_bias = tl.load(bias + o_c, mask=m_c, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
     b_x = tl.load(x + n.to(tl.int64) * stride_xn + o_c, mask=m_c, other=0.0)
 
     # seq[c, j], j < W: the window then the new input
-    m_win = m_c[:, None] & (o_w < W - 1)[None, :]
-    seq = tl.load(p_s + o_w[None, :] * stride_sw, mask=m_win, other=0.0).to(tl.float32)
-    seq += tl.where((o_w == W - 1)[None, :], b_x.to(tl.float32)[:, None], 0.0)
-    taps = tl.load(weight + o_c[:, None] * stride_wc + o_w[None, :], mask=m_c[:, None] & (o_w < W)[None, :], other=0.0)
+    seq = window.to(tl.float32) + tl.where((o_w == W - 1)[None, :], b_x.to(tl.float32)[:, None], 0.0)
     out = tl.sum(seq * taps.to(tl.float32), 1)
     if HAS_BIAS:
-        out += tl.load(bias + o_c, mask=m_c, other=0.0).to(tl.float32)
+        out += b_bias
     tl.store(y + n.to(tl.int64) * stride_yn + o_c, _activate(out, SILU).to(y.dtype.element_ty), mask=m_c)
 
     # shift the window by one: new[c, i] = seq[c, i + 1]
-    shifted = tl.load(p_s + (o_w + 1)[None, :] * stride_sw, mask=m_c[:, None] & (o_w + 1 < W - 1)[None, :], other=0.0)
     shifted += tl.where((o_w + 1 == W - 1)[None, :], b_x.to(state.dtype.element_ty)[:, None], 0.0)
     tl.debug_barrier()  # the window is read by neighbouring threads before it is overwritten
     tl.store(p_s + o_w[None, :] * stride_sw, shifted, mask=m_win)
