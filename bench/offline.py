@@ -104,8 +104,17 @@ def decode_floor_bytes(
 
 
 def bench_decode(
-    llm: LLM, batch: int, context: int, steps: int, counter: ExpertCounter | None, vocab: int, profile_steps: int = 0
+    llm: LLM,
+    batch: int,
+    context: int,
+    steps: int,
+    counter: ExpertCounter | None,
+    vocab: int,
+    profile_steps: int = 0,
+    tag: str = "",
 ) -> dict:
+    """Decode timing of `batch` sequences of `context` prompt tokens; `tag` keeps request ids
+    distinct when a process times the same batch again (variants)."""
     engine = llm.engine
     rng = np.random.default_rng(batch)
     # the first prompts decode beside the later ones' prefill chunks: a token a pass from then on,
@@ -114,7 +123,7 @@ def bench_decode(
     max_tokens = prefill_passes + 2 * steps + profile_steps + 6
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"d{batch}-{i}", rng.integers(10, vocab - 10, context).tolist(), params)
+        engine.add_request(f"d{tag}{batch}-{i}", rng.integers(10, vocab - 10, context).tolist(), params)
     # run until every request is decoding (prefill done, first token out)
     while (
         any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting
@@ -339,46 +348,24 @@ def run(args: argparse.Namespace) -> dict:
     )
     runner = getattr(llm.engine.executor, "runner", None)
     counter = ExpertCounter(runner.model) if runner is not None else None
+    variants = parse_variants(args.variants)
+    recaptures = any(env for _, env in variants)
+    if recaptures and runner is None:
+        raise SystemExit("--variants needs the in-process engine (TP = 1): graphs are recaptured per variant")
     rows = []
-    for b in batches:
-        profile_steps = 3 if b in args.profile_batches else 0
-        result = bench_decode(llm, b, args.context, args.steps, counter, model_config.vocab_size, profile_steps)
-        per_layer = result["distinct_experts_per_layer"]
-        moe_layers = sum(t == "moe" for t in model_config.mlp_types)
-        if per_layer:  # counted by the hooks in this run
-            distinct = sum(per_layer)
-        else:  # worker processes (TP/EP): no hooks here, so the bound every step stays under
-            distinct = moe_layers * min(model_config.num_experts, b * model_config.num_experts_per_tok)
-        floor = decode_floor_bytes(model_config, b, args.context + 4, distinct)
-        floor_s = floor["total"] / bandwidth / max(1, args.tp)
-        row = {
-            "batch": b,
-            "step_ms": result["step_s"] * 1e3,
-            "tok_s": b / result["step_s"],
-            "floor_ms": floor_s * 1e3,
-            "x_floor": result["step_s"] / floor_s,
-            "expert_fraction": distinct / (model_config.num_experts * moe_layers),
-            "experts_counted": bool(per_layer),
-            "floor_bytes": floor,
-        }
-        if "control_overhead_s" in result:
-            row["control_overhead_ms"] = result["control_overhead_s"] * 1e3
-        for key in ("device", "sync_device"):
-            if result.get(key):
-                row[f"gpu_{key}_ms"] = result[key]
-        for key in ("control_stages_s", "overlapped_stages_s"):
-            if result.get(key) and (key == "control_stages_s" or result["sync_step_s"] is not None):
-                row[key[: -len("_s")] + "_ms"] = {k: v * 1e3 for k, v in result[key].items()}
-        if "exposed_wait_s" in result:
-            row["exposed_wait_ms"] = result["exposed_wait_s"] * 1e3
-        if result["sync_step_s"] is not None:
-            row["sync_step_ms"] = result["sync_step_s"] * 1e3
-        if b in peer:
-            row["peer_step_ms"] = peer[b] * 1e3
-            row["speedup_vs_peer"] = peer[b] / result["step_s"]
-        rows.append(row)
-        print(_fmt_decode(row), flush=True)
+    for label, env in variants:
+        with variant_env(env):
+            if recaptures:  # a graph replays the kernels it was captured with
+                runner.recapture_graphs()
+            for b in batches:
+                row = _decode_row(args, llm, model_config, bandwidth, counter, peer, b, tag=label)
+                if label:
+                    row["variant"] = label
+                rows.append(row)
+                print(_fmt_decode(row), flush=True)
     report["decode"] = rows
+    if recaptures:  # the prefills below run with the process's own settings
+        runner.recapture_graphs()
     pre = []
     for n in prefills:
         seconds = bench_prefill(llm, n, model_config.vocab_size, profile=n in args.profile_prefills)
@@ -387,6 +374,93 @@ def run(args: argparse.Namespace) -> dict:
     report["prefill"] = pre
     llm.shutdown()
     return report
+
+
+def parse_variants(spec: str | None) -> list[tuple[str, dict[str, str]]]:
+    """`--variants "base;nopdl:DELTASERVE_PDL=0;x:A=1,B=2"` -> [(label, environment settings)]: each
+    variant times every batch size with those variables set (a kernel switch read at launch) and the
+    decode graphs captured again under them. None: one unnamed variant, the process as it is."""
+    if not spec:
+        return [("", {})]
+    variants = []
+    for item in spec.split(";"):
+        label, _, settings = item.strip().partition(":")
+        env = {}
+        for pair in filter(None, (p.strip() for p in settings.split(","))):
+            name, eq, value = pair.partition("=")
+            if not eq or not name:
+                raise ValueError(f"--variants: {pair!r} in variant {label!r} is not NAME=VALUE")
+            env[name] = value
+        if not label:
+            raise ValueError(f"--variants: {item!r} has no label (label:NAME=VALUE,...)")
+        variants.append((label, env))
+    if len({label for label, _ in variants}) != len(variants):
+        raise ValueError("--variants: labels must differ")
+    return variants
+
+
+class variant_env:  # noqa: N801 (a context manager used as `with variant_env(env):`)
+    """Sets environment variables for the block and puts back what was there."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env, self.saved = env, {}
+
+    def __enter__(self) -> None:
+        import os
+
+        self.saved = {name: os.environ.get(name) for name in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc) -> None:
+        import os
+
+        for name, value in self.saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _decode_row(
+    args, llm, model_config: ModelConfig, bandwidth: float, counter, peer: dict, b: int, tag: str = ""
+) -> dict:
+    """One batch size's decode timing as a report row (floor, x floor, control stages, peer)."""
+    profile_steps = 3 if b in args.profile_batches else 0
+    result = bench_decode(llm, b, args.context, args.steps, counter, model_config.vocab_size, profile_steps, tag=tag)
+    per_layer = result["distinct_experts_per_layer"]
+    moe_layers = sum(t == "moe" for t in model_config.mlp_types)
+    if per_layer:  # counted by the hooks in this run
+        distinct = sum(per_layer)
+    else:  # worker processes (TP/EP): no hooks here, so the bound every step stays under
+        distinct = moe_layers * min(model_config.num_experts, b * model_config.num_experts_per_tok)
+    floor = decode_floor_bytes(model_config, b, args.context + 4, distinct)
+    floor_s = floor["total"] / bandwidth / max(1, args.tp)
+    row = {
+        "batch": b,
+        "step_ms": result["step_s"] * 1e3,
+        "tok_s": b / result["step_s"],
+        "floor_ms": floor_s * 1e3,
+        "x_floor": result["step_s"] / floor_s,
+        "expert_fraction": distinct / (model_config.num_experts * moe_layers),
+        "experts_counted": bool(per_layer),
+        "floor_bytes": floor,
+    }
+    if "control_overhead_s" in result:
+        row["control_overhead_ms"] = result["control_overhead_s"] * 1e3
+    for key in ("device", "sync_device"):
+        if result.get(key):
+            row[f"gpu_{key}_ms"] = result[key]
+    for key in ("control_stages_s", "overlapped_stages_s"):
+        if result.get(key) and (key == "control_stages_s" or result["sync_step_s"] is not None):
+            row[key[: -len("_s")] + "_ms"] = {k: v * 1e3 for k, v in result[key].items()}
+    if "exposed_wait_s" in result:
+        row["exposed_wait_ms"] = result["exposed_wait_s"] * 1e3
+    if result["sync_step_s"] is not None:
+        row["sync_step_ms"] = result["sync_step_s"] * 1e3
+    if b in peer:
+        row["peer_step_ms"] = peer[b] * 1e3
+        row["speedup_vs_peer"] = peer[b] / result["step_s"]
+    return row
 
 
 def _device_times(engine, steps: int) -> dict[str, float] | None:
@@ -409,7 +483,8 @@ def _device_times(engine, steps: int) -> dict[str, float] | None:
 
 def _fmt_decode(r: dict) -> str:
     s = (
-        f"decode batch {r['batch']:>4}: {r['step_ms']:8.2f} ms/step {r['tok_s']:9.1f} tok/s"
+        (f"[{r['variant']}] " if "variant" in r else "")
+        + f"decode batch {r['batch']:>4}: {r['step_ms']:8.2f} ms/step {r['tok_s']:9.1f} tok/s"
         f" | floor {r['floor_ms']:7.2f} ms ({r['x_floor']:.2f}x floor,"
         f" experts {'touched' if r['experts_counted'] else 'bound'} {100 * r['expert_fraction']:.0f}%)"
     )
@@ -469,6 +544,13 @@ def add_parser(sub) -> None:
         type=lambda v: [int(n) for n in v.split(",") if n],
         default=[],
         help="print a torch.profiler kernel table of one prefill at these prompt lengths",
+    )
+    p.add_argument(
+        "--variants",
+        default=None,
+        help='A/B in one process: "label:NAME=VALUE,...;label2:..." times every batch size under each '
+        "variant's environment (kernel switches read at launch, e.g. DELTASERVE_PDL=0), the decode graphs "
+        "captured again for each; TP = 1",
     )
     p.add_argument("--json", default=None)
     p.set_defaults(func=_main)

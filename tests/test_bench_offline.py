@@ -3,6 +3,9 @@ selected): it must see every MoE block of a pass, whatever form the decoder laye
 
 from __future__ import annotations
 
+import os
+
+import pytest
 from passes import Sequences
 
 from deltaserve.bench.offline import ExpertCounter, in_place_cost
@@ -42,6 +45,10 @@ def test_decode_batch_stays_whole_through_the_timed_steps(tiny_checkpoints, monk
     result = offline.bench_decode(llm, batch=6, context=64, steps=3, counter=None, vocab=100)
     assert result["step_s"] > 0
     assert not llm.engine.has_unfinished()
+    # a variant times the same batch again: its requests are new ones; no graphs on CPU to recapture
+    llm.engine.executor.runner.recapture_graphs()
+    again = offline.bench_decode(llm, batch=6, context=64, steps=3, counter=None, vocab=100, tag="b")
+    assert again["step_s"] > 0 and not llm.engine.has_unfinished()
 
 
 def test_in_place_cost_attributes_each_op_its_end_minus_the_previous_end():
@@ -55,3 +62,23 @@ def test_in_place_cost_attributes_each_op_its_end_minus_the_previous_end():
     # an op that ends first takes the time since the cluster began; the total is still the union
     nested = in_place_cost([(0.0, 10.0, "long"), (2.0, 3.0, "inside")])
     assert nested == {"inside": (3.0, 1), "long": (7.0, 1)}
+
+
+def test_variants_parse_and_set_the_environment_for_their_block(monkeypatch):
+    from deltaserve.bench.offline import parse_variants, variant_env
+
+    assert parse_variants(None) == [("", {})]
+    spec = "base:;nopdl:DELTASERVE_PDL=0;both:DELTASERVE_PDL=0, DELTASERVE_ROW_GEMV=0"
+    assert parse_variants(spec) == [
+        ("base", {}),
+        ("nopdl", {"DELTASERVE_PDL": "0"}),
+        ("both", {"DELTASERVE_PDL": "0", "DELTASERVE_ROW_GEMV": "0"}),
+    ]
+    for bad, field in (("x:PDL", "NAME=VALUE"), (":A=1", "no label"), ("a:;a:B=1", "labels must differ")):
+        with pytest.raises(ValueError, match=field):
+            parse_variants(bad)
+    monkeypatch.setenv("DELTASERVE_PDL", "1")
+    monkeypatch.delenv("DELTASERVE_ROW_GEMV", raising=False)
+    with variant_env({"DELTASERVE_PDL": "0", "DELTASERVE_ROW_GEMV": "0"}):
+        assert os.environ["DELTASERVE_PDL"] == "0" and os.environ["DELTASERVE_ROW_GEMV"] == "0"
+    assert os.environ["DELTASERVE_PDL"] == "1" and "DELTASERVE_ROW_GEMV" not in os.environ

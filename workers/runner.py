@@ -160,22 +160,39 @@ class ModelRunner:
         (`compile_watch`): start-up compiled what it could."""
         self.sizes = sizes
         self.pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
-        if self.device.type == "cuda" and self.config.enable_cuda_graphs:
-            from deltaserve.workers.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs
-
-            max_len = self.model_config.max_position_embeddings
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.pool.layer_states,
-                device=self.device,
-                max_pages=min(sizes.num_blocks, -(-max_len // sizes.block_size)),
-                scratch_slot=sizes.num_slots - 1,
-                scratch_page=sizes.num_blocks - 1,
-                batch_sizes=tuple(b for b in DEFAULT_BATCH_SIZES if b <= self.config.cuda_graph_max_batch),
-            )
+        self.graphs = self._capture_graphs()
         if self.device.type == "cuda":  # after the graph captures, which compile the decode kernels
             self.late_compiles = LateCompileLog()
             self.late_compiles.install()
+
+    def _capture_graphs(self):
+        """The decode CUDA graphs over the pools (None on CPU or with graphs off)."""
+        if self.device.type != "cuda" or not self.config.enable_cuda_graphs:
+            return None
+        from deltaserve.workers.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs
+
+        sizes = self.sizes
+        max_len = self.model_config.max_position_embeddings
+        return DecodeGraphs(
+            self.model,
+            self.pool.layer_states,
+            device=self.device,
+            max_pages=min(sizes.num_blocks, -(-max_len // sizes.block_size)),
+            scratch_slot=sizes.num_slots - 1,
+            scratch_page=sizes.num_blocks - 1,
+            batch_sizes=tuple(b for b in DEFAULT_BATCH_SIZES if b <= self.config.cuda_graph_max_batch),
+        )
+
+    def recapture_graphs(self) -> None:
+        """Capture the decode graphs again, e.g. after a kernel switch read at launch time changed
+        (the benchmark's variants): a graph replays the kernels it was captured with. Nothing may be
+        in flight."""
+        if self.graphs is None:
+            return
+        torch.cuda.synchronize(self.device)
+        self.graphs = None
+        torch.cuda.empty_cache()
+        self.graphs = self._capture_graphs()
 
     # ---- one pass ----------------------------------------------------------------------------
     def _forward(self, plan: PassPlan, pool: StatePool, prev_tokens: torch.Tensor | None = None):
