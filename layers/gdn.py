@@ -164,7 +164,7 @@ class GatedDeltaNet(nn.Module):
 
         num_decode = ctx.num_decode_tokens
         decode = ctx.decode
-        if decode is not None and decode.tokens_per_row == 1 and decode.num_seqs <= gdn_kernels.FUSED_DECODE_MAX_SEQS:
+        if decode is not None and decode.tokens_per_row == 1 and decode.num_seqs <= gdn_kernels.fused_decode_max_seqs():
             # small batches of one token per row: conv, delta rule and gated norm in one launch
             # (three at batch 1 are mostly launch latency); the prefill rows take the separate ops
             core_decode = gdn_kernels.fused_gdn_decode(

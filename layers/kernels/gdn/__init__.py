@@ -13,8 +13,13 @@ from . import naive
 # three separate kernels. On the H200, in CUDA graphs, per layer: fused 4.7 / 13.5 / 18.5 / 24.1 /
 # 98 us against 6.7 / 15.6 / 19.7 / 24.0 / 84 us at N = 1 / 8 / 12 / 16 / 64 (the fused programs
 # each redo their key head's q / k conv, which costs more than the launches it saves at large N).
-# Read once at import: DELTASERVE_FUSED_GDN_MAX_SEQS moves the cut (the benchmark compares).
-FUSED_DECODE_MAX_SEQS = int(os.environ.get("DELTASERVE_FUSED_GDN_MAX_SEQS", "12"))
+FUSED_DECODE_MAX_SEQS = 12
+
+
+def fused_decode_max_seqs() -> int:
+    """FUSED_DECODE_MAX_SEQS, or DELTASERVE_FUSED_GDN_MAX_SEQS when set (read per call, so that the
+    benchmark's variants can move the cut; captured graphs keep the choice of their capture)."""
+    return int(os.environ.get("DELTASERVE_FUSED_GDN_MAX_SEQS", FUSED_DECODE_MAX_SEQS))
 
 
 def chunk_gated_delta_rule(**kwargs):
