@@ -80,7 +80,7 @@ def ray_head(tmp_path):
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         try:
-            head.wait(30)
+            head.wait(5)  # `ray start --block` has never finished its own shutdown in 30 s: the group is killed below
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
 
