@@ -14,8 +14,6 @@ row-parallel with one all-reduce.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 
@@ -92,13 +90,9 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: AttnLayerState) -> torch.Tensor:
         return self.mix(linear_kernels.linear(x=x, weight=self.qkv_proj, bias=self.in_proj_bias), ctx, state)
 
-    def mix(
-        self, qkv: torch.Tensor, ctx: ForwardContext, state: AttnLayerState, prefetch: Sequence[torch.Tensor] = ()
-    ) -> torch.Tensor:
+    def mix(self, qkv: torch.Tensor, ctx: ForwardContext, state: AttnLayerState) -> torch.Tensor:
         """Everything after the input projection: qkv [T, q_gate | k | v] -> [T, hidden] (reduced
-        over TP ranks). The decoder layer calls it with qkv_proj fused into the input norm.
-        prefetch: a weight read after the mixer (the MoE block's input projection): the decode
-        kernel asks L2 for it and for o_proj (decode-only passes)."""
+        over TP ranks). The decoder layer calls it with qkv_proj fused into the input norm."""
         num_tokens, d = qkv.shape[0], self.head_dim
         qs, kvs = self.q_size, self.kv_size
         q_gate = qkv[:, :qs].view(num_tokens, self.num_heads, 2 * d)
@@ -128,7 +122,6 @@ class GatedAttention(nn.Module):
                 block_tables=ctx.decode.block_tables,
                 scale=self.scale,
                 output_gate=gate[:num_decode],
-                prefetch=(self.o_proj, *prefetch) if ctx.prefill is None else (),
             )
         if ctx.prefill is not None:
             prefill_out = attn_kernels.paged_attention(

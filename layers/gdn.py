@@ -18,8 +18,6 @@ out_proj is row-parallel with one all-reduce.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 
@@ -154,14 +152,9 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: SsmLayerState) -> torch.Tensor:
         return self.mix(linear_kernels.linear(x=x, weight=self.in_proj), ctx, state)
 
-    def mix(
-        self, proj: torch.Tensor, ctx: ForwardContext, state: SsmLayerState, prefetch: Sequence[torch.Tensor] = ()
-    ) -> torch.Tensor:
+    def mix(self, proj: torch.Tensor, ctx: ForwardContext, state: SsmLayerState) -> torch.Tensor:
         """Everything after the input projection: proj [T, in_proj rows] -> [T, hidden] (reduced
-        over TP ranks). The decoder layer calls it with in_proj fused into the input norm.
-        prefetch: a weight read after the mixer (the MoE block's input projection): the decode
-        kernel asks L2 for it and for out_proj while the recurrence runs."""
-        prefetch = (self.out_proj, *prefetch)
+        over TP ranks). The decoder layer calls it with in_proj fused into the input norm."""
         num_tokens = proj.shape[0]
         off = self._offsets()
         mixed = proj[:, : self.conv_dim]
@@ -187,7 +180,6 @@ class GatedDeltaNet(nn.Module):
                 state_slots=decode.state_slots,
                 norm_weight=self.norm_weight,
                 eps=self.eps,
-                prefetch=prefetch if ctx.prefill is None else (),
             )
             core_prefill = None
             if ctx.prefill is not None:
@@ -195,7 +187,7 @@ class GatedDeltaNet(nn.Module):
                 core_prefill = self._unfused(mixed[rows], z[rows], a[rows], b[rows], conv_weight, None, ctx, state)
             core = join_rows(core_decode, core_prefill)
         else:
-            core = self._unfused(mixed, z, a, b, conv_weight, ctx.decode, ctx, state, prefetch)
+            core = self._unfused(mixed, z, a, b, conv_weight, ctx.decode, ctx, state)
         out = linear_kernels.linear(x=core.reshape(num_tokens, self.value_dim), weight=self.out_proj)
         return all_reduce(out, self.layout)
 
@@ -209,13 +201,10 @@ class GatedDeltaNet(nn.Module):
         decode: AttnMetadata | None,
         ctx: ForwardContext,
         state: SsmLayerState,
-        prefetch: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor:
         """conv1d, the gated delta rule and the gated norm as separate ops over `decode`'s rows (any
         tokens_per_row; None: no decode rows) followed by the prefill chunk's. mixed: [T, conv_dim];
-        z: [T, Hv, V]; a, b: [T, Hv]. Returns the normed heads [T, Hv, V]. prefetch: weights read
-        after it, which the decode conv kernel asks L2 for (only without prefill rows: a prefill
-        chunk streams enough of its own)."""
+        z: [T, Hv, V]; a, b: [T, Hv]. Returns the normed heads [T, Hv, V]."""
         num_tokens = mixed.shape[0]
         off = self._offsets()
         num_decode = 0 if decode is None else decode.num_tokens
@@ -228,7 +217,6 @@ class GatedDeltaNet(nn.Module):
                 conv_state_pool=state.conv,
                 state_slots=decode.state_slots,
                 activation="silu",
-                prefetch=prefetch if ctx.prefill is None else (),
             )
         if ctx.prefill is not None:
             conv_prefill = conv_kernels.causal_conv1d_varlen(

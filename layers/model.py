@@ -7,7 +7,6 @@ Checkpoint names are those transformers uses for `*ForCausalLM` (`model.layers.N
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -30,7 +29,6 @@ from .gdn import GatedDeltaNet
 from .kernels import linear as linear_kernels
 from .kernels import moe as moe_kernels
 from .kernels import norm as norm_kernels
-from .kernels.prefetch import prefix_bytes
 from .moe import DenseMLP, SparseMoeBlock
 from .parallel import ParallelLayout, all_gather_last_dim, all_reduce, validate_layout
 
@@ -81,15 +79,13 @@ class DecoderLayer(TransformerLayer):
         state: LayerState,
         input_normed: bool = False,
         next_norm: RMSNorm | None = None,
-        next_weight: torch.Tensor | None = None,
     ) -> LayerOut:
         """(hidden, residual) -> this layer's FFN output and the residual stream before it: the
         residual additions and the norms are fused into the projections that follow them.
         input_normed: hidden is already this layer's input norm of the stream, residual the stream
         (the previous layer's MoE block applied it). next_norm: the norm after this layer (the
         next layer's input norm, or the final one), which an MoE block applies in its last kernel;
-        the result says whether it did. next_weight: what the kernel after this layer reads first
-        (a prefix of the next input projection), which the MoE block asks L2 for (an L2 hint)."""
+        the result says whether it did."""
         if self.is_attention:
             assert isinstance(state, AttnLayerState)
         else:
@@ -105,8 +101,7 @@ class DecoderLayer(TransformerLayer):
                 weight=self.mixer.in_proj,
                 bias=self.mixer.in_proj_bias,
             )
-        # the mixer's decode kernel asks L2 for the weights after it (latency-bound: DRAM is free)
-        mixed = self.mixer.mix(proj, ctx, state, prefetch=(self.mlp.in_proj,) if self.is_moe else ())
+        mixed = self.mixer.mix(proj, ctx, state)
         if not self.is_moe:
             x, residual = add_rms_norm(mixed, residual, self.post_attention_layernorm)
             return LayerOut(self.mlp(x), residual, normed=False)
@@ -122,8 +117,7 @@ class DecoderLayer(TransformerLayer):
         if next_norm is None:
             return LayerOut(self.mlp(x, ctx, proj), residual, normed=False)
         add_norm = moe_kernels.AddNorm(residual, next_norm.weight, next_norm.eps)
-        after = () if next_weight is None or ctx.prefill is not None else (next_weight,)
-        normed, residual = self.mlp(x, ctx, proj, add_norm=add_norm, prefetch=after)
+        normed, residual = self.mlp(x, ctx, proj, add_norm=add_norm)
         return LayerOut(normed, residual, normed=True)
 
 
@@ -134,11 +128,6 @@ class LayerOut(NamedTuple):
     hidden: torch.Tensor
     residual: torch.Tensor
     normed: bool
-
-
-# how much of the next layer's input projection a layer's last kernel asks L2 for: the L2 (50 MB
-# on the H100 / H200) must still hold the experts' down weights the up GEMV fetched
-NEXT_PREFETCH_MB = 16
 
 
 class HybridModel(nn.Module):
@@ -197,23 +186,10 @@ class HybridModel(nn.Module):
         """Final hidden states [T, hidden] for every token of the pass."""
         hidden, residual, normed = self.embed(ctx.input_ids), None, False
         norms_after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        weights_after = self._weights_after()
-        for layer, state, norm_after, weight_after in zip(self.layers, states, norms_after, weights_after, strict=True):
+        for layer, state, norm_after in zip(self.layers, states, norms_after, strict=True):
             # each MoE block applies the norm after it in its last kernel: one launch fewer a layer
-            hidden, residual, normed = layer(
-                hidden, residual, ctx, state, input_normed=normed, next_norm=norm_after, next_weight=weight_after
-            )
+            hidden, residual, normed = layer(hidden, residual, ctx, state, input_normed=normed, next_norm=norm_after)
         return hidden if normed else add_rms_norm(hidden, residual, self.norm)[0]
-
-    def _weights_after(self) -> list[torch.Tensor | None]:
-        """Per layer, the leading rows of the weight the next kernel reads (the next layer's input
-        projection, the lm_head after the last), DELTASERVE_L2_PREFETCH_NEXT_MB of them (default
-        NEXT_PREFETCH_MB; read per pass, so the benchmark's variants can move it): an L2 hint the
-        layer's last kernel issues once its own reads are done."""
-        max_bytes = int(float(os.environ.get("DELTASERVE_L2_PREFETCH_NEXT_MB", NEXT_PREFETCH_MB)) * 2**20)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        nexts = [layer.mixer.in_proj for layer in self.layers[1:]] + [head]
-        return [prefix_bytes(w, max_bytes) if max_bytes > 0 else None for w in nexts]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [R, vocab] (float32) for the rows given; gathered over TP ranks."""

@@ -21,7 +21,6 @@ are this rank's column-parallel shard (also under expert parallelism).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -174,13 +173,11 @@ class SparseMoeBlock(nn.Module):
         ctx: ForwardContext,
         proj: torch.Tensor | None = None,
         add_norm: moe_kernels.AddNorm | None = None,
-        prefetch: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor | moe_kernels.NormedOut:
         """x [T, H] -> [T, H]. proj: in_proj's output [T, in_proj rows] when the caller has it (the
         decoder layer computes it fused into the post-attention norm), else computed here.
         add_norm: the residual add + norm that follows the block; then the result is NormedOut
-        (the experts' last kernel does it on one rank; after the all-reduce under TP).
-        prefetch: weights read right after the block (the next layer's first rows), an L2 hint."""
+        (the experts' last kernel does it on one rank; after the all-reduce under TP)."""
         if ctx.moe_lora_route is not MoeLoraRoute.SKIP:
             raise NotImplementedError("MoE LoRA is not built yet: only MoeLoraRoute.SKIP passes run")
         if proj is None:
@@ -206,7 +203,6 @@ class SparseMoeBlock(nn.Module):
             expert_offset=self.expert_start,
             shared=shared,  # summed in the same kernel at decode sizes
             add_norm=add_norm if self.layout.tp_size == 1 else None,
-            prefetch=prefetch,
         )
         if self.layout.tp_size == 1:
             return out

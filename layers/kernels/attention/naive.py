@@ -7,8 +7,6 @@ block_tables[n, p // block_size] at offset p % block_size. Queries are token-maj
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 
@@ -85,11 +83,10 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     scale: float,
     output_gate: torch.Tensor | None = None,
-    prefetch: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """One query per sequence over all its cached positions. q: [N, Hq, D] -> [N, Hq, D].
     output_gate [N, Hq, D] (any strides): the result times sigmoid(output_gate), one rounding (the
-    gated attention's output gate). prefetch: an L2 hint for the GPU kernel; nothing to do here."""
+    gated attention's output gate)."""
     cu = torch.arange(q.shape[0] + 1, device=q.device)
     if output_gate is None:
         return _attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, q.dtype)

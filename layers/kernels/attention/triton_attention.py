@@ -8,15 +8,12 @@ masked. Scores are kept in the log2 domain (scale * log2(e) folded in) so the so
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 
 from ..device import num_sms, ticket_counters
 from ..pdl import pdl_launch, pdl_wait
-from ..prefetch import prefetch_args, prefetch_ranges
 
 LOG2E = 1.4426950408889634
 
@@ -428,22 +425,11 @@ def _decode_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,
     CHUNK_S: tl.constexpr,
-    pf_a,
-    pf_a_granules,
-    pf_b,
-    pf_b_granules,
-    PREFETCH: tl.constexpr,
-    PF_THREADS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    # the next kernels' weights (o_proj, ...) towards L2: every program takes a share, so the
-    # request goes out before a program with an empty span returns
-    part = (n * tl.num_programs(1) + h) * tl.num_programs(2) + split
-    parts = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    prefetch_ranges(pf_a, pf_a_granules, pf_b, pf_b_granules, part, parts, PREFETCH, PF_THREADS)
     # read before pdl_wait: only the previous kernel (rope) can still run (PDL chain), writing q, K/V[seq_len - 1]
     seq_len = tl.load(seq_lens + n)
     start, end = _split_bounds(seq_len, split, num_splits, BLOCK_N)
@@ -642,7 +628,6 @@ def paged_decode_attention(
     output_gate: torch.Tensor | None = None,
     config: dict | None = None,
     path: str | None = None,
-    prefetch: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """One query per sequence over all its cached positions. q: [N, Hq, D] -> [N, Hq, D];
     seq_lens: [N]; block_tables: [N, max_pages]; output_gate [N, Hq, D] (contiguous head dim): the
@@ -658,9 +643,7 @@ def paged_decode_attention(
 
     Under PDL the kernel reads the block tables, seq_lens and every cached position but the last
     (seq_len - 1) before waiting for the previous kernel: that one may write only q and that
-    position (the rope kernel writing this token's K/V); output_gate is read after the wait.
-    prefetch: up to two weights the kernels after this one read (o_proj, ...), which the decode
-    kernel's programs ask L2 to fetch (prefetch.py)."""
+    position (the rope kernel writing this token's K/V); output_gate is read after the wait."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert num_q_heads % num_kv_heads == 0, "q heads must be a multiple of kv heads"
@@ -733,7 +716,6 @@ def paged_decode_attention(
         BLOCK_H=block_h,
         BLOCK_S=block_s,
         CHUNK_S=chunk,
-        **prefetch_args(prefetch, q, cfg["num_warps"]),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_launch(q),

@@ -6,8 +6,6 @@ W - 1 inputs before this pass live in `conv_state_pool [S, C, W - 1]` at its slo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 
@@ -66,10 +64,8 @@ def causal_conv1d_update(
     conv_state_pool: torch.Tensor,
     state_slots: torch.Tensor,
     activation: str | None = "silu",
-    prefetch: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
-    """Decode: one new input per sequence. x [N, C]; returns y [N, C]; shifts each slot's window.
-    prefetch: an L2 hint for the GPU kernel (later kernels' weights); nothing to do here."""
+    """Decode: one new input per sequence. x [N, C]; returns y [N, C]; shifts each slot's window."""
     slots = state_slots.long()
     window = conv_state_pool[slots].float()  # [N, C, W - 1]
     seq = torch.cat([window, x.float().unsqueeze(-1)], dim=-1)  # [N, C, W]

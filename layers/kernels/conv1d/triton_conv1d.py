@@ -11,15 +11,12 @@ kernel from cu_seqlens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 
 from ..gdn.varlen import locate_chunk
 from ..pdl import pdl_launch, pdl_wait
-from ..prefetch import prefetch_args, prefetch_ranges
 
 BLOCK_T = 64  # tokens per prefill program
 BLOCK_C = 128  # channels per prefill program: 256-byte bf16 rows
@@ -159,12 +156,6 @@ def _conv_update_kernel(
     BC: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
-    pf_a,
-    pf_a_granules,
-    pf_b,
-    pf_b_granules,
-    PREFETCH: tl.constexpr,
-    PF_THREADS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     n = tl.program_id(0)
@@ -183,12 +174,6 @@ def _conv_update_kernel(
         b_bias = tl.load(bias + o_c, mask=m_c, other=0.0).to(tl.float32)
     pdl_wait(USE_PDL)
     b_x = tl.load(x + n.to(tl.int64) * stride_xn + o_c, mask=m_c, other=0.0)
-    # the weights of the kernels after the GDN core (out_proj, ...) towards L2, after the wait: the
-    # input projection before this kernel streams its own until then
-    part = n * tl.num_programs(1) + tl.program_id(1)
-    prefetch_ranges(
-        pf_a, pf_a_granules, pf_b, pf_b_granules, part, tl.num_programs(0) * tl.num_programs(1), PREFETCH, PF_THREADS
-    )
 
     # seq[c, j], j < W: the window then the new input
     seq = window.to(tl.float32) + tl.where((o_w == W - 1)[None, :], b_x.to(tl.float32)[:, None], 0.0)
@@ -253,10 +238,8 @@ def causal_conv1d_update(
     conv_state_pool: torch.Tensor,
     state_slots: torch.Tensor,
     activation: str | None = "silu",
-    prefetch: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
-    """Decode: one new input per sequence. x [N, C]; returns y [N, C]; shifts each slot's window.
-    prefetch: up to two weights that later kernels read, which its programs ask L2 to fetch."""
+    """Decode: one new input per sequence. x [N, C]; returns y [N, C]; shifts each slot's window."""
     silu = _check_activation(activation)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
@@ -269,7 +252,6 @@ def causal_conv1d_update(
         x, weight, weight if bias is None else bias, y, conv_state_pool, state_slots, channels,
         x.stride(0), y.stride(0), *conv_state_pool.stride(), weight.stride(0),
         W=width, BW=triton.next_power_of_2(width), BC=UPDATE_BLOCK_C, HAS_BIAS=bias is not None, SILU=silu,
-        **prefetch_args(prefetch, x, 4),
         num_warps=4,
         **pdl_launch(x),
     )  # fmt: skip

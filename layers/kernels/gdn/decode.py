@@ -37,15 +37,12 @@ it (only shapes decide the launch; the ticket buffer must exist before the captu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 
 from ..device import ticket_counters
 from ..pdl import pdl_launch, pdl_wait
-from ..prefetch import prefetch_args, prefetch_ranges
 from .gating import gate_values
 from .recurrent import _add_pair
 
@@ -134,12 +131,6 @@ def _fused_gdn_decode_kernel(
     BVH: tl.constexpr,
     BW: tl.constexpr,
     ROW_STRIDES: tl.constexpr,
-    pf_a,
-    pf_a_granules,
-    pf_b,
-    pf_b_granules,
-    PREFETCH: tl.constexpr,
-    PF_THREADS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -182,8 +173,6 @@ def _fused_gdn_decode_kernel(
     x_v = tl.load(x_row + c_v, mask=m_v, other=0.0)
     raw_a = tl.load(a + n * stride_an + hv * stride_ah)
     raw_b = tl.load(b + n * stride_bn + hv * stride_bh)
-    # the next kernels' weights (out_proj, ...) towards L2 while this latency-bound kernel runs
-    prefetch_ranges(pf_a, pf_a_granules, pf_b, pf_b_granules, pid, tl.num_programs(0), PREFETCH, PF_THREADS)
 
     # the conv outputs rounded as the conv kernel stores them; q, k: the recurrent kernel's l2norm and scale
     b_q, win_q = _conv_silu(x_q, *win_q, W, BW)
@@ -251,7 +240,6 @@ def fused_gdn_decode(
     scale: float | None = None,
     block_v: int | None = None,
     num_warps: int = DECODE_WARPS,
-    prefetch: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """One GDN decode step (one new token per sequence) from the in_proj columns to the normed heads.
 
@@ -263,9 +251,6 @@ def fused_gdn_decode(
     discarded: CUDA-graph padding rows share a scratch slot); norm_weight: [V]. Hk is what the
     channel count leaves: C = 2 * Hk * K + Hv * V. Returns [N, Hv, V] in mixed_qkv's dtype and
     updates the N conv windows and states in place.
-
-    prefetch: up to two weights the kernels after this one read (out_proj, ...), which its programs
-    ask L2 to fetch (prefetch.py).
 
     Grid: N * Hv * cdiv(V, block_v) programs of num_warps warps (block_v None: BLOCK_V).
     Launches on one device must not overlap (one stream): they share the ticket counters.
@@ -297,7 +282,6 @@ def fused_gdn_decode(
         HK=num_k_heads, GROUP=group, K=key_dim, V=value_dim, W=width, BK=max(16, triton.next_power_of_2(key_dim)),
         BV=block_v, BG=triton.next_power_of_2(group), BVH=max(16, triton.next_power_of_2(value_dim)),
         BW=triton.next_power_of_2(width), ROW_STRIDES=row_strides,
-        **prefetch_args(prefetch, mixed_qkv, num_warps),
         num_warps=num_warps,
         **pdl_launch(mixed_qkv),
     )  # fmt: skip

@@ -12,8 +12,6 @@ Per head, with S the [K, V] state, q scaled by `scale` and q, k l2-normalised wh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 
@@ -208,13 +206,11 @@ def fused_gdn_decode(
     norm_weight: torch.Tensor,
     eps: float,
     scale: float | None = None,
-    prefetch: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """One GDN decode step (one new token per sequence) from the in_proj columns to the normed
     heads: the three unfused ops one after another, conv1d update (SiLU) -> recurrent gated delta
     rule (raw gates, q/k l2norm) -> gated RMSNorm, each rounding its output to the activations'
-    dtype as it does on its own. prefetch: an L2 hint for the GPU kernel (later kernels' weights);
-    nothing to do here.
+    dtype as it does on its own.
 
     mixed_qkv: [N, 2 * Hk * K + Hv * V], the conv channels [q | k | v]; z: [N, Hv, V]; a, b:
     [N, Hv] raw gates (any strides); conv_weight: [C, W]; conv_state_pool: [S, C, W - 1]; A_log,

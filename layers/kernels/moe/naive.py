@@ -7,7 +7,6 @@ experts [expert_offset, expert_offset + E) and skips tokens routed elsewhere.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -90,14 +89,12 @@ def fused_moe(
     expert_offset: int = 0,
     shared: SharedExpert | None = None,
     add_norm: AddNorm | None = None,
-    prefetch: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor | NormedOut:
     """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts this rank holds, plus
     sigmoid(gate_logit) * down(silu(gate) * up) of the shared expert when `shared` is given; float32
     throughout, one rounding at the end.
     hidden: [T, H]; topk_weights, topk_ids: [T, top_k]. Returns [T, H] in hidden's dtype, or with
-    add_norm the next norm of it (NormedOut). prefetch: an L2 hint for the GPU kernels (the weights
-    read after the block); nothing to do here."""
+    add_norm the next norm of it (NormedOut)."""
     num_local, inter = w13.shape[0], w2.shape[2]
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     local_ids = topk_ids - expert_offset

@@ -27,7 +27,6 @@ activation kernel, a cuBLAS down projection, and its gated sum inside the routed
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -38,7 +37,6 @@ import triton.language as tl
 from ..device import ticket_counters
 from ..norm.triton_norm import add_rms_norm_row
 from ..pdl import pdl_launch, pdl_wait
-from ..prefetch import GRANULE, prefetch_args, prefetch_mode, prefetch_ranges, prefetch_share
 from .naive import AddNorm, NormedOut, SharedExpert, apply_add_norm, check_shared
 
 # at or under this many routed pairs the pairs path wins: no sorting launches. Above it repeated
@@ -541,20 +539,12 @@ def _up_gemv_kernel(
     TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    w2,
-    s_w2e,
-    w2_granules,
-    PREFETCH: tl.constexpr,
-    PF_THREADS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """act[pair, n] = silu(x . gate[n]) * (x . up[n]) for BLOCK_N rows n of one pair's expert.
     Pairs routed to another rank's expert exit (their act rows stay unset; the down kernel masks
     them). The K loop is unrolled and accumulates [BLOCK_N, BLOCK_K] partial products, reduced once
-    at the end, so no barrier separates one chunk's loads from the next.
-    PREFETCH: once done, each program asks L2 for its share of the expert's down weights
-    (w2_granules 256-byte granules from w2[e]), which the down GEMV reads next: the later programs
-    of this kernel still stream, and the down kernel finds its weights in L2."""
+    at the end, so no barrier separates one chunk's loads from the next."""
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
     e = tl.load(topk_ids + pair).to(tl.int32) - expert_offset
@@ -588,9 +578,6 @@ def _up_gemv_kernel(
     gate = tl.sum(acc_g, 1)
     h = gate * tl.sigmoid(gate) * tl.sum(acc_u, 1)
     tl.store(act + pair.to(tl.int64) * s_at + n, h.to(act.dtype.element_ty), mask=n_ok)
-    if PREFETCH != 0:
-        w2_e = w2 + e.to(tl.int64) * s_w2e
-        prefetch_share(w2_e, w2_granules, tl.program_id(1), tl.num_programs(1), PREFETCH, PF_THREADS)
 
 
 @triton.jit
@@ -627,12 +614,6 @@ def _down_gemv_kernel(
     SHARED_INTER: tl.constexpr,
     ADD_NORM: tl.constexpr,
     BLOCK_HID: tl.constexpr,
-    pf_a,
-    pf_a_granules,
-    pf_b,
-    pf_b_granules,
-    PREFETCH: tl.constexpr,
-    PF_THREADS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[t, h] = sum_j weight[t, j] * act[t, j] . w2[e_j, h] for BLOCK_H rows h, all top-k slots
@@ -686,10 +667,6 @@ def _down_gemv_kernel(
                 b = tl.load(shared_ptr + i0, mask=b_mask, other=0.0, eviction_policy="evict_first")
             acc += b.to(tl.float32) * (g * tl.sigmoid(g) * u * scale)[None, :]
     tl.store(out + t.to(tl.int64) * s_ot + h, tl.sum(acc, 1).to(out.dtype.element_ty), mask=h_ok)
-    # the next layer's first weights towards L2, from programs done with their own reads
-    part = t * tl.num_programs(1) + tl.program_id(1)
-    parts = tl.num_programs(0) * tl.num_programs(1)
-    prefetch_ranges(pf_a, pf_a_granules, pf_b, pf_b_granules, part, parts, PREFETCH, PF_THREADS)
     if ADD_NORM:
         tl.debug_barrier()
         p_ticket = tickets + t
@@ -832,9 +809,7 @@ def align_pairs(
     return sorted_ids, block_expert, offsets
 
 
-def _moe_pairs(
-    hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared=None, norm=None, prefetch=()
-) -> None:
+def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared=None, norm=None) -> None:
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -857,11 +832,6 @@ def _moe_pairs(
         TOPK=top_k,
         BLOCK_N=up["block_n"],
         BLOCK_K=up["block_k"],
-        w2=w2,
-        s_w2e=w2.stride(0),
-        w2_granules=w2[0].numel() * w2.element_size() // GRANULE if w2[0].is_contiguous() else 0,
-        PREFETCH=prefetch_mode(hidden),
-        PF_THREADS=32 * up["num_warps"],
         num_warps=up["num_warps"],
         num_stages=1,
         **pdl_launch(hidden),
@@ -892,7 +862,6 @@ def _moe_pairs(
         SHARED_INTER=shared_inter,
         ADD_NORM=norm is not None,
         BLOCK_HID=triton.next_power_of_2(hidden_size),
-        **prefetch_args(prefetch, act, down["num_warps"]),
         num_warps=down["num_warps"],
         num_stages=1,
         **pdl_launch(act),
@@ -1098,7 +1067,6 @@ def fused_moe(
     path: str | None = None,
     config: dict | None = None,
     add_norm: AddNorm | None = None,
-    prefetch: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor | NormedOut:
     """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts this rank holds, plus the
     gated shared expert when `shared` is given (naive.fused_moe).
@@ -1115,10 +1083,7 @@ def fused_moe(
     (tests and tuning sweeps).
     add_norm: the residual add + zero-centred RMSNorm that follows the block, done by its last
     kernel (the pairs path's down GEMV, the sorted path's sum) instead of a norm launch; returns
-    NormedOut(normed, residual). Needs hidden sizes <= MAX_NORM_HIDDEN (else the norm kernel).
-    prefetch: up to two weights the kernels after the block read first (the next layer's input
-    projection), which the pairs path's down GEMV asks L2 to fetch; its up GEMV does the same for
-    the experts' down weights (prefetch.py)."""
+    NormedOut(normed, residual). Needs hidden sizes <= MAX_NORM_HIDDEN (else the norm kernel)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
     assert w13.shape[2] == hidden_size and w2.shape == (num_experts, hidden_size, two_inter // 2), "weight shapes"
@@ -1137,7 +1102,7 @@ def fused_moe(
     on_gpu = hidden.is_cuda
     if path == "pairs":
         cfg = config or _pairs_config(hidden_size, two_inter // 2, on_gpu)
-        _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, fold_shared, norm, prefetch)
+        _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, fold_shared, norm)
     elif path == "pairs_mma":
         norm = None  # the comparison path: the norm kernel after it
         cfg = config or _pairs_mma_config(on_gpu)
