@@ -614,7 +614,6 @@ def _down_gemv_kernel(
     SHARED_INTER: tl.constexpr,
     ADD_NORM: tl.constexpr,
     BLOCK_HID: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[t, h] = sum_j weight[t, j] * act[t, j] . w2[e_j, h] for BLOCK_H rows h, all top-k slots
@@ -639,17 +638,12 @@ def _down_gemv_kernel(
     if PRELOAD_SHARED:
         shared_mask = h_ok[:, None] & (i < SHARED_INTER)[None, :]
         shared_b = tl.load(shared_ptr, mask=shared_mask, other=0.0, eviction_policy="evict_first")
-    # the routing is the router's, two kernels back: complete once this kernel runs (kernels/pdl.py),
-    # so the w2 loads can issue right after the wait instead of after an L2 round trip for the ids
-    slot = tl.arange(0, BLOCK_TOPK)
-    slot_ids = tl.load(topk_ids + t * TOPK + slot, mask=slot < TOPK, other=0).to(tl.int32)
-    slot_weights = tl.load(topk_weights + t * TOPK + slot, mask=slot < TOPK, other=0.0).to(tl.float32)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_H, BLOCK_I], tl.float32)
     for j in tl.static_range(TOPK):
         pair = t * TOPK + j
-        e = tl.sum(tl.where(slot == j, slot_ids, 0), 0) - expert_offset
-        w = tl.sum(tl.where(slot == j, slot_weights, 0.0), 0)
+        e = tl.load(topk_ids + pair).to(tl.int32) - expert_offset
+        w = tl.load(topk_weights + pair).to(tl.float32)
         local = (e >= 0) & (e < num_experts)
         limit = tl.where(local, INTER, 0)
         a_ptr = act + pair.to(tl.int64) * s_at + i
@@ -868,7 +862,6 @@ def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg,
         SHARED_INTER=shared_inter,
         ADD_NORM=norm is not None,
         BLOCK_HID=triton.next_power_of_2(hidden_size),
-        BLOCK_TOPK=triton.next_power_of_2(top_k),
         num_warps=down["num_warps"],
         num_stages=1,
         **pdl_launch(act),
