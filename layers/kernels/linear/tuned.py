@@ -22,15 +22,11 @@ TUNED: dict[tuple[int, int, int], dict] = {
 # alternative entries for an A/B in one process: DELTASERVE_LINEAR_TILES=<name> lays them over TUNED
 # (read per call: `bench offline --variants "pa:DELTASERVE_LINEAR_TILES=pa"`)
 _PRELOAD = dict(dot=True, preload=True, block_k=16, num_stages=1)
+_MOE_INPUT_PRELOAD = {(16, 1288, 2048): dict(_PRELOAD, block_n=16, split_k=4, num_warps=4)}
 CANDIDATES: dict[str, dict[tuple[int, int, int], dict]] = {
-    "pa": {
-        (16, 2048, 4096): dict(_PRELOAD, block_n=32, split_k=8, num_warps=4),
-        (16, 1288, 2048): dict(_PRELOAD, block_n=16, split_k=4, num_warps=4),
-    },
-    "pb": {
-        (16, 2048, 4096): dict(_PRELOAD, block_n=32, split_k=16, num_warps=4),
-        (16, 1288, 2048): dict(_PRELOAD, block_n=32, split_k=8, num_warps=4),
-    },
+    "pm": _MOE_INPUT_PRELOAD,
+    "pm_o64": {**_MOE_INPUT_PRELOAD, (16, 2048, 4096): dict(_PRELOAD, block_n=64, split_k=8, num_warps=8)},
+    "pm_o32": {**_MOE_INPUT_PRELOAD, (16, 2048, 4096): dict(_PRELOAD, block_n=32, split_k=4, num_warps=4)},
 }
 
 
