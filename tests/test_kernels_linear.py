@@ -42,9 +42,6 @@ CONFIGS = {
     "gemv1_split2_pass": dict(block_m=1, block_n=16, block_k=16, split_k=2, reduce="pass"),
     "mma": dict(block_n=16, block_k=32, split_k=1, dot=True, num_stages=2),
     "mma_split3": dict(block_n=32, block_k=16, split_k=3, dot=True, num_stages=2),
-    # the weight slab of a split loaded whole before the PDL wait: one dot over the split's K range
-    "mma_preload": dict(block_n=16, block_k=16, split_k=1, dot=True, preload=True),
-    "mma_preload_split3": dict(block_n=32, block_k=16, split_k=3, dot=True, preload=True),
 }
 
 
@@ -78,13 +75,6 @@ def test_split_k_taken_and_reproducible(device):
     assert max_err(first, naive.linear(x=x, weight=w, bias=b)) < tol(device)
     # the "sem" counters are back to zero for the next launch
     assert int(tl_._counters(x.device).abs().sum()) == 0
-
-
-def test_preload_takes_a_split_as_one_chunk():
-    cfg = tl_.resolve(dict(block_n=32, block_k=16, split_k=3, dot=True, preload=True), 16, 130, 200, torch.float32)
-    assert cfg["preload"] and cfg["block_k"] == cfg["k_split"] == 128 and cfg["split_k"] == 2
-    # the GEMV form has nothing to preload that it does not already
-    assert not tl_.resolve(dict(block_n=4, block_k=64, preload=True), 1, 130, 200, torch.float32)["preload"]
 
 
 def test_split_k_no_empty_splits():
@@ -122,7 +112,7 @@ def test_half_precision(device, name, dtype):
     assert max_err(out, ref) <= 2 * ref.float().abs().max().item() * torch.finfo(dtype).eps
 
 
-@pytest.mark.parametrize("name", ["mma", "mma_split3", "mma_preload_split3"])
+@pytest.mark.parametrize("name", ["mma", "mma_split3"])
 def test_half_precision_mma(device, name):
     """float16 on the MMA form (the interpreter's bf16 tl.dot is broken; bf16 MMA is tested on the GPU)."""
     x, w, b = make(9, 130, 200, device, dtype=torch.float16)
@@ -179,20 +169,6 @@ def test_gpu_bf16_real_shapes(m, n, k):
     out = linear_kernels.linear(x=x, weight=w, bias=b)
     assert max_err(out, ref) <= 2 * ref.float().abs().max().item() * torch.finfo(torch.bfloat16).eps
     assert torch.equal(out, linear_kernels.linear(x=x, weight=w, bias=b))  # bit-reproducible
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("candidates", sorted(linear_kernels.tuned.CANDIDATES))
-def test_gpu_bf16_candidate_tiles(monkeypatch, candidates):
-    """The alternative tables (DELTASERVE_LINEAR_TILES) at their own shapes, 5 and 16 rows."""
-    monkeypatch.setenv("DELTASERVE_LINEAR_TILES", candidates)
-    for (_, n, k), cfg in linear_kernels.tuned.CANDIDATES[candidates].items():
-        for m in (5, 16):
-            x, w, b = make(m, n, k, "cuda", dtype=torch.bfloat16)
-            ref = naive.linear(x=x, weight=w, bias=b)
-            out = linear_kernels.linear(x=x, weight=w, bias=b)
-            assert torch.equal(out, tl_.linear(x=x, weight=w, bias=b, config=cfg))
-            assert max_err(out, ref) <= 2 * ref.float().abs().max().item() * torch.finfo(torch.bfloat16).eps
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .. import norm as norm_kernels
 from . import naive  # noqa: F401  (the reference, for tests and benches)
-from .tuned import TUNED, tuned_key, tuned_table  # noqa: F401  (TUNED: the measured table, for tests)
+from .tuned import TUNED, tuned_key
 
 # At or under this many rows (tokens) a CUDA input takes the Triton GEMV form: the weights are read
 # once and the work is bandwidth-bound. Above it, up to 16 rows, only the half-precision shapes whose
@@ -40,7 +40,7 @@ def uses_triton(num_rows: int, n: int, k: int, dtype: torch.dtype) -> bool:
     if num_rows <= MAX_TOKENS:
         return True
     half = dtype in (torch.bfloat16, torch.float16)
-    return half and num_rows <= MAX_TUNED_TOKENS and tuned_key(num_rows, n, k) in tuned_table()
+    return half and num_rows <= MAX_TUNED_TOKENS and tuned_key(num_rows, n, k) in TUNED
 
 
 class NormLinearOut(NamedTuple):

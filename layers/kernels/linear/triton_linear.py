@@ -9,10 +9,7 @@ K range (K / SPLIT_K, a multiple of BLOCK_K) and multiplies them with BLOCK_M ro
   broadcast to the weight tile's shape (L1 hits) so they arrive in its register layout: no
   shared-memory round trip or barrier per chunk. Weight loads are 16 bytes, evict_first.
 - MMA form (`dot=True`, the default for 5..16 rows): tl.dot on [16, BLOCK_K] x [BLOCK_K, BLOCK_N]
-  tiles (x rows padded to 16), pipelined over K in num_stages stages. With `preload=True` the K
-  range is one chunk (block_k = K / split_k) whose weights load before the PDL wait, as the
-  one-row kernel's do: a split's whole [BLOCK_N, K / SPLIT_K] slab sits in registers while the
-  previous kernel finishes, and one dot follows the wait.
+  tiles (x rows padded to 16), pipelined over K in num_stages stages.
 Weight rows past N and x rows past M are clamped to the last one (loads without masks), their
 results never stored; K tails are masked.
 
@@ -31,7 +28,7 @@ comes from shapes, so calls can be captured in CUDA graphs.
 
 Configs: `pick_config` (shape heuristic, overridden by TUNED entries) or an explicit `config=` dict
 (bench/kernels_linear.py --sweep forces them): block_m (GEMV only; MMA uses 16), block_n, block_k,
-split_k, num_warps, num_stages, dot, preload, reduce.
+split_k, num_warps, num_stages, dot, reduce.
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ import triton.language as tl
 
 from ..device import num_sms
 from ..pdl import pdl_launch, pdl_wait
-from .tuned import tuned_key, tuned_table
+from .tuned import TUNED, tuned_key
 
 # Split-K "sem" counters: one int32 per output tile of a launch; a launch with more tiles uses "pass".
 COUNTER_SLOTS = 16384
@@ -120,7 +117,6 @@ def _linear_kernel(
     UNROLL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SEMAPHORE: tl.constexpr,
-    PRELOAD: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -133,30 +129,19 @@ def _linear_kernel(
     k_start = pid_k * K_SPLIT
     k_left = K - k_start
     w_ptr = w + n_ld[:, None] * s_wn + (k_start + k_rel)[None, :]
-    if PRELOAD:
-        # the program's whole weight slab (BLOCK_K == K_SPLIT) in registers, loaded while the
-        # previous kernel finishes: no kernel writes weights (kernels/pdl.py)
-        w_slab = _load_w(w_ptr, 0, k_rel, k_left, EVEN_K)
     pdl_wait(USE_PDL)
 
     if USE_DOT:
         m_ld = tl.minimum(m, M - 1).to(tl.int64)
         x_ptr = x + m_ld[:, None] * s_xm + (k_start + k_rel)[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if PRELOAD:
-            xt = _load_x(x_ptr, 0, k_rel[None, :], k_left, EVEN_K)
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            xt = _load_x(x_ptr, k0, k_rel[None, :], k_left, EVEN_K)
+            wt = _load_w(w_ptr, k0, k_rel, k_left, EVEN_K)
             if DOT_IEEE:
-                acc = tl.dot(xt, tl.trans(w_slab), acc, input_precision="ieee")
+                acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
             else:
-                acc = tl.dot(xt, tl.trans(w_slab), acc)
-        else:
-            for k0 in range(0, K_SPLIT, BLOCK_K):
-                xt = _load_x(x_ptr, k0, k_rel[None, :], k_left, EVEN_K)
-                wt = _load_w(w_ptr, k0, k_rel, k_left, EVEN_K)
-                if DOT_IEEE:
-                    acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(xt, tl.trans(wt), acc)
+                acc = tl.dot(xt, tl.trans(wt), acc)
         _emit(acc, m, n, n_ld, M, N, s_om, out, bias, part, pid_k, SPLIT_K, HAS_BIAS)
     else:
         # up to 4 rows, each its own accumulator; rows past M (a partial last row block) re-read
@@ -317,7 +302,7 @@ def pick_config(num_rows: int, n: int, k: int, dtype: torch.dtype, device: torch
     if device.type != "cuda":
         return dict(block_m=min(bm, 4), block_n=8, block_k=min(64, triton.next_power_of_2(k)), split_k=1)
     elem = torch.empty((), dtype=dtype).element_size()
-    tuned = tuned_table().get(tuned_key(num_rows, n, k)) if elem == 2 else None  # measured in bf16
+    tuned = TUNED.get(tuned_key(num_rows, n, k)) if elem == 2 else None  # measured in bf16
     if tuned is not None:
         return dict(tuned)
     if bm <= 4:
@@ -338,11 +323,8 @@ def resolve(config: dict, num_rows: int, n: int, k: int, dtype: torch.dtype) -> 
     """A config with every field set, block_k clamped to K, the split count made exact (no empty
     splits) and the per-split K range (a multiple of block_k)."""
     dot = bool(config.get("dot", False))
-    preload = dot and bool(config.get("preload", False))
     block_k = min(int(config["block_k"]), max(16 if dot else 1, triton.next_power_of_2(k)))
     split = max(1, int(config.get("split_k", 1)))
-    if preload:  # one chunk: the split's whole K range
-        block_k = max(16, triton.next_power_of_2(triton.cdiv(k, split)))
     k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_split)
     block_m = 16 if dot else min(4, int(config.get("block_m", m_bucket(num_rows))))
@@ -356,7 +338,6 @@ def resolve(config: dict, num_rows: int, n: int, k: int, dtype: torch.dtype) -> 
         num_warps=int(config.get("num_warps", 4)),
         num_stages=int(config.get("num_stages", 3 if dot else 1)),
         dot=dot,
-        preload=preload,
         reduce=config.get("reduce", "sem"),
     )
 
@@ -414,7 +395,6 @@ def linear(
         UNROLL=cfg["k_split"] // cfg["block_k"] <= 16,
         HAS_BIAS=bias is not None,
         SEMAPHORE=semaphore,
-        PRELOAD=cfg["preload"],
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_launch(x),

@@ -5,8 +5,6 @@ No triton import here: the op's dispatch reads it on every call."""
 
 from __future__ import annotations
 
-import os
-
 TUNED: dict[tuple[int, int, int], dict] = {
     # o_proj / GDN out_proj at one token: 6.7 us vs 8.1 (heuristic) and 9.7 (cuBLAS)
     (1, 2048, 4096): dict(block_m=1, block_n=2, block_k=1024, split_k=1, num_warps=4, dot=False),
@@ -17,27 +15,6 @@ TUNED: dict[tuple[int, int, int], dict] = {
     (16, 2048, 4096): dict(block_n=32, block_k=128, split_k=4, num_warps=4, num_stages=4, dot=True),
     (16, 1288, 2048): dict(block_n=32, block_k=64, split_k=4, num_warps=4, num_stages=6, dot=True),
 }
-
-
-# alternative entries for an A/B in one process: DELTASERVE_LINEAR_TILES=<name> lays them over TUNED
-# (read per call: `bench offline --variants "pa:DELTASERVE_LINEAR_TILES=pa"`)
-_PRELOAD = dict(dot=True, preload=True, block_k=16, num_stages=1)
-_MOE_INPUT_PRELOAD = {(16, 1288, 2048): dict(_PRELOAD, block_n=16, split_k=4, num_warps=4)}
-CANDIDATES: dict[str, dict[tuple[int, int, int], dict]] = {
-    "pm": _MOE_INPUT_PRELOAD,
-    "pm_o64": {**_MOE_INPUT_PRELOAD, (16, 2048, 4096): dict(_PRELOAD, block_n=64, split_k=8, num_warps=8)},
-    "pm_o32": {**_MOE_INPUT_PRELOAD, (16, 2048, 4096): dict(_PRELOAD, block_n=32, split_k=4, num_warps=4)},
-}
-
-
-def tuned_table() -> dict[tuple[int, int, int], dict]:
-    """TUNED, with DELTASERVE_LINEAR_TILES's candidate entries laid over it when set."""
-    name = os.environ.get("DELTASERVE_LINEAR_TILES")
-    if not name:
-        return TUNED
-    if name not in CANDIDATES:
-        raise ValueError(f"DELTASERVE_LINEAR_TILES: one of {sorted(CANDIDATES)}, not {name!r}")
-    return {**TUNED, **CANDIDATES[name]}
 
 
 def tuned_key(num_rows: int, n: int, k: int) -> tuple[int, int, int]:
