@@ -183,10 +183,6 @@ class SparseMoeBlock(nn.Module):
         if proj is None:
             proj = linear_kernels.linear(x=x, weight=self.in_proj)
         num_experts = self.num_experts
-        router_logits = proj[:, :num_experts]
-        weights, ids = moe_kernels.route_topk_softmax(
-            router_logits=router_logits, top_k=self.top_k, renormalize=self.renormalize
-        )
         shared = None
         if self.shared_expert is not None:
             shared = moe_kernels.SharedExpert(
@@ -194,12 +190,13 @@ class SparseMoeBlock(nn.Module):
                 w2=self.shared_expert.w2,
                 gate_logit=proj[:, self.gate_row : self.gate_row + 1],
             )
-        out = moe_kernels.fused_moe(
+        out = moe_kernels.routed_moe(  # at decode sizes the routing runs inside the experts' up GEMV
             hidden=x,
             w13=self.w13,
             w2=self.w2,
-            topk_weights=weights,  # float32: fused_moe applies them in its accumulator
-            topk_ids=ids,
+            router_logits=proj[:, :num_experts],
+            top_k=self.top_k,
+            renormalize=self.renormalize,
             expert_offset=self.expert_start,
             shared=shared,  # summed in the same kernel at decode sizes
             add_norm=add_norm if self.layout.tp_size == 1 else None,

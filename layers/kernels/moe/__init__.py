@@ -3,7 +3,7 @@
 from . import naive
 from .naive import AddNorm, NormedOut, SharedExpert, apply_add_norm
 
-__all__ = ["AddNorm", "NormedOut", "SharedExpert", "apply_add_norm", "fused_moe", "route_topk_softmax"]
+__all__ = ["AddNorm", "NormedOut", "SharedExpert", "apply_add_norm", "fused_moe", "route_topk_softmax", "routed_moe"]
 
 
 def route_topk_softmax(**kwargs):
@@ -21,4 +21,13 @@ def fused_moe(**kwargs):
         from .triton_moe import fused_moe as impl
     else:
         impl = naive.fused_moe
+    return impl(**kwargs)
+
+
+def routed_moe(**kwargs):
+    """See naive.routed_moe (route, then the experts; on CUDA's pairs path the up GEMV routes)."""
+    if kwargs["hidden"].is_cuda:
+        from .triton_moe import routed_moe as impl
+    else:
+        impl = naive.routed_moe
     return impl(**kwargs)

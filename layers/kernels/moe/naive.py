@@ -113,6 +113,26 @@ def fused_moe(
     return apply_add_norm(out.to(hidden.dtype), add_norm)
 
 
+def routed_moe(
+    *,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    expert_offset: int = 0,
+    shared: SharedExpert | None = None,
+    add_norm: AddNorm | None = None,
+) -> torch.Tensor | NormedOut:
+    """The MoE block's expert part from its router logits: route_topk_softmax, then fused_moe."""
+    weights, ids = route_topk_softmax(router_logits=router_logits, top_k=top_k, renormalize=renormalize)
+    return fused_moe(
+        hidden=hidden, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, expert_offset=expert_offset,
+        shared=shared, add_norm=add_norm,
+    )  # fmt: skip
+
+
 def shared_expert_combine(
     *, routed: torch.Tensor, gate_up: torch.Tensor, w2: torch.Tensor, gate_logit: torch.Tensor
 ) -> torch.Tensor:

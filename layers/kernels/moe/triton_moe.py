@@ -27,6 +27,7 @@ activation kernel, a cuBLAS down projection, and its gated sum inside the routed
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -56,6 +57,57 @@ ALIGN_ONE_LAUNCH_MAX = 1024
 # --- router -----------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _topk_softmax(
+    logits,
+    t,
+    t_ok,
+    num_experts,
+    s_lt,
+    TOPK: tl.constexpr,
+    TOPK_P: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """(weights, ids) [BLOCK_T, TOPK_P] of tokens t: the top-k of softmax(logits[t]) in float32,
+    descending, ties to the lower expert; padding slots hold 0. Selection runs on the logits
+    (softmax is monotonic), one argmax-and-mask round per slot."""
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
+    x = tl.load(logits + t.to(tl.int64)[:, None] * s_lt + e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0)
+    x = tl.where(e_ok[None, :], x.to(tl.float32), float("-inf"))
+    m = tl.max(x, 1)
+    denom = tl.sum(tl.exp(x - m[:, None]), 1)
+    slots = tl.arange(0, TOPK_P)
+    top_w = tl.zeros([BLOCK_T, TOPK_P], tl.float32)
+    top_i = tl.zeros([BLOCK_T, TOPK_P], tl.int32)
+    for j in tl.static_range(TOPK):
+        v, i = tl.max(x, 1, return_indices=True, return_indices_tie_break_left=True)
+        p = tl.exp(v - m) / denom
+        top_w = tl.where(slots[None, :] == j, p[:, None], top_w)
+        top_i = tl.where(slots[None, :] == j, i[:, None], top_i)
+        x = tl.where(e[None, :] == i[:, None], float("-inf"), x)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 1)[:, None]  # padding slots hold 0
+    return top_w, top_i
+
+
+@triton.jit
+def _pair_expert(logits, t, slot, num_experts, s_lt, BLOCK_E: tl.constexpr):
+    """The expert of token t's top-k slot `slot`: the argmax-and-mask rounds of _topk_softmax (the
+    same float32 values and tie rule, so the same expert), only as many as the slot needs."""
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
+    x = tl.load(logits + t.to(tl.int64) * s_lt + e, mask=e_ok, other=0.0)
+    x = tl.where(e_ok, x.to(tl.float32), float("-inf"))
+    for _ in range(0, slot):
+        _, i = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+        x = tl.where(e == i, float("-inf"), x)
+    _, i = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+    return i
+
+
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_tokens"])
 def _router_kernel(
@@ -78,23 +130,8 @@ def _router_kernel(
     pdl_wait(USE_PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < num_tokens
-    e = tl.arange(0, BLOCK_E)
-    e_ok = e < num_experts
-    x = tl.load(logits + t.to(tl.int64)[:, None] * s_lt + e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0)
-    x = tl.where(e_ok[None, :], x.to(tl.float32), float("-inf"))
-    m = tl.max(x, 1)
-    denom = tl.sum(tl.exp(x - m[:, None]), 1)
+    top_w, top_i = _topk_softmax(logits, t, t_ok, num_experts, s_lt, TOPK, TOPK_P, RENORMALIZE, BLOCK_T, BLOCK_E)
     slots = tl.arange(0, TOPK_P)
-    top_w = tl.zeros([BLOCK_T, TOPK_P], tl.float32)
-    top_i = tl.zeros([BLOCK_T, TOPK_P], tl.int32)
-    for j in tl.static_range(TOPK):
-        v, i = tl.max(x, 1, return_indices=True, return_indices_tie_break_left=True)
-        p = tl.exp(v - m) / denom
-        top_w = tl.where(slots[None, :] == j, p[:, None], top_w)
-        top_i = tl.where(slots[None, :] == j, i[:, None], top_i)
-        x = tl.where(e[None, :] == i[:, None], float("-inf"), x)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, 1)[:, None]  # padding slots hold 0
     dst = t.to(tl.int64)[:, None] * TOPK + slots[None, :]
     ok = t_ok[:, None] & (slots[None, :] < TOPK)
     tl.store(weights + dst, top_w, mask=ok)
@@ -534,20 +571,45 @@ def _up_gemv_kernel(
     s_we,
     s_wn,
     s_at,
+    router_logits,
+    topk_weights,
+    num_routed,
+    s_lt,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
     TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROUTE: tl.constexpr,
+    TOPK_P: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """act[pair, n] = silu(x . gate[n]) * (x . up[n]) for BLOCK_N rows n of one pair's expert.
+    ROUTE: the router's work too, so its launch goes. Each program finds its pair's expert from its
+    token's logits over the num_routed experts (argmax rounds up to the pair's slot: the router
+    kernel's selection); the programs of row block 0 also run the router kernel's whole top-k
+    softmax (_topk_softmax) and write topk_ids / topk_weights for the down GEMV. Meant for 1-warp
+    programs: a round's reduction then stays in the warp (shuffles, no barrier).
     Pairs routed to another rank's expert exit (their act rows stay unset; the down kernel masks
     them). The K loop is unrolled and accumulates [BLOCK_N, BLOCK_K] partial products, reduced once
     at the end, so no barrier separates one chunk's loads from the next."""
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
-    e = tl.load(topk_ids + pair).to(tl.int32) - expert_offset
+    if ROUTE:
+        routed = _pair_expert(router_logits, pair // TOPK, pair % TOPK, num_routed, s_lt, BLOCK_E)
+        if tl.program_id(1) == 0:
+            t = pair // TOPK + tl.zeros([1], tl.int32)
+            top_w, top_i = _topk_softmax(
+                router_logits, t, t >= 0, num_routed, s_lt, TOPK, TOPK_P, RENORMALIZE, 1, BLOCK_E
+            )
+            mine = tl.arange(0, TOPK_P)[None, :] == pair % TOPK
+            tl.store(topk_ids + pair, tl.sum(tl.sum(tl.where(mine, top_i, 0), 1), 0).to(tl.int64))
+            tl.store(topk_weights + pair, tl.sum(tl.sum(tl.where(mine, top_w, 0.0), 1), 0))
+        e = routed - expert_offset
+    else:
+        e = tl.load(topk_ids + pair).to(tl.int32) - expert_offset
     if (e < 0) | (e >= num_experts):
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -687,12 +749,13 @@ def _pairs_config(hidden_size: int, inter: int, on_gpu: bool) -> dict:
     if not on_gpu:
         block_k = min(64, triton.next_power_of_2(hidden_size))
         block_i = min(64, triton.next_power_of_2(inter))
-        return dict(
-            up=dict(block_n=8, block_k=block_k, num_warps=4),
-            down=dict(block_h=8, block_i=block_i, num_warps=4),
-        )
+        up = dict(block_n=8, block_k=block_k, num_warps=4)
+        return dict(up=up, up_route=up, down=dict(block_h=8, block_i=block_i, num_warps=4))
+    block_n, block_k, warps = (int(v) for v in os.environ.get("DELTASERVE_ROUTED_UP_TILE", "2,512,1").split(","))
     return dict(
         up=dict(block_n=4, block_k=min(512, triton.next_power_of_2(hidden_size)), num_warps=4),
+        # routing in the up GEMV: one warp a program keeps the top-k's reductions in the warp
+        up_route=dict(block_n=block_n, block_k=min(block_k, triton.next_power_of_2(hidden_size)), num_warps=warps),
         down=dict(block_h=2, block_i=min(512, triton.next_power_of_2(inter)), num_warps=2),
     )
 
@@ -809,13 +872,17 @@ def align_pairs(
     return sorted_ids, block_expert, offsets
 
 
-def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared=None, norm=None) -> None:
+def _moe_pairs(
+    hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared=None, norm=None, route=None
+) -> None:
+    """route: (router_logits, renormalize) when the up GEMV routes, filling topk_ids / topk_weights."""
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
-    up, down = cfg["up"], cfg["down"]
+    up, down = cfg["up"] if route is None else cfg["up_route"], cfg["down"]
+    logits, renormalize = route if route is not None else (hidden, False)
     _up_gemv_kernel[(num_pairs, triton.cdiv(inter, up["block_n"]))](
         hidden,
         w13,
@@ -827,11 +894,19 @@ def _moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg,
         w13.stride(0),
         w13.stride(1),
         act.stride(0),
+        logits,
+        topk_weights,
+        logits.shape[1],
+        logits.stride(0),
         HIDDEN=hidden_size,
         INTER=inter,
         TOPK=top_k,
         BLOCK_N=up["block_n"],
         BLOCK_K=up["block_k"],
+        ROUTE=route is not None,
+        TOPK_P=triton.next_power_of_2(top_k),
+        RENORMALIZE=renormalize,
+        BLOCK_E=triton.next_power_of_2(logits.shape[1]),
         num_warps=up["num_warps"],
         num_stages=1,
         **pdl_launch(hidden),
@@ -1120,6 +1195,55 @@ def fused_moe(
     return apply_add_norm(out, add_norm)
 
 
+def routed_moe(
+    *,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    expert_offset: int = 0,
+    shared: SharedExpert | None = None,
+    add_norm: AddNorm | None = None,
+    path: str | None = None,
+    route_in_up: bool | None = None,
+) -> torch.Tensor | NormedOut:
+    """route_topk_softmax, then fused_moe (naive.routed_moe), in one launch fewer on the pairs path:
+    its up GEMV routes. router_logits: [T, E_total] (E_total >= expert_offset + w13's E); the rest
+    as fused_moe. `path` forces one ("pairs" routes in the up GEMV; the others route first).
+    route_in_up: False routes first on the pairs path too; None reads DELTASERVE_ROUTE_IN_UP (per
+    call, so the benchmark's variants can compare both; default ROUTE_IN_UP)."""
+    num_tokens = hidden.shape[0]
+    path = path or ("pairs" if num_tokens * top_k <= PAIRS_PATH_MAX else "sorted")
+    if route_in_up is None:
+        route_in_up = os.environ.get("DELTASERVE_ROUTE_IN_UP", ROUTE_IN_UP) != "0"
+    if not route_in_up or path != "pairs" or num_tokens == 0 or router_logits.shape[1] > MAX_ROUTED_EXPERTS:
+        weights, ids = route_topk_softmax(router_logits=router_logits, top_k=top_k, renormalize=renormalize)
+        return fused_moe(
+            hidden=hidden, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, expert_offset=expert_offset,
+            shared=shared, add_norm=add_norm, path=path,
+        )  # fmt: skip
+    assert 0 < top_k <= router_logits.shape[1], "top_k must be in 1..num_experts"
+    assert router_logits.shape[0] == num_tokens, "router_logits: one row per token"
+    num_experts, two_inter, hidden_size = w13.shape
+    assert hidden.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1, "contiguous last dims"
+    if shared is not None:
+        check_shared(shared, num_tokens, hidden_size)
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=hidden.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=hidden.device)
+    out = torch.empty_like(hidden)
+    norm = _fused_norm(add_norm, hidden)
+    cfg = _pairs_config(hidden_size, two_inter // 2, hidden.is_cuda)
+    _moe_pairs(hidden, w13, w2, weights, ids, expert_offset, out, cfg, shared, norm, route=(logits, renormalize))
+    return norm.out if norm is not None else apply_add_norm(out, add_norm)
+
+
+# whether the pairs path routes in its up GEMV ("1") or after a router launch ("0")
+ROUTE_IN_UP = "1"
+# the up GEMV's programs hold a token's logits in registers to route
+MAX_ROUTED_EXPERTS = 1024
 # the fused norm holds a whole row in one program's registers
 MAX_NORM_HIDDEN = 8192
 
