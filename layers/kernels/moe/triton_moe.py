@@ -751,7 +751,7 @@ def _pairs_config(hidden_size: int, inter: int, on_gpu: bool) -> dict:
         block_i = min(64, triton.next_power_of_2(inter))
         up = dict(block_n=8, block_k=block_k, num_warps=4)
         return dict(up=up, up_route=up, down=dict(block_h=8, block_i=block_i, num_warps=4))
-    block_n, block_k, warps = (int(v) for v in os.environ.get("DELTASERVE_ROUTED_UP_TILE", "2,512,1").split(","))
+    block_n, block_k, warps = (int(v) for v in os.environ.get("DELTASERVE_ROUTED_UP_TILE", "2x512x1").split("x"))
     return dict(
         up=dict(block_n=4, block_k=min(512, triton.next_power_of_2(hidden_size)), num_warps=4),
         # routing in the up GEMV: one warp a program keeps the top-k's reductions in the warp
