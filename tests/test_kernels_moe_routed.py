@@ -76,3 +76,28 @@ def test_other_paths_route_first(device):
     got = tm.routed_moe(**args, router_logits=logits, top_k=2, renormalize=True)
     ref = naive.routed_moe(**args, router_logits=logits, top_k=2, renormalize=True)
     assert ((got - ref).norm() / ref.norm()).item() < (1e-5 if device.type == "cpu" else 5e-3)
+
+
+def test_only_batch_one_routes_in_the_up_gemv(device, monkeypatch):
+    """By default one token routes inside the up GEMV (no router launch) and more tokens launch the
+    router first (measured slower at batch 8); DELTASERVE_ROUTE_IN_UP_MAX_TOKENS moves the cut."""
+    launched = []
+    route = tm.route_topk_softmax
+
+    def counting_route(**kwargs):
+        launched.append(kwargs["router_logits"].shape[0])
+        return route(**kwargs)
+
+    monkeypatch.setattr(tm, "route_topk_softmax", counting_route)
+    for tokens in (1, 2):
+        shape = dict(hidden=24, inter=8, shared_inter=16, local=6, total=6, top_k=2, offset=0)
+        args = make(tokens=tokens, **shape, device=device)
+        del args["topk_weights"], args["topk_ids"]
+        logits = torch.randn(tokens, 6, generator=torch.Generator().manual_seed(tokens)).to(device)
+        got = tm.routed_moe(**args, router_logits=logits, top_k=2, renormalize=True)
+        ref = naive.routed_moe(**args, router_logits=logits, top_k=2, renormalize=True)
+        assert ((got - ref).norm() / ref.norm()).item() < (1e-5 if device.type == "cpu" else 5e-3)
+    assert launched == [2]
+    monkeypatch.setenv("DELTASERVE_ROUTE_IN_UP_MAX_TOKENS", "2")
+    tm.routed_moe(**args, router_logits=logits, top_k=2, renormalize=True)
+    assert launched == [2]

@@ -751,11 +751,11 @@ def _pairs_config(hidden_size: int, inter: int, on_gpu: bool) -> dict:
         block_i = min(64, triton.next_power_of_2(inter))
         up = dict(block_n=8, block_k=block_k, num_warps=4)
         return dict(up=up, up_route=up, down=dict(block_h=8, block_i=block_i, num_warps=4))
-    block_n, block_k, warps = (int(v) for v in os.environ.get("DELTASERVE_ROUTED_UP_TILE", "2x512x1").split("x"))
     return dict(
         up=dict(block_n=4, block_k=min(512, triton.next_power_of_2(hidden_size)), num_warps=4),
-        # routing in the up GEMV: one warp a program keeps the top-k's reductions in the warp
-        up_route=dict(block_n=block_n, block_k=min(block_k, triton.next_power_of_2(hidden_size)), num_warps=warps),
+        # routing in the up GEMV: one warp a program keeps the top-k's reductions in the warp; one
+        # row a program (H200, batch 1, in place: 12.2 us a layer; 2 x 512 12.5, 4 x 512 / 4 warps 13.1)
+        up_route=dict(block_n=1, block_k=min(1024, triton.next_power_of_2(hidden_size)), num_warps=1),
         down=dict(block_h=2, block_i=min(512, triton.next_power_of_2(inter)), num_warps=2),
     )
 
@@ -1212,12 +1212,13 @@ def routed_moe(
     """route_topk_softmax, then fused_moe (naive.routed_moe), in one launch fewer on the pairs path:
     its up GEMV routes. router_logits: [T, E_total] (E_total >= expert_offset + w13's E); the rest
     as fused_moe. `path` forces one ("pairs" routes in the up GEMV; the others route first).
-    route_in_up: False routes first on the pairs path too; None reads DELTASERVE_ROUTE_IN_UP (per
-    call, so the benchmark's variants can compare both; default ROUTE_IN_UP)."""
+    route_in_up: False routes first on the pairs path too; None: at most ROUTE_IN_UP_MAX_TOKENS
+    tokens route in the up GEMV (DELTASERVE_ROUTE_IN_UP_MAX_TOKENS overrides it, read per call so
+    that the benchmark's variants can move the cut)."""
     num_tokens = hidden.shape[0]
     path = path or ("pairs" if num_tokens * top_k <= PAIRS_PATH_MAX else "sorted")
     if route_in_up is None:
-        route_in_up = os.environ.get("DELTASERVE_ROUTE_IN_UP", ROUTE_IN_UP) != "0"
+        route_in_up = num_tokens <= int(os.environ.get("DELTASERVE_ROUTE_IN_UP_MAX_TOKENS", ROUTE_IN_UP_MAX_TOKENS))
     if not route_in_up or path != "pairs" or num_tokens == 0 or router_logits.shape[1] > MAX_ROUTED_EXPERTS:
         weights, ids = route_topk_softmax(router_logits=router_logits, top_k=top_k, renormalize=renormalize)
         return fused_moe(
@@ -1240,8 +1241,11 @@ def routed_moe(
     return norm.out if norm is not None else apply_add_norm(out, add_norm)
 
 
-# whether the pairs path routes in its up GEMV ("1") or after a router launch ("0")
-ROUTE_IN_UP = "1"
+# Decode batches up to this many tokens route inside the pairs path's up GEMV. H200, one step of the
+# 35B-A3B shape: batch 1 2.33 -> 2.27 ms (the up GEMV 11.7 -> 12.2 us a layer, the 2.3 us router
+# launch gone); batch 8 6.91 -> 7.35 ms (each of 4,096 programs redoes a top-k; the 1-warp tiles
+# stream repeated experts less well).
+ROUTE_IN_UP_MAX_TOKENS = 1
 # the up GEMV's programs hold a token's logits in registers to route
 MAX_ROUTED_EXPERTS = 1024
 # the fused norm holds a whole row in one program's registers
