@@ -78,9 +78,10 @@ def test_other_paths_route_first(device):
     assert ((got - ref).norm() / ref.norm()).item() < (1e-5 if device.type == "cpu" else 5e-3)
 
 
-def test_only_batch_one_routes_in_the_up_gemv(device, monkeypatch):
-    """By default one token routes inside the up GEMV (no router launch) and more tokens launch the
-    router first (measured slower at batch 8); DELTASERVE_ROUTE_IN_UP_MAX_TOKENS moves the cut."""
+def test_only_small_batches_route_in_the_up_gemv(device, monkeypatch):
+    """By default up to ROUTE_IN_UP_MAX_TOKENS tokens route inside the up GEMV (no router launch) and
+    more tokens launch the router first (measured slower at batch 8); DELTASERVE_ROUTE_IN_UP_MAX_TOKENS
+    moves the cut."""
     launched = []
     route = tm.route_topk_softmax
 
@@ -89,7 +90,8 @@ def test_only_batch_one_routes_in_the_up_gemv(device, monkeypatch):
         return route(**kwargs)
 
     monkeypatch.setattr(tm, "route_topk_softmax", counting_route)
-    for tokens in (1, 2):
+    cut = tm.ROUTE_IN_UP_MAX_TOKENS
+    for tokens in (1, cut, cut + 1):
         shape = dict(hidden=24, inter=8, shared_inter=16, local=6, total=6, top_k=2, offset=0)
         args = make(tokens=tokens, **shape, device=device)
         del args["topk_weights"], args["topk_ids"]
@@ -97,7 +99,7 @@ def test_only_batch_one_routes_in_the_up_gemv(device, monkeypatch):
         got = tm.routed_moe(**args, router_logits=logits, top_k=2, renormalize=True)
         ref = naive.routed_moe(**args, router_logits=logits, top_k=2, renormalize=True)
         assert ((got - ref).norm() / ref.norm()).item() < (1e-5 if device.type == "cpu" else 5e-3)
-    assert launched == [2]
-    monkeypatch.setenv("DELTASERVE_ROUTE_IN_UP_MAX_TOKENS", "2")
+    assert launched == [cut + 1]
+    monkeypatch.setenv("DELTASERVE_ROUTE_IN_UP_MAX_TOKENS", str(cut + 1))
     tm.routed_moe(**args, router_logits=logits, top_k=2, renormalize=True)
-    assert launched == [2]
+    assert launched == [cut + 1]

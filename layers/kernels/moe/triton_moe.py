@@ -1243,9 +1243,9 @@ def routed_moe(
 
 # Decode batches up to this many tokens route inside the pairs path's up GEMV. H200, one step of the
 # 35B-A3B shape: batch 1 2.33 -> 2.27 ms (the up GEMV 11.7 -> 12.2 us a layer, the 2.3 us router
-# launch gone); batch 8 6.91 -> 7.35 ms (each of 4,096 programs redoes a top-k; the 1-warp tiles
-# stream repeated experts less well).
-ROUTE_IN_UP_MAX_TOKENS = 1
+# launch gone), batch 2 3.25 -> 3.10, batch 4 4.92 -> 4.71; batch 8 6.91 -> 7.35 ms (each of 4,096
+# programs redoes a top-k, and the 1-warp tiles stream repeated experts less well).
+ROUTE_IN_UP_MAX_TOKENS = 4
 # the up GEMV's programs hold a token's logits in registers to route
 MAX_ROUTED_EXPERTS = 1024
 # the fused norm holds a whole row in one program's registers
