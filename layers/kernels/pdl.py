@@ -16,7 +16,10 @@ preceding kernel can still be running.
 DELTASERVE_PDL=0 turns it off (the benchmark compares both). With it on, torch.profiler's kernel
 times include the wait: attribute time per kernel with it off.
 Measured (H200, batch 1 decode): 2.94 -> 2.66 ms per step. An L2 prefetch of each GEMV's weights
-before the wait was slower (2.73 against 2.60 ms in one run) and was taken out.
+before the wait was slower (2.73 against 2.60 ms in one run) and was taken out, and so was an L2
+prefetch of the *next* kernels' weights from the latency-bound kernels (GDN decode, attention,
+the MoE GEMVs: batch 1 2.32 -> 2.50-2.65 ms; docs/PERF.md, session 14): the readers are
+latency-bound, so L2 hits shorten them little, and the issuers pay for the traffic.
 """
 
 from __future__ import annotations
