@@ -192,7 +192,9 @@ class HybridModel(nn.Module):
         return hidden if normed else add_rms_norm(hidden, residual, self.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [R, vocab] (float32) for the rows given; gathered over TP ranks."""
+        """Logits [R, vocab] in the weights' dtype for the rows given; gathered over TP ranks. The
+        sampler widens them to float32 where it computes with them (penalties, draws, logprobs);
+        greedy rows only need their argmax, exact in any dtype."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         logits = all_gather_last_dim(F.linear(hidden, weight), self.layout)
-        return logits[:, : self.config.vocab_size].float()
+        return logits[:, : self.config.vocab_size]

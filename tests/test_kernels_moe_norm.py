@@ -31,8 +31,13 @@ def _add_norm(tokens: int, hidden: int, device, dtype=torch.float32) -> AddNorm:
     return AddNorm(residual, weight, 1e-6)
 
 
+@pytest.mark.parametrize("fan_in", [0, 2, 32])
 @pytest.mark.parametrize("path,tokens,hidden,inter,shared_inter,local,total,top_k,offset", CASES)
-def test_fused_norm_is_block_then_norm(device, path, tokens, hidden, inter, shared_inter, local, total, top_k, offset):
+def test_fused_norm_is_block_then_norm(
+    device, monkeypatch, fan_in, path, tokens, hidden, inter, shared_inter, local, total, top_k, offset
+):
+    # fan-in 2 over the odd row's 5 programs: three groups, the last of one program
+    monkeypatch.setenv("DELTASERVE_TICKET_FAN_IN", str(fan_in))
     args = make(
         tokens=tokens,
         hidden=hidden,

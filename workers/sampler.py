@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from deltaserve.cluster.plan import NewRequestData, SamplingSpec, TokenLogprobs
+from deltaserve.layers.kernels import argmax as argmax_kernels
 from deltaserve.workers.context import HostCopy, upload
 
 _M32 = 0xFFFFFFFF
@@ -145,7 +146,7 @@ class Sampler:
 
     # ---- sampling ------------------------------------------------------------------------------
     def sample(self, req_ids: list[str], logits: torch.Tensor) -> tuple[list[int], dict[str, TokenLogprobs]]:
-        """One token for each row of logits [R, V] (float32), waited for; records it in the history."""
+        """One token for each row of logits [R, V] (any float dtype), waited for; records it in the history."""
         if not req_ids:
             return [], {}
         copy = HostCopy(logits.device)
@@ -162,7 +163,7 @@ class Sampler:
         pending_tokens: Callable[[], torch.Tensor] | None = None,
         logprobs: bool = True,
     ) -> SampledBatch:
-        """One token for each row of logits [R, V] (float32), left on the device. `pending_rows`:
+        """One token for each row of logits [R, V] (any float dtype), left on the device. `pending_rows`:
         rows whose request's latest output id is not in its history yet; `pending_tokens()` gives
         those ids [P] on the device (called only when penalties need them). `logprobs=False`
         (TP ranks other than 0) skips the requests' logprobs."""
@@ -170,17 +171,17 @@ class Sampler:
         steps = [s.num_sampled for s in states]
         raw = logits
         if any(_needs_penalties(s) for s in states):
-            logits = logits.clone(memory_format=torch.contiguous_format)
+            logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             self._apply_penalties(logits, states, pending_rows, pending_tokens)
         greedy = [s.spec.temperature == 0 for s in states]
         if all(greedy):  # one argmax, no gathers
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_kernels.row_argmax(logits=logits)
         else:
             random_rows = [i for i, g in enumerate(greedy) if not g]
             if len(random_rows) == len(states):
                 tokens = self._draw(logits, states, steps)
             else:
-                tokens = logits.argmax(dim=-1)
+                tokens = argmax_kernels.row_argmax(logits=logits)
                 (rows,) = upload([np.asarray(random_rows)], logits.device)
                 drawn = self._draw(
                     logits.index_select(0, rows), [states[i] for i in random_rows], [steps[i] for i in random_rows]
@@ -274,7 +275,7 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, states: list[RequestSamplingState], steps: list[int]) -> torch.Tensor:
         device = logits.device
         (temps,) = upload([np.asarray([s.spec.temperature for s in states], np.float32)], device, torch.float32)
-        logits = logits / temps[:, None]
+        logits = logits.float() / temps[:, None]
         if any(s.spec.top_k > 0 or s.spec.top_p < 1.0 or s.spec.min_p > 0 for s in states):
             logits = _filter(logits, states)
         probs = torch.softmax(logits, dim=-1)
