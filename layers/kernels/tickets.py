@@ -1,4 +1,4 @@
-""""Last program to arrive" tickets with a fan-in: which of a launch's programs finishes a job that
+""" "Last program to arrive" tickets with a fan-in: which of a launch's programs finishes a job that
 needs every program's stores (a row norm, a merge).
 
 With one counter, every program's returning atomic lands on the same L2 address, and those

@@ -36,10 +36,10 @@ import triton
 import triton.language as tl
 
 from ..device import ticket_counters
-from ..tickets import counters_needed, last_to_arrive
-from ..tickets import fan_in as tickets_fan_in
 from ..norm.triton_norm import add_rms_norm_row
 from ..pdl import pdl_launch, pdl_wait
+from ..tickets import counters_needed, last_to_arrive
+from ..tickets import fan_in as tickets_fan_in
 from .naive import AddNorm, NormedOut, SharedExpert, apply_add_norm, check_shared
 
 # at or under this many routed pairs the pairs path wins: no sorting launches. Above it repeated
