@@ -354,11 +354,13 @@ def _merge_spans(
     CHUNK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_GATE: tl.constexpr,
+    GATE_LOADED: tl.constexpr = False,
 ):
     """Merge the cnt span partials of the q heads `head` ([BLOCK_H], h_ok: real heads; partial rows
     row0 + span) by their log2-sum-exp, apply the output gate, store. The reduce kernel calls it
     with one head, the single-launch decode with a kv head's GROUP heads: the same operations per
-    head, so both give the same bits under the interpreter. .cg: other SMs wrote the partials."""
+    head, so both give the same bits under the interpreter. .cg: other SMs wrote the partials.
+    GATE_LOADED: `gate` is the [BLOCK_H, BLOCK_D] gate tile itself, loaded earlier by the caller."""
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     spans = tl.arange(0, BLOCK_S)
@@ -381,7 +383,11 @@ def _merge_spans(
     o = acc / tl.where(h_ok, tl.sum(denom, 1), 1.0)[:, None]
     mask = h_ok[:, None] & d_ok[None, :]
     if HAS_GATE:  # the gated attention's output gate, before the one rounding
-        o *= tl.sigmoid(tl.load(gate + n * s_gn + head[:, None] * s_gh + d[None, :], mask=mask).to(tl.float32))
+        if GATE_LOADED:
+            g = gate
+        else:
+            g = tl.load(gate + n * s_gn + head[:, None] * s_gh + d[None, :], mask=mask)
+        o *= tl.sigmoid(g.to(tl.float32))
     tl.store(out + n * s_on + head[:, None] * s_oh + d[None, :], o.to(out.dtype.element_ty), mask=mask)
 
 
@@ -561,15 +567,21 @@ def _decode_reduce_kernel(
     HAS_GATE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
     n = tl.program_id(0)
     head = tl.program_id(1) + tl.zeros([1], tl.int32)
+    # before the wait, one round trip each off the chain: seq_lens is no kernel's output in the
+    # pass, and the gate is the input projection's (completed before the decode kernel started)
     seq_len = tl.load(seq_lens + n)
     row0 = (n * tl.num_programs(1) + head) * num_splits
     cnt = _num_spans(seq_len, num_splits, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    gate_tile = gate
+    if HAS_GATE:
+        gate_tile = tl.load(gate + n * s_gn + head[:, None] * s_gh + d[None, :], mask=(d < HEAD_DIM)[None, :])
+    pdl_wait(USE_PDL)
     _merge_spans(
-        part_o, part_lse, out, gate, n, head, head >= 0, row0, cnt, s_on, s_oh, s_gn, s_gh,
-        HEAD_DIM, BLOCK_S, CHUNK_S, BLOCK_D, HAS_GATE,
+        part_o, part_lse, out, gate_tile, n, head, head >= 0, row0, cnt, s_on, s_oh, s_gn, s_gh,
+        HEAD_DIM, BLOCK_S, CHUNK_S, BLOCK_D, HAS_GATE, GATE_LOADED=HAS_GATE,
     )  # fmt: skip
 
 
@@ -643,7 +655,8 @@ def paged_decode_attention(
 
     Under PDL the kernel reads the block tables, seq_lens and every cached position but the last
     (seq_len - 1) before waiting for the previous kernel: that one may write only q and that
-    position (the rope kernel writing this token's K/V); output_gate is read after the wait."""
+    position (the rope kernel writing this token's K/V); output_gate is read after the wait by the
+    decode kernel, before it by the reduce kernel (two kernels on: the projection has completed)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert num_q_heads % num_kv_heads == 0, "q heads must be a multiple of kv heads"
