@@ -31,13 +31,8 @@ def _add_norm(tokens: int, hidden: int, device, dtype=torch.float32) -> AddNorm:
     return AddNorm(residual, weight, 1e-6)
 
 
-@pytest.mark.parametrize("fan_in", [0, 2, 32])
 @pytest.mark.parametrize("path,tokens,hidden,inter,shared_inter,local,total,top_k,offset", CASES)
-def test_fused_norm_is_block_then_norm(
-    device, monkeypatch, fan_in, path, tokens, hidden, inter, shared_inter, local, total, top_k, offset
-):
-    # fan-in 2 over the odd row's 5 programs: three groups, the last of one program
-    monkeypatch.setenv("DELTASERVE_TICKET_FAN_IN", str(fan_in))
+def test_fused_norm_is_block_then_norm(device, path, tokens, hidden, inter, shared_inter, local, total, top_k, offset):
     args = make(
         tokens=tokens,
         hidden=hidden,
@@ -70,7 +65,8 @@ def test_naive_and_unfused_paths_apply_the_norm(device):
     args = make(tokens=5, hidden=24, inter=8, shared_inter=16, local=4, total=6, top_k=2, offset=0, device=device)
     add_norm = _add_norm(5, 24, device)
     ref = naive.fused_moe(**args)
-    normed, summed = norm_kernels.naive.fused_add_rms_norm(
+    # the op the reference applies: the norm kernel on CUDA (its own sum order), plain torch on CPU
+    normed, summed = norm_kernels.fused_add_rms_norm(
         x=ref, residual=add_norm.residual, weight=add_norm.weight, eps=add_norm.eps
     )
     got = naive.fused_moe(**args, add_norm=add_norm)

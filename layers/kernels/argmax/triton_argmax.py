@@ -50,7 +50,7 @@ def _row_argmax_kernel(
     tl.store(block_max + row * blocks + blk, best)
     tl.store(block_arg + row * blocks + blk, first)
     tl.debug_barrier()
-    if last_to_arrive(tickets + row, blk, blocks, 0):
+    if last_to_arrive(tickets + row, blocks):
         j = tl.arange(0, BLOCKS_P)
         mine = j < blocks
         maxima = tl.load(block_max + row * blocks + j, mask=mine, other=float("-inf"), cache_modifier=".cg")

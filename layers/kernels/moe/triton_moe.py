@@ -38,8 +38,7 @@ import triton.language as tl
 from ..device import ticket_counters
 from ..norm.triton_norm import add_rms_norm_row
 from ..pdl import pdl_launch, pdl_wait
-from ..tickets import counters_needed, last_to_arrive
-from ..tickets import fan_in as tickets_fan_in
+from ..tickets import last_to_arrive
 from .naive import AddNorm, NormedOut, SharedExpert, apply_add_norm, check_shared
 
 # at or under this many routed pairs the pairs path wins: no sorting launches. Above it repeated
@@ -678,8 +677,6 @@ def _down_gemv_kernel(
     SHARED_INTER: tl.constexpr,
     ADD_NORM: tl.constexpr,
     BLOCK_HID: tl.constexpr,
-    TICKET_FAN_IN: tl.constexpr,
-    TICKETS_PER_ROW: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[t, h] = sum_j weight[t, j] * act[t, j] . w2[e_j, h] for BLOCK_H rows h, all top-k slots
@@ -691,9 +688,9 @@ def _down_gemv_kernel(
     depend on the routing: when they fit one chunk they are loaded before the PDL wait, while the
     previous kernel finishes.
     ADD_NORM: the next norm of the block's output too (the norm kernel's work, without its launch).
-    The last of a token's programs to finish (tickets.last_to_arrive after a CTA barrier, with
-    TICKET_FAN_IN programs a group counter: a batch-1 launch has 1,024 programs) reads the whole
-    row back from L2 and writes res_out = out + residual and normed_out = its zero-centred RMSNorm."""
+    The last of a token's programs to finish (tickets.last_to_arrive, after a CTA barrier) reads the
+    whole row back from L2 and writes res_out = out + residual and normed_out = its zero-centred
+    RMSNorm."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < HIDDEN
@@ -734,8 +731,7 @@ def _down_gemv_kernel(
     tl.store(out + t.to(tl.int64) * s_ot + h, tl.sum(acc, 1).to(out.dtype.element_ty), mask=h_ok)
     if ADD_NORM:
         tl.debug_barrier()
-        blocks = tl.num_programs(1)
-        if last_to_arrive(tickets + t * TICKETS_PER_ROW, tl.program_id(1), blocks, TICKET_FAN_IN):
+        if last_to_arrive(tickets + t, tl.num_programs(1)):
             d = tl.arange(0, BLOCK_HID)
             d_ok = d < HIDDEN
             xv = tl.load(out + t.to(tl.int64) * s_ot + d, mask=d_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -917,9 +913,7 @@ def _moe_pairs(
     args = (act, w2, out, topk_weights, topk_ids, expert_offset, num_experts)
     args += (act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *_shared_args(shared, out))
     if norm is not None:
-        fan = tickets_fan_in()
-        per_row = counters_needed(triton.cdiv(hidden_size, down["block_h"]), fan)
-        tickets = ticket_counters(out.device, num_tokens * per_row, "moe_down_norm")
+        tickets = ticket_counters(out.device, num_tokens, "moe_down_norm")
         args += (
             norm.add.residual,
             norm.add.weight,
@@ -931,7 +925,6 @@ def _moe_pairs(
         )
     else:
         args += (out, out, out, out, out, 0, 0.0)
-        fan, per_row = 0, 1
     _down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, down["block_h"]))](
         *args,
         HIDDEN=hidden_size,
@@ -942,8 +935,6 @@ def _moe_pairs(
         SHARED_INTER=shared_inter,
         ADD_NORM=norm is not None,
         BLOCK_HID=triton.next_power_of_2(hidden_size),
-        TICKET_FAN_IN=fan,
-        TICKETS_PER_ROW=per_row,
         num_warps=down["num_warps"],
         num_stages=1,
         **pdl_launch(act),
