@@ -64,11 +64,12 @@ def test_row_gemv_plain(device, n, k, with_bias, preload, dtype):
 
 @pytest.mark.parametrize(("n", "k"), [(7, 200), (130, 64), (33, 48)])
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("block_n", [1, 4])
+@pytest.mark.parametrize("block_n", [1, 4, 8, 16])
 @pytest.mark.parametrize("defer_norm", [False, True])
 def test_row_gemv_norm(device, n, k, with_residual, block_n, defer_norm):
     """The new residual is the exact sum; the normed row is what the unfused norm writes, to one
-    rounding; the projection matches the composition (deferred: 1 / rms applied after the dot)."""
+    rounding; the projection matches the composition (deferred: 1 / rms applied after the dot).
+    block_n >= 8 without defer_norm reads x once as a row (X_ROW); with it, broadcast."""
     x, residual, norm_w, w, b = make(n, k, device, seed=n + k)
     residual = residual if with_residual else None
     out, normed, summed = triton_row.row_gemv(
@@ -108,6 +109,32 @@ def test_row_gemv_persistent(device, n, block_n, per_sm, mode):
     ref_out, ref_normed, ref_summed = reference(x, residual, norm_w, w, b)
     assert same_rounding(summed, ref_summed, device) and close(normed, ref_normed)
     assert close(out, ref_out)
+
+
+@pytest.mark.parametrize(("n", "k", "block_n"), [(37, 96, 8), (130, 200, 16), (5, 64, 16)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_row_gemv_tall_tiles_read_x_as_a_row(device, n, k, block_n, with_bias):
+    """Tall tiles (x read once as a row), rows past N unwritten, as the broadcast form."""
+    x, _, _, w, b = make(n, k, device, seed=block_n)
+    b = b if with_bias else None
+    cfg = dict(block_n=block_n, num_warps=4)
+    out, _, _ = triton_row.row_gemv(x=x, weight=w, bias=b, config=cfg)
+    assert out.shape == (1, n) and close(out, naive.linear(x=x, weight=w, bias=b))
+    broadcast, _, _ = triton_row.row_gemv(x=x, weight=w, bias=b, config={**cfg, "x_row": False})
+    assert close(out, broadcast)
+
+
+def test_row_tile_overrides(monkeypatch):
+    """DELTASERVE_ROW_TILES replaces TUNED_ROW's tile for the shapes it names, and names itself
+    when an entry is malformed."""
+    monkeypatch.setenv("DELTASERVE_ROW_TILES", "2048x4096:16x8+1288x2048:8x4")
+    assert triton_row.pick_config(2048, 4096) == dict(block_n=16, num_warps=8)
+    assert triton_row.pick_config(1288, 2048) == dict(block_n=8, num_warps=4)
+    assert triton_row.pick_config(12352, 2048) == triton_row.TUNED_ROW[(12352, 2048)]
+    for bad in ("2048x4096", "2048x4096:3x8", "2048:16x8", "2048x4096:16x3"):
+        monkeypatch.setenv("DELTASERVE_ROW_TILES", bad)
+        with pytest.raises(ValueError, match="DELTASERVE_ROW_TILES"):
+            triton_row.pick_config(2048, 4096)
 
 
 def test_row_gemv_rows_past_n_not_written(device):

@@ -20,6 +20,8 @@ residual (x + residual) and, when asked, the normed row for later kernels.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -68,6 +70,7 @@ def _row_gemv_kernel(
     DEFER_NORM: tl.constexpr,
     PERSISTENT: tl.constexpr,
     EVEN_K: tl.constexpr,
+    X_ROW: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -83,6 +86,14 @@ def _row_gemv_kernel(
     pdl_wait(USE_PDL)
     if not PRELOAD:
         wt = _load(w_ptr, k_ok, EVEN_K, "evict_first")
+    if X_ROW:
+        # tall tiles: the activations as one row (a tile's worth of copies would not fit in
+        # registers), broadcast over the weight rows by one layout conversion
+        _row_gemv_x_row(
+            x, residual, norm_weight, bias, out, res_out, normed_out, wt, pid, n, n_ld, k, N, eps, K,
+            NORM, HAS_RESIDUAL, WRITE_NORMED, HAS_BIAS, EVEN_K,
+        )  # fmt: skip
+        return
     y = _load(x + cols, k_ok, EVEN_K, "").to(tl.float32)
     if NORM:
         if HAS_RESIDUAL:
@@ -140,6 +151,52 @@ def _row_gemv_kernel(
             wt = wt_next
 
 
+@triton.jit
+def _row_gemv_x_row(
+    x,
+    residual,
+    norm_weight,
+    bias,
+    out,
+    res_out,
+    normed_out,
+    wt,
+    pid,
+    n,
+    n_ld,
+    k,
+    N,
+    eps,
+    K: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    WRITE_NORMED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """The one-row kernel's work after its weight load, with x [K] read once as a row: the same
+    operations and roundings as the broadcast form (the norm's sum over one row)."""
+    k_ok = k < K
+    y = _load(x + k, k_ok, EVEN_K, "").to(tl.float32)
+    if NORM:
+        if HAS_RESIDUAL:
+            summed = (y + _load(residual + k, k_ok, EVEN_K, "").to(tl.float32)).to(x.dtype.element_ty)
+            if pid == 0:
+                tl.store(res_out + k, summed, mask=k_ok)
+            y = summed.to(tl.float32)
+        scale = 1.0 + _load(norm_weight + k, k_ok, EVEN_K, "").to(tl.float32)
+        inv = tl.rsqrt(tl.sum(y * y, 0) / K + eps)
+        normed = ((y * inv) * scale).to(x.dtype.element_ty)
+        if WRITE_NORMED:  # noqa: SIM102 (a constexpr test, then a run-time one)
+            if pid == 0:
+                tl.store(normed_out + k, normed, mask=k_ok)
+        y = normed.to(tl.float32)
+    acc = tl.sum(wt.to(tl.float32) * y[None, :], 1)
+    if HAS_BIAS:
+        acc += tl.load(bias + n_ld).to(tl.float32)
+    tl.store(out + n, acc.to(out.dtype.element_ty), mask=n < N)
+
+
 def supports(num_rows: int, k: int, dtype: torch.dtype) -> bool:
     """Whether a call of this shape can take the one-row kernel."""
     return num_rows == 1 and k <= MAX_K and dtype in (torch.bfloat16, torch.float16)
@@ -164,9 +221,36 @@ TUNED_ROW: dict[tuple[int, int], dict] = {
 FUSED_NORM_MAX_N = 2048
 
 
+# tiles of at least this many rows read x once as a row (X_ROW) instead of broadcast to the tile
+X_ROW_MIN_BLOCK_N = 8
+
+
+def tile_overrides() -> dict[tuple[int, int], dict]:
+    """DELTASERVE_ROW_TILES="NxK:BLOCK_NxWARPS+...", e.g. "2048x4096:16x8": tiles for these weight
+    shapes instead of TUNED_ROW's (read at each launch, so that `bench offline --variants` can
+    compare tiles in one process; a bad entry is an error naming the variable)."""
+    spec = os.environ.get("DELTASERVE_ROW_TILES", "").strip()
+    tiles = {}
+    for item in filter(None, spec.split("+")):
+        try:
+            shape, tile = item.split(":")
+            n, k = (int(v) for v in shape.split("x"))
+            block_n, warps = (int(v) for v in tile.split("x"))
+        except ValueError:
+            raise ValueError(f"DELTASERVE_ROW_TILES: {item!r} is not NxK:BLOCK_NxWARPS") from None
+        if block_n < 1 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"DELTASERVE_ROW_TILES: {item!r}: BLOCK_N a power of two, WARPS one of 1-16")
+        tiles[(n, k)] = dict(block_n=block_n, num_warps=warps)
+    return tiles
+
+
 def pick_config(n: int, k: int) -> dict:
-    """block_n rows per program and num_warps: TUNED_ROW, else keep the [block_n, K] tile within
-    MAX_ELEMS_PER_THREAD elements per thread with ~4+ programs per SM at the model's shapes."""
+    """block_n rows per program and num_warps: DELTASERVE_ROW_TILES, TUNED_ROW, else keep the
+    [block_n, K] tile within MAX_ELEMS_PER_THREAD elements per thread with ~4+ programs per SM at
+    the model's shapes."""
+    override = tile_overrides().get((n, k))
+    if override is not None:
+        return override
     if (n, k) in TUNED_ROW:
         return dict(TUNED_ROW[(n, k)])
     block_k = triton.next_power_of_2(k)
@@ -221,6 +305,8 @@ def row_gemv(
     blocks = triton.cdiv(n, cfg["block_n"])
     per_sm = cfg.get("persistent")
     programs = min(blocks, per_sm * num_sms(x.device)) if per_sm else blocks
+    # the row form has neither the deferred norm nor the persistent loop: those keep the broadcast
+    x_row = cfg.get("x_row", cfg["block_n"] >= X_ROW_MIN_BLOCK_N) and not defer_norm and programs == blocks
     _row_gemv_kernel[(programs,)](
         x,
         residual if residual is not None else x,
@@ -244,6 +330,7 @@ def row_gemv(
         DEFER_NORM=defer_norm,
         PERSISTENT=programs < blocks,
         EVEN_K=triton.next_power_of_2(k) == k,
+        X_ROW=x_row,
         num_warps=cfg["num_warps"],
         num_stages=1,
         **pdl_launch(x),
