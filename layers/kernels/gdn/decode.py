@@ -190,22 +190,23 @@ def _fused_gdn_decode_kernel(
     delta = b_beta * (b_v - pred)
     b_o += delta * tl.sum(b_k * b_q, 0)
     state = state + b_k[:, None] * delta[None, :]
-    tl.store(p_state, state.to(pool.dtype.element_ty), mask=m_kv)
     # the output, rounded as the recurrent kernel stores it, not normed yet (the norm needs all of V)
     p_out = out + (n * HV + hv) * V
     tl.store(p_out + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
 
-    # the v windows are this program's alone: shift them once every thread has read them
-    tl.debug_barrier()
-    _store_window(p_win, win_v, c_v, m_v, stride_cc, stride_cw, W, BW)
-
     # The last of the key head's GROUP * NV programs to get here (a ticket) shifts the q / k
     # windows, which all of them read, and norms the outputs of its GROUP value heads, which all
-    # of them wrote. The barrier above orders every thread's output stores and window reads
-    # before the ticket's release; the ticket's acquire orders the last program's reads and
-    # writes after every release (CUTLASS's serial split-K semaphore, one thread per CTA).
+    # of them wrote. The barrier orders every thread's output stores and window reads before the
+    # ticket's release; the ticket's acquire orders the last program's reads and writes after
+    # every release (CUTLASS's serial split-K semaphore, one thread per CTA).
+    tl.debug_barrier()
     p_ticket = tickets + n * HK + hk
-    if tl.atomic_add(p_ticket, 1, sem="acq_rel", scope="gpu") == GROUP * NV - 1:
+    last = tl.atomic_add(p_ticket, 1, sem="acq_rel", scope="gpu") == GROUP * NV - 1
+    # after the release, so that it does not wait for them: the state tile and the v windows are
+    # this program's alone (the barrier above: every thread has read its window)
+    tl.store(p_state, state.to(pool.dtype.element_ty), mask=m_kv)
+    _store_window(p_win, win_v, c_v, m_v, stride_cc, stride_cw, W, BW)
+    if last:
         tl.store(p_ticket, 0)  # for the next launch, which runs after this grid has completed
         _store_window(p_win, win_q, c_q, m_k, stride_cc, stride_cw, W, BW)
         _store_window(p_win, win_k, c_k, m_k, stride_cc, stride_cw, W, BW)
