@@ -99,24 +99,6 @@ class GatedAttention(nn.Module):
         gate = q_gate[..., d:]  # the output gate [T, H, D], applied by the decode kernel / below
         k = qkv[:, qs : qs + kvs].view(num_tokens, self.num_kv_heads, d)
         v = qkv[:, qs + kvs :].view(num_tokens, self.num_kv_heads, d)
-        if ctx.prefill is None and ctx.decode is not None and qkv.is_cuda and attn_kernels.rope_in_decode():
-            # a decode-only pass: the decode kernel applies the norm + rotary embedding and writes
-            # the new K / V itself, one launch fewer a layer
-            rope = attn_kernels.DecodeRope(
-                k, v, self.q_norm.weight, self.k_norm.weight, ctx.positions, ctx.slot_mapping,
-                self.eps, self.rotary_dim, self.rope_theta,
-            )  # fmt: skip
-            out = attn_kernels.paged_decode_attention(
-                q=q_gate[..., :d],
-                k_cache=state.k_cache,
-                v_cache=state.v_cache,
-                seq_lens=ctx.decode.seq_lens,
-                block_tables=ctx.decode.block_tables,
-                scale=self.scale,
-                output_gate=gate,
-                rope=rope,
-            )
-            return self._out_proj(out.reshape(num_tokens, self.num_heads * d))
         q, k = rotary_kernels.qk_norm_rope(
             q=q_gate[..., :d],
             k=k,
@@ -152,9 +134,7 @@ class GatedAttention(nn.Module):
                 scale=self.scale,
             )
             prefill_out = prefill_out * torch.sigmoid(gate[num_decode:])
-        return self._out_proj(join_rows(decode_out, prefill_out).reshape(num_tokens, self.num_heads * d))
-
-    def _out_proj(self, out: torch.Tensor) -> torch.Tensor:
+        out = join_rows(decode_out, prefill_out).reshape(num_tokens, self.num_heads * d)
         out = linear_kernels.linear(x=out, weight=self.o_proj, bias=self.o_bias if self.bias else None)
         return all_reduce(out, self.layout)
 

@@ -1,9 +1,6 @@
 """Paged attention: KV write, prefill over cached pages, decode."""
 
-import os
-
 from . import naive
-from .naive import DecodeRope  # noqa: F401  (paged_decode_attention's rope argument)
 
 
 def write_kv_cache(**kwargs):
@@ -31,10 +28,3 @@ def paged_decode_attention(**kwargs):
     else:
         impl = naive.paged_decode_attention
     return impl(**kwargs)
-
-
-def rope_in_decode() -> bool:
-    """Whether a decode-only pass folds the q/k norm + rotary embedding and the KV write into the
-    decode kernel (DecodeRope) instead of the rope kernel's launch: on unless
-    DELTASERVE_ROPE_IN_DECODE=0 (read at each call, so that a process can compare both)."""
-    return os.environ.get("DELTASERVE_ROPE_IN_DECODE", "1") != "0"

@@ -7,8 +7,6 @@ block_tables[n, p // block_size] at offset p % block_size. Queries are token-maj
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 
@@ -76,23 +74,6 @@ def _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
     return out
 
 
-class DecodeRope(NamedTuple):
-    """The pre-attention step a decode call may do itself (gated attention's q/k head norm and
-    partial rotary embedding, then the new token's K and V into the cache): q is then the raw
-    projection [N, Hq, D]; k, v: [N, Hkv, D] (unit stride over D); q_weight, k_weight: [D] norm
-    weights; positions, slot_mapping: [N] (slot -1: no write); as rotary.qk_norm_rope."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    eps: float
-    rotary_dim: int
-    theta: float
-
-
 def paged_decode_attention(
     *,
     q: torch.Tensor,
@@ -102,26 +83,10 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     scale: float,
     output_gate: torch.Tensor | None = None,
-    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """One query per sequence over all its cached positions. q: [N, Hq, D] -> [N, Hq, D].
     output_gate [N, Hq, D] (any strides): the result times sigmoid(output_gate), one rounding (the
-    gated attention's output gate). rope: q and the new token's k / v are raw projections; the
-    q/k norm + rotary embedding and the cache write of that token come first (DecodeRope)."""
-    if rope is not None:
-        from ..rotary import naive as rotary_naive  # rotary's naive imports this module
-
-        q, _ = rotary_naive.qk_norm_rope(
-            q=q,
-            k=rope.k,
-            q_weight=rope.q_weight,
-            k_weight=rope.k_weight,
-            positions=rope.positions,
-            eps=rope.eps,
-            rotary_dim=rope.rotary_dim,
-            theta=rope.theta,
-            kv_cache=rotary_naive.KvCacheWrite(rope.v, k_cache, v_cache, rope.slot_mapping),
-        )
+    gated attention's output gate)."""
     cu = torch.arange(q.shape[0] + 1, device=q.device)
     if output_gate is None:
         return _attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, q.dtype)

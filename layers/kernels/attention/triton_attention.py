@@ -14,8 +14,6 @@ import triton.language as tl
 
 from ..device import num_sms, ticket_counters
 from ..pdl import pdl_launch, pdl_wait
-from ..rotary.triton_rotary import inv_freq
-from .naive import DecodeRope
 
 LOG2E = 1.4426950408889634
 
@@ -394,7 +392,7 @@ def _merge_spans(
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
-@triton.jit(do_not_specialize=["num_splits", "seq_lens", "block_tables", "s_btn", "positions", "slots"])
+@triton.jit(do_not_specialize=["num_splits", "seq_lens", "block_tables", "s_btn"])
 def _decode_kernel(
     q,
     k_cache,
@@ -422,18 +420,6 @@ def _decode_kernel(
     gate,
     s_gn,
     s_gh,
-    k_raw,
-    v_raw,
-    s_krn,
-    s_krh,
-    s_vrn,
-    s_vrh,
-    q_norm_w,
-    k_norm_w,
-    positions,
-    inv_freq,
-    slots,
-    norm_eps,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
@@ -445,16 +431,8 @@ def _decode_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,
     CHUNK_S: tl.constexpr,
-    ROPE: tl.constexpr,
-    ROT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """ROPE: q, k_raw, v_raw are the input projection's columns, not yet normed or rotated: each
-    program applies the q/k head norm and the partial rotary embedding to its q heads (the rope
-    kernel's operations and roundings, its launch gone), and the program whose span holds the new
-    token does the same to its kv head's k, uses k and v, and writes both into the paged cache at
-    slots[n] (-1: padding, no write). Nothing else reads the new position in this launch: every
-    other span ends before it."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -493,51 +471,13 @@ def _decode_kernel(
     new_page = tl.load(bt_row + (new_pos // PAGE) * s_btp, mask=has_new, other=0).to(tl.int64)
     new_off = new_page * s_kb + (new_pos % PAGE) * s_ko
     new_v_off = new_page * s_vb + (new_pos % PAGE) * s_vo
-    new_ok = d < tl.where(has_new, HEAD_DIM, 0)  # other spans: an empty range masks every lane
-    if ROPE:  # what does not depend on the projection: angles, norm weights, the cache slot
-        half: tl.constexpr = ROT // 2
-        # the rotation partner of feature i: i + half in the first half, i - half in the second
-        partner = tl.where(d < half, d + half, tl.where(d < ROT, d - half, d))
-        angle = tl.load(positions + n).to(tl.float32) * tl.load(
-            inv_freq + tl.where(d < half, d, d - half), mask=d < ROT, other=0.0
-        )
-        cos, sin = tl.cos(angle), tl.sin(angle)
-        qw = 1.0 + tl.load(q_norm_w + d, mask=d_ok, other=0.0).to(tl.float32)
-        qw_p = 1.0 + tl.load(q_norm_w + partner, mask=d_ok, other=0.0).to(tl.float32)
-        kw = 1.0 + tl.load(k_norm_w + d, mask=d_ok, other=0.0).to(tl.float32)
-        kw_p = 1.0 + tl.load(k_norm_w + partner, mask=d_ok, other=0.0).to(tl.float32)
-        slot = tl.where(has_new, tl.load(slots + n).to(tl.int64), -1)
 
     pdl_wait(USE_PDL)
-    if ROPE:
-        q_row = q + n * s_qn + head[:, None] * s_qh
-        x = tl.load(q_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        x_p = tl.load(q_row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-        k_row = k_raw + n * s_krn + h * s_krh
-        kx = tl.load(k_row + d, mask=new_ok, other=0.0).to(tl.float32)
-        kx_p = tl.load(k_row + partner, mask=new_ok, other=0.0).to(tl.float32)
-        v_new = tl.load(v_raw + n * s_vrn + h * s_vrh + d, mask=new_ok, other=0.0).to(v_cache.dtype.element_ty)
-        # the rope kernel's arithmetic, rounded to the projection's dtype as it stores q and k
-        inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM + norm_eps)
-        y = x * inv[:, None] * qw[None, :]
-        y_p = x_p * inv[:, None] * qw_p[None, :]
-        cos_r, sin_r = cos[None, :], sin[None, :]
-        rotated = tl.where((d < half)[None, :], y * cos_r - y_p * sin_r, y * cos_r + y_p * sin_r)
-        qt = tl.where((d < ROT)[None, :], rotated, y).to(q.dtype.element_ty).to(k_cache.dtype.element_ty)
-        k_inv = 1.0 / tl.sqrt(tl.sum(kx * kx, 0) / HEAD_DIM + norm_eps)
-        ky = kx * k_inv * kw
-        ky_p = kx_p * k_inv * kw_p
-        k_rot = tl.where(d < half, ky * cos - ky_p * sin, ky * cos + ky_p * sin)
-        k_new = tl.where(d < ROT, k_rot, ky).to(k_raw.dtype.element_ty).to(k_cache.dtype.element_ty)
-        to_cache = d < tl.where(slot >= 0, HEAD_DIM, 0)  # an empty range, not a scalar mask
-        dst_page, dst_off = slot // PAGE, slot % PAGE
-        tl.store(k_base + dst_page * s_kb + dst_off * s_ko + d, k_new, mask=to_cache)
-        tl.store(v_base + dst_page * s_vb + dst_off * s_vo + d, v_new, mask=to_cache)
-    else:
-        qt = tl.load(q + n * s_qn + head[:, None] * s_qh + d[None, :], mask=mask, other=0.0)
-        qt = qt.to(k_cache.dtype.element_ty)
-        k_new = tl.load(k_base + new_off + d, mask=new_ok, other=0.0)
-        v_new = tl.load(v_base + new_v_off + d, mask=new_ok, other=0.0)
+    qt = tl.load(q + n * s_qn + head[:, None] * s_qh + d[None, :], mask=mask, other=0.0)
+    qt = qt.to(k_cache.dtype.element_ty)
+    new_ok = d < tl.where(has_new, HEAD_DIM, 0)  # other spans: an empty range masks every lane
+    k_new = tl.load(k_base + new_off + d, mask=new_ok, other=0.0)
+    v_new = tl.load(v_base + new_v_off + d, mask=new_ok, other=0.0)
     # every key of the sequence is visible to its one query
     q_pos = tl.full([BLOCK_G], 0, tl.int32) + seq_len
 
@@ -700,7 +640,6 @@ def paged_decode_attention(
     output_gate: torch.Tensor | None = None,
     config: dict | None = None,
     path: str | None = None,
-    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """One query per sequence over all its cached positions. q: [N, Hq, D] -> [N, Hq, D];
     seq_lens: [N]; block_tables: [N, max_pages]; output_gate [N, Hq, D] (contiguous head dim): the
@@ -712,9 +651,7 @@ def paged_decode_attention(
     finish merges them in the same launch (a ticket); "reduce": a second kernel (N, Hq) does; None:
     fused for at most FUSED_MAX_SEQS sequences. S comes from shapes only (the block-table width
     bounds the context), so nothing syncs with the host. S == 1 writes o directly.
-    `config` overrides (block_n, num_splits, num_warps, num_stages) for tuning sweeps. rope
-    (naive.DecodeRope): q, rope.k and rope.v are the raw projection; the kernel applies the q/k
-    norm and rotary embedding (the rope kernel's launch gone) and writes the new K and V.
+    `config` overrides (block_n, num_splits, num_warps, num_stages) for tuning sweeps.
 
     Under PDL the kernel reads the block tables, seq_lens and every cached position but the last
     (seq_len - 1) before waiting for the previous kernel: that one may write only q and that
@@ -756,14 +693,6 @@ def paged_decode_attention(
     else:
         part_o = part_lse = out
     tickets = ticket_counters(q.device, num_seqs * num_kv_heads, TICKETS) if fused else part_lse
-    if rope is not None:
-        assert rope.k.shape == rope.v.shape == (num_seqs, num_kv_heads, head_dim), "rope.k, rope.v: [N, Hkv, D]"
-        assert rope.k.stride(-1) == 1 and rope.v.stride(-1) == 1, "rope.k, rope.v: contiguous head dim"
-        assert rope.rotary_dim % 2 == 0 and rope.rotary_dim <= head_dim, "rope.rotary_dim: even, at most D"
-        rope_args = (rope.k, rope.v, *rope.k.stride()[:2], *rope.v.stride()[:2], rope.q_weight, rope.k_weight)
-        rope_args += (rope.positions, inv_freq(rope.rotary_dim, rope.theta, q.device), rope.slot_mapping, rope.eps)
-    else:
-        rope_args = (q, q, 0, 0, 0, 0, q, q, seq_lens, q, seq_lens, 0.0)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -789,7 +718,6 @@ def paged_decode_attention(
         out.stride(1),
         num_splits,
         *gate_args,
-        *rope_args,
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE=k_cache.shape[1],
@@ -801,8 +729,6 @@ def paged_decode_attention(
         BLOCK_H=block_h,
         BLOCK_S=block_s,
         CHUNK_S=chunk,
-        ROPE=rope is not None,
-        ROT=rope.rotary_dim if rope is not None else 0,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_launch(q),

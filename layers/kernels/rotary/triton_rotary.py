@@ -105,16 +105,16 @@ def _qk_norm_rope_kernel(
         tl.store(k_dst, out.to(K_CACHE.dtype.element_ty), mask=in_cache)
 
 
-INV_FREQ_CACHE: dict[tuple, torch.Tensor] = {}
+_INV_FREQ: dict[tuple, torch.Tensor] = {}
 
 
-def inv_freq(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+def _inv_freq(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
     """1 / theta ** (2i / rotary_dim) in float32, computed once per (dim, theta, device)."""
     key = (rotary_dim, theta, str(device))
-    if key not in INV_FREQ_CACHE:
+    if key not in _INV_FREQ:
         exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim
-        INV_FREQ_CACHE[key] = 1.0 / (theta**exponent)
-    return INV_FREQ_CACHE[key]
+        _INV_FREQ[key] = 1.0 / (theta**exponent)
+    return _INV_FREQ[key]
 
 
 def qk_norm_rope(
@@ -157,7 +157,7 @@ def qk_norm_rope(
         q_weight,
         k_weight,
         positions,
-        inv_freq(rotary_dim, theta, q.device),
+        _inv_freq(rotary_dim, theta, q.device),
         q.stride(0),
         q.stride(1),
         k.stride(0),
