@@ -184,7 +184,15 @@ class HybridModel(nn.Module):
 
     def forward(self, ctx: ForwardContext, states: list[LayerState]) -> torch.Tensor:
         """Final hidden states [T, hidden] for every token of the pass."""
-        hidden, residual, normed = self.embed(ctx.input_ids), None, False
+        if self.layout.tp_size == 1:
+            # the lookup and the first layer's input norm in one launch
+            first = self.layers[0].input_layernorm
+            hidden, residual = norm_kernels.embed_rms_norm(
+                ids=ctx.input_ids, table=self.embed_tokens, weight=first.weight, eps=first.eps
+            )
+            normed = True
+        else:
+            hidden, residual, normed = self.embed(ctx.input_ids), None, False
         norms_after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, state, norm_after in zip(self.layers, states, norms_after, strict=True):
             # each MoE block applies the norm after it in its last kernel: one launch fewer a layer

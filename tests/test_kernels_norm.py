@@ -26,6 +26,23 @@ def test_rms_norm(device, shape, zero_centered):
     assert max_err(tn.rms_norm(x=x, weight=w, eps=1e-6, zero_centered=zero_centered), ref) < 1e-5
 
 
+@pytest.mark.parametrize(("tokens", "vocab", "dim"), [(1, 50, 64), (7, 13, 40), (5, 9, 2048)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embed_rms_norm(device, tokens, vocab, dim, dtype):
+    """The embedding lookup + the first input norm: the rows exactly the table's, the normed rows
+    as the plain norm of them (repeated ids included)."""
+    g = torch.Generator().manual_seed(tokens + dim)
+    table = torch.randn(vocab, dim, generator=g).to(device=device, dtype=dtype)
+    w = (0.1 * torch.randn(dim, generator=g)).to(device=device, dtype=dtype)
+    ids = torch.randint(0, vocab, (tokens,), generator=g).to(device)
+    ids[0] = vocab - 1
+    normed, rows = tn.embed_rms_norm(ids=ids, table=table, weight=w, eps=1e-6)
+    ref_normed, ref_rows = naive.embed_rms_norm(ids=ids, table=table, weight=w, eps=1e-6)
+    assert torch.equal(rows, ref_rows)
+    tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps * ref_normed.float().abs().max().item()
+    assert max_err(normed, ref_normed) <= tol
+
+
 def test_rms_norm_strided_rows(device):
     """q out of a fused q/gate projection: [T, H, 2D] sliced to [..., :D] (row stride 2D)."""
     qg = torch.randn(5, 3, 2 * 24, device=device)

@@ -28,3 +28,12 @@ def fused_add_rms_norm(**kwargs):
     else:
         impl = naive.fused_add_rms_norm
     return impl(**kwargs)
+
+
+def embed_rms_norm(**kwargs):
+    """See naive.embed_rms_norm."""
+    if kwargs["table"].is_cuda:
+        from .triton_norm import embed_rms_norm as impl
+    else:
+        impl = naive.embed_rms_norm
+    return impl(**kwargs)

@@ -28,3 +28,12 @@ def gated_rms_norm(*, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (weight.float() * y * F.silu(gate.float())).to(x.dtype)
+
+
+def embed_rms_norm(
+    *, ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The embedding lookup and the first layer's input norm: (rms_norm(table[ids]), table[ids]).
+    ids: [T]; table: [V, D]; weight: [D] (zero-centred)."""
+    rows = torch.nn.functional.embedding(ids, table)
+    return rms_norm(x=rows, weight=weight, eps=eps), rows

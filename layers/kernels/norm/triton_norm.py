@@ -20,6 +20,7 @@ def _rms_norm_kernel(
     weight,
     out,
     res_out,
+    ids,
     num_rows,
     s_x,
     s_g,
@@ -35,13 +36,20 @@ def _rms_norm_kernel(
     ZERO_CENTERED: tl.constexpr,
     HAS_GATE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    GATHER: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = (r < num_rows)[:, None] & (d < DIM)[None, :]
-    xv = tl.load(x + r[:, None] * s_x + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATHER:  # x is a table and row r reads its row ids[r] (an embedding lookup), kept as res_out
+        src = tl.load(ids + r, mask=r < num_rows, other=0).to(tl.int64)
+        xg = tl.load(x + src[:, None] * s_x + d[None, :], mask=mask, other=0.0)
+        tl.store(res_out + r[:, None] * s_ro + d[None, :], xg, mask=mask)
+        xv = xg.to(tl.float32)
+    else:
+        xv = tl.load(x + r[:, None] * s_x + d[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         xv += tl.load(residual + r[:, None] * s_r + d[None, :], mask=mask, other=0.0).to(tl.float32)
         # the sum is rounded to the stream's dtype before it is normed, as the unfused ops do
@@ -93,12 +101,15 @@ def _head_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return _rows(t), 1, 0
 
 
-def _launch(x, weight, eps, *, gate=None, residual=None, zero_centered=False):
+def _launch(x, weight, eps, *, gate=None, residual=None, zero_centered=False, ids=None):
+    """ids: x is a [V, D] table and the rows are x[ids] (res_out holds them)."""
     dim = x.shape[-1]
     x2 = _rows(x)
-    num_rows = x2.shape[0]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    shape = x.shape if ids is None else (ids.shape[0], dim)
+    num_rows = shape[0] if ids is not None else x2.shape[0]
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    keep = residual is not None or ids is not None
+    res_out = torch.empty(shape, dtype=x.dtype, device=x.device) if keep else None
     if num_rows == 0:
         return out, res_out
     block_d = triton.next_power_of_2(dim)
@@ -116,6 +127,7 @@ def _launch(x, weight, eps, *, gate=None, residual=None, zero_centered=False):
         weight,
         o2,
         ro2,
+        ids if ids is not None else x2,
         num_rows,
         x2.stride(0),
         g2.stride(0),
@@ -131,6 +143,7 @@ def _launch(x, weight, eps, *, gate=None, residual=None, zero_centered=False):
         ZERO_CENTERED=zero_centered,
         HAS_GATE=gate is not None,
         HAS_RESIDUAL=residual is not None,
+        GATHER=ids is not None,
         num_warps=8 if rows * block_d >= 4096 else 4,
         **pdl_launch(x2),
     )
@@ -155,3 +168,11 @@ def gated_rms_norm(*, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     """rms_norm(x) * weight * silu(gate) per head (plain weight, not zero-centred). x, gate: [..., D]."""
     assert gate.shape == x.shape, "gate must match x"
     return _launch(x, weight, eps, gate=gate)[0]
+
+
+def embed_rms_norm(
+    *, ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The embedding lookup and the first layer's input norm in one launch: (rms_norm(table[ids]),
+    table[ids]). ids: [T] (valid rows of table); table: [V, D]; weight: [D] (zero-centred)."""
+    return _launch(table, weight, eps, zero_centered=True, ids=ids)
