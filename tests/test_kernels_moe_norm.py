@@ -72,8 +72,10 @@ def test_naive_and_unfused_paths_apply_the_norm(device):
     got = naive.fused_moe(**args, add_norm=add_norm)
     assert torch.equal(got.normed, normed) and torch.equal(got.residual, summed)
     mma = tm.fused_moe(**args, path="pairs_mma", add_norm=add_norm)
-    torch.testing.assert_close(mma.residual, summed, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(mma.normed, normed, rtol=1e-4, atol=1e-4)
+    # float32 tl.dot runs in tf32 on the GPU (the rule of test_kernels_moe's `tol`)
+    tol = 1e-5 if device.type == "cpu" else 5e-3
+    torch.testing.assert_close(mma.residual, summed, rtol=tol, atol=tol)
+    torch.testing.assert_close(mma.normed, normed, rtol=10 * tol, atol=10 * tol)
 
 
 def test_bad_residual_names_the_field(device):
