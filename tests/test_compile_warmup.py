@@ -70,6 +70,27 @@ def test_runner_runs_every_fitting_warmup_batch(tiny_checkpoints, monkeypatch):
     assert ran == expected and 3072 not in ran  # over the token budget: skipped
 
 
+def test_warmup_runs_the_greedy_argmax_in_both_logit_dtypes(tiny_checkpoints, monkeypatch):
+    """The sampler's Triton kernel (the greedy argmax) runs after each warm-up pass on the model's
+    logits and on their float32 copy (what penalties leave), so a server's first greedy request
+    does not compile it (a stall seen on the H200: the one late compile in the serving log)."""
+    from deltaserve.workers import sampler as sampler_module
+
+    path = str(tiny_checkpoints["qwen3_5_moe"][0])
+    runner = ModelRunner(
+        RunnerConfig(model=path, dtype="bfloat16", max_num_batched_tokens=2048), ModelConfig.from_pretrained(path)
+    )
+    seen = []
+    real = sampler_module.argmax_kernels.row_argmax
+    monkeypatch.setattr(
+        sampler_module.argmax_kernels, "row_argmax", lambda *, logits: seen.append(logits.dtype) or real(logits=logits)
+    )
+    pool = StatePool(runner.model, SIZES, dtype=runner.dtype, device=runner.device)
+    runner.compile_warmup(pool)
+    passes = sum(warmup_fits(b, 2048, SIZES) for b in WARMUP_BATCHES)
+    assert seen == [torch.bfloat16, torch.float32] * passes
+
+
 def test_warmup_reaches_every_gdn_chunk_variant():
     """At the serving default budget (8,192 tokens) and Qwen3.5-35B-A3B's GDN shape (32 value heads
     of 128) on an H200's 132 SMs, the warm-up (with the profiling pass of one full-budget prompt)

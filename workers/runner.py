@@ -150,10 +150,13 @@ class ModelRunner:
         return int(peak * 1.1)
 
     def compile_warmup(self, pool: StatePool) -> None:
-        """Run WARMUP_BATCHES (those that fit) on `pool`'s scratch pages and slots, outputs dropped."""
+        """Run WARMUP_BATCHES (those that fit) on `pool`'s scratch pages and slots and sample their
+        logits' kernels, outputs dropped."""
         for streams in WARMUP_BATCHES:
             if warmup_fits(streams, self.config.max_num_batched_tokens, pool.sizes):
-                self._forward(_warmup_plan(streams, pool.sizes.block_size), pool)
+                logits, _ = self._forward(_warmup_plan(streams, pool.sizes.block_size), pool)
+                if logits is not None:
+                    self.sampler.compile_warmup(logits)
 
     def allocate(self, sizes: PoolSizes) -> None:
         """Allocate the pools (the same sizes on every rank); from here on a Triton compile is logged

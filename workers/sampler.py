@@ -145,6 +145,13 @@ class Sampler:
         self.states.pop(req_id, None)
 
     # ---- sampling ------------------------------------------------------------------------------
+    def compile_warmup(self, logits: torch.Tensor) -> None:
+        """Run the sampler's one Triton kernel (the greedy argmax) on logits [R, V] in their dtype and
+        in float32 (what penalties leave), results dropped: it compiles at start-up, not on a
+        server's first greedy request (a stall for every running request)."""
+        for rows in (logits, logits.float()):
+            argmax_kernels.row_argmax(logits=rows)
+
     def sample(self, req_ids: list[str], logits: torch.Tensor) -> tuple[list[int], dict[str, TokenLogprobs]]:
         """One token for each row of logits [R, V] (any float dtype), waited for; records it in the history."""
         if not req_ids:
