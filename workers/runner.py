@@ -163,6 +163,9 @@ class ModelRunner:
         (`compile_watch`): start-up compiled what it could."""
         self.sizes = sizes
         self.pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
+        if self.device.type == "cuda" and self.config.num_kv_blocks is not None:
+            # given sizes skip the profiling pass, which runs the warm-up: run it on the empty pool
+            self.compile_warmup(self.pool)
         self.graphs = self._capture_graphs()
         if self.device.type == "cuda":  # after the graph captures, which compile the decode kernels
             self.late_compiles = LateCompileLog()
