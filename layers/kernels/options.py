@@ -1,0 +1,97 @@
+"""KernelOptions: the kernel choices an engine runs with, read once (from the environment or given),
+and handed down explicitly: runner -> ForwardContext -> layers -> kernel ops. A captured CUDA graph
+belongs to one KernelOptions value; changing it means capturing again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+from deltaserve import envs
+
+
+@dataclass(frozen=True)
+class RowTile:
+    """A row-GEMV tile for one weight shape [n, k]: rows per program and warps."""
+
+    n: int
+    k: int
+    block_n: int
+    num_warps: int
+
+
+def parse_row_tiles(spec: str) -> tuple[RowTile, ...]:
+    """ "NxK:BLOCK_NxWARPS+..." -> tiles; a bad entry is an error naming DELTASERVE_ROW_TILES."""
+    tiles = []
+    for item in filter(None, (s.strip() for s in spec.split("+"))):
+        try:
+            shape, tile = item.split(":")
+            n, k = (int(v) for v in shape.split("x"))
+            block_n, warps = (int(v) for v in tile.split("x"))
+        except ValueError:
+            raise ValueError(f"DELTASERVE_ROW_TILES: {item[:40]!r} is not NxK:BLOCK_NxWARPS") from None
+        if block_n < 1 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"DELTASERVE_ROW_TILES: {item[:40]!r}: BLOCK_N a power of two, WARPS one of 1-16")
+        tiles.append(RowTile(n, k, block_n, warps))
+    return tuple(tiles)
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    pdl: bool = field(
+        default=True,
+        metadata={"env": "DELTASERVE_PDL", "help": "decode kernels use programmatic dependent launch (sm_90+)"},
+    )
+    row_gemv: bool = field(
+        default=True,
+        metadata={"env": "DELTASERVE_ROW_GEMV", "help": "one-token projections take the one-row GEMV kernel"},
+    )
+    row_tiles: tuple[RowTile, ...] = field(
+        default=(),
+        metadata={"env": "DELTASERVE_ROW_TILES", "help": "row-GEMV tiles overriding the tuned table per shape"},
+    )
+    route_in_up_max_tokens: int = field(
+        default=4,
+        metadata={
+            "env": "DELTASERVE_ROUTE_IN_UP_MAX_TOKENS",
+            "help": "largest batch whose MoE router runs inside the experts' up GEMV",
+        },
+    )
+    fused_gdn_max_seqs: int = field(
+        default=12,
+        metadata={
+            "env": "DELTASERVE_FUSED_GDN_MAX_SEQS",
+            "help": "largest decode batch whose GDN step is one launch",
+        },
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("route_in_up_max_tokens", "fused_gdn_max_seqs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+
+    def row_tile(self, n: int, k: int) -> RowTile | None:
+        for tile in self.row_tiles:
+            if (tile.n, tile.k) == (n, k):
+                return tile
+        return None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelOptions:
+        """The options the environment asks for (unset variables keep the defaults)."""
+        values = {}
+        for f in fields(cls):
+            raw = envs.read(f.metadata["env"], environ)
+            try:
+                if f.type in ("bool", bool):
+                    values[f.name] = raw.strip() not in ("0", "false", "False", "")
+                elif f.name == "row_tiles":
+                    values[f.name] = parse_row_tiles(raw)
+                else:
+                    values[f.name] = int(raw)
+            except ValueError as e:
+                if str(e).startswith(f.metadata["env"]):
+                    raise
+                raise ValueError(f"{f.metadata['env']}: {raw[:40]!r} is not a valid {f.type}") from None
+        return cls(**values)

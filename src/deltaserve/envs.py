@@ -1,0 +1,52 @@
+"""Every environment variable deltaserve reads, in one registry, each read in one place.
+
+Kernel choices (`DELTASERVE_PDL`, ...) are read once into `deltaserve.layers.kernels.options.KernelOptions`
+when an engine starts; nothing reads them at launch time. The README's table of variables is
+checked against this registry by a test.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    help: str
+
+
+ENV_VARS: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        EnvVar("DELTASERVE_CACHE", "~/.cache/deltaserve", "where the built-in demo model is built and kept"),
+        EnvVar("DELTASERVE_PDL", "1", "0: decode kernels launch without programmatic dependent launch (sm_90+)"),
+        EnvVar("DELTASERVE_ROW_GEMV", "1", "0: one-token projections take the skinny GEMM instead of the row GEMV"),
+        EnvVar(
+            "DELTASERVE_ROW_TILES",
+            "",
+            'row-GEMV tiles for given weight shapes, "NxK:BLOCK_NxWARPS" joined by "+" (e.g. "2048x4096:16x8")',
+        ),
+        EnvVar(
+            "DELTASERVE_ROUTE_IN_UP_MAX_TOKENS",
+            "4",
+            "the largest decode batch whose MoE router runs inside the experts' up GEMV",
+        ),
+        EnvVar(
+            "DELTASERVE_FUSED_GDN_MAX_SEQS",
+            "12",
+            "the largest decode batch whose GDN step (conv, delta rule, gated norm) is one launch",
+        ),
+        EnvVar("DELTASERVE_GDN_VARIANTS", "", "bench only: comma-separated chunk-kernel variants to time"),
+    )
+}
+
+
+def read(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """The variable's value, or its registered default; unregistered names are a programming error."""
+    var = ENV_VARS[name]
+    env = os.environ if environ is None else environ
+    return env.get(name, var.default)
