@@ -1,7 +1,11 @@
-"""Page and state-slot allocators: the only code that changes which pages and slot a request owns."""
+"""Page and state-slot allocators: the only code that changes which pages and slot a request owns.
+
+Pages are reference-counted (prefix_cache.PageCache): a request's block table may start with pages it
+shares with the prefix cache and other requests; freeing a request releases its references."""
 
 from __future__ import annotations
 
+from .prefix_cache import PageCache
 from .request import Request
 
 
@@ -9,21 +13,19 @@ class BlockAllocator:
     """KV pages of `block_size` tokens. Page `reserved` (the last) is never handed out: padded rows
     of a CUDA-graph batch write there."""
 
-    def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 2:
-            raise ValueError(f"need at least 2 KV pages, got {num_blocks}")
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
+        self.cache = PageCache(num_blocks, block_size, enable_caching)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.reserved = num_blocks - 1
-        self._free = list(range(num_blocks - 2, -1, -1))  # pop() hands out low pages first
+        self.reserved = self.cache.reserved
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self.cache.num_free
 
     @property
     def capacity(self) -> int:
-        return self.num_blocks - 1
+        return self.cache.capacity
 
     def pages_needed(self, req: Request, num_tokens: int) -> int:
         """Extra pages `req` needs to hold `num_tokens` tokens."""
@@ -31,16 +33,25 @@ class BlockAllocator:
         return max(0, -(-num_tokens // self.block_size) - have)
 
     def can_grow(self, req: Request, num_tokens: int) -> bool:
-        return self.pages_needed(req, num_tokens) <= len(self._free)
+        return self.pages_needed(req, num_tokens) <= self.num_free
 
     def grow(self, req: Request, num_tokens: int) -> None:
         need = self.pages_needed(req, num_tokens)
-        if need > len(self._free):
-            raise RuntimeError(f"out of KV pages: {req.req_id} needs {need}, {len(self._free)} free")
-        req.block_table.extend(self._free.pop() for _ in range(need))
+        if need > self.num_free:
+            raise RuntimeError(f"out of KV pages: {req.req_id} needs {need}, {self.num_free} free")
+        req.block_table.extend(self.cache.allocate() for _ in range(need))
+
+    def share(self, req: Request, pages: list[int]) -> None:
+        """Start an empty block table with cached pages (a prefix-cache hit)."""
+        if req.block_table:
+            raise RuntimeError(f"{req.req_id} already holds pages")
+        for page in pages:
+            self.cache.hold(page)
+        req.block_table = list(pages)
 
     def free(self, req: Request) -> None:
-        self._free.extend(reversed(req.block_table))
+        for page in reversed(req.block_table):
+            self.cache.release(page)
         req.block_table = []
 
 

@@ -25,6 +25,7 @@ from deltaserve.layers.config import ModelConfig
 
 from .allocator import BlockAllocator, StateSlotAllocator
 from .plan import PassPlan, RunnerOutput
+from .prefix_cache import CapturePolicy, PrefixCache, SnapshotCache
 from .request import CompletionOutput, FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
@@ -62,6 +63,11 @@ class EngineConfig:
     time_passes: bool = False
     # "local": the model in this process (TP = 1 only); "ray": worker actors; "auto": local when TP = 1
     executor: str = "auto"
+    # prefix caching: KV pages by block hash, GDN state by snapshot (cluster/prefix_cache.py)
+    enable_prefix_caching: bool = True
+    num_prefix_snapshots: int | None = None  # snapshot slots (None: what 10% of the pool budget holds)
+    prefix_snapshot_interval: int = 1024  # tokens between snapshots along a prefill
+    prefix_snapshot_policy: str = "all"  # or a comma list of prompt_end, last_block, divergence, finish, interval
 
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -78,6 +84,14 @@ class EngineConfig:
             raise ValueError("executor: 'local' runs one rank; tensor or expert parallelism needs 'ray'")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.prefix_snapshot_interval < 0 or self.prefix_snapshot_interval % self.block_size:
+            raise ValueError(
+                f"prefix_snapshot_interval: must be a non-negative multiple of block_size ({self.block_size}), "
+                f"got {self.prefix_snapshot_interval}"
+            )
+        if self.num_prefix_snapshots is not None and self.num_prefix_snapshots < 0:
+            raise ValueError(f"num_prefix_snapshots: must be >= 0, got {self.num_prefix_snapshots}")
+        CapturePolicy.parse(self.prefix_snapshot_policy, self.prefix_snapshot_interval)
 
 
 class WorkerFailure(RuntimeError):
@@ -150,6 +164,7 @@ def runner_config(config: EngineConfig):
         num_kv_blocks=config.num_kv_blocks,
         enable_cuda_graphs=config.enable_cuda_graphs,
         time_passes=config.time_passes,
+        num_prefix_snapshots=config.num_prefix_snapshots if config.enable_prefix_caching else 0,
     )
 
 
@@ -190,8 +205,20 @@ class EngineCore:
         self.tokenizer = Tokenizer(config.model) if has_tokenizer else None
         self.executor = executor or make_executor(config, model_config)
         sizes = self.executor.pool_sizes
-        self.blocks = BlockAllocator(sizes.num_blocks, sizes.block_size)
+        caching = config.enable_prefix_caching and sizes.num_snapshots > 0
+        if config.enable_prefix_caching and not caching:
+            log.warning("prefix caching is off: the memory budget leaves no room for a GDN state snapshot")
+        self.blocks = BlockAllocator(sizes.num_blocks, sizes.block_size, enable_caching=caching)
         self.slots = StateSlotAllocator(sizes.num_slots)
+        self.prefix_cache = (
+            PrefixCache(
+                self.blocks.cache,
+                SnapshotCache(sizes.num_slots, sizes.num_snapshots, self.blocks.cache),
+                CapturePolicy.parse(config.prefix_snapshot_policy, config.prefix_snapshot_interval),
+            )
+            if caching
+            else None
+        )
         limit = config.max_model_len or model_config.max_position_embeddings
         fits = self.blocks.capacity * sizes.block_size
         if limit > fits:
@@ -207,6 +234,7 @@ class EngineCore:
             ),
             self.blocks,
             self.slots,
+            self.prefix_cache,
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
@@ -230,8 +258,11 @@ class EngineCore:
             raise ValueError("prompt: text prompts need a tokenizer.json in the model directory")
         return self.tokenizer.encode(text)
 
-    def make_request(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Validate and build a request (raises ValueError naming the bad field); queues nothing."""
+    def make_request(
+        self, req_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> Request:
+        """Validate and build a request (raises ValueError naming the bad field); queues nothing.
+        cache_salt: requests share prefix-cache entries only with requests of the same salt."""
         params.validate(self.model_config.vocab_size)
         if isinstance(prompt, str):
             if not prompt:
@@ -249,10 +280,18 @@ class EngineCore:
             raise ValueError(
                 f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
             )
-        return Request(req_id, ids, params, eos_token_ids=self.model_config.eos_token_ids)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt: must be a string")
+        if cache_salt is not None and len(cache_salt) > 256:
+            raise ValueError("cache_salt: at most 256 characters")
+        req = Request(req_id, ids, params, eos_token_ids=self.model_config.eos_token_ids)
+        req.cache_key = "salt:" + cache_salt if cache_salt else ""
+        return req
 
-    def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
-        req = self.make_request(req_id, prompt, params)
+    def add_request(
+        self, req_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> Request:
+        req = self.make_request(req_id, prompt, params, cache_salt)
         self.scheduler.add(req)
         self._prompts[req_id] = prompt if isinstance(prompt, str) else None
         if self.tokenizer is not None:
@@ -403,11 +442,34 @@ class EngineCore:
             delta_logprobs=req.logprobs[len(req.logprobs) - len(new_ids) :] if want_logprobs and new_ids else [],
             time_to_first_token_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
             error=req.error,
+            num_cached_tokens=req.num_cached_tokens or 0,
         )
         if finished:
             self._detok.pop(req.req_id, None)
             self._prompts.pop(req.req_id, None)
         return out
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block and GDN snapshot; requests in flight keep what they hold."""
+        return self.scheduler.reset_prefix_cache()
+
+    def prefix_cache_stats(self) -> dict:
+        if self.prefix_cache is None:
+            return {"enabled": False}
+        stats = self.prefix_cache.stats
+        return {
+            "enabled": True,
+            "blocks_cached": self.prefix_cache.pages.num_cached,
+            "snapshots_held": len(self.prefix_cache.snapshots),
+            "snapshot_slots": self.prefix_cache.snapshots.count,
+            "hit_rate": stats.hit_rate,
+            "queries": stats.queries,
+            "hits": stats.hits,
+            "hit_tokens": stats.hit_tokens,
+            "query_tokens": stats.query_tokens,
+            "snapshots_taken": stats.snapshots_taken,
+            "snapshots_evicted": stats.snapshots_evicted,
+        }
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -40,6 +40,10 @@ class LLM:
         time_passes: bool = False,
         seed: int = 0,
         load_format: str = "auto",
+        enable_prefix_caching: bool = True,
+        num_prefix_snapshots: int | None = None,
+        prefix_snapshot_interval: int = 1024,
+        prefix_snapshot_policy: str = "all",
         model_config=None,
     ):
         if device is None:
@@ -64,6 +68,10 @@ class LLM:
             enable_cuda_graphs=not enforce_eager,
             async_scheduling=async_scheduling,
             time_passes=time_passes,
+            enable_prefix_caching=enable_prefix_caching,
+            num_prefix_snapshots=num_prefix_snapshots,
+            prefix_snapshot_interval=prefix_snapshot_interval,
+            prefix_snapshot_policy=prefix_snapshot_policy,
         )
         self.engine = EngineCore(self.config, model_config=model_config, output_mode="final")
         self._ids = itertools.count()
@@ -92,10 +100,12 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        requests = [self.engine.make_request(i, p, sp) for i, p, sp in zip(ids, prompts, params, strict=True)]
+        requests = [
+            self.engine.make_request(i, p, sp, salt) for i, (p, salt), sp in zip(ids, prompts, params, strict=True)
+        ]
         del requests  # validated all before queueing any
-        for req_id, prompt, sp in zip(ids, prompts, params, strict=True):
-            self.engine.add_request(req_id, prompt, sp)
+        for req_id, (prompt, salt), sp in zip(ids, prompts, params, strict=True):
+            self.engine.add_request(req_id, prompt, sp, salt)
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2, unit="req") as bar:
             while len(final) < len(ids):
@@ -108,24 +118,31 @@ class LLM:
             raise WorkerFailure(f"{len(failed)} of {len(ids)} requests failed: {failed[0].error}")
         return [final[i] for i in ids]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (KV blocks and GDN snapshots); safe while requests run."""
+        return self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 
 
-def _as_prompt_list(prompts) -> list[str | list[int]]:
+def _as_prompt_list(prompts) -> list[tuple[str | list[int], str | None]]:
+    """(prompt, cache_salt) per prompt."""
     single_ids = isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
     if isinstance(prompts, str | dict) or single_ids:
         prompts = [prompts]
     out = []
     for p in prompts:
+        salt = None
         if isinstance(p, dict):
+            salt = p.get("cache_salt")
             if "prompt_token_ids" in p:
                 p = list(p["prompt_token_ids"])
             elif "prompt" in p:
                 p = p["prompt"]
             else:
                 raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        out.append(p)
+        out.append((p, salt))
     if not out:
         raise ValueError("prompts: at least one prompt is required")
     return out

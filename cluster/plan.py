@@ -70,6 +70,16 @@ class PassPlan:
     # the driver yet (input_ids holds a placeholder); the runner takes it on the device from entry j
     # of the sampled ids of the previous pass (pass_id - 1, its sampling rows in plan order)
     input_from_prev: np.ndarray | None = None
+    # Prefix caching (GDN state at other positions, done before the forward in this order):
+    # [M, 2] int32 (running slot, snapshot slot): snapshot saves (a finished or preempted request's
+    # state); [M, 2] (snapshot slot, running slot): restores (a request resuming from a snapshot);
+    # [M, 2] (page, page): KV page copies (a snapshot's partly filled page for a resuming request)
+    slot_saves: np.ndarray | None = None
+    slot_restores: np.ndarray | None = None
+    page_copies: np.ndarray | None = None
+    # [M, 3] int32 (row, tokens of the row's chunk before the captured point, snapshot slot): GDN
+    # state captured inside a prefill row's chunk (the seed's MidchunkCapture)
+    captures: np.ndarray | None = None
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
 

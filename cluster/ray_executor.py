@@ -103,6 +103,7 @@ class RayExecutor:
             num_blocks=min(s.num_blocks for s in sizes),
             block_size=sizes[0].block_size,
             num_slots=min(s.num_slots for s in sizes),
+            num_snapshots=min(s.num_snapshots for s in sizes),
         )
         if self.pool_sizes is not None:
             final = self.pool_sizes  # a restart keeps the sizes the engine's allocators use

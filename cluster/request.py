@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from .plan import TokenLogprobs
+from .prefix_cache import RequestHashes
 from .sampling_params import SamplingParams
 
 
@@ -53,6 +54,15 @@ class Request:
     # and where the latest one is: (pass id, its index among that pass's sampled rows)
     num_pending_outputs: int = 0
     last_sample: tuple[int, int] | None = None
+    # prefix caching: what keeps its blocks apart from other requests' (adapter, salt), its block
+    # hashes, the prompt tokens its first admission skipped, positions below kv_shared_until are in
+    # pages it shares (its recomputed KV there is not written), and where its tokens stopped
+    # matching cached ones (a snapshot is captured there)
+    cache_key: str = ""
+    prefix_hashes: RequestHashes | None = None
+    num_cached_tokens: int | None = None
+    kv_shared_until: int = 0
+    divergence: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

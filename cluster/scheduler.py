@@ -23,6 +23,7 @@ import numpy as np
 
 from .allocator import BlockAllocator, StateSlotAllocator
 from .plan import NewRequestData, PassPlan, RunnerOutput
+from .prefix_cache import Hit, PrefixCache, RequestHashes, Snapshot, root_hash
 from .request import FinishReason, Request, RequestStatus
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,22 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockAllocator, slots: StateSlotAllocator):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockAllocator,
+        slots: StateSlotAllocator,
+        prefix: PrefixCache | None = None,
+    ):
         self.config = config
         self.blocks = blocks
         self.slots = slots
+        # prefix caching (None: off): the index, snapshot saves waiting for the next plan, and this
+        # plan's restores and page copies
+        self.prefix = prefix if prefix is not None and prefix.enabled else None
+        self._pending_saves: list[tuple[int, Snapshot]] = []
+        self._restores: list[tuple[int, int]] = []
+        self._page_copies: list[tuple[int, int]] = []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -86,6 +99,8 @@ class Scheduler:
         else:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
+        if reason is not FinishReason.ERROR:
+            self._save_state(req)
         self._release(req)
         self.requests.pop(req.req_id, None)
         self._finished_since_last_plan.append(req.req_id)
@@ -96,6 +111,136 @@ class Scheduler:
             self.finish(req, FinishReason.ABORT)
         return req
 
+    # ---- prefix caching ----------------------------------------------------------------------
+    def _hashes(self, req: Request) -> RequestHashes:
+        if req.prefix_hashes is None:
+            req.prefix_hashes = RequestHashes(root_hash(req.cache_key))
+        return req.prefix_hashes
+
+    def _save_state(self, req: Request) -> None:
+        """Keep a finished or preempted request's GDN state as a snapshot (its slot is copied at the
+        start of the next plan, before anything can reuse it)."""
+        pos = req.num_computed_tokens
+        if self.prefix is None or not self.prefix.policy.finish or req.state_slot is None or pos == 0:
+            return
+        if pos > req.num_tokens:
+            return  # a token it was fed is still in flight: its id is not known here
+        tokens = req.all_token_ids
+        key = self.prefix.snapshot_key(self._hashes(req), tokens, pos)
+        if self.prefix.snapshots.get(key) is not None:
+            return
+        bs = self.blocks.block_size
+        tail = req.block_table[pos // bs] if pos % bs else None
+        snap = self.prefix.snapshots.take(key, pos, tail)
+        if snap is not None:
+            self._pending_saves.append((req.state_slot, snap))
+
+    def _take_saves(self) -> list[tuple[int, int]]:
+        """The saves for this plan: those whose snapshot is still held (an evicted one's slot may
+        be another snapshot's already)."""
+        saves = [(slot, snap.slot) for slot, snap in self._pending_saves if self.prefix.snapshots.get(snap.key) is snap]
+        self._pending_saves = []
+        return saves
+
+    def _admit_from_cache(self, req: Request, budget: int) -> int | None:
+        """Admit a waiting request at its longest cached prefix: shared pages, its snapshot restored
+        into its slot. Returns the tokens it will run in this pass, or None when its pages do not fit
+        (nothing is taken then)."""
+        tokens = req.all_token_ids
+        if req.sampling_params.prompt_logprobs is not None:  # every prompt position needs its logits
+            hit = Hit(0, [], None, False, 0)
+        else:
+            hit = self.prefix.lookup(self._hashes(req), tokens)
+        want = req.num_tokens - hit.position
+        if want > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            want = budget
+        pages = hit.pages if hit.snapshot is not None else []
+        bs = self.blocks.block_size
+        taken_from_free = sum(self.blocks.cache.counts_as_free(p) for p in pages)
+        if -(-(hit.position + want) // bs) - len(pages) + taken_from_free > self.blocks.num_free:
+            return None
+        self.blocks.share(req, pages)
+        self.slots.allocate(req)
+        self.blocks.grow(req, hit.position + want)
+        stats = self.prefix.stats
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = hit.position
+            stats.queries += 1
+            stats.query_tokens += req.num_prompt_tokens
+            stats.hit_tokens += hit.position
+            stats.hits += hit.position > 0
+        if hit.snapshot is not None:
+            self.prefix.snapshots.touch(hit.snapshot)
+            self._restores.append((hit.snapshot.slot, req.state_slot))
+            if hit.copy_tail:
+                self._page_copies.append((hit.snapshot.tail_page, req.block_table[len(pages)]))
+        req.num_computed_tokens = hit.position
+        req.kv_shared_until = len(pages) * bs
+        req.divergence = hit.divergence if hit.divergence > hit.position else 0
+        return want
+
+    def _capture_points(self, req: Request, start: int, end: int) -> list[int]:
+        """Positions in (start, end] where this prefill chunk leaves a snapshot (CapturePolicy)."""
+        policy, bs = self.prefix.policy, self.blocks.block_size
+        points = set()
+        if policy.interval:
+            first = (start // policy.interval + 1) * policy.interval
+            points.update(range(first, end + 1, policy.interval))
+        prompt = req.num_prompt_tokens
+        if policy.prompt_end:
+            points.add(prompt)
+        if policy.last_block:
+            points.add((prompt - 1) // bs * bs)
+        if policy.divergence and req.divergence:
+            points.add(req.divergence)
+        return sorted(p for p in points if start < p <= end and p > 0)
+
+    def _plan_captures(self, rows: list[tuple[Request, int]], first_prefill: int) -> list[tuple[int, int, int]]:
+        captures = []
+        bs = self.blocks.block_size
+        for i, (req, n) in enumerate(rows[first_prefill:], start=first_prefill):
+            start = req.num_computed_tokens
+            points = self._capture_points(req, start, start + n)
+            if not points:
+                continue
+            tokens = req.token_slice(0, start + n)
+            hashes = self._hashes(req)
+            for pos in points:
+                key = self.prefix.snapshot_key(hashes, tokens, pos)
+                old = self.prefix.snapshots.get(key)
+                if old is not None:
+                    self.prefix.snapshots.touch(old)
+                    continue
+                tail = req.block_table[pos // bs] if pos % bs else None
+                snap = self.prefix.snapshots.take(key, pos, tail)
+                if snap is None:
+                    break
+                captures.append((i, pos - start, snap.slot))
+        return captures
+
+    def _register_blocks(self, req: Request) -> None:
+        """Index the request's full blocks whose tokens are known and computed (by a planned pass)."""
+        bs = self.blocks.block_size
+        hashes = self._hashes(req)
+        full = min(req.num_computed_tokens, req.num_tokens) // bs
+        if full <= hashes.registered:
+            return  # most decode steps complete no block
+        tokens = req.token_slice(0, full * bs)
+        hashes.extend(tokens, bs, full * bs)
+        cache = self.prefix.pages
+        for j in range(hashes.registered, full):
+            cache.register(req.block_table[j], hashes.chain(j), hashes.hashes[j], tuple(tokens[j * bs : (j + 1) * bs]))
+        hashes.registered = full
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block and snapshot (requests running keep what they hold)."""
+        if self.prefix is not None:
+            self._pending_saves = []
+            self.prefix.reset()
+        return True
+
     def _release(self, req: Request) -> None:
         # a pass in flight may still use these pages and this slot: a later pass that reuses them runs
         # after it in stream order (one CUDA stream per worker, passes executed in plan order)
@@ -104,7 +249,11 @@ class Scheduler:
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
+        self._save_state(victim)  # it resumes from here (and so can any request sharing its tokens)
         self._release(victim)
+        if victim.prefix_hashes is not None:
+            victim.prefix_hashes.registered = 0  # its new pages are offered to the index again
+        victim.kv_shared_until = 0
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
@@ -120,6 +269,7 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
+        self._restores, self._page_copies = [], []
 
         # running requests first, oldest first; preempt the newest when pages run out
         i = 0
@@ -147,16 +297,22 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending_outputs:
                 break  # preempted with a token in flight: it resumes once that token is known
-            want = req.num_tokens - req.num_computed_tokens
-            if want > budget:
-                if not cfg.enable_chunked_prefill:
+            if self.prefix is not None:
+                want = self._admit_from_cache(req, budget)
+                if want is None:
                     break
-                want = budget
-            if not self.blocks.can_grow(req, want):
-                break
-            self.waiting.popleft()
-            self.slots.allocate(req)
-            self.blocks.grow(req, want)
+                self.waiting.popleft()
+            else:
+                want = req.num_tokens - req.num_computed_tokens
+                if want > budget:
+                    if not cfg.enable_chunked_prefill:
+                        break
+                    want = budget
+                if not self.blocks.can_grow(req, want):
+                    break
+                self.waiting.popleft()
+                self.slots.allocate(req)
+                self.blocks.grow(req, want)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append((req, want))
@@ -231,7 +387,10 @@ class Scheduler:
             ids.extend(req.token_slice(start, start + n))
             pos = np.arange(start, start + n)
             position_parts.append(pos)
-            slot_parts.append(np.asarray(req.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            slots = np.asarray(req.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
+            if start < req.kv_shared_until:  # recomputed tokens whose KV sits in shared pages: not rewritten
+                slots[pos < req.kv_shared_until] = -1
+            slot_parts.append(slots)
         lengths = [n for _, n in rows]
         width = max(len(r.block_table) for r, _ in rows)
         block_tables = np.array([r.block_table + [0] * (width - len(r.block_table)) for r, _ in rows], dtype=np.int32)
@@ -243,6 +402,18 @@ class Scheduler:
                     NewRequestData(req.req_id, list(req.prompt_token_ids), list(req.output_token_ids), self._spec(req))
                 )
                 req.needs_worker_state = False
+        copies = {}
+        if self.prefix is not None:
+            saves = self._take_saves()
+            captures = self._plan_captures(rows, len(decode))
+            for name, pairs, width in (
+                ("slot_saves", saves, 2),
+                ("slot_restores", self._restores, 2),
+                ("page_copies", self._page_copies, 2),
+                ("captures", captures, 3),
+            ):
+                if pairs:
+                    copies[name] = np.asarray(pairs, dtype=np.int32).reshape(-1, width)
         plan = PassPlan(
             pass_id=self._pass_id,
             req_ids=[r.req_id for r, _ in rows],
@@ -275,6 +446,7 @@ class Scheduler:
             ),
             new_requests=new_requests,
             finished_req_ids=self._finished_since_last_plan,
+            **copies,
         )
         self._finished_since_last_plan = []
         self._pass_id += 1
@@ -287,6 +459,9 @@ class Scheduler:
                 req.last_sample = (plan.pass_id, j)
                 j += 1
         self._rows_in_flight[plan.pass_id] = [r for r, _ in rows]
+        if self.prefix is not None:
+            for req, _ in rows:
+                self._register_blocks(req)
         return plan
 
     @staticmethod

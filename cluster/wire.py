@@ -16,7 +16,7 @@ import numpy as np
 
 from .plan import NewRequestData, PassPlan, RunnerOutput, SamplingSpec, TokenLogprobs
 
-WIRE_VERSION = 3  # 3: a plan's arrays travel as three flat buffers (int32, int64, bool)
+WIRE_VERSION = 4  # 4: prefix-cache copies and captures
 
 # A plan's arrays, in buffer order, with their lengths in terms of T tokens, N rows and P pages per
 # block table. One buffer per dtype keeps decoding to three `frombuffer` calls and some slicing
@@ -37,6 +37,9 @@ _OPTIONAL = ("next_prompt_token", "input_from_prev")
 _BUFFERS = (("int32", np.dtype("<i4"), _INT32_FIELDS), ("int64", np.dtype("<i8"), _INT64_FIELDS),
             ("bool", np.dtype("|b1"), _BOOL_FIELDS))  # fmt: skip
 _PLAN_SCALARS = ("pass_id", "req_ids", "num_decode_rows", "num_tokens", "max_pages")
+# optional [M, width] int32 tables, each sent as (M, raw bytes)
+_TABLES = (("slot_saves", 2), ("slot_restores", 2), ("page_copies", 2), ("captures", 3))
+_I32 = np.dtype("<i4")
 
 
 class WireError(ValueError):
@@ -65,6 +68,16 @@ def encode_plan(plan: PassPlan) -> bytes:
             parts.append(a.reshape(-1))
         body[key] = np.concatenate(parts).astype(dtype, copy=False).tobytes()
     body["optional"] = present
+    tables = {}
+    for name, width in _TABLES:
+        a = getattr(plan, name)
+        if a is None:
+            continue
+        if a.ndim != 2 or a.shape[1] != width:
+            raise WireError(f"plan field '{name}' has shape {a.shape}, expected (M, {width})")
+        tables[name] = [int(a.shape[0]), a.astype(_I32, copy=False).tobytes()]
+    if tables:
+        body["tables"] = tables
     body["new_requests"] = [asdict(r) for r in plan.new_requests]
     body["finished_req_ids"] = plan.finished_req_ids
     return msgpack.packb({"v": WIRE_VERSION, "kind": "plan", "body": body}, use_bin_type=True)
@@ -96,6 +109,14 @@ def decode_plan(blob: bytes) -> PassPlan:
             if flat is None or flat.shape[0] != at:
                 _buffer_error(key, data, dtype, at, layout, present, t, n, p)
         kwargs["block_tables"] = kwargs["block_tables"].reshape(n, p)
+        tables = body.get("tables", {})
+        for name, width in _TABLES:
+            if name not in tables:
+                continue
+            rows, data = tables[name]
+            if not (isinstance(rows, int) and isinstance(data, bytes) and len(data) == rows * width * 4):
+                raise WireError(f"plan field '{name}' is not {rows!r} rows of {width} int32")
+            kwargs[name] = np.frombuffer(data, dtype=_I32).reshape(rows, width)
         kwargs["new_requests"] = [
             NewRequestData(
                 r["req_id"], list(r["prompt_token_ids"]), list(r["output_token_ids"]), SamplingSpec(**r["sampling"])

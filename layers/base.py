@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .kernels.gdn.state import StateCaptures, VerifyTable
+
 if TYPE_CHECKING:
     from .config import ModelConfig
     from .parallel import ParallelLayout
@@ -54,16 +56,19 @@ class AttnLayerState(LayerState):
 @dataclass
 class SsmLayerState(LayerState):
     """A GDN layer's state slots: recurrent h [slots, v_heads_local, k_dim, v_dim] (float32 by
-    default) and the conv window [slots, conv_channels_local, kernel - 1].
+    default) and the conv window [slots, conv_channels_local, kernel - 1]. Slots past the running
+    ones are prefix-cache snapshots (same shape; the driver names them in a pass's copies and captures).
 
-    `draft_recurrent` / `draft_conv` are the copies speculative decoding rolls back to: the state
-    after each of up to k draft tokens ([slots, k, ...]), so that rejecting drafts picks a state
-    instead of recomputing it. They stay None until speculative decoding is enabled."""
+    Speculative decoding (the seed's write-on-accept): `verify` is the layer's verify table (each
+    draft position's recurrent step, kernels/gdn/state.py) for up to `rows` verify rows, and
+    `verify_conv_windows` [rows, C, W - 1] / `verify_conv_inputs` [rows, L, C] what the conv window
+    is rebuilt from once the accepted count is known. None until speculative decoding is enabled."""
 
     recurrent: torch.Tensor
     conv: torch.Tensor
-    draft_recurrent: torch.Tensor | None = None
-    draft_conv: torch.Tensor | None = None
+    verify: VerifyTable | None = None
+    verify_conv_windows: torch.Tensor | None = None
+    verify_conv_inputs: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,14 +126,9 @@ class BatchedAttnMetadata:
         return int(self.positions.shape[0])
 
 
-@dataclass
-class MidchunkCapture:
-    """Per-pass descriptor for capturing GDN state at a split point inside a prefill chunk (prefix
-    caching at any token offset): the reserved snapshot slot and the split point in pass-local
-    token coordinates. Declared for the prefix-caching issue; no pass sets it yet."""
-
-    snapshot_slot: int
-    split_token: int
+# The seed's MidchunkCapture: a prefill pass's GDN snapshot captures, each a prefill stream, the split
+# point in that stream's pass-local tokens, and the snapshot slot (prefix caching fills it).
+MidchunkCapture = StateCaptures
 
 
 class MoeLoraRoute(enum.Enum):
@@ -264,13 +264,13 @@ class LayerSplitPrefill:
 
 
 class LayerWriteOnAccept:
-    """Speculative decoding's write-on-accept: after verifying k drafts, a layer keeps the state
-    after the last accepted draft. Declared for the speculative-decoding issue; not implemented."""
+    """Speculative decoding's write-on-accept: after a verify pass over k + 1 tokens per row, a layer
+    with per-sequence state keeps the state after each row's last accepted token (`last_accepted`
+    [N]: 0 .. k, or -1 to keep the state from before the verify). Layers without such state (paged
+    attention: rejected KV rows are simply overwritten later) do nothing."""
 
-    supports_write_on_accept: bool = False
-
-    def write_on_accept(self, state: LayerState, slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        raise NotImplementedError("speculative decoding's write-on-accept is not built yet")
+    def write_on_accept(self, state: LayerState, slots: torch.Tensor, last_accepted: torch.Tensor) -> None:  # noqa: B027
+        pass
 
 
 class TransformerLayer(

@@ -29,6 +29,7 @@ from .kernels import conv1d as conv_kernels
 from .kernels import gdn as gdn_kernels
 from .kernels import linear as linear_kernels
 from .kernels import norm as norm_kernels
+from .kernels.gdn import state as gdn_state
 from .parallel import ParallelLayout, all_reduce
 
 
@@ -209,13 +210,29 @@ class GatedDeltaNet(nn.Module):
         off = self._offsets()
         num_decode = 0 if decode is None else decode.num_tokens
         conv_decode = conv_prefill = None
-        if decode is not None:
+        verify = decode is not None and decode.tokens_per_row > 1 and state.verify is not None
+        if decode is not None and decode.tokens_per_row == 1:
             conv_decode = conv_kernels.causal_conv1d_update(
                 x=mixed[:num_decode],
                 weight=conv_weight,
                 bias=None,
                 conv_state_pool=state.conv,
                 state_slots=decode.state_slots,
+                activation="silu",
+            )
+        elif decode is not None:  # k + 1 tokens a row (speculative verify): each row a short sequence
+            n, rows = decode.num_seqs, decode.tokens_per_row
+            if verify:  # what write-on-accept rebuilds the window from
+                state.verify_conv_windows[:n] = state.conv[decode.state_slots.long()]
+                state.verify_conv_inputs[:n] = mixed[:num_decode].view(n, rows, -1)
+            conv_decode = conv_kernels.causal_conv1d_varlen(
+                x=mixed[:num_decode],
+                weight=conv_weight,
+                bias=None,
+                cu_seqlens=torch.arange(0, num_decode + 1, rows, dtype=torch.int32, device=mixed.device),
+                conv_state_pool=state.conv,
+                state_slots=decode.state_slots,
+                has_initial_state=torch.ones(n, dtype=torch.bool, device=mixed.device),
                 activation="silu",
             )
         if ctx.prefill is not None:
@@ -228,6 +245,7 @@ class GatedDeltaNet(nn.Module):
                 state_slots=ctx.prefill.state_slots,
                 has_initial_state=ctx.prefill.has_initial_state,
                 activation="silu",
+                captures=ctx.midchunk_capture,
             )
         conv_out = join_rows(conv_decode, conv_prefill)
         q = conv_out[:, off["q"] : off["k"]].reshape(num_tokens, self.num_key_heads, self.key_head_dim)
@@ -251,6 +269,9 @@ class GatedDeltaNet(nn.Module):
                 state_pool=state.recurrent,
                 state_slots=decode.state_slots,
                 use_qk_l2norm=True,
+                # a verify keeps the slots' states and records each step; write_on_accept applies them
+                update_state=not verify,
+                verify_table=_rows(state.verify, n) if verify else None,
             ).view(num_decode, *v.shape[1:])
         if ctx.prefill is not None:
             g, beta = gdn_kernels.gdn_gating(a=a[num_decode:], b=b[num_decode:], A_log=self.A_log, dt_bias=self.dt_bias)
@@ -265,6 +286,38 @@ class GatedDeltaNet(nn.Module):
                 state_slots=ctx.prefill.state_slots,
                 has_initial_state=ctx.prefill.has_initial_state,
                 use_qk_l2norm=True,
+                captures=ctx.midchunk_capture,
             )
         core = join_rows(core_decode, core_prefill)
         return norm_kernels.gated_rms_norm(x=core, gate=z, weight=self.norm_weight, eps=self.eps)
+
+    # ---- speculative decoding -----------------------------------------------------------------
+    def verify_buffers(self, rows: int, length: int, device: torch.device | str, dtype: torch.dtype) -> dict:
+        """SsmLayerState's verify fields for up to `rows` verify rows of `length` tokens."""
+        return {
+            "verify": gdn_state.VerifyTable.empty(
+                rows, length, self.num_value_heads, self.key_head_dim, self.value_head_dim, device
+            ),
+            "verify_conv_windows": torch.zeros((rows, self.conv_dim, self.kernel_size - 1), dtype=dtype, device=device),
+            "verify_conv_inputs": torch.zeros((rows, length, self.conv_dim), dtype=dtype, device=device),
+        }
+
+    def write_on_accept(self, state: SsmLayerState, slots: torch.Tensor, last_accepted: torch.Tensor) -> None:
+        """After a verify pass of the first len(slots) rows: each slot keeps its state after the
+        row's last accepted token (replayed from the verify table), and the matching conv window."""
+        n = slots.shape[0]
+        gdn_state.accept_states(
+            state_pool=state.recurrent, state_slots=slots, table=_rows(state.verify, n), last_accepted=last_accepted
+        )
+        gdn_state.conv_accept(
+            conv_state_pool=state.conv,
+            state_slots=slots,
+            old_windows=state.verify_conv_windows[:n],
+            x=state.verify_conv_inputs[:n],
+            last_accepted=last_accepted,
+        )
+
+
+def _rows(table: gdn_state.VerifyTable, n: int) -> gdn_state.VerifyTable:
+    """The first n rows of a verify table (views)."""
+    return gdn_state.VerifyTable(table.k[:n], table.delta[:n], table.g[:n])

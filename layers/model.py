@@ -71,6 +71,10 @@ class DecoderLayer(TransformerLayer):
             return {name: (shape, None) for name, shape in self.mixer.state_shapes(block_size).items()}
         return self.mixer.state_shapes()
 
+    def write_on_accept(self, state: LayerState, slots: torch.Tensor, last_accepted: torch.Tensor) -> None:
+        if not self.is_attention:  # attention: rejected KV rows are overwritten by later passes
+            self.mixer.write_on_accept(state, slots, last_accepted)
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -198,6 +202,11 @@ class HybridModel(nn.Module):
             # each MoE block applies the norm after it in its last kernel: one launch fewer a layer
             hidden, residual, normed = layer(hidden, residual, ctx, state, input_normed=normed, next_norm=norm_after)
         return hidden if normed else add_rms_norm(hidden, residual, self.norm)[0]
+
+    def write_on_accept(self, states: list[LayerState], slots: torch.Tensor, last_accepted: torch.Tensor) -> None:
+        """After a verify pass: every layer keeps its state after each row's last accepted token."""
+        for layer, state in zip(self.layers, states, strict=True):
+            layer.write_on_accept(state, slots, last_accepted)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [R, vocab] in the weights' dtype for the rows given; gathered over TP ranks. The

@@ -161,3 +161,39 @@ def test_rerun_codec_reports_failure_instead_of_raising():
     plan, out = make_plan(), RunnerOutput(3, ["a"], [17])
     assert rerun_codec(plan=plan, plan_blob=encode_plan(plan), output=out, output_blob=encode_output(out))
     assert not rerun_codec(plan_blob=b"not a plan")
+
+
+def test_prefix_cache_tables_round_trip():
+    plan = _plan_with_tables()
+    back = decode_plan(encode_plan(plan))
+    for name in ("slot_saves", "slot_restores", "page_copies", "captures"):
+        assert np.array_equal(getattr(back, name), getattr(plan, name)), name
+
+
+def _plan_with_tables() -> PassPlan:
+    return PassPlan(
+        pass_id=3,
+        req_ids=["a", "b"],
+        num_decode_rows=1,
+        input_ids=np.array([5, 6, 7, 8], np.int32),
+        positions=np.array([9, 0, 1, 2], np.int32),
+        slot_mapping=np.array([9, 16, 17, 18], np.int64),
+        query_start_loc=np.array([0, 1, 4], np.int32),
+        seq_lens=np.array([10, 3], np.int32),
+        block_tables=np.array([[0], [1]], np.int32),
+        state_slots=np.array([0, 1], np.int32),
+        has_initial_state=np.array([True, False]),
+        sample_rows=np.array([True, True]),
+        prompt_logprob_rows=np.array([False, False]),
+        slot_saves=np.array([[2, 9]], np.int32),
+        slot_restores=np.array([[10, 1], [11, 0]], np.int32),
+        page_copies=np.array([[4, 1]], np.int32),
+        captures=np.array([[1, 2, 12]], np.int32),
+    )
+
+
+def test_malformed_table_is_rejected():
+    msg = msgpack.unpackb(encode_plan(_plan_with_tables()), raw=False)
+    msg["body"]["tables"]["captures"][0] = 5
+    with pytest.raises(WireError, match="captures"):
+        decode_plan(msgpack.packb(msg, use_bin_type=True))

@@ -13,6 +13,7 @@ import torch
 from deltaserve.cluster.plan import PassPlan
 from deltaserve.layers.base import AttnMetadata, BatchedAttnMetadata, ForwardContext
 from deltaserve.layers.config import ModelConfig
+from deltaserve.layers.kernels.gdn.state import StateCapture, StateCaptures
 from deltaserve.layers.parallel import ParallelLayout
 
 
@@ -176,4 +177,15 @@ def build_forward_context(
         decode=decode,
         prefill=prefill,
         logits_indices=logits_idx,
+        midchunk_capture=midchunk_captures(plan),
     )
+
+
+def midchunk_captures(plan: PassPlan) -> StateCaptures | None:
+    """The plan's GDN captures in the prefill chunk's own coordinates (its streams and their lengths)."""
+    if plan.captures is None or not len(plan.captures):
+        return None
+    nd = plan.num_decode_rows
+    lens = tuple(int(n) for n in np.diff(plan.query_start_loc[nd:]))
+    items = tuple(StateCapture(int(row) - nd, int(offset), int(slot)) for row, offset, slot in plan.captures)
+    return StateCaptures(items, lens)

@@ -34,7 +34,7 @@ from deltaserve.workers.state_pool import PoolSizes, StatePool, size_pools
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -42,6 +42,8 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"dtype: must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    if dtype == "float64" and not device.startswith("cpu"):
+        raise ValueError("dtype: float64 runs on the CPU only (reference runs)")
     return DTYPES[dtype]
 
 
@@ -61,6 +63,7 @@ class RunnerConfig:
     enable_cuda_graphs: bool = True  # decode passes replay captured graphs (CUDA only)
     cuda_graph_max_batch: int = 256
     time_passes: bool = False  # CUDA events around each pass (RunnerOutput.device_busy_s / device_gap_s)
+    num_prefix_snapshots: int | None = 0  # GDN snapshot slots (None: what 10% of the pool budget holds)
 
 
 class ModelRunner:
@@ -107,6 +110,7 @@ class ModelRunner:
             max_num_seqs=cfg.max_num_seqs,
             dtype=self.dtype,
             num_blocks_override=cfg.num_kv_blocks,
+            num_snapshots=cfg.num_prefix_snapshots,
         )
 
     def _gpu_budget(self) -> int:
@@ -227,6 +231,7 @@ class ModelRunner:
         for data in plan.new_requests:
             self.sampler.add(data)
         events = self._start_events()
+        self._copy_state(plan)
         logits, spans = self._forward(plan, self.pool, prev_tokens)
         # every TP rank samples (its logits are the full vocabulary after the all-gather, and its
         # sampler sees the same plans, seeds and counters): the next plan may read its decode input
@@ -269,6 +274,18 @@ class ModelRunner:
         handle = PassOutput(self, plan.pass_id, batch, copy, prompt_parts, started, events=events)
         self._unresolved.append(handle)
         return handle
+
+    def _copy_state(self, plan: PassPlan) -> None:
+        """The plan's prefix-cache copies, before its forward: snapshot saves, then restores (a slot
+        saved here may be handed to a resuming request in the same pass), then KV page copies."""
+        for pairs, copy in (
+            (plan.slot_saves, self.pool.copy_slots),
+            (plan.slot_restores, self.pool.copy_slots),
+            (plan.page_copies, self.pool.copy_pages),
+        ):
+            if pairs is not None and len(pairs):
+                src, dst = upload([pairs[:, 0], pairs[:, 1]], self.device)
+                copy(src, dst)
 
     def _start_events(self) -> tuple | None:
         """With config.time_passes on CUDA: (previous pass's end event or None, this pass's start
@@ -384,6 +401,25 @@ def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int) -> None
     out_of("slot_mapping", plan.slot_mapping, sizes.num_blocks * sizes.block_size, lo=-1)
     out_of("state_slots", plan.state_slots, sizes.num_slots)
     out_of("seq_lens", plan.seq_lens, plan.block_tables.shape[1] * sizes.block_size + 1, lo=1)
+    snapshots = (sizes.num_slots, sizes.total_slots)
+    for name, cols in (("slot_saves", (sizes.num_slots, snapshots)), ("slot_restores", (snapshots, sizes.num_slots))):
+        pairs = getattr(plan, name)
+        if pairs is not None and len(pairs):
+            (lo0, hi0), (lo1, hi1) = [c if isinstance(c, tuple) else (0, c) for c in cols]
+            out_of(name, pairs[:, 0], hi0, lo=lo0)
+            out_of(name, pairs[:, 1], hi1, lo=lo1)
+            if len(set(pairs[:, 1].tolist())) != len(pairs):
+                raise WireError(f"plan field '{name}' names a destination twice")
+    if plan.page_copies is not None and len(plan.page_copies):
+        out_of("page_copies", plan.page_copies, sizes.num_blocks)
+    if plan.captures is not None and len(plan.captures):
+        nd, starts = plan.num_decode_rows, plan.query_start_loc
+        rows = plan.captures[:, 0]
+        out_of("captures", rows, plan.num_rows, lo=nd)
+        out_of("captures", plan.captures[:, 2], sizes.total_slots, lo=sizes.num_slots)
+        lengths = starts[rows + 1] - starts[rows]
+        if (plan.captures[:, 1] < 0).any() or (plan.captures[:, 1] > lengths).any():
+            raise WireError("plan field 'captures' holds an offset outside its row's chunk")
 
 
 # Batches run once at start-up, besides the profiling pass (one prompt of max_num_batched_tokens), so

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..precision import acc_dtype
+
 
 def write_kv_cache(
     *,
@@ -63,9 +65,10 @@ def _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
             continue
         seq_len = int(seq_lens[n])
         q_len = end - start
-        keys = gather_kv(k_cache, block_tables[n], seq_len).float().repeat_interleave(group, dim=1)
-        values = gather_kv(v_cache, block_tables[n], seq_len).float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
+        acc = acc_dtype(q, k_cache)
+        keys = gather_kv(k_cache, block_tables[n], seq_len).to(acc).repeat_interleave(group, dim=1)
+        values = gather_kv(v_cache, block_tables[n], seq_len).to(acc).repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].to(acc), keys) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
         scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
@@ -90,5 +93,6 @@ def paged_decode_attention(
     cu = torch.arange(q.shape[0] + 1, device=q.device)
     if output_gate is None:
         return _attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, q.dtype)
-    out = _attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, torch.float32)
-    return (out * torch.sigmoid(output_gate.float())).to(q.dtype)
+    acc = acc_dtype(q, k_cache)
+    out = _attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, acc)
+    return (out * torch.sigmoid(output_gate.to(acc))).to(q.dtype)

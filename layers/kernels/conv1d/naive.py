@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..gdn.state import StateCaptures, conv_windows_at
+from ..precision import acc_dtype
+
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation is None:
@@ -28,10 +31,19 @@ def causal_conv1d_varlen(
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     activation: str | None = "silu",
+    captures: StateCaptures | None = None,
 ) -> torch.Tensor:
     """Prefill: x [T, C], weight [C, W], bias [C] or None, cu_seqlens [N + 1], conv_state_pool
     [S, C, W - 1], state_slots [N], has_initial_state [N] bool (False: the window is zeros).
     Returns y [T, C] in x's dtype and writes each sequence's last W - 1 inputs to its slot."""
+    if captures is not None:  # the windows at the captured offsets, before the slots move on
+        conv_windows_at(
+            x=x,
+            conv_state_pool=conv_state_pool,
+            state_slots=state_slots,
+            has_initial_state=has_initial_state,
+            captures=captures,
+        )
     width = weight.shape[1]
     y = torch.empty_like(x)
     bounds = cu_seqlens.tolist()
@@ -46,9 +58,9 @@ def causal_conv1d_varlen(
             window = x.new_zeros((x.shape[1], width - 1))
         seq = torch.cat([window, x[start:end].t()], dim=1)  # [C, W - 1 + L]
         out = F.conv1d(
-            seq.float().unsqueeze(0),
-            weight.float().unsqueeze(1),
-            None if bias is None else bias.float(),
+            seq.to(acc_dtype(x)).unsqueeze(0),
+            weight.to(acc_dtype(x)).unsqueeze(1),
+            None if bias is None else bias.to(acc_dtype(x)),
             groups=x.shape[1],
         )[0]
         y[start:end] = _activate(out, activation).t().to(x.dtype)
@@ -67,10 +79,11 @@ def causal_conv1d_update(
 ) -> torch.Tensor:
     """Decode: one new input per sequence. x [N, C]; returns y [N, C]; shifts each slot's window."""
     slots = state_slots.long()
-    window = conv_state_pool[slots].float()  # [N, C, W - 1]
-    seq = torch.cat([window, x.float().unsqueeze(-1)], dim=-1)  # [N, C, W]
-    out = (seq * weight.float().unsqueeze(0)).sum(dim=-1)
+    acc = acc_dtype(x)
+    window = conv_state_pool[slots].to(acc)  # [N, C, W - 1]
+    seq = torch.cat([window, x.to(acc).unsqueeze(-1)], dim=-1)  # [N, C, W]
+    out = (seq * weight.to(acc).unsqueeze(0)).sum(dim=-1)
     if bias is not None:
-        out = out + bias.float()
+        out = out + bias.to(acc)
     conv_state_pool[slots] = seq[:, :, 1:].to(conv_state_pool.dtype)
     return _activate(out, activation).to(x.dtype)

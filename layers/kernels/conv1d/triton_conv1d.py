@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..gdn.state import StateCaptures, conv_windows_at
 from ..gdn.varlen import locate_chunk
 from ..pdl import pdl_launch, pdl_wait
 
@@ -206,10 +207,16 @@ def causal_conv1d_varlen(
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     activation: str | None = "silu",
+    captures: StateCaptures | None = None,
 ) -> torch.Tensor:
     """Prefill: x [T, C] (rows may be strided), weight [C, W], bias [C] or None, cu_seqlens [N + 1],
     conv_state_pool [S, C, W - 1], state_slots [N], has_initial_state [N] bool (False: the window is
     zeros). Returns y [T, C] in x's dtype and writes each sequence's last W - 1 inputs to its slot."""
+    if captures is not None:  # the windows at the captured offsets, before the slots move on
+        conv_windows_at(
+            x=x, conv_state_pool=conv_state_pool, state_slots=state_slots, has_initial_state=has_initial_state,
+            captures=captures,
+        )
     silu = _check_activation(activation)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()

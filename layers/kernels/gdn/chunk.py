@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ..device import num_sms
+from .state import StateCaptures, plan_captures
 from .varlen import chunks_before, locate_chunk
 
 H200_SMS = 132  # interpreter runs pick the blocks the H200 would
@@ -371,6 +372,7 @@ def _state_kernel(
     gcum,
     o,
     chunk_states,
+    capture,
     pool,
     cu_seqlens,
     slots,
@@ -392,6 +394,7 @@ def _state_kernel(
     BLOCK_N: tl.constexpr,
     STORE_CHUNK_STATES: tl.constexpr,
     PREFETCH: tl.constexpr,
+    STORE_CAPTURE: tl.constexpr,
 ):
     """The fused sequential kernel (output inside the chunk loop). PREFETCH: the chunk's qscale and
     decay are loaded one chunk ahead (at the end of the previous iteration) instead of in the middle
@@ -418,8 +421,10 @@ def _state_kernel(
     k_init = tl.where(tl.load(has_initial_state + n) != 0, K, 0)
     p_pool = pool + slot * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
     state = tl.load(p_pool, mask=(o_k < k_init)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    if STORE_CHUNK_STATES or STORE_CAPTURE:
+        first = chunks_before(cu_seqlens, n, BT, BLOCK_N)
     if STORE_CHUNK_STATES:
-        p_cs = chunk_states + (chunks_before(cu_seqlens, n, BT, BLOCK_N) * HV + hv).to(tl.int64) * (K * V)
+        p_cs = chunk_states + (first * HV + hv).to(tl.int64) * (K * V)
         p_cs += o_k[:, None] * V + o_v[None, :]
     if PREFETCH:
         b_qs_next = tl.load(qscale + bos.to(tl.int64) * HV + hv + o_t * HV, mask=o_t < eos - bos, other=0.0)
@@ -457,6 +462,11 @@ def _state_kernel(
         state = state * decay + tl.dot(b_kd, v_new)
         if STORE_CHUNK_STATES:
             tl.store(p_cs + c * (HV * K * V), state, mask=m_kv)
+        if STORE_CAPTURE:  # a prefix-cache snapshot of the state after this chunk
+            dst = tl.load(capture + first + c).to(tl.int64)
+            if dst >= 0:
+                p_dst = pool + dst * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
+                tl.store(p_dst, state.to(pool.dtype.element_ty), mask=m_kv)
         if PREFETCH:
             # the next chunk's (the last chunk's again on the last iteration: always in bounds)
             t1 = bos + tl.minimum(c + 1, num_chunks - 1) * BT
@@ -477,6 +487,7 @@ def _recur_kernel(
     gcum,
     h,
     chunk_states,
+    capture,
     pool,
     cu_seqlens,
     slots,
@@ -497,6 +508,7 @@ def _recur_kernel(
     BT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STORE_CHUNK_STATES: tl.constexpr,
+    STORE_CAPTURE: tl.constexpr,
 ):
     """The split design's sequential kernel: only the recurrence. Per chunk it stores the state
     entering the chunk (h, input dtype) for _output_kernel, turns u into v_new = u - w S in place, and
@@ -549,6 +561,11 @@ def _recur_kernel(
         state = state * tl.exp(g_last_next) + tl.dot(tl.trans(b_k), v_scaled)
         if STORE_CHUNK_STATES:
             tl.store(p_cs + c * (HV * K * V), state, mask=m_kv)
+        if STORE_CAPTURE:  # a prefix-cache snapshot of the state after this chunk
+            dst = tl.load(capture + first + c).to(tl.int64)
+            if dst >= 0:
+                p_dst = pool + dst * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
+                tl.store(p_dst, state.to(pool.dtype.element_ty), mask=m_kv)
         # the next chunk's small vectors, fetched a chunk ahead (the last chunk's again at the end)
         t1 = bos + tl.minimum(c + 1, num_chunks - 1) * BT
         row1 = t1.to(tl.int64) * HV + hv
@@ -730,6 +747,7 @@ def chunk_gated_delta_rule(
     chunk_size: int = 64,
     chunk_states_out: list | None = None,
     variant: str | ChunkVariant | None = None,
+    captures: StateCaptures | None = None,
 ) -> torch.Tensor:
     """Chunked gated delta rule over varlen sequences; updates their pool slots in place.
 
@@ -739,6 +757,7 @@ def chunk_gated_delta_rule(
     [num_chunks, Hv, K, V] float32 tensor of the state after each chunk (this reads cu_seqlens on
     the host). Only chunk_size 64 is supported. q, k, v may be strided views (last dim contiguous).
     variant: a VARIANTS name or a ChunkVariant; None picks by pick_variant.
+    captures: also write the states they name into their pool slots (state.py); no host sync.
     """
     if chunk_size != CHUNK:
         raise ValueError(f"chunk_size must be {CHUNK}, got {chunk_size}")
@@ -770,6 +789,14 @@ def chunk_gated_delta_rule(
         chunk_states = torch.empty((max_chunks, num_v_heads, key_dim, value_dim), dtype=torch.float32, device=device)
     if num_seqs == 0:
         return out
+    plan = capture_arg = None
+    if captures is not None and captures.items:
+        plan = plan_captures(captures, CHUNK)
+        _store_initial_states(plan.initial_stores, state_pool, state_slots, has_initial_state)
+        capture_arg = torch.full((max_chunks,), -1, dtype=torch.int32)
+        for index, slot in plan.chunk_stores.items():
+            capture_arg[index] = slot
+        capture_arg = capture_arg.to(device, non_blocking=True)
 
     group = num_v_heads // num_k_heads
     bk = max(16, triton.next_power_of_2(key_dim))
@@ -795,6 +822,7 @@ def chunk_gated_delta_rule(
     seq_warps = cfg.num_warps or (4 if bv <= 32 else 8)
     seq_grid = (triton.cdiv(value_dim, bv) * num_seqs * num_v_heads,)
     cs_arg = w if chunk_states is None else chunk_states
+    cap_arg = cu_seqlens if capture_arg is None else capture_arg  # never read without captures
     # shared memory of the sequential loop (estimates above what sm_90 builds allocate): per stage its
     # tiles (split: w, k, u; fused: w, q, kd, scores, u), besides the state and v_new matmul operands
     esize = w.element_size()
@@ -803,10 +831,11 @@ def chunk_gated_delta_rule(
     stages = _stages_that_fit(cfg.num_stages, per_stage, fixed, device)
     if cfg.split:
         _recur_kernel[seq_grid](
-            k, w, u, qscale, gcum, h, cs_arg, state_pool, cu_seqlens, state_slots, has_initial_state, num_seqs,
+            k, w, u, qscale, gcum, h, cs_arg, cap_arg, state_pool, cu_seqlens, state_slots, has_initial_state,
+            num_seqs,
             k.stride(0), k.stride(1), *state_pool.stride(),
             HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BK=bk, BV=bv, BT=CHUNK, BLOCK_N=BLOCK_N,
-            STORE_CHUNK_STATES=chunk_states is not None,
+            STORE_CHUNK_STATES=chunk_states is not None, STORE_CAPTURE=capture_arg is not None,
             num_warps=seq_warps, num_stages=stages,
         )  # fmt: skip
         _output_kernel[(max_chunks, num_v_heads)](
@@ -818,13 +847,15 @@ def chunk_gated_delta_rule(
         )  # fmt: skip
     else:
         _state_kernel[seq_grid](
-            q, w, u, kd, scores, qscale, gcum, out, cs_arg, state_pool,
+            q, w, u, kd, scores, qscale, gcum, out, cs_arg, cap_arg, state_pool,
             cu_seqlens, state_slots, has_initial_state, num_seqs, q.stride(0), q.stride(1), *state_pool.stride(),
             HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BK=bk, BV=bv, BT=CHUNK, BLOCK_N=BLOCK_N,
-            STORE_CHUNK_STATES=chunk_states is not None, PREFETCH=cfg.prefetch,
+            STORE_CHUNK_STATES=chunk_states is not None, PREFETCH=cfg.prefetch, STORE_CAPTURE=capture_arg is not None,
             num_warps=seq_warps, num_stages=stages,
         )  # fmt: skip
 
+    if plan is not None:
+        _finish_captures(plan, captures, q, k, v, g, beta, state_pool, scale, use_qk_l2norm)
     if chunk_states_out is not None:
         counts = ((cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK).tolist()
         start = 0
@@ -832,3 +863,34 @@ def chunk_gated_delta_rule(
             chunk_states_out.append(chunk_states[start : start + count])
             start += count
     return out
+
+
+def _store_initial_states(stores, state_pool, state_slots, has_initial_state) -> None:
+    """Captures at a sequence's first token: its initial state (the slot's, or zeros), copied before
+    the kernels overwrite the slot. Device ops only."""
+    for seq, dst in stores:
+        src = state_pool[state_slots[seq].long()]
+        state_pool[dst] = torch.where(has_initial_state[seq].bool(), src, torch.zeros_like(src))
+
+
+def _finish_captures(plan, captures, q, k, v, g, beta, state_pool, scale, use_qk_l2norm) -> None:
+    """After the kernels: copies for captures that share a stored state, then the tokens between each
+    capture's chunk boundary and its offset, replayed on its slot by the recurrent kernel."""
+    from .recurrent import fused_recurrent_gated_delta_rule
+
+    for src, dst in plan.copies:
+        state_pool[dst] = state_pool[src]
+    starts = captures.starts()
+    for seq, first, count, dst in plan.replays:
+        rows = slice(starts[seq] + first, starts[seq] + first + count)
+        fused_recurrent_gated_delta_rule(
+            q=q[rows].unsqueeze(0),
+            k=k[rows].unsqueeze(0),
+            v=v[rows].unsqueeze(0),
+            g=g[rows].unsqueeze(0),
+            beta=beta[rows].unsqueeze(0),
+            state_pool=state_pool,
+            state_slots=torch.full((1,), dst, dtype=torch.int32, device=state_pool.device),
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+        )

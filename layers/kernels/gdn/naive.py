@@ -5,6 +5,10 @@ Layouts are token-major and varlen: the tokens of all sequences in a pass are co
 (`state_pool [S, Hv, K, V]`, float32) and each sequence names its slot in `state_slots [N]`.
 Value head `h` reads key/query head `h // (Hv // Hk)`.
 
+The recurrence runs in float64 (inputs and states are read and written in their own dtypes): the
+CPU path then gives the same result whether a state was reached chunk by chunk or captured mid-chunk
+and resumed (prefix caching), far below float32 resolution.
+
 Per head, with S the [K, V] state, q scaled by `scale` and q, k l2-normalised when asked:
     S_t = exp(g_t) * S_{t-1} + k_t u_t^T,   u_t = beta_t * (v_t - exp(g_t) * S_{t-1}^T k_t)
     o_t = S_t^T q_t
@@ -17,6 +21,10 @@ import torch.nn.functional as F
 
 from ..conv1d import naive as conv_naive
 from ..norm import naive as norm_naive
+from ..precision import acc_dtype
+from .state import StateCaptures, VerifyTable, plan_captures
+
+ACC = torch.float64  # the recurrence's accumulation dtype (see the module docstring)
 
 
 def gdn_gating(
@@ -32,8 +40,9 @@ def gdn_gating(
     [..., Hv] float32, g = -exp(A_log) * softplus(a + dt_bias) (log decay, <= 0; F.softplus with
     beta 1, threshold 20), beta = sigmoid(b).
     """
-    beta = torch.sigmoid(b.float())
-    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
+    acc = acc_dtype(a, b)
+    beta = torch.sigmoid(b.to(acc))
+    g = -torch.exp(A_log.to(acc)) * F.softplus(a.to(acc) + dt_bias.to(acc))
     return g, beta
 
 
@@ -54,9 +63,9 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _prepare(q, k, v, g, beta, scale, use_qk_l2norm):
-    """float32 copies with q, k expanded to the value heads: [T, Hv, K] and friends."""
+    """ACC copies with q, k expanded to the value heads: [T, Hv, K] and friends."""
     num_k_heads, num_v_heads = q.shape[1], v.shape[1]
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (t.to(ACC) for t in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     if num_v_heads != num_k_heads:
@@ -70,8 +79,8 @@ def _prepare(q, k, v, g, beta, scale, use_qk_l2norm):
 
 def _initial_state(state_pool, slot, has_initial_state, n, shape):
     if bool(has_initial_state[n]):
-        return state_pool[slot].float().clone()
-    return torch.zeros(shape, dtype=torch.float32, device=state_pool.device)
+        return state_pool[slot].to(ACC).clone()
+    return torch.zeros(shape, dtype=ACC, device=state_pool.device)
 
 
 def chunk_gated_delta_rule(
@@ -89,6 +98,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
     chunk_states_out: list | None = None,
+    captures: StateCaptures | None = None,
 ) -> torch.Tensor:
     """Chunked gated delta rule over varlen sequences; updates their pool slots in place.
 
@@ -97,28 +107,60 @@ def chunk_gated_delta_rule(
     from zeros, ignore the slot's old contents). Returns o: [T, Hv, V] in v's dtype.
     chunk_states_out, when a list, receives for each sequence a [num_chunks, Hv, K, V] tensor: the
     state after each chunk of `chunk_size` tokens counted from the sequence's first token here.
+    captures: also write the states they name into their slots (state.py: the state at the chunk
+    boundary at or before each offset, then the remaining tokens replayed one by one).
     """
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
-    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    out = torch.empty(v.shape, dtype=ACC, device=v.device)
     bounds = cu_seqlens.tolist()
     num_v_heads, key_dim, value_dim = vf.shape[1], qf.shape[-1], vf.shape[-1]
+    plan = None
+    if captures is not None and captures.items:
+        if list(captures.seq_lens) != [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]:
+            raise ValueError("captures: seq_lens differ from cu_seqlens")
+        plan = plan_captures(captures, chunk_size)
+        initial = dict(plan.initial_stores)
+    chunk_index = 0
     for n in range(len(bounds) - 1):
         start, end = bounds[n], bounds[n + 1]
         slot = int(state_slots[n])
         state = _initial_state(state_pool, slot, has_initial_state, n, (num_v_heads, key_dim, value_dim))
+        if plan is not None and n in initial:
+            state_pool[initial[n]] = state.to(state_pool.dtype)
         per_chunk = []
         for c0 in range(start, end, chunk_size):
             c1 = min(c0 + chunk_size, end)
             o_chunk, state = _chunk_step(qf[c0:c1], kf[c0:c1], vf[c0:c1], gf[c0:c1], bf[c0:c1], state)
             out[c0:c1] = o_chunk
             per_chunk.append(state.clone())
+            if plan is not None and chunk_index in plan.chunk_stores:
+                state_pool[plan.chunk_stores[chunk_index]] = state.to(state_pool.dtype)
+            chunk_index += 1
         if end > start:
             state_pool[slot] = state.to(state_pool.dtype)
         if chunk_states_out is not None:
             chunk_states_out.append(
                 torch.stack(per_chunk) if per_chunk else state.new_zeros((0, num_v_heads, key_dim, value_dim))
             )
+    if plan is not None:
+        for src, dst in plan.copies:
+            state_pool[dst] = state_pool[src]
+        for n, first, count, dst in plan.replays:
+            rows = slice(bounds[n] + first, bounds[n] + first + count)
+            state = state_pool[dst].to(ACC)
+            for t in range(rows.start, rows.stop):
+                state, _ = _recurrent_step(state, kf[t], vf[t], gf[t], bf[t])
+            state_pool[dst] = state.to(state_pool.dtype)
     return out.to(v.dtype)
+
+
+def _recurrent_step(state, k, v, g, beta):
+    """One token of the recurrence for all heads: state [H, K, V] (or [N, H, K, V] with k [N, H, K]);
+    k [H, K]; v [H, V]; g, beta [H]. Returns (new state, delta [H, V])."""
+    state = state * g.exp()[..., None, None]
+    predicted = (state * k[..., :, None]).sum(dim=-2)  # S^T k
+    delta = beta[..., None] * (v - predicted)
+    return state + k[..., :, None] * delta[..., None, :], delta
 
 
 def _chunk_step(q, k, v, g, beta, state):
@@ -156,6 +198,7 @@ def fused_recurrent_gated_delta_rule(
     use_qk_l2norm: bool = True,
     intermediate_states_out: torch.Tensor | None = None,
     update_state: bool = True,
+    verify_table: VerifyTable | None = None,
     a: torch.Tensor | None = None,
     b: torch.Tensor | None = None,
     A_log: torch.Tensor | None = None,
@@ -167,6 +210,7 @@ def fused_recurrent_gated_delta_rule(
     state_slots: [N]. Decode is L = 1; verifying k speculative drafts is L = k. Returns
     o: [N, L, Hv, V] in v's dtype. intermediate_states_out ([N, L, Hv, K, V]), when given, receives
     the state after each token; update_state writes the state after the last token to the slot.
+    verify_table, when given, receives each token's step (state.py) for write-on-accept.
     Raw gates: instead of g and beta, a and b ([N, L, Hv], any float dtype and strides) with A_log
     and dt_bias ([Hv]); g and beta are then gdn_gating's.
     """
@@ -175,15 +219,16 @@ def fused_recurrent_gated_delta_rule(
     n_seqs, length = q.shape[:2]
     flat = [t.reshape(n_seqs * length, *t.shape[2:]) for t in (q, k, v, g, beta)]
     qf, kf, vf, gf, bf = (t.reshape(n_seqs, length, *t.shape[1:]) for t in _prepare(*flat, scale, use_qk_l2norm))
-    out = torch.empty(vf.shape, dtype=torch.float32, device=v.device)
+    out = torch.empty(vf.shape, dtype=ACC, device=v.device)
     slots = state_slots.long()
-    state = state_pool[slots].float()  # [N, Hv, K, V]
+    state = state_pool[slots].to(ACC)  # [N, Hv, K, V]
     for t in range(length):
-        state = state * gf[:, t].exp()[..., None, None]
-        predicted = (state * kf[:, t, :, :, None]).sum(dim=-2)  # S^T k: [N, Hv, V]
-        delta = bf[:, t, :, None] * (vf[:, t] - predicted)
-        state = state + kf[:, t, :, :, None] * delta[:, :, None, :]
+        state, delta = _recurrent_step(state, kf[:, t], vf[:, t], gf[:, t], bf[:, t])
         out[:, t] = (state * qf[:, t, :, :, None]).sum(dim=-2)
+        if verify_table is not None:
+            verify_table.k[:, t] = kf[:, t]
+            verify_table.delta[:, t] = delta
+            verify_table.g[:, t] = gf[:, t]
         if intermediate_states_out is not None:
             intermediate_states_out[:, t] = state.to(intermediate_states_out.dtype)
     if update_state:

@@ -26,6 +26,7 @@ import triton.language as tl
 from ..pdl import pdl_launch, pdl_wait
 from .gating import gate_values
 from .naive import raw_gate_form
+from .state import VerifyTable
 
 BLOCK_V = 32  # 32 float32 columns: each state row segment is one 128-byte line
 
@@ -78,6 +79,9 @@ def _recurrent_kernel(
     pool,
     slots,
     inter,
+    wy_k,
+    wy_delta,
+    wy_g,
     scale,
     length,
     stride_qn,
@@ -116,6 +120,7 @@ def _recurrent_kernel(
     ONE_PASS: tl.constexpr,
     ROW_STRIDES: tl.constexpr,
     RAW_GATE: tl.constexpr,
+    STORE_WY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -178,6 +183,12 @@ def _recurrent_kernel(
             state = state + b_k[:, None] * delta[None, :]
             b_o = tl.sum(state * (b_q * scale)[:, None], 0)
         tl.store(p_o + t * HV * V, b_o.to(o.dtype.element_ty), mask=m_v)
+        if STORE_WY:  # the step write-on-accept replays: contiguous [N, L, Hv, *] tables
+            wy_row = (n64 * length + t) * HV + hv
+            tl.store(wy_delta + wy_row * V + o_v, delta, mask=m_v)
+            if i_v == 0:
+                tl.store(wy_k + wy_row * K + o_k, b_k, mask=m_k)
+                tl.store(wy_g + wy_row, b_g)
         if STORE_INTERMEDIATE:
             tl.store(p_i + t * stride_il, state.to(inter.dtype.element_ty), mask=m_kv)
     if UPDATE_STATE:
@@ -197,6 +208,7 @@ def fused_recurrent_gated_delta_rule(
     use_qk_l2norm: bool = True,
     intermediate_states_out: torch.Tensor | None = None,
     update_state: bool = True,
+    verify_table: VerifyTable | None = None,
     variant: str | RecurrentVariant | None = None,
     a: torch.Tensor | None = None,
     b: torch.Tensor | None = None,
@@ -228,17 +240,21 @@ def fused_recurrent_gated_delta_rule(
         return out
     # without intermediate states the pool stands in as a (never written) pointer argument
     inter = intermediate_states_out if intermediate_states_out is not None else state_pool
+    wy = verify_table
+    if wy is not None and tuple(wy.k.shape[:2]) != (num_seqs, length):
+        raise ValueError(f"verify_table: rows {tuple(wy.k.shape[:2])} differ from the call's ({num_seqs}, {length})")
     row_strides = cfg.row_strides and all(t.stride(-1) == 1 and t.stride(-2) == value_dim for t in (state_pool, inter))
     bv = min(cfg.block_v, max(16, triton.next_power_of_2(value_dim)))
     grid = (num_seqs * num_v_heads * triton.cdiv(value_dim, bv),)
     _recurrent_kernel[grid](
-        q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_slots, inter, scale, length,
+        q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_slots, inter,
+        *((wy.k, wy.delta, wy.g) if wy is not None else (out, out, out)), scale, length,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(), *state_pool.stride(),
         inter.stride(0), inter.stride(1) if intermediate_states_out is not None else 0, *inter.stride()[-3:],
         HV=num_v_heads, GROUP=num_v_heads // num_k_heads, K=key_dim, V=value_dim,
         BK=max(16, triton.next_power_of_2(key_dim)), BV=bv, L2NORM=use_qk_l2norm,
         STORE_INTERMEDIATE=intermediate_states_out is not None, UPDATE_STATE=update_state, ONE_PASS=cfg.one_pass,
-        ROW_STRIDES=row_strides, RAW_GATE=raw_gate, num_warps=cfg.num_warps,
+        ROW_STRIDES=row_strides, RAW_GATE=raw_gate, STORE_WY=wy is not None, num_warps=cfg.num_warps,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
         **pdl_launch(q),
     )  # fmt: skip

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from ..precision import acc_dtype
+
 
 def linear(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) accumulated in float32, returned in x's dtype.
     x: [M, K]; weight: [N, K]; bias: [N] -> [M, N]."""
-    out = x.float() @ weight.float().t()
+    acc = acc_dtype(x)
+    out = x.to(acc) @ weight.to(acc).t()
     if bias is not None:
-        out = out + bias.float()
+        out = out + bias.to(acc)
     return out.to(x.dtype)

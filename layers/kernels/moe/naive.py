@@ -12,6 +12,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..precision import acc_dtype
+
 
 class SharedExpert(NamedTuple):
     """The shared expert's part of an MoE block, for fused_moe: gate_up [T, 2 * I] (the gate then
@@ -72,7 +74,7 @@ def route_topk_softmax(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts (float32), top-k, optional renormalisation.
     router_logits: [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int64)."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
+    probs = torch.softmax(router_logits.to(acc_dtype(router_logits)), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -96,17 +98,18 @@ def fused_moe(
     hidden: [T, H]; topk_weights, topk_ids: [T, top_k]. Returns [T, H] in hidden's dtype, or with
     add_norm the next norm of it (NormedOut)."""
     num_local, inter = w13.shape[0], w2.shape[2]
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    acc = acc_dtype(hidden)
+    out = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
     local_ids = topk_ids - expert_offset
     for e in torch.unique(local_ids).tolist():
         if not 0 <= e < num_local:
             continue
         token_idx, k_idx = torch.where(local_ids == e)
-        x = hidden[token_idx].float()
-        gate_up = x @ w13[e].float().t()
+        x = hidden[token_idx].to(acc)
+        gate_up = x @ w13[e].to(acc).t()
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = act @ w2[e].float().t()
-        out.index_add_(0, token_idx, y * topk_weights[token_idx, k_idx, None].float())
+        y = act @ w2[e].to(acc).t()
+        out.index_add_(0, token_idx, y * topk_weights[token_idx, k_idx, None].to(acc))
     if shared is not None:
         check_shared(shared, hidden.shape[0], hidden.shape[1])
         return apply_add_norm(shared_expert_combine(routed=out, **shared._asdict()).to(hidden.dtype), add_norm)
@@ -141,6 +144,7 @@ def shared_expert_combine(
     routed: [T, H]; gate_up: [T, 2 * I] (gate columns then up); w2: [H, I]; gate_logit: [T, 1].
     Returns [T, H] in routed's dtype."""
     inter = w2.shape[1]
-    act = F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
-    shared = act @ w2.float().t()
-    return (routed.float() + torch.sigmoid(gate_logit.float()) * shared).to(routed.dtype)
+    acc = acc_dtype(routed, gate_up)
+    act = F.silu(gate_up[:, :inter].to(acc)) * gate_up[:, inter:].to(acc)
+    shared = act @ w2.to(acc).t()
+    return (routed.to(acc) + torch.sigmoid(gate_logit.to(acc)) * shared).to(routed.dtype)

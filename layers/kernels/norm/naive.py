@@ -5,13 +5,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..precision import acc_dtype
+
 
 def rms_norm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = True) -> torch.Tensor:
     """x / rms(x) * (1 + weight) when zero_centered (the Qwen3-Next / Qwen3.5 norms), else * weight.
     Computed in float32, returned in x's dtype. x: [..., D]; weight: [D]."""
-    xf = x.float()
+    acc = acc_dtype(x)
+    xf = x.to(acc)
     y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    scale = 1.0 + weight.float() if zero_centered else weight.float()
+    scale = 1.0 + weight.to(acc) if zero_centered else weight.to(acc)
     return (y * scale).to(x.dtype)
 
 
@@ -25,9 +28,10 @@ def fused_add_rms_norm(
 
 def gated_rms_norm(*, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The GDN output norm: rms_norm(x) * weight * silu(gate), per head. x, gate: [..., D]."""
-    xf = x.float()
+    acc = acc_dtype(x)
+    xf = x.to(acc)
     y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (weight.float() * y * F.silu(gate.float())).to(x.dtype)
+    return (weight.to(acc) * y * F.silu(gate.to(acc))).to(x.dtype)
 
 
 def embed_rms_norm(

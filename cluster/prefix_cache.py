@@ -1,0 +1,391 @@
+"""Prefix caching for hybrid models: KV pages by block hash, GDN state by snapshot, at any token offset.
+
+KV: a full block of `block_size` tokens is identified by a hash chained over every token up to its end
+(and the request's cache key: LoRA adapter, salt). Pages are reference-counted; a cached page nobody
+holds stays findable until it is the least recently used one a new allocation needs.
+
+GDN: attention can reuse any cached page, but a GDN layer's state is a running summary that exists
+only where it was saved. A snapshot is every GDN layer's state (recurrent + conv window) after
+position p, in a slot of the snapshot pool, keyed by (hash of the blocks before p's block, the tokens
+from that block's start to p). A request resumes from the longest snapshot whose tokens it shares
+and whose KV it can get: the pages of its matched full blocks, plus, when p falls inside the first
+unmatched block, the snapshot's own copy of that partly filled page. It recomputes only the tokens
+after p. Snapshots are taken (`CapturePolicy`) at intervals along prefills, at a prompt's last block
+boundary and its end, where a prompt diverges from cached tokens (so the next request that shares
+exactly that prefix hits all of it), and when a request finishes or is preempted.
+
+This module keeps the index and the reference counts; the scheduler decides when to look up, capture
+and save, and a pass's plan carries the copies and captures the workers perform.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+_HASH_BYTES = 16
+
+
+def root_hash(cache_key: str = "") -> bytes:
+    """The chain's start for requests of one cache key (adapter, salt): different keys never share."""
+    return hashlib.sha256(b"deltaserve-prefix\x00" + cache_key.encode()).digest()[:_HASH_BYTES]
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    data = parent + b"".join(int(t).to_bytes(4, "little", signed=False) for t in tokens)
+    return hashlib.sha256(data).digest()[:_HASH_BYTES]
+
+
+@dataclass(frozen=True)
+class CapturePolicy:
+    """Where prefills and finished requests leave GDN snapshots."""
+
+    interval: int = 1024  # every this many tokens along a prefill (0: never); a multiple of the block size
+    prompt_end: bool = True  # the end of each prompt
+    last_block: bool = True  # the last block boundary before a prompt's last token (exact resends)
+    divergence: bool = True  # where a prompt stops matching cached tokens
+    finish: bool = True  # a finished or preempted request's state (multi-turn: the next turn resends it)
+
+    @classmethod
+    def parse(cls, spec: str, interval: int) -> CapturePolicy:
+        """'all', 'none' or a comma list of prompt_end, last_block, divergence, finish, interval."""
+        names = ("prompt_end", "last_block", "divergence", "finish", "interval")
+        spec = spec.strip()
+        chosen = (
+            set(names) if spec == "all" else set() if spec in ("none", "") else {s.strip() for s in spec.split(",")}
+        )
+        unknown = chosen - set(names)
+        if unknown:
+            raise ValueError(
+                f"prefix_snapshot_policy: unknown point {sorted(unknown)[0][:32]!r} (one of {', '.join(names)})"
+            )
+        return cls(
+            interval=interval if "interval" in chosen else 0,
+            **{name: name in chosen for name in names if name != "interval"},
+        )
+
+
+@dataclass
+class Snapshot:
+    slot: int
+    position: int
+    key: tuple[bytes, tuple[int, ...]]
+    tail_page: int | None  # the page holding tokens [block start, position), when position is mid-block
+
+
+@dataclass
+class CacheStats:
+    queries: int = 0  # prompts looked up
+    query_tokens: int = 0
+    hit_tokens: int = 0  # tokens skipped (num_cached_tokens summed)
+    hits: int = 0  # lookups that skipped at least one token
+    snapshots_taken: int = 0
+    snapshots_evicted: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@dataclass
+class Hit:
+    """What a lookup found: resume at `position` (tokens skipped) with these shared pages, the
+    snapshot to restore, the page to copy for the partly filled block (if any), and where the
+    request's tokens stop matching cached ones (`divergence`, for the divergence capture)."""
+
+    position: int
+    pages: list[int]
+    snapshot: Snapshot | None
+    copy_tail: bool
+    divergence: int
+
+
+class PageCache:
+    """Reference counts and block hashes of the KV pages. Page `reserved` (the last) is scratch for
+    padded rows and never handed out. Pages that only snapshots hold count as free: when nothing
+    else is left, `reclaim` (set by the snapshot cache) evicts such a snapshot to release one."""
+
+    def __init__(self, num_blocks: int, block_size: int, enabled: bool):
+        if num_blocks < 2:
+            raise ValueError(f"need at least 2 KV pages, got {num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.reserved = num_blocks - 1
+        self.enabled = enabled
+        self._free = list(range(num_blocks - 2, -1, -1))  # uncached, unreferenced; pop() hands out low pages first
+        self._ref = [0] * num_blocks
+        self._snap_ref = [0] * num_blocks  # the part of _ref that snapshots hold
+        self._only_snapshots: set[int] = set()  # pages with references, all of them from snapshots
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self._hash_of: dict[int, bytes] = {}
+        self._page_of: dict[bytes, int] = {}
+        # parent hash -> {page: its tokens}: the cached blocks that continue a chain (divergence points)
+        self._children: dict[bytes, dict[int, tuple[int, ...]]] = {}
+        self._parent_of: dict[int, bytes] = {}
+        self.reclaim = None  # () -> bool: release a page that only snapshots hold
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + len(self._evictable) + len(self._only_snapshots)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._page_of)
+
+    def allocate(self) -> int:
+        while not self._free and not self._evictable and self._only_snapshots and self.reclaim is not None:
+            if not self.reclaim():
+                break
+        if self._free:
+            page = self._free.pop()
+        elif self._evictable:
+            page, _ = self._evictable.popitem(last=False)
+            self._forget(page)
+        else:
+            raise RuntimeError("out of KV pages")
+        self._ref[page] = 1
+        return page
+
+    def hold(self, page: int, by_snapshot: bool = False) -> None:
+        if self._ref[page] == 0:
+            self._evictable.pop(page, None)
+        self._ref[page] += 1
+        if by_snapshot:
+            self._snap_ref[page] += 1
+        self._update_only_snapshots(page)
+
+    def release(self, page: int, by_snapshot: bool = False) -> None:
+        self._ref[page] -= 1
+        if by_snapshot:
+            self._snap_ref[page] -= 1
+        self._update_only_snapshots(page)
+        if self._ref[page] == 0:
+            if page in self._hash_of:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)
+
+    def _update_only_snapshots(self, page: int) -> None:
+        if self._ref[page] and self._ref[page] == self._snap_ref[page]:
+            self._only_snapshots.add(page)
+        else:
+            self._only_snapshots.discard(page)
+
+    def reclaimable(self, page: int) -> bool:
+        return page in self._only_snapshots
+
+    def counts_as_free(self, page: int) -> bool:
+        """Whether holding this page takes one from num_free (nothing but snapshots hold it)."""
+        return self._ref[page] == 0 or page in self._only_snapshots
+
+    def _forget(self, page: int) -> None:
+        h = self._hash_of.pop(page, None)
+        if h is not None:
+            self._page_of.pop(h, None)
+            parent = self._parent_of.pop(page)
+            children = self._children.get(parent)
+            if children is not None:
+                children.pop(page, None)
+                if not children:
+                    del self._children[parent]
+
+    def register(self, page: int, parent: bytes, h: bytes, tokens: tuple[int, ...]) -> None:
+        """Page `page` now holds the full block with hash h (computed in a pass already planned)."""
+        if not self.enabled or h in self._page_of or page in self._hash_of:
+            return
+        self._page_of[h] = page
+        self._hash_of[page] = h
+        self._parent_of[page] = parent
+        self._children.setdefault(parent, {})[page] = tokens
+
+    def lookup(self, h: bytes) -> int | None:
+        return self._page_of.get(h)
+
+    def children(self, parent: bytes) -> dict[int, tuple[int, ...]]:
+        return self._children.get(parent, {})
+
+    def reset(self) -> int:
+        """Forget every cached block: unreferenced ones become plain free pages, referenced ones keep
+        their contents but are no longer findable. Returns how many were forgotten."""
+        dropped = len(self._page_of)
+        for page in list(self._evictable):
+            self._forget(page)
+            self._free.append(page)
+        self._evictable.clear()
+        for page in list(self._hash_of):
+            self._forget(page)
+        return dropped
+
+
+class SnapshotCache:
+    """GDN snapshot slots [first_slot, first_slot + count) and their index, least recently used first."""
+
+    def __init__(self, first_slot: int, count: int, pages: PageCache):
+        self.first_slot = first_slot
+        self.count = count
+        self.pages = pages
+        self._free = list(range(first_slot + count - 1, first_slot - 1, -1))
+        self._lru: OrderedDict[tuple[bytes, tuple[int, ...]], Snapshot] = OrderedDict()
+        self._by_chain: dict[bytes, dict[tuple[int, ...], Snapshot]] = {}
+        self.stats = CacheStats()
+        pages.reclaim = self._reclaim_page
+
+    def _reclaim_page(self) -> bool:
+        """Evict the least recently used snapshot whose partly filled page nothing else holds."""
+        for key, snap in self._lru.items():
+            if snap.tail_page is not None and self.pages.reclaimable(snap.tail_page):
+                del self._lru[key]
+                self._drop(snap)
+                self._free.append(snap.slot)
+                self.stats.snapshots_evicted += 1
+                return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def get(self, key: tuple[bytes, tuple[int, ...]]) -> Snapshot | None:
+        return self._lru.get(key)
+
+    def take(self, key: tuple[bytes, tuple[int, ...]], position: int, tail_page: int | None) -> Snapshot | None:
+        """A slot for a new snapshot under `key` (evicting the least recently used one if none is
+        free), holding `tail_page` until the snapshot goes; None when there are no snapshot slots."""
+        if self.count == 0:
+            return None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            _, old = self._lru.popitem(last=False)
+            self._drop(old)
+            self.stats.snapshots_evicted += 1
+            slot = old.slot
+        if tail_page is not None:
+            self.pages.hold(tail_page, by_snapshot=True)
+        snap = Snapshot(slot, position, key, tail_page)
+        self._lru[key] = snap
+        self._by_chain.setdefault(key[0], {})[key[1]] = snap
+        self.stats.snapshots_taken += 1
+        return snap
+
+    def _drop(self, snap: Snapshot) -> None:
+        chain = self._by_chain.get(snap.key[0])
+        if chain is not None:
+            chain.pop(snap.key[1], None)
+            if not chain:
+                del self._by_chain[snap.key[0]]
+        if snap.tail_page is not None:
+            self.pages.release(snap.tail_page, by_snapshot=True)
+
+    def touch(self, snap: Snapshot) -> None:
+        self._lru.move_to_end(snap.key)
+
+    def at_chain(self, chain: bytes) -> dict[tuple[int, ...], Snapshot]:
+        return self._by_chain.get(chain, {})
+
+    def reset(self) -> int:
+        dropped = len(self._lru)
+        for snap in self._lru.values():
+            self._drop(snap)
+            self._free.append(snap.slot)
+        self._lru.clear()
+        return dropped
+
+
+@dataclass
+class RequestHashes:
+    """A request's chain: hashes[i] covers tokens [0, (i + 1) * block_size); root for position 0."""
+
+    root: bytes
+    hashes: list[bytes] = field(default_factory=list)
+    registered: int = 0  # leading blocks already offered to the page index
+
+    def extend(self, tokens: Sequence[int], block_size: int, upto: int) -> None:
+        """Hash the full blocks among the first `upto` tokens."""
+        while (len(self.hashes) + 1) * block_size <= upto:
+            j = len(self.hashes)
+            parent = self.hashes[-1] if self.hashes else self.root
+            self.hashes.append(block_hash(parent, tokens[j * block_size : (j + 1) * block_size]))
+
+    def chain(self, blocks: int) -> bytes:
+        """The hash of the first `blocks` blocks (the root for none)."""
+        return self.hashes[blocks - 1] if blocks else self.root
+
+
+class PrefixCache:
+    """The index the scheduler consults: pages by block hash and GDN snapshots by position."""
+
+    def __init__(self, pages: PageCache, snapshots: SnapshotCache, policy: CapturePolicy):
+        self.pages = pages
+        self.snapshots = snapshots
+        self.policy = policy
+        self.block_size = pages.block_size
+
+    @property
+    def enabled(self) -> bool:
+        return self.pages.enabled and self.snapshots.count > 0
+
+    @property
+    def stats(self) -> CacheStats:
+        return self.snapshots.stats
+
+    def snapshot_key(
+        self, hashes: RequestHashes, tokens: Sequence[int], position: int
+    ) -> tuple[bytes, tuple[int, ...]]:
+        block = position // self.block_size
+        hashes.extend(tokens, self.block_size, position)
+        return hashes.chain(block), tuple(tokens[block * self.block_size : position])
+
+    def lookup(self, hashes: RequestHashes, tokens: Sequence[int]) -> Hit:
+        """The best place for a request with these tokens to resume (at most the last token is left
+        to compute). Position 0 (no hit) when no snapshot fits."""
+        bs = self.block_size
+        limit = len(tokens) - 1
+        hashes.extend(tokens, bs, len(tokens))
+        pages: list[int] = []
+        for h in hashes.hashes[: limit // bs]:
+            page = self.pages.lookup(h)
+            if page is None:
+                break
+            pages.append(page)
+        matched = len(pages)
+        best: Snapshot | None = None
+        for j in range(matched, -1, -1):
+            for tail, snap in self.snapshots.at_chain(hashes.chain(j)).items():
+                position = j * bs + len(tail)
+                if position > limit or (best is not None and position <= best.position):
+                    continue
+                if tuple(tokens[j * bs : position]) != tail:
+                    continue
+                if j == matched and tail and snap.tail_page is None:
+                    continue  # its partly filled block is neither cached nor kept with it
+                best = snap
+            if best is not None:
+                break
+        divergence = matched * bs + self._common_tail(hashes.chain(matched), tokens[matched * bs : matched * bs + bs])
+        if best is None:
+            return Hit(0, [], None, False, divergence)
+        position = best.position
+        copy_tail = position > matched * bs
+        return Hit(position, pages, best, copy_tail, divergence)
+
+    def _common_tail(self, chain: bytes, tokens: Sequence[int]) -> int:
+        """The longest run of `tokens` that a cached block or snapshot continuing `chain` starts with."""
+        best = 0
+        candidates = list(self.pages.children(chain).values()) + list(self.snapshots.at_chain(chain))
+        for cached in candidates:
+            n = 0
+            for a, b in zip(cached, tokens, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return best
+
+    def reset(self) -> tuple[int, int]:
+        return self.pages.reset(), self.snapshots.reset()

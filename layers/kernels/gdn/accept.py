@@ -1,0 +1,83 @@
+"""Write-on-accept in Triton; same contract as state.accept_states_naive.
+
+One program per (row, value head, V-block) loads its [K, BV] float32 state tile from the slot, replays
+the accepted verify steps (state = exp(g) state + k delta^T, the verify kernel's own update) and
+stores it back. The accepted count is read on the device, so the step needs no host round trip.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .state import VerifyTable
+
+BLOCK_V = 64
+
+
+@triton.jit(do_not_specialize=["slots", "last_accepted"])
+def _accept_kernel(
+    pool,
+    slots,
+    last_accepted,
+    wy_k,
+    wy_delta,
+    wy_g,
+    length,
+    stride_ps,
+    stride_ph,
+    stride_pk,
+    stride_pv,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    NV = tl.cdiv(V, BV)
+    i_v = pid % NV
+    hv = pid // NV % HV
+    n = pid // NV // HV
+    last = tl.load(last_accepted + n).to(tl.int32)
+    if last < 0:
+        return
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    slot = tl.load(slots + n).to(tl.int64)
+    p_pool = pool + slot * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
+    state = tl.load(p_pool, mask=m_kv, other=0.0).to(tl.float32)
+    n64 = n.to(tl.int64)
+    for t in range(0, last + 1):
+        row = (n64 * length + t) * HV + hv
+        b_k = tl.load(wy_k + row * K + o_k, mask=m_k, other=0.0)
+        b_d = tl.load(wy_delta + row * V + o_v, mask=m_v, other=0.0)
+        b_g = tl.load(wy_g + row)
+        state = state * tl.exp(b_g)
+        state = state + b_k[:, None] * b_d[None, :]
+    tl.store(p_pool, state.to(pool.dtype.element_ty), mask=m_kv)
+
+
+def accept_states(
+    *,
+    state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    table: VerifyTable,
+    last_accepted: torch.Tensor,
+) -> None:
+    """See state.accept_states."""
+    num_rows, length, num_v_heads, key_dim = table.k.shape
+    value_dim = table.delta.shape[-1]
+    if num_rows == 0:
+        return
+    bv = min(BLOCK_V, max(16, triton.next_power_of_2(value_dim)))
+    grid = (num_rows * num_v_heads * triton.cdiv(value_dim, bv),)
+    _accept_kernel[grid](
+        state_pool, state_slots, last_accepted, table.k, table.delta, table.g, length, *state_pool.stride(),
+        HV=num_v_heads, K=key_dim, V=value_dim, BK=max(16, triton.next_power_of_2(key_dim)), BV=bv,
+        num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,218 @@
+"""GDN state at positions other than "after the last token": what prefix caching and speculative
+decoding share.
+
+Captures (prefix caching, the seed's MidchunkCapture): a prefill pass also writes the recurrent state
+after `offset` tokens of one of its sequences into another pool slot (a snapshot slot). The chunked
+kernel stores the state at the 64-token boundary at or before the offset; the tokens after that
+boundary are replayed token by token from there, so a capture never changes how the sequence itself is
+chunked (its outputs are the same with and without captures). The conv window at the offset is the
+last W - 1 inputs before it (`conv_windows_at`), taken before the conv kernel updates the slot.
+
+Verify tables (speculative decoding, the seed's VERIFY_WY tables): a verify over L = k + 1 tokens
+leaves each slot's state as it was and writes, per token, what one recurrent step adds: the
+l2-normalised key, the delta (beta (v - S'^T k) with S' the decayed state) and the log decay. With
+S_0 the slot's state, the state after token a is
+    S_a = exp(g_a) S_{a-1} + k_a delta_a^T,
+so accepting a + 1 tokens replays a + 1 rank-one steps on the slot (`accept_states`, the seed's
+write-on-accept): no recomputation, and no table of full [K, V] states (L x K x V floats a head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# the verify tables hold the slot's state plus up to this many intermediates (k <= 15 drafts)
+VERIFY_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class StateCapture:
+    """Write the state after `offset` tokens of sequence `seq` (counted from its first token in this
+    pass; 0 <= offset <= its length here) into pool slot `slot`."""
+
+    seq: int
+    offset: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class StateCaptures:
+    """The captures of one prefill op call, with the host-side length of each of its sequences (so
+    that the kernels locate chunks without reading cu_seqlens back from the device)."""
+
+    items: tuple[StateCapture, ...]
+    seq_lens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for c in self.items:
+            if not 0 <= c.seq < len(self.seq_lens):
+                raise ValueError(f"capture sequence {c.seq} is outside the pass's {len(self.seq_lens)} sequences")
+            if not 0 <= c.offset <= self.seq_lens[c.seq]:
+                raise ValueError(f"capture offset {c.offset} is outside [0, {self.seq_lens[c.seq]}]")
+
+    def starts(self) -> list[int]:
+        """Each sequence's first token row in the op's inputs."""
+        out, total = [], 0
+        for n in self.seq_lens:
+            out.append(total)
+            total += n
+        return out
+
+
+@dataclass
+class VerifyTable:
+    """One GDN layer's verify table for N rows of L tokens: k [N, L, Hv, K] (l2-normalised keys,
+    expanded to the value heads), delta [N, L, Hv, V], g [N, L, Hv] (log decay); all float32."""
+
+    k: torch.Tensor
+    delta: torch.Tensor
+    g: torch.Tensor
+
+    @classmethod
+    def empty(
+        cls, num_rows: int, length: int, num_v_heads: int, key_dim: int, value_dim: int, device: torch.device | str
+    ) -> VerifyTable:
+        if not 1 <= length <= VERIFY_MAX_TOKENS:
+            raise ValueError(f"verify length {length} is outside [1, {VERIFY_MAX_TOKENS}]")
+        f32 = torch.float32
+        return cls(
+            k=torch.empty((num_rows, length, num_v_heads, key_dim), dtype=f32, device=device),
+            delta=torch.empty((num_rows, length, num_v_heads, value_dim), dtype=f32, device=device),
+            g=torch.empty((num_rows, length, num_v_heads), dtype=f32, device=device),
+        )
+
+
+def replay_steps(state: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The state after the given recurrent steps, in order: state [..., Hv, K, V] float32; k [L, ..., Hv,
+    K]; delta [L, ..., Hv, V]; g [L, ..., Hv]."""
+    for t in range(k.shape[0]):
+        state = state * g[t].exp()[..., None, None] + k[t][..., :, None] * delta[t][..., None, :]
+    return state
+
+
+def accept_states_naive(
+    *,
+    state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    table: VerifyTable,
+    last_accepted: torch.Tensor,
+) -> None:
+    """Write-on-accept in plain torch: each row's slot becomes the state after token
+    `last_accepted[n]` (0 .. L - 1) of its verify; -1 leaves the slot as it is."""
+    slots = state_slots.long()
+    state = state_pool[slots].double()  # [N, Hv, K, V]: as the naive recurrence accumulates
+    last = last_accepted.long()
+    for t in range(table.k.shape[1]):
+        k, delta, g = table.k[:, t].double(), table.delta[:, t].double(), table.g[:, t].double()
+        step = state * g.exp()[..., None, None] + k[:, :, :, None] * delta[:, :, None, :]
+        keep = (t <= last)[:, None, None, None]
+        state = torch.where(keep, step, state)
+    state_pool[slots] = state.to(state_pool.dtype)
+
+
+def accept_states(
+    *,
+    state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    table: VerifyTable,
+    last_accepted: torch.Tensor,
+) -> None:
+    """Write-on-accept: replay each row's accepted verify steps on its slot.
+
+    state_pool: [S, Hv, K, V] float32; state_slots: [N]; table: the layer's VerifyTable of N rows;
+    last_accepted: [N] int, the index of the last accepted token of each row's verify (-1: none, the
+    slot keeps its state). Reads the device tensor: no host sync."""
+    if state_pool.is_cuda:
+        from .accept import accept_states as impl
+    else:
+        impl = accept_states_naive
+    impl(state_pool=state_pool, state_slots=state_slots, table=table, last_accepted=last_accepted)
+
+
+def conv_windows_at(
+    *,
+    x: torch.Tensor,
+    conv_state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    captures: StateCaptures,
+) -> None:
+    """For each capture, the conv window after `offset` tokens of its sequence (the last W - 1 inputs
+    before that point: the slot's old window, or zeros without initial state, then x's rows) written
+    into the capture's slot of conv_state_pool. Call it BEFORE the conv op updates the slots.
+
+    x: [T, C] the conv inputs of the op's sequences; conv_state_pool: [S, C, W - 1]."""
+    if not captures.items:
+        return
+    starts = captures.starts()
+    width_1 = conv_state_pool.shape[-1]
+    for c in captures.items:
+        start = starts[c.seq]
+        rows = x[max(start, start + c.offset - width_1) : start + c.offset].t()  # [C, <= W - 1]
+        missing = width_1 - rows.shape[1]
+        if missing:  # device ops only: no host read of the slot id or the flag
+            old = conv_state_pool[state_slots[c.seq].long()][:, width_1 - missing :]
+            old = torch.where(has_initial_state[c.seq].bool(), old, torch.zeros_like(old))
+            rows = torch.cat([old, rows.to(conv_state_pool.dtype)], dim=1)
+        conv_state_pool[c.slot] = rows.to(conv_state_pool.dtype)
+
+
+def conv_accept(
+    *,
+    conv_state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    old_windows: torch.Tensor,
+    x: torch.Tensor,
+    last_accepted: torch.Tensor,
+) -> None:
+    """Write-on-accept for the conv windows: each row's slot becomes the last W - 1 of (its window
+    before the verify, then the verify's inputs up to token last_accepted[n]); -1 restores the old
+    window. old_windows: [N, C, W - 1]; x: [N, L, C]; last_accepted: [N] int. Device ops only."""
+    width_1 = old_windows.shape[-1]
+    seq = torch.cat([old_windows, x.transpose(1, 2).to(old_windows.dtype)], dim=2)  # [N, C, W - 1 + L]
+    idx = last_accepted.long()[:, None, None] + 1 + torch.arange(width_1, device=x.device)[None, None, :]
+    window = seq.gather(2, idx.expand(-1, seq.shape[1], -1))
+    conv_state_pool[state_slots.long()] = window.to(conv_state_pool.dtype)
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """How a chunked kernel serves a set of captures."""
+
+    # global chunk index -> slot: the kernel stores the state after that chunk there
+    chunk_stores: dict[int, int]
+    # (sequence, slot): the sequence's initial state is copied there before the kernel runs
+    initial_stores: tuple[tuple[int, int], ...]
+    # (source slot, destination slot): copies after the kernel, for captures that share a stored state
+    copies: tuple[tuple[int, int], ...]
+    # (sequence, first token (sequence-relative), count, slot): token-by-token replays after the copies
+    replays: tuple[tuple[int, int, int, int], ...]
+
+
+def plan_captures(captures: StateCaptures, chunk: int) -> CapturePlan:
+    """Split captures into what the chunked kernel stores and what is replayed after it."""
+    chunk_stores: dict[int, int] = {}
+    initial: dict[int, int] = {}
+    copies, replays = [], []
+    first_chunk = []
+    total = 0
+    for n in captures.seq_lens:
+        first_chunk.append(total)
+        total += -(-n // chunk)
+    for c in captures.items:
+        length = captures.seq_lens[c.seq]
+        if c.offset == length:  # the final state: the sequence's last chunk
+            base_chunks, rest = -(-length // chunk), 0
+        else:
+            base_chunks, rest = divmod(c.offset, chunk)
+        if base_chunks == 0:
+            holder = initial.setdefault(c.seq, c.slot)
+        else:
+            holder = chunk_stores.setdefault(first_chunk[c.seq] + base_chunks - 1, c.slot)
+        if holder != c.slot:
+            copies.append((holder, c.slot))
+        if rest:
+            replays.append((c.seq, base_chunks * chunk, rest, c.slot))
+    return CapturePlan(chunk_stores, tuple(initial.items()), tuple(copies), tuple(replays))

@@ -1,0 +1,164 @@
+"""GDN state at other positions (layers/kernels/gdn/state.py): prefill captures for prefix caching, and
+verify tables with write-on-accept for speculative decoding, against plain recomputation.
+
+The reference for a capture is the state a sequence's own prefix leaves (the chunked rule run on just
+those tokens); for an accept, the state the recurrent rule leaves after the accepted tokens. Without
+CUDA the Triton kernels run under the interpreter at tiny shapes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve.layers.kernels.conv1d import naive as conv_naive
+from deltaserve.layers.kernels.gdn import chunk as chunk_module
+from deltaserve.layers.kernels.gdn import naive
+from deltaserve.layers.kernels.gdn import recurrent as recurrent_module
+from deltaserve.layers.kernels.gdn import state as gdn_state
+from deltaserve.layers.kernels.gdn.state import StateCapture, StateCaptures, VerifyTable
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 2e-2 if DEVICE == "cuda" else 1e-4
+
+
+def rel_err(out, ref):
+    if torch.isnan(out).any():
+        return float("inf")
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1)).item()
+
+
+def inputs(num_tokens, hk=1, hv=2, kd=8, vd=12, lead=()):
+    shape = (*lead, num_tokens)
+    q = torch.randn(*shape, hk, kd, device=DEVICE)
+    k = torch.randn(*shape, hk, kd, device=DEVICE)
+    v = torch.randn(*shape, hv, vd, device=DEVICE)
+    g = F.logsigmoid(torch.randn(*shape, hv, device=DEVICE))
+    beta = torch.rand(*shape, hv, device=DEVICE)
+    return q, k, v, g, beta
+
+
+def prefix_state(q, k, v, g, beta, start, offset, init):
+    """The state after `offset` tokens of a sequence starting at row `start`, from `init` (or zeros)."""
+    hv, kd, vd = v.shape[1], q.shape[2], v.shape[2]
+    pool = torch.zeros(1, hv, kd, vd, device=DEVICE) if init is None else init[None].clone()
+    rows = slice(start, start + offset)
+    naive.chunk_gated_delta_rule(
+        q=q[rows], k=k[rows], v=v[rows], g=g[rows], beta=beta[rows],
+        cu_seqlens=torch.tensor([0, offset], device=DEVICE), state_pool=pool,
+        state_slots=torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        has_initial_state=torch.tensor([init is not None], device=DEVICE),
+    )  # fmt: skip
+    return pool[0]
+
+
+# offsets: before the first chunk boundary, on it, past it, the sequence end, the start, two in one chunk
+BOUNDS = [0, 150, 151, 171, 300]
+CAPTURES = [(0, 1), (0, 64), (0, 100), (0, 120), (0, 150), (1, 0), (1, 1), (2, 20), (3, 64), (3, 129)]
+
+
+@pytest.mark.parametrize("impl", ["naive", "fused", "split32"])
+def test_chunk_captures_match_the_prefix_state(nan_fill, impl):
+    torch.manual_seed(0)
+    q, k, v, g, beta = inputs(BOUNDS[-1])
+    num_seqs = len(BOUNDS) - 1
+    cu = torch.tensor(BOUNDS, dtype=torch.int32, device=DEVICE)
+    slots = torch.arange(num_seqs, dtype=torch.int32, device=DEVICE)
+    has_init = torch.tensor([True, False, True, True], device=DEVICE)
+    pool = torch.randn(num_seqs + len(CAPTURES), 2, 8, 12, device=DEVICE)
+    init = pool[:num_seqs].clone()
+    lens = tuple(b - a for a, b in zip(BOUNDS[:-1], BOUNDS[1:], strict=True))
+    captures = StateCaptures(tuple(StateCapture(n, off, num_seqs + i) for i, (n, off) in enumerate(CAPTURES)), lens)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu, state_slots=slots, has_initial_state=has_init)
+    plain_pool = pool.clone()
+    if impl == "naive":
+        plain = naive.chunk_gated_delta_rule(state_pool=plain_pool, **args)
+        out = naive.chunk_gated_delta_rule(state_pool=pool, captures=captures, **args)
+    else:
+        plain = chunk_module.chunk_gated_delta_rule(state_pool=plain_pool, variant=impl, **args)
+        out = chunk_module.chunk_gated_delta_rule(state_pool=pool, captures=captures, variant=impl, **args)
+    # captures change nothing else: the same outputs and final states, bit for bit
+    assert torch.equal(out, plain)
+    assert torch.equal(pool[:num_seqs], plain_pool[:num_seqs])
+    for i, (n, off) in enumerate(CAPTURES):
+        want = prefix_state(q, k, v, g, beta, BOUNDS[n], off, init[n] if bool(has_init[n]) else None)
+        assert rel_err(pool[num_seqs + i], want) < TOL, (n, off)
+
+
+@pytest.mark.parametrize("impl", ["naive", "triton"])
+@pytest.mark.parametrize("raw_gate", [False, True])
+def test_verify_table_then_accept_gives_the_intermediate_state(nan_fill, impl, raw_gate):
+    torch.manual_seed(1)
+    rows, length = 3, 5
+    q, k, v, g, beta = inputs(length, hk=1, hv=2, lead=(rows,))
+    pool = torch.randn(6, 2, 8, 12, device=DEVICE)
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    gates = dict(g=g, beta=beta)
+    if raw_gate:
+        a, b = torch.randn(rows, length, 2, device=DEVICE), torch.randn(rows, length, 2, device=DEVICE)
+        A_log, dt_bias = torch.randn(2, device=DEVICE), torch.randn(2, device=DEVICE)
+        gates = dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    fn = (
+        naive.fused_recurrent_gated_delta_rule if impl == "naive" else recurrent_module.fused_recurrent_gated_delta_rule
+    )
+    inter = torch.empty(rows, length, 2, 8, 12, device=DEVICE)
+    ref_pool = pool.clone()
+    ref_out = fn(q=q, k=k, v=v, state_pool=ref_pool, state_slots=slots, intermediate_states_out=inter, **gates)
+    table = VerifyTable.empty(rows, length, 2, 8, 12, DEVICE)
+    before = pool.clone()
+    out = fn(q=q, k=k, v=v, state_pool=pool, state_slots=slots, update_state=False, verify_table=table, **gates)
+    assert torch.equal(pool, before)  # a verify leaves the slots alone
+    assert rel_err(out, ref_out) < TOL
+    last = torch.tensor([2, -1, 4], device=DEVICE)
+    accept = gdn_state.accept_states_naive if impl == "naive" else gdn_state.accept_states
+    accept(state_pool=pool, state_slots=slots, table=table, last_accepted=last)
+    assert rel_err(pool[4], inter[0, 2]) < TOL
+    assert torch.equal(pool[0], before[0])  # -1: nothing accepted, the slot keeps its state
+    assert rel_err(pool[2], inter[2, 4]) < TOL
+    untouched = [1, 3, 5]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_conv_windows_at_offsets():
+    torch.manual_seed(2)
+    width, channels = 4, 6
+    x = torch.randn(40, channels, device=DEVICE)
+    lens = (30, 2, 8)
+    pool = torch.randn(8, channels, width - 1, device=DEVICE)
+    slots = torch.tensor([0, 1, 2], device=DEVICE)
+    has_init = torch.tensor([True, True, False], device=DEVICE)
+    old = pool.clone()
+    caps = StateCaptures((StateCapture(0, 10, 3), StateCapture(0, 1, 4), StateCapture(1, 2, 5),
+                          StateCapture(2, 2, 6), StateCapture(0, 0, 7)), lens)  # fmt: skip
+    weight = torch.randn(channels, width, device=DEVICE)
+    conv_naive.causal_conv1d_varlen(
+        x=x, weight=weight, bias=None, cu_seqlens=torch.tensor([0, 30, 32, 40], device=DEVICE),
+        conv_state_pool=pool, state_slots=slots, has_initial_state=has_init, captures=caps,
+    )  # fmt: skip
+
+    def window(n, off):
+        start = (0, 30, 32)[n]
+        prev = old[n] if bool(has_init[n]) else torch.zeros(channels, width - 1, device=DEVICE)
+        return torch.cat([prev, x[start : start + off].t()], dim=1)[:, -(width - 1) :]
+
+    for c in caps.items:
+        assert torch.equal(pool[c.slot], window(c.seq, c.offset)), c
+
+
+def test_conv_accept_picks_the_window_after_the_last_accepted_input():
+    torch.manual_seed(3)
+    rows, length, channels, w1 = 3, 4, 5, 3
+    old = torch.randn(rows, channels, w1, device=DEVICE)
+    x = torch.randn(rows, length, channels, device=DEVICE)
+    pool = torch.zeros(4, channels, w1, device=DEVICE)
+    slots = torch.tensor([3, 0, 1], device=DEVICE)
+    last = torch.tensor([0, -1, 3], device=DEVICE)
+    gdn_state.conv_accept(conv_state_pool=pool, state_slots=slots, old_windows=old, x=x, last_accepted=last)
+    for n in range(rows):
+        seq = torch.cat([old[n], x[n, : int(last[n]) + 1].t()], dim=1)
+        assert torch.equal(pool[int(slots[n])], seq[:, -w1:])
+
+
+def test_captures_validate_offsets():
+    with pytest.raises(ValueError, match="offset"):
+        StateCaptures((StateCapture(0, 9, 1),), (8,))
+    with pytest.raises(ValueError, match="sequence"):
+        StateCaptures((StateCapture(2, 0, 1),), (8, 3))

@@ -1,0 +1,238 @@
+"""Prefix caching for hybrid models: a request that shares a prefix with earlier ones skips it (KV pages
+by block hash, GDN state from a snapshot at any token offset) and produces exactly what it produces
+without the cache. The reference is the same engine with caching off (itself checked against
+transformers in test_engine.py).
+
+Logprobs are compared in float64 on the CPU: in float32 the reference alone moves by up to ~3e-5
+between a batched and a single run of the same prompt (a matmul's rounding depends on its row
+count), so 1e-5 can only be asked of runs whose arithmetic is finer than that. Greedy tokens are
+compared in float32 as well."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import FAMILIES, VOCAB_SIZE
+
+from deltaserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=3)
+PREFIX_LENGTHS = [1, 15, 16, 17, 63, 64, 65, 100, 511, 513]
+
+
+def ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist()
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-5
+
+
+def same_outputs(got, want) -> None:
+    """Identical greedy tokens, and the logprobs of every sampled token (and its top 3) within 1e-5."""
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert x.token_id == y.token_id and x.top_ids == y.top_ids
+            assert close(x.logprob, y.logprob)
+            assert all(close(p, q) for p, q in zip(x.top_logprobs, y.top_logprobs, strict=True))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def engines(request, tiny_checkpoints):
+    path, _ = tiny_checkpoints[request.param]
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1100, dtype="float64")
+    on = LLM(str(path), prefix_snapshot_interval=128, **kw)
+    off = LLM(str(path), enable_prefix_caching=False, **kw)
+    assert on.engine.prefix_cache is not None and off.engine.prefix_cache is None
+    return on, off
+
+
+def counted(llm: LLM) -> dict[str, int]:
+    """Tokens each request actually runs through the model, counted from the scheduler's plans."""
+    sched = llm.engine.scheduler
+    counts: dict[str, int] = {}
+    build = sched._build_plan
+
+    def wrapped(scheduled):
+        for req, n in scheduled:
+            counts[req.req_id] = counts.get(req.req_id, 0) + n
+        return build(scheduled)
+
+    sched._build_plan = wrapped
+    return counts
+
+
+@pytest.mark.parametrize("prefix_len", PREFIX_LENGTHS)
+def test_shared_prefix_hits_and_changes_nothing(engines, prefix_len):
+    on, off = engines
+    on.reset_prefix_cache()
+    prefix = ids(prefix_len, seed=prefix_len)
+    prompts = [prefix + ids(n, seed=1000 * prefix_len + n) for n in (7, 5, 9, 3)]
+    counts = counted(on)
+    got = [on.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    want = off.generate(prompts, GREEDY, use_tqdm=False)
+    same_outputs(got, want)
+    # the second request learns where prompts diverge; the third and fourth hit the whole prefix
+    assert got[2].num_cached_tokens == prefix_len and got[3].num_cached_tokens == prefix_len
+    for out in got:
+        # num_cached_tokens is what was skipped: the rest ran, and every sampled token but the last
+        # (async scheduling may already have fed the last one when its request stopped)
+        total = len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
+        assert out.num_cached_tokens + counts[out.request_id] in (total - 1, total)
+
+
+def test_float32_tokens_identical_for_every_prefix_length(tiny_checkpoints):
+    path, _ = tiny_checkpoints["qwen3_next"]
+    on = LLM(str(path), max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1100, prefix_snapshot_interval=128)
+    off = LLM(str(path), max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1100, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    for prefix_len in PREFIX_LENGTHS:
+        prefix = ids(prefix_len, seed=prefix_len)
+        prompts = [prefix + ids(n, seed=77 * prefix_len + n) for n in (3, 6, 4)]
+        got = [on.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        want = [off.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert got[2].num_cached_tokens == prefix_len
+
+
+def test_resending_a_conversation_resumes_where_it_ended(engines):
+    """Multi-turn: the next turn resends prompt + reply + a new message and skips all of the first two."""
+    on, off = engines
+    on.reset_prefix_cache()
+    first = ids(40, seed=7)
+    turn1 = on.generate([first], GREEDY, use_tqdm=False)[0]
+    history = first + turn1.outputs[0].token_ids
+    turn2 = on.generate([history + ids(6, seed=8)], GREEDY, use_tqdm=False)[0]
+    assert turn2.num_cached_tokens == len(history) - 1 or turn2.num_cached_tokens == len(history)
+    same_outputs([turn2], off.generate([history + ids(6, seed=8)], GREEDY, use_tqdm=False))
+
+
+def test_requests_sharing_a_prefix_in_one_batch(engines):
+    on, off = engines
+    on.reset_prefix_cache()
+    prefix = ids(70, seed=3)
+    batch1 = [prefix + ids(n, seed=n) for n in (4, 9, 2)]
+    batch2 = [prefix + ids(n, seed=50 + n) for n in (5, 1, 8)]
+    for batch in (batch1, batch2, batch2):
+        same_outputs(on.generate(batch, GREEDY, use_tqdm=False), off.generate(batch, GREEDY, use_tqdm=False))
+    assert on.engine.prefix_cache_stats()["hits"] > 0
+
+
+def test_identical_prompt_resent_hits_its_last_block(engines):
+    on, off = engines
+    on.reset_prefix_cache()
+    prompt = ids(53, seed=5)
+    first = on.generate([prompt], GREEDY, use_tqdm=False)[0]
+    again = on.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 48
+    same_outputs([again], off.generate([prompt], GREEDY, use_tqdm=False))
+
+
+def test_a_different_salt_never_reuses(engines):
+    on, _ = engines
+    on.reset_prefix_cache()
+    prompt = ids(80, seed=9)
+    on.generate([{"prompt_token_ids": prompt, "cache_salt": "a"}], GREEDY, use_tqdm=False)
+    other = on.generate([{"prompt_token_ids": prompt, "cache_salt": "b"}], GREEDY, use_tqdm=False)[0]
+    same = on.generate([{"prompt_token_ids": prompt, "cache_salt": "a"}], GREEDY, use_tqdm=False)[0]
+    plain = on.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert other.num_cached_tokens == 0 and plain.num_cached_tokens == 0 and same.num_cached_tokens > 0
+
+
+def test_prompt_logprob_requests_get_every_position(engines):
+    on, off = engines
+    on.reset_prefix_cache()
+    prompt = ids(60, seed=12)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    on.generate([prompt], GREEDY, use_tqdm=False)
+    got = on.generate([prompt], params, use_tqdm=False)[0]
+    want = off.generate([prompt], params, use_tqdm=False)[0]
+    assert got.num_cached_tokens == 0 and len(got.prompt_logprobs) == len(prompt)
+    for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+        assert a.token_id == b.token_id and close(a.logprob, b.logprob)
+
+
+def test_hit_after_preemption(tiny_checkpoints):
+    path, _ = tiny_checkpoints["qwen3_5"]
+    kw = dict(max_num_seqs=6, max_num_batched_tokens=64, num_kv_blocks=14, async_scheduling=False)
+    on = LLM(str(path), prefix_snapshot_interval=32, **kw)
+    off = LLM(str(path), enable_prefix_caching=False, **kw)
+    prefix = ids(45, seed=21)
+    prompts = [prefix + ids(n, seed=n) for n in (3, 8, 5, 11, 2, 7)]
+    params = SamplingParams(temperature=0, max_tokens=20, logprobs=3)
+    got = on.generate(prompts, params, use_tqdm=False)
+    want = off.generate(prompts, params, use_tqdm=False)
+    assert on.engine.scheduler.stats.num_preemptions > 0
+    same_outputs(got, want)
+    again = on.generate(prompts, params, use_tqdm=False)
+    same_outputs(again, want)
+    assert on.engine.blocks.num_free == on.engine.blocks.capacity
+
+
+def test_small_snapshot_pool_under_many_prefixes_keeps_serving(tiny_checkpoints):
+    path, _ = tiny_checkpoints["qwen3_5_moe"]
+    on = LLM(str(path), max_num_seqs=4, num_prefix_snapshots=3, prefix_snapshot_interval=16, num_kv_blocks=64)
+    off = LLM(str(path), max_num_seqs=4, enable_prefix_caching=False, num_kv_blocks=64)
+    prompts = [ids(20 + i % 7, seed=100 + i // 2) + ids(3, seed=i) for i in range(30)]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    for i in range(0, 30, 5):
+        got = on.generate(prompts[i : i + 5], params, use_tqdm=False)
+        want = off.generate(prompts[i : i + 5], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = on.engine.prefix_cache_stats()
+    assert stats["snapshots_held"] <= 3 and stats["snapshots_evicted"] > 0
+    assert on.engine.blocks.num_free == on.engine.blocks.capacity  # pages held only by snapshots are reclaimable
+    on.reset_prefix_cache()
+    assert on.engine.prefix_cache_stats()["snapshots_held"] == 0
+    assert on.engine.blocks.cache.num_cached == 0
+
+
+def test_reset_under_load_is_safe(engines):
+    on, off = engines
+    prefix = ids(90, seed=31)
+    prompts = [prefix + ids(n, seed=n) for n in (2, 6, 4, 8)]
+    on.generate(prompts[:2], GREEDY, use_tqdm=False)
+    engine = on.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"reset-{i}", p, GREEDY)
+    final, steps = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        steps += 1
+        if steps % 2:
+            assert on.reset_prefix_cache()
+    got = [final[f"reset-{i}"] for i in range(len(prompts))]
+    same_outputs(got, off.generate(prompts, GREEDY, use_tqdm=False))
+
+
+def test_snapshot_policy_and_interval_are_checked(tiny_checkpoints):
+    path, _ = tiny_checkpoints["qwen3_5"]
+    with pytest.raises(ValueError, match="prefix_snapshot_policy"):
+        LLM(str(path), prefix_snapshot_policy="sometimes")
+    with pytest.raises(ValueError, match="prefix_snapshot_interval"):
+        LLM(str(path), prefix_snapshot_interval=100)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("family, expert_parallel", [("qwen3_5", False), ("qwen3_5_moe", True)])
+def test_tp2_and_ep2_hits_give_single_rank_tokens(ray_session, tmp_path_factory, family, expert_parallel):
+    """Each rank snapshots and restores its own shard; the driver's index names the slots."""
+    from tiny_models import TP2_OVERRIDES, save_tiny
+
+    path = str(tmp_path_factory.mktemp(f"prefix_tp_{family}"))
+    save_tiny(family, path, **TP2_OVERRIDES[family])
+    prefix = ids(37, seed=41)
+    prompts = [prefix + ids(n, seed=n) for n in (5, 3, 8, 2)]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    reference = LLM(path, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, max_num_batched_tokens=40)
+    try:
+        got = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in reference]
+        assert got[2].num_cached_tokens == 37 and got[3].num_cached_tokens == 37
+    finally:
+        llm.shutdown()
