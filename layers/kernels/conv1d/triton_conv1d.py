@@ -214,7 +214,10 @@ def causal_conv1d_varlen(
     zeros). Returns y [T, C] in x's dtype and writes each sequence's last W - 1 inputs to its slot."""
     if captures is not None:  # the windows at the captured offsets, before the slots move on
         conv_windows_at(
-            x=x, conv_state_pool=conv_state_pool, state_slots=state_slots, has_initial_state=has_initial_state,
+            x=x,
+            conv_state_pool=conv_state_pool,
+            state_slots=state_slots,
+            has_initial_state=has_initial_state,
             captures=captures,
         )
     silu = _check_activation(activation)
