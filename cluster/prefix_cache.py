@@ -304,6 +304,12 @@ class SnapshotCache:
         if snap.tail_page is not None:
             self.pages.release(snap.tail_page, by_snapshot=True)
 
+    def discard(self, snap: Snapshot) -> None:
+        if self._lru.get(snap.key) is snap:
+            del self._lru[snap.key]
+            self._drop(snap)
+            self._free.append(snap.slot)
+
     def touch(self, snap: Snapshot) -> None:
         if self._lru.get(snap.key) is snap:
             self._lru.move_to_end(snap.key)

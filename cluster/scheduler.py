@@ -239,6 +239,15 @@ class Scheduler:
             cache.register(req.block_table[j], hashes.chain(j), hashes.hashes[j], tuple(tokens[j * bs : (j + 1) * bs]))
         hashes.registered = full
 
+    def set_prefix_cache(self, prefix: PrefixCache | None) -> None:
+        """Turn the cache on or off; saves not yet in a plan are dropped with their snapshots (their
+        slots may be reused before the cache is used again)."""
+        if self.prefix is not None and prefix is None:
+            for _, snap in self._pending_saves:
+                self.prefix.snapshots.discard(snap)
+            self._pending_saves = []
+        self.prefix = prefix
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block and snapshot (requests running keep what they hold)."""
         if self.prefix is not None:
