@@ -59,10 +59,9 @@ def _row_argmax_kernel(
         tl.store(out + row, tl.min(tl.where((maxima == top) & mine, args, vocab), 0).to(tl.int64))
 
 
-def row_argmax(*, logits: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """logits [R, V] (float dtype; the last dim contiguous, rows at any stride) -> [R] int64, the
-    first index of each row's maximum (naive.row_argmax). Launches on a device must not overlap:
-    they share the ticket counters."""
+def row_argmax(*, logits: torch.Tensor, block: int = BLOCK, pdl: bool = True) -> torch.Tensor:
+    """argmax.row_argmax on CUDA (or the interpreter). Launches on a device must not overlap: they
+    share the ticket counters."""
     assert logits.dim() == 2 and logits.is_floating_point(), "logits [R, V] of a float dtype"
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     rows, vocab = logits.shape
@@ -85,6 +84,6 @@ def row_argmax(*, logits: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
         BLOCK=block,
         BLOCKS_P=triton.next_power_of_2(blocks),
         num_warps=NUM_WARPS,
-        **pdl_launch(logits),
+        **pdl_launch(logits, pdl),
     )
     return out

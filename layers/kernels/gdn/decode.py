@@ -225,37 +225,12 @@ def _fused_gdn_decode_kernel(
 
 
 def fused_gdn_decode(
-    *,
-    mixed_qkv: torch.Tensor,
-    z: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_state_pool: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state_pool: torch.Tensor,
-    state_slots: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    scale: float | None = None,
-    block_v: int | None = None,
-    num_warps: int = DECODE_WARPS,
-) -> torch.Tensor:
-    """One GDN decode step (one new token per sequence) from the in_proj columns to the normed heads.
-
-    mixed_qkv: [N, 2 * Hk * K + Hv * V], the conv channels [q | k | v] of each sequence's token;
-    z: [N, Hv, V] output gate; a, b: [N, Hv] raw gates (all four may be strided column views of the
-    in_proj output; the last dim of mixed_qkv and z must be contiguous, or they are copied);
-    conv_weight: [C, W]; conv_state_pool: [S, C, W - 1] (any strides); A_log, dt_bias: [Hv];
-    state_pool: [S, Hv, K, V] float32; state_slots: [N] (distinct, but for rows whose results are
-    discarded: CUDA-graph padding rows share a scratch slot); norm_weight: [V]. Hk is what the
-    channel count leaves: C = 2 * Hk * K + Hv * V. Returns [N, Hv, V] in mixed_qkv's dtype and
-    updates the N conv windows and states in place.
-
-    Grid: N * Hv * cdiv(V, block_v) programs of num_warps warps (block_v None: BLOCK_V).
-    Launches on one device must not overlap (one stream): they share the ticket counters.
-    """
+    *, mixed_qkv, z, a, b, conv_weight, conv_state_pool, A_log, dt_bias, state_pool, state_slots, norm_weight, eps,
+    scale=None, block_v=None, num_warps=DECODE_WARPS, pdl=True,
+):  # fmt: skip
+    """gdn.fused_gdn_decode in one launch. Grid: N * Hv * cdiv(V, block_v) programs of num_warps
+    warps (block_v None: BLOCK_V). The last dims of mixed_qkv and z must be contiguous, or they are
+    copied."""
     mixed_qkv = mixed_qkv if mixed_qkv.stride(-1) == 1 else mixed_qkv.contiguous()
     z = z if z.stride(-1) == 1 else z.contiguous()
     conv_weight = conv_weight if conv_weight.stride(-1) == 1 else conv_weight.contiguous()
@@ -284,6 +259,6 @@ def fused_gdn_decode(
         BV=block_v, BG=triton.next_power_of_2(group), BVH=max(16, triton.next_power_of_2(value_dim)),
         BW=triton.next_power_of_2(width), ROW_STRIDES=row_strides,
         num_warps=num_warps,
-        **pdl_launch(mixed_qkv),
+        **pdl_launch(mixed_qkv, pdl),
     )  # fmt: skip
     return out

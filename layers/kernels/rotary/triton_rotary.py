@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from ..pdl import pdl_launch, pdl_wait
-from .naive import KvCacheWrite
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
@@ -117,21 +116,8 @@ def _inv_freq(rotary_dim: int, theta: float, device: torch.device) -> torch.Tens
     return _INV_FREQ[key]
 
 
-def qk_norm_rope(
-    *,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    positions: torch.Tensor,
-    eps: float,
-    rotary_dim: int,
-    theta: float,
-    kv_cache: KvCacheWrite | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See naive.qk_norm_rope. q: [T, Hq, D], k: [T, Hkv, D] with unit stride over D. kv_cache:
-    k and v go into the paged cache from the same launch (value [T, Hkv, D] with unit stride
-    over D; caches [num_blocks, block_size, Hkv, D])."""
+def qk_norm_rope(*, q, k, q_weight, k_weight, positions, eps, rotary_dim, theta, kv_cache=None, pdl=True):
+    """rotary.qk_norm_rope in one launch (D contiguous in q, k and the kv_cache tensors)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1, "head dim must be contiguous"
@@ -172,6 +158,6 @@ def qk_norm_rope(
         PAGE=page,
         WRITE_KV=kv_cache is not None,
         num_warps=1 if head_dim <= 128 else 2,
-        **pdl_launch(q),
+        **pdl_launch(q, pdl),
     )
     return q_out, k_out
