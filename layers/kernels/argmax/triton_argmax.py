@@ -26,17 +26,9 @@ NUM_WARPS = 4
 
 @triton.jit
 def _row_argmax_kernel(
-    logits,
-    block_max,
-    block_arg,
-    out,
-    tickets,
-    s_row,
-    vocab,
-    BLOCK: tl.constexpr,
-    BLOCKS_P: tl.constexpr,
+    logits, block_max, block_arg, out, tickets, s_row, vocab, BLOCK: tl.constexpr, BLOCKS_P: tl.constexpr,
     USE_PDL: tl.constexpr,
-):
+):  # fmt: skip
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -74,16 +66,7 @@ def row_argmax(*, logits: torch.Tensor, block: int = BLOCK, pdl: bool = True) ->
     block_arg = torch.empty((rows, blocks), dtype=torch.int32, device=logits.device)
     tickets = ticket_counters(logits.device, rows, "row_argmax")
     _row_argmax_kernel[(rows, blocks)](
-        logits,
-        block_max,
-        block_arg,
-        out,
-        tickets,
-        logits.stride(0),
-        vocab,
-        BLOCK=block,
-        BLOCKS_P=triton.next_power_of_2(blocks),
-        num_warps=NUM_WARPS,
-        **pdl_launch(logits, pdl),
-    )
+        logits, block_max, block_arg, out, tickets, logits.stride(0), vocab, BLOCK=block,
+        BLOCKS_P=triton.next_power_of_2(blocks), num_warps=NUM_WARPS, **pdl_launch(logits, pdl),
+    )  # fmt: skip
     return out

@@ -24,28 +24,10 @@ PREFILL_SEQ_BLOCK = 64  # sequences the prefill kernel scans per step to find it
 
 @triton.jit
 def _write_kv_kernel(
-    key,
-    value,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    s_kt,
-    s_kh,
-    s_vt,
-    s_vh,
-    s_kcb,
-    s_kco,
-    s_kch,
-    s_vcb,
-    s_vco,
-    s_vch,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    key, value, k_cache, v_cache, slot_mapping, s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
-):
+):  # fmt: skip
     pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + t).to(tl.int64)
@@ -71,55 +53,19 @@ def write_kv_cache(*, key, value, k_cache, v_cache, slot_mapping, pdl=True) -> N
     assert key.stride(-1) == 1 and value.stride(-1) == 1, "key/value need a contiguous head dim"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "caches need a contiguous head dim"
     _write_kv_kernel[(num_tokens,)](
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        NUM_HEADS=num_heads,
-        HEAD_DIM=head_dim,
-        PAGE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), NUM_HEADS=num_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
         **pdl_launch(key, pdl),
-    )
+    )  # fmt: skip
 
 
 @triton.jit
 def _attend_block(
-    acc,
-    m_i,
-    l_i,
-    q,
-    q_pos,
-    kv_start,
-    kv_end,
-    k_base,
-    v_base,
-    bt_row,
-    s_btp,
-    s_kb,
-    s_ko,
-    s_vb,
-    s_vo,
-    d,
-    qk_scale,
-    PAGE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr,
-):
+    acc, m_i, l_i, q, q_pos, kv_start, kv_end, k_base, v_base, bt_row, s_btp, s_kb, s_ko, s_vb, s_vo, d, qk_scale,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+):  # fmt: skip
     """One online-softmax step over KV positions [kv_start, kv_start + BLOCK_N) read through the
     block table. MASK: apply the kv_end bound and the causal limit q_pos (else the tile is known full)."""
     pos = kv_start + tl.arange(0, BLOCK_N)
@@ -148,36 +94,10 @@ def _attend_block(
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["cu_seqlens_q", "seq_lens", "block_tables", "num_seqs", "s_btn"])
 def _prefill_kernel(
-    q,
-    k_cache,
-    v_cache,
-    cu_seqlens_q,
-    seq_lens,
-    block_tables,
-    out,
-    qk_scale,
-    num_seqs,
-    s_qt,
-    s_qh,
-    s_kb,
-    s_ko,
-    s_kh,
-    s_vb,
-    s_vo,
-    s_vh,
-    s_btn,
-    s_btp,
-    s_ot,
-    s_oh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_SEQ: tl.constexpr,
-):
+    q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, qk_scale, num_seqs, s_qt, s_qh, s_kb, s_ko, s_kh,
+    s_vb, s_vo, s_vh, s_btn, s_btp, s_ot, s_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SEQ: tl.constexpr,
+):  # fmt: skip
     # the last q blocks attend to the most keys: launch them first to shorten the tail
     b = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -287,36 +207,11 @@ def paged_attention(*, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables
     assert block_q >= 1, "block_m must hold at least one token's heads"
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_tables,
-        out,
-        scale * LOG2E,
-        num_seqs,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        block_tables.stride(1),
-        out.stride(0),
-        out.stride(1),
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        PAGE=k_cache.shape[1],
-        BLOCK_M=cfg["block_m"],
-        BLOCK_Q=block_q,
-        BLOCK_N=cfg["block_n"],
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SEQ=PREFILL_SEQ_BLOCK,
-        num_warps=cfg["num_warps"],
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, scale * LOG2E, num_seqs, q.stride(0),
+        q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), block_tables.stride(0), block_tables.stride(1), out.stride(0), out.stride(1), GROUP=group,
+        HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=cfg["block_m"], BLOCK_Q=block_q, BLOCK_N=cfg["block_n"],
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SEQ=PREFILL_SEQ_BLOCK, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-    )
+    )  # fmt: skip
     return out

@@ -39,23 +39,9 @@ def _num_spans(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _merge_spans(
-    part_o,
-    part_lse,
-    out,
-    gate,
-    n,
-    head,
-    h_ok,
-    row0,
-    cnt,
-    s_on,
-    s_oh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    CHUNK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-):
+    part_o, part_lse, out, gate, n, head, h_ok, row0, cnt, s_on, s_oh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
+):  # fmt: skip
     """Merge the cnt span partials of the q heads `head` ([BLOCK_H], h_ok: real heads; partial rows
     row0 + span) by their log2-sum-exp, apply the output gate (HAS_GATE: `gate` is the [BLOCK_H,
     BLOCK_D] gate tile, loaded by the caller), store. .cg: other SMs wrote the partials."""
@@ -88,40 +74,11 @@ def _merge_spans(
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_splits", "seq_lens", "block_tables", "s_btn"])
 def _decode_kernel(
-    q,
-    k_cache,
-    v_cache,
-    seq_lens,
-    block_tables,
-    out,
-    part_o,
-    part_lse,
-    qk_scale,
-    s_qn,
-    s_qh,
-    s_kb,
-    s_ko,
-    s_kh,
-    s_vb,
-    s_vo,
-    s_vh,
-    s_btn,
-    s_btp,
-    s_on,
-    s_oh,
-    num_splits,
-    gate,
-    s_gn,
-    s_gh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_GATE: tl.constexpr,
+    q, k_cache, v_cache, seq_lens, block_tables, out, part_o, part_lse, qk_scale, s_qn, s_qh, s_kb, s_ko, s_kh, s_vb,
+    s_vo, s_vh, s_btn, s_btp, s_on, s_oh, num_splits, gate, s_gn, s_gh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
     USE_PDL: tl.constexpr,
-):
+):  # fmt: skip
     n = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -221,24 +178,10 @@ def _decode_kernel(
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_splits", "seq_lens"])
 def _decode_reduce_kernel(
-    part_o,
-    part_lse,
-    seq_lens,
-    out,
-    s_on,
-    s_oh,
-    num_splits,
-    gate,
-    s_gn,
-    s_gh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    CHUNK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_GATE: tl.constexpr,
+    part_o, part_lse, seq_lens, out, s_on, s_oh, num_splits, gate, s_gn, s_gh, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
     USE_PDL: tl.constexpr,
-):
+):  # fmt: skip
     n = tl.program_id(0)
     head = tl.program_id(1) + tl.zeros([1], tl.int32)
     # before the wait, one round trip each off the chain: seq_lens is no kernel's output in the
@@ -341,57 +284,18 @@ def paged_decode_attention(
     else:
         part_o = part_lse = out
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        seq_lens,
-        block_tables,
-        out,
-        part_o,
-        part_lse,
-        scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        block_tables.stride(1),
-        out.stride(0),
-        out.stride(1),
-        num_splits,
-        *gate_args,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        PAGE=k_cache.shape[1],
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=cfg["block_n"],
-        BLOCK_D=block_d,
-        HAS_GATE=output_gate is not None,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        q, k_cache, v_cache, seq_lens, block_tables, out, part_o, part_lse, scale * LOG2E, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), block_tables.stride(0), block_tables.stride(1), out.stride(0), out.stride(1), num_splits,
+        *gate_args, GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg["block_n"], BLOCK_D=block_d,
+        HAS_GATE=output_gate is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch(q, pdl),
-    )
+    )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
-            part_o,
-            part_lse,
-            seq_lens,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_splits,
-            *gate_args,
-            HEAD_DIM=head_dim,
-            BLOCK_N=cfg["block_n"],
-            BLOCK_S=block_s,
-            CHUNK_S=chunk,
-            BLOCK_D=block_d,
-            HAS_GATE=output_gate is not None,
-            num_warps=4,
-            **pdl_launch(part_o, pdl),
-        )
+            part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_splits, *gate_args, HEAD_DIM=head_dim,
+            BLOCK_N=cfg["block_n"], BLOCK_S=block_s, CHUNK_S=chunk, BLOCK_D=block_d, HAS_GATE=output_gate is not None,
+            num_warps=4, **pdl_launch(part_o, pdl),
+        )  # fmt: skip
     return out

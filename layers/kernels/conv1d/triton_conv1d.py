@@ -34,21 +34,9 @@ def _activate(y, SILU: tl.constexpr):
 
 @triton.jit
 def _conv_rows(
-    p_x,
-    p_s,
-    weight,
-    bias,
-    o_c,
-    m_c,
-    pos,
-    m_t,
-    stride_xt,
-    stride_sw,
-    stride_wc,
-    win_lo,
-    W: tl.constexpr,
+    p_x, p_s, weight, bias, o_c, m_c, pos, m_t, stride_xt, stride_sw, stride_wc, win_lo, W: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-):
+):  # fmt: skip
     """float32 conv outputs at sequence positions `pos` (rows) for channels `o_c`; taps before the
     sequence start read window positions [win_lo, 0), zeros elsewhere."""
     acc = tl.zeros([pos.shape[0], o_c.shape[0]], dtype=tl.float32)
@@ -69,30 +57,10 @@ def _conv_rows(
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state"])
 def _conv_varlen_kernel(
-    x,
-    weight,
-    bias,
-    y,
-    state,
-    cu_seqlens,
-    slots,
-    has_initial_state,
-    num_seqs,
-    channels,
-    stride_xt,
-    stride_yt,
-    stride_ss,
-    stride_sc,
-    stride_sw,
-    stride_wc,
-    W: tl.constexpr,
-    BW: tl.constexpr,
-    BT: tl.constexpr,
-    BC: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
-):
+    x, weight, bias, y, state, cu_seqlens, slots, has_initial_state, num_seqs, channels, stride_xt, stride_yt,
+    stride_ss, stride_sc, stride_sw, stride_wc, W: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+):  # fmt: skip
     n, c = locate_chunk(cu_seqlens, num_seqs, tl.program_id(0), BT, BLOCK_N)
     if n >= num_seqs:
         return
@@ -139,26 +107,10 @@ def _conv_varlen_kernel(
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["slots"])
 def _conv_update_kernel(
-    x,
-    weight,
-    bias,
-    y,
-    state,
-    slots,
-    channels,
-    stride_xn,
-    stride_yn,
-    stride_ss,
-    stride_sc,
-    stride_sw,
-    stride_wc,
-    W: tl.constexpr,
-    BW: tl.constexpr,
-    BC: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
+    x, weight, bias, y, state, slots, channels, stride_xn, stride_yn, stride_ss, stride_sc, stride_sw, stride_wc,
+    W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     USE_PDL: tl.constexpr,
-):
+):  # fmt: skip
     n = tl.program_id(0)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     m_c = o_c < channels

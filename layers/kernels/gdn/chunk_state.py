@@ -23,12 +23,14 @@ def _first_chunk_decay_log(gcum, hv, bos, eos, HV: tl.constexpr, BT: tl.constexp
 
 @triton.jit
 def _walk_start(
-    cu_seqlens, pool, slots, has_initial_state, n, hv, o_k, o_v, m_v, stride_ps, stride_ph, stride_pk, stride_pv,
-    K: tl.constexpr, BT: tl.constexpr,
+    cu_seqlens, pool, slots, has_initial_state, stride_ps, stride_ph, stride_pk, stride_pv, HV: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
 ):  # fmt: skip
-    """Where sequence n's walk starts: its token range [bos, eos), its chunk count, and its pool
-    slot's state tile (address, float32 value; zeros without an initial state: an empty row range,
-    so the slot's old contents are never read)."""
+    """Where this program's walk starts: its sequence n, value head and state tile (varlen.value_block),
+    the sequence's tokens [bos, eos) and chunk count, and its pool slot's state tile (address and
+    float32 value; zeros without an initial state: an empty row range, so the slot's old contents
+    are never read)."""
+    n, hv, o_k, o_v, m_k, m_v = value_block(tl.program_id(0), HV, K, V, BK, BV)
     bos = tl.load(cu_seqlens + n).to(tl.int32)
     eos = tl.load(cu_seqlens + n + 1).to(tl.int32)
     num_chunks = (eos - bos + BT - 1) // BT
@@ -36,54 +38,26 @@ def _walk_start(
     k_init = tl.where(tl.load(has_initial_state + n) != 0, K, 0)
     p_pool = pool + slot * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
     state = tl.load(p_pool, mask=(o_k < k_init)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-    return bos, eos, num_chunks, p_pool, state
+    return n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, p_pool, state
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state"])
 def _state_kernel(
-    q,
-    w,
-    u,
-    kd,
-    scores,
-    qscale,
-    gcum,
-    o,
-    chunk_states,
-    pool,
-    cu_seqlens,
-    slots,
-    has_initial_state,
-    num_seqs,
-    stride_qt,
-    stride_qh,
-    stride_ps,
-    stride_ph,
-    stride_pk,
-    stride_pv,
-    HV: tl.constexpr,
-    GROUP: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    BT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STORE_CHUNK_STATES: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
+    q, w, u, kd, scores, qscale, gcum, o, chunk_states, pool, cu_seqlens, slots, has_initial_state, num_seqs, stride_qt,
+    stride_qh, stride_ps, stride_ph, stride_pk, stride_pv, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
+    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
+    STORE_CHUNK_STATES: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
     """The fused sequential kernel (output inside the chunk loop). PREFETCH: the chunk's qscale and
     decay are loaded one chunk ahead (at the end of the previous iteration) instead of in the middle
     of the dot chain, where each costs a full memory latency per chunk."""
-    n, hv, o_k, o_v, m_k, m_v = value_block(tl.program_id(0), HV, K, V, BK, BV)
+    n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, p_pool, state = _walk_start(
+        cu_seqlens, pool, slots, has_initial_state, stride_ps, stride_ph, stride_pk, stride_pv, HV, K, V, BK, BV, BT
+    )
     m_kv = m_k[:, None] & m_v[None, :]
     o_t = tl.arange(0, BT)
     dt = w.dtype.element_ty
-    bos, eos, num_chunks, p_pool, state = _walk_start(
-        cu_seqlens, pool, slots, has_initial_state, n, hv, o_k, o_v, m_v, stride_ps, stride_ph, stride_pk,
-        stride_pv, K, BT,
-    )  # fmt: skip
     if STORE_CHUNK_STATES:
         p_cs = chunk_states + (chunks_before(cu_seqlens, n, BT, BLOCK_N) * HV + hv).to(tl.int64) * (K * V)
         p_cs += o_k[:, None] * V + o_v[None, :]
@@ -136,46 +110,20 @@ def _state_kernel(
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state"])
 def _recur_kernel(
-    k,
-    w,
-    u,
-    kscale,
-    gcum,
-    h,
-    chunk_states,
-    pool,
-    cu_seqlens,
-    slots,
-    has_initial_state,
-    num_seqs,
-    stride_kt,
-    stride_kh,
-    stride_ps,
-    stride_ph,
-    stride_pk,
-    stride_pv,
-    HV: tl.constexpr,
-    GROUP: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    BT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STORE_CHUNK_STATES: tl.constexpr,
-):
+    k, w, u, kscale, gcum, h, chunk_states, pool, cu_seqlens, slots, has_initial_state, num_seqs, stride_kt, stride_kh,
+    stride_ps, stride_ph, stride_pk, stride_pv, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, STORE_CHUNK_STATES: tl.constexpr,
+):  # fmt: skip
     """The split design's sequential kernel: only the recurrence. Per chunk it stores the state
     entering the chunk (h, input dtype) for _output_kernel, turns u into v_new = u - w S in place, and
     updates S = exp(gamma_last) S + k^T (kscale * v_new) with the raw keys (kscale folds the key norm
     and the decay to the chunk end into v_new's rows). Two dependent matmuls per chunk."""
-    n, hv, o_k, o_v, m_k, m_v = value_block(tl.program_id(0), HV, K, V, BK, BV)
+    n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, p_pool, state = _walk_start(
+        cu_seqlens, pool, slots, has_initial_state, stride_ps, stride_ph, stride_pk, stride_pv, HV, K, V, BK, BV, BT
+    )
     m_kv = m_k[:, None] & m_v[None, :]
     o_t = tl.arange(0, BT)
     dt = w.dtype.element_ty
-    bos, eos, num_chunks, p_pool, state = _walk_start(
-        cu_seqlens, pool, slots, has_initial_state, n, hv, o_k, o_v, m_v, stride_ps, stride_ph, stride_pk,
-        stride_pv, K, BT,
-    )  # fmt: skip
     first = chunks_before(cu_seqlens, n, BT, BLOCK_N)
     p_h = h + (first * HV + hv).to(tl.int64) * (K * V) + o_k[:, None] * V + o_v[None, :]
     if STORE_CHUNK_STATES:
@@ -213,30 +161,10 @@ def _recur_kernel(
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_seqs", "cu_seqlens"])
 def _output_kernel(
-    q,
-    k,
-    gcum,
-    rnorm,
-    h,
-    v_new,
-    o,
-    cu_seqlens,
-    num_seqs,
-    scale,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    HV: tl.constexpr,
-    GROUP: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    BT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    L2NORM: tl.constexpr,
-):
+    q, k, gcum, rnorm, h, v_new, o, cu_seqlens, num_seqs, scale, stride_qt, stride_qh, stride_kt, stride_kh,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BLOCK_N: tl.constexpr, L2NORM: tl.constexpr,
+):  # fmt: skip
     """The split design's output, parallel over (chunk, value head):
     o = qscale (q h) + (q k^T * causal decay, norms and scale folded in) v_new, over V in BV blocks."""
     i_c = tl.program_id(0)

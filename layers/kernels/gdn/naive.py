@@ -149,16 +149,8 @@ def fused_gdn_decode(
     )
     q, k, v = conv_out.split([key_channels, key_channels, num_v_heads * value_dim], dim=1)
     core = fused_recurrent_gated_delta_rule(
-        q=q.reshape(num_seqs, 1, num_k_heads, key_dim),
-        k=k.reshape(num_seqs, 1, num_k_heads, key_dim),
-        v=v.reshape(num_seqs, 1, num_v_heads, value_dim),
-        a=a.unsqueeze(1),
-        b=b.unsqueeze(1),
-        A_log=A_log,
-        dt_bias=dt_bias,
-        state_pool=state_pool,
-        state_slots=state_slots,
-        scale=scale,
-        use_qk_l2norm=True,
-    )
+        q=q.reshape(num_seqs, 1, num_k_heads, key_dim), k=k.reshape(num_seqs, 1, num_k_heads, key_dim),
+        v=v.reshape(num_seqs, 1, num_v_heads, value_dim), a=a.unsqueeze(1), b=b.unsqueeze(1), A_log=A_log,
+        dt_bias=dt_bias, state_pool=state_pool, state_slots=state_slots, scale=scale, use_qk_l2norm=True,
+    )  # fmt: skip
     return norm_naive.gated_rms_norm(x=core[:, 0], gate=z, weight=norm_weight, eps=eps)

@@ -94,31 +94,11 @@ def _emit(acc, m, n, n_ld, M, N, s_om, out, bias, part, pid_k, SPLIT_K: tl.const
 
 @triton.jit
 def _linear_kernel(
-    x,
-    w,
-    bias,
-    out,
-    part,
-    counters,
-    M,
-    N,
-    K,
-    s_xm,
-    s_wn,
-    s_om,
-    K_SPLIT: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    DOT_IEEE: tl.constexpr,
-    UNROLL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SEMAPHORE: tl.constexpr,
+    x, w, bias, out, part, counters, M, N, K, s_xm, s_wn, s_om, K_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
+    DOT_IEEE: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr, SEMAPHORE: tl.constexpr,
     USE_PDL: tl.constexpr,
-):
+):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -198,17 +178,9 @@ def _linear_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    part,
-    bias,
-    out,
-    M,
-    N,
-    s_om,
-    SPLIT_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    part, bias, out, M, N, s_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_PDL: tl.constexpr,
-):
+):  # fmt: skip
     """out[m, n] = sum over s in order of part[s, m, n] (+ bias[n]): the "pass" split-K reduction."""
     pdl_wait(USE_PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -325,46 +297,17 @@ def linear(
             semaphore = counters is not None
     dummy = out
     _linear_kernel[(grid_n, split, grid_m)](
-        x,
-        weight,
-        bias if bias is not None else dummy,
-        out,
-        part if part is not None else dummy,
-        counters if counters is not None else dummy,
-        num_rows,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        K_SPLIT=cfg["k_split"],
-        SPLIT_K=split,
-        BLOCK_M=cfg["block_m"],
-        BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"],
-        EVEN_K=k % cfg["k_split"] == 0,
-        USE_DOT=cfg["dot"],
-        DOT_IEEE=x.dtype == torch.float32,
-        UNROLL=cfg["k_split"] // cfg["block_k"] <= 16,
-        HAS_BIAS=bias is not None,
-        SEMAPHORE=semaphore,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-        **pdl_launch(x, pdl),
-    )
+        x, weight, bias if bias is not None else dummy, out, part if part is not None else dummy,
+        counters if counters is not None else dummy, num_rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        K_SPLIT=cfg["k_split"], SPLIT_K=split, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        EVEN_K=k % cfg["k_split"] == 0, USE_DOT=cfg["dot"], DOT_IEEE=x.dtype == torch.float32,
+        UNROLL=cfg["k_split"] // cfg["block_k"] <= 16, HAS_BIAS=bias is not None, SEMAPHORE=semaphore,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(x, pdl),
+    )  # fmt: skip
     if split > 1 and not semaphore:
         block = 1024
         _reduce_kernel[(triton.cdiv(num_rows * n, block),)](
-            part,
-            bias if bias is not None else dummy,
-            out,
-            num_rows,
-            n,
-            out.stride(0),
-            SPLIT_K=split,
-            BLOCK=block,
-            HAS_BIAS=bias is not None,
-            num_warps=4,
-            **pdl_launch(part, pdl),
-        )
+            part, bias if bias is not None else dummy, out, num_rows, n, out.stride(0), SPLIT_K=split, BLOCK=block,
+            HAS_BIAS=bias is not None, num_warps=4, **pdl_launch(part, pdl),
+        )  # fmt: skip
     return out

@@ -153,27 +153,10 @@ def _row_gemv_kernel(
 
 @triton.jit
 def _row_gemv_x_row(
-    x,
-    residual,
-    norm_weight,
-    bias,
-    out,
-    res_out,
-    normed_out,
-    wt,
-    pid,
-    n,
-    n_ld,
-    k,
-    N,
-    eps,
-    K: tl.constexpr,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    WRITE_NORMED: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    x, residual, norm_weight, bias, out, res_out, normed_out, wt, pid, n, n_ld, k, N, eps, K: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_NORMED: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
-):
+):  # fmt: skip
     """The one-row kernel's work after its weight load, with x [K] read once as a row: the same
     operations and roundings as the broadcast form (the norm's sum over one row)."""
     k_ok = k < K
@@ -238,20 +221,10 @@ def pick_config(n: int, k: int, info: DeviceInfo, row_tiles: tuple[RowTile, ...]
 
 
 def row_gemv(
-    *,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    write_normed: bool = False,
-    preload: bool = True,
-    defer_norm: bool = False,
-    config: dict | None = None,
-    row_tiles: tuple[RowTile, ...] = (),
-    pdl: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    *, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, write_normed: bool = False, preload: bool = True,
+    defer_norm: bool = False, config: dict | None = None, row_tiles: tuple[RowTile, ...] = (), pdl: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """x: [1, K] (last dim contiguous); weight: [N, K]; bias: [N]. Without norm_weight: (x @ w.T,
     None, None). With it: y = rms_norm(x + residual) * (1 + norm_weight) (residual [1, K] or None),
     returns (y @ w.T (+ bias), y if write_normed else None, x + residual if residual is given else
@@ -285,31 +258,12 @@ def row_gemv(
     # the row form has neither the deferred norm nor the persistent loop: those keep the broadcast
     x_row = cfg.get("x_row", cfg["block_n"] >= X_ROW_MIN_BLOCK_N) and not defer_norm and programs == blocks
     _row_gemv_kernel[(programs,)](
-        x,
-        residual if residual is not None else x,
-        norm_weight if norm else x,
-        weight,
-        bias if bias is not None else out,
-        out,
-        res_out if res_out is not None else out,
-        normed if normed is not None else out,
-        n,
-        weight.stride(0),
-        eps,
-        K=k,
-        BLOCK_N=cfg["block_n"],
-        BLOCK_K=triton.next_power_of_2(k),
-        NORM=norm,
-        HAS_RESIDUAL=residual is not None,
-        WRITE_NORMED=normed is not None,
-        HAS_BIAS=bias is not None,
-        PRELOAD=preload,
-        DEFER_NORM=defer_norm,
-        PERSISTENT=programs < blocks,
-        EVEN_K=triton.next_power_of_2(k) == k,
-        X_ROW=x_row,
-        num_warps=cfg["num_warps"],
-        num_stages=1,
-        **pdl_launch(x, pdl),
-    )
+        x, residual if residual is not None else x, norm_weight if norm else x, weight,
+        bias if bias is not None else out, out, res_out if res_out is not None else out,
+        normed if normed is not None else out, n, weight.stride(0), eps, K=k, BLOCK_N=cfg["block_n"],
+        BLOCK_K=triton.next_power_of_2(k), NORM=norm, HAS_RESIDUAL=residual is not None,
+        WRITE_NORMED=normed is not None, HAS_BIAS=bias is not None, PRELOAD=preload, DEFER_NORM=defer_norm,
+        PERSISTENT=programs < blocks, EVEN_K=triton.next_power_of_2(k) == k, X_ROW=x_row, num_warps=cfg["num_warps"],
+        num_stages=1, **pdl_launch(x, pdl),
+    )  # fmt: skip
     return out, normed, res_out

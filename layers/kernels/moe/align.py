@@ -47,23 +47,10 @@ def _scan_kernel(counts, offsets, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: t
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _place_kernel(
-    topk_ids,
-    counts,
-    ranks,
-    offsets,
-    sorted_ids,
-    block_expert,
-    expert_offset,
-    num_experts,
-    num_pairs,
-    max_blocks,
-    BLOCK_M: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    CHUNK_E: tl.constexpr,
-    CHUNK_B: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    topk_ids, counts, ranks, offsets, sorted_ids, block_expert, expert_offset, num_experts, num_pairs, max_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_E: tl.constexpr, CHUNK_B: tl.constexpr, BLOCK_E: tl.constexpr,
     USE_PDL: tl.constexpr,
-):
+):  # fmt: skip
     """Program i: scatters pairs chunk i to their rows, fills expert chunk i's padding rows with the
     sentinel num_pairs, and maps block chunk i to its expert (-1 past the last padded row)."""
     pdl_wait(USE_PDL)
@@ -98,20 +85,9 @@ def _add_pair(a0, a1, b0, b1):
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _align_kernel(
-    topk_ids,
-    sorted_ids,
-    block_expert,
-    offsets,
-    expert_offset,
-    num_experts,
-    num_pairs,
-    max_blocks,
-    BLOCK_M: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    CHUNK_B: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+    topk_ids, sorted_ids, block_expert, offsets, expert_offset, num_experts, num_pairs, max_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK_B: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
     """align_pairs in one program, no atomics and no scratch (BLOCK_P >= num_pairs): per-expert
     counts by tl.histogram, the padded scan, then one sort of the keys expert * BLOCK_P + pair
     (non-local pairs last) puts the local pairs in expert-then-pair order; sorted position i of
@@ -175,21 +151,9 @@ def align_pairs(
     if one_launch:
         block_p = max(16, triton.next_power_of_2(num_pairs))
         _align_kernel[(1,)](
-            topk_ids,
-            sorted_ids,
-            block_expert,
-            offsets,
-            expert_offset,
-            num_experts,
-            num_pairs,
-            max_blocks,
-            BLOCK_M=block_m,
-            BLOCK_P=block_p,
-            BLOCK_E=block_e,
-            CHUNK_B=512,
-            num_warps=8,
-            **pdl_launch(topk_ids, pdl),
-        )
+            topk_ids, sorted_ids, block_expert, offsets, expert_offset, num_experts, num_pairs, max_blocks,
+            BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=block_e, CHUNK_B=512, num_warps=8, **pdl_launch(topk_ids, pdl),
+        )  # fmt: skip
         return sorted_ids, block_expert, offsets
     counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
     ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
@@ -209,21 +173,8 @@ def align_pairs(
     _scan_kernel[(1,)](counts, offsets, num_experts, BLOCK_M=block_m, BLOCK_E=block_e, **pdl_launch(counts, pdl))
     grid = max(triton.cdiv(num_pairs, block_p), triton.cdiv(num_experts, chunk_e), triton.cdiv(max_blocks, chunk_b))
     _place_kernel[(grid,)](
-        topk_ids,
-        counts,
-        ranks,
-        offsets,
-        sorted_ids,
-        block_expert,
-        expert_offset,
-        num_experts,
-        num_pairs,
-        max_blocks,
-        BLOCK_M=block_m,
-        BLOCK_P=block_p,
-        CHUNK_E=chunk_e,
-        CHUNK_B=chunk_b,
-        BLOCK_E=block_e,
+        topk_ids, counts, ranks, offsets, sorted_ids, block_expert, expert_offset, num_experts, num_pairs, max_blocks,
+        BLOCK_M=block_m, BLOCK_P=block_p, CHUNK_E=chunk_e, CHUNK_B=chunk_b, BLOCK_E=block_e,
         **pdl_launch(topk_ids, pdl),
-    )
+    )  # fmt: skip
     return sorted_ids, block_expert, offsets

@@ -23,31 +23,11 @@ from .router import _pair_expert, _topk_softmax
 
 @triton.jit
 def _up_gemv_kernel(
-    hidden,
-    w13,
-    act,
-    topk_ids,
-    expert_offset,
-    num_experts,
-    s_ht,
-    s_we,
-    s_wn,
-    s_at,
-    router_logits,
-    topk_weights,
-    num_routed,
-    s_lt,
-    HIDDEN: tl.constexpr,
-    INTER: tl.constexpr,
-    TOPK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ROUTE: tl.constexpr,
-    TOPK_P: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    hidden, w13, act, topk_ids, expert_offset, num_experts, s_ht, s_we, s_wn, s_at, router_logits, topk_weights,
+    num_routed, s_lt, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, ROUTE: tl.constexpr, TOPK_P: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
     USE_PDL: tl.constexpr,
-):
+):  # fmt: skip
     """act[pair, n] = silu(x . gate[n]) * (x . up[n]) for BLOCK_N rows n of one pair's expert.
     ROUTE: the router's work too, so its launch goes. Each program finds its pair's expert from its
     token's logits over the num_routed experts (argmax rounds up to the pair's slot: the router
@@ -106,40 +86,11 @@ def _up_gemv_kernel(
 
 @triton.jit
 def _down_gemv_kernel(
-    act,
-    w2,
-    out,
-    topk_weights,
-    topk_ids,
-    expert_offset,
-    num_experts,
-    s_at,
-    s_we,
-    s_wn,
-    s_ot,
-    shared_gate_up,
-    shared_w2,
-    shared_gate_logit,
-    s_sgu,
-    s_sw2,
-    s_sgl,
-    residual,
-    norm_weight,
-    normed_out,
-    res_out,
-    tickets,
-    s_rt,
-    eps,
-    HIDDEN: tl.constexpr,
-    INTER: tl.constexpr,
-    TOPK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    SHARED_INTER: tl.constexpr,
-    ADD_NORM: tl.constexpr,
-    BLOCK_HID: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+    act, w2, out, topk_weights, topk_ids, expert_offset, num_experts, s_at, s_we, s_wn, s_ot, shared_gate_up, shared_w2,
+    shared_gate_logit, s_sgu, s_sw2, s_sgl, residual, norm_weight, normed_out, res_out, tickets, s_rt, eps,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+    SHARED_INTER: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK_HID: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
     """out[t, h] = sum_j weight[t, j] * act[t, j] . w2[e_j, h] for BLOCK_H rows h, all top-k slots
     unrolled into one straight run of independent loads. A slot routed to another rank gets an
     empty column range: its loads are fully masked (an empty range instead of a scalar mask, which
@@ -211,33 +162,12 @@ def moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, 
     up, down = cfg["up"] if route is None else cfg["up_route"], cfg["down"]
     logits, renormalize = route if route is not None else (hidden, False)
     _up_gemv_kernel[(num_pairs, triton.cdiv(inter, up["block_n"]))](
-        hidden,
-        w13,
-        act,
-        topk_ids,
-        expert_offset,
-        num_experts,
-        hidden.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        act.stride(0),
-        logits,
-        topk_weights,
-        logits.shape[1],
-        logits.stride(0),
-        HIDDEN=hidden_size,
-        INTER=inter,
-        TOPK=top_k,
-        BLOCK_N=up["block_n"],
-        BLOCK_K=up["block_k"],
-        ROUTE=route is not None,
-        TOPK_P=triton.next_power_of_2(top_k),
-        RENORMALIZE=renormalize,
-        BLOCK_E=triton.next_power_of_2(logits.shape[1]),
-        num_warps=up["num_warps"],
-        num_stages=1,
-        **pdl_launch(hidden, pdl),
-    )
+        hidden, w13, act, topk_ids, expert_offset, num_experts, hidden.stride(0), w13.stride(0), w13.stride(1),
+        act.stride(0), logits, topk_weights, logits.shape[1], logits.stride(0), HIDDEN=hidden_size, INTER=inter,
+        TOPK=top_k, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], ROUTE=route is not None,
+        TOPK_P=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(logits.shape[1]),
+        num_warps=up["num_warps"], num_stages=1, **pdl_launch(hidden, pdl),
+    )  # fmt: skip
     shared_inter = 0 if shared is None else shared.w2.shape[1]
     args = (act, w2, out, topk_weights, topk_ids, expert_offset, num_experts)
     args += (act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *_shared_args(shared, out))
@@ -245,19 +175,10 @@ def moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, 
     norm_args = norm_kernel_args(norm, out)
     args += (*norm_args[:4], tickets, *norm_args[4:])
     _down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, down["block_h"]))](
-        *args,
-        HIDDEN=hidden_size,
-        INTER=inter,
-        TOPK=top_k,
-        BLOCK_H=down["block_h"],
-        BLOCK_I=down["block_i"],
-        SHARED_INTER=shared_inter,
-        ADD_NORM=norm is not None,
-        BLOCK_HID=triton.next_power_of_2(hidden_size),
-        num_warps=down["num_warps"],
-        num_stages=1,
-        **pdl_launch(act, pdl),
-    )
+        *args, HIDDEN=hidden_size, INTER=inter, TOPK=top_k, BLOCK_H=down["block_h"], BLOCK_I=down["block_i"],
+        SHARED_INTER=shared_inter, ADD_NORM=norm is not None, BLOCK_HID=triton.next_power_of_2(hidden_size),
+        num_warps=down["num_warps"], num_stages=1, **pdl_launch(act, pdl),
+    )  # fmt: skip
 
 
 def _shared_args(shared: SharedExpert | None, out: torch.Tensor) -> tuple:

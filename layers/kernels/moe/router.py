@@ -15,17 +15,9 @@ from ..pdl import pdl_launch, pdl_wait
 
 @triton.jit
 def _topk_softmax(
-    logits,
-    t,
-    t_ok,
-    num_experts,
-    s_lt,
-    TOPK: tl.constexpr,
-    TOPK_P: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
+    logits, t, t_ok, num_experts, s_lt, TOPK: tl.constexpr, TOPK_P: tl.constexpr, RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
     """(weights, ids) [BLOCK_T, TOPK_P] of tokens t: the top-k of softmax(logits[t]) in float32,
     descending, ties to the lower expert; padding slots hold 0. Selection runs on the logits
     (softmax is monotonic), one argmax-and-mask round per slot."""
@@ -67,19 +59,9 @@ def _pair_expert(logits, t, slot, num_experts, s_lt, BLOCK_E: tl.constexpr):
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_tokens"])
 def _router_kernel(
-    logits,
-    weights,
-    ids,
-    num_tokens,
-    num_experts,
-    s_lt,
-    TOPK: tl.constexpr,
-    TOPK_P: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+    logits, weights, ids, num_tokens, num_experts, s_lt, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
+    RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
     """weights[t], ids[t] = top-k of softmax(logits[t]) in float32, descending; among equal values the
     lower expert index comes first. Selection runs on the logits (softmax is monotonic), one
     argmax-and-mask round per slot."""
@@ -108,20 +90,10 @@ def route_topk_softmax(*, router_logits, top_k, renormalize, config=None, pdl=Tr
         return weights, ids
     cfg = config or router_config(num_tokens, device_info(device))
     _router_kernel[(triton.cdiv(num_tokens, cfg["block_t"]),)](
-        router_logits,
-        weights,
-        ids,
-        num_tokens,
-        num_experts,
-        router_logits.stride(0),
-        TOPK=top_k,
-        TOPK_P=triton.next_power_of_2(top_k),
-        RENORMALIZE=renormalize,
-        BLOCK_T=cfg["block_t"],
-        BLOCK_E=triton.next_power_of_2(num_experts),
-        num_warps=cfg["num_warps"],
-        **pdl_launch(router_logits, pdl),
-    )
+        router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0), TOPK=top_k,
+        TOPK_P=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, BLOCK_T=cfg["block_t"],
+        BLOCK_E=triton.next_power_of_2(num_experts), num_warps=cfg["num_warps"], **pdl_launch(router_logits, pdl),
+    )  # fmt: skip
     return weights, ids
 
 

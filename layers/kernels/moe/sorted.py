@@ -20,25 +20,10 @@ from .fused_norm import norm_kernel_args
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_pairs"])
 def _up_kernel(
-    hidden,
-    w13,
-    act,
-    sorted_ids,
-    block_expert,
-    num_padded,
-    num_pairs,
-    s_ht,
-    s_we,
-    s_wn,
-    s_at,
-    HIDDEN: tl.constexpr,
-    INTER: tl.constexpr,
-    TOPK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    hidden, w13, act, sorted_ids, block_expert, num_padded, num_pairs, s_ht, s_we, s_wn, s_at, HIDDEN: tl.constexpr,
+    INTER: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
-):
+):  # fmt: skip
     """act[pair, n] = silu(x @ gate^T) * (x @ up^T) for one block of pairs of one expert and one
     BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e]."""
     pdl_wait(USE_PDL)
@@ -81,25 +66,10 @@ def _up_kernel(
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    act,
-    w2,
-    y,
-    topk_weights,
-    sorted_ids,
-    block_expert,
-    num_padded,
-    num_pairs,
-    s_at,
-    s_we,
-    s_wn,
-    s_yp,
-    HIDDEN: tl.constexpr,
-    INTER: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    act, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, s_at, s_we, s_wn, s_yp,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
-):
+):  # fmt: skip
     """y[pair, n] = weight[pair] * act[pair] @ w2[e, n]^T for one block of sorted pairs."""
     pdl_wait(USE_PDL)
     pid_m = tl.program_id(0)
@@ -133,30 +103,10 @@ def _down_kernel(
 
 @triton.jit
 def _sum_kernel(
-    y,
-    topk_ids,
-    out,
-    shared,
-    gate_logit,
-    expert_offset,
-    num_experts,
-    s_yp,
-    s_ot,
-    s_st,
-    s_gl,
-    residual,
-    norm_weight,
-    normed_out,
-    res_out,
-    s_rt,
-    eps,
-    HIDDEN: tl.constexpr,
-    TOPK: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-    ADD_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+    y, topk_ids, out, shared, gate_logit, expert_offset, num_experts, s_yp, s_ot, s_st, s_gl, residual, norm_weight,
+    normed_out, res_out, s_rt, eps, HIDDEN: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_SHARED: tl.constexpr, ADD_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
     """out[t] = sum of its local slots' rows of y (non-local slots were never written), plus
     sigmoid(gate_logit[t]) * shared[t] (the shared expert's down projection) when HAS_SHARED; one
     rounding. ADD_NORM (BLOCK covers the row): the next norm of the row instead, res_out[t] =
@@ -216,49 +166,16 @@ def moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg,
     y = torch.empty((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
     up, down = cfg["up"], cfg["down"]
     _up_kernel[(max_blocks, triton.cdiv(inter, up["block_n"]))](
-        hidden,
-        w13,
-        act,
-        sorted_ids,
-        block_expert,
-        num_padded,
-        num_pairs,
-        hidden.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        act.stride(0),
-        HIDDEN=hidden_size,
-        INTER=inter,
-        TOPK=top_k,
-        BLOCK_M=block_m,
-        BLOCK_N=up["block_n"],
-        BLOCK_K=up["block_k"],
-        num_warps=up["num_warps"],
-        num_stages=up["num_stages"],
+        hidden, w13, act, sorted_ids, block_expert, num_padded, num_pairs, hidden.stride(0), w13.stride(0),
+        w13.stride(1), act.stride(0), HIDDEN=hidden_size, INTER=inter, TOPK=top_k, BLOCK_M=block_m,
+        BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], num_warps=up["num_warps"], num_stages=up["num_stages"],
         **pdl_launch(hidden, pdl),
-    )
+    )  # fmt: skip
     _down_kernel[(max_blocks, triton.cdiv(hidden_size, down["block_n"]))](
-        act,
-        w2,
-        y,
-        topk_weights,
-        sorted_ids,
-        block_expert,
-        num_padded,
-        num_pairs,
-        act.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        y.stride(0),
-        HIDDEN=hidden_size,
-        INTER=inter,
-        BLOCK_M=block_m,
-        BLOCK_N=down["block_n"],
-        BLOCK_K=down["block_k"],
-        num_warps=down["num_warps"],
-        num_stages=down["num_stages"],
-        **pdl_launch(act, pdl),
-    )
+        act, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, act.stride(0), w2.stride(0),
+        w2.stride(1), y.stride(0), HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m, BLOCK_N=down["block_n"],
+        BLOCK_K=down["block_k"], num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl_launch(act, pdl),
+    )  # fmt: skip
     shared_out = gate_logit = None
     if shared is not None:  # its down projection on cuBLAS; the gate and the sum in the sum kernel
         shared_out = F.linear(_silu_mul(shared.gate_up, shared.w2.shape[1], pdl), shared.w2)
@@ -269,26 +186,11 @@ def moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg,
     )
     norm_args = norm_kernel_args(norm, out)
     _sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-        y,
-        topk_ids,
-        out,
-        out if shared_out is None else shared_out,
-        out if gate_logit is None else gate_logit,
-        expert_offset,
-        num_experts,
-        y.stride(0),
-        out.stride(0),
-        0 if shared_out is None else shared_out.stride(0),
-        0 if gate_logit is None else gate_logit.stride(0),
-        *norm_args,
-        HIDDEN=hidden_size,
-        TOPK=top_k,
-        BLOCK=block_h,
-        HAS_SHARED=shared is not None,
-        ADD_NORM=norm is not None,
-        num_warps=4,
-        **pdl_launch(y, pdl),
-    )
+        y, topk_ids, out, out if shared_out is None else shared_out, out if gate_logit is None else gate_logit,
+        expert_offset, num_experts, y.stride(0), out.stride(0), 0 if shared_out is None else shared_out.stride(0),
+        0 if gate_logit is None else gate_logit.stride(0), *norm_args, HIDDEN=hidden_size, TOPK=top_k, BLOCK=block_h,
+        HAS_SHARED=shared is not None, ADD_NORM=norm is not None, num_warps=4, **pdl_launch(y, pdl),
+    )  # fmt: skip
 
 
 def _silu_mul(gate_up: torch.Tensor, inter: int, pdl: bool) -> torch.Tensor:

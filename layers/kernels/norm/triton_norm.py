@@ -14,31 +14,10 @@ from ..pdl import pdl_launch, pdl_wait
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
-    x,
-    gate,
-    residual,
-    weight,
-    out,
-    res_out,
-    ids,
-    num_rows,
-    s_x,
-    s_g,
-    gate_heads,
-    s_gh,
-    s_r,
-    s_o,
-    s_ro,
-    eps,
-    DIM: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ZERO_CENTERED: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    GATHER: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+    x, gate, residual, weight, out, res_out, ids, num_rows, s_x, s_g, gate_heads, s_gh, s_r, s_o, s_ro, eps,
+    DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, GATHER: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
     pdl_wait(USE_PDL)
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -121,32 +100,11 @@ def _launch(x, weight, eps, *, gate=None, residual=None, zero_centered=False, id
     o2 = out.view(-1, dim)
     ro2 = res_out.view(-1, dim) if res_out is not None else o2
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
-        x2,
-        g2,
-        r2,
-        weight,
-        o2,
-        ro2,
-        ids if ids is not None else x2,
-        num_rows,
-        x2.stride(0),
-        g2.stride(0),
-        gate_heads,
-        s_gh,
-        r2.stride(0),
-        o2.stride(0),
-        ro2.stride(0),
-        eps,
-        DIM=dim,
-        ROWS=rows,
-        BLOCK_D=block_d,
-        ZERO_CENTERED=zero_centered,
-        HAS_GATE=gate is not None,
-        HAS_RESIDUAL=residual is not None,
-        GATHER=ids is not None,
-        num_warps=8 if rows * block_d >= 4096 else 4,
-        **pdl_launch(x2, pdl),
-    )
+        x2, g2, r2, weight, o2, ro2, ids if ids is not None else x2, num_rows, x2.stride(0), g2.stride(0), gate_heads,
+        s_gh, r2.stride(0), o2.stride(0), ro2.stride(0), eps, DIM=dim, ROWS=rows, BLOCK_D=block_d,
+        ZERO_CENTERED=zero_centered, HAS_GATE=gate is not None, HAS_RESIDUAL=residual is not None,
+        GATHER=ids is not None, num_warps=8 if rows * block_d >= 4096 else 4, **pdl_launch(x2, pdl),
+    )  # fmt: skip
     return out, res_out
 
 
