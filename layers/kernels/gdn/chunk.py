@@ -55,7 +55,7 @@ class ChunkVariant:
 
     split: True for _recur_kernel + _output_kernel, False for the fused _state_kernel.
     block_v: V columns per sequential program; 0 picks 64, halved to 32 while the grid has fewer
-        programs than the GPU has SMs (the first design's rule).
+        programs than the GPU has SMs.
     num_warps: of the sequential kernel; 0 picks 4 at block_v 32 and 8 above (the fused kernel's
         [K, 64] tiles spill at 4 warps once its loads are pipelined).
     num_stages: depth of the software pipeline of the sequential kernel's per-chunk tile loads; the
@@ -74,7 +74,7 @@ class ChunkVariant:
 
 
 VARIANTS = {
-    # the first design (short sequences)
+    # short sequences: four matmuls a chunk, the per-chunk vectors loaded in the chain
     "fused": ChunkVariant(split=False, num_warps=4, num_stages=2, prefetch=False),
     # its loads pipelined (many sequences)
     "fused_pf": ChunkVariant(split=False, num_stages=3, prefetch=True),
@@ -83,8 +83,8 @@ VARIANTS = {
 }
 
 
-# Up to this many tokens per sequence the original fused design won on the H200 (0.197 vs 0.234 ms
-# for split32 at T=2048, one sequence), above it split32 (0.51 vs 0.64 ms at 8192).
+# Up to this many tokens per sequence "fused" wins on the H200 (0.197 vs 0.234 ms for split32 at
+# T=2048, one sequence), above it split32 (0.51 vs 0.64 ms at 8192).
 FUSED_MAX_TOKENS_PER_SEQ = 2048
 
 

@@ -5,10 +5,8 @@ sequence); same contract as naive.fused_gdn_decode, which composes the three ops
 
 Grid: one program per (sequence, value head, block of block_v value columns), as the recurrent
 kernel's: the recurrent state (2 MB a layer at batch 1) is what takes the time, and it moves
-fastest spread over many SMs. On the H200, in CUDA graphs at N = 1 / 64, the recurrent kernel takes
-2.8 / 75 us at 32 columns a program, 3.2 / 72 at 64 and 5.7 / 104 at 128 (a whole value head),
-and a first fused design with one program per (sequence, key head) took 7.7 / 103 us against
-6.7 / 84 for the three unfused kernels. Each program computes the conv of its key head's q and k
+fastest spread over many SMs (a program per key head, or per whole value head, is slower:
+gdn/NOTES.md). Each program computes the conv of its key head's q and k
 (K channels each: the l2norm and the products need all of them) and of its own v columns, runs the
 delta rule on its [K, block_v] state tile and writes its output columns, rounded as the recurrent
 kernel stores them, into the output.
