@@ -276,3 +276,54 @@ def test_gpu_fallback_tiles_compile_within_a_small_device():
     for kernel in (triton_decode._decode_kernel, triton_attention._prefill_kernel):
         compiled = [k for cache in kernel.device_caches.values() for k in cache[0].values()]
         assert compiled and all(k.metadata.shared <= small.smem_per_block for k in compiled), kernel
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_options_recapture_the_graphs(tiny_checkpoints, monkeypatch):
+    """ModelRunner.set_kernel_options: the decode graphs are captured again for the new options
+    (they record them) and the sampler follows. Without PDL the greedy tokens are the same bits;
+    the other options pick other kernels for the same math (float32, IEEE dots): the same tokens'
+    logprobs within 1e-3."""
+    from deltaserve import LLM, SamplingParams
+
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    llm = LLM(str(tiny_checkpoints["qwen3_5_moe"][0]), device="cuda", dtype="float32", num_kv_blocks=512)
+    runner = llm.engine.executor.runner
+    assert runner.graphs is not None and runner.graphs.kernels == runner.kernels
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13] * 40]
+
+    def run():
+        outs = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]
+
+    base_tokens, base_lps = run()
+    base_graphs = runner.graphs
+    for settings in ({"pdl": "0"}, {"row_gemv": "0"}, {"route_in_up_max_tokens": "0", "fused_gdn_max_seqs": "0"}):
+        opts = KernelOptions().with_settings(settings)
+        runner.set_kernel_options(opts)
+        assert runner.graphs is not base_graphs and runner.graphs.kernels == opts and runner.sampler.pdl == opts.pdl
+        tokens, lps = run()
+        if settings == {"pdl": "0"}:
+            assert tokens == base_tokens
+        else:  # compared where the tokens agree so far (a near-tie may flip later ones)
+            for got, want, got_lp, want_lp in zip(tokens, base_tokens, lps, base_lps, strict=True):
+                same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(got))
+                assert same >= 4, settings
+                diffs = [abs(a - b) for a, b in zip(got_lp[:same], want_lp[:same], strict=True)]
+                assert max(diffs) < 1e-3, settings
+    graphs = runner.graphs
+    runner.set_kernel_options(runner.kernels)  # the same options: nothing to capture
+    assert runner.graphs is graphs
+
+
+@pytest.mark.gpu
+def test_gpu_an_h200_takes_its_measured_tables():
+    """On an H200 the name torch reports finds the measured tile tables (else every kernel would
+    run the heuristics); on another GPU the heuristics are what it should get."""
+    from deltaserve.layers.kernels.linear.tuned import TUNED, TUNED_ROW
+    from deltaserve.layers.kernels.moe.tiles import PAIRS_TILES, SORTED_TILES
+
+    info = device_info(torch.device("cuda"))
+    found = [tuned_for(table, info) is not None for table in (TUNED, TUNED_ROW, PAIRS_TILES, SORTED_TILES)]
+    assert found == [("H200" in info.name)] * 4, info.name
