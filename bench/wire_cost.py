@@ -18,7 +18,7 @@ import numpy as np
 from deltaserve import SamplingParams
 from deltaserve.cluster.demo_model import ensure_demo_model
 from deltaserve.cluster.engine import EngineConfig, EngineCore
-from deltaserve.cluster.wire import decode_output, decode_plan, encode_output, encode_plan
+from deltaserve.workers.wire import decode_output, decode_plan, encode_output, encode_plan
 
 
 def _per_call_us(fn, n: int = 200) -> float:

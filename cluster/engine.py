@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Protocol
 
 from deltaserve.layers.config import ModelConfig
+from deltaserve.workers.plan import PassPlan, RunnerOutput
 
 from .allocator import BlockAllocator, StateSlotAllocator
-from .plan import PassPlan, RunnerOutput
 from .request import CompletionOutput, FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig

@@ -22,9 +22,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deltaserve.protos import generation_pb2 as pb
 from deltaserve.protos import generation_pb2_grpc
+from deltaserve.workers.plan import TokenLogprobs
 
 from .async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
-from .plan import TokenLogprobs
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 

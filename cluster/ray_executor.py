@@ -23,12 +23,11 @@ from collections import deque
 
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.parallel import ParallelLayout, validate_layout
-from deltaserve.workers.state_pool import PoolSizes
+from deltaserve.workers.plan import PassPlan, PoolSizes, RunnerOutput
+from deltaserve.workers.shm_ring import ChannelClosed, ShmBroadcast, WaitPolicy, process_alive
+from deltaserve.workers.wire import REPLY_STAMPS, decode_output, decode_reply, encode_plan, rerun_codec
 
 from .engine import EngineConfig, WorkerFailure, runner_config
-from .plan import PassPlan, RunnerOutput
-from .shm_channel import ChannelClosed, ShmBroadcast, WaitPolicy, process_alive
-from .wire import REPLY_STAMPS, decode_output, decode_reply, encode_plan, rerun_codec
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from .plan import TokenLogprobs
+from deltaserve.workers.plan import TokenLogprobs
+
 from .sampling_params import SamplingParams
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .plan import SamplingSpec
+from deltaserve.workers.plan import SamplingSpec
 
 MAX_STOP_SEQUENCES = 32
 MAX_STOP_STRING_LEN = 256

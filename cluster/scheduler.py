@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from deltaserve.workers.plan import NewRequestData, PassPlan, RunnerOutput
+
 from .allocator import BlockAllocator, StateSlotAllocator
-from .plan import NewRequestData, PassPlan, RunnerOutput
 from .request import FinishReason, Request, RequestStatus
 
 log = logging.getLogger(__name__)

@@ -22,11 +22,11 @@ from tiny_models import FAMILIES, VOCAB_SIZE
 
 from deltaserve import SamplingParams
 from deltaserve.cluster.engine import EngineConfig, EngineCore, LocalExecutor, WorkerFailure
-from deltaserve.cluster.plan import NewRequestData, SamplingSpec
 from deltaserve.cluster.scheduler import Scheduler
-from deltaserve.cluster.wire import WireError, decode_plan, encode_plan
 from deltaserve.layers.config import ModelConfig
+from deltaserve.workers.plan import NewRequestData, SamplingSpec
 from deltaserve.workers.sampler import Sampler
+from deltaserve.workers.wire import WireError, decode_plan, encode_plan
 
 LENGTHS = [1, 3, 7, 12, 20, 33, 50, 65]
 ABORTED = 7  # the request aborted once it has ABORT_AFTER tokens

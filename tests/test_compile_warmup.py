@@ -10,18 +10,18 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.cluster.wire import decode_plan, encode_plan
 from deltaserve.layers.config import ModelConfig
 from deltaserve.workers import runner as runner_module
+from deltaserve.workers.plan import PoolSizes
 from deltaserve.workers.runner import (
     WARMUP_BATCHES,
     ModelRunner,
     RunnerConfig,
     _warmup_plan,
-    check_plan_ranges,
     warmup_fits,
 )
-from deltaserve.workers.state_pool import PoolSizes, StatePool
+from deltaserve.workers.state_pool import StatePool
+from deltaserve.workers.wire import check_plan_ranges, decode_plan, encode_plan
 
 SIZES = PoolSizes(num_blocks=1024, block_size=16, num_slots=32)
 

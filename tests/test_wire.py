@@ -9,18 +9,17 @@ import pytest
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.cluster.engine import EngineConfig, EngineCore
-from deltaserve.cluster.plan import NewRequestData, PassPlan, RunnerOutput, SamplingSpec, TokenLogprobs
-from deltaserve.cluster.wire import (
+from deltaserve.workers.plan import NewRequestData, PassPlan, PoolSizes, RunnerOutput, SamplingSpec, TokenLogprobs
+from deltaserve.workers.wire import (
     WIRE_VERSION,
     WireError,
+    check_plan_ranges,
     decode_output,
     decode_plan,
     encode_output,
     encode_plan,
     rerun_codec,
 )
-from deltaserve.workers.runner import check_plan_ranges
-from deltaserve.workers.state_pool import PoolSizes
 
 
 def make_plan() -> PassPlan:

@@ -22,15 +22,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deltaserve.cluster.plan import PassPlan, RunnerOutput
-from deltaserve.cluster.wire import WireError
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.loader import load_model
 from deltaserve.layers.parallel import ParallelLayout
 from deltaserve.workers.compile_watch import LateCompileLog
 from deltaserve.workers.context import HostCopy, build_forward_context, logits_rows, upload
+from deltaserve.workers.plan import PassPlan, PoolSizes, RunnerOutput
 from deltaserve.workers.sampler import LogprobParts, SampledBatch, Sampler
-from deltaserve.workers.state_pool import PoolSizes, StatePool, size_pools
+from deltaserve.workers.state_pool import StatePool, size_pools
+from deltaserve.workers.wire import check_plan_ranges, check_prev_ids
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,15 @@ class RunnerConfig:
     time_passes: bool = False  # CUDA events around each pass (RunnerOutput.device_busy_s / device_gap_s)
 
 
+@dataclass(frozen=True)
+class PrevPass:
+    """The last launched pass's sampled ids on the device (every rank's): the next plan's
+    `input_from_prev` rows take their input ids from them."""
+
+    pass_id: int
+    tokens: torch.Tensor
+
+
 class ModelRunner:
     def __init__(self, config: RunnerConfig, model_config: ModelConfig, layout: ParallelLayout | None = None):
         self.config = config
@@ -85,7 +94,7 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
         self._unresolved: deque[PassOutput] = deque()  # launched passes whose output is not read yet
         self._last_pass_end = None  # with config.time_passes: the last launched pass's end event
-        self._prev: tuple[int, torch.Tensor] | None = None  # (pass id, its sampled ids on the device)
+        self._prev: PrevPass | None = None  # the last launched pass's sampled ids, on the device
         self.sizes = self._size_pools()  # what this rank could hold; the executor picks the final sizes
 
     @property
@@ -219,7 +228,9 @@ class ModelRunner:
         """Launch one pass; nothing here waits for the device (on CPU the pass simply runs)."""
         started = time.perf_counter()
         check_plan_ranges(plan, self.sizes, self.model_config.vocab_size)
-        prev_tokens = self._check_input_from_prev(plan)
+        prev = self._prev
+        held = (None, 0) if prev is None else (prev.pass_id, prev.tokens.shape[0])
+        prev_tokens = prev.tokens if check_prev_ids(plan, *held) else None
         while len(self._unresolved) > 1:  # only the previous pass may still be unread when this one samples
             self._resolve_oldest()
         for req_id in plan.finished_req_ids:
@@ -265,7 +276,7 @@ class ModelRunner:
             self._last_pass_end = events[2]
         copy.record()
         tokens = batch.tokens if batch is not None else torch.zeros(0, dtype=torch.long, device=self.device)
-        self._prev = (plan.pass_id, tokens)
+        self._prev = PrevPass(plan.pass_id, tokens)
         handle = PassOutput(self, plan.pass_id, batch, copy, prompt_parts, started, events=events)
         self._unresolved.append(handle)
         return handle
@@ -278,25 +289,6 @@ class ModelRunner:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         return self._last_pass_end, start, end
-
-    def _check_input_from_prev(self, plan: PassPlan) -> torch.Tensor | None:
-        """The previous pass's sampled ids when the plan reads input ids from them; a plan that names
-        ids this rank does not hold is rejected before anything runs."""
-        from_prev = plan.input_from_prev
-        if from_prev is None or not (from_prev >= 0).any():
-            return None
-        prev = self._prev
-        if prev is None or prev[0] != plan.pass_id - 1:
-            held = "none" if prev is None else f"those of pass {prev[0]}"
-            raise WireError(
-                f"plan field 'input_from_prev' reads pass {plan.pass_id - 1}'s sampled ids; this rank holds {held}"
-            )
-        rows = np.flatnonzero(from_prev >= 0)
-        if from_prev.max() >= prev[1].shape[0]:
-            raise WireError(f"plan field 'input_from_prev' holds values outside [-1, {prev[1].shape[0]})")
-        if rows.max() >= plan.num_decode_rows or (np.diff(plan.query_start_loc)[rows] != 1).any():
-            raise WireError("plan field 'input_from_prev' names a row that is not a one-token decode row")
-        return prev[1]
 
     def _prompt_logprobs(self, plan: PassPlan, row: int, logits: torch.Tensor, copy: HostCopy):
         """Logprob of each next prompt token within (and right after) the row's chunk (on the device)."""
@@ -370,20 +362,6 @@ class PassOutput:
         self._output = out if self._runner.is_driver_rank else None
         self._resolved = True
         self._batch = self._copy = self._prompt_parts = self._events = None
-
-
-def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int) -> None:
-    """Indices that would address memory outside the pools are rejected before any kernel runs."""
-
-    def out_of(name: str, a: np.ndarray, hi: int, lo: int = 0) -> None:
-        if a.size and (a.min() < lo or a.max() >= hi):
-            raise WireError(f"plan field '{name}' holds values outside [{lo}, {hi})")
-
-    out_of("input_ids", plan.input_ids, vocab_size)
-    out_of("block_tables", plan.block_tables, sizes.num_blocks)
-    out_of("slot_mapping", plan.slot_mapping, sizes.num_blocks * sizes.block_size, lo=-1)
-    out_of("state_slots", plan.state_slots, sizes.num_slots)
-    out_of("seq_lens", plan.seq_lens, plan.block_tables.shape[1] * sizes.block_size + 1, lo=1)
 
 
 # Batches run once at start-up, besides the profiling pass (one prompt of max_num_batched_tokens), so

@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from deltaserve.cluster.plan import NewRequestData, SamplingSpec, TokenLogprobs
 from deltaserve.layers.kernels import argmax as argmax_kernels
 from deltaserve.workers.context import HostCopy, upload
+from deltaserve.workers.plan import NewRequestData, SamplingSpec, TokenLogprobs
 
 _M32 = 0xFFFFFFFF
 

@@ -14,13 +14,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from deltaserve.cluster.plan import RunnerOutput
-from deltaserve.cluster.shm_channel import ChannelClosed, ShmBroadcast, ShmHandle, WaitPolicy, process_alive
-from deltaserve.cluster.wire import decode_plan, encode_error_reply, encode_output, encode_reply, rerun_codec
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.parallel import ParallelLayout
+from deltaserve.workers.plan import PoolSizes, RunnerOutput
 from deltaserve.workers.runner import ModelRunner, RunnerConfig
-from deltaserve.workers.state_pool import PoolSizes
+from deltaserve.workers.shm_ring import ChannelClosed, ShmBroadcast, ShmHandle, WaitPolicy, process_alive
+from deltaserve.workers.wire import decode_plan, encode_error_reply, encode_output, encode_reply, rerun_codec
 
 
 class Worker:

@@ -18,6 +18,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+@dataclass(frozen=True)
+class PoolSizes:
+    """The KV pages and GDN state slots every rank allocated (the smallest any rank could hold): the
+    driver's allocators hand out exactly these, and a plan may address nothing beyond them."""
+
+    num_blocks: int
+    block_size: int
+    num_slots: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
 @dataclass
 class SamplingSpec:
     """What the worker's sampler needs of a request's SamplingParams (a plain, msgpack-able copy)."""
