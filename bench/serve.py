@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import numpy as np
 
-from deltaserve.cluster.client import AsyncGenerationClient, Chunk, Final
+from deltaserve.cluster.entrypoints.client import AsyncGenerationClient, Chunk, Final
 
 # Tokenize RPCs stay far below the gateway's 4 MiB message limit with pieces of this many characters
 TOKENIZE_PIECE_CHARS = 64 * 1024

@@ -16,8 +16,9 @@ import time
 import numpy as np
 
 from deltaserve import SamplingParams
-from deltaserve.cluster.demo_model import ensure_demo_model
-from deltaserve.cluster.engine import EngineConfig, EngineCore
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.entrypoints.demo_model import ensure_demo_model
+from deltaserve.cluster.entrypoints.startup import build_engine
 from deltaserve.workers.wire import decode_output, decode_plan, encode_output, encode_plan
 
 
@@ -33,7 +34,7 @@ def measure(batch: int, context: int) -> dict:
         model=str(ensure_demo_model()), device="cpu", max_num_seqs=batch, async_scheduling=False,
         num_kv_blocks=batch * (context // 16 + 4), max_model_len=context + 64,
     )  # fmt: skip
-    core = EngineCore(config)
+    core = build_engine(config)
     rng = np.random.default_rng(batch)
     vocab = core.model_config.vocab_size
     for i in range(batch):

@@ -21,8 +21,12 @@ import torch
 from tiny_models import FAMILIES, VOCAB_SIZE
 
 from deltaserve import SamplingParams
-from deltaserve.cluster.engine import EngineConfig, EngineCore, LocalExecutor, WorkerFailure
-from deltaserve.cluster.scheduler import Scheduler
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.core.engine import EngineCore
+from deltaserve.cluster.core.scheduler import Scheduler
+from deltaserve.cluster.entrypoints.startup import build_engine
+from deltaserve.cluster.executors.base import WorkerFailure
+from deltaserve.cluster.executors.local import LocalExecutor
 from deltaserve.layers.config import ModelConfig
 from deltaserve.workers.plan import NewRequestData, SamplingSpec
 from deltaserve.workers.sampler import Sampler
@@ -47,7 +51,7 @@ def prompts() -> list[list[int]]:
 
 def engine(path, async_scheduling: bool, **kw) -> EngineCore:
     config = EngineConfig(model=str(path), max_num_seqs=8, async_scheduling=async_scheduling, **kw)
-    core = EngineCore(config, output_mode="delta")
+    core = build_engine(config, output_mode="delta")
     assert core.async_scheduling is async_scheduling
     return core
 
@@ -251,7 +255,8 @@ def test_preempting_a_request_whose_token_is_in_flight(tiny_checkpoints, family,
 
 def test_flag_reaches_the_engine(tiny_checkpoints, tmp_path):
     from deltaserve import LLM
-    from deltaserve.cluster.cli import build_parser, engine_config
+    from deltaserve.cli import build_parser
+    from deltaserve.cluster.entrypoints.cli import engine_config
 
     path = str(tiny_checkpoints["qwen3_5"][0])
     assert LLM(path).engine.async_scheduling  # on by default, CPU included
@@ -329,7 +334,7 @@ def test_worker_failure_fails_requests_cleanly(tiny_checkpoints):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     (ref,) = run(engine(path, False), [("c", prompts()[4], params)])
     config = EngineConfig(model=str(path), max_num_seqs=8)
-    core = EngineCore(config, executor=FailingExecutor(config, ModelConfig.from_pretrained(str(path)), fail_at=3))
+    core = build_engine(config, executor=FailingExecutor(config, ModelConfig.from_pretrained(str(path)), fail_at=3))
     outs = run(core, [("a", prompts()[2], params), ("b", prompts()[6], params)])
     assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
     assert all("worker died" in o.error for o in outs)
@@ -345,7 +350,7 @@ def test_plan_that_reads_ids_the_runner_does_not_hold_is_rejected(tiny_checkpoin
     core.add_request("a", prompts()[2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     core.step()
     core.step()
-    plan = core._in_flight[0]
+    plan = core._in_flight.plan
     assert plan.input_from_prev is not None
     bad = decode_plan(encode_plan(plan))  # the field survives the wire
     assert np.array_equal(bad.input_from_prev, plan.input_from_prev)

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from deltaserve.bench.serve import BenchSettings, PlannedRequest, RequestRecord, plan_workload, run_benchmark
-from deltaserve.cluster.async_engine import AsyncEngine
-from deltaserve.cluster.cli import main
-from deltaserve.cluster.client import AsyncGenerationClient
-from deltaserve.cluster.engine import EngineConfig
-from deltaserve.cluster.gateway import Gateway
+from deltaserve.cli import main
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.entrypoints.async_engine import AsyncEngine
+from deltaserve.cluster.entrypoints.client import AsyncGenerationClient
+from deltaserve.cluster.entrypoints.gateway import Gateway
 
 pytestmark = pytest.mark.timeout(60)
 

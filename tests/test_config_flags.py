@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from deltaserve.cluster.cli import build_parser, engine_config
-from deltaserve.cluster.engine import EngineConfig, runner_config
+from deltaserve.cli import build_parser
+from deltaserve.cluster.config import EngineConfig, runner_config
+from deltaserve.cluster.entrypoints.cli import engine_config
 
 
 def test_cuda_graph_flag_reaches_the_runner():

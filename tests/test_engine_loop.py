@@ -7,8 +7,8 @@ import logging
 import queue
 
 from deltaserve import SamplingParams
-from deltaserve.cluster import driver
-from deltaserve.cluster.engine import EngineConfig
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.entrypoints import driver
 
 
 def test_loop_runs_submitted_requests_and_logs_slow_steps(tiny_checkpoints, monkeypatch, caplog):

@@ -20,8 +20,9 @@ import torch
 from tiny_models import VOCAB_SIZE
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.cluster.async_engine import AsyncEngine
-from deltaserve.cluster.client import (
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.entrypoints.async_engine import AsyncEngine
+from deltaserve.cluster.entrypoints.client import (
     AsyncGenerationClient,
     Chunk,
     Final,
@@ -29,8 +30,8 @@ from deltaserve.cluster.client import (
     generate_request,
     stream_to_terminal,
 )
-from deltaserve.cluster.engine import EngineConfig, WorkerFailure
-from deltaserve.cluster.gateway import Gateway, run_gateway
+from deltaserve.cluster.entrypoints.gateway import Gateway, run_gateway
+from deltaserve.cluster.executors.base import WorkerFailure
 from deltaserve.protos import generation_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)  # a stream that hangs fails its test instead of stalling the suite

@@ -16,9 +16,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
-from .engine import EngineConfig, EngineCore
-from .request import RequestOutput
-from .sampling_params import SamplingParams
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.core.engine import EngineCore
+from deltaserve.cluster.core.request import RequestOutput
+from deltaserve.cluster.core.sampling_params import SamplingParams
+
+from .startup import build_engine
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,7 @@ class EngineUnavailableError(RuntimeError):
 class EngineLoop:
     def __init__(self, config: EngineConfig, sink: Callable[[RequestOutput], None], engine: EngineCore | None = None):
         self.config = config
-        self.engine = engine or EngineCore(config, output_mode="delta")
+        self.engine = engine or build_engine(config, output_mode="delta")
         self._user_sink = sink
         self._live: set[str] = set()  # submitted and not finished: ids in use
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -13,10 +13,11 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.core.request import RequestOutput
+from deltaserve.cluster.core.sampling_params import SamplingParams
+
 from .driver import Driver, EngineLoop, EngineUnavailableError, QueueFullError, model_info
-from .engine import EngineConfig
-from .request import RequestOutput
-from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

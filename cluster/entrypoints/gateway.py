@@ -20,13 +20,13 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from deltaserve.cluster.core.request import RequestOutput
+from deltaserve.cluster.core.sampling_params import SamplingParams
 from deltaserve.protos import generation_pb2 as pb
 from deltaserve.protos import generation_pb2_grpc
 from deltaserve.workers.plan import TokenLogprobs
 
 from .async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
-from .request import RequestOutput
-from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
 
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.executors.base import Executor, PassHandle, WorkerFailure, overlaps_passes
 from deltaserve.layers.config import ModelConfig
 from deltaserve.workers.plan import PassPlan, RunnerOutput
 
@@ -32,137 +33,15 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
+OUTPUT_MODES = ("cumulative", "delta", "final")
+
 
 @dataclass(frozen=True)
-class EngineConfig:
-    model: str | None
-    dtype: str = "auto"
-    device: str = "cpu"
-    load_format: str = "auto"
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_bytes: int = 256 * 2**20
-    num_kv_blocks: int | None = None  # exact KV page count, overriding the memory budget
-    # the gateway answers RESOURCE_EXHAUSTED beyond this many waiting requests
-    max_waiting_requests: int = 1024
-    enable_cuda_graphs: bool = True  # decode passes replay captured CUDA graphs
-    # plan and launch pass N+1 before pass N's tokens are back (executors that overlap passes: the
-    # local one, and the Ray executor over "shm"; its "compiled" and "calls" transports run passes
-    # synchronously whatever this says)
-    # None or True: wherever supported (measured on one H200 and on two with TP = 2); False: never
-    async_scheduling: bool | None = None
-    # CUDA events around each pass on the device (benchmarks): each RunnerOutput then says how long
-    # the pass kept the GPU busy and how long the GPU sat idle between the previous pass and it
-    time_passes: bool = False
-    # "local": the model in this process (TP = 1 only); "ray": worker actors; "auto": local when TP = 1
-    executor: str = "auto"
+class InFlightPass:
+    """A pass launched by one step and applied by the next (async scheduling)."""
 
-    def validate(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
-        if self.executor not in ("auto", "local", "ray"):
-            raise ValueError(f"executor: must be auto, local or ray; got {self.executor!r}")
-        if self.executor == "local" and (self.tensor_parallel_size > 1 or self.enable_expert_parallel):
-            raise ValueError("executor: 'local' runs one rank; tensor or expert parallelism needs 'ray'")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
-
-
-class WorkerFailure(RuntimeError):
-    """A worker of the group died or failed a pass; the requests in flight are lost."""
-
-
-class Executor(Protocol):
-    """Runs pass plans on the model's ranks; `pool_sizes` is what the workers allocated. An executor
-    that can launch a pass without waiting for it also has `execute_async(plan)`, returning an
-    object whose `result()` waits for the RunnerOutput (async scheduling uses it when present and
-    the executor's optional `supports_async` is not False; see `overlaps_passes`)."""
-
-    pool_sizes: object
-
-    def execute(self, plan: PassPlan) -> RunnerOutput: ...
-
-    def restart(self) -> None: ...
-
-    def shutdown(self) -> None: ...
-
-
-class LocalExecutor:
-    """The whole model in this process (TP = 1)."""
-
-    def __init__(self, config: EngineConfig, model_config: ModelConfig):
-        from deltaserve.workers.runner import ModelRunner
-
-        self.runner = ModelRunner(runner_config(config), model_config)
-        self.runner.allocate(self.runner.sizes)
-        self.pool_sizes = self.runner.sizes
-
-    def execute(self, plan: PassPlan) -> RunnerOutput:
-        return self.runner.execute(plan)
-
-    def execute_async(self, plan: PassPlan):
-        """Launch the pass; `.result()` of the returned PassOutput waits for its RunnerOutput."""
-        return self.runner.execute_async(plan)
-
-    def restart(self) -> None:
-        # an in-process runner cannot die separately from the engine; the passes in flight are void
-        self.runner.drop_in_flight()
-
-    def shutdown(self) -> None:
-        self.runner = None
-
-
-def overlaps_passes(executor, requested: bool | None = True) -> bool:
-    """Whether passes overlap on this executor: it has `execute_async`, its `supports_async` (the Ray
-    executor: True over the shared-memory ring only), if any, is true, and overlap was not turned off
-    (`requested` False)."""
-    if requested is False:
-        return False
-    return hasattr(executor, "execute_async") and bool(getattr(executor, "supports_async", True))
-
-
-def runner_config(config: EngineConfig):
-    from deltaserve.workers.runner import RunnerConfig
-
-    return RunnerConfig(
-        model=config.model,
-        dtype=config.dtype,
-        device=config.device,
-        load_format=config.load_format,
-        seed=config.seed,
-        block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        cpu_kv_cache_bytes=config.cpu_kv_cache_bytes,
-        num_kv_blocks=config.num_kv_blocks,
-        enable_cuda_graphs=config.enable_cuda_graphs,
-        time_passes=config.time_passes,
-    )
-
-
-def make_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
-    single = config.tensor_parallel_size == 1 and not config.enable_expert_parallel
-    if config.executor == "local" or (config.executor == "auto" and single):
-        return LocalExecutor(config, model_config)
-    from .ray_executor import RayExecutor
-
-    return RayExecutor(config, model_config)
-
-
-OUTPUT_MODES = ("cumulative", "delta", "final")
+    plan: PassPlan
+    handle: PassHandle
 
 
 class EngineCore:
@@ -171,24 +50,15 @@ class EngineCore:
     processes) or "final" (only finished requests produce outputs: offline generation)."""
 
     def __init__(
-        self,
-        config: EngineConfig,
-        model_config: ModelConfig | None = None,
-        executor: Executor | None = None,
-        output_mode: str = "cumulative",
+        self, config: EngineConfig, model_config: ModelConfig, executor: Executor, output_mode: str = "cumulative"
     ):
-        config.validate()
         if output_mode not in OUTPUT_MODES:
             raise ValueError(f"output_mode must be one of {OUTPUT_MODES}, got {output_mode!r}")
         self.output_mode = output_mode
-        if model_config is None:
-            if config.model is None:
-                raise ValueError("model: a model directory is required")
-            model_config = ModelConfig.from_pretrained(config.model)
         self.model_config = model_config
         has_tokenizer = config.model is not None and (Path(config.model) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(config.model) if has_tokenizer else None
-        self.executor = executor or make_executor(config, model_config)
+        self.executor = executor
         sizes = self.executor.pool_sizes
         self.blocks = BlockAllocator(sizes.num_blocks, sizes.block_size)
         self.slots = StateSlotAllocator(sizes.num_slots)
@@ -211,7 +81,7 @@ class EngineCore:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         self.async_scheduling = overlaps_passes(self.executor, config.async_scheduling)
-        self._in_flight: tuple[PassPlan, object] | None = None  # the launched pass not yet applied
+        self._in_flight: InFlightPass | None = None  # the launched pass not yet applied
         # with config.time_passes on a GPU: (device busy s, device idle before it s) of recent passes
         self.pass_device_times: deque[tuple[float, float]] = deque(maxlen=4096)
         log.info(
@@ -295,18 +165,17 @@ class EngineCore:
         launched = None
         if plan is not None:
             try:
-                launched = self.executor.execute_async(plan)
+                launched = InFlightPass(plan, self.executor.execute_async(plan))
             except WorkerFailure as e:
                 return outputs + self._on_worker_failure(e)
-        previous, self._in_flight = self._in_flight, (plan, launched) if plan is not None else None
+        previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             # then wait for pass N's tokens and turn them into outputs while pass N+1 runs
-            prev_plan, prev_launched = previous
             try:
-                result = prev_launched.result()
+                result = previous.handle.result()
             except WorkerFailure as e:
                 return outputs + self._on_worker_failure(e)
-            outputs += self._apply(prev_plan, result)
+            outputs += self._apply(previous.plan, result)
         return outputs
 
     def set_async_scheduling(self, enabled: bool) -> list[RequestOutput]:
@@ -314,9 +183,9 @@ class EngineCore:
         flight, if any, is finished first and its outputs returned."""
         outputs: list[RequestOutput] = []
         if self._in_flight is not None:
-            (plan, launched), self._in_flight = self._in_flight, None
+            previous, self._in_flight = self._in_flight, None
             try:
-                outputs = self._apply(plan, launched.result())
+                outputs = self._apply(previous.plan, previous.handle.result())
             except WorkerFailure as e:
                 outputs = self._on_worker_failure(e)
         self.async_scheduling = enabled and overlaps_passes(self.executor)

@@ -12,9 +12,12 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from .engine import EngineConfig, EngineCore, WorkerFailure
-from .request import RequestOutput
-from .sampling_params import SamplingParams
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.core.request import RequestOutput
+from deltaserve.cluster.core.sampling_params import SamplingParams
+from deltaserve.cluster.executors.base import WorkerFailure
+
+from .startup import build_engine
 
 PromptLike = str | list[int] | dict
 
@@ -65,7 +68,7 @@ class LLM:
             async_scheduling=async_scheduling,
             time_passes=time_passes,
         )
-        self.engine = EngineCore(self.config, model_config=model_config, output_mode="final")
+        self.engine = build_engine(self.config, model_config=model_config, output_mode="final")
         self._ids = itertools.count()
 
     @property

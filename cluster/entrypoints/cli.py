@@ -1,24 +1,14 @@
-"""The `deltaserve` command line.
-
-deltaserve demo                      local Ray + gateway + streamed gRPC requests, then stop
-deltaserve serve [--model PATH] ...  serve over gRPC (local Ray, or the cluster of a Ray job)
-deltaserve generate "prompt" ...     stream one generation from a running server
-deltaserve bench offline|serve ...   benchmarks (see bench/)
-"""
+"""The `serve`, `generate` and `demo` commands of the `deltaserve` command line (`deltaserve.cli`
+assembles them with `bench`)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import os
 import signal
-import sys
 import time
 
-from .engine import EngineConfig
-
-log = logging.getLogger("deltaserve")
+from deltaserve.cluster.config import EngineConfig
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -75,21 +65,6 @@ def engine_config(args: argparse.Namespace, executor: str) -> EngineConfig:
     )
 
 
-def _connect_ray(address: str | None) -> None:
-    """Join the Ray cluster of a `ray job submit` job (RAY_ADDRESS is set) or the given address
-    (`auto` joins the `ray start` cluster of this machine); otherwise start a local one."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        # "local": a cluster of our own, never a stale one a past `ray start` left on the machine
-        ray.init(address="local", include_dashboard=False, log_to_driver=True)
-
-
 async def start_stack(config: EngineConfig, host: str, port: int, backend: str):
     """AsyncEngine (Ray driver actor or in-process) and the gateway in front of it."""
     from .async_engine import AsyncEngine
@@ -104,7 +79,9 @@ async def start_stack(config: EngineConfig, host: str, port: int, backend: str):
 # ---- serve ---------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.backend == "ray":
-        _connect_ray(args.ray_address)
+        from deltaserve.cluster.executors.ray import connect_ray
+
+        connect_ray(args.ray_address)
     config = engine_config(args, executor="ray" if args.backend == "ray" else "local")
     return asyncio.run(_serve(config, args))
 
@@ -161,8 +138,10 @@ DEMO_PROMPTS = [
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from deltaserve.cluster.executors.ray import connect_ray
+
     started = time.monotonic()
-    _connect_ray(None)
+    connect_ray()
     config = engine_config(args, executor="ray")
     return asyncio.run(_demo(config, args, started))
 
@@ -218,14 +197,9 @@ async def _demo(config: EngineConfig, args: argparse.Namespace, started: float) 
     return 0 if ok else 1
 
 
-# ---- entry -----------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="deltaserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--log-level", default="WARNING")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+# ---- parsers ---------------------------------------------------------------------------------------
+def add_parsers(sub) -> None:
+    """The serve, generate and demo subcommands."""
     serve = sub.add_parser("serve", help="serve over gRPC")
     _engine_args(serve)
     serve.add_argument("--host", default="0.0.0.0")
@@ -256,18 +230,3 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(demo)
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.set_defaults(func=cmd_demo)
-
-    from deltaserve.bench.cli import add_bench_parser
-
-    add_bench_parser(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -80,7 +80,7 @@ def _write_weights(out: Path) -> None:
     import torch
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    from .tokenizer import Tokenizer
+    from deltaserve.cluster.core.tokenizer import Tokenizer
 
     tok = Tokenizer(out)
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
