@@ -30,7 +30,7 @@ def _per_call_us(fn, n: int = 200) -> float:
 
 
 def measure(batch: int, context: int) -> dict:
-    config = EngineConfig(
+    config = EngineConfig.from_kwargs(
         model=str(ensure_demo_model()), device="cpu", max_num_seqs=batch, async_scheduling=False,
         num_kv_blocks=batch * (context // 16 + 4), max_model_len=context + 64,
     )  # fmt: skip

@@ -50,7 +50,7 @@ def prompts() -> list[list[int]]:
 
 
 def engine(path, async_scheduling: bool, **kw) -> EngineCore:
-    config = EngineConfig(model=str(path), max_num_seqs=8, async_scheduling=async_scheduling, **kw)
+    config = EngineConfig.from_kwargs(model=str(path), max_num_seqs=8, async_scheduling=async_scheduling, **kw)
     core = build_engine(config, output_mode="delta")
     assert core.async_scheduling is async_scheduling
     return core
@@ -263,7 +263,7 @@ def test_flag_reaches_the_engine(tiny_checkpoints, tmp_path):
     assert not LLM(path, async_scheduling=False).engine.async_scheduling
     for argv, on in (([], None), (["--no-async-scheduling"], False), (["--async-scheduling"], True)):
         args = build_parser().parse_args(["serve", "--model", str(tmp_path), *argv])
-        assert engine_config(args, "local").async_scheduling is on
+        assert engine_config(args, "local").scheduler.async_scheduling is on
 
 
 def test_decode_inputs_come_from_the_device(tiny_checkpoints):
@@ -333,7 +333,7 @@ def test_worker_failure_fails_requests_cleanly(tiny_checkpoints):
     path = tiny_checkpoints["qwen3_5_moe"][0]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     (ref,) = run(engine(path, False), [("c", prompts()[4], params)])
-    config = EngineConfig(model=str(path), max_num_seqs=8)
+    config = EngineConfig.from_kwargs(model=str(path), max_num_seqs=8)
     core = build_engine(config, executor=FailingExecutor(config, ModelConfig.from_pretrained(str(path)), fail_at=3))
     outs = run(core, [("a", prompts()[2], params), ("b", prompts()[6], params)])
     assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
@@ -415,7 +415,7 @@ def test_cuda_async_matches_sync_and_decode_launches_do_not_sync(tiny_checkpoint
         SamplingParams(temperature=0.7, seed=9, frequency_penalty=0.4, max_tokens=16, ignore_eos=True),
     ]
     requests = [(f"g{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts()[:4], params, strict=True))]
-    kw = dict(device="cuda", dtype="float32", num_kv_blocks=256, enable_cuda_graphs=not eager)
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=256, enforce_eager=eager)
     sync = [summary(o) for o in run(engine(path, False, **kw), requests)]
     core = engine(path, True, **kw)
     assert (core.executor.runner.graphs is None) is eager

@@ -66,7 +66,7 @@ def model_path(tiny_checkpoints) -> str:
 
 @pytest.fixture(scope="module")
 def target(model_path) -> Iterator[str]:
-    served = ServedGateway(EngineConfig(model=model_path))
+    served = ServedGateway(EngineConfig.from_kwargs(model=model_path))
     try:
         yield served.target
     finally:
@@ -156,7 +156,7 @@ async def plan_with_text_ids(settings: BenchSettings) -> tuple[list[PlannedReque
 
 def test_failures_are_counted_by_status(model_path):
     # one sequence slot and one queue place: most of a burst of 8 is refused with RESOURCE_EXHAUSTED
-    served = ServedGateway(EngineConfig(model=model_path, max_num_seqs=1, max_waiting_requests=1))
+    served = ServedGateway(EngineConfig.from_kwargs(model=model_path, max_num_seqs=1, max_waiting_requests=1))
     try:
         settings = BenchSettings(target=served.target, num_prompts=8, input_len=8, output_len=30, num_warmups=0)
         result = run_benchmark(settings)

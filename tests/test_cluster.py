@@ -128,7 +128,7 @@ def test_async_scheduling_over_shm_gives_single_rank_tokens(ray_session, tp_chec
 @pytest.mark.parametrize("transport", ["shm", "compiled"])
 def test_killed_worker_fails_requests_then_group_is_replaced(ray_session, tp_checkpoints, transport):
     path = tp_checkpoints["qwen3_5_moe"]
-    config = EngineConfig(model=path, tensor_parallel_size=2, async_scheduling=True)
+    config = EngineConfig.from_kwargs(model=path, tensor_parallel_size=2, async_scheduling=True)
     engine = build_engine(config, executor=_executor(config, transport))
     assert engine.executor.transport == transport
     # passes overlap over the shared-memory ring only; the compiled graph stays synchronous
@@ -169,7 +169,7 @@ def _executor(config, transport: str):
     from deltaserve.cluster.executors.ray import RayExecutor
     from deltaserve.layers.config import ModelConfig
 
-    return RayExecutor(config, ModelConfig.from_pretrained(config.model), transport=transport)
+    return RayExecutor(config, ModelConfig.from_pretrained(config.load.model), transport=transport)
 
 
 def test_llm_generate_raises_after_worker_death_and_recovers(ray_session, tp_checkpoints):

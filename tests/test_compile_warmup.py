@@ -10,13 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.cluster.config import EngineConfig
 from deltaserve.layers.config import ModelConfig
 from deltaserve.workers import runner as runner_module
 from deltaserve.workers.plan import PoolSizes
 from deltaserve.workers.runner import (
     WARMUP_BATCHES,
     ModelRunner,
-    RunnerConfig,
     _warmup_plan,
     warmup_fits,
 )
@@ -60,7 +60,8 @@ def test_warmup_fits_the_budget_and_pool():
 
 def test_runner_runs_every_fitting_warmup_batch(tiny_checkpoints, monkeypatch):
     path = str(tiny_checkpoints["qwen3_5_moe"][0])
-    runner = ModelRunner(RunnerConfig(model=path, max_num_batched_tokens=2048), ModelConfig.from_pretrained(path))
+    config = EngineConfig.from_kwargs(model=path, max_num_batched_tokens=2048).worker_config()
+    runner = ModelRunner(config, ModelConfig.from_pretrained(path))
     ran = []
     forward = runner._forward
     monkeypatch.setattr(runner, "_forward", lambda plan, pool: ran.append(plan.num_tokens) or forward(plan, pool))
@@ -77,9 +78,8 @@ def test_warmup_runs_the_greedy_argmax_in_both_logit_dtypes(tiny_checkpoints, mo
     from deltaserve.workers import sampler as sampler_module
 
     path = str(tiny_checkpoints["qwen3_5_moe"][0])
-    runner = ModelRunner(
-        RunnerConfig(model=path, dtype="bfloat16", max_num_batched_tokens=2048), ModelConfig.from_pretrained(path)
-    )
+    config = EngineConfig.from_kwargs(model=path, dtype="bfloat16", max_num_batched_tokens=2048).worker_config()
+    runner = ModelRunner(config, ModelConfig.from_pretrained(path))
     seen = []
     real = sampler_module.argmax_kernels.row_argmax
     monkeypatch.setattr(

@@ -143,7 +143,7 @@ def test_rejected_plan_leaves_running_requests_intact(tiny_checkpoints):
     path = str(tiny_checkpoints["qwen3_5"][0])
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     (reference,) = LLM(path).generate([[5, 6, 7, 8, 9]], params, use_tqdm=False)
-    engine = build_engine(EngineConfig(model=path))
+    engine = build_engine(EngineConfig.from_kwargs(model=path))
     engine.add_request("a", [5, 6, 7, 8, 9], params)
     engine.step()
     bad = make_plan()

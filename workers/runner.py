@@ -26,6 +26,7 @@ from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.loader import load_model
 from deltaserve.layers.parallel import ParallelLayout
 from deltaserve.workers.compile_watch import LateCompileLog
+from deltaserve.workers.config import WorkerConfig
 from deltaserve.workers.context import HostCopy, build_forward_context, logits_rows, upload
 from deltaserve.workers.plan import PassPlan, PoolSizes, RunnerOutput
 from deltaserve.workers.sampler import LogprobParts, SampledBatch, Sampler
@@ -35,32 +36,6 @@ from deltaserve.workers.wire import check_plan_ranges, check_prev_ids
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
-    return DTYPES[dtype]
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    model: str | None
-    dtype: str = "auto"
-    device: str = "cpu"
-    load_format: str = "auto"
-    seed: int = 0
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_bytes: int = 256 * 2**20  # the KV + GDN state budget on CPU
-    num_kv_blocks: int | None = None  # exact KV page count, overriding the memory budget
-    enable_cuda_graphs: bool = True  # decode passes replay captured graphs (CUDA only)
-    cuda_graph_max_batch: int = 256
-    time_passes: bool = False  # CUDA events around each pass (RunnerOutput.device_busy_s / device_gap_s)
 
 
 @dataclass(frozen=True)
@@ -73,27 +48,28 @@ class PrevPass:
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig, model_config: ModelConfig, layout: ParallelLayout | None = None):
+    def __init__(self, config: WorkerConfig, model_config: ModelConfig, layout: ParallelLayout | None = None):
         self.config = config
         self.model_config = model_config
         self.layout = layout or ParallelLayout()
-        self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, config.device)
+        load = config.load
+        self.device = torch.device(load.device)
+        self.dtype = DTYPES[load.dtype_in_use]
         self.model = load_model(
-            config.model,
+            load.model,
             config=model_config,
             layout=self.layout,
             dtype=self.dtype,
             device=self.device,
-            load_format=config.load_format,
-            seed=config.seed,
+            load_format=load.load_format,
+            seed=load.seed,
         )
         self.pool: StatePool | None = None
         self.graphs = None
         self.late_compiles: LateCompileLog | None = None  # set once start-up is over (allocate)
-        self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
+        self.sampler = Sampler(model_config.vocab_size, seed=load.seed)
         self._unresolved: deque[PassOutput] = deque()  # launched passes whose output is not read yet
-        self._last_pass_end = None  # with config.time_passes: the last launched pass's end event
+        self._last_pass_end = None  # with runner.time_passes: the last launched pass's end event
         self._prev: PrevPass | None = None  # the last launched pass's sampled ids, on the device
         self.sizes = self._size_pools()  # what this rank could hold; the executor picks the final sizes
 
@@ -102,20 +78,20 @@ class ModelRunner:
         return self.layout.tp_rank == 0
 
     def _size_pools(self) -> PoolSizes:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
             budget = 0
         elif self.device.type == "cuda":
             budget = self._gpu_budget()
         else:
-            budget = cfg.cpu_kv_cache_bytes
+            budget = cache.cpu_kv_cache_bytes
         return size_pools(
             self.model,
             budget_bytes=budget,
-            block_size=cfg.block_size,
-            max_num_seqs=cfg.max_num_seqs,
+            block_size=cache.block_size,
+            max_num_seqs=self.config.max_num_seqs,
             dtype=self.dtype,
-            num_blocks_override=cfg.num_kv_blocks,
+            num_blocks_override=cache.num_kv_blocks,
         )
 
     def _gpu_budget(self) -> int:
@@ -126,7 +102,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         activation = self._profile_activation_bytes()
         used = total - free
-        budget = int(total * self.config.gpu_memory_utilization) - used - activation
+        budget = int(total * self.config.cache.gpu_memory_utilization) - used - activation
         log.info(
             "GPU memory: %.1f GiB total, %.1f GiB in use after weights, %.1f GiB activation peak, %.1f GiB for pools",
             total / 2**30,
@@ -138,14 +114,13 @@ class ModelRunner:
 
     def _profile_activation_bytes(self) -> int:
         """Peak extra memory of a pass of max_num_batched_tokens prompt tokens (one sequence)."""
-        cfg = self.config
-        tokens = cfg.max_num_batched_tokens
-        pages = -(-tokens // cfg.block_size)
+        tokens, block_size = self.config.max_num_batched_tokens, self.config.cache.block_size
+        pages = -(-tokens // block_size)
         # slots for the warm-up batches' rows too (a few GiB at most, freed below)
         slots = 1 + max(len(batch) for batch in WARMUP_BATCHES)
-        sizes = PoolSizes(num_blocks=pages + 1, block_size=cfg.block_size, num_slots=slots)
+        sizes = PoolSizes(num_blocks=pages + 1, block_size=block_size, num_slots=slots)
         pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
-        plan = _profile_plan(tokens, cfg.block_size)
+        plan = _profile_plan(tokens, block_size)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -172,7 +147,7 @@ class ModelRunner:
         (`compile_watch`): start-up compiled what it could."""
         self.sizes = sizes
         self.pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
-        if self.device.type == "cuda" and self.config.num_kv_blocks is not None:
+        if self.device.type == "cuda" and self.config.cache.num_kv_blocks is not None:
             # given sizes skip the profiling pass, which runs the warm-up: run it on the empty pool
             self.compile_warmup(self.pool)
         self.graphs = self._capture_graphs()
@@ -182,7 +157,7 @@ class ModelRunner:
 
     def _capture_graphs(self):
         """The decode CUDA graphs over the pools (None on CPU or with graphs off)."""
-        if self.device.type != "cuda" or not self.config.enable_cuda_graphs:
+        if self.device.type != "cuda" or self.config.runner.enforce_eager:
             return None
         from deltaserve.workers.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs
 
@@ -195,7 +170,7 @@ class ModelRunner:
             max_pages=min(sizes.num_blocks, -(-max_len // sizes.block_size)),
             scratch_slot=sizes.num_slots - 1,
             scratch_page=sizes.num_blocks - 1,
-            batch_sizes=tuple(b for b in DEFAULT_BATCH_SIZES if b <= self.config.cuda_graph_max_batch),
+            batch_sizes=tuple(b for b in DEFAULT_BATCH_SIZES if b <= self.config.runner.cuda_graph_max_batch),
         )
 
     def recapture_graphs(self) -> None:
@@ -282,9 +257,9 @@ class ModelRunner:
         return handle
 
     def _start_events(self) -> tuple | None:
-        """With config.time_passes on CUDA: (previous pass's end event or None, this pass's start
+        """With runner.time_passes on CUDA: (previous pass's end event or None, this pass's start
         event, recorded now, and its end event, recorded after its last operation)."""
-        if not (self.config.time_passes and self.device.type == "cuda"):
+        if not (self.config.runner.time_passes and self.device.type == "cuda"):
             return None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()

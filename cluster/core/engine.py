@@ -4,7 +4,7 @@ It owns the scheduler and the allocators, hands each PassPlan to an executor (th
 ModelRunner, or the Ray worker group), and turns the sampled tokens into text, stop decisions and
 outputs. The same core runs under `LLM` (synchronously) and under the driver actor (in a loop).
 
-Async scheduling (`EngineConfig.async_scheduling`: by default on wherever the executor can overlap
+Async scheduling (`SchedulerConfig.async_scheduling`: by default on wherever the executor can overlap
 passes: the in-process runner, and the Ray worker group over its shared-memory ring): a step plans and launches pass
 N+1 before it waits for pass N's tokens, then turns pass N's tokens into outputs while N+1 runs.
 Pass N+1's decode rows for requests whose pass-N token is not known yet take their input id from
@@ -14,10 +14,11 @@ pass N+1 discarded. Outputs are the synchronous engine's, one step later.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from deltaserve.cluster.config import EngineConfig
@@ -28,12 +29,32 @@ from deltaserve.workers.plan import PassPlan, RunnerOutput
 from .allocator import BlockAllocator, StateSlotAllocator
 from .request import CompletionOutput, FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
 OUTPUT_MODES = ("cumulative", "delta", "final")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What is served: the model, its limits, how it is split and the pools' capacity."""
+
+    model: str
+    model_type: str
+    family: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    tensor_parallel_size: int
+    expert_parallel: bool
+    num_kv_pages: int
+    block_size: int
+    kv_tokens: int
+    max_num_seqs: int
+    dtype: str  # in use ("auto" resolved for the device)
+    device: str
 
 
 @dataclass(frozen=True)
@@ -56,33 +77,28 @@ class EngineCore:
             raise ValueError(f"output_mode must be one of {OUTPUT_MODES}, got {output_mode!r}")
         self.output_mode = output_mode
         self.model_config = model_config
-        has_tokenizer = config.model is not None and (Path(config.model) / "tokenizer.json").is_file()
-        self.tokenizer = Tokenizer(config.model) if has_tokenizer else None
+        model = config.load.model
+        self.tokenizer = Tokenizer(model) if model is not None and (Path(model) / "tokenizer.json").is_file() else None
         self.executor = executor
         sizes = self.executor.pool_sizes
         self.blocks = BlockAllocator(sizes.num_blocks, sizes.block_size)
         self.slots = StateSlotAllocator(sizes.num_slots)
-        limit = config.max_model_len or model_config.max_position_embeddings
+        limit = config.scheduler.max_model_len or model_config.max_position_embeddings
         fits = self.blocks.capacity * sizes.block_size
         if limit > fits:
             log.warning("max_model_len %d exceeds the %d tokens the KV pool holds; capping it", limit, fits)
             limit = fits
         self.max_model_len = limit
-        self.config = replace(config, max_model_len=limit)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=min(config.max_num_seqs, self.slots.capacity),
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=limit,
-            ),
-            self.blocks,
-            self.slots,
+        self.config = config.replace(max_model_len=limit)
+        scheduling = dataclasses.replace(
+            self.config.scheduler, max_num_seqs=min(config.scheduler.max_num_seqs, self.slots.capacity)
         )
+        self.scheduler = Scheduler(scheduling, self.blocks, self.slots)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
-        self.async_scheduling = overlaps_passes(self.executor, config.async_scheduling)
+        self.async_scheduling = overlaps_passes(self.executor, config.scheduler.async_scheduling)
         self._in_flight: InFlightPass | None = None  # the launched pass not yet applied
-        # with config.time_passes on a GPU: (device busy s, device idle before it s) of recent passes
+        # with runner.time_passes on a GPU: (device busy s, device idle before it s) of recent passes
         self.pass_device_times: deque[tuple[float, float]] = deque(maxlen=4096)
         log.info(
             "engine ready: %d KV tokens (%d pages of %d), %d sequences, max_model_len %d, async scheduling %s",
@@ -277,6 +293,25 @@ class EngineCore:
             self._detok.pop(req.req_id, None)
             self._prompts.pop(req.req_id, None)
         return out
+
+    def model_info(self) -> ModelInfo:
+        cfg, mc = self.config, self.model_config
+        return ModelInfo(
+            model=cfg.load.model or "",
+            model_type=mc.model_type,
+            family=mc.family,
+            max_model_len=self.max_model_len,
+            vocab_size=mc.vocab_size,
+            eos_token_ids=tuple(mc.eos_token_ids),
+            tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+            expert_parallel=cfg.parallel.enable_expert_parallel,
+            num_kv_pages=self.blocks.capacity,
+            block_size=self.blocks.block_size,
+            kv_tokens=self.blocks.capacity * self.blocks.block_size,
+            max_num_seqs=self.scheduler.config.max_num_seqs,
+            dtype=cfg.load.dtype_in_use,
+            device=cfg.load.device,
+        )
 
     def shutdown(self) -> None:
         self.executor.shutdown()

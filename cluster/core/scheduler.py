@@ -21,21 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from deltaserve.cluster.config import SchedulerConfig
 from deltaserve.workers.plan import NewRequestData, PassPlan, RunnerOutput
 
 from .allocator import BlockAllocator, StateSlotAllocator
 from .request import FinishReason, Request, RequestStatus
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    # Chunked prefill: a long prompt is split across passes to fit the token budget.
-    enable_chunked_prefill: bool = True
 
 
 @dataclass
@@ -48,6 +40,7 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockAllocator, slots: StateSlotAllocator):
+        """`config.max_model_len` is the engine's effective limit (an int)."""
         self.config = config
         self.blocks = blocks
         self.slots = slots

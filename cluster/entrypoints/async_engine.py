@@ -14,10 +14,11 @@ import logging
 from collections.abc import AsyncIterator
 
 from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.core.engine import ModelInfo
 from deltaserve.cluster.core.request import RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
 
-from .driver import Driver, EngineLoop, EngineUnavailableError, QueueFullError, model_info
+from .driver import Driver, EngineLoop, EngineUnavailableError, QueueFullError
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +147,10 @@ class AsyncEngine:
         except BaseException as e:
             raise _unwrap(e) from None
 
-    async def info(self) -> dict:
+    async def info(self) -> ModelInfo:
         self._check_up()
         if self.backend == "local":
-            return model_info(self._loop_engine.engine)
+            return self._loop_engine.engine.model_info()
         return await self._driver.info.remote()
 
     async def stats(self) -> dict:

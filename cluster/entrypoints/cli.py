@@ -8,61 +8,17 @@ import asyncio
 import signal
 import time
 
-from deltaserve.cluster.config import EngineConfig
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
-    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "random"])
-    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
-    g.add_argument("--enable-expert-parallel", "--ep", action="store_true")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--max-waiting-requests", type=int, default=1024)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--enforce-eager", action="store_true", help="run decode passes without CUDA graphs")
-    g.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="plan the next pass while the current one runs (default: on wherever the executor can: in-process, "
-        "and the Ray worker group over its shared-memory ring)",
-    )
+from deltaserve.cluster.config import EngineConfig, add_engine_args, engine_kwargs
 
 
 def engine_config(args: argparse.Namespace, executor: str) -> EngineConfig:
-    import torch
-
-    model = args.model
-    if model is None:
+    """The engine settings the command line gave; no --model: the built-in demo model."""
+    settings = engine_kwargs(args)
+    if settings.get("model") is None:
         from .demo_model import ensure_demo_model
 
-        model = str(ensure_demo_model())
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return EngineConfig(
-        model=model,
-        dtype=args.dtype,
-        device=device,
-        load_format=args.load_format,
-        seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_waiting_requests=args.max_waiting_requests,
-        enable_cuda_graphs=not args.enforce_eager,
-        async_scheduling=args.async_scheduling,
-        executor=executor,
-    )
+        settings["model"] = str(ensure_demo_model())
+    return EngineConfig.from_kwargs(**settings, executor=executor)
 
 
 async def start_stack(config: EngineConfig, host: str, port: int, backend: str):
@@ -90,9 +46,9 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
     engine, gateway, port = await start_stack(config, args.host, args.port, args.backend)
     info = await engine.info()
     print(
-        f"deltaserve: serving {info['model_type']} from {config.model} on {args.host}:{port} "
-        f"(TP={config.tensor_parallel_size}{', EP' if config.enable_expert_parallel else ''}, "
-        f"{info['kv_tokens']} KV tokens, {info['max_num_seqs']} sequences)",
+        f"deltaserve: serving {info.model_type} from {config.load.model} on {args.host}:{port} "
+        f"(TP={config.parallel.tensor_parallel_size}{', EP' if config.parallel.enable_expert_parallel else ''}, "
+        f"{info.kv_tokens} KV tokens, {info.max_num_seqs} sequences)",
         flush=True,
     )
     if args.port_file:
@@ -153,7 +109,7 @@ async def _demo(config: EngineConfig, args: argparse.Namespace, started: float) 
     target = f"127.0.0.1:{port}"
     ready = time.monotonic()
     print(
-        f"demo: {config.model} served by a Ray driver actor and {config.tensor_parallel_size} worker(s); "
+        f"demo: {config.load.model} served by a Ray driver actor and {config.parallel.tensor_parallel_size} worker(s); "
         f"gateway on {target} (up in {ready - started:.1f}s)",
         flush=True,
     )
@@ -201,7 +157,7 @@ async def _demo(config: EngineConfig, args: argparse.Namespace, started: float) 
 def add_parsers(sub) -> None:
     """The serve, generate and demo subcommands."""
     serve = sub.add_parser("serve", help="serve over gRPC")
-    _engine_args(serve)
+    add_engine_args(serve)
     serve.add_argument("--host", default="0.0.0.0")
     serve.add_argument("--port", type=int, default=50051)
     serve.add_argument(
@@ -227,6 +183,6 @@ def add_parsers(sub) -> None:
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("demo", help="end-to-end demo on the built-in model")
-    _engine_args(demo)
+    add_engine_args(demo)
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.set_defaults(func=cmd_demo)

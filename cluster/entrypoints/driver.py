@@ -14,10 +14,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 
 from deltaserve.cluster.config import EngineConfig
-from deltaserve.cluster.core.engine import EngineCore
+from deltaserve.cluster.core.engine import EngineCore, ModelInfo
 from deltaserve.cluster.core.request import RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
 
@@ -63,8 +62,9 @@ class EngineLoop:
         with self._lock:
             if req_id in self._live:
                 raise ValueError(f"request_id: {req_id!r} is already in use")
-            if self.engine.scheduler.num_waiting + self._pending >= self.config.max_waiting_requests:
-                raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting_requests} requests)")
+            limit = self.config.serving.max_waiting_requests
+            if self.engine.scheduler.num_waiting + self._pending >= limit:
+                raise QueueFullError(f"the waiting queue is full ({limit} requests)")
             self._pending += 1
             self._live.add(req_id)
         self._inbox.put(("add", req_id, prompt, params))
@@ -184,8 +184,8 @@ class Driver:
     def tokenize(self, text: str) -> list[int]:
         return self.loop.engine.tokenize(text)
 
-    def info(self) -> dict:
-        return model_info(self.loop.engine)
+    def info(self) -> ModelInfo:
+        return self.loop.engine.model_info()
 
     def stats(self) -> dict:
         return self.loop.stats()
@@ -195,24 +195,3 @@ class Driver:
 
     def shutdown(self) -> None:
         self.loop.stop()
-
-
-def model_info(engine: EngineCore) -> dict:
-    cfg, mc = engine.config, engine.model_config
-    return {
-        "model": cfg.model or "",
-        "model_type": mc.model_type,
-        "family": mc.family,
-        "max_model_len": engine.max_model_len,
-        "vocab_size": mc.vocab_size,
-        "eos_token_ids": list(mc.eos_token_ids),
-        "tensor_parallel_size": cfg.tensor_parallel_size,
-        "expert_parallel": cfg.enable_expert_parallel,
-        "num_kv_pages": engine.blocks.capacity,
-        "block_size": engine.blocks.block_size,
-        "kv_tokens": engine.blocks.capacity * engine.blocks.block_size,
-        "max_num_seqs": engine.scheduler.config.max_num_seqs,
-        "dtype": cfg.dtype,
-        "device": cfg.device,
-        "config": asdict(cfg),
-    }

@@ -183,23 +183,23 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except Exception as e:
             await self._abort_with(context, e)
         return pb.ModelInfo(
-            model=info["model"],
-            model_type=info["model_type"],
-            family=info["family"],
-            max_model_len=info["max_model_len"],
-            vocab_size=info["vocab_size"],
-            eos_token_ids=info["eos_token_ids"],
+            model=info.model,
+            model_type=info.model_type,
+            family=info.family,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids,
             parallel=pb.ParallelLayout(
-                tensor_parallel_size=info["tensor_parallel_size"], expert_parallel=info["expert_parallel"]
+                tensor_parallel_size=info.tensor_parallel_size, expert_parallel=info.expert_parallel
             ),
             pool=pb.PoolCapacity(
-                kv_tokens=info["kv_tokens"],
-                kv_pages=info["num_kv_pages"],
-                block_size=info["block_size"],
-                max_num_seqs=info["max_num_seqs"],
+                kv_tokens=info.kv_tokens,
+                kv_pages=info.num_kv_pages,
+                block_size=info.block_size,
+                max_num_seqs=info.max_num_seqs,
             ),
-            dtype=info["dtype"],
-            device=info["device"],
+            dtype=info.dtype,
+            device=info.device,
         )
 
     async def _abort_with(self, context, error: Exception) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -16,6 +17,7 @@ from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.core.request import RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
 from deltaserve.cluster.executors.base import WorkerFailure
+from deltaserve.layers.config import ModelConfig
 
 from .startup import build_engine
 
@@ -23,51 +25,13 @@ PromptLike = str | list[int] | dict
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None,
-        *,
-        dtype: str = "auto",
-        device: str | None = None,
-        tensor_parallel_size: int = 1,
-        enable_expert_parallel: bool = False,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        gpu_memory_utilization: float = 0.9,
-        cpu_kv_cache_bytes: int = 256 * 2**20,
-        num_kv_blocks: int | None = None,
-        enforce_eager: bool = False,
-        async_scheduling: bool | None = None,
-        time_passes: bool = False,
-        seed: int = 0,
-        load_format: str = "auto",
-        model_config=None,
-    ):
-        if device is None:
-            import torch
+    """`LLM(model, **settings)`: the settings are EngineConfig's fields by their flat names, vLLM's where
+    vLLM has them (`tensor_parallel_size`, `max_num_seqs`, `enforce_eager`, `dtype`, ...; see
+    `deltaserve.cluster.config`); a wrong name or value is a ValueError naming it. `model_config` stands
+    in for the checkpoint's config.json (benchmarks on random weights)."""
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            load_format=load_format,
-            seed=seed,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_expert_parallel=enable_expert_parallel,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            cpu_kv_cache_bytes=cpu_kv_cache_bytes,
-            num_kv_blocks=num_kv_blocks,
-            enable_cuda_graphs=not enforce_eager,
-            async_scheduling=async_scheduling,
-            time_passes=time_passes,
-        )
+    def __init__(self, model: str | None = None, *, model_config: ModelConfig | None = None, **settings: Any):
+        self.config = EngineConfig.from_kwargs(model=model, **settings)
         self.engine = build_engine(self.config, model_config=model_config, output_mode="final")
         self._ids = itertools.count()
 

@@ -18,11 +18,10 @@ def build_engine(
 ) -> EngineCore:
     """An EngineCore for `config`; `model_config` defaults to the checkpoint's, `executor` to the one
     `config.executor` asks for."""
-    config.validate()
     if model_config is None:
-        if config.model is None:
+        if config.load.model is None:
             raise ValueError("model: a model directory is required")
-        model_config = ModelConfig.from_pretrained(config.model)
+        model_config = ModelConfig.from_pretrained(config.load.model)
     if executor is None:
         executor = make_executor(config, model_config)
     return EngineCore(config, model_config, executor, output_mode=output_mode)

@@ -11,7 +11,7 @@ from .base import Executor
 
 def make_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
     """The executor `config.executor` asks for ("auto": in-process for one rank, else Ray)."""
-    single = config.tensor_parallel_size == 1 and not config.enable_expert_parallel
+    single = config.parallel.tensor_parallel_size == 1 and not config.parallel.enable_expert_parallel
     if config.executor == "local" or (config.executor == "auto" and single):
         from .local import LocalExecutor  # imports torch and the model: only when used
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deltaserve.cluster.config import EngineConfig, runner_config
+from deltaserve.cluster.config import EngineConfig
 from deltaserve.layers.config import ModelConfig
 from deltaserve.workers.plan import PassPlan, RunnerOutput
 from deltaserve.workers.runner import ModelRunner, PassOutput
@@ -12,7 +12,7 @@ class LocalExecutor:
     """The whole model in this process (TP = 1)."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
-        self.runner = ModelRunner(runner_config(config), model_config)
+        self.runner = ModelRunner(config.worker_config(), model_config)
         self.runner.allocate(self.runner.sizes)
         self.pool_sizes = self.runner.sizes
 

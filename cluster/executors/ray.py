@@ -20,7 +20,7 @@ import os
 import time
 from collections import deque
 
-from deltaserve.cluster.config import EngineConfig, runner_config
+from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.executors.base import DonePass, WorkerFailure
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.parallel import ParallelLayout, validate_layout
@@ -36,12 +36,13 @@ class RayExecutor:
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, transport: str = "auto"):
         # every split checked here, before any actor starts or any weight loads
-        validate_layout(model_config, ParallelLayout(0, config.tensor_parallel_size, config.enable_expert_parallel))
+        parallel = config.parallel
+        validate_layout(model_config, ParallelLayout(0, parallel.tensor_parallel_size, parallel.enable_expert_parallel))
         connect_ray()
         self.config = config
         self.model_config = model_config
-        self.world_size = config.tensor_parallel_size
-        self.use_gpu = config.device.startswith("cuda")
+        self.world_size = parallel.tensor_parallel_size
+        self.use_gpu = config.load.device.startswith("cuda")
         if transport not in self.TRANSPORTS:
             raise ValueError(f"transport: must be one of {', '.join(self.TRANSPORTS)}; got {transport!r}")
         self.requested_transport = transport
@@ -85,13 +86,8 @@ class RayExecutor:
             for i in range(self.world_size)
         ]
         master = ray.get(self.workers[0].address.remote())
-        rconfig = runner_config(self.config)
-        sizes = ray.get(
-            [
-                w.init.remote(rconfig, self.model_config, self.config.enable_expert_parallel, master)
-                for w in self.workers
-            ]
-        )
+        worker_config = self.config.worker_config()
+        sizes = ray.get([w.init.remote(worker_config, self.model_config, master) for w in self.workers])
         # every rank must hold the same pools: the smallest wins
         final = PoolSizes(
             num_blocks=min(s.num_blocks for s in sizes),
