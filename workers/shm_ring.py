@@ -326,14 +326,6 @@ class ShmBroadcast:
     def name(self) -> str:
         return self._handle.name
 
-    @property
-    def is_writer(self) -> bool:
-        return self._reader is None
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     # ---- writer ------------------------------------------------------------------------------
     def write(self, data: bytes | bytearray | memoryview, timeout: float | None = None, alive: Alive = None) -> None:
         """Publish one message to every reader; blocks while its slot still holds an unread message.

@@ -132,12 +132,6 @@ class Worker:
         except Exception:
             return _Launched(None, traceback.format_exc())
 
-    def ping(self) -> int:
-        return self.rank
-
-    def pid(self) -> int:
-        return os.getpid()
-
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

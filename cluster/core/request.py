@@ -28,6 +28,15 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine failed the request (a worker died)
 
 
+@dataclass(frozen=True)
+class SampleRef:
+    """Where a sampled token is before the driver sees it: pass `pass_id`'s sampled ids, entry `index`
+    (its sampling rows in plan order)."""
+
+    pass_id: int
+    index: int
+
+
 @dataclass
 class Request:
     req_id: str
@@ -51,13 +60,9 @@ class Request:
     # set by the scheduler when the request (re)enters the running set; the next plan carries it
     needs_worker_state: bool = True
     # async scheduling: tokens sampled by passes in flight whose ids the driver has not seen yet,
-    # and where the latest one is: (pass id, its index among that pass's sampled rows)
+    # and where the latest one is
     num_pending_outputs: int = 0
-    last_sample: tuple[int, int] | None = None
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    last_sample: SampleRef | None = None
 
     def token_at(self, index: int) -> int:
         """Token `index` of prompt + output, without building the joined list."""

@@ -25,7 +25,7 @@ from deltaserve.cluster.config import SchedulerConfig
 from deltaserve.workers.plan import NewRequestData, PassPlan, RunnerOutput
 
 from .allocator import BlockAllocator, StateSlotAllocator
-from .request import FinishReason, Request, RequestStatus
+from .request import FinishReason, Request, RequestStatus, SampleRef
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class Scheduler:
         pending = req.num_pending_outputs
         if not pending:
             return req.num_tokens - req.num_computed_tokens
-        if pending > 1 or req.last_sample is None or req.last_sample[0] != self._pass_id - 1:
+        if pending > 1 or req.last_sample is None or req.last_sample.pass_id != self._pass_id - 1:
             return 0  # only the previous pass's sampled ids are on the device for the next one
         if req.num_computed_tokens != req.num_tokens:
             return 0
@@ -215,7 +215,7 @@ class Scheduler:
                 from_prev.append(-1)
             else:
                 ids.append(0)
-                from_prev.append(r.last_sample[1])
+                from_prev.append(r.last_sample.index)
         positions = [r.num_computed_tokens for r, _ in decode]
         slot_mapping = [r.block_table[p // bs] * bs + p % bs for (r, _), p in zip(decode, positions, strict=True)]
         position_parts = [np.asarray(positions, dtype=np.int64)]
@@ -278,7 +278,7 @@ class Scheduler:
             req.num_computed_tokens += n
             if sampled:
                 req.num_pending_outputs += 1
-                req.last_sample = (plan.pass_id, j)
+                req.last_sample = SampleRef(plan.pass_id, j)
                 j += 1
         self._rows_in_flight[plan.pass_id] = [r for r, _ in rows]
         return plan

@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.core.engine import EngineCore, ModelInfo
@@ -37,13 +38,29 @@ class EngineUnavailableError(RuntimeError):
     """The engine is stopped, starting or failed."""
 
 
+@dataclass(frozen=True)
+class AddRequest:
+    """Inbox message: a request that `submit` validated, to add to the scheduler."""
+
+    req_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Inbox message: abort this request (a no-op once it finished)."""
+
+    req_id: str
+
+
 class EngineLoop:
     def __init__(self, config: EngineConfig, sink: Callable[[RequestOutput], None], engine: EngineCore | None = None):
         self.config = config
         self.engine = engine or build_engine(config, output_mode="delta")
         self._user_sink = sink
         self._live: set[str] = set()  # submitted and not finished: ids in use
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[AddRequest | AbortRequest] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._pending = 0  # submitted but not yet added to the scheduler
@@ -67,12 +84,12 @@ class EngineLoop:
                 raise QueueFullError(f"the waiting queue is full ({limit} requests)")
             self._pending += 1
             self._live.add(req_id)
-        self._inbox.put(("add", req_id, prompt, params))
+        self._inbox.put(AddRequest(req_id, prompt, params))
         self._wake.set()
         return req.num_prompt_tokens
 
     def abort(self, req_id: str) -> None:
-        self._inbox.put(("abort", req_id, None, None))
+        self._inbox.put(AbortRequest(req_id))
         self._wake.set()
 
     def sink(self, out: RequestOutput) -> None:
@@ -104,19 +121,19 @@ class EngineLoop:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                op, req_id, prompt, params = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if op == "add":
+            if isinstance(message, AddRequest):
                 with self._lock:
                     self._pending -= 1
                 try:
-                    self.engine.add_request(req_id, prompt, params)
+                    self.engine.add_request(message.req_id, message.prompt, message.params)
                 except ValueError as e:  # e.g. a request id reused while the first is running
-                    log.warning("rejected %s: %s", req_id, e)
+                    log.warning("rejected %s: %s", message.req_id, e)
                     continue
             else:
-                out = self.engine.abort(req_id)
+                out = self.engine.abort(message.req_id)
                 if out is not None:
                     self.sink(out)
 

@@ -21,7 +21,7 @@ import time
 from collections import deque
 
 from deltaserve.cluster.config import EngineConfig
-from deltaserve.cluster.executors.base import DonePass, WorkerFailure
+from deltaserve.cluster.executors.base import DonePass, PassHandle, WorkerFailure
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.parallel import ParallelLayout, validate_layout
 from deltaserve.workers.plan import PassPlan, PoolSizes, RunnerOutput
@@ -207,7 +207,7 @@ class RayExecutor:
         self._record(time.perf_counter() - started, output.forward_time_s)
         return output
 
-    def execute_async(self, plan: PassPlan) -> ShmPass | DonePass:
+    def execute_async(self, plan: PassPlan) -> PassHandle:
         """Write the plan to the ring and return at once; the handle's `result()` reads the replies.
         Over the compiled graph the pass runs here (a handle that is already done)."""
         if self._plans is None:
