@@ -1,4 +1,4 @@
-"""Serving benchmark: a gRPC load generator against a running `deltaserve serve`.
+r"""Serving benchmark: a gRPC load generator against a running `deltaserve serve`.
 
 Single node (a server on this machine; random token-id prompts, 64 requests in flight):
 

@@ -401,6 +401,7 @@ def test_health_model_info_and_tokenize(served, client, reference):
     assert (info.parallel.tensor_parallel_size, info.parallel.expert_parallel) == (1, False)
     assert (info.pool.kv_pages, info.pool.max_num_seqs) == (stats["total_pages"], stats["total_slots"])
     assert (info.pool.block_size, info.pool.kv_tokens) == (16, stats["total_pages"] * 16)
+    assert (info.dtype, info.device) == ("float32", "cpu")  # the dtype in use, not "auto"
     text = "hello world, caf\u00e9"
     assert client.tokenize(text) == reference.tokenizer.encode(text)
     assert client.tokenize("") == []

@@ -190,3 +190,8 @@ def test_pyproject_packages_are_the_package_folders():
     listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
     tree = {name for name, path in source_modules().items() if path.name == "__init__.py"}
     assert listed == tree
+
+
+def test_license_is_an_spdx_string():
+    # the table form makes setuptools warn at every install
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"

@@ -24,6 +24,7 @@ from pathlib import Path
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.executors.base import Executor, PassHandle, WorkerFailure, overlaps_passes
 from deltaserve.layers.config import ModelConfig
+from deltaserve.workers.config import short
 from deltaserve.workers.plan import PassPlan, RunnerOutput
 
 from .allocator import BlockAllocator, StateSlotAllocator
@@ -118,24 +119,37 @@ class EngineCore:
 
     def make_request(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
         """Validate and build a request (raises ValueError naming the bad field); queues nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.model_config.vocab_size)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
             ids = self.tokenize(prompt)
-        else:
+        elif isinstance(prompt, list | tuple):
             ids = list(prompt)
+        else:
+            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt: must not be empty")
         vocab = self.model_config.vocab_size
         for t in ids:
-            if not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt_token_ids: token id {t!r} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt_token_ids: token id {short(t)} is outside the vocabulary [0, {vocab})")
+        room = self.max_model_len - len(ids)
+        if room < 1:
             raise ValueError(
                 f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
             )
-        return Request(req_id, ids, params, eos_token_ids=self.model_config.eos_token_ids)
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise ValueError(
+                f"max_tokens: {max_tokens} after a {len(ids)}-token prompt exceeds max_model_len={self.max_model_len}"
+                f" (at most {room} fit; None asks for as many as fit)"
+            )
+        if params.min_tokens > room:
+            raise ValueError(f"min_tokens: {params.min_tokens} after a {len(ids)}-token prompt exceeds {room}")
+        return Request(req_id, ids, params, max_tokens, eos_token_ids=self.model_config.eos_token_ids)
 
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
         req = self.make_request(req_id, prompt, params)

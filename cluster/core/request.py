@@ -42,6 +42,7 @@ class Request:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    max_tokens: int  # sampling_params.max_tokens, or (None there) what fits in max_model_len
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deltaserve.workers.config import short
 from deltaserve.workers.plan import SamplingSpec
 
 MAX_STOP_SEQUENCES = 32
@@ -21,9 +22,10 @@ class SamplingParams:
     frequency (over the output, OpenAI semantics). `stop` strings end the text and are not included
     in it; `stop_token_ids` and the checkpoint's EOS end the output (EOS unless `ignore_eos`).
     `logprobs` / `prompt_logprobs`: how many top alternatives to return per position (0: only the
-    chosen token's own logprob)."""
+    chosen token's own logprob). `max_tokens` None: as many as fit in max_model_len; a number that
+    does not fit after the prompt is refused."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -57,9 +59,13 @@ class SamplingParams:
 
         if self.n != 1:
             bad("n", f"must be 1 (got {self.n}); several completions per request are not supported yet")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1
+        ):
+            bad("max_tokens", f"must be an integer >= 1 or None, got {short(self.max_tokens)}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", f"must be an integer >= 0, got {short(self.min_tokens)}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if not self.temperature >= 0:  # also rejects NaN
             bad("temperature", f"must be >= 0, got {self.temperature}")
@@ -86,7 +92,8 @@ class SamplingParams:
             bad("stop_token_ids", f"at most {MAX_STOP_SEQUENCES} stop token ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                bad("stop_token_ids", f"id {t!r} is outside the vocabulary [0, {vocab_size})")
+                vocab = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "the token ids (>= 0)"
+                bad("stop_token_ids", f"id {short(t)} is outside {vocab}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):

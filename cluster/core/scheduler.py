@@ -173,7 +173,7 @@ class Scheduler:
         if req.num_computed_tokens != req.num_tokens:
             return 0
         if (
-            len(req.output_token_ids) + pending >= req.sampling_params.max_tokens
+            len(req.output_token_ids) + pending >= req.max_tokens
             or req.num_tokens + pending >= self.config.max_model_len
         ):
             return 0  # that token is its last: no pass for a token that would be discarded
@@ -334,7 +334,7 @@ class Scheduler:
                 req.stop_reason = token
                 self.finish(req, FinishReason.STOP)
                 return
-        if num_out >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if num_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
             self.finish(req, FinishReason.LENGTH)
 
 

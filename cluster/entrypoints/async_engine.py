@@ -18,7 +18,7 @@ from deltaserve.cluster.core.engine import ModelInfo
 from deltaserve.cluster.core.request import RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
 
-from .driver import Driver, EngineLoop, EngineUnavailableError, QueueFullError
+from .driver import Driver, EngineLoop, EngineStartError, EngineUnavailableError, QueueFullError
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,10 @@ class AsyncEngine:
         if name:
             options.update(name=name, get_if_exists=False)
         driver = ray.remote(Driver).options(**options).remote(config)
-        await driver.healthy.remote()  # waits for the engine (workers, weights, pools) to be up
+        error = await driver.start_error.remote()  # waits for the engine (workers, weights, pools) to be up
+        if error is not None:
+            ray.kill(driver)
+            raise EngineStartError(error)
         return cls("ray", driver=driver)
 
     # ---- outputs -------------------------------------------------------------------------------

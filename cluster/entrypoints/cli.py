@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
 import time
 
 from deltaserve.cluster.config import EngineConfig, add_engine_args, engine_kwargs
@@ -28,22 +29,67 @@ async def start_stack(config: EngineConfig, host: str, port: int, backend: str):
 
     engine = await (AsyncEngine.ray(config) if backend == "ray" else AsyncEngine.local(config))
     gateway = Gateway(engine, host=host, port=port)
-    bound = await gateway.start()
+    try:
+        bound = await gateway.start()
+    except BaseException:
+        await engine.shutdown()
+        raise
     return engine, gateway, bound
+
+
+def refuse(command: str, error: BaseException) -> int:
+    """A setting that cannot work, found before anything started: one line naming it, exit status 2."""
+    print(
+        f"deltaserve {command}: {str(error).splitlines()[0] if str(error) else type(error).__name__}", file=sys.stderr
+    )
+    return 2
+
+
+def checked_config(args: argparse.Namespace, backend: str, ray_address: str | None) -> EngineConfig:
+    """The command line's engine settings, checked before Ray or any weight starts (raises ValueError)."""
+    from .startup import check_startup
+
+    tp, ep = getattr(args, "tensor_parallel_size", 1), getattr(args, "enable_expert_parallel", False)
+    if backend == "local" and (tp > 1 or ep):
+        raise ValueError("backend: 'local' runs one rank in this process; tensor or expert parallelism needs 'ray'")
+    config = engine_config(args, executor="ray" if backend == "ray" else "local")
+    check_startup(config, ray_address=ray_address if backend == "ray" else None)
+    return config
+
+
+async def start_or_report(command: str, config: EngineConfig, host: str, port: int, backend: str):
+    """start_stack, or None after printing the failure's cause in one line (e.g. an actor that died
+    starting: Ray carries its traceback as text)."""
+    from .startup import one_line
+
+    try:
+        return await start_stack(config, host, port, backend)
+    except Exception as e:
+        print(f"deltaserve {command}: start-up failed: {one_line(e)}", file=sys.stderr, flush=True)
+        return None
 
 
 # ---- serve ---------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
+    from .startup import check_port
+
+    try:
+        config = checked_config(args, args.backend, args.ray_address)
+        check_port(args.host, args.port)
+    except ValueError as e:
+        return refuse("serve", e)
     if args.backend == "ray":
         from deltaserve.cluster.executors.ray import connect_ray
 
         connect_ray(args.ray_address)
-    config = engine_config(args, executor="ray" if args.backend == "ray" else "local")
     return asyncio.run(_serve(config, args))
 
 
 async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
-    engine, gateway, port = await start_stack(config, args.host, args.port, args.backend)
+    started = await start_or_report("serve", config, args.host, args.port, args.backend)
+    if started is None:
+        return 1
+    engine, gateway, port = started
     info = await engine.info()
     print(
         f"deltaserve: serving {info.model_type} from {config.load.model} on {args.host}:{port} "
@@ -97,15 +143,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from deltaserve.cluster.executors.ray import connect_ray
 
     started = time.monotonic()
+    try:
+        config = checked_config(args, "ray", None)
+    except ValueError as e:
+        return refuse("demo", e)
     connect_ray()
-    config = engine_config(args, executor="ray")
     return asyncio.run(_demo(config, args, started))
 
 
 async def _demo(config: EngineConfig, args: argparse.Namespace, started: float) -> int:
     from .client import AsyncGenerationClient, Final
 
-    engine, gateway, port = await start_stack(config, "127.0.0.1", 0, "ray")
+    stack = await start_or_report("demo", config, "127.0.0.1", 0, "ray")
+    if stack is None:
+        return 1
+    engine, gateway, port = stack
     target = f"127.0.0.1:{port}"
     ready = time.monotonic()
     print(

@@ -21,7 +21,7 @@ from deltaserve.cluster.core.engine import EngineCore, ModelInfo
 from deltaserve.cluster.core.request import RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
 
-from .startup import build_engine
+from .startup import build_engine, one_line
 
 log = logging.getLogger(__name__)
 
@@ -167,13 +167,29 @@ class EngineLoop:
                 self.sink(out)
 
 
+class EngineStartError(RuntimeError):
+    """The engine failed to start inside the driver actor; the message is the cause in one line."""
+
+
 class Driver:
-    """Ray actor body (created with `ray.remote(max_concurrency=...)` by the serve entry point)."""
+    """Ray actor body (created with `ray.remote(max_concurrency=...)` by the serve entry point). A
+    failure to start is kept (`start_error`) rather than raised: an actor that dies in its constructor
+    makes Ray print its traceback and a stack dump, where the caller wants the cause in one line."""
 
     def __init__(self, config: EngineConfig):
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.loop = EngineLoop(config, self._outbox.put)
+        self._start_error: str | None = None
+        try:
+            self.loop = EngineLoop(config, self._outbox.put)
+        except Exception as e:
+            log.debug("engine start failed", exc_info=True)
+            self._start_error = one_line(e)
+            return
         self.config = self.loop.engine.config
+
+    def start_error(self) -> str | None:
+        """None once the engine is up (workers, weights, pools), else why it failed to start."""
+        return self._start_error
 
     def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> int:
         return self.loop.submit(req_id, prompt, params)

@@ -67,6 +67,7 @@ class Gateway:
         options = [
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a port another server holds is an error, not a shared port
         ]
         server = grpc.aio.server(options=options)
         generation_pb2_grpc.add_GenerationServicer_to_server(_GenerationServicer(self.engine), server)

@@ -80,6 +80,10 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[str | list[int]]:
+    if not isinstance(prompts, str | dict | list | tuple):
+        raise ValueError(
+            f"prompts: must be a string, a list of token ids, a dict or a list of those; got {type(prompts).__name__}"
+        )
     single_ids = isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
     if isinstance(prompts, str | dict) or single_ids:
         prompts = [prompts]
@@ -87,7 +91,7 @@ def _as_prompt_list(prompts) -> list[str | list[int]]:
     for p in prompts:
         if isinstance(p, dict):
             if "prompt_token_ids" in p:
-                p = list(p["prompt_token_ids"])
+                p = p["prompt_token_ids"]
             elif "prompt" in p:
                 p = p["prompt"]
             else:

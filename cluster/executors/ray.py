@@ -61,7 +61,11 @@ class RayExecutor:
         self._outstanding: deque[ShmPass] = deque()  # passes written to the ring, replies not read yet
         self._last_plan: PassPlan | None = None  # the last plan and output blob, re-coded by _warm
         self._last_output: bytes | None = None
-        self._start()
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()  # no worker actor or placement group outlives a failed start
+            raise
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def _start(self) -> None:
