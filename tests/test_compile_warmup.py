@@ -74,7 +74,7 @@ def test_runner_runs_every_fitting_warmup_batch(tiny_checkpoints, monkeypatch):
 def test_warmup_runs_the_greedy_argmax_in_both_logit_dtypes(tiny_checkpoints, monkeypatch):
     """The sampler's Triton kernel (the greedy argmax) runs after each warm-up pass on the model's
     logits and on their float32 copy (what penalties leave), so a server's first greedy request
-    does not compile it (a stall seen on the H200: the one late compile in the serving log)."""
+    does not compile it (a first-use compile stalls every running request)."""
     from deltaserve.workers import sampler as sampler_module
 
     path = str(tiny_checkpoints["qwen3_5_moe"][0])

@@ -57,7 +57,7 @@ about a "leaked" object): it destroys a segment it did not create. Checked here 
 used there. Before 3.13, attaching and then calling `resource_tracker.unregister` (the usual
 workaround) is not safe when the tracker is shared, as it is between a `multiprocessing` parent
 and its children: the registry is a set, so the child's unregister also drops the creator's entry,
-and two readers attaching at once make the tracker raise KeyError (seen in this module's tests).
+and two readers attaching at once make the tracker raise KeyError.
 So on < 3.13 readers map the segment themselves (`_Attached`: shm_open + mmap, what SharedMemory
 does minus the registration). Only segments a process created are in its tracker, which still
 unlinks them if that process dies without closing.
