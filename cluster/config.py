@@ -112,20 +112,8 @@ class EngineConfig:
         return cls(**root)
 
     def replace(self, **flat: Any) -> EngineConfig:
-        """A copy with some fields (flat names) changed, checked like new ones."""
-        changes: dict[str, dict[str, Any]] = {}
-        root: dict[str, Any] = {}
-        for name, value in flat.items():
-            if name not in _OWNER:
-                raise ValueError(f"{name}: not an engine setting")
-            owner = _OWNER[name]
-            if owner is None:
-                root[name] = value
-            else:
-                changes.setdefault(owner, {})[name] = value
-        for owner, values in changes.items():
-            root[owner] = dataclasses.replace(getattr(self, owner), **values)
-        return dataclasses.replace(self, **root)
+        """A copy with some settings (flat names) changed, checked like a new one."""
+        return EngineConfig.from_kwargs(**{**self.to_kwargs(), **flat})
 
     def to_kwargs(self) -> dict[str, Any]:
         """Every setting by its flat name (`from_kwargs` of the result is this config)."""
