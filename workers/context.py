@@ -12,6 +12,7 @@ import torch
 
 from deltaserve.layers.base import AttnMetadata, BatchedAttnMetadata, ForwardContext
 from deltaserve.layers.config import ModelConfig
+from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.parallel import ParallelLayout
 from deltaserve.workers.plan import PassPlan
 
@@ -111,6 +112,7 @@ def build_forward_context(
     device: torch.device | str,
     logits_indices: np.ndarray,
     prev_tokens: torch.Tensor | None = None,
+    kernels: KernelOptions | None = None,
 ) -> ForwardContext:
     """`prev_tokens`: the previous pass's sampled ids on the device; rows the plan marks in
     `input_from_prev` take their input id from it (a device-side scatter, no host round trip)."""
@@ -176,4 +178,5 @@ def build_forward_context(
         decode=decode,
         prefill=prefill,
         logits_indices=logits_idx,
+        kernels=kernels or KernelOptions(),
     )

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from deltaserve.layers.config import ModelConfig
+from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.loader import load_model
 from deltaserve.layers.parallel import ParallelLayout
 from deltaserve.workers.compile_watch import LateCompileLog
@@ -67,7 +68,8 @@ class ModelRunner:
         self.pool: StatePool | None = None
         self.graphs = None
         self.late_compiles: LateCompileLog | None = None  # set once start-up is over (allocate)
-        self.sampler = Sampler(model_config.vocab_size, seed=load.seed)
+        self.kernels = config.runner.kernels
+        self.sampler = Sampler(model_config.vocab_size, seed=load.seed, pdl=self.kernels.pdl)
         self._unresolved: deque[PassOutput] = deque()  # launched passes whose output is not read yet
         self._last_pass_end = None  # with runner.time_passes: the last launched pass's end event
         self._prev: PrevPass | None = None  # the last launched pass's sampled ids, on the device
@@ -171,13 +173,16 @@ class ModelRunner:
             scratch_slot=sizes.num_slots - 1,
             scratch_page=sizes.num_blocks - 1,
             batch_sizes=tuple(b for b in DEFAULT_BATCH_SIZES if b <= self.config.runner.cuda_graph_max_batch),
+            kernels=self.kernels,
         )
 
-    def recapture_graphs(self) -> None:
-        """Capture the decode graphs again, e.g. after a kernel switch read at launch time changed
-        (the benchmark's variants): a graph replays the kernels it was captured with. Nothing may be
+    def set_kernel_options(self, kernels: KernelOptions) -> None:
+        """Run later passes with these kernel choices (the benchmark's variants); the decode graphs,
+        which replay the kernels of their capture, are captured again under them. Nothing may be
         in flight."""
-        if self.graphs is None:
+        self.kernels = kernels
+        self.sampler.pdl = kernels.pdl
+        if self.graphs is None or self.graphs.kernels == kernels:
             return
         torch.cuda.synchronize(self.device)
         self.graphs = None
@@ -189,7 +194,9 @@ class ModelRunner:
         indices, spans = logits_rows(plan)
         if self.graphs is not None and pool is self.pool and self.graphs.can_run(plan):
             return self.graphs.run(plan, prev_tokens), spans
-        ctx = build_forward_context(plan, self.model_config, self.layout, self.device, indices, prev_tokens)
+        ctx = build_forward_context(
+            plan, self.model_config, self.layout, self.device, indices, prev_tokens, kernels=self.kernels
+        )
         with torch.inference_mode():
             hidden = self.model(ctx, pool.layer_states)
             logits = self.model.compute_logits(hidden[ctx.logits_indices]) if len(indices) else None

@@ -6,8 +6,7 @@ import torch
 
 
 def linear(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) accumulated in float32, returned in x's dtype.
-    x: [M, K]; weight: [N, K]; bias: [N] -> [M, N]."""
+    """The reference of linear.linear: float32 accumulation, x's dtype out."""
     out = x.float() @ weight.float().t()
     if bias is not None:
         out = out + bias.float()
