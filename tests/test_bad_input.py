@@ -95,6 +95,12 @@ def test_sampling_params_of_the_wrong_type_name_the_field(llm):
         llm.generate([[5, 6]], {"max_tokens": 2}, use_tqdm=False)
 
 
+def test_long_values_are_not_echoed_back():
+    with pytest.raises(ValueError, match="^stop:") as e:
+        SamplingParams(stop=["x" * 20_000])
+    assert len(str(e.value)) < 200
+
+
 def test_stop_token_id_messages_state_the_range():
     with pytest.raises(ValueError, match=r"^stop_token_ids: id -1 is outside the token ids \(>= 0\)$"):
         SamplingParams(stop_token_ids=[-1])

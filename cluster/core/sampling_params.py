@@ -72,7 +72,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", f"must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k!r}")
+            bad("top_k", f"must be -1 (disabled), 0 (disabled) or >= 1, got {short(self.top_k)}")
         if not 0 <= self.min_p <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if not self.repetition_penalty > 0:
@@ -82,12 +82,12 @@ class SamplingParams:
         if not -2 <= self.frequency_penalty <= 2:
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
-            bad("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
+            bad("seed", f"must be an integer in [0, 2**63), got {short(self.seed)}")
         if len(self.stop) > MAX_STOP_SEQUENCES:
             bad("stop", f"at most {MAX_STOP_SEQUENCES} stop strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_LEN:
-                bad("stop", f"each stop string must be 1..{MAX_STOP_STRING_LEN} characters, got {s!r}")
+                bad("stop", f"each stop string must be 1..{MAX_STOP_STRING_LEN} characters, got {short(s)}")
         if len(self.stop_token_ids) > MAX_STOP_SEQUENCES:
             bad("stop_token_ids", f"at most {MAX_STOP_SEQUENCES} stop token ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
@@ -97,7 +97,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
-                bad(name, f"must be in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+                bad(name, f"must be in [0, {MAX_LOGPROBS}] or None, got {short(value)}")
 
     @property
     def greedy(self) -> bool:
