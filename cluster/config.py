@@ -6,7 +6,7 @@
       cache      CacheConfig      block_size, gpu_memory_utilization, ...           (workers/config.py)
       scheduler  SchedulerConfig  max_num_seqs, max_num_batched_tokens, ...         (here)
       runner     RunnerConfig     enforce_eager, cuda_graph_max_batch, kernels, ... (workers/config.py)
-      serving    ServingConfig    max_waiting_requests                              (here)
+      serving    ServingConfig    max_waiting_requests, served_model_name, ...      (here)
       executor   "auto" | "local" | "ray"
 
 Each field's default and help are written once, in its section (`setting`). Field names are vLLM's
@@ -64,7 +64,13 @@ class ServingConfig:
     """What the serving front doors enforce."""
 
     max_waiting_requests: int = setting(
-        1024, check=at_least(1), help="waiting requests beyond which new ones are refused (RESOURCE_EXHAUSTED)"
+        1024, check=at_least(1), help="waiting requests beyond which new ones are refused (RESOURCE_EXHAUSTED, 429)"
+    )
+    served_model_name: str | None = setting(
+        None, help="the model's name in the OpenAI API (`model`, /v1/models); default: the --model argument"
+    )
+    chat_template: str | None = setting(
+        None, help="a Jinja chat template (a file or the text) instead of the checkpoint's own"
     )
 
     def __post_init__(self) -> None:

@@ -60,7 +60,8 @@ class GenerationServicer:
         """Streams GenerateResponse.chunk messages as tokens are produced, then one GenerateResponse.final.
         Errors: INVALID_ARGUMENT (a bad field, named first in the message), RESOURCE_EXHAUSTED (the
         waiting queue is full), UNAVAILABLE (the engine is down, or failed this request mid-stream).
-        Cancelling the call aborts the request and frees its cache at once.
+        Cancelling the call aborts the request and frees its cache at once. With --api-key every call but
+        grpc.health.v1's needs the metadata `authorization: Bearer <key>` (else UNAUTHENTICATED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -79,7 +79,7 @@ MIXED = [
 def mixed_tokens(llm: LLM) -> list[list[int]]:
     outs = llm.generate(prompts(), MIXED, use_tqdm=False)
     logprobs = outs[1].outputs[0].logprobs
-    assert [lp.token_id for lp in logprobs] == outs[1].outputs[0].token_ids
+    assert [next(iter(entry)) for entry in logprobs] == outs[1].outputs[0].token_ids  # the chosen token first
     return [o.outputs[0].token_ids for o in outs]
 
 

@@ -61,9 +61,9 @@ def prompt_logprob_errors(cpu, gpu) -> list[float]:
     errors = []
     for c, g in zip(cpu, gpu, strict=True):
         assert len(c.prompt_logprobs) == len(g.prompt_logprobs) == len(c.prompt_token_ids)
-        errors += [
-            abs(a.logprob - b.logprob) for a, b in zip(c.prompt_logprobs[1:], g.prompt_logprobs[1:], strict=True)
-        ]
+        for a, b in zip(c.prompt_logprobs[1:], g.prompt_logprobs[1:], strict=True):
+            token, value = next(iter(a.items()))  # the prompt token, scored on both devices
+            errors.append(abs(value.logprob - b[token].logprob))
     return errors
 
 

@@ -295,7 +295,7 @@ def test_gpu_kernel_options_recapture_the_graphs(tiny_checkpoints, monkeypatch):
 
     def run():
         outs = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]
+        return [o.token_ids for o in outs], [[next(iter(e.values())).logprob for e in o.logprobs] for o in outs]
 
     base_tokens, base_lps = run()
     base_graphs = runner.graphs

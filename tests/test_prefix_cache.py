@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from logprob_checks import assert_entries_close
 from tiny_models import FAMILIES, VOCAB_SIZE
 
 from deltaserve import LLM, SamplingParams
@@ -25,18 +26,11 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist()
 
 
-def close(a: float, b: float) -> bool:
-    return abs(a - b) <= 1e-5
-
-
 def same_outputs(got, want) -> None:
     """Identical greedy tokens, and the logprobs of every sampled token (and its top 3) within 1e-5."""
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     for a, b in zip(got, want, strict=True):
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            assert x.token_id == y.token_id and x.top_ids == y.top_ids
-            assert close(x.logprob, y.logprob)
-            assert all(close(p, q) for p, q in zip(x.top_logprobs, y.top_logprobs, strict=True))
+        assert_entries_close(a.outputs[0].logprobs, b.outputs[0].logprobs, atol=1e-5)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -150,8 +144,7 @@ def test_prompt_logprob_requests_get_every_position(engines):
     got = on.generate([prompt], params, use_tqdm=False)[0]
     want = off.generate([prompt], params, use_tqdm=False)[0]
     assert got.num_cached_tokens == 0 and len(got.prompt_logprobs) == len(prompt)
-    for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
-        assert a.token_id == b.token_id and close(a.logprob, b.logprob)
+    assert_entries_close(got.prompt_logprobs, want.prompt_logprobs, atol=1e-5)
 
 
 def test_hit_after_preemption(tiny_checkpoints):

@@ -25,11 +25,20 @@ from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.executors.base import Executor, PassHandle, WorkerFailure, overlaps_passes
 from deltaserve.layers.config import ModelConfig
 from deltaserve.workers.config import short
-from deltaserve.workers.plan import PassPlan, RunnerOutput
+from deltaserve.workers.plan import PassPlan, RunnerOutput, TokenLogprobs
 
 from .allocator import BlockAllocator, StateSlotAllocator
 from .prefix_cache import CapturePolicy, PrefixCache, SnapshotCache
-from .request import CompletionOutput, FinishReason, Request, RequestOutput
+from .request import (
+    CompletionOutput,
+    FinishReason,
+    Logprob,
+    PromptLogprobs,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -301,19 +310,23 @@ class EngineCore:
         finished = req.is_finished
         params = req.sampling_params
         want_logprobs = params.logprobs is not None
+        logprobs = self._sample_logprobs(req) if want_logprobs else None
         if finished or self.output_mode == "cumulative":
             detok = self._detok.get(req.req_id)
             completion = CompletionOutput(
                 index=0,
                 text=detok.text[: detok.emitted] if detok is not None else "",
                 token_ids=req.output_token_ids,
-                logprobs=req.logprobs if want_logprobs else None,
+                cumulative_logprob=sum(lp.logprob for lp in req.logprobs) if want_logprobs else None,
+                logprobs=logprobs,
                 finish_reason=req.finish_reason.value if finished else None,
                 stop_reason=req.stop_reason,
             )
-            prompt_logprobs = req.prompt_logprobs if params.prompt_logprobs is not None else None
+            prompt_logprobs = self._prompt_logprobs(req) if params.prompt_logprobs is not None else None
         else:
-            completion = CompletionOutput(index=0, text="", token_ids=[], logprobs=None, finish_reason=None)
+            completion = CompletionOutput(
+                index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None, finish_reason=None
+            )
             prompt_logprobs = None
         out = RequestOutput(
             request_id=req.req_id,
@@ -322,17 +335,49 @@ class EngineCore:
             prompt_logprobs=prompt_logprobs,
             outputs=[completion],
             finished=finished,
+            num_cached_tokens=req.num_cached_tokens or 0,
+            metrics=RequestMetrics(
+                arrival_time=req.arrival_time,
+                first_scheduled_time=req.first_scheduled_time,
+                first_token_time=req.first_token_time,
+                finished_time=time.monotonic() if finished else None,
+            )
+            if finished
+            else None,
             delta_text=delta,
             delta_token_ids=new_ids,
-            delta_logprobs=req.logprobs[len(req.logprobs) - len(new_ids) :] if want_logprobs and new_ids else [],
+            delta_logprobs=logprobs[len(logprobs) - len(new_ids) :] if want_logprobs and new_ids else [],
             time_to_first_token_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
             error=req.error,
-            num_cached_tokens=req.num_cached_tokens or 0,
         )
         if finished:
             self._detok.pop(req.req_id, None)
             self._prompts.pop(req.req_id, None)
         return out
+
+    # ---- logprobs in vLLM's shape -------------------------------------------------------------
+    def _sample_logprobs(self, req: Request) -> SampleLogprobs:
+        """req.logprobs as vLLM's dicts, converting only the positions not converted before."""
+        out = req.sample_logprobs_out
+        for lp in req.logprobs[len(out) :]:
+            out.append(self._logprob_entry(lp))
+        return out
+
+    def _prompt_logprobs(self, req: Request) -> PromptLogprobs:
+        out = req.prompt_logprobs_out
+        for lp in req.prompt_logprobs[len(out) :]:
+            out.append(None if lp is None else self._logprob_entry(lp))
+        return out
+
+    def _logprob_entry(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """{chosen token: its Logprob, then the top k by rank}; the chosen token, when among the top k,
+        is one entry (first) with its top-k value, as vLLM builds it."""
+        ids = [lp.token_id, *lp.top_ids]
+        texts = self.tokenizer.decode_each(ids) if self.tokenizer is not None else [None] * len(ids)
+        entry = {lp.token_id: Logprob(lp.logprob, lp.rank, texts[0])}
+        for rank, (token, value, text) in enumerate(zip(lp.top_ids, lp.top_logprobs, texts[1:], strict=True), 1):
+            entry[token] = Logprob(value, rank, text)
+        return entry
 
     def model_info(self) -> ModelInfo:
         cfg, mc = self.config, self.model_config
@@ -382,6 +427,11 @@ class EngineCore:
             "snapshots_taken": stats.snapshots_taken,
             "snapshots_evicted": stats.snapshots_evicted,
         }
+
+    def spec_decode_stats(self) -> dict | None:
+        """Speculative decoding's cumulative counters ({num_drafts, num_draft_tokens, num_accepted_tokens},
+        exported as vLLM's vllm:spec_decode_* metrics); None while no drafter runs, which is always so far."""
+        return None
 
     def shutdown(self) -> None:
         self.executor.shutdown()

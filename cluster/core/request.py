@@ -58,6 +58,10 @@ class Request:
     # sampled-token and prompt logprobs collected so far
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # the same in vLLM's shape, converted as they arrive (a cumulative output must not redo them all)
+    sample_logprobs_out: SampleLogprobs = field(default_factory=list)
+    prompt_logprobs_out: PromptLogprobs = field(default_factory=list)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     # set by the scheduler when the request (re)enters the running set; the next plan carries it
     needs_worker_state: bool = True
@@ -111,29 +115,75 @@ class Request:
 
 
 @dataclass
+class Logprob:
+    """vLLM's logprob of one token at one position: its log probability, its rank among the vocabulary
+    (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's shapes: per position, {token id: Logprob} holding the sampled (or prompt) token first, then
+# the top-k alternatives in rank order; prompt position 0 is None (the first token has no logprob)
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+def top_logprobs(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens of one position's entry, in rank order. The entry holds the chosen
+    token first and then the top k; when the chosen token is one of the top k it appears once (first),
+    so it goes back to its place among them."""
+    items = list(entry.items())
+    chosen, others = items[0], items[1:]
+    if len(others) < k and chosen[1].rank is not None:
+        others.insert(min(chosen[1].rank - 1, len(others)), chosen)
+    return others[:k]
+
+
+@dataclass
+class RequestMetrics:
+    """Where a request's time went, on the engine's clock (time.monotonic, seconds); vLLM's names."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+
+@dataclass
 class CompletionOutput:
+    """vLLM's CompletionOutput: text and token ids (and their logprobs when asked) of one completion."""
+
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
 
 
 @dataclass
 class RequestOutput:
-    """A request's output so far (`finished` False while streaming) or final."""
+    """vLLM's RequestOutput: a request's output so far (`finished` False while streaming) or final. The
+    `delta_*` fields are deltaserve's: what this update added (what a stream sends on)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: list[TokenLogprobs | None] | None
+    prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
     # streaming: what this update added
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
-    delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    num_cached_tokens: int = 0
+    delta_logprobs: SampleLogprobs = field(default_factory=list)
     time_to_first_token_s: float | None = None
     error: str | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from deltaserve.workers.config import short
@@ -10,6 +11,14 @@ from deltaserve.workers.plan import SamplingSpec
 MAX_STOP_SEQUENCES = 32
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's: what each streamed RequestOutput of the async API holds (LLM.generate returns finals)."""
+
+    CUMULATIVE = 0  # the whole completion so far
+    DELTA = 1  # only what this update added
+    FINAL_ONLY = 2  # nothing until the end
 
 
 @dataclass
@@ -23,7 +32,7 @@ class SamplingParams:
     in it; `stop_token_ids` and the checkpoint's EOS end the output (EOS unless `ignore_eos`).
     `logprobs` / `prompt_logprobs`: how many top alternatives to return per position (0: only the
     chosen token's own logprob). `max_tokens` None: as many as fit in max_model_len; a number that
-    does not fit after the prompt is refused."""
+    does not fit after the prompt is refused. `output_kind`: what the async API's outputs hold."""
 
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -43,6 +52,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     n: int = 1
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +67,8 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name}: {why}")
 
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad("output_kind", f"must be a RequestOutputKind, got {short(self.output_kind)}")
         if self.n != 1:
             bad("n", f"must be 1 (got {self.n}); several completions per request are not supported yet")
         if self.max_tokens is not None and (

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -322,6 +323,8 @@ class Scheduler:
                 self.slots.allocate(req)
                 self.blocks.grow(req, want)
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             scheduled.append((req, want))
             budget -= want

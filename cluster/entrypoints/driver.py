@@ -115,6 +115,8 @@ class EngineLoop:
             "total_slots": self.engine.slots.capacity,
             "preemptions": sched.stats.num_preemptions,
             "passes": sched.stats.num_passes,
+            "prefix_cache": self.engine.prefix_cache_stats(),
+            "spec_decode": self.engine.spec_decode_stats(),
         }
 
     # ---- the loop --------------------------------------------------------------------------------

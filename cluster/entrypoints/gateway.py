@@ -14,26 +14,33 @@ import contextlib
 import logging
 import signal
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from deltaserve.cluster.core.request import RequestOutput
+from deltaserve.cluster.core.request import Logprob, RequestOutput, top_logprobs
 from deltaserve.cluster.core.sampling_params import SamplingParams
 from deltaserve.protos import generation_pb2 as pb
 from deltaserve.protos import generation_pb2_grpc
-from deltaserve.workers.plan import TokenLogprobs
 
-from .async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
+from . import validation
+from .async_engine import AsyncEngine, EngineUnavailableError
+from .grpc_security import ApiKeyInterceptor, server_credentials
+from .validation import ErrorKind
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
-MAX_REQUEST_ID_LEN = 256
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
+_STATUS = {
+    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
 _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
@@ -52,8 +59,13 @@ class Gateway:
         port: int = 0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         health_poll_s: float = 1.0,
+        api_key: str | None = None,
+        ssl_keyfile: str | None = None,
+        ssl_certfile: str | None = None,
     ):
         self.engine = engine
+        self.api_key = api_key
+        self.ssl_keyfile, self.ssl_certfile = ssl_keyfile, ssl_certfile
         self.host = host
         self.port = port
         self.max_message_bytes = max_message_bytes
@@ -69,12 +81,17 @@ class Gateway:
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.so_reuseport", 0),  # a port another server holds is an error, not a shared port
         ]
-        server = grpc.aio.server(options=options)
+        interceptors = [ApiKeyInterceptor(self.api_key)] if self.api_key else []
+        server = grpc.aio.server(options=options, interceptors=interceptors)
         generation_pb2_grpc.add_GenerationServicer_to_server(_GenerationServicer(self.engine), server)
         self._health = _EngineHealth(self.engine)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
-        self.port = server.add_insecure_port(f"{host}:{self.port}")
+        address = f"{host}:{self.port}"
+        if self.ssl_certfile:
+            self.port = server.add_secure_port(address, server_credentials(self.ssl_keyfile, self.ssl_certfile))
+        else:
+            self.port = server.add_insecure_port(address)
         if self.port == 0:
             raise RuntimeError(f"gateway: could not bind {host}:{self.port}")
         await self._health.refresh()
@@ -152,13 +169,13 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._engine = engine
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
-        req_id = request.request_id or uuid.uuid4().hex
         try:
-            if len(req_id) > MAX_REQUEST_ID_LEN:
-                raise ValueError(f"request_id: at most {MAX_REQUEST_ID_LEN} characters, got {len(req_id)}")
-            await self._engine.submit(req_id, _prompt(request), _sampling_params(request.sampling_params))
+            req_id = validation.request_id(request.request_id)
+            params = _sampling_params(request.sampling_params)
+            await self._engine.submit(req_id, _prompt(request, self._engine), params)
         except Exception as e:
             await self._abort_with(context, e)
+        k = params.logprobs
         try:
             async with contextlib.aclosing(self._engine.stream(req_id)) as outputs:
                 async for out in outputs:
@@ -166,9 +183,9 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     if completion.finish_reason == "error":
                         await context.abort(grpc.StatusCode.UNAVAILABLE, out.error or "the engine failed the request")
                     if out.delta_token_ids or out.delta_text:
-                        yield pb.GenerateResponse(request_id=req_id, chunk=_chunk(out))
+                        yield pb.GenerateResponse(request_id=req_id, chunk=_chunk(out, k))
                     if out.finished:
-                        yield pb.GenerateResponse(request_id=req_id, final=_final(out))
+                        yield pb.GenerateResponse(request_id=req_id, final=_final(out, params.prompt_logprobs))
         except EngineUnavailableError as e:  # the Ray driver died under the stream
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
@@ -205,22 +222,41 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _abort_with(self, context, error: Exception) -> None:
         """End the RPC with the status that `error` (raised before anything was queued) calls for."""
-        if isinstance(error, ValueError):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        if isinstance(error, QueueFullError):
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        if isinstance(error, EngineUnavailableError):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        kind = validation.classify(error)
+        if kind is not None:
+            await context.abort(_STATUS[kind], validation.brief(str(error)))
         if not await self._engine.healthy():  # e.g. the Ray driver actor is gone
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is down: {type(error).__name__}: {error}")
         raise error
 
 
-def _prompt(request: pb.GenerateRequest) -> str | list[int]:
+def _prompt(request: pb.GenerateRequest, engine: AsyncEngine) -> str | list[int]:
     kind = request.WhichOneof("prompt")
     if kind is None:
-        raise ValueError("prompt: give text or token_ids")
+        raise ValueError("prompt: give text, token_ids or chat")
+    if kind == "chat":
+        return _render_chat(request.chat, engine)
     return request.text if kind == "text" else list(request.token_ids.ids)
+
+
+def _render_chat(chat: pb.Chat, engine: AsyncEngine) -> str:
+    """The chat's prompt text through the model's template (shared with the HTTP server)."""
+    messages = []
+    for m in chat.messages:
+        message = {d.name: v for d, v in m.ListFields() if d.name != "tool_calls"}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in m.tool_calls
+            ]
+        messages.append(message)
+    return engine.render_chat(
+        messages,
+        add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
+        continue_final_message=chat.continue_final_message,
+        tools=[json_format.MessageToDict(t) for t in chat.tools] or None,
+        chat_template_kwargs=json_format.MessageToDict(chat.chat_template_kwargs),
+    )
 
 
 def _sampling_params(message: pb.SamplingParams) -> SamplingParams:
@@ -229,26 +265,32 @@ def _sampling_params(message: pb.SamplingParams) -> SamplingParams:
     for name in ("stop", "stop_token_ids"):
         if name in fields:
             fields[name] = list(fields[name])
-    return SamplingParams(**fields)
+    return validation.sampling_params(fields)
 
 
-def _token_logprob(lp: TokenLogprobs) -> pb.TokenLogprob:
+def _token_logprob(entry: dict[int, Logprob], k: int) -> pb.TokenLogprob:
+    """One position of vLLM-shaped logprobs (the chosen token first, then the top k)."""
+    token_id, chosen = next(iter(entry.items()))
+    top = top_logprobs(entry, k)
     return pb.TokenLogprob(
-        token_id=lp.token_id,
-        logprob=lp.logprob,
-        rank=lp.rank,
-        top_token_ids=lp.top_ids,
-        top_logprobs=lp.top_logprobs,
+        token_id=token_id,
+        logprob=chosen.logprob,
+        rank=chosen.rank,
+        token=chosen.decoded_token or "",
+        top_token_ids=[t for t, _ in top],
+        top_logprobs=[lp.logprob for _, lp in top],
+        top_tokens=[lp.decoded_token or "" for _, lp in top],
     )
 
 
-def _chunk(out: RequestOutput) -> pb.GenerateChunk:
+def _chunk(out: RequestOutput, k: int | None) -> pb.GenerateChunk:
     chunk = pb.GenerateChunk(token_ids=out.delta_token_ids, text=out.delta_text)
-    chunk.logprobs.extend(_token_logprob(lp) for lp in out.delta_logprobs)
+    if k is not None:
+        chunk.logprobs.extend(_token_logprob(entry, k) for entry in out.delta_logprobs)
     return chunk
 
 
-def _final(out: RequestOutput) -> pb.GenerateFinal:
+def _final(out: RequestOutput, k: int | None) -> pb.GenerateFinal:
     completion = out.outputs[0]
     final = pb.GenerateFinal(
         finish_reason=_FINISH_REASONS[completion.finish_reason],
@@ -264,6 +306,6 @@ def _final(out: RequestOutput) -> pb.GenerateFinal:
         final.stop_string = completion.stop_reason
     if out.time_to_first_token_s is not None:
         final.time_to_first_token_s = out.time_to_first_token_s
-    if out.prompt_logprobs is not None:  # entry 0 is None: the first prompt token has no logprob
-        final.prompt_logprobs.extend(_token_logprob(lp) for lp in out.prompt_logprobs[1:])
+    if out.prompt_logprobs is not None and k is not None:  # entry 0 is None: the first token has no logprob
+        final.prompt_logprobs.extend(_token_logprob(entry, k) for entry in out.prompt_logprobs[1:])
     return final

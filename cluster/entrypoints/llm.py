@@ -3,6 +3,7 @@
 from deltaserve import LLM, SamplingParams
 llm = LLM(model="path/to/checkpoint")
 outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+outputs = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=32))
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from deltaserve.cluster.core.sampling_params import SamplingParams
 from deltaserve.cluster.executors.base import WorkerFailure
 from deltaserve.layers.config import ModelConfig
 
+from . import validation
+from .chat_template import ChatTemplate, load_override
 from .startup import build_engine
 
 PromptLike = str | list[int] | dict
@@ -33,6 +36,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, model_config: ModelConfig | None = None, **settings: Any):
         self.config = EngineConfig.from_kwargs(model=model, **settings)
         self.engine = build_engine(self.config, model_config=model_config, output_mode="final")
+        self.chat_template = ChatTemplate.for_model(self.config.load.model, self.config.serving.chat_template)
         self._ids = itertools.count()
 
     @property
@@ -74,6 +78,41 @@ class LLM:
         if failed:
             raise WorkerFailure(f"{len(failed)} of {len(ids)} requests failed: {failed[0].error}")
         return [final[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or several,
+        each rendered by the model's chat template (or `chat_template`: a file or the text) and
+        generated like `generate`'s prompts."""
+        template = self.chat_template
+        if chat_template is not None:
+            specials = template.special_tokens if template is not None else {}
+            template = ChatTemplate(load_override(chat_template), specials)
+        if template is None:
+            raise ValueError("chat_template: this model has none; pass chat_template=")
+        single = isinstance(messages, list | tuple) and (not messages or isinstance(messages[0], dict))
+        conversations = [messages] if single else list(messages)
+        prompts = [
+            template.render(
+                validation.chat_messages(conversation),
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                **(chat_template_kwargs or {}),
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (KV blocks and GDN snapshots); safe while requests run."""

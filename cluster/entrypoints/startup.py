@@ -88,12 +88,12 @@ def check_device(config: EngineConfig, ray_address: str | None = None) -> None:
         )
 
 
-def check_port(host: str, port: int) -> None:
-    """The gateway's port is free (port 0 picks a free one)."""
+def check_port(host: str, port: int, name: str = "port") -> None:
+    """A front door's port (`name`: the setting) is free (port 0 picks a free one)."""
     if port == 0:
         return
     if not 0 < port < 65536:
-        raise ValueError(f"port: must be in [0, 65535], got {port}")
+        raise ValueError(f"{name}: must be in [0, 65535], got {port}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -101,7 +101,7 @@ def check_port(host: str, port: int) -> None:
             s.bind((host, port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                raise ValueError(f"port: {port} on {host} is already in use") from None
+                raise ValueError(f"{name}: {port} on {host} is already in use") from None
             raise ValueError(f"host: cannot bind {short(host)}:{port}: {e.strerror}") from None
 
 

@@ -23,6 +23,11 @@ ENV_VARS: dict[str, EnvVar] = {
     v.name: v
     for v in (
         EnvVar("DELTASERVE_CACHE", "~/.cache/deltaserve", "where the built-in demo model is built and kept"),
+        EnvVar(
+            "DELTASERVE_API_KEY",
+            "",
+            "the API key `serve` requires (HTTP bearer, gRPC metadata) and `generate` sends, unless --api-key",
+        ),
         EnvVar("DELTASERVE_PDL", "1", "0: decode kernels launch without programmatic dependent launch (sm_90+)"),
         EnvVar("DELTASERVE_ROW_GEMV", "1", "0: one-token projections take the skinny GEMM instead of the row GEMV"),
         EnvVar(

@@ -1,0 +1,325 @@
+"""The OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of an AsyncEngine.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or whole),
+GET /v1/models, POST /tokenize (vLLM's), GET /health, GET /metrics (Prometheus). Errors are OpenAI's
+error object: 400 naming the field (malformed JSON, a wrong type, an unknown field, a value
+SamplingParams or the engine refuses), 401 without the API key, 404 for an unknown model, 429 when
+the waiting queue is full, 503 while the engine is down. A client that disconnects aborts its request
+(its pages and state slot free on the next engine step), streamed or not. `--api-key` guards the
+/v1 routes and /tokenize (health and metrics stay open, as vLLM's do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import socket
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from . import openai_protocol as api
+from . import validation
+from .async_engine import AsyncEngine
+from .metrics import CONTENT_TYPE
+from .openai_serving import Job, RequestFailedError, collect, stream_events
+from .validation import ErrorKind, ModelNotFoundError
+
+log = logging.getLogger(__name__)
+
+_STATUS = {ErrorKind.INVALID: 400, ErrorKind.NOT_FOUND: 404, ErrorKind.QUEUE_FULL: 429, ErrorKind.UNAVAILABLE: 503}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    body = api.ErrorResponse(
+        error=api.ErrorInfo(message=validation.brief(message), type=_TYPES[status], param=param, code=code)
+    )
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+async def response_for(engine: AsyncEngine, error: BaseException) -> JSONResponse:
+    """The error response for what went wrong before (or while) a request was answered."""
+    kind = validation.classify(error)
+    if kind is not None:
+        message = str(error)
+        code = "model_not_found" if kind is ErrorKind.NOT_FOUND else None
+        return error_response(_STATUS[kind], message, validation.field_of(message), code)
+    if isinstance(error, RequestFailedError) or not await engine.healthy():
+        return error_response(503, f"the engine failed the request: {error}")
+    log.exception("request failed", exc_info=error)
+    return error_response(500, f"internal error: {type(error).__name__}")
+
+
+def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    """The first pydantic error as "field: what is wrong" (the offending value is never echoed)."""
+    first = error.errors()[0]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return f"body: malformed JSON ({first.get('ctx', {}).get('error', 'cannot parse')})", "body"
+    field = ""
+    for part in loc:
+        field += f"[{part}]" if isinstance(part, int) else (f".{part}" if field else str(part))
+    field = field or "body"
+    why = "unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid")
+    return f"{field}: {why}", field
+
+
+def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: bool = False) -> FastAPI:
+    app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+        message, field = _validation_message(error)
+        return error_response(400, message, field)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await engine.render_metrics(), media_type=CONTENT_TYPE)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if await engine.healthy() else 503)
+
+    if metrics_only:
+        return app
+
+    if api_key:
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            path = request.url.path
+            if path.startswith("/v1") or path == "/tokenize":
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                    return error_response(401, "authorization: a valid 'Bearer <api key>' header is required")
+            return await call_next(request)
+
+    @app.get("/v1/models")
+    async def models() -> api.ModelList:
+        info = await engine.info()
+        card = api.ModelCard(
+            id=engine.model_name,
+            created=api.now(),
+            root=info.model,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+        )
+        return api.ModelList(data=[card])
+
+    @app.post("/tokenize")
+    async def tokenize(body: api.TokenizeRequest):
+        try:
+            _check_model(engine, body.model)
+            tokens = await engine.tokenize(body.prompt)
+            info = await engine.info()
+        except Exception as e:
+            return await response_for(engine, e)
+        return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
+
+    @app.post("/v1/completions")
+    async def completions(body: api.CompletionRequest, request: Request):
+        try:
+            prompt = _single_prompt(body)
+            params = validation.sampling_params(body.sampling_fields(body.max_tokens, body.logprobs))
+            job = _job(engine, body, "cmpl", chat=False, logprobs=body.logprobs)
+            await engine.submit(job.req_id, prompt, params)
+        except Exception as e:
+            return await response_for(engine, e)
+        return await _answer(job, body.stream, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: api.ChatCompletionRequest, request: Request):
+        try:
+            if body.response_format is not None and body.response_format.get("type") != "text":
+                raise ValueError("response_format: only {'type': 'text'} is supported")
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            k = (body.top_logprobs or 0) if body.logprobs else None
+            params = validation.sampling_params(body.sampling_fields(max_tokens, k))
+            job = _job(engine, body, "chatcmpl", chat=True, logprobs=k)
+            prompt = engine.render_chat(
+                [m.for_template() for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                tools=body.tools if body.tool_choice != "none" else None,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+            try:
+                await engine.submit(job.req_id, prompt, params)
+            except ValueError as e:  # the rendered prompt is the messages' doing
+                field = validation.field_of(str(e))
+                if field in ("prompt", "prompt_token_ids"):
+                    raise ValueError("messages" + str(e)[len(field) :]) from None
+                raise
+        except Exception as e:
+            return await response_for(engine, e)
+        return await _answer(job, body.stream, request)
+
+    return app
+
+
+def _check_model(engine: AsyncEngine, model: str | None) -> None:
+    if model is not None and model != engine.model_name:
+        raise ModelNotFoundError(
+            f"model: {validation.brief(model, 100)!r} is not served here (try {engine.model_name!r})"
+        )
+
+
+def _single_prompt(body: api.CompletionRequest) -> str | list[int]:
+    if body.echo:
+        raise ValueError("echo: not supported")
+    if body.suffix is not None:
+        raise ValueError("suffix: not supported")
+    if body.best_of not in (None, 1):
+        raise ValueError("best_of: must be 1")
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise ValueError(f"prompt: one prompt per request, got {len(prompt)}")
+        prompt = prompt[0]
+    return prompt
+
+
+def _job(engine: AsyncEngine, body: api.SamplingFields, prefix: str, *, chat: bool, logprobs: int | None) -> Job:
+    _check_model(engine, body.model)
+    options = body.stream_options
+    if options is not None and not body.stream:
+        raise ValueError("stream_options: only with stream=true")
+    req_id = validation.request_id(body.request_id) if body.request_id else api.new_id(prefix)
+    return Job(
+        engine,
+        req_id,
+        engine.model_name,
+        chat,
+        logprobs,
+        return_token_ids=body.return_token_ids,
+        include_usage=bool(options and options.include_usage),
+        continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
+    )
+
+
+class _EngineStream(StreamingResponse):
+    """Server-sent events of a queued request; however the response ends (even before its first
+    byte), the request is not left running."""
+
+    def __init__(self, job: Job):
+        super().__init__(stream_events(job), media_type="text/event-stream")
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # a stream cut off mid-way closes (and aborts) now, not at GC
+            await self.job.engine.discard(self.job.req_id)
+
+
+async def _answer(job: Job, stream: bool, request: Request):
+    if stream:
+        return _EngineStream(job)
+    task = asyncio.ensure_future(collect(job))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():  # the client left: cancelling the collection aborts the request
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            return Response(status_code=499)
+        try:
+            return task.result()
+        except Exception as e:
+            return await response_for(job.engine, e)
+    finally:
+        gone.cancel()
+        await job.engine.discard(job.req_id)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class HttpServer:
+    """uvicorn serving `build_app(engine)` on the engine's event loop; the engine's owner starts and
+    stops it (and handles signals)."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        ssl_keyfile: str | None = None,
+        ssl_certfile: str | None = None,
+        metrics_only: bool = False,
+        grace_s: float = 5.0,
+    ):
+        self.engine = engine
+        self.host, self.port = host, port
+        app = build_app(engine, api_key=api_key, metrics_only=metrics_only)
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            ssl_keyfile=ssl_keyfile,
+            ssl_certfile=ssl_certfile,
+            timeout_graceful_shutdown=grace_s,
+        )
+        self._server = _QuietSignals(config)
+        self._task: asyncio.Task | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self._server.config.ssl_certfile else "http"
+
+    async def start(self) -> int:
+        """Bind and serve; returns the bound port (useful with port=0)."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise RuntimeError(f"http: could not bind {self.host}:{self.port}: {e.strerror}") from None
+        self.port = sock.getsockname()[1]
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("http: the server stopped while starting")
+            await asyncio.sleep(0.01)
+        log.info("HTTP serving on %s:%d", self.host, self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop accepting, let responses in flight finish within the grace time, then cancel them
+        (which aborts their requests)."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+
+
+class _QuietSignals(uvicorn.Server):
+    """The serve command owns SIGINT / SIGTERM (it stops every front door, then the engine)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
