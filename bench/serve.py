@@ -1,10 +1,16 @@
-r"""Serving benchmark: a gRPC load generator against a running `deltaserve serve`.
+r"""Serving benchmark: a load generator against a running `deltaserve serve`, over gRPC or over the
+OpenAI-compatible HTTP API (`--backend openai`: streamed /v1/completions), so one tool compares both.
 
 Single node (a server on this machine; random token-id prompts, 64 requests in flight):
 
     deltaserve serve --port 50051 &
     deltaserve bench serve --target 127.0.0.1:50051 --num-prompts 1000 --input-len 1024 --output-len 128 \
         --max-concurrency 64 --json serve.json
+
+The same load through the HTTP port of the same server (`serve` listens on both):
+
+    deltaserve bench serve --backend openai --target http://127.0.0.1:8000 --num-prompts 1000 --input-len 1024 \
+        --output-len 128 --max-concurrency 64
 
 Text prompts sampled from a file, lengths uniform in [0.5, 1.5] x 512 tokens, Poisson arrivals at 20 req/s:
 
@@ -43,22 +49,26 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import grpc
+import httpx
 import numpy as np
 
 from deltaserve.cluster.entrypoints.client import AsyncGenerationClient, Chunk, Final
+from deltaserve.cluster.entrypoints.http_client import HttpStatusError, OpenAIHttpClient
 
 # Tokenize RPCs stay far below the gateway's 4 MiB message limit with pieces of this many characters
 TOKENIZE_PIECE_CHARS = 64 * 1024
 # Ray clients get their start signal this long ahead, so that all of them begin together
 RAY_START_DELAY_S = 0.5
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
+BACKENDS = ("grpc", "openai")
 
 
 @dataclass
 class BenchSettings:
     """Everything one run needs (plain values: it travels to the Ray client actors)."""
 
-    target: str = "127.0.0.1:50051"
+    target: str = "127.0.0.1:50051"  # host:port (gRPC), or the HTTP server's URL (openai)
+    backend: str = "grpc"
     num_prompts: int = 1000
     input_len: int = 1024
     output_len: int = 128
@@ -84,6 +94,8 @@ class BenchSettings:
         return self.clients_per_node is not None or self.num_client_nodes is not None
 
     def validate(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
             raise ValueError("num_prompts, input_len and output_len must be at least 1")
         if not 0.0 <= self.range_ratio < 1.0:
@@ -126,7 +138,7 @@ class RequestRecord:
 
     index: int
     client: int
-    status: str  # "OK" or the gRPC status code name
+    status: str  # "OK", the gRPC status code name, or HTTP_<status>
     error: str
     prompt_tokens: int  # the server's count (the planned one when the request failed)
     max_tokens: int
@@ -168,7 +180,26 @@ def arrival_offsets(rng: np.random.Generator, count: int, request_rate: float) -
     return [0.0, *np.cumsum(gaps).tolist()]
 
 
-async def tokenize_file(client: AsyncGenerationClient, text: str) -> np.ndarray:
+def connect(settings: BenchSettings) -> AsyncGenerationClient | OpenAIHttpClient:
+    """A client of the target over the settings' backend (both yield Chunk and Final items)."""
+    if settings.backend == "openai":
+        target = settings.target if "://" in settings.target else f"http://{settings.target}"
+        return OpenAIHttpClient(target)
+    return AsyncGenerationClient(settings.target)
+
+
+def failure(error: BaseException) -> tuple[str, str] | None:
+    """(status, detail) of a request that failed over either backend; None for anything else."""
+    if isinstance(error, grpc.RpcError):
+        return error.code().name, error.details() or ""
+    if isinstance(error, HttpStatusError):
+        return error.status_name, error.message
+    if isinstance(error, httpx.HTTPError):
+        return "HTTP_ERROR", f"{type(error).__name__}: {error}"
+    return None
+
+
+async def tokenize_file(client: AsyncGenerationClient | OpenAIHttpClient, text: str) -> np.ndarray:
     """The file's token ids, tokenized by the server piece by piece (pieces end at line ends)."""
     ids: list[int] = []
     piece: list[str] = []
@@ -192,7 +223,9 @@ def _text_window(text: str, start: int, length: int) -> str:
     return window
 
 
-async def plan_workload(settings: BenchSettings, client: AsyncGenerationClient) -> tuple[str, list[PlannedRequest]]:
+async def plan_workload(
+    settings: BenchSettings, client: AsyncGenerationClient | OpenAIHttpClient
+) -> tuple[str, list[PlannedRequest]]:
     """(the served model, the requests in arrival order), all drawn from settings.seed."""
     info = await client.model_info()
     # one stream each, so that a seed gives the same lengths and schedule whatever the prompts are
@@ -267,12 +300,12 @@ class LoadClient:
         self.client_id = client_id
         self.requests = requests
         self.max_concurrency = max_concurrency
-        self._client: AsyncGenerationClient | None = None
+        self._client: AsyncGenerationClient | OpenAIHttpClient | None = None
 
-    def _connection(self) -> AsyncGenerationClient:
+    def _connection(self) -> AsyncGenerationClient | OpenAIHttpClient:
         # made on first use: a gRPC aio channel belongs to the running loop, which a Ray actor's __init__ lacks
         if self._client is None:
-            self._client = AsyncGenerationClient(self.settings.target)
+            self._client = connect(self.settings)
         return self._client
 
     async def warmup(self) -> None:
@@ -350,8 +383,11 @@ class LoadClient:
                                 reply += item.token_ids
                     else:
                         final = item
-        except grpc.RpcError as e:
-            status, error = e.code().name, e.details() or ""
+        except Exception as e:
+            known = failure(e)
+            if known is None:
+                raise
+            status, error = known
         ended = time.perf_counter()
         return RequestRecord(
             index=request.index,
@@ -431,7 +467,7 @@ def run_benchmark(settings: BenchSettings, *, ray_address: str | None = None) ->
     settings.validate()
 
     async def plan() -> tuple[str, list[PlannedRequest]]:
-        async with AsyncGenerationClient(settings.target) as client:
+        async with connect(settings) as client:
             return await plan_workload(settings, client)
 
     model, workload = asyncio.run(plan())
@@ -483,12 +519,12 @@ def summarize(records: list[RequestRecord]) -> dict:
 
 
 def format_report(result: BenchResult) -> str:
-    s = result.summary
-    rate = "inf" if math.isinf(result.settings.request_rate) else f"{result.settings.request_rate:g}"
+    s, settings = result.summary, result.settings
+    rate = "inf" if math.isinf(settings.request_rate) else f"{settings.request_rate:g}"
     lines = [
         "=" * 20 + " Serving Benchmark Result " + "=" * 20,
         f"{'Model:':<40}{result.model}",
-        f"{'Target / clients:':<40}{result.settings.target} / {result.num_clients}",
+        f"{'Target / backend / clients:':<40}{settings.target} / {settings.backend} / {result.num_clients}",
         f"{'Request rate / max concurrency:':<40}{rate} / {result.settings.max_concurrency or 'unlimited'}",
         f"{'Successful requests:':<40}{s['completed']}",
         f"{'Failed requests:':<40}{s['failed']}"
@@ -525,11 +561,14 @@ def report_json(result: BenchResult, *, with_requests: bool) -> dict:
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "serve",
-        help="gRPC load generator against a running server (in-process or Ray client actors)",
+        help="load generator against a running server, gRPC or OpenAI HTTP (in-process or Ray client actors)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--target", default="127.0.0.1:50051", help="the server's host:port")
+    p.add_argument("--target", default="127.0.0.1:50051", help="the server's host:port (gRPC) or its HTTP URL (openai)")
+    p.add_argument(
+        "--backend", default="grpc", choices=BACKENDS, help="grpc: Generate; openai: streamed /v1/completions"
+    )
     g = p.add_argument_group("workload")
     g.add_argument("--num-prompts", type=int, default=1000)
     g.add_argument("--input-len", type=int, default=1024, help="prompt tokens")
@@ -573,6 +612,7 @@ def add_parser(sub) -> None:
 def _main(args: argparse.Namespace) -> int:
     settings = BenchSettings(
         target=args.target,
+        backend=args.backend,
         num_prompts=args.num_prompts,
         input_len=args.input_len,
         output_len=args.output_len,
@@ -596,8 +636,11 @@ def _main(args: argparse.Namespace) -> int:
     except ValueError as e:  # settings that do not fit each other or the server
         print(f"bench serve: {e}", file=sys.stderr)
         return 2
-    except grpc.RpcError as e:  # planning could not talk to the server
-        print(f"bench serve: {settings.target}: {e.code().name}: {e.details()}", file=sys.stderr)
+    except Exception as e:  # planning could not talk to the server
+        known = failure(e)
+        if known is None:
+            raise
+        print(f"bench serve: {settings.target}: {known[0]}: {known[1]}", file=sys.stderr)
         return 2
     print(format_report(result), flush=True)
     if args.json:

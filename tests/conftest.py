@@ -21,7 +21,7 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tiny_models import FAMILIES, save_tiny  # noqa: E402
+from tiny_models import FAMILIES, save_tiny, save_tiny_chat  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -62,6 +62,12 @@ def tiny_checkpoints(tmp_path_factory) -> dict:
         path = tmp_path_factory.mktemp(family)
         out[family] = (path, save_tiny(family, path))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tiny_checkpoints, tmp_path_factory) -> Path:
+    """The tiny qwen3_5_moe checkpoint with the demo model's chat template (the demo model, shrunk)."""
+    return save_tiny_chat(tiny_checkpoints["qwen3_5_moe"][0], tmp_path_factory.mktemp("tiny_chat"))
 
 
 @pytest.fixture(scope="session")

@@ -121,3 +121,16 @@ def save_tiny(family: str, path: Path, seed: int = 0, **overrides):
     (Path(path) / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     tiny_tokenizer().save(str(Path(path) / "tokenizer.json"))
     return model
+
+
+def save_tiny_chat(source: Path, path: Path) -> Path:
+    """A copy of the tiny checkpoint in `source` that has a chat template: the demo model's (the Qwen3.5
+    chat format) and its special tokens, in tokenizer_config.json as checkpoints carry them."""
+    import shutil
+
+    from deltaserve.cluster.entrypoints.demo_model import qwen3_5_chat_template
+
+    shutil.copytree(source, path, dirs_exist_ok=True)
+    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": qwen3_5_chat_template()}
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps(config))
+    return Path(path)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import re
 import socket
 
 import uvicorn
@@ -31,6 +32,7 @@ from .validation import ErrorKind, ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|[A-Z]\w*)$|\[")
 _STATUS = {ErrorKind.INVALID: 400, ErrorKind.NOT_FOUND: 404, ErrorKind.QUEUE_FULL: 429, ErrorKind.UNAVAILABLE: 503}
 _TYPES = {
     400: "invalid_request_error",
@@ -70,6 +72,8 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
         return f"body: malformed JSON ({first.get('ctx', {}).get('error', 'cannot parse')})", "body"
     field = ""
     for part in loc:
+        if isinstance(part, str) and _UNION_TAG.search(part):
+            break  # pydantic names the union member it tried ("str", "list[int]", ...): not a field
         field += f"[{part}]" if isinstance(part, int) else (f".{part}" if field else str(part))
     field = field or "body"
     why = "unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid")

@@ -1,0 +1,373 @@
+"""`deltaserve serve` (a subprocess on 127.0.0.1, the tiny model with the demo's chat template) through
+the real `openai` client: completions and chat completions, streamed and not, give the same tokens as
+gRPC and LLM.generate / LLM.chat for the same request; bad input is a 400 naming the field and the
+server keeps serving; a client that leaves aborts its request (the pool frees); /metrics, parsed by
+prometheus_client, counts exactly what a `bench serve --backend openai` run sent and received."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from logprob_checks import assert_entries_close
+from prometheus_client.parser import text_string_to_metric_families
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.cli import main
+from deltaserve.cluster.entrypoints.client import Chunk, Final, GenerationClient
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "tiny-chat"
+STARTUP_TIMEOUT_S = 90
+LONG = dict(max_tokens=400, temperature=0, extra_body={"ignore_eos": True})  # a second or more on CPU
+CHAT = [{"role": "system", "content": "hello world"}, {"role": "user", "content": "the quick brown fox"}]
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    http_port: int
+    grpc_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+
+    def metric(self, name: str, **labels) -> float:
+        wanted = {"model_name": MODEL, "engine": "0", **labels}
+        return self.metrics()[(name, tuple(sorted(wanted.items())))]
+
+
+def start_server(model: Path, tmp: Path, *extra: str) -> Server:
+    grpc_file, http_file = tmp / "grpc.port", tmp / "http.port"
+    argv = [sys.executable, "-m", "deltaserve.cli", "serve", "--backend", "local", "--model", str(model)]
+    argv += ["--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--served-model-name", MODEL]
+    argv += ["--port-file", str(grpc_file), "--http-port-file", str(http_file), *extra]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not (http_file.is_file() and http_file.read_text() and grpc_file.is_file() and grpc_file.read_text()):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"serve did not start: {process.communicate()[0][-2000:]}")
+        time.sleep(0.2)
+    return Server(process, int(http_file.read_text()), int(grpc_file.read_text()))
+
+
+def stop_server(server: Server) -> None:
+    server.process.send_signal(signal.SIGINT)
+    try:
+        server.process.wait(30)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model, tmp_path_factory) -> Iterator[Server]:
+    served = start_server(tiny_chat_model, tmp_path_factory.mktemp("serve"), "--max-model-len", "512")
+    yield served
+    stop_server(served)
+    assert served.process.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat_model) -> Iterator[LLM]:
+    llm = LLM(str(tiny_chat_model), max_model_len=512)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def grpc_tokens(server: Server, prompt, **sampling) -> tuple[list[int], str]:
+    ids, text = [], ""
+    with GenerationClient(f"127.0.0.1:{server.grpc_port}") as grpc_client:
+        for item in grpc_client.generate(prompt, **sampling):
+            if isinstance(item, Chunk):
+                ids += item.token_ids
+                text += item.text
+            else:
+                assert isinstance(item, Final)
+    return ids, text
+
+
+def wait_idle(server: Server, within_s: float = 3.0) -> None:
+    """Nothing running or waiting, no GDN state slot held and no KV page in use, within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        held = (
+            server.metric("vllm:num_requests_running"),
+            server.metric("vllm:num_requests_waiting"),
+            server.metric("deltaserve:gdn_state_slots_used"),
+            server.metric("vllm:kv_cache_usage_perc"),
+        )
+        if held == (0, 0, 0, 0):
+            return
+        assert time.monotonic() < deadline, f"still held (running, waiting, slots, kv usage): {held}"
+        time.sleep(0.05)
+
+
+# ---- the same tokens through every door -----------------------------------------------------------
+def test_completions_equal_grpc_and_llm_generate(server, client, reference):
+    prompt = "the quick brown fox"
+    (want,) = reference.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )
+    want_ids, want_text = want.outputs[0].token_ids, want.outputs[0].text
+    whole = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    choice = whole.choices[0]
+    assert (choice.token_ids, choice.text, choice.finish_reason) == (want_ids, want_text, "length")
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(want.prompt_token_ids), 12)
+    assert whole.model == MODEL and whole.object == "text_completion"
+
+    ids, text, finish, usage = [], "", None, None
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    for chunk in stream:
+        if chunk.usage is not None:
+            assert not chunk.choices  # the usage comes last, on a chunk of its own
+            usage = chunk.usage
+            continue
+        ids += chunk.choices[0].token_ids
+        text += chunk.choices[0].text
+        finish = chunk.choices[0].finish_reason or finish
+    assert (ids, text, finish) == (want_ids, want_text, "length")
+    n = len(want.prompt_token_ids)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (n, 12, n + 12)
+    assert grpc_tokens(server, prompt, max_tokens=12, temperature=0, ignore_eos=True) == (want_ids, want_text)
+
+
+def test_chat_equals_grpc_chat_and_llm_chat(server, client, reference):
+    (want,) = reference.chat(CHAT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    want_ids, want_text = want.outputs[0].token_ids, want.outputs[0].text
+    whole = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_completion_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    choice = whole.choices[0]
+    assert (choice.message.role, choice.message.content, choice.token_ids) == ("assistant", want_text, want_ids)
+    assert whole.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert whole.prompt_token_ids == want.prompt_token_ids  # the template rendered as LLM.chat renders it
+
+    roles, text, ids = [], "", []
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    ):
+        delta = chunk.choices[0].delta
+        roles.append(delta.role)
+        text += delta.content or ""
+    assert roles[0] == "assistant" and text == want_text
+    ids, text = grpc_tokens(server, CHAT, max_tokens=10, temperature=0, ignore_eos=True)
+    assert (ids, text) == (want_ids, want_text)
+
+
+def test_sampling_fields_reach_the_engine(client, reference):
+    """Seeded sampling with penalties and top_p, then a stop string taken from that output: the same as
+    LLM.generate's."""
+    prompt = "hello world, hello there!"
+    fields = dict(temperature=0.9, top_p=0.8, seed=11, presence_penalty=0.5, frequency_penalty=0.3)
+    (free,) = reference.generate([prompt], SamplingParams(**fields, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    got = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=20, extra_body={"ignore_eos": True}, **fields
+    )
+    assert got.choices[0].text == free.outputs[0].text
+    stop = free.outputs[0].text[6:8]
+    params = SamplingParams(**fields, max_tokens=20, stop=[stop], ignore_eos=True)
+    want = reference.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    got = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=20, stop=stop, extra_body={"ignore_eos": True}, **fields
+    ).choices[0]
+    assert (got.text, got.finish_reason, got.stop_reason) == (want.text, "stop", stop)
+    assert len(got.text) <= 6
+
+
+def test_logprobs_equal_llm_generate(client, reference):
+    prompt = "serving engines stream tokens"
+    (want,) = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=2), use_tqdm=False)
+    entries = want.outputs[0].logprobs
+    legacy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert lp.tokens == [next(iter(e.values())).decoded_token for e in entries]
+    assert lp.token_logprobs == pytest.approx([next(iter(e.values())).logprob for e in entries], abs=1e-5)
+    for top, entry in zip(lp.top_logprobs, entries, strict=True):
+        ranked = sorted(entry.values(), key=lambda x: x.rank)[:2]
+        assert top == pytest.approx({x.decoded_token: x.logprob for x in ranked}, abs=1e-5)
+    assert lp.text_offset[0] == 0
+
+    (chat_want,) = reference.chat(CHAT, SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False)
+    got = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    ).choices[0]
+    rebuilt = []
+    for token in got.logprobs.content:
+        assert token.bytes == list(token.token.encode())
+        top = [t for t in token.top_logprobs]
+        assert len(top) == 3
+        rebuilt.append(token)
+    want_entries = chat_want.outputs[0].logprobs
+    assert [t.token for t in rebuilt] == [next(iter(e.values())).decoded_token for e in want_entries]
+    assert [t.logprob for t in rebuilt] == pytest.approx(
+        [next(iter(e.values())).logprob for e in want_entries], abs=1e-5
+    )
+
+
+def test_grpc_logprobs_are_vllm_shaped(server, reference):
+    params = dict(temperature=0, max_tokens=5, logprobs=2)
+    (want,) = reference.generate(["hello there"], SamplingParams(**params), use_tqdm=False)
+    with GenerationClient(f"127.0.0.1:{server.grpc_port}") as grpc_client:
+        chunks = [c for c in grpc_client.generate("hello there", **params) if isinstance(c, Chunk)]
+    assert_entries_close([e for c in chunks for e in c.logprobs], want.outputs[0].logprobs)
+
+
+def test_models_and_an_unknown_model(server, client):
+    (card,) = client.models.list().data
+    assert (card.id, card.max_model_len, card.owned_by) == (MODEL, 512, "deltaserve")
+    with pytest.raises(openai.NotFoundError) as error:
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert error.value.body["param"] == "model" and error.value.body["code"] == "model_not_found"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+# ---- bad input ------------------------------------------------------------------------------------------
+BAD = [
+    ("completions", b'{"model": "tiny-chat", "prompt": "hi", "max_tokens": 4', "body"),  # malformed JSON
+    ("completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),  # a wrong type
+    ("completions", {"prompt": "hi", "max_tokenz": 4}, "max_tokenz"),  # an unknown field
+    ("completions", {"prompt": "hi", "temperature": -1}, "temperature"),  # SamplingParams refuses it
+    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "hi", "n": 2}, "n"),
+    ("completions", {"prompt": [7] * 600}, "prompt"),  # over max_model_len
+    ("completions", {"prompt": [400]}, "prompt_token_ids"),  # outside the vocabulary
+    ("completions", {"prompt": "hi", "stop": ["x" * 20000]}, "stop"),  # a long value is not echoed
+    ("chat/completions", {"messages": []}, "messages"),  # an empty chat
+    ("chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "the quick brown fox " * 200}]}, "messages"),
+    ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("route, body, field", BAD, ids=[f"{r}-{f}-{i}" for i, (r, _, f) in enumerate(BAD)])
+def test_bad_input_is_400_naming_the_field(server, client, route, body, field):
+    url = f"{server.url}/v1/{route}"
+    if isinstance(body, bytes):
+        response = httpx.post(url, content=body, headers={"content-type": "application/json"})
+    else:
+        response = httpx.post(url, json={"model": MODEL, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["type"]) == (field, "invalid_request_error")
+    assert error["message"].startswith(f"{field}: ") and len(error["message"]) < 600
+    # and the server keeps serving
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].finish_reason
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+    assert error.value.body["param"] == "messages"
+
+
+# ---- leaving early ---------------------------------------------------------------------------------------
+def test_a_client_that_leaves_a_stream_aborts_its_request(server, client):
+    aborted = server.metric("vllm:request_success_total", finished_reason="abort")
+    generated = server.metric("vllm:generation_tokens_total")
+    stream = client.completions.create(model=MODEL, prompt="hello", stream=True, **LONG)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()  # the connection goes; the server aborts the request
+    wait_idle(server)
+    assert server.metric("vllm:request_success_total", finished_reason="abort") == aborted + 1
+    assert server.metric("vllm:generation_tokens_total") - generated < 400
+
+
+def test_a_client_that_leaves_a_whole_request_aborts_it(server):
+    aborted = server.metric("vllm:request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+    wait_idle(server)
+    assert server.metric("vllm:request_success_total", finished_reason="abort") == aborted + 1
+
+
+# ---- metrics after a benchmark ------------------------------------------------------------------------------
+def test_metrics_count_what_bench_serve_sent_and_received(server, tmp_path):
+    before = server.metrics()
+    report = tmp_path / "bench.json"
+    argv = ["bench", "serve", "--backend", "openai", "--target", server.url, "--num-prompts", "8"]
+    argv += ["--max-concurrency", "3", "--input-len", "9", "--output-len", "5", "--num-warmups", "0"]
+    assert main([*argv, "--json", str(report), "--save-requests"]) == 0
+    import json
+
+    result = json.loads(report.read_text())
+    assert (result["completed"], result["failed"]) == (8, 0)
+    assert (result["total_input_tokens"], result["total_output_tokens"]) == (8 * 9, 8 * 5)
+    assert all(r["completion_tokens"] == 5 and r["finish_reason"] == "length" for r in result["requests"])
+    after = server.metrics()
+
+    def grew(name: str, **labels) -> float:
+        key = (name, tuple(sorted({"model_name": MODEL, "engine": "0", **labels}.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("vllm:request_success_total", finished_reason="length") == 8
+    assert grew("vllm:prompt_tokens_total") == result["total_input_tokens"]
+    assert grew("vllm:generation_tokens_total") == result["total_output_tokens"]
+    assert grew("vllm:e2e_request_latency_seconds_count") == 8
+    assert grew("vllm:time_to_first_token_seconds_count") == 8
+    assert grew("vllm:inter_token_latency_seconds_count") == 8 * 4  # each stream's gaps between its 5 tokens
+    assert grew("vllm:request_queue_time_seconds_count") == 8
+    assert after[("vllm:num_requests_running", (("engine", "0"), ("model_name", MODEL)))] == 0
+
+
+def test_serve_refuses_bad_front_door_settings(tiny_chat_model):
+    def serve(*flags: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "deltaserve.cli", "serve", "--backend", "local", "--model", str(tiny_chat_model)]
+        return subprocess.run([*argv, *flags], capture_output=True, text=True, timeout=60, env=os.environ)
+
+    for flags, field in [
+        (("--port", "off", "--http-port", "off"), "port"),
+        (("--ssl-keyfile", "/nonexistent.key", "--ssl-certfile", "/nonexistent.pem"), "ssl_keyfile"),
+        (("--chat-template", "/nonexistent.jinja"), "chat_template"),
+        (("--port", "0", "--http-port", "abc"), "--http-port"),
+    ]:
+        done = serve(*flags)
+        assert done.returncode == 2, (flags, done.stderr)
+        assert field in done.stderr.strip().splitlines()[-1], (flags, done.stderr)
