@@ -101,7 +101,7 @@ def _chat_message(i: int, message: Any) -> dict:
     out: dict[str, Any] = {}
     for key, value in message.items():
         if key not in CHAT_MESSAGE_KEYS:
-            raise ValueError(f"{where}.{short(key)}: not a chat message field")
+            raise ValueError(f"{where}.{str(key)[:40]}: not a chat message field")
         if value is not None:
             out[key] = value
     role = out.get("role")

@@ -1,0 +1,150 @@
+"""The Python serving API in vLLM's shapes: AsyncEngine.generate (AsyncLLM's `async for out in
+engine.generate(prompt, params, request_id)`) streams cumulative, delta or final outputs whose last
+one equals LLM.generate's; leaving the loop aborts the request; logprobs are {token id: Logprob}
+dicts with the chosen token first; and the metrics export the engine's counters under vLLM's names
+(speculative decoding's included, once the engine reports them)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from logprob_checks import assert_entries_close
+from prometheus_client.parser import text_string_to_metric_families
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.core.request import Logprob, top_logprobs
+from deltaserve.cluster.core.sampling_params import RequestOutputKind
+from deltaserve.cluster.entrypoints.async_engine import AsyncEngine
+from deltaserve.cluster.entrypoints.metrics import ServingMetrics
+
+pytestmark = pytest.mark.timeout(120)
+
+PARAMS = dict(temperature=0, max_tokens=7, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat_model):
+    llm = LLM(str(tiny_chat_model))
+    yield llm
+    llm.shutdown()
+
+
+def run(tiny_chat_model, body):
+    async def main():
+        engine = await AsyncEngine.local(EngineConfig.from_kwargs(model=str(tiny_chat_model)))
+        try:
+            return await body(engine)
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_generate_streams_vllm_shaped_outputs(tiny_chat_model, reference):
+    (want,) = reference.generate(["hello world"], SamplingParams(**PARAMS), use_tqdm=False)
+    want_completion = want.outputs[0]
+
+    async def body(engine: AsyncEngine):
+        seen = {}
+        for kind in RequestOutputKind:
+            params = SamplingParams(**PARAMS, output_kind=kind)
+            seen[kind] = [out async for out in engine.generate("hello world", params, f"req-{kind.name}")]
+        return seen
+
+    seen = run(tiny_chat_model, body)
+    cumulative, delta, final = (seen[k] for k in RequestOutputKind)
+    # cumulative: each output holds the whole completion so far, growing to the final one
+    lengths = [len(o.outputs[0].token_ids) for o in cumulative]
+    assert lengths == sorted(lengths) and lengths[-1] == 7 and len(cumulative) >= 2
+    for out in cumulative:
+        c = out.outputs[0]
+        assert c.token_ids == want_completion.token_ids[: len(c.token_ids)]
+        assert want_completion.text.startswith(c.text)
+        assert_entries_close(c.logprobs, want_completion.logprobs[: len(c.token_ids)])
+        assert c.cumulative_logprob == pytest.approx(sum(next(iter(e.values())).logprob for e in c.logprobs))
+    assert [o.finished for o in cumulative] == [False] * (len(cumulative) - 1) + [True]
+    # delta: each output holds only what its step added; together they are the completion
+    assert sum((o.outputs[0].token_ids for o in delta), []) == want_completion.token_ids
+    assert "".join(o.outputs[0].text for o in delta) == want_completion.text
+    assert delta[-1].outputs[0].finish_reason == "length"
+    # final only: one output, equal to LLM.generate's
+    (last,) = final
+    c = last.outputs[0]
+    assert (c.token_ids, c.text, c.finish_reason) == (want_completion.token_ids, want_completion.text, "length")
+    assert_entries_close(c.logprobs, want_completion.logprobs)
+    assert last.metrics.first_scheduled_time >= last.metrics.arrival_time
+    assert last.metrics.finished_time >= last.metrics.first_token_time
+
+
+def test_leaving_generate_aborts_and_bad_input_raises(tiny_chat_model):
+    async def body(engine: AsyncEngine):
+        params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+        async for out in engine.generate("hello", params, "long"):
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+        for _ in range(100):
+            stats = await engine.stats()
+            if stats["running"] == 0 and stats["free_slots"] == stats["total_slots"]:
+                break
+            await asyncio.sleep(0.02)
+        with pytest.raises(ValueError, match="^temperature: "):
+            SamplingParams(temperature=-1)
+        with pytest.raises(ValueError, match="^max_tokens: "):
+            async for _ in engine.generate("hello", SamplingParams(max_tokens=10**6), "too-long"):
+                pass
+        return stats
+
+    stats = run(tiny_chat_model, body)
+    assert (stats["running"], stats["waiting"], stats["free_pages"]) == (0, 0, stats["total_pages"])
+
+
+def test_top_logprobs_put_the_chosen_token_back_in_its_rank():
+    # the chosen token (rank 2) is one of the top 3: it appears once, first, and goes back to place 2
+    entry = {7: Logprob(-1.2, 2, "b"), 5: Logprob(-0.5, 1, "a"), 9: Logprob(-2.0, 3, "c")}
+    assert [t for t, _ in top_logprobs(entry, 3)] == [5, 7, 9]
+    # outside the top 2 it stays out of them
+    entry = {4: Logprob(-3.0, 6, "z"), 5: Logprob(-0.5, 1, "a"), 7: Logprob(-1.2, 2, "b")}
+    assert [t for t, _ in top_logprobs(entry, 2)] == [5, 7]
+    assert top_logprobs(entry, 0) == []
+
+
+def test_engine_metrics_use_vllm_names_and_take_spec_decode_counters():
+    metrics = ServingMetrics("m")
+    stats = {
+        "running": 3,
+        "waiting": 2,
+        "free_pages": 30,
+        "total_pages": 40,
+        "free_slots": 5,
+        "total_slots": 8,
+        "preemptions": 4,
+        "passes": 99,
+        "prefix_cache": {"enabled": True, "query_tokens": 100, "hit_tokens": 60, "snapshots_held": 2},
+        "spec_decode": None,
+    }
+    metrics.update_engine(stats)
+    values = parse(metrics.render())
+    assert values["vllm:num_requests_running"] == 3 and values["vllm:num_requests_waiting"] == 2
+    assert values["vllm:kv_cache_usage_perc"] == pytest.approx(0.25)
+    assert values["vllm:num_preemptions_total"] == 4
+    assert (values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]) == (100, 60)
+    assert values["deltaserve:gdn_state_slots_used"] == 3
+    assert not any(name.startswith("vllm:spec_decode") for name in values)
+    metrics.update_engine(
+        {**stats, "spec_decode": {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 21}}
+    )
+    values = parse(metrics.render())
+    assert values["vllm:spec_decode_num_drafts_total"] == 10
+    assert values["vllm:spec_decode_num_draft_tokens_total"] == 30
+    assert values["vllm:spec_decode_num_accepted_tokens_total"] == 21
+
+
+def parse(text: bytes) -> dict[str, float]:
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text.decode())
+        for sample in family.samples
+        if not sample.labels.get("le") and "finished_reason" not in sample.labels and "reason" not in sample.labels
+    }
