@@ -29,12 +29,12 @@ KEY = "s3cret-key"
 class Served:
     """A Stack on an asyncio loop of its own thread (the test's clients block)."""
 
-    def __init__(self, config: EngineConfig, doors: FrontDoors):
+    def __init__(self, config: EngineConfig, doors: FrontDoors, backend: str = "local"):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="http-limits-loop", daemon=True)
         self.thread.start()
         try:
-            self.stack: Stack = self.run(start_stack(config, doors, "local"))
+            self.stack: Stack = self.run(start_stack(config, doors, backend))
         except BaseException:
             self.close()
             raise
@@ -183,5 +183,33 @@ def test_api_key_and_tls_over_http_and_grpc(tiny_chat_model, tmp_path):
         with GenerationClient(target, root_certificates=certfile, api_key=KEY) as keyed:
             items = list(keyed.generate("hi", max_tokens=2))
             assert items[-1].completion_tokens == 2
+    finally:
+        served.stop()
+
+
+@pytest.mark.ray
+def test_http_in_front_of_the_ray_driver(ray_session, tiny_chat_model):
+    """Under `serve` the engine runs in a Ray driver actor: the HTTP server streams from it, and /metrics
+    (served by this process) carries the engine's gauges gathered there and the queue time it measured."""
+    doors = FrontDoors(host="127.0.0.1", grpc_port=None, http_port=0, grace_s=1)
+    served = Served(config(tiny_chat_model), doors, backend="ray")
+    try:
+        client = openai.OpenAI(base_url=served.url() + "/v1", api_key="unused", max_retries=0, timeout=60)
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+            )
+        )
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        text = httpx.get(served.url() + "/metrics").text
+        labels = f'{{engine="0",model_name="{MODEL}"}}'
+        for line in (
+            f"vllm:num_requests_running{labels} 0.0",
+            f"vllm:request_queue_time_seconds_count{labels} 1.0",
+            f"deltaserve:gdn_state_slots_used{labels} 0.0",
+        ):
+            assert line in text, line
+        assert f"vllm:prefix_cache_queries_total{labels}" in text
     finally:
         served.stop()
