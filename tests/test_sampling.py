@@ -8,6 +8,7 @@ import torch
 from tiny_models import VOCAB_SIZE
 
 from deltaserve import LLM, SamplingParams
+from deltaserve.cluster.core.request import top_logprobs
 from deltaserve.workers.plan import NewRequestData, SamplingSpec
 from deltaserve.workers.sampler import Sampler, _filter, seeded_exponentials
 
@@ -129,14 +130,19 @@ def test_prompt_logprobs_match_transformers(moe, tiny_checkpoints):
             ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
         assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
         for pos in range(1, len(prompt)):
-            entry = out.prompt_logprobs[pos]
-            assert entry.token_id == prompt[pos]
-            assert abs(entry.logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
-            assert entry.top_ids == torch.topk(ref[pos - 1], 3).indices.tolist()
-            assert entry.rank == int((ref[pos - 1] > ref[pos - 1, prompt[pos]]).sum()) + 1
+            entry = out.prompt_logprobs[pos]  # vLLM's shape: {prompt token: Logprob, then the top 3}
+            token, chosen = next(iter(entry.items()))
+            assert token == prompt[pos]
+            assert abs(chosen.logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
+            top = top_logprobs(entry, 3)
+            assert [t for t, _ in top] == torch.topk(ref[pos - 1], 3).indices.tolist()
+            assert all(abs(lp.logprob - ref[pos - 1, t].item()) < 1e-4 for t, lp in top)
+            assert [lp.rank for _, lp in top] == [1, 2, 3]
+            assert chosen.rank == int((ref[pos - 1] > ref[pos - 1, prompt[pos]]).sum()) + 1
         sampled = out.outputs[0].logprobs[0]
-        assert sampled.token_id == out.outputs[0].token_ids[0]
-        assert sampled.rank == 1 and len(sampled.top_ids) == 2 and sampled.top_ids[0] == sampled.token_id
+        token, chosen = next(iter(sampled.items()))
+        assert token == out.outputs[0].token_ids[0]
+        assert chosen.rank == 1 and len(sampled) == 2 and top_logprobs(sampled, 2)[0][0] == token
 
 
 # ---- the sampler alone ---------------------------------------------------------------------------

@@ -66,8 +66,10 @@ class Final:
     prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
 
 
-class GenerationClient:
-    """A blocking client over one channel; close it (or use it as a context manager) when done."""
+class _Connection:
+    """One channel to the gateway (over TLS with `tls` or `root_certificates`) and its stubs."""
+
+    _channels = grpc  # grpc.aio for the asyncio client
 
     def __init__(
         self,
@@ -80,12 +82,17 @@ class GenerationClient:
     ):
         options = _channel_options(max_message_bytes)
         if tls or root_certificates:
-            self.channel = grpc.secure_channel(target, channel_credentials(root_certificates), options=options)
+            credentials = channel_credentials(root_certificates)
+            self.channel = self._channels.secure_channel(target, credentials, options=options)
         else:
-            self.channel = grpc.insecure_channel(target, options=options)
+            self.channel = self._channels.insecure_channel(target, options=options)
         self._metadata = auth_metadata(api_key)
         self._stub = generation_pb2_grpc.GenerationStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
+
+
+class GenerationClient(_Connection):
+    """A blocking client over one channel; close it (or use it as a context manager) when done."""
 
     def generate(
         self,
@@ -130,26 +137,10 @@ class GenerationClient:
         self.close()
 
 
-class AsyncGenerationClient:
+class AsyncGenerationClient(_Connection):
     """The asyncio twin of GenerationClient (create it inside the event loop that uses it)."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        api_key: str | None = None,
-        tls: bool = False,
-        root_certificates: str | None = None,
-    ):
-        options = _channel_options(max_message_bytes)
-        if tls or root_certificates:
-            self.channel = grpc.aio.secure_channel(target, channel_credentials(root_certificates), options=options)
-        else:
-            self.channel = grpc.aio.insecure_channel(target, options=options)
-        self._metadata = auth_metadata(api_key)
-        self._stub = generation_pb2_grpc.GenerationStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+    _channels = grpc.aio
 
     async def generate(
         self,

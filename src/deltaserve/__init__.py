@@ -12,18 +12,31 @@ import importlib
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "SamplingParams",
+    "RequestOutputKind",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "__version__",
+]
 
 _LAZY = {
     "LLM": "deltaserve.cluster.entrypoints.llm",
+    "AsyncEngine": "deltaserve.cluster.entrypoints.async_engine",
     "SamplingParams": "deltaserve.cluster.core.sampling_params",
+    "RequestOutputKind": "deltaserve.cluster.core.sampling_params",
     "RequestOutput": "deltaserve.cluster.core.request",
     "CompletionOutput": "deltaserve.cluster.core.request",
+    "Logprob": "deltaserve.cluster.core.request",
 }
 
 if TYPE_CHECKING:
-    from deltaserve.cluster.core.request import CompletionOutput, RequestOutput
-    from deltaserve.cluster.core.sampling_params import SamplingParams
+    from deltaserve.cluster.core.request import CompletionOutput, Logprob, RequestOutput
+    from deltaserve.cluster.core.sampling_params import RequestOutputKind, SamplingParams
+    from deltaserve.cluster.entrypoints.async_engine import AsyncEngine
     from deltaserve.cluster.entrypoints.llm import LLM
 
 
