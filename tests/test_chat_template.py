@@ -85,7 +85,11 @@ def hf_tokenizer(tiny_checkpoints) -> PreTrainedTokenizerFast:
 def test_renders_as_transformers(hf_tokenizer, template_name, chat_name, options):
     template, messages = TEMPLATES[template_name], CHATS[chat_name]
     want = hf_tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, **options)
-    ours = ChatTemplate(template, SPECIALS).render(chat_messages(messages), **options)
+    named = ("add_generation_prompt", "tools")
+    extra = {k: v for k, v in options.items() if k not in named}  # what a request's chat_template_kwargs carry
+    ours = ChatTemplate(template, SPECIALS).render(
+        chat_messages(messages), **{k: v for k, v in options.items() if k in named}, template_kwargs=extra
+    )
     assert ours == want
 
 
@@ -144,6 +148,10 @@ def test_bad_templates_and_chats_name_the_field(tmp_path):
         refusing.render([{"role": "system", "content": "x"}])
     with pytest.raises(ValueError, match=r"^add_generation_prompt: "):
         refusing.render([{"role": "user", "content": "x"}], continue_final_message=True)
+    with pytest.raises(ValueError, match=r"^chat_template_kwargs: 'messages' is set by the request"):
+        refusing.render([{"role": "user", "content": "x"}], template_kwargs={"messages": []})
+    with pytest.raises(ValueError, match=r"^messages: the chat template cannot render them: TypeError"):
+        ChatTemplate("{{ messages[0].content + 1 }}").render([{"role": "user", "content": "x"}])
     sandboxed = ChatTemplate("{{ messages.__class__.__mro__ }}")
     with pytest.raises(Exception, match="unsafe|access"):  # the sandbox refuses, as transformers' does
         sandboxed.render([{"role": "user", "content": "x"}])

@@ -281,6 +281,9 @@ BAD = [
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("chat/completions", {"messages": [{"role": "user", "content": "the quick brown fox " * 200}]}, "messages"),
     ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    ("chat/completions", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ("chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("completions", {"prompt": "hi", "request_id": "r" * 300}, "request_id"),
 ]
 
 

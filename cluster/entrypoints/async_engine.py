@@ -207,7 +207,7 @@ class AsyncEngine:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tools,
-            **(chat_template_kwargs or {}),
+            template_kwargs=chat_template_kwargs,
         )
 
     async def discard(self, req_id: str) -> None:

@@ -46,10 +46,15 @@ class ChatTemplate:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         documents: list[dict] | None = None,
-        **kwargs: Any,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt text of one chat (messages as `validation.chat_messages` leaves them). A template
-        error (its own raise_exception included) is a ValueError naming `messages`."""
+        """The prompt text of one chat (messages as `validation.chat_messages` leaves them); the template
+        also sees the special tokens and `template_kwargs` (e.g. enable_thinking). Anything the template
+        fails on (its own raise_exception included) is a ValueError naming `messages`."""
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(set(kwargs) & {"messages", "tools", "documents", "add_generation_prompt"})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {reserved[0]!r} is set by the request itself")
         if continue_final_message and add_generation_prompt:
             raise ValueError("add_generation_prompt: cannot be set together with continue_final_message")
         chat = _with_reasoning_aliases([{k: v for k, v in m.items() if v is not None} for m in messages])
@@ -69,8 +74,12 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 **{**self.special_tokens, **kwargs},
             )
-        except jinja2.TemplateError as e:
-            raise ValueError(f"messages: the chat template refused them: {e}") from None
+        except jinja2.TemplateError as e:  # the template's own raise_exception, or the sandbox
+            raise ValueError(f"messages: the chat template refused them: {str(e)[:300]}") from None
+        except Exception as e:  # e.g. a TypeError on data the template did not expect: the request's doing
+            raise ValueError(
+                f"messages: the chat template cannot render them: {type(e).__name__}: {str(e)[:300]}"
+            ) from None
         if final is not None:
             if final.strip() not in text or _CONTINUE_TAG.strip() not in text:
                 raise ValueError("continue_final_message: the chat template drops the final message")

@@ -108,7 +108,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tools=tools,
-                **(chat_template_kwargs or {}),
+                template_kwargs=chat_template_kwargs,
             )
             for conversation in conversations
         ]
