@@ -302,6 +302,20 @@ def test_bad_input_is_400_naming_the_field(server, client, route, body, field):
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].finish_reason
 
 
+def test_grpc_chat_checks_the_same_way(server):
+    import grpc
+
+    with GenerationClient(f"127.0.0.1:{server.grpc_port}") as grpc_client:
+        for messages, field in [
+            ([{"role": "robot", "content": "hi"}], "messages[0].role"),
+            ([{"role": "user", "content": "the quick brown fox " * 200}], "prompt"),
+        ]:
+            with pytest.raises(grpc.RpcError) as error:
+                list(grpc_client.generate(messages, max_tokens=2))
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert error.value.details().startswith(f"{field}: ")
+
+
 def test_openai_client_raises_bad_request(client):
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
