@@ -17,6 +17,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# Temperatures below this sample greedily (vLLM's threshold): dividing logits by a smaller one overflows
+# float32, and a softmax of infinities is NaN, which would pick token 0 every time.
+GREEDY_TEMPERATURE = 1e-5
+# The sampler computes in float32: a larger finite float64 parameter would become inf there.
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 @dataclass(frozen=True)
 class PoolSizes:
@@ -54,6 +60,10 @@ class SamplingSpec:
     # until min_tokens outputs exist these ids (EOS, stop ids) cannot be sampled
     min_tokens: int = 0
     min_tokens_banned_ids: list[int] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass

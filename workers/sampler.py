@@ -23,7 +23,7 @@ import torch
 
 from deltaserve.layers.kernels import argmax as argmax_kernels
 from deltaserve.workers.context import HostCopy, upload
-from deltaserve.workers.plan import NewRequestData, SamplingSpec, TokenLogprobs
+from deltaserve.workers.plan import FLOAT32_MAX, NewRequestData, SamplingSpec, TokenLogprobs
 
 _M32 = 0xFFFFFFFF
 
@@ -66,10 +66,13 @@ class RequestSamplingState:
 
 def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, k: int):
     """On the device: log-softmax of logits [R, V], then per row the logprob of tokens[r], its rank
-    (1 = most likely) and the top-k (values, ids) (None when k = 0)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    (1 = most likely) and the top-k (values, ids) (None when k = 0; at most V of them). Every logprob
+    is finite: an infinite logit counts as the largest finite float32 (a log-softmax over +inf is NaN),
+    and a token ruled out gets the lowest one, not -inf (which JSON cannot carry)."""
+    lp = torch.log_softmax(logits.float().clamp(-FLOAT32_MAX, FLOAT32_MAX), dim=-1).clamp_(min=-FLOAT32_MAX)
     chosen = lp.gather(1, tokens.view(-1, 1))
     rank = (lp > chosen).sum(dim=1) + 1
+    k = min(k, lp.shape[-1])
     top = torch.topk(lp, k, dim=-1) if k else None
     return chosen.view(-1), rank, top
 
@@ -181,7 +184,7 @@ class Sampler:
         if any(_needs_penalties(s) for s in states):
             logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             self._apply_penalties(logits, states, pending_rows, pending_tokens)
-        greedy = [s.spec.temperature == 0 for s in states]
+        greedy = [s.spec.greedy for s in states]
         if all(greedy):  # one argmax, no gathers
             tokens = argmax_kernels.row_argmax(logits=logits, pdl=self.pdl)
         else:
@@ -215,9 +218,10 @@ class Sampler:
         pending_rows: Sequence[int] = (),
         pending_tokens: Callable[[], torch.Tensor] | None = None,
     ) -> None:
-        """In place on logits [R, V] (contiguous), row i for states[i]: min_tokens bans, then the
-        repetition penalty, then presence and frequency penalties; built as flat index lists on the
-        host and applied with device-side fills (no host sync)."""
+        """In place on logits [R, V] (contiguous), row i for states[i]: the repetition penalty, then
+        presence and frequency penalties, then min_tokens bans; built as flat index lists on the host
+        and applied with device-side fills (no host sync). A penalty that overflows float32 leaves the
+        largest finite value (an infinite logit would make the draw's softmax NaN)."""
         device, vocab = logits.device, logits.shape[1]
         flat_logits = logits.view(-1)
         pending = {row: j for j, row in enumerate(pending_rows)}
@@ -234,16 +238,6 @@ class Sampler:
             at, offsets = upload([np.asarray([pending[r] for r in mine]), np.asarray(mine) * vocab], device)
             return offsets, pending_ids.index_select(0, at)
 
-        banned = [
-            i * vocab + t
-            for i, s in enumerate(states)
-            if s.num_sampled < s.spec.min_tokens
-            for t in s.spec.min_tokens_banned_ids
-        ]
-        if banned:
-            (flat,) = upload([np.asarray(banned)], device)
-            flat_logits.index_fill_(0, flat, float("-inf"))
-
         rep = [i for i, s in enumerate(states) if s.spec.repetition_penalty != 1.0]
         if rep:
             seen_ids = [
@@ -251,7 +245,7 @@ class Sampler:
                 for i in rep
             ]
             penalty = np.ones((len(states), 1), np.float32)
-            penalty[rep, 0] = [states[i].spec.repetition_penalty for i in rep]
+            penalty[rep, 0] = np.minimum([states[i].spec.repetition_penalty for i in rep], FLOAT32_MAX)
             flat, penalty = upload([np.concatenate(seen_ids)], device) + upload([penalty], device, torch.float32)
             seen = torch.zeros(logits.numel(), dtype=torch.bool, device=device)
             seen.index_fill_(0, flat, True)
@@ -280,10 +274,25 @@ class Sampler:
             counts = counts.view_as(logits)
             logits -= scale[0] * counts + scale[1] * (counts > 0).to(logits.dtype)
 
+        if rep or pf:  # a zero logit times an infinite penalty is NaN: that token is as unlikely as can be
+            torch.nan_to_num_(logits, nan=-FLOAT32_MAX, posinf=FLOAT32_MAX, neginf=-FLOAT32_MAX)
+        banned = [
+            i * vocab + t
+            for i, s in enumerate(states)
+            if s.num_sampled < s.spec.min_tokens
+            for t in s.spec.min_tokens_banned_ids
+        ]
+        if banned:
+            (flat,) = upload([np.asarray(banned)], device)
+            flat_logits.index_fill_(0, flat, float("-inf"))
+
     def _draw(self, logits: torch.Tensor, states: list[RequestSamplingState], steps: list[int]) -> torch.Tensor:
         device = logits.device
         (temps,) = upload([np.asarray([s.spec.temperature for s in states], np.float32)], device, torch.float32)
-        logits = logits.float() / temps[:, None]
+        logits = logits.float()
+        # shifted by the row's largest logit first: logits / a small temperature overflow, shifted ones
+        # only reach -inf (probability 0), never inf - inf = NaN
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temps[:, None]
         if any(s.spec.top_k > 0 or s.spec.top_p < 1.0 or s.spec.min_p > 0 for s in states):
             logits = _filter(logits, states)
         probs = torch.softmax(logits, dim=-1)
@@ -322,7 +331,7 @@ def _needs_penalties(state: RequestSamplingState) -> bool:
 def _filter(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
     """top-k, then top-p, then min-p, per row (-inf for removed tokens)."""
     device, vocab = logits.device, logits.shape[1]
-    (top_k,) = upload([np.asarray([s.spec.top_k if s.spec.top_k > 0 else vocab for s in states])], device)
+    (top_k,) = upload([np.asarray([s.spec.top_k if 0 < s.spec.top_k < vocab else vocab for s in states])], device)
     top_p, min_p = upload(
         [np.asarray([s.spec.top_p for s in states]), np.asarray([s.spec.min_p for s in states])], device, torch.float32
     )

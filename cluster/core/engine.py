@@ -161,11 +161,12 @@ class EngineCore:
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
             raise ValueError(
-                f"max_tokens: {max_tokens} after a {len(ids)}-token prompt exceeds max_model_len={self.max_model_len}"
+                f"max_tokens: {short(max_tokens)} after a {len(ids)}-token prompt exceeds"
+                f" max_model_len={self.max_model_len}"
                 f" (at most {room} fit; None asks for as many as fit)"
             )
         if params.min_tokens > room:
-            raise ValueError(f"min_tokens: {params.min_tokens} after a {len(ids)}-token prompt exceeds {room}")
+            raise ValueError(f"min_tokens: {short(params.min_tokens)} after a {len(ids)}-token prompt exceeds {room}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 256):
             raise ValueError("cache_salt: must be a string of at most 256 characters")
         req = Request(req_id, ids, params, max_tokens, eos_token_ids=self.model_config.eos_token_ids)

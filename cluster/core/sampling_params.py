@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 from deltaserve.workers.config import short
-from deltaserve.workers.plan import SamplingSpec
+from deltaserve.workers.plan import FLOAT32_MAX, GREEDY_TEMPERATURE, SamplingSpec
 
 MAX_STOP_SEQUENCES = 32
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1  # what the gRPC field holds; the sampler keeps every token from the vocabulary size up
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @dataclass
 class SamplingParams:
     """The parameters of one generation (the names vLLM users know).
 
-    temperature 0 is greedy. top_k -1 (or 0) keeps every token, top_p 1 and min_p 0 disable
-    nucleus and min-p filtering. A seed makes the request's samples reproducible whatever else
-    runs in the batch. Penalties: repetition (over prompt and output, >1 discourages), presence and
+    temperature 0 (or anything below 1e-5, as in vLLM) is greedy. top_k -1 (or 0) keeps every token,
+    top_p 1 and min_p 0 disable nucleus and min-p filtering. Every float is finite (NaN and inf are
+    refused, as is anything beyond float32, what the sampler computes in). top_k may exceed the
+    vocabulary. A seed makes the request's samples reproducible whatever else runs in the batch.
+    Penalties: repetition (over prompt and output, >1 discourages), presence and
     frequency (over the output, OpenAI semantics). `stop` strings end the text and are not included
     in it; `stop_token_ids` and the checkpoint's EOS end the output (EOS unless `ignore_eos`).
     `logprobs` / `prompt_logprobs`: how many top alternatives to return per position (0: only the
@@ -47,8 +53,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, str | bytes | dict) or not hasattr(value, "__iter__"):
+                raise ValueError(f"{name}: must be a list, got {type(value).__name__}")
+            setattr(self, name, list(value))
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -57,22 +66,29 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name}: {why}")
 
+        for name in FLOAT_FIELDS:  # NaN and inf first: every range check below assumes a finite number
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                bad(name, f"must be a number, got {type(value).__name__}")
+            if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+                bad(name, f"must be a finite float32 number, got {short(value)}")
+            setattr(self, name, float(value))
         if self.n != 1:
-            bad("n", f"must be 1 (got {self.n}); several completions per request are not supported yet")
+            bad("n", f"must be 1 (got {short(self.n)}); several completions per request are not supported yet")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1
         ):
             bad("max_tokens", f"must be an integer >= 1 or None, got {short(self.max_tokens)}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             bad("min_tokens", f"must be an integer >= 0, got {short(self.min_tokens)}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if not self.temperature >= 0:  # also rejects NaN
+            bad("min_tokens", f"must be in [0, max_tokens={short(self.max_tokens)}], got {short(self.min_tokens)}")
+        if not self.temperature >= 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", f"must be -1 (disabled), 0 (disabled) or >= 1, got {short(self.top_k)}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not -1 <= self.top_k <= MAX_TOP_K:
+            bad("top_k", f"must be -1 (disabled), 0 (disabled) or in [1, 2**31), got {short(self.top_k)}")
         if not 0 <= self.min_p <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if not self.repetition_penalty > 0:
@@ -91,8 +107,8 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_SEQUENCES:
             bad("stop_token_ids", f"at most {MAX_STOP_SEQUENCES} stop token ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                vocab = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "the token ids (>= 0)"
+            if not isinstance(t, int) or not 0 <= t < (vocab_size or 2**31):
+                vocab = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "the token ids [0, 2**31)"
                 bad("stop_token_ids", f"id {short(t)} is outside {vocab}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -101,7 +117,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def to_spec(self) -> SamplingSpec:
         """The part the worker's sampler needs."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from deltaserve.cluster.config import SchedulerConfig
+from deltaserve.workers.config import short
 from deltaserve.workers.plan import NewRequestData, PassPlan, RunnerOutput
 
 from .allocator import BlockAllocator, StateSlotAllocator
@@ -70,7 +71,7 @@ class Scheduler:
     # ---- queue -----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         if req.req_id in self.requests:
-            raise ValueError(f"request_id: {req.req_id!r} is already in use")
+            raise ValueError(f"request_id: {short(req.req_id, 80)} is already in use")
         self.requests[req.req_id] = req
         self.waiting.append(req)
 

@@ -17,6 +17,7 @@ from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.core.engine import ModelInfo
 from deltaserve.cluster.core.request import RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
+from deltaserve.workers.config import short
 
 from .driver import Driver, EngineLoop, EngineStartError, EngineUnavailableError, QueueFullError
 
@@ -91,7 +92,7 @@ class AsyncEngine:
         """Queue a request (ValueError / QueueFullError / EngineUnavailableError before queueing)."""
         self._check_up()
         if req_id in self._streams:  # replacing the queue would cut the live request's stream off
-            raise ValueError(f"request_id: {req_id!r} is already in use")
+            raise ValueError(f"request_id: {short(req_id, 80)} is already in use")
         self._streams[req_id] = asyncio.Queue()
         try:
             if self.backend == "local":
