@@ -291,3 +291,30 @@ def live_ray_actors() -> list[str]:
     from ray._private import state
 
     return sorted(a["ActorClassName"] for a in state.actors().values() if a["State"] != "DEAD")
+
+
+def descendant_pids(root: int | None = None) -> set[int]:
+    """The pids under `root` (this process by default), from /proc: Ray's raylet and its workers."""
+    parent_of = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    found, frontier = set(), {root or os.getpid()}
+    while frontier:
+        frontier = {pid for pid, parent in parent_of.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def shm_segments_of(pids: set[int]) -> set[str]:
+    """The shared-memory rings' segments (named dsc_<creator pid>_...) that any of `pids` created."""
+    mine = set()
+    for name in shm_segments():
+        parts = name.split("_")
+        if name.startswith("dsc_") and len(parts) > 2 and parts[1].isdigit() and int(parts[1]) in pids:
+            mine.add(name)
+    return mine
