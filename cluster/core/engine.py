@@ -113,6 +113,7 @@ class EngineCore:
         self._prompts: dict[str, str | None] = {}
         self.async_scheduling = overlaps_passes(self.executor, config.scheduler.async_scheduling)
         self._in_flight: InFlightPass | None = None  # the launched pass not yet applied
+        self._restart_pending = False  # a worker died: the next step replaces the group first
         # with runner.time_passes on a GPU: (device busy s, device idle before it s) of recent passes
         self.pass_device_times: deque[tuple[float, float]] = deque(maxlen=4096)
         log.info(
@@ -194,12 +195,14 @@ class EngineCore:
         return None if req is None else self._output(req, [], "")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        return self.scheduler.has_work() or self._in_flight is not None or self._restart_pending
 
     # ---- one pass ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one pass: synchronously, or (async scheduling) launch the next pass and then apply the
         one launched by the previous step."""
+        if self._restart_pending:
+            self._replace_workers()
         if self.async_scheduling:
             return self._step_async()
         plan = self.scheduler.schedule()
@@ -256,14 +259,19 @@ class EngineCore:
         return outputs
 
     def _on_worker_failure(self, e: WorkerFailure) -> list[RequestOutput]:
+        """Fail every request now (their clients hear of it at once, not after the restart); the next
+        step replaces the worker group, and requests added meanwhile wait for it."""
         log.error("%s; failing %d requests and restarting the workers", e, len(self.scheduler.requests))
-        outputs = self.fail_all(str(e))
+        self._restart_pending = True
+        return self.fail_all(str(e))
+
+    def _replace_workers(self) -> None:
+        self._restart_pending = False
         self.executor.restart()
         # the new workers' pools hold none of the cached pages and snapshots the index names
         self.scheduler.reset_prefix_cache()
         # a restarted group may use another transport (no overlap over a compiled graph)
         self.async_scheduling = self.async_scheduling and overlaps_passes(self.executor)
-        return outputs
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every queued and running request with an error (a worker died); the passes in flight

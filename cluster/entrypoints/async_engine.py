@@ -173,12 +173,16 @@ class AsyncEngine:
         except Exception:
             return False
 
+    @property
+    def failed(self) -> str | None:
+        """Why the engine went down (the driver actor died, the engine loop failed), else None."""
+        return self.failure or (self._loop_engine.failure if self._loop_engine else None)
+
     def _check_up(self) -> None:
         if self._closing:
             raise EngineUnavailableError("the engine is shutting down")
-        failure = self.failure or (self._loop_engine.failure if self._loop_engine else None)
-        if failure:
-            raise EngineUnavailableError(failure)
+        if self.failed:
+            raise EngineUnavailableError(self.failed)
 
     @property
     def num_streams(self) -> int:
@@ -192,11 +196,15 @@ class AsyncEngine:
             await asyncio.to_thread(self._loop_engine.stop)
         else:
             import ray
+            from ray.exceptions import RayError
 
             try:
                 await self._driver.shutdown.remote()
+            except RayError as e:  # the driver actor is gone already: nothing of it to stop
+                log.info("driver actor already gone at shutdown: %s", type(e).__name__)
             finally:
-                ray.kill(self._driver)
+                with contextlib.suppress(Exception):
+                    ray.kill(self._driver)
 
 
 def _unwrap(e: BaseException) -> BaseException:
