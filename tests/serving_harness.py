@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -318,3 +319,25 @@ def shm_segments_of(pids: set[int]) -> set[str]:
         if name.startswith("dsc_") and len(parts) > 2 and parts[1].isdigit() and int(parts[1]) in pids:
             mine.add(name)
     return mine
+
+
+# ---- a `ray start --head` of its own ----------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def own_head_ports() -> list[str]:
+    """`ray start --head` flags giving each of its side ports a free one: the suite's other Ray
+    instance holds the defaults (its agent: 52365)."""
+    flags = (
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "runtime-env-agent-port",
+        "metrics-export-port",
+        "ray-client-server-port",
+        "node-manager-port",
+        "object-manager-port",
+    )
+    return [f"--{flag}={free_port()}" for flag in flags]

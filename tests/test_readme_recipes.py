@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from serving_harness import free_port, own_head_ports
 from tiny_models import TP2_OVERRIDES, save_tiny
 
 from deltaserve.cluster.entrypoints.client import GenerationClient
@@ -45,12 +45,6 @@ def readme_block(heading: str) -> list[str]:
             commands.append(re.sub(r"\s+#.*$", "", current).strip())
             current = ""
     return commands
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -147,18 +141,7 @@ def test_ray_job_submit_as_written(clone, checkpoint, tmp_path):
     start, submit, generate, stop = [line for line in lines if line not in prefix]
     assert start.startswith("ray start --head") and submit.startswith("ray job submit")
     dashboard, gcs, port = free_port(), free_port(), str(free_port())
-    own_ports = " ".join(
-        f"--{flag}={free_port()}"
-        for flag in (
-            "dashboard-agent-listen-port",
-            "dashboard-agent-grpc-port",
-            "runtime-env-agent-port",
-            "metrics-export-port",
-            "ray-client-server-port",
-            "node-manager-port",
-            "object-manager-port",
-        )
-    )
+    own_ports = " ".join(own_head_ports())
     head = shell(
         clone,
         prefix,
