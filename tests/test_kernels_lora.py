@@ -133,7 +133,9 @@ def test_fused_moe_with_expert_deltas(device, tokens, hidden, inter, local, tota
         slots=slots, rank=16, slot_rows=slot_rows,
     )  # fmt: skip
     base = moe_naive.fused_moe(**args)
-    deltas = lora_kernels.ExpertDeltas(hidden=args["hidden"], token_slots=token_slots, weights=lora, expert_offset=offset)
+    deltas = lora_kernels.ExpertDeltas(
+        hidden=args["hidden"], token_slots=token_slots, weights=lora, expert_offset=offset
+    )
     ref = moe_naive.fused_moe(**args, deltas=deltas)
     # the reference against a direct per-pair computation
     want = _per_pair(args, lora, token_slots)

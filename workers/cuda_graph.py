@@ -9,6 +9,10 @@ Nothing waits for the device: the small fields go through pinned staging buffers
 turn, each reused only after the event recorded behind its copies has passed, so a pass can be
 staged while the previous one still runs), and rows whose input id the previous pass sampled
 (`input_from_prev`) take it from that pass's ids on the device before the replay.
+
+With LoRA adapters a second set of graphs is captured with every projection's adapters in it: a
+pass whose rows name adapter slots replays it, each row's slot staged like its other fields (the
+graph groups the rows by slot on the device); padding rows and base-model rows have slot -1.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ import logging
 
 import torch
 
-from deltaserve.layers.base import AttnMetadata, ForwardContext
+from deltaserve.layers.base import AttnMetadata, ForwardContext, LoraBatch, MoeLoraRoute
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.model import HybridModel
+from deltaserve.workers.lora import AdapterSlots
 from deltaserve.workers.plan import PassPlan
 
 log = logging.getLogger(__name__)
@@ -28,8 +33,8 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 2
 
 
 # rows of the small-field staging buffer
-_IDS, _POS, _SLOT, _LEN, _STATE, _PREV = range(6)
-_NUM_FIELDS = 6
+_IDS, _POS, _SLOT, _LEN, _STATE, _PREV, _LORA = range(7)
+_NUM_FIELDS = 7
 
 
 class DecodeGraphs:
@@ -44,8 +49,10 @@ class DecodeGraphs:
         batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
         device: torch.device,
         kernels: KernelOptions,
+        lora: AdapterSlots | None = None,
     ):
         self.model, self.layer_states, self.device = model, layer_states, device
+        self.lora = lora
         self.kernels = kernels  # the kernel choices every graph was captured with
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.max_batch = n = self.batch_sizes[-1]
@@ -60,11 +67,12 @@ class DecodeGraphs:
         self._staged = [torch.cuda.Event(), torch.cuda.Event()]  # recorded after each buffer's copies
         self._turn = 0
         self.block_tables = torch.full((n, max_pages), scratch_page, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # (batch size, with adapters) -> graph and its logits
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         self._capture_all()
 
-    def _context(self, bs: int) -> ForwardContext:
+    def _context(self, bs: int, with_lora: bool = False) -> ForwardContext:
         f = self.fields
         decode = AttnMetadata(
             positions=f[_POS, :bs],
@@ -73,6 +81,10 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:bs],
             state_slots=f[_STATE, :bs],
         )
+        lora = None
+        if with_lora:  # every slot may be named at replay: the capture runs every adapter op
+            slots = self.lora.num_slots
+            lora = LoraBatch(f[_LORA, :bs], slots, frozenset(range(slots)), capture=True)
         return ForwardContext(
             config=self.model.config,
             layout=self.model.layout,
@@ -83,6 +95,8 @@ class DecodeGraphs:
             prefill=None,
             logits_indices=torch.arange(bs, device=self.device),
             kernels=self.kernels,
+            moe_lora_route=MoeLoraRoute.FOLD if with_lora else MoeLoraRoute.SKIP,
+            lora=lora,
         )
 
     def _stage_padding(self, h: torch.Tensor, start: int) -> None:
@@ -93,6 +107,7 @@ class DecodeGraphs:
         h[_LEN, start:] = 1
         h[_STATE, start:] = self.scratch_slot
         h[_PREV, start:] = -1
+        h[_LORA, start:] = -1
 
     def _staging_buffers(self, bs: int, pages: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The next pinned staging pair as [fields, bs] and [bs * pages]; waits (in practice never)
@@ -117,14 +132,16 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.inference_mode(), torch.cuda.stream(stream):
+            variants = (False, True) if self.lora is not None else (False,)
             for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory
-                ctx = self._context(bs)
-                for _ in range(2):  # warm up: Triton compiles (and autotunes) outside the capture
-                    self.model.compute_logits(self.model(ctx, self.layer_states))
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[bs] = self.model.compute_logits(self.model(ctx, self.layer_states))
-                self.graphs[bs] = graph
+                for with_lora in variants:
+                    ctx = self._context(bs, with_lora)
+                    for _ in range(2):  # warm up: Triton compiles (and autotunes) outside the capture
+                        self.model.compute_logits(self.model(ctx, self.layer_states))
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self.logits[bs, with_lora] = self.model.compute_logits(self.model(ctx, self.layer_states))
+                    self.graphs[bs, with_lora] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
@@ -155,6 +172,7 @@ class DecodeGraphs:
             (_LEN, plan.seq_lens),
             (_STATE, plan.state_slots),
             (_PREV, from_prev if from_prev is not None else -1),
+            (_LORA, plan.lora_slots if plan.lora_slots is not None else -1),
         ):
             host[row, :n] = values
         self._stage_padding(h, n)
@@ -168,5 +186,6 @@ class DecodeGraphs:
         if from_prev is not None:
             ids, src = self.fields[_IDS, :bs], self.fields[_PREV, :bs]
             ids.copy_(torch.where(src >= 0, prev_tokens.index_select(0, src.clamp(min=0)), ids))
-        self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        key = (bs, plan.lora_slots is not None and bool((plan.lora_slots >= 0).any()))
+        self.graphs[key].replay()
+        return self.logits[key][:n]

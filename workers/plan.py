@@ -68,6 +68,18 @@ class NewRequestData:
 
 
 @dataclass
+class LoraLoad:
+    """An adapter to place in a device slot before the pass runs (the driver picks slots, LRU):
+    `key` names this registration of the adapter (a rank's host cache of loaded adapters is keyed by
+    it), `name` and `path` the adapter folder (PEFT: adapter_config.json + adapter_model.safetensors)."""
+
+    slot: int
+    key: int
+    name: str
+    path: str
+
+
+@dataclass
 class PassPlan:
     pass_id: int
     req_ids: list[str]  # N rows
@@ -99,6 +111,10 @@ class PassPlan:
     # [M, 3] int32 (row, tokens of the row's chunk before the captured point, snapshot slot): GDN
     # state captured inside a prefill row's chunk (the seed's MidchunkCapture)
     captures: np.ndarray | None = None
+    # LoRA: [N] int32, each row's adapter slot (-1: the base model); None: no row has an adapter.
+    # lora_loads: adapters placed in slots before the forward (a slot a row names holds its adapter)
+    lora_slots: np.ndarray | None = None
+    lora_loads: list[LoraLoad] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
 

@@ -14,9 +14,9 @@ from dataclasses import asdict
 import msgpack
 import numpy as np
 
-from .plan import NewRequestData, PassPlan, PoolSizes, RunnerOutput, SamplingSpec, TokenLogprobs
+from .plan import LoraLoad, NewRequestData, PassPlan, PoolSizes, RunnerOutput, SamplingSpec, TokenLogprobs
 
-WIRE_VERSION = 4  # 4: prefix-cache copies and captures
+WIRE_VERSION = 5  # 5: LoRA slots and loads
 
 # A plan's arrays, in buffer order, with their lengths in terms of T tokens, N rows and P pages per
 # block table. One buffer per dtype keeps decoding to three `frombuffer` calls and some slicing
@@ -30,10 +30,11 @@ _INT32_FIELDS = (
     ("block_tables", "N*P"),
     ("next_prompt_token", "N"),  # optional
     ("input_from_prev", "N"),  # optional
+    ("lora_slots", "N"),  # optional
 )
 _INT64_FIELDS = (("slot_mapping", "T"),)
 _BOOL_FIELDS = (("has_initial_state", "N"), ("sample_rows", "N"), ("prompt_logprob_rows", "N"))
-_OPTIONAL = ("next_prompt_token", "input_from_prev")
+_OPTIONAL = ("next_prompt_token", "input_from_prev", "lora_slots")
 _BUFFERS = (("int32", np.dtype("<i4"), _INT32_FIELDS), ("int64", np.dtype("<i8"), _INT64_FIELDS),
             ("bool", np.dtype("|b1"), _BOOL_FIELDS))  # fmt: skip
 _PLAN_SCALARS = ("pass_id", "req_ids", "num_decode_rows", "num_tokens", "max_pages")
@@ -78,6 +79,8 @@ def encode_plan(plan: PassPlan) -> bytes:
         tables[name] = [int(a.shape[0]), a.astype(_I32, copy=False).tobytes()]
     if tables:
         body["tables"] = tables
+    if plan.lora_loads:
+        body["lora_loads"] = [[x.slot, x.key, x.name, x.path] for x in plan.lora_loads]
     body["new_requests"] = [asdict(r) for r in plan.new_requests]
     body["finished_req_ids"] = plan.finished_req_ids
     return msgpack.packb({"v": WIRE_VERSION, "kind": "plan", "body": body}, use_bin_type=True)
@@ -117,6 +120,7 @@ def decode_plan(blob: bytes) -> PassPlan:
             if not (isinstance(rows, int) and isinstance(data, bytes) and len(data) == rows * width * 4):
                 raise WireError(f"plan field '{name}' is not {rows!r} rows of {width} int32")
             kwargs[name] = np.frombuffer(data, dtype=_I32).reshape(rows, width)
+        kwargs["lora_loads"] = [LoraLoad(int(a), int(b), str(c), str(d)) for a, b, c, d in body.get("lora_loads", ())]
         kwargs["new_requests"] = [
             NewRequestData(
                 r["req_id"], list(r["prompt_token_ids"]), list(r["output_token_ids"]), SamplingSpec(**r["sampling"])
@@ -169,9 +173,9 @@ def _check_prev_rows(plan: PassPlan) -> None:
         raise WireError("plan field 'input_from_prev' names a row that is not a one-token decode row")
 
 
-def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int) -> None:
-    """Indices that would address memory outside the pools (or the vocabulary) are rejected before
-    any kernel runs."""
+def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int, num_lora_slots: int = 0) -> None:
+    """Indices that would address memory outside the pools (or the vocabulary, or the adapter slots)
+    are rejected before any kernel runs."""
 
     def out_of(name: str, a: np.ndarray, hi: int, lo: int = 0) -> None:
         if a.size and (a.min() < lo or a.max() >= hi):
@@ -192,6 +196,11 @@ def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int) -> None
                 raise WireError(f"plan field '{name}' names a destination twice")
     if plan.page_copies is not None and len(plan.page_copies):
         out_of("page_copies", plan.page_copies, sizes.num_blocks)
+    if plan.lora_slots is not None:
+        out_of("lora_slots", plan.lora_slots, num_lora_slots, lo=-1)
+    for load in plan.lora_loads:
+        if not 0 <= load.slot < num_lora_slots:
+            raise WireError(f"plan field 'lora_loads' names slot {load.slot} outside [0, {num_lora_slots})")
     if plan.captures is not None and len(plan.captures):
         rows = plan.captures[:, 0]
         out_of("captures", rows, plan.num_rows, lo=plan.num_decode_rows)

@@ -25,6 +25,7 @@ from deltaserve.cluster.config import SchedulerConfig
 from deltaserve.workers.plan import NewRequestData, PassPlan, RunnerOutput
 
 from .allocator import BlockAllocator, StateSlotAllocator
+from .lora import AdapterRegistry
 from .prefix_cache import Hit, PrefixCache, RequestHashes, Snapshot, root_hash
 from .request import FinishReason, Request, RequestStatus, SampleRef
 
@@ -46,11 +47,14 @@ class Scheduler:
         blocks: BlockAllocator,
         slots: StateSlotAllocator,
         prefix: PrefixCache | None = None,
+        loras: AdapterRegistry | None = None,
     ):
-        """`config.max_model_len` is the engine's effective limit (an int)."""
+        """`config.max_model_len` is the engine's effective limit (an int). `loras`: the adapter
+        registry whose device slots requests on adapters pin while they run."""
         self.config = config
         self.blocks = blocks
         self.slots = slots
+        self.loras = loras
         # prefix caching (None: off): the index, snapshot saves waiting for the next plan, and this
         # plan's restores and page copies
         self.prefix = prefix if prefix is not None and prefix.enabled else None
@@ -254,6 +258,9 @@ class Scheduler:
         # after it in stream order (one CUDA stream per worker, passes executed in plan order)
         self.blocks.free(req)
         self.slots.free(req)
+        if req.lora_slot is not None:
+            self.loras.release(req.lora_slot)
+            req.lora_slot = None
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -305,19 +312,22 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending_outputs:
                 break  # preempted with a token in flight: it resumes once that token is known
+            if req.lora is not None and req.lora_slot is None:
+                req.lora_slot = self.loras.acquire(req.lora)
+                if req.lora_slot is None:
+                    break  # every adapter slot is pinned by running requests on other adapters
             if self.prefix is not None:
                 want = self._admit_from_cache(req, budget)
                 if want is None:
+                    self._unpin_adapter(req)
                     break
                 self.waiting.popleft()
             else:
                 want = req.num_tokens - req.num_computed_tokens
-                if want > budget:
-                    if not cfg.enable_chunked_prefill:
-                        break
-                    want = budget
-                if not self.blocks.can_grow(req, want):
+                if want > budget and not cfg.enable_chunked_prefill or not self.blocks.can_grow(req, min(want, budget)):
+                    self._unpin_adapter(req)
                     break
+                want = min(want, budget)
                 self.waiting.popleft()
                 self.slots.allocate(req)
                 self.blocks.grow(req, want)
@@ -333,6 +343,13 @@ class Scheduler:
                 self._check_progress()
             return None
         return self._build_plan(scheduled)
+
+    def _unpin_adapter(self, req: Request) -> None:
+        """A waiting request that was not admitted gives its adapter slot back (the load, if the slot
+        was just assigned, still reaches the next plan: harmless)."""
+        if req.lora_slot is not None:
+            self.loras.release(req.lora_slot)
+            req.lora_slot = None
 
     def _tokens_wanted(self, req: Request) -> int:
         """Tokens `req` could run in the next pass: its uncomputed tokens, or (async scheduling) one
@@ -454,6 +471,12 @@ class Scheduler:
             input_from_prev=(
                 np.asarray(from_prev + [-1] * len(prefill), dtype=np.int32) if any(j >= 0 for j in from_prev) else None
             ),
+            lora_slots=(
+                np.asarray([-1 if r.lora_slot is None else r.lora_slot for r, _ in rows], dtype=np.int32)
+                if any(r.lora_slot is not None for r, _ in rows)
+                else None
+            ),
+            lora_loads=self.loras.take_loads() if self.loras is not None else [],
             new_requests=new_requests,
             finished_req_ids=self._finished_since_last_plan,
             **copies,
