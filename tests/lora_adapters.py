@@ -78,7 +78,8 @@ def write_adapter(path: Path, tensors: dict[str, torch.Tensor], **config) -> Pat
     path.mkdir(parents=True, exist_ok=True)
     cfg = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "bias": "none", "target_modules": [], **config}
     (path / "adapter_config.json").write_text(json.dumps(cfg))
-    save_file({f"base_model.model.{k}": v.contiguous() for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+    named = {f"base_model.model.{k}": v.contiguous() for k, v in tensors.items()}
+    save_file(named, str(path / "adapter_model.safetensors"))
     return path
 
 
