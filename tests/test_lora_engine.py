@@ -110,17 +110,18 @@ def test_bad_adapters_are_errors_naming_the_field(engine, tiny_checkpoints, adap
     path, hf = tiny_checkpoints["qwen3_5_moe"]
     h = hf.config.hidden_size
     q = "model.layers.1.self_attn.q_proj"
+
+    def pair(rank, width):
+        return {f"{q}.lora_A.weight": torch.zeros(rank, width), f"{q}.lora_B.weight": torch.zeros(192, rank)}
+
     cases = [
         # B x A does not match the base q_proj [192, 48]
-        (_bad(tmp_path, "shape", {f"{q}.lora_A.weight": torch.zeros(4, h + 1), f"{q}.lora_B.weight": torch.zeros(192, 4)}),
-         "do not match the base module"),
-        (_bad(tmp_path, "rank", {f"{q}.lora_A.weight": torch.zeros(32, h), f"{q}.lora_B.weight": torch.zeros(192, 32)}),
-         "exceeds max_lora_rank (8)"),
+        (_bad(tmp_path, "shape", pair(4, h + 1)), "do not match the base module"),
+        (_bad(tmp_path, "rank", pair(32, h)), "exceeds max_lora_rank (8)"),
         (_bad(tmp_path, "module", {"model.layers.1.self_attn.nope.lora_A.weight": torch.zeros(4, h),
                                    "model.layers.1.self_attn.nope.lora_B.weight": torch.zeros(4, 4)}),
          "targets no projection"),
-        (_bad(tmp_path, "dora", {f"{q}.lora_A.weight": torch.zeros(4, h), f"{q}.lora_B.weight": torch.zeros(192, 4)},
-              use_dora=True), "use_dora"),
+        (_bad(tmp_path, "dora", pair(4, h), use_dora=True), "use_dora"),
         (str(tmp_path / "missing"), "is not a directory"),
     ]  # fmt: skip
     (tmp_path / "nofile").mkdir()
