@@ -113,6 +113,29 @@ def check_startup(config: EngineConfig, ray_address: str | None = None) -> Model
     return model_config
 
 
+def check_lora_modules(config: EngineConfig, modules: list[str]) -> list[tuple[str, str]]:
+    """`--lora-modules NAME=PATH ...` parsed, each adapter checked against the model (a ValueError
+    naming the flag, the adapter and its file or field); returns [(name, path)]."""
+    if not modules:
+        return []
+    if not config.lora.enable_lora:
+        raise ValueError("--lora-modules: needs --enable-lora")
+    from deltaserve.cluster.core.lora import AdapterRegistry, LoRARequest
+
+    registry = AdapterRegistry(config.lora, load_model_config(config.load.model))
+    out = []
+    for i, item in enumerate(modules):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: {short(item)} is not NAME=PATH")
+        try:
+            registry.add(LoRARequest(name, i + 1, path))
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {short(name)}: {e}") from None
+        out.append((name, path))
+    return out
+
+
 def build_engine(
     config: EngineConfig,
     *,
