@@ -114,9 +114,11 @@ def bench_decode(
     vocab: int,
     profile_steps: int = 0,
     tag: str = "",
+    loras: list | None = None,
 ) -> dict:
     """Decode timing of `batch` sequences of `context` prompt tokens; `tag` keeps request ids
-    distinct when a process times the same batch again (variants)."""
+    distinct when a process times the same batch again (variants); `loras`: the LoRARequest (or None)
+    of sequence i is loras[i % len(loras)]."""
     engine = llm.engine
     rng = np.random.default_rng(batch)
     # the first prompts decode beside the later ones' prefill chunks: a token a pass from then on,
@@ -125,7 +127,10 @@ def bench_decode(
     max_tokens = prefill_passes + 2 * steps + profile_steps + 6
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"d{tag}{batch}-{i}", rng.integers(10, vocab - 10, context).tolist(), params)
+        lora = loras[i % len(loras)] if loras else None
+        engine.add_request(
+            f"d{tag}{batch}-{i}", rng.integers(10, vocab - 10, context).tolist(), params, lora_request=lora
+        )
     # run until every request is decoding (prefill done, first token out)
     while (
         any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting

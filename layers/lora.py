@@ -540,3 +540,29 @@ def _all_slots(model: torch.nn.Module) -> list:
 def slot_has_experts(model: torch.nn.Module, slot: int) -> bool:
     """Whether slot `slot` holds routed-expert adapter weights (the pass's MoE route folds them)."""
     return any(isinstance(s, ExpertLoraSlots) and s.present[slot] for s in _all_slots(model))
+
+
+def randomize_slot(model: torch.nn.Module, slot: int, rank: int, seed: int = 0, scale: float = 0.02) -> None:
+    """Fill slot `slot` of every projection and expert with a random rank-`rank` adapter, in place on
+    the device (benchmarks: an adapter at a real model's shape without writing its file)."""
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    clear_slot(model, slot)
+
+    def fill(t: torch.Tensor) -> None:
+        t.copy_(torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32) * scale)
+
+    with torch.no_grad():
+        for slots in _all_slots(model):
+            if isinstance(slots, LoraProjection):
+                width = slots.b.shape[2]
+                for j in range(len(slots.bounds) - 1):
+                    fill(slots.a[slot, j * width : j * width + rank])
+                fill(slots.b[slot, :, :rank])
+            else:
+                w = slots.weights
+                width = w.a2.shape[2]
+                for a in (w.a13[slot, :, :rank], w.a13[slot, :, width : width + rank], w.a2[slot, :, :rank]):
+                    fill(a)
+                fill(w.b13[slot, :, :, :rank])
+                fill(w.b2[slot, :, :, :rank])
+            slots.present[slot] = True
