@@ -12,7 +12,6 @@ of no adapter.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
@@ -23,7 +22,7 @@ from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.lora import randomize_slot
 from deltaserve.workers.plan import LoraLoad
 
-from .offline import bench_decode
+from .offline import bench_decode, run_on_cuda
 from .presets import PRESETS, preset_config
 
 
@@ -113,11 +112,4 @@ def add_parser(sub) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("bench lora needs a CUDA device")
-        return 2
-    report = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
-    return 0
+    return run_on_cuda("lora", run, args)

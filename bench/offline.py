@@ -533,12 +533,17 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_main)
 
 
-def _main(args: argparse.Namespace) -> int:
+def run_on_cuda(name: str, run, args: argparse.Namespace) -> int:
+    """A benchmark's command: `run(args)` on a CUDA device, its report written to --json."""
     if not torch.cuda.is_available():
-        print("bench offline needs a CUDA device")
+        print(f"bench {name} needs a CUDA device")
         return 2
     report = run(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
     return 0
+
+
+def _main(args: argparse.Namespace) -> int:
+    return run_on_cuda("offline", run, args)

@@ -49,6 +49,17 @@ def group_rows(keys: torch.Tensor, num_keys: int, pdl: bool = True) -> RowGroups
     return RowGroups(sorted_ids, block_key, offsets[num_keys:], block_m, num_rows)
 
 
+@triton.jit
+def _block_rows(sorted_ids, block_key, num_padded, num_rows, BLOCK_M: tl.constexpr):
+    """This program's block of grouped rows: (whether it is in use, its key, its rows, which of them
+    are real rows rather than padding). An unused block reads unset (allocated) entries, then exits."""
+    pid_m = tl.program_id(0)
+    used = pid_m * BLOCK_M < tl.load(num_padded)
+    key = tl.load(block_key + pid_m)
+    m = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return used, key, m, m < num_rows
+
+
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_rows"])
 def _shrink_kernel(
@@ -58,12 +69,9 @@ def _shrink_kernel(
 ):  # fmt: skip
     """v[m, r] = x[m // ROW_DIV] . a[key, r] for one block of rows of one key and BLOCK_R of its RA rows."""
     pdl_wait(USE_PDL)
-    pid_m = tl.program_id(0)
-    if pid_m * BLOCK_M >= tl.load(num_padded):
+    used, key, m, m_ok = _block_rows(sorted_ids, block_key, num_padded, num_rows, BLOCK_M)
+    if not used:
         return
-    key = tl.load(block_key + pid_m)
-    m = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    m_ok = m < num_rows
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < RA
     k = tl.arange(0, BLOCK_K)
@@ -90,12 +98,9 @@ def _expand_kernel(
     """y[m, n] (+)= b[key, n] . v[m, slice(n) * R : slice(n) * R + R] for one block of rows of one key
     and BLOCK_N output rows; slice(n) counts the bounds at or below n."""
     pdl_wait(USE_PDL)
-    pid_m = tl.program_id(0)
-    if pid_m * BLOCK_M >= tl.load(num_padded):
+    used, key, m, m_ok = _block_rows(sorted_ids, block_key, num_padded, num_rows, BLOCK_M)
+    if not used:
         return
-    key = tl.load(block_key + pid_m)
-    m = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    m_ok = m < num_rows
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     r = tl.arange(0, R)
