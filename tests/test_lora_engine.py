@@ -172,3 +172,14 @@ def test_lora_request_without_enable_lora(tiny_checkpoints, adapters):
     llm = LLM(str(path), dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate([prompt(4, seed=1)], GREEDY, lora_request=adapters["qwen3_5"][0][1])
+
+
+def test_one_slot_two_adapters_take_turns(tiny_checkpoints, adapters):
+    """max_loras=1: a request whose adapter finds the only slot pinned by another waits for it."""
+    path, hf = tiny_checkpoints["qwen3_5"]
+    llm = make_llm(path, max_loras=1)
+    (_, a, merged_a), (_, b, merged_b) = adapters["qwen3_5"][:2]
+    rows = [prompt(7, seed=50), prompt(10, seed=51), prompt(5, seed=52)]
+    outs = llm.generate(rows, GREEDY, lora_request=[a, b, a], use_tqdm=False)
+    refs = [merged_a, merged_b, merged_a]
+    assert [tokens(o) for o in outs] == [greedy(m, ids, GREEDY.max_tokens) for m, ids in zip(refs, rows, strict=True)]
