@@ -8,7 +8,7 @@ weights are renormalised); everything else is shared.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,9 @@ class ModelConfig:
     norm_topk_prob: bool
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # the checkpoint's multi-token-prediction head (mtp.*): its decoder layer count and FFN kind
     num_mtp_layers: int = 0
+    mtp_mlp_type: str = "dense"
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived sizes -------------------------------------------------------------------
@@ -99,6 +101,11 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return "moe" in self.mlp_types
+
+    def mtp_layer_config(self) -> ModelConfig:
+        """The config of the MTP head's decoder layer: one full-attention layer with the family's
+        FFN kind (the head's index 0 decides it, as for the stack's first layer)."""
+        return replace(self, num_layers=1, layer_types=(ATTENTION,), mlp_types=(self.mtp_mlp_type,))
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -167,8 +174,10 @@ class ModelConfig:
         if family == "qwen3_5":
             mlp_types = ("dense",) * num_layers
             num_experts = 0
+            mtp_mlp = "dense"
         elif family == "qwen3_5_moe":
             mlp_types = ("moe",) * num_layers
+            mtp_mlp = "moe"
         else:  # qwen3_next
             step = int(cfg.get("decoder_sparse_step", 1))
             mlp_only = set(cfg.get("mlp_only_layers") or [])
@@ -176,6 +185,9 @@ class ModelConfig:
                 "moe" if (i not in mlp_only and num_experts > 0 and (i + 1) % step == 0) else "dense"
                 for i in range(num_layers)
             )
+            mtp_mlp = mlp_types[0] if num_layers else "dense"
+        num_mtp = int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0)) or 0)
+        ffn_kinds = set(mlp_types) | ({mtp_mlp} if num_mtp else set())
         if "moe" in mlp_types:
             top_k = int(req("num_experts_per_tok"))
             if not 0 < top_k <= num_experts:
@@ -225,7 +237,7 @@ class ModelConfig:
             conv_kernel_size=int(cfg.get("linear_conv_kernel_dim", 4)),
             gdn_projection="fused_qkvz" if family == "qwen3_next" else "split",
             mlp_types=mlp_types,
-            intermediate_size=int(cfg.get("intermediate_size") or 0) if "dense" in mlp_types else 0,
+            intermediate_size=int(cfg.get("intermediate_size") or 0) if "dense" in ffn_kinds else 0,
             num_experts=num_experts,
             num_experts_per_tok=top_k,
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0) if "moe" in mlp_types else 0,
@@ -235,6 +247,7 @@ class ModelConfig:
             norm_topk_prob=norm_topk,
             eos_token_ids=eos_ids,
             bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
-            num_mtp_layers=int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0)) or 0),
+            num_mtp_layers=num_mtp,
+            mtp_mlp_type=mtp_mlp,
             raw=cfg,
         )

@@ -44,11 +44,17 @@ class PoolSizes:
         return self.num_slots + self.num_snapshots
 
 
+def kv_layers(model: HybridModel) -> list:
+    """The layers that keep paged KV: the stack's attention layers, then the MTP head's layer (it
+    shares the request's block table)."""
+    out = [layer for layer in model.layers if layer.state_kind == "attention"]
+    return out + ([model.mtp.layer] if model.mtp is not None else [])
+
+
 def bytes_per_block(model: HybridModel, block_size: int, dtype: torch.dtype) -> int:
     total = 0
-    for layer in model.layers:
-        if layer.state_kind == "attention":
-            total += sum(_nbytes(shape, dt or dtype) for shape, dt in layer.state_shapes(block_size).values())
+    for layer in kv_layers(model):
+        total += sum(_nbytes(shape, dt or dtype) for shape, dt in layer.state_shapes(block_size).values())
     return total
 
 
@@ -102,12 +108,13 @@ def size_pools(
 
 
 class StatePool:
-    """Zero-initialised pools; `layer_states[i]` is layer i's view."""
+    """Zero-initialised pools; `layer_states[i]` is layer i's view, `mtp_state` the MTP head's KV (None
+    without the head)."""
 
     def __init__(self, model: HybridModel, sizes: PoolSizes, *, dtype: torch.dtype, device: torch.device | str):
         self.sizes = sizes
         self.layer_states: list[LayerState] = []
-        attn = [layer for layer in model.layers if layer.state_kind == "attention"]
+        attn = kv_layers(model)
         ssm = [layer for layer in model.layers if layer.state_kind != "attention"]
         self.k_pages = self.v_pages = self.recurrent = self.conv = None
         if attn:
@@ -130,6 +137,9 @@ class StatePool:
             else:
                 self.layer_states.append(SsmLayerState(recurrent=self.recurrent[i_ssm], conv=self.conv[i_ssm]))
                 i_ssm += 1
+        self.mtp_state = None
+        if model.mtp is not None:
+            self.mtp_state = AttnLayerState(k_cache=self.k_pages[i_attn], v_cache=self.v_pages[i_attn])
         log.info(
             "state pool: %d pages x %d tokens (%d tokens of KV), %d GDN state slots, %d prefix-cache snapshots "
             "(%.1f MiB)",
