@@ -29,6 +29,7 @@ from .prefix_cache import CapturePolicy, PrefixCache, SnapshotCache
 from .request import CompletionOutput, FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
+from .speculative import SpeculativeConfig
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,13 @@ class EngineConfig:
     num_prefix_snapshots: int | None = None  # snapshot slots (None: what 10% of the pool budget holds)
     prefix_snapshot_interval: int = 1024  # tokens between snapshots along a prefill
     prefix_snapshot_policy: str = "all"  # or a comma list of prompt_end, last_block, divergence, finish, interval
+    # speculative decoding, vLLM's form: {"method": "mtp", "num_speculative_tokens": k}, k in 1..15
+    speculative_config: dict | None = None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        return spec.num_speculative_tokens if spec is not None else 0
 
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -92,6 +100,7 @@ class EngineConfig:
         if self.num_prefix_snapshots is not None and self.num_prefix_snapshots < 0:
             raise ValueError(f"num_prefix_snapshots: must be >= 0, got {self.num_prefix_snapshots}")
         CapturePolicy.parse(self.prefix_snapshot_policy, self.prefix_snapshot_interval)
+        SpeculativeConfig.parse(self.speculative_config)
 
 
 class WorkerFailure(RuntimeError):
@@ -165,6 +174,7 @@ def runner_config(config: EngineConfig):
         enable_cuda_graphs=config.enable_cuda_graphs,
         time_passes=config.time_passes,
         num_prefix_snapshots=config.num_prefix_snapshots if config.enable_prefix_caching else 0,
+        num_speculative_tokens=config.num_speculative_tokens,
     )
 
 
@@ -178,6 +188,7 @@ def make_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
 
 
 OUTPUT_MODES = ("cumulative", "delta", "final")
+SPEC_LOG_INTERVAL_S = 30.0  # how often the acceptance counters are logged while verifying
 
 
 class EngineCore:
@@ -200,6 +211,11 @@ class EngineCore:
             if config.model is None:
                 raise ValueError("model: a model directory is required")
             model_config = ModelConfig.from_pretrained(config.model)
+        if config.num_speculative_tokens and model_config.num_mtp_layers < 1:
+            raise ValueError(
+                "speculative_config: method 'mtp' needs a checkpoint with an MTP head; "
+                f"{config.model or 'this model'} declares none (mtp_num_hidden_layers / num_nextn_predict_layers)"
+            )
         self.model_config = model_config
         has_tokenizer = config.model is not None and (Path(config.model) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(config.model) if has_tokenizer else None
@@ -231,6 +247,7 @@ class EngineCore:
                 max_num_seqs=min(config.max_num_seqs, self.slots.capacity),
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=limit,
+                num_speculative_tokens=config.num_speculative_tokens,
             ),
             self.blocks,
             self.slots,
@@ -238,8 +255,12 @@ class EngineCore:
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
-        self.async_scheduling = overlaps_passes(self.executor, config.async_scheduling)
+        # speculative passes run synchronously: a verify's accepted count decides the next plan
+        self.async_scheduling = not config.num_speculative_tokens and overlaps_passes(
+            self.executor, config.async_scheduling
+        )
         self._in_flight: tuple[PassPlan, object] | None = None  # the launched pass not yet applied
+        self._spec_logged = time.monotonic()
         # with config.time_passes on a GPU: (device busy s, device idle before it s) of recent passes
         self.pass_device_times: deque[tuple[float, float]] = deque(maxlen=4096)
         log.info(
@@ -358,17 +379,18 @@ class EngineCore:
                 outputs = self._apply(plan, launched.result())
             except WorkerFailure as e:
                 outputs = self._on_worker_failure(e)
-        self.async_scheduling = enabled and overlaps_passes(self.executor)
+        self.async_scheduling = enabled and not self.config.num_speculative_tokens and overlaps_passes(self.executor)
         return outputs
 
     def _apply(self, plan: PassPlan, result: RunnerOutput) -> list[RequestOutput]:
         if result.device_gap_s >= 0:
             self.pass_device_times.append((result.device_busy_s, result.device_gap_s))
         outputs = []
-        for req in self.scheduler.apply_output(plan, result):
-            out = self._on_token(req)
+        for req, count in self.scheduler.apply_output(plan, result):
+            out = self._on_tokens(req, count)
             if out is not None:
                 outputs.append(out)
+        self._log_spec_stats()
         return outputs
 
     def _on_worker_failure(self, e: WorkerFailure) -> list[RequestOutput]:
@@ -390,22 +412,34 @@ class EngineCore:
             outputs.append(self._output(req, [], self._flush(req)))
         return outputs
 
-    def _on_token(self, req: Request) -> RequestOutput | None:
-        token = req.output_token_ids[-1]
+    def _on_tokens(self, req: Request, count: int) -> RequestOutput | None:
+        """The request's last `count` tokens (several from a speculative verify) into text; a stop
+        string ends the request at the token that completed it (later ones are dropped)."""
+        new = req.output_token_ids[len(req.output_token_ids) - count :]
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         delta = ""
         detok = self._detok.get(req.req_id)
         if detok is not None:
-            delta = detok.add([token])
-            if detok.stopped_by is not None and not req.is_finished:
-                req.stop_reason = detok.stopped_by
-                self.scheduler.finish(req, FinishReason.STOP)
+            for i, token in enumerate(new):
+                delta += detok.add([token])
+                if detok.stopped_by is not None:
+                    later = len(new) - i - 1
+                    if later:  # the scheduler may have ended it on one of them: the string came first
+                        del req.output_token_ids[-later:]
+                        del req.logprobs[len(req.logprobs) - min(later, len(req.logprobs)) :]
+                        new = new[: i + 1]
+                        req.finish_reason = FinishReason.STOP if req.is_finished else req.finish_reason
+                    if not req.is_finished or later:
+                        req.stop_reason = detok.stopped_by
+                    if not req.is_finished:
+                        self.scheduler.finish(req, FinishReason.STOP)
+                    break
         if req.is_finished:
             delta += self._flush(req)
         elif self.output_mode == "final":
             return None
-        return self._output(req, [token], delta)
+        return self._output(req, new, delta)
 
     def _flush(self, req: Request) -> str:
         detok = self._detok.get(req.req_id)
@@ -460,6 +494,30 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block and GDN snapshot; requests in flight keep what they hold."""
         return self.scheduler.reset_prefix_cache()
+
+    def speculative_stats(self) -> dict:
+        """Drafts proposed and accepted (per position too) and the mean acceptance length."""
+        stats = self.scheduler.spec_stats
+        if stats is None:
+            return {"enabled": False}
+        return {"enabled": True, "method": "mtp", **stats.as_dict()}
+
+    def _log_spec_stats(self) -> None:
+        stats = self.scheduler.spec_stats
+        now = time.monotonic()
+        if stats is None or not stats.num_drafts or now - self._spec_logged < SPEC_LOG_INTERVAL_S:
+            return
+        self._spec_logged = now
+        rates = ", ".join(f"{r:.2f}" for r in stats.as_dict()["acceptance_rate_per_position"])
+        log.info(
+            "speculative decoding: %d verify rows, %d of %d drafts accepted, mean acceptance length %.2f, "
+            "acceptance by position [%s]",
+            stats.num_drafts,
+            stats.num_accepted_tokens,
+            stats.num_draft_tokens,
+            stats.mean_acceptance_length,
+            rates,
+        )
 
     def prefix_cache_stats(self) -> dict:
         if self.prefix_cache is None:

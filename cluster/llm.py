@@ -44,6 +44,7 @@ class LLM:
         num_prefix_snapshots: int | None = None,
         prefix_snapshot_interval: int = 1024,
         prefix_snapshot_policy: str = "all",
+        speculative_config: dict | None = None,
         model_config=None,
     ):
         if device is None:
@@ -72,6 +73,7 @@ class LLM:
             num_prefix_snapshots=num_prefix_snapshots,
             prefix_snapshot_interval=prefix_snapshot_interval,
             prefix_snapshot_policy=prefix_snapshot_policy,
+            speculative_config=speculative_config,
         )
         self.engine = EngineCore(self.config, model_config=model_config, output_mode="final")
         self._ids = itertools.count()

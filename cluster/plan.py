@@ -80,6 +80,11 @@ class PassPlan:
     # [M, 3] int32 (row, tokens of the row's chunk before the captured point, snapshot slot): GDN
     # state captured inside a prefill row's chunk (the seed's MidchunkCapture)
     captures: np.ndarray | None = None
+    # Speculative decoding (MTP): k > 0 when the decode rows are verify rows of k + 1 tokens each (the
+    # request's last token, then its k drafts); [N] bool: the rows after which the MTP head drafts k
+    # tokens for the request's next verify (with k > 0 every verify row is one)
+    num_spec_tokens: int = 0
+    draft_rows: np.ndarray | None = None
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
 
@@ -117,3 +122,9 @@ class RunnerOutput:
     # operation, and the device's idle time between the previous pass's last operation and its first
     device_busy_s: float = -1.0
     device_gap_s: float = -1.0
+    # speculative decoding: req_id -> the tokens a verify row emitted after the first (its accepted
+    # drafts are those it emitted but the last) and their logprobs; req_id -> the drafts of its next
+    # verify
+    extra_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    extra_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -30,6 +30,7 @@ from deltaserve.layers.parallel import ParallelLayout
 from deltaserve.workers.compile_watch import LateCompileLog
 from deltaserve.workers.context import HostCopy, build_forward_context, logits_rows, upload
 from deltaserve.workers.sampler import LogprobParts, SampledBatch, Sampler
+from deltaserve.workers.spec_decode import SpecDecoder
 from deltaserve.workers.state_pool import PoolSizes, StatePool, size_pools
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class RunnerConfig:
     cuda_graph_max_batch: int = 256
     time_passes: bool = False  # CUDA events around each pass (RunnerOutput.device_busy_s / device_gap_s)
     num_prefix_snapshots: int | None = 0  # GDN snapshot slots (None: what 10% of the pool budget holds)
+    num_speculative_tokens: int = 0  # MTP drafts verified per step (0: no speculative decoding)
 
 
 class ModelRunner:
@@ -81,8 +83,10 @@ class ModelRunner:
             device=self.device,
             load_format=config.load_format,
             seed=config.seed,
+            mtp=config.num_speculative_tokens > 0,
         )
         self.pool: StatePool | None = None
+        self.spec: SpecDecoder | None = None
         self.graphs = None
         self.late_compiles: LateCompileLog | None = None  # set once start-up is over (allocate)
         self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
@@ -158,7 +162,7 @@ class ModelRunner:
         logits' kernels, outputs dropped."""
         for streams in WARMUP_BATCHES:
             if warmup_fits(streams, self.config.max_num_batched_tokens, pool.sizes):
-                logits, _ = self._forward(_warmup_plan(streams, pool.sizes.block_size), pool)
+                logits, _, _ = self._forward(_warmup_plan(streams, pool.sizes.block_size), pool)
                 if logits is not None:
                     self.sampler.compile_warmup(logits)
 
@@ -167,6 +171,10 @@ class ModelRunner:
         (`compile_watch`): start-up compiled what it could."""
         self.sizes = sizes
         self.pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
+        k = self.config.num_speculative_tokens
+        if k:
+            self.pool.enable_verify(self.model, rows=self.config.max_num_seqs, length=k + 1)
+            self.spec = SpecDecoder(self.model, self.pool, k)
         if self.device.type == "cuda" and self.config.num_kv_blocks is not None:
             # given sizes skip the profiling pass, which runs the warm-up: run it on the empty pool
             self.compile_warmup(self.pool)
@@ -177,8 +185,8 @@ class ModelRunner:
 
     def _capture_graphs(self):
         """The decode CUDA graphs over the pools (None on CPU or with graphs off)."""
-        if self.device.type != "cuda" or not self.config.enable_cuda_graphs:
-            return None
+        if self.device.type != "cuda" or not self.config.enable_cuda_graphs or self.spec is not None:
+            return None  # speculative passes need the hidden states the graphs do not return
         from deltaserve.workers.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs
 
         sizes = self.sizes
@@ -206,14 +214,16 @@ class ModelRunner:
 
     # ---- one pass ----------------------------------------------------------------------------
     def _forward(self, plan: PassPlan, pool: StatePool, prev_tokens: torch.Tensor | None = None):
+        """(logits of the plan's logits rows, their spans, (context, final hidden states) or None when
+        a graph ran)."""
         indices, spans = logits_rows(plan)
         if self.graphs is not None and pool is self.pool and self.graphs.can_run(plan):
-            return self.graphs.run(plan, prev_tokens), spans
+            return self.graphs.run(plan, prev_tokens), spans, None
         ctx = build_forward_context(plan, self.model_config, self.layout, self.device, indices, prev_tokens)
         with torch.inference_mode():
             hidden = self.model(ctx, pool.layer_states)
             logits = self.model.compute_logits(hidden[ctx.logits_indices]) if len(indices) else None
-        return logits, spans
+        return logits, spans, (ctx, hidden)
 
     def execute(self, plan: PassPlan) -> RunnerOutput | None:
         """Run one pass and wait for its output (None on ranks other than TP rank 0)."""
@@ -223,8 +233,11 @@ class ModelRunner:
         """Launch one pass; nothing here waits for the device (on CPU the pass simply runs)."""
         started = time.perf_counter()
         check_plan_ranges(plan, self.sizes, self.model_config.vocab_size)
+        self._check_spec(plan)
         prev_tokens = self._check_input_from_prev(plan)
-        while len(self._unresolved) > 1:  # only the previous pass may still be unread when this one samples
+        # only the previous pass may still be unread when this one samples; with speculation none (a
+        # verify's accepted count moves its requests' draw counters)
+        while len(self._unresolved) > (0 if self.spec is not None else 1):
             self._resolve_oldest()
         for req_id in plan.finished_req_ids:
             self.sampler.remove(req_id)
@@ -232,7 +245,7 @@ class ModelRunner:
             self.sampler.add(data)
         events = self._start_events()
         self._copy_state(plan)
-        logits, spans = self._forward(plan, self.pool, prev_tokens)
+        logits, spans, forward = self._forward(plan, self.pool, prev_tokens)
         # every TP rank samples (its logits are the full vocabulary after the all-gather, and its
         # sampler sees the same plans, seeds and counters): the next plan may read its decode input
         # ids from these sampled ids on any rank. Only rank 0 computes logprobs and returns outputs.
@@ -265,6 +278,9 @@ class ModelRunner:
             batch = self.sampler.sample_async(
                 sample_ids, sampled_logits, copy, pending_rows, pending_tokens, logprobs=driver
             )
+        verify = drafts = None
+        if self.spec is not None:
+            verify, drafts = self._speculate(plan, forward, logits, batch, spans, copy)
         if events is not None:  # before the copies' event, so the pass's own wait covers it
             events[2].record()
             self._last_pass_end = events[2]
@@ -272,8 +288,45 @@ class ModelRunner:
         tokens = batch.tokens if batch is not None else torch.zeros(0, dtype=torch.long, device=self.device)
         self._prev = (plan.pass_id, tokens)
         handle = PassOutput(self, plan.pass_id, batch, copy, prompt_parts, started, events=events)
+        handle.set_spec(verify, drafts, plan)
         self._unresolved.append(handle)
         return handle
+
+    def _speculate(self, plan: PassPlan, forward, logits, batch: SampledBatch | None, spans, copy: HostCopy):
+        """The verify rows' sampling and accepted counts, then write-on-accept, the MTP head's
+        catch-up and the next drafts (workers/spec_decode.py). Returns (the VerifyBatch or None, the
+        drafts' host-copy slot or None)."""
+        ctx, hidden = forward
+        nv = plan.num_decode_rows if plan.num_spec_tokens else 0
+        verify = None
+        with torch.inference_mode():
+            if nv:
+                tokens = nv * (plan.num_spec_tokens + 1)
+                drafts = ctx.input_ids[:tokens].view(nv, -1)[:, 1:]
+                verify = self.sampler.sample_verify(
+                    plan.req_ids[:nv], logits[:tokens], drafts, copy, logprobs=self.is_driver_rank
+                )
+            index, j = [], 0
+            for _, _, sampled_at in spans:
+                index.append(j if sampled_at >= 0 else -1)
+                j += sampled_at >= 0
+            drafts = self.spec.after_sampling(
+                plan,
+                ctx,
+                hidden,
+                None if verify is None else verify.sampled,
+                None if verify is None else verify.num_accepted,
+                None if batch is None else batch.tokens,
+                index,
+            )
+        return verify, (None if drafts is None else copy.add(drafts))
+
+    def _check_spec(self, plan: PassPlan) -> None:
+        k = self.config.num_speculative_tokens
+        if plan.num_spec_tokens and plan.num_spec_tokens != k:
+            raise WireError(f"plan field 'num_spec_tokens' is {plan.num_spec_tokens}; this engine verifies {k}")
+        if self.spec is None and plan.draft_rows is not None and plan.draft_rows.any():
+            raise WireError("plan field 'draft_rows' names rows, but this engine has no speculative decoding")
 
     def _copy_state(self, plan: PassPlan) -> None:
         """The plan's prefix-cache copies, before its forward: snapshot saves, then restores (a slot
@@ -359,6 +412,12 @@ class PassOutput:
         self._events = events
         self._resolved = resolved
         self._output: RunnerOutput | None = None
+        self._verify = self._drafts = self._plan = None
+
+    def set_spec(self, verify, drafts: int | None, plan: PassPlan) -> None:
+        """A speculative pass's verify batch and the host-copy slot of its drafts."""
+        if verify is not None or drafts is not None:
+            self._verify, self._drafts, self._plan = verify, drafts, plan
 
     def done(self) -> bool:
         return self._resolved or self._copy is None or self._copy.ready()
@@ -375,9 +434,23 @@ class PassOutput:
         out = RunnerOutput(pass_id=self.pass_id, req_ids=[], sampled_token_ids=[])
         for req_id, parts, ks in self._prompt_parts:
             out.prompt_logprobs[req_id] = parts.result(ks)
+        if self._verify is not None:
+            emitted, verify_logprobs = self._verify.result()
+            out.req_ids = list(self._verify.req_ids)
+            out.sampled_token_ids = [tokens[0] for tokens in emitted]
+            out.extra_token_ids = {r: t[1:] for r, t in zip(out.req_ids, emitted, strict=True) if len(t) > 1}
+            for req_id, entries in verify_logprobs.items():
+                out.logprobs[req_id] = entries[0]
+                if len(entries) > 1:
+                    out.extra_logprobs[req_id] = entries[1:]
         if self._batch is not None:
             tokens, logprobs = self._batch.result()
-            out.req_ids, out.sampled_token_ids, out.logprobs = list(self._batch.req_ids), tokens, logprobs
+            out.req_ids += list(self._batch.req_ids)
+            out.sampled_token_ids += tokens
+            out.logprobs.update(logprobs)
+        if self._drafts is not None:
+            drafting = [self._plan.req_ids[n] for n in np.flatnonzero(self._plan.draft_rows)]
+            out.draft_token_ids = dict(zip(drafting, self._copy.get(self._drafts).tolist(), strict=True))
         if self._events is not None:
             previous, start, end = self._events
             end.synchronize()  # done already when the pass had host copies (recorded before their event)
@@ -387,6 +460,7 @@ class PassOutput:
         self._output = out if self._runner.is_driver_rank else None
         self._resolved = True
         self._batch = self._copy = self._prompt_parts = self._events = None
+        self._verify = self._drafts = self._plan = None
 
 
 def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int) -> None:

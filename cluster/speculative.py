@@ -1,0 +1,100 @@
+"""Speculative decoding on the driver: the `speculative_config` setting, which requests speculate, and
+the acceptance counters.
+
+A speculating request decodes in verify rows: its last token and the k drafts the MTP head proposed
+after the previous pass, verified by the target in one pass (the worker keeps the drafts up to the
+first disagreement and the target's token after them). Requests whose sampling needs each position's
+own history (repetition / presence / frequency penalties, min_tokens bans still in force) decode one
+token at a time in the same passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .request import Request
+
+SPEC_METHODS = ("mtp",)
+MAX_SPEC_TOKENS = 15  # the GDN verify tables keep k + 1 <= 16 steps
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+
+    @classmethod
+    def parse(cls, value: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """vLLM's form, {"method": "mtp", "num_speculative_tokens": k}; errors name the field."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"speculative_config: must be a mapping such as {{'method': 'mtp', ...}}, got {_short(value)}"
+            )
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key {_short(unknown[0])}; known: method, num_speculative_tokens"
+            )
+        method = value.get("method", "mtp")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method: {_short(method)} is not supported; supported: mtp")
+        k = value.get("num_speculative_tokens")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPEC_TOKENS:
+            name = "speculative_config.num_speculative_tokens"
+            raise ValueError(f"{name}: must be an integer in 1..{MAX_SPEC_TOKENS}, got {_short(k)}")
+        return cls(method=method, num_speculative_tokens=k)
+
+
+def _short(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def speculates(req: Request) -> bool:
+    """Whether the request's sampling allows verify rows (every position is sampled as a plain decode
+    step would sample it, with no per-position history)."""
+    params = req.sampling_params
+    if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        return False
+    return len(req.output_token_ids) >= params.min_tokens
+
+
+@dataclass
+class SpecStats:
+    """Drafts proposed and accepted: per verify row, k proposed and the accepted ones (a prefix)."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0  # verify rows
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = [0] * self.num_speculative_tokens
+
+    def record(self, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += self.num_speculative_tokens
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verify row emits on average: its accepted drafts and the target's token (vLLM's
+        definition); 0 before any verify."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict:
+        rates = [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_position]
+        return {
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_rate_per_position": rates,
+            "mean_acceptance_length": self.mean_acceptance_length,
+        }
