@@ -87,6 +87,7 @@ class ModelRunner:
         )
         self.pool: StatePool | None = None
         self.spec: SpecDecoder | None = None
+        self.verify_graphs = None
         self.graphs = None
         self.late_compiles: LateCompileLog | None = None  # set once start-up is over (allocate)
         self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
@@ -179,6 +180,7 @@ class ModelRunner:
             # given sizes skip the profiling pass, which runs the warm-up: run it on the empty pool
             self.compile_warmup(self.pool)
         self.graphs = self._capture_graphs()
+        self.verify_graphs = self._capture_verify_graphs()
         if self.device.type == "cuda":  # after the graph captures, which compile the decode kernels
             self.late_compiles = LateCompileLog()
             self.late_compiles.install()
@@ -200,6 +202,34 @@ class ModelRunner:
             scratch_page=sizes.num_blocks - 1,
             batch_sizes=tuple(b for b in DEFAULT_BATCH_SIZES if b <= self.config.cuda_graph_max_batch),
         )
+
+    def _capture_verify_graphs(self):
+        """The speculative verify CUDA graphs (None on CPU, with graphs off or without speculation)."""
+        if self.device.type != "cuda" or not self.config.enable_cuda_graphs or self.spec is None:
+            return None
+        from deltaserve.workers.cuda_graph import DEFAULT_BATCH_SIZES
+        from deltaserve.workers.spec_graphs import VerifyGraphs
+
+        sizes, k = self.sizes, self.spec.k
+        max_len = self.model_config.max_position_embeddings + 2 * k
+        batch_sizes = tuple(
+            b for b in DEFAULT_BATCH_SIZES if b <= min(self.config.max_num_seqs, self.config.cuda_graph_max_batch)
+        )
+        try:
+            graphs = VerifyGraphs(
+                self.model,
+                self.spec,
+                max_pages=min(sizes.num_blocks, -(-max_len // sizes.block_size)),
+                scratch_slot=sizes.num_slots - 1,
+                scratch_page=sizes.num_blocks - 1,
+                batch_sizes=batch_sizes,
+                device=self.device,
+            )
+        except Exception:  # serving goes on eagerly; tests/test_gpu_spec_decode.py asserts the graphs exist
+            log.exception("capturing the speculative verify CUDA graphs failed: verify passes run eagerly")
+            torch.cuda.synchronize(self.device)
+            return None
+        return graphs if graphs.batch_sizes else None
 
     def recapture_graphs(self) -> None:
         """Capture the decode graphs again, e.g. after a kernel switch read at launch time changed
@@ -245,6 +275,12 @@ class ModelRunner:
             self.sampler.add(data)
         events = self._start_events()
         self._copy_state(plan)
+        if (
+            self.verify_graphs is not None
+            and self.verify_graphs.can_run(plan)
+            and self.sampler.is_plain_greedy(plan.req_ids)
+        ):
+            return self._graphed_verify(plan, started, events)
         logits, spans, forward = self._forward(plan, self.pool, prev_tokens)
         # every TP rank samples (its logits are the full vocabulary after the all-gather, and its
         # sampler sees the same plans, seeds and counters): the next plan may read its decode input
@@ -289,6 +325,22 @@ class ModelRunner:
         self._prev = (plan.pass_id, tokens)
         handle = PassOutput(self, plan.pass_id, batch, copy, prompt_parts, started, events=events)
         handle.set_spec(verify, drafts, plan)
+        self._unresolved.append(handle)
+        return handle
+
+    def _graphed_verify(self, plan: PassPlan, started: float, events) -> PassOutput:
+        """A pass of greedy verify rows, the whole speculative step replayed from a CUDA graph."""
+        copy = HostCopy(self.device)
+        sampled, accepted, drafts = self.verify_graphs.run(plan)
+        verify = self.sampler.verified(plan.req_ids, sampled, accepted, copy)
+        drafts_slot = copy.add(drafts)
+        if events is not None:
+            events[2].record()
+            self._last_pass_end = events[2]
+        copy.record()
+        self._prev = (plan.pass_id, torch.zeros(0, dtype=torch.long, device=self.device))
+        handle = PassOutput(self, plan.pass_id, None, copy, [], started, events=events)
+        handle.set_spec(verify, drafts_slot, plan)
         self._unresolved.append(handle)
         return handle
 

@@ -246,6 +246,23 @@ class Sampler:
         want, parts = self._logprob_parts(expanded, tokens, logits, copy, logprobs)
         return VerifyBatch(req_ids, states, sampled, num_accepted, copy, want, parts)
 
+    def is_plain_greedy(self, req_ids: Sequence[str]) -> bool:
+        """Whether every request samples by argmax alone, without logprobs or penalties: their verify
+        rows can run inside a CUDA graph."""
+        for r in req_ids:
+            state = self.states[r]
+            if state.spec.temperature != 0 or state.spec.logprobs is not None or _needs_penalties(state):
+                return False
+        return True
+
+    def verified(
+        self, req_ids: list[str], sampled: torch.Tensor, num_accepted: torch.Tensor, copy: HostCopy
+    ) -> VerifyBatch:
+        """A VerifyBatch of greedy verify rows sampled elsewhere (a CUDA graph's argmax and acceptance)."""
+        if not self.is_plain_greedy(req_ids):
+            raise ValueError("only greedy verify rows without logprobs run outside the sampler")
+        return VerifyBatch(req_ids, [self.states[r] for r in req_ids], sampled, num_accepted, copy, [], None)
+
     def _tokens(self, logits: torch.Tensor, states: list[RequestSamplingState], steps: list[int]) -> torch.Tensor:
         """One token per row of logits [R, V]: the argmax for greedy requests, a draw (seeded at
         `steps[i]` for a request with a seed) for the others."""

@@ -55,10 +55,10 @@ class SpecDecoder:
         tokens, row_token_index[n] the entry of plan row n in it (-1: the row did not sample there).
         Returns the drafts [R, k] of the plan's drafting rows, in row order (None: none)."""
         nv = plan.num_decode_rows if plan.num_spec_tokens else 0
-        if nv:
-            self.model.write_on_accept(self.pool.layer_states, ctx.decode.state_slots, num_accepted)
-        ids_next = self._next_tokens(plan, ctx, nv, verify_sampled, row_tokens, row_token_index)
         with torch.inference_mode():
+            if nv:
+                self.model.write_on_accept(self.pool.layer_states, ctx.decode.state_slots, num_accepted)
+            ids_next = self._next_tokens(plan, ctx, nv, verify_sampled, row_tokens, row_token_index)
             catch_up = dataclasses.replace(ctx, input_ids=ids_next, midchunk_capture=None)
             out = self.model.mtp_forward(catch_up, hidden, self.pool.mtp_state)
             drafting = np.flatnonzero(plan.draft_rows) if plan.draft_rows is not None else np.zeros(0, np.int64)
@@ -69,13 +69,15 @@ class SpecDecoder:
     def _next_tokens(self, plan, ctx, nv, verify_sampled, row_tokens, row_token_index) -> torch.Tensor:
         """Each pass position's next token, on the device: the next input within a row; at a row's
         last position the token sampled there, or the next prompt token (a chunk that does not end
-        its prompt)."""
+        its prompt). A plan of verify rows only needs nothing from the host (CUDA graphs capture it)."""
         ids = ctx.input_ids
         ids_next = torch.empty_like(ids)
         ids_next[:-1] = ids[1:]
         starts = plan.query_start_loc
         if nv:
             ids_next[: int(starts[nv])] = verify_sampled.reshape(-1).to(ids.dtype)
+        if plan.num_rows == nv:
+            return ids_next
         rows = np.arange(nv, plan.num_rows)
         last = starts[rows + 1] - 1
         src = np.asarray(row_token_index, dtype=np.int64)[rows]
@@ -96,7 +98,14 @@ class SpecDecoder:
         model, starts, length = self.model, plan.query_start_loc, plan.num_spec_tokens + 1
         # every verify row drafts (its request speculates); their catch-up row is the accepted one
         others = drafting[drafting >= nv]
-        base, bt_rows = upload([np.concatenate([np.arange(nv) * length, starts[others + 1] - 1]), drafting], out.device)
+        tables = [m.block_tables for m in (ctx.decode, ctx.prefill) if m is not None]
+        if len(others):
+            rows = np.concatenate([np.arange(nv) * length, starts[others + 1] - 1])
+            base, bt_rows = upload([rows, drafting], out.device)
+            # the decode and prefill rows' block tables are views of one [N, max_pages] upload
+            block_tables = (tables[0] if len(tables) == 1 else torch.cat(tables)).index_select(0, bt_rows)
+        else:  # verify rows only: device work alone (CUDA graphs capture it)
+            base, block_tables = torch.arange(nv, device=out.device) * length, ctx.decode.block_tables
         if nv:
             base[:nv] += num_accepted
         hidden = out.index_select(0, base)
@@ -104,9 +113,6 @@ class SpecDecoder:
         drafts = [argmax_kernels.row_argmax(logits=model.compute_logits(hidden))]
         if self.k == 1:
             return drafts[0][:, None]
-        # the decode and prefill rows' block tables are views of one [N, max_pages] upload
-        tables = [m.block_tables for m in (ctx.decode, ctx.prefill) if m is not None]
-        block_tables = (tables[0] if len(tables) == 1 else torch.cat(tables)).index_select(0, bt_rows)
         block_size = self.pool.sizes.block_size
         num = len(drafting)
         for _ in range(self.k - 1):
