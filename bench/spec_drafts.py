@@ -20,8 +20,8 @@ class ReferenceDrafter:
         self.reference, self.agreement, self.vocab_size = reference, agreement, vocab_size
         self.rng = np.random.default_rng(seed)
 
-    def propose(self, req, k: int) -> list[int]:
-        """The k drafts after the request's latest token."""
+    def propose(self, req, k: int, head_drafts=None) -> list[int]:
+        """The k drafts after the request's latest token (the head's own, `head_drafts`, unused)."""
         ref = self.reference[tuple(req.prompt_token_ids)]
         done = len(req.output_token_ids)
         out = []

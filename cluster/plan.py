@@ -63,8 +63,9 @@ class PassPlan:
     has_initial_state: np.ndarray  # [N] bool: cached tokens exist before this pass
     sample_rows: np.ndarray  # [N] bool: the row's last token yields a sampled token
     prompt_logprob_rows: np.ndarray  # [N] bool: return prompt logprobs for this row's tokens
-    # [N] int32: the prompt token right after the row's chunk (-1: none), so that the chunk's last
-    # position gets a prompt logprob too
+    # [N] int32: the token right after the row's chunk (-1: none or not known yet), so that the chunk's
+    # last position gets a prompt logprob too and the MTP head its next token (a preempted request's
+    # recomputed chunk may end before one of its output tokens)
     next_prompt_token: np.ndarray | None = None
     # [N] int32 (async scheduling): -1, or j: the row is one decode token whose id is not known on
     # the driver yet (input_ids holds a placeholder); the runner takes it on the device from entry j

@@ -85,8 +85,8 @@ class Scheduler:
         # this plan's rows by request id: verify rows, and rows after which the head drafts
         self._verify: set[str] = set()
         self._drafting: set[str] = set()
-        # tests and benchmarks: an object whose propose(req, k) replaces the head's drafts (a draft
-        # of known quality); the head still runs
+        # tests and benchmarks: an object whose propose(req, k, head_drafts) replaces the head's
+        # drafts (drafts of known quality); the head still runs
         self.drafter = None
 
     # ---- queue -----------------------------------------------------------------------------
@@ -526,9 +526,7 @@ class Scheduler:
             ),
             next_prompt_token=np.asarray(
                 [
-                    r.prompt_token_ids[r.num_computed_tokens + n]
-                    if r.num_computed_tokens + n < r.num_prompt_tokens
-                    else -1
+                    r.token_at(r.num_computed_tokens + n) if r.num_computed_tokens + n < r.num_tokens else -1
                     for r, n in rows
                 ],
                 dtype=np.int32,
@@ -612,7 +610,7 @@ class Scheduler:
             if not req.is_finished and self.k:
                 drafts = output.draft_token_ids.get(req_id, ())
                 if drafts and self.drafter is not None:
-                    drafts = self.drafter.propose(req, self.k)
+                    drafts = self.drafter.propose(req, self.k, drafts)
                 req.draft_token_ids = list(drafts)
             touched.append((req, len(tokens)))
         return touched

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mtp_reference import Reference
 from passes import Sequences
-from safetensors.torch import load_file
-from tiny_models import FAMILIES, VOCAB_SIZE, mtp_donor, save_tiny
+from tiny_models import FAMILIES, VOCAB_SIZE, save_tiny
 
 from deltaserve.layers.loader import CheckpointError, load_model
 
@@ -22,40 +22,6 @@ TOL = 1e-4
 def prompt(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist()
-
-
-class Reference:
-    """The head in plain torch around transformers' own classes."""
-
-    def __init__(self, family: str, path, hf):
-        self.hf = hf
-        self.donor = mtp_donor(family)
-        self.tensors = {k: v for k, v in load_file(str(path / "model.safetensors")).items() if k.startswith("mtp.")}
-
-    def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        norm = type(self.hf.model.norm)(x.shape[-1], self.hf.config.rms_norm_eps)
-        with torch.no_grad():
-            norm.weight.copy_(self.tensors[f"mtp.{name}.weight"])
-        return norm(x)
-
-    def target_hidden(self, ids: list[int]) -> torch.Tensor:
-        """The target's final normed hidden state at every position (uncached forward)."""
-        with torch.no_grad():
-            return self.hf.model(torch.tensor([ids]), use_cache=False).last_hidden_state[0]
-
-    def head(self, next_ids: list[int], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, output hidden) at positions 0 .. len - 1, row p reading hidden[p] and next_ids[p]."""
-        with torch.no_grad():
-            emb = self.hf.model.embed_tokens(torch.tensor(next_ids))
-            x = torch.cat([self._norm("pre_fc_norm_embedding", emb), self._norm("pre_fc_norm_hidden", hidden)], -1)
-            x = x @ self.tensors["mtp.fc.weight"].T
-            n = x.shape[0]
-            pos = torch.arange(n)[None]
-            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-            pe = self.donor.model.rotary_emb(x[None], pos)
-            y = self.donor.model.layers[0](x[None], position_embeddings=pe, attention_mask=mask, position_ids=pos)
-            y = self._norm("norm", y[0])
-            return self.hf.lm_head(y), y
 
 
 def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:

@@ -251,3 +251,34 @@ def test_checkpoint_without_mtp_is_an_error(tmp_path):
     save_tiny("qwen3_next", tmp_path / "no_head", mtp=False, num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match="declares none"):
         LLM(str(tmp_path / "no_head"), speculative_config=spec(2))
+
+
+class Recording:
+    """Keeps every draft the head proposed (with the tokens it followed) and passes on another
+    drafter's: the head's KV and hidden-state bookkeeping is checked under partial acceptance."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    def propose(self, req, k, head_drafts):
+        self.seen.append((req.prompt_token_ids + req.output_token_ids, list(head_drafts)))
+        return self.inner.propose(req, k, head_drafts)
+
+
+def test_head_drafts_match_its_reference(family, request):
+    """The drafts the engine's head proposes after each step (its catch-up over prefill chunks and
+    the accepted verify positions, then its own draft steps) are those of the plain-torch head over
+    the whole sequence so far."""
+    from mtp_reference import Reference
+
+    path, reference = family
+    fam = request.node.callspec.params["family"]
+    ref = Reference(fam, path, request.getfixturevalue("tiny_checkpoints")[fam][1])
+    llm = engine(path, 3)
+    recording = Recording(ReferenceDrafter(reference, 0.7, VOCAB_SIZE))
+    llm.engine.scheduler.drafter = recording
+    prompts, params = workload()
+    llm.generate(prompts, params, use_tqdm=False)
+    assert len(recording.seen) > 10
+    for tokens, drafts in recording.seen:
+        assert drafts == ref.drafts(tokens, 3), len(tokens)
