@@ -97,6 +97,7 @@ def bench_passes(llm: LLM, batches: list[int], ks: list[int], context: int, repe
     model, pool, device = runner.model, runner.pool, runner.device
     bs, vocab = pool.sizes.block_size, model.config.vocab_size
     timer = Timer(device, repeats)
+    pdl = runner.kernels.pdl
     graphs = None
     if device.type == "cuda":
         from deltaserve.workers.cuda_graph import DecodeGraphs
@@ -109,6 +110,7 @@ def bench_passes(llm: LLM, batches: list[int], ks: list[int], context: int, repe
             scratch_slot=pool.sizes.num_slots - 1,
             scratch_page=pool.sizes.num_blocks - 1,
             batch_sizes=tuple(batches),
+            kernels=runner.kernels,
         )
     # the engine's own verify buffers: its graphs were captured on them, so they stay alive and come
     # back after each k's own buffers (a graph replay over freed buffers would write into other memory)
@@ -119,13 +121,15 @@ def bench_passes(llm: LLM, batches: list[int], ks: list[int], context: int, repe
         indices, _ = logits_rows(plan)
 
         def eager(plan=plan, indices=indices):
-            ctx = build_forward_context(plan, model.config, model.layout, device, indices)
+            ctx = build_forward_context(plan, model.config, model.layout, device, indices, kernels=runner.kernels)
             with torch.inference_mode():
-                argmax_kernels.row_argmax(logits=model.compute_logits(model(ctx, pool.layer_states)))
+                argmax_kernels.row_argmax(logits=model.compute_logits(model(ctx, pool.layer_states)), pdl=pdl)
 
         row = {"batch": b, "decode_eager_ms": timer(eager)}
         if graphs is not None:
-            row["decode_graph_ms"] = timer(lambda plan=plan: argmax_kernels.row_argmax(logits=graphs.run(plan)))
+            row["decode_graph_ms"] = timer(
+                lambda plan=plan: argmax_kernels.row_argmax(logits=graphs.run(plan), pdl=pdl)
+            )
         decode_ms = row.get("decode_graph_ms", row["decode_eager_ms"])
         for k in ks:
             row[f"k{k}"] = _verify_costs(llm, b, k, context, timer, decode_ms, engine_buffers)
@@ -158,10 +162,11 @@ def _verify_costs(
     held = {}
 
     def verify():
-        ctx = build_forward_context(plan, model.config, model.layout, device, indices)
+        ctx = build_forward_context(plan, model.config, model.layout, device, indices, kernels=runner.kernels)
         with torch.inference_mode():
             hidden = model(ctx, pool.layer_states)
-            sampled = argmax_kernels.row_argmax(logits=model.compute_logits(hidden)).view(b, k + 1)
+            logits = model.compute_logits(hidden)
+            sampled = argmax_kernels.row_argmax(logits=logits, pdl=runner.kernels.pdl).view(b, k + 1)
             accepted = accept_drafts(sampled, ctx.input_ids.view(b, k + 1)[:, 1:])
             model.write_on_accept(pool.layer_states, ctx.decode.state_slots, accepted)
         held.update(ctx=ctx, hidden=hidden, sampled=sampled, accepted=accepted)

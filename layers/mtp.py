@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from .base import AttnLayerState, CheckpointTensor, ForwardContext
-from .common import RMSNorm, empty_param, whole
+from .common import RMSNorm, empty_param, project, whole
 from .config import ConfigError, ModelConfig
-from .kernels import linear as linear_kernels
+from .kernels import norm as norm_kernels
 from .model import DecoderLayer, add_rms_norm
 from .parallel import ParallelLayout
 
@@ -60,8 +60,10 @@ class MtpHead(nn.Module):
         """embeds [T, H]: the target's embedding of each row's next token; hidden [T, H]: the target's
         final hidden state at the row's position (or the head's own output, drafting further).
         Returns the head's normed output [T, H] (its logits are the target's lm_head of it)."""
-        e = self.pre_fc_norm_embedding(embeds)
-        h = self.pre_fc_norm_hidden(hidden)
-        x = linear_kernels.linear(x=torch.cat((e, h), dim=-1), weight=self.fc)
+        pdl = ctx.kernels.pdl
+        e_norm, h_norm = self.pre_fc_norm_embedding, self.pre_fc_norm_hidden
+        e = norm_kernels.rms_norm(x=embeds, weight=e_norm.weight, eps=e_norm.eps, pdl=pdl)
+        h = norm_kernels.rms_norm(x=hidden, weight=h_norm.weight, eps=h_norm.eps, pdl=pdl)
+        x = project(torch.cat((e, h), dim=-1), self.fc, ctx.kernels)
         out = self.layer(x, None, ctx, state, next_norm=self.norm)
-        return out.hidden if out.normed else add_rms_norm(out.hidden, out.residual, self.norm)[0]
+        return out.hidden if out.normed else add_rms_norm(out.hidden, out.residual, self.norm, ctx.kernels)[0]

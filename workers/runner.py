@@ -17,7 +17,7 @@ import gc
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ import torch
 from deltaserve.cluster.plan import PassPlan, RunnerOutput
 from deltaserve.cluster.wire import WireError
 from deltaserve.layers.config import ModelConfig
+from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.loader import load_model
 from deltaserve.layers.parallel import ParallelLayout
 from deltaserve.workers.compile_watch import LateCompileLog
@@ -65,6 +66,7 @@ class RunnerConfig:
     cuda_graph_max_batch: int = 256
     time_passes: bool = False  # CUDA events around each pass (RunnerOutput.device_busy_s / device_gap_s)
     num_prefix_snapshots: int | None = 0  # GDN snapshot slots (None: what 10% of the pool budget holds)
+    kernels: KernelOptions = field(default_factory=KernelOptions.from_env)  # the kernel choices, read once
     num_speculative_tokens: int = 0  # MTP drafts verified per step (0: no speculative decoding)
 
 
@@ -90,7 +92,8 @@ class ModelRunner:
         self.verify_graphs = None
         self.graphs = None
         self.late_compiles: LateCompileLog | None = None  # set once start-up is over (allocate)
-        self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
+        self.kernels = config.kernels
+        self.sampler = Sampler(model_config.vocab_size, seed=config.seed, pdl=self.kernels.pdl)
         self._unresolved: deque[PassOutput] = deque()  # launched passes whose output is not read yet
         self._last_pass_end = None  # with config.time_passes: the last launched pass's end event
         self._prev: tuple[int, torch.Tensor] | None = None  # (pass id, its sampled ids on the device)
@@ -201,6 +204,7 @@ class ModelRunner:
             scratch_slot=sizes.num_slots - 1,
             scratch_page=sizes.num_blocks - 1,
             batch_sizes=tuple(b for b in DEFAULT_BATCH_SIZES if b <= self.config.cuda_graph_max_batch),
+            kernels=self.kernels,
         )
 
     def _capture_verify_graphs(self):
@@ -224,6 +228,7 @@ class ModelRunner:
                 scratch_page=sizes.num_blocks - 1,
                 batch_sizes=batch_sizes,
                 device=self.device,
+                kernels=self.kernels,
             )
         except Exception:  # serving goes on eagerly; tests/test_gpu_spec_decode.py asserts the graphs exist
             log.exception("capturing the speculative verify CUDA graphs failed: verify passes run eagerly")
@@ -231,16 +236,20 @@ class ModelRunner:
             return None
         return graphs if graphs.batch_sizes else None
 
-    def recapture_graphs(self) -> None:
-        """Capture the decode graphs again, e.g. after a kernel switch read at launch time changed
-        (the benchmark's variants): a graph replays the kernels it was captured with. Nothing may be
+    def set_kernel_options(self, kernels: KernelOptions) -> None:
+        """Run later passes with these kernel choices (the benchmark's variants); the decode graphs,
+        which replay the kernels of their capture, are captured again under them. Nothing may be
         in flight."""
-        if self.graphs is None:
+        self.kernels = kernels
+        self.sampler.pdl = kernels.pdl
+        held = self.graphs or self.verify_graphs
+        if held is None or held.kernels == kernels:
             return
         torch.cuda.synchronize(self.device)
-        self.graphs = None
+        self.graphs = self.verify_graphs = None
         torch.cuda.empty_cache()
         self.graphs = self._capture_graphs()
+        self.verify_graphs = self._capture_verify_graphs()
 
     # ---- one pass ----------------------------------------------------------------------------
     def _forward(self, plan: PassPlan, pool: StatePool, prev_tokens: torch.Tensor | None = None):
@@ -249,7 +258,9 @@ class ModelRunner:
         indices, spans = logits_rows(plan)
         if self.graphs is not None and pool is self.pool and self.graphs.can_run(plan):
             return self.graphs.run(plan, prev_tokens), spans, None
-        ctx = build_forward_context(plan, self.model_config, self.layout, self.device, indices, prev_tokens)
+        ctx = build_forward_context(
+            plan, self.model_config, self.layout, self.device, indices, prev_tokens, kernels=self.kernels
+        )
         with torch.inference_mode():
             hidden = self.model(ctx, pool.layer_states)
             logits = self.model.compute_logits(hidden[ctx.logits_indices]) if len(indices) else None

@@ -110,7 +110,7 @@ class SpecDecoder:
             base[:nv] += num_accepted
         hidden = out.index_select(0, base)
         positions = ctx.positions.index_select(0, base).to(torch.int64)
-        drafts = [argmax_kernels.row_argmax(logits=model.compute_logits(hidden))]
+        drafts = [argmax_kernels.row_argmax(logits=model.compute_logits(hidden), pdl=ctx.kernels.pdl)]
         if self.k == 1:
             return drafts[0][:, None]
         block_size = self.pool.sizes.block_size
@@ -137,5 +137,5 @@ class SpecDecoder:
                 midchunk_capture=None,
             )
             hidden = model.mtp_forward(step, hidden, self.pool.mtp_state)
-            drafts.append(argmax_kernels.row_argmax(logits=model.compute_logits(hidden)))
+            drafts.append(argmax_kernels.row_argmax(logits=model.compute_logits(hidden), pdl=ctx.kernels.pdl))
         return torch.stack(drafts, dim=1)

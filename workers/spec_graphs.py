@@ -18,6 +18,7 @@ import torch
 from deltaserve.cluster.plan import PassPlan
 from deltaserve.layers.base import AttnMetadata, ForwardContext
 from deltaserve.layers.kernels import argmax as argmax_kernels
+from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.model import HybridModel
 from deltaserve.workers.context import upload
 from deltaserve.workers.rejection import accept_drafts
@@ -40,8 +41,10 @@ class VerifyGraphs:
         scratch_page: int,
         batch_sizes: tuple[int, ...],
         device: torch.device,
+        kernels: KernelOptions,
     ):
         self.model, self.spec, self.device = model, spec, device
+        self.kernels = kernels  # the kernel choices every graph was captured with
         self.k, self.length = spec.k, spec.k + 1
         self.batch_sizes = tuple(sorted(b for b in batch_sizes if b * self.length <= MAX_GRAPH_TOKENS))
         self.max_pages, self.scratch_slot, self.scratch_page = max_pages, scratch_slot, scratch_page
@@ -77,6 +80,7 @@ class VerifyGraphs:
             decode=decode,
             prefill=None,
             logits_indices=torch.arange(t, device=self.device),
+            kernels=self.kernels,
         )
 
     def _template(self, bs: int) -> PassPlan:
@@ -104,7 +108,8 @@ class VerifyGraphs:
     def _step(self, bs: int):
         ctx, model = self._context(bs), self.model
         hidden = model(ctx, self.spec.pool.layer_states)
-        sampled = argmax_kernels.row_argmax(logits=model.compute_logits(hidden)).view(bs, self.length)
+        logits = model.compute_logits(hidden)
+        sampled = argmax_kernels.row_argmax(logits=logits, pdl=self.kernels.pdl).view(bs, self.length)
         accepted = accept_drafts(sampled, ctx.input_ids.view(bs, self.length)[:, 1:])
         drafts = self.spec.after_sampling(self._template(bs), ctx, hidden, sampled, accepted, None, [-1] * bs)
         return sampled, accepted, drafts
