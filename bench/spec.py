@@ -64,7 +64,7 @@ class Timer:
 def scratch_plan(batch: int, context: int, new: int, block_size: int, vocab: int, k: int = 0):
     """A plan of `batch` rows with `context` cached tokens and `new` tokens each (verify rows when k),
     on pages 0.. and slots 0.. (scratch: the engine is idle)."""
-    from deltaserve.cluster.plan import PassPlan
+    from deltaserve.workers.plan import PassPlan
 
     pages = -(-(context + new + max(k - 1, 0)) // block_size)
     tables = np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
@@ -306,7 +306,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="checkpoint dir (or use --preset with random weights)")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS))
     p.add_argument("--load-format", default="random")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default="auto")
     p.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="drafts per verify row for the pass timings")
     p.add_argument("--batches", default="1,16,64", help="batch sizes of the pass timings")
     p.add_argument("--k", type=int, default=3, help="drafts per verify row of the per-token timings")

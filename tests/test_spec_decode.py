@@ -8,6 +8,7 @@ accept, the head's catch-up and the truncation of accepted tokens at a stop all 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -176,7 +177,7 @@ def test_stops_inside_a_verify_row(moe):
     cases = [
         dict(params=SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id])),
         dict(params=SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)),
-        dict(params=SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), max_model_len=len(prompt) + 6),
+        dict(params=SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), max_model_len=len(prompt) + 6),
         dict(params=SamplingParams(temperature=0, max_tokens=20), eos=stop_id),
     ]
     plain_llm = engine(path, None)
@@ -205,13 +206,13 @@ def test_stops_inside_a_verify_row(moe):
 @pytest.mark.parametrize(
     "config, match",
     [
-        ({"method": "eagle", "num_speculative_tokens": 2}, r"speculative_config\.method"),
-        ({"method": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-        ({"method": "mtp", "num_speculative_tokens": 16}, "num_speculative_tokens"),
-        ({"method": "mtp", "num_speculative_tokens": "3"}, "num_speculative_tokens"),
-        ({"method": "mtp"}, "num_speculative_tokens"),
-        ({"method": "mtp", "num_speculative_tokens": 2, "draft_model": "x"}, "draft_model"),
-        ("mtp", "speculative_config"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config: method 'eagle'"),
+        ({"method": "mtp", "num_speculative_tokens": 0}, "speculative_config: num_speculative_tokens"),
+        ({"method": "mtp", "num_speculative_tokens": 16}, "speculative_config: num_speculative_tokens"),
+        ({"method": "mtp", "num_speculative_tokens": "3"}, "speculative_config: num_speculative_tokens"),
+        ({"method": "mtp"}, "speculative_config: num_speculative_tokens"),
+        ({"method": "mtp", "num_speculative_tokens": 2, "draft_model": "x"}, "speculative_config: unknown key"),
+        ("mtp", "speculative_config: must be"),
     ],
 )
 def test_bad_config_names_the_field(moe, config, match):
@@ -282,3 +283,22 @@ def test_head_drafts_match_its_reference(family, request):
     assert len(recording.seen) > 10
     for tokens, drafts in recording.seen:
         assert drafts == ref.drafts(tokens, 3), len(tokens)
+
+
+def test_flag_and_kwarg_give_the_same_config(tmp_path):
+    """`--speculative-config '{json}'` on serve's command line and LLM(speculative_config=...) build
+    the same tree; a flag that is not a JSON object is an argparse error naming the flag."""
+    from deltaserve.cli import build_parser
+    from deltaserve.cluster.config import EngineConfig
+    from deltaserve.cluster.entrypoints.cli import engine_config
+
+    parser = build_parser(["serve"])
+    args = parser.parse_args(["serve", "--model", str(tmp_path), "--speculative-config", json.dumps(spec(3))])
+    config = engine_config(args, "local")
+    assert config == EngineConfig.from_kwargs(model=str(tmp_path), speculative_config=spec(3), executor="local")
+    assert config.worker_config().runner.num_speculative_tokens == 3
+    for text in ("{method: mtp}", "[3]"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--model", str(tmp_path), "--speculative-config", text])
+    with pytest.raises(ValueError, match="^speculative_config: num_speculative_tokens"):
+        engine_config(parser.parse_args(["serve", "--speculative-config", '{"num_speculative_tokens": 99}']), "local")

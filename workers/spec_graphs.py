@@ -15,12 +15,12 @@ import logging
 import numpy as np
 import torch
 
-from deltaserve.cluster.plan import PassPlan
 from deltaserve.layers.base import AttnMetadata, ForwardContext
 from deltaserve.layers.kernels import argmax as argmax_kernels
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.model import HybridModel
 from deltaserve.workers.context import upload
+from deltaserve.workers.plan import PassPlan
 from deltaserve.workers.rejection import accept_drafts
 from deltaserve.workers.spec_decode import SpecDecoder
 

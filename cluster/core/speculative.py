@@ -1,5 +1,5 @@
-"""Speculative decoding on the driver: the `speculative_config` setting, which requests speculate, and
-the acceptance counters.
+"""Speculative decoding on the driver: which requests speculate, and the acceptance counters (the
+setting itself, `speculative_config`, is RunnerConfig's).
 
 A speculating request decodes in verify rows: its last token and the k drafts the MTP head proposed
 after the previous pass, verified by the target in one pass (the worker keeps the drafts up to the
@@ -13,43 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .request import Request
-
-SPEC_METHODS = ("mtp",)
-MAX_SPEC_TOKENS = 15  # the GDN verify tables keep k + 1 <= 16 steps
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    method: str = "mtp"
-    num_speculative_tokens: int = 1
-
-    @classmethod
-    def parse(cls, value: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
-        """vLLM's form, {"method": "mtp", "num_speculative_tokens": k}; errors name the field."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(
-                f"speculative_config: must be a mapping such as {{'method': 'mtp', ...}}, got {_short(value)}"
-            )
-        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
-        if unknown:
-            raise ValueError(
-                f"speculative_config: unknown key {_short(unknown[0])}; known: method, num_speculative_tokens"
-            )
-        method = value.get("method", "mtp")
-        if method not in SPEC_METHODS:
-            raise ValueError(f"speculative_config.method: {_short(method)} is not supported; supported: mtp")
-        k = value.get("num_speculative_tokens")
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPEC_TOKENS:
-            name = "speculative_config.num_speculative_tokens"
-            raise ValueError(f"{name}: must be an integer in 1..{MAX_SPEC_TOKENS}, got {_short(k)}")
-        return cls(method=method, num_speculative_tokens=k)
-
-
-def _short(value, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def speculates(req: Request) -> bool:
