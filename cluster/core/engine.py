@@ -32,6 +32,7 @@ from .prefix_cache import CapturePolicy, PrefixCache, SnapshotCache
 from .request import CompletionOutput, FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .speculative import SpeculativeInfo
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class ModelInfo:
     max_num_seqs: int
     dtype: str  # in use ("auto" resolved for the device)
     device: str
+    speculative: SpeculativeInfo | None = None  # None: no speculative decoding
 
 
 @dataclass(frozen=True)
@@ -372,6 +374,7 @@ class EngineCore:
             max_num_seqs=self.scheduler.config.max_num_seqs,
             dtype=cfg.load.dtype_in_use,
             device=cfg.load.device,
+            speculative=None if self.scheduler.spec_stats is None else self.scheduler.spec_stats.info(),
         )
 
     def set_prefix_caching(self, enabled: bool) -> None:

@@ -24,6 +24,19 @@ def speculates(req: Request) -> bool:
     return len(req.output_token_ids) >= params.min_tokens
 
 
+@dataclass(frozen=True)
+class SpeculativeInfo:
+    """Speculative decoding as served, and its counters so far (GetModelInfo)."""
+
+    method: str
+    num_speculative_tokens: int
+    num_drafts: int  # verify rows
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: tuple[int, ...]
+    mean_acceptance_length: float
+
+
 @dataclass
 class SpecStats:
     """Drafts proposed and accepted: per verify row, k proposed and the accepted ones (a prefix)."""
@@ -49,6 +62,17 @@ class SpecStats:
         """Tokens a verify row emits on average: its accepted drafts and the target's token (vLLM's
         definition); 0 before any verify."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def info(self, method: str = "mtp") -> SpeculativeInfo:
+        return SpeculativeInfo(
+            method=method,
+            num_speculative_tokens=self.num_speculative_tokens,
+            num_drafts=self.num_drafts,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            accepted_per_position=tuple(self.accepted_per_position),
+            mean_acceptance_length=self.mean_acceptance_length,
+        )
 
     def as_dict(self) -> dict:
         rates = [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_position]
