@@ -209,6 +209,42 @@ def build_forward_context(
     )
 
 
+def decode_context(
+    *,
+    config: ModelConfig,
+    layout: ParallelLayout,
+    kernels: KernelOptions,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    state_slots: torch.Tensor,
+    tokens_per_row: int = 1,
+) -> ForwardContext:
+    """A pass of decode rows only (`tokens_per_row` tokens each) over device tensors that are already
+    there (CUDA-graph buffers, the MTP head's draft steps); logits for every token."""
+    decode = AttnMetadata(
+        positions=positions,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        state_slots=state_slots,
+        tokens_per_row=tokens_per_row,
+    )
+    return ForwardContext(
+        config=config,
+        layout=layout,
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        decode=decode,
+        prefill=None,
+        logits_indices=torch.arange(input_ids.shape[0], device=input_ids.device),
+        kernels=kernels,
+    )
+
+
 def midchunk_captures(plan: PassPlan) -> StateCaptures | None:
     """The plan's GDN captures in the prefill chunk's own coordinates (its streams and their lengths)."""
     if plan.captures is None or not len(plan.captures):

@@ -24,10 +24,10 @@ import dataclasses
 import numpy as np
 import torch
 
-from deltaserve.layers.base import AttnMetadata, ForwardContext
+from deltaserve.layers.base import ForwardContext
 from deltaserve.layers.kernels import argmax as argmax_kernels
 from deltaserve.layers.model import HybridModel
-from deltaserve.workers.context import upload
+from deltaserve.workers.context import decode_context, upload
 from deltaserve.workers.state_pool import StatePool
 
 
@@ -119,22 +119,16 @@ class SpecDecoder:
             positions = positions + 1
             page = block_tables.gather(1, (positions // block_size)[:, None]).squeeze(1).to(torch.int64)
             slots = page * block_size + positions % block_size
-            meta = AttnMetadata(
+            step = decode_context(
+                config=ctx.config,
+                layout=ctx.layout,
+                kernels=ctx.kernels,
+                input_ids=drafts[-1],
                 positions=positions,
                 slot_mapping=slots,
                 block_tables=block_tables,
                 seq_lens=(positions + 1).to(torch.int32),
                 state_slots=torch.zeros(num, dtype=torch.int32, device=out.device),
-            )
-            step = dataclasses.replace(
-                ctx,
-                input_ids=drafts[-1],
-                positions=positions,
-                slot_mapping=slots,
-                decode=meta,
-                prefill=None,
-                logits_indices=torch.arange(num, device=out.device),
-                midchunk_capture=None,
             )
             hidden = model.mtp_forward(step, hidden, self.pool.mtp_state)
             drafts.append(argmax_kernels.row_argmax(logits=model.compute_logits(hidden), pdl=ctx.kernels.pdl))

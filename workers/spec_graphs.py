@@ -15,11 +15,12 @@ import logging
 import numpy as np
 import torch
 
-from deltaserve.layers.base import AttnMetadata, ForwardContext
+from deltaserve.layers.base import ForwardContext
 from deltaserve.layers.kernels import argmax as argmax_kernels
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.model import HybridModel
-from deltaserve.workers.context import upload
+from deltaserve.workers.context import decode_context, upload
+from deltaserve.workers.cuda_graph import capture_per_batch
 from deltaserve.workers.plan import PassPlan
 from deltaserve.workers.rejection import accept_drafts
 from deltaserve.workers.spec_decode import SpecDecoder
@@ -63,24 +64,17 @@ class VerifyGraphs:
 
     def _context(self, bs: int) -> ForwardContext:
         t = bs * self.length
-        decode = AttnMetadata(
+        return decode_context(
+            config=self.model.config,
+            layout=self.model.layout,
+            kernels=self.kernels,
+            input_ids=self.ids[:t],
             positions=self.positions[:t],
             slot_mapping=self.slots[:t],
             block_tables=self.block_tables[:bs],
             seq_lens=self.seq_lens[:bs],
             state_slots=self.state_slots[:bs],
             tokens_per_row=self.length,
-        )
-        return ForwardContext(
-            config=self.model.config,
-            layout=self.model.layout,
-            input_ids=self.ids[:t],
-            positions=decode.positions,
-            slot_mapping=decode.slot_mapping,
-            decode=decode,
-            prefill=None,
-            logits_indices=torch.arange(t, device=self.device),
-            kernels=self.kernels,
         )
 
     def _template(self, bs: int) -> PassPlan:
@@ -105,30 +99,18 @@ class VerifyGraphs:
             draft_rows=np.ones(bs, bool),
         )
 
-    def _step(self, bs: int):
-        ctx, model = self._context(bs), self.model
+    def _step(self, ctx: ForwardContext, template: PassPlan):
+        bs, model = template.num_rows, self.model
         hidden = model(ctx, self.spec.pool.layer_states)
         logits = model.compute_logits(hidden)
         sampled = argmax_kernels.row_argmax(logits=logits, pdl=self.kernels.pdl).view(bs, self.length)
         accepted = accept_drafts(sampled, ctx.input_ids.view(bs, self.length)[:, 1:])
-        drafts = self.spec.after_sampling(self._template(bs), ctx, hidden, sampled, accepted, None, [-1] * bs)
+        drafts = self.spec.after_sampling(template, ctx, hidden, sampled, accepted, None, [-1] * bs)
         return sampled, accepted, drafts
 
     def _capture_all(self) -> None:
-        torch.cuda.synchronize(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory
-                for _ in range(2):  # warm up: Triton compiles outside the capture
-                    self._step(bs)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.out[bs] = self._step(bs)
-                self.graphs[bs] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        shapes = {bs: (self._context(bs), self._template(bs)) for bs in self.batch_sizes}
+        self.graphs, self.out = capture_per_batch(self.device, self.batch_sizes, lambda bs: self._step(*shapes[bs]))
         log.info("captured speculative verify CUDA graphs (k = %d) for batch sizes %s", self.k, self.batch_sizes)
 
     def can_run(self, plan: PassPlan) -> bool:
