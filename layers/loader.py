@@ -24,6 +24,7 @@ from .base import CheckpointTensor, LazyTensor
 from .config import ModelConfig
 from .model import HybridModel
 from .parallel import ParallelLayout
+from .qwen4_exp import Qwen4ExpModel
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,9 @@ def build_model(
     device: str | torch.device = "cpu",
 ) -> HybridModel:
     """The model with uninitialised parameters allocated directly in `dtype` on `device`."""
+    cls = Qwen4ExpModel if config.family == "qwen4_exp" else HybridModel
     with torch.device(device), _default_dtype(dtype):
-        model = HybridModel(config, layout)
+        model = cls(config, layout)
     return model.eval()
 
 
@@ -174,8 +176,8 @@ def fill_random(entries: list[CheckpointTensor], *, seed: int, dtype: torch.dtyp
     """Fill every target from a per-tensor seed: the same weights whatever the rank layout."""
     covered: set[str] = set()
     for entry in entries:
-        if entry.load is None or covered.issuperset(entry.targets):
-            continue
+        if entry.load is None or entry.init == "computed" or covered.issuperset(entry.targets):
+            continue  # "computed": the parameter holds its value from the config already
         generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(entry.name.encode()))
         full = _random_tensor(entry.shape, entry.init, generator, dtype, device)
         entry.load(LazyTensor(entry.name, entry.shape, lambda index, full=full: full[index] if index else full))
