@@ -1,0 +1,144 @@
+"""The Qwen4-Exp stack (QSA sparse attention, hyper-connections, PLE) against transformers' uncached
+forward on tiny random checkpoints (CPU, float32): whole prompts, chunked prompts (chunk boundaries
+inside compressed blocks and across the budget), several sequences in one pass, token-by-token decode,
+pages smaller than, equal to and larger than a compressed block, and the composite checkpoint.
+
+Prompts are longer than the budget (4 blocks of 3 tokens: a query past position 14 selects), and
+hold EOS tokens, which cut PLE's n-grams."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from passes import Sequences
+from tiny_models import VOCAB_SIZE
+from tiny_qwen4 import EOS, hf_logits, hf_model, save_tiny_qwen4
+
+from deltaserve.layers.loader import load_model
+
+TOL = 1e-4  # max abs error relative to the largest reference logit
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    scale = ref.abs().max().item()
+    err = (ours - ref).abs().max().item()
+    assert err <= TOL * scale, f"max abs error {err:.3g} exceeds {TOL} x logit scale {scale:.3g}"
+
+
+def prompt(n: int, seed: int, eos_at: tuple[int, ...] = ()) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist()
+    for i in eos_at:
+        ids[i] = EOS
+    return ids
+
+
+class Reference:
+    """transformers' logits per prompt, computed once."""
+
+    def __init__(self, hf):
+        self.hf, self.cache = hf, {}
+
+    def __call__(self, ids: list[int]) -> torch.Tensor:
+        key = tuple(ids)
+        if key not in self.cache:
+            self.cache[key] = hf_logits(self.hf, ids)
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen4_text")
+    hf = save_tiny_qwen4(path)
+    return load_model(path), Reference(hf)
+
+
+LONG = prompt(47, seed=1, eos_at=(9, 30, 31))
+
+
+def test_selection_matters():
+    """The prompts are long enough that QSA's selection changes the result: the same weights with a
+    budget that keeps everything give other logits (so the tests below can tell)."""
+    sparse, dense = hf_model(), hf_model(indexer_budget=600)
+    dense.load_state_dict(sparse.state_dict())
+    assert (hf_logits(sparse, LONG) - hf_logits(dense, LONG)).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("block_size", [2, 3, 4, 16])
+def test_whole_prompt_logits(text, block_size):
+    """Pages of 2 (a compressed block spans pages), 3 (one block a page), 4 and 16 (blocks straddle pages)."""
+    model, ref = text
+    seqs = Sequences(model, block_size=block_size, num_blocks=64 if block_size > 2 else 128)
+    seqs.add("a")
+    (ours,) = seqs.run([("a", LONG)])
+    assert_close(ours, ref(LONG))
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [1, 4, 10, 2, 30],  # ends inside blocks (r = 3), one chunk crossing the budget (position 14)
+        [14, 1, 1, 1, 30],  # one token a pass around the budget
+        [16, 31],  # the first chunk ends just past the budget
+        [2, 2, 2, 2, 2, 2, 2, 2, 31],
+    ],
+)
+def test_chunked_prompt(text, chunks):
+    model, ref = text
+    seqs = Sequences(model)
+    seqs.add("a")
+    got, start = [], 0
+    for size in chunks:
+        (part,) = seqs.run([("a", LONG[start : start + size])])
+        got.append(part)
+        start += size
+    assert start == len(LONG)
+    assert_close(torch.cat(got), ref(LONG))
+
+
+def test_varlen_batch_one_pass(text):
+    """Several sequences of different lengths in one pass, two already part-cached."""
+    model, ref = text
+    seqs = Sequences(model)
+    prompts = {"a": prompt(19, 3, (4,)), "b": prompt(44, 4), "c": prompt(1, 5), "d": prompt(33, 6, (20,))}
+    for s in prompts:
+        seqs.add(s)
+    seqs.run([("a", prompts["a"][:5]), ("d", prompts["d"][:20])])
+    out = seqs.run([("b", prompts["b"]), ("a", prompts["a"][5:]), ("c", prompts["c"]), ("d", prompts["d"][20:])])
+    assert_close(out[0], ref(prompts["b"]))
+    assert_close(out[1], ref(prompts["a"])[5:])
+    assert_close(out[2], ref(prompts["c"]))
+    assert_close(out[3], ref(prompts["d"])[20:])
+
+
+def test_decode_after_prefill_in_shared_pools(text):
+    """Prefill, then decode token by token (across the budget) with other sequences in the same passes."""
+    model, ref = text
+    seqs = Sequences(model)
+    full = {"a": prompt(30, 7, (12,)), "b": prompt(40, 8), "c": prompt(24, 9, (3, 4))}
+    prefill_len = {"a": 11, "b": 29, "c": 2}
+    for s in full:
+        seqs.add(s)
+    got = {s: [] for s in full}
+    for s, logits in zip(full, seqs.run([(s, full[s][: prefill_len[s]]) for s in full]), strict=True):
+        got[s].append(logits)
+    pos = dict(prefill_len)
+    while any(pos[s] < len(full[s]) for s in full):
+        rows = [(s, [full[s][pos[s]]]) for s in full if pos[s] < len(full[s])]
+        for (s, _), logits in zip(rows, seqs.run(rows), strict=True):
+            got[s].append(logits)
+            pos[s] += 1
+    for s in full:
+        assert_close(torch.cat(got[s]), ref(full[s]))
+
+
+def test_composite_checkpoint(tmp_path):
+    """qwen4_exp (vision + text): the text part loads from model.language_model.* and matches."""
+    hf = save_tiny_qwen4(tmp_path, composite=True, seed=3)
+    assert any(k.startswith("model.visual.") for k in hf.state_dict())
+    model = load_model(tmp_path)
+    seqs = Sequences(model)
+    seqs.add("a")
+    ids = prompt(26, 10, (7,))
+    got = seqs.run([("a", ids[:13])])[0], seqs.run([("a", ids[13:])])[0]
+    assert_close(torch.cat(got), hf_logits(hf, ids))
