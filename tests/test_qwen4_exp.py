@@ -142,3 +142,23 @@ def test_composite_checkpoint(tmp_path):
     ids = prompt(26, 10, (7,))
     got = seqs.run([("a", ids[:13])])[0], seqs.run([("a", ids[13:])])[0]
     assert_close(torch.cat(got), hf_logits(hf, ids))
+
+
+def test_triton_qsa_kernels_in_the_model(text, monkeypatch):
+    """The layer's calls into the Triton QSA kernels (interpreted on CPU): group slices, strides and
+    index dtypes as the model passes them, over a chunked prompt and decode steps."""
+    from deltaserve.layers.kernels import qsa
+    from deltaserve.layers.kernels.qsa import triton_qsa
+
+    for name in ("write_index_keys", "compress_blocks", "index_scores", "block_topk", "sparse_attention"):
+        monkeypatch.setattr(qsa, name, getattr(triton_qsa, name))
+    model, ref = text
+    seqs = Sequences(model)
+    seqs.add("a")
+    seqs.add("b")
+    other = prompt(20, 12)
+    got = [seqs.run([("a", LONG[:17]), ("b", other[:3])])[0]]
+    got.append(seqs.run([("a", LONG[17:44]), ("b", other[3:])])[0])
+    for i in range(44, len(LONG)):
+        got.append(seqs.run([("a", LONG[i : i + 1]), ("b", [other[0]])])[0])
+    assert_close(torch.cat(got), ref(LONG))
