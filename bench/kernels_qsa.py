@@ -70,8 +70,10 @@ def _dense(x: dict, new: int):
                               seq_lens=x["seq_lens"], block_tables=x["tables"], scale=D**-0.5)  # fmt: skip
 
 
-def _check(x: dict) -> float:
-    """The sparse attention against the plain-torch one on the same (Triton) selection."""
+def _check(x: dict, rows: int = 256) -> float:
+    """The sparse attention against the plain-torch one on the same (Triton) selection, over the first
+    `rows` queries (the reference gathers [queries, budget, Hkv, D] floats)."""
+    x = {**x, **{k: x[k][:rows] for k in ("positions", "rows", "q", "iq")}}
     scores = tq.index_scores(q=x["iq"], block_cache=x["blocks"], positions=x["positions"], token_rows=x["rows"],
                              block_tables=x["tables"], compress_ratio=RATIO, block_size=PAGE,
                              max_blocks=x["max_blocks"])  # fmt: skip

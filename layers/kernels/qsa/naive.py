@@ -163,8 +163,9 @@ def sparse_attention(
     pages = block_tables[token_rows.long()[:, None], kv_pos // block_size].long()
     acc = acc_dtype(q, k_cache)
     group = num_q_heads // num_kv_heads
-    keys = k_cache[pages, kv_pos % block_size].to(acc).repeat_interleave(group, dim=2)  # [T, L, Hq, D]
-    values = v_cache[pages, kv_pos % block_size].to(acc).repeat_interleave(group, dim=2)
-    s = torch.einsum("thd,tlhd->thl", q.to(acc), keys) * scale
-    s = s.masked_fill(~ok[:, None, :], float("-inf"))
-    return torch.einsum("thl,tlhd->thd", s.softmax(-1), values).to(q.dtype)
+    keys = k_cache[pages, kv_pos % block_size].to(acc)  # [T, L, Hkv, D]
+    values = v_cache[pages, kv_pos % block_size].to(acc)
+    qg = q.to(acc).unflatten(1, (num_kv_heads, group))  # q head h reads kv head h // group
+    s = torch.einsum("tkgd,tlkd->tkgl", qg, keys) * scale
+    s = s.masked_fill(~ok[:, None, None, :], float("-inf"))
+    return torch.einsum("tkgl,tlkd->tkgd", s.softmax(-1), values).flatten(1, 2).to(q.dtype)
