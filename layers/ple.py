@@ -121,10 +121,13 @@ def extend_rows(x: torch.Tensor, window: torch.Tensor, rows: PassRows) -> tuple[
     return ext, tok_pos
 
 
-def window_at(ext: torch.Tensor, rows: PassRows, row: torch.Tensor, offset: torch.Tensor, width: int) -> torch.Tensor:
-    """The window after `offset` tokens of each given row (its last `width` entries there): [M, width, ...]."""
+def window_at(
+    ext: torch.Tensor, rows: PassRows, row: torch.Tensor, offset: torch.Tensor, width: int, count: int | None = None
+) -> torch.Tensor:
+    """The window (of `width`, as extend_rows laid out ext) after `offset` tokens of each given row:
+    [M, width, ...]; or `count` entries from the window's start."""
     start = rows.starts[row] + row * width + offset
-    return ext[start[:, None] + torch.arange(width, device=ext.device)]
+    return ext[start[:, None] + torch.arange(count or width, device=ext.device)]
 
 
 def final_windows(ext: torch.Tensor, rows: PassRows, width: int) -> torch.Tensor:
@@ -136,10 +139,17 @@ def final_windows(ext: torch.Tensor, rows: PassRows, width: int) -> torch.Tensor
 @dataclass
 class PleState:
     """A PLE layer's per-sequence state, indexed by the GDN state slot: tokens [slots, N - 1] int64 (the
-    n-gram context), conv [slots, (kernel - 1) * N, count * hidden] (the conv window)."""
+    n-gram context), conv [slots, (kernel - 1) * N, count * hidden] (the conv window).
+
+    Speculative decoding (write-on-accept, as the GDN layer's): a verify pass over L tokens a row leaves
+    the slots as they were and keeps each row's windows followed by its L inputs, verify_tokens
+    [rows, N - 1 + L] and verify_conv [rows, (kernel - 1) * N + L, count * hidden]; accepting a + 1
+    tokens keeps the windows that end after them. None until speculative decoding is enabled."""
 
     tokens: torch.Tensor
     conv: torch.Tensor
+    verify_tokens: torch.Tensor | None = None
+    verify_conv: torch.Tensor | None = None
 
 
 class PerLayerEmbedding(nn.Module):
@@ -250,6 +260,32 @@ class PerLayerEmbedding(nn.Module):
             "ple_conv": ((self.ple.conv_state_len, self.count * self.hidden_size), None),
         }
 
+    def verify_buffers(self, state: PleState, rows: int, length: int) -> PleState:
+        """The state with its write-on-accept buffers for up to `rows` verify rows of `length` tokens."""
+        ple, width = self.ple, self.count * self.hidden_size
+        return PleState(
+            state.tokens,
+            state.conv,
+            verify_tokens=torch.zeros((rows, ple.context_len + length), dtype=torch.int64, device=state.conv.device),
+            verify_conv=torch.zeros(
+                (rows, ple.conv_state_len + length, width), dtype=state.conv.dtype, device=state.conv.device
+            ),
+        )
+
+    def write_on_accept(self, state: PleState, slots: torch.Tensor, last_accepted: torch.Tensor) -> None:
+        """After a verify pass of the first len(slots) rows: each slot keeps the windows that end after
+        the row's last accepted token (-1: the windows from before the verify)."""
+        n = slots.shape[0]
+        first = (last_accepted.long() + 1)[:, None]
+        for pool, table, width in (
+            (state.tokens, state.verify_tokens, self.ple.context_len),
+            (state.conv, state.verify_conv, self.ple.conv_state_len),
+        ):
+            if width:
+                idx = first + torch.arange(width, device=slots.device)
+                rows = torch.arange(n, device=slots.device)[:, None]
+                pool[slots.long()] = table[:n][rows, idx].to(pool.dtype)
+
     # ---- forward -------------------------------------------------------------------------------
     def ngram_ids(self, ext: torch.Tensor, tok_pos: torch.Tensor) -> torch.Tensor:
         """Table rows [T, heads] of each token, from the token ids with their context (extend_rows)."""
@@ -297,9 +333,20 @@ class PerLayerEmbedding(nn.Module):
         out = gated + F.silu(conv)
 
         self._capture(ctx, rows, ext_tokens, ext_conv, state)
-        state.tokens[rows.slots] = final_windows(ext_tokens, rows, ple.context_len)
+        keep = slice(None)
+        decode = ctx.decode
+        if decode is not None and decode.tokens_per_row > 1 and state.verify_tokens is not None:
+            # a verify keeps its rows' slots and records their windows; write_on_accept picks one
+            n, length = decode.num_seqs, decode.tokens_per_row
+            zero = torch.zeros(n, dtype=torch.long, device=streams.device)
+            row = torch.arange(n, device=streams.device)
+            state.verify_tokens[:n] = window_at(ext_tokens, rows, row, zero, ple.context_len, ple.context_len + length)
+            state.verify_conv[:n] = window_at(ext_conv, rows, row, zero, span, span + length).to(state.conv.dtype)
+            keep = slice(n, None)
+        slots = rows.slots[keep]
+        state.tokens[slots] = final_windows(ext_tokens, rows, ple.context_len)[keep]
         if span:
-            state.conv[rows.slots] = final_windows(ext_conv, rows, span).to(state.conv.dtype)
+            state.conv[slots] = final_windows(ext_conv, rows, span)[keep].to(state.conv.dtype)
         return out
 
     def _capture(self, ctx, rows: PassRows, ext_tokens, ext_conv, state: PleState) -> None:

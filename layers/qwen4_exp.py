@@ -86,11 +86,18 @@ class Qwen4ExpDecoderLayer(TransformerLayer):
             return base
         return Qwen4SsmLayerState(base.recurrent, base.conv, ple=PleState(extra["ple_tokens"], extra["ple_conv"]))
 
-    def write_on_accept(self, state: LayerState, slots: torch.Tensor, last_accepted: torch.Tensor) -> None:
+    def verify_buffers(self, state: LayerState, rows: int, length: int) -> dict:
+        """SsmLayerState's (and PLE's) speculative-decoding buffers for up to `rows` verify rows of `length` tokens."""
+        out = self.mixer.verify_buffers(rows, length, state.conv.device, state.conv.dtype)
         if self.ple is not None:
-            raise NotImplementedError("speculative decoding's write-on-accept for PLE state is not built")
-        if not self.is_attention:
+            out["ple"] = self.ple.verify_buffers(state.ple, rows, length)
+        return out
+
+    def write_on_accept(self, state: LayerState, slots: torch.Tensor, last_accepted: torch.Tensor) -> None:
+        if not self.is_attention:  # attention: rejected KV and indexer rows are rewritten by later passes
             self.mixer.write_on_accept(state, slots, last_accepted)
+        if self.ple is not None:
+            self.ple.write_on_accept(state.ple, slots, last_accepted)
 
     def forward(self, streams: torch.Tensor, ctx: ForwardContext, state: LayerState, rows: PassRows) -> torch.Tensor:
         if self.ple is not None:

@@ -36,10 +36,13 @@ class Sequences:
     def add(self, seq: str) -> None:
         self.pages[seq], self.slot[seq], self.cached[seq] = [], self.free_slots.pop(), 0
 
-    def run(self, rows: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
+    def run(self, rows: list[tuple[str, list[int]]], verify: bool = False) -> list[torch.Tensor]:
         """One pass over rows (seq, new token ids); single-token rows of cached sequences go first
-        as decode rows. Returns each row's logits for all its new tokens, in the order given."""
+        as decode rows. Returns each row's logits for all its new tokens, in the order given.
+        verify: every row is a decode row of the same token count (a speculative verify pass)."""
         decode = [r for r in rows if len(r[1]) == 1 and self.cached[r[0]] > 0]
+        if verify:
+            decode = list(rows)
         prefill = [r for r in rows if r not in decode]
         ordered = decode + prefill
         ids, pos, slots, starts, seq_lens, tables, state_slots, has_init = [], [], [], [0], [], [], [], []

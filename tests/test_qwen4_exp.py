@@ -162,3 +162,31 @@ def test_triton_qsa_kernels_in_the_model(text, monkeypatch):
     for i in range(44, len(LONG)):
         got.append(seqs.run([("a", LONG[i : i + 1]), ("b", [other[0]])])[0])
     assert_close(torch.cat(got), ref(LONG))
+
+
+def test_verify_then_write_on_accept(text):
+    """Speculative decoding's verify pass over 4 tokens a row keeps the GDN and PLE slots; accepting
+    2 of them (or none) leaves the state after exactly those, so that decoding on gives transformers'
+    logits of the accepted sequence (rejected KV and indexer rows are rewritten by later passes)."""
+    model, ref = text
+    seqs = Sequences(model)
+    seqs.pool.enable_verify(model, rows=4, length=4)
+    p = {"a": prompt(20, 13, (15,)), "b": prompt(17, 14)}
+    drafts = {"a": [EOS, 44, 55, 66], "b": [7, 8, 9, 10]}
+    for s in p:
+        seqs.add(s)
+    seqs.run([(s, p[s]) for s in p])
+    out = seqs.run([(s, drafts[s]) for s in p], verify=True)
+    for s, logits in zip(p, out, strict=True):
+        assert_close(logits, ref(p[s] + drafts[s])[len(p[s]) :])
+    accepted = {"a": 2, "b": 0}
+    slots = torch.tensor([seqs.slot[s] for s in p])
+    model.write_on_accept(seqs.pool.layer_states, slots, torch.tensor([accepted[s] - 1 for s in p]))
+    for s in p:
+        p[s] = p[s] + drafts[s][: accepted[s]]
+        seqs.cached[s] = len(p[s])
+    for step in range(3):
+        nxt = {s: [100 + step + len(p[s])] for s in p}
+        for s, logits in zip(p, seqs.run([(s, nxt[s]) for s in p]), strict=True):
+            p[s] = p[s] + nxt[s]
+            assert_close(logits, ref(p[s])[-1:])

@@ -204,6 +204,9 @@ class StatePool:
         """Give every GDN layer its speculative-decoding verify buffers (write-on-accept)."""
         for layer, state in zip(model.layers, self.layer_states, strict=True):
             if isinstance(state, SsmLayerState):
-                dtype, device = state.conv.dtype, state.conv.device
-                for name, value in layer.mixer.verify_buffers(rows, length, device, dtype).items():
+                if hasattr(layer, "verify_buffers"):  # a layer with more per-slot state than its GDN mixer's
+                    buffers = layer.verify_buffers(state, rows, length)
+                else:
+                    buffers = layer.mixer.verify_buffers(rows, length, state.conv.device, state.conv.dtype)
+                for name, value in buffers.items():
                     setattr(state, name, value)
