@@ -4,9 +4,10 @@ from __future__ import annotations
 
 
 def add_bench_parser(sub) -> None:
-    from . import offline, serve
+    from . import offline, prefix, serve
 
     bench = sub.add_parser("bench", help="benchmarks: offline (LLM) and serve (gRPC load)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     offline.add_parser(bench_sub)
+    prefix.add_parser(bench_sub)
     serve.add_parser(bench_sub)

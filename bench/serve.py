@@ -10,6 +10,12 @@ Text prompts sampled from a file, lengths uniform in [0.5, 1.5] x 512 tokens, Po
 
     deltaserve bench serve --dataset-path corpus.txt --input-len 512 --range-ratio 0.5 --request-rate 20
 
+Multi-turn chat with a shared system prompt (prefix caching: 32 conversations of 4 turns, each turn
+resending the whole history with 128 new user tokens; the report gives the prefix-cache hit rate):
+
+    deltaserve bench serve --num-prompts 32 --num-turns 4 --shared-prefix-len 2048 --input-len 128 \
+        --output-len 128 --max-concurrency 16
+
 Multi-node: 4 client actors on each alive node of the Ray cluster, their records merged into one report
 (the entrypoint, and so the JSON file, runs on the head node; deltaserve must be installed on every node):
 
@@ -68,6 +74,10 @@ class BenchSettings:
     request_timeout_s: float | None = None
     clients_per_node: int | None = None  # either of these two runs the clients as Ray actors
     num_client_nodes: int | None = None
+    # multi-turn: num_prompts conversations of num_turns turns, each turn resending the history (prompt,
+    # replies, input_len new tokens); every request starts with the same shared_prefix_len tokens
+    num_turns: int = 1
+    shared_prefix_len: int = 0
 
     @property
     def uses_ray(self) -> bool:
@@ -91,6 +101,12 @@ class BenchSettings:
         for name in ("clients_per_node", "num_client_nodes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.num_turns < 1 or self.shared_prefix_len < 0:
+            raise ValueError("num_turns must be at least 1 and shared_prefix_len at least 0")
+        if (self.num_turns > 1 or self.shared_prefix_len) and (
+            self.prompt_format != "token_ids" or self.dataset_path is not None
+        ):
+            raise ValueError("num_turns and shared_prefix_len work on random token-id prompts")
 
 
 @dataclass
@@ -100,6 +116,8 @@ class PlannedRequest:
     prompt_len: int  # tokens; for text prompts an estimate (the server's count is recorded)
     output_len: int
     arrival_s: float  # when to send it, seconds after the run's start
+    # a conversation: the user tokens of its later turns (each turn sends prompt + replies + these)
+    follow_ups: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -184,10 +202,11 @@ async def plan_workload(settings: BenchSettings, client: AsyncGenerationClient) 
     n = settings.num_prompts
     input_lens = sample_lengths(length_rng, settings.input_len, settings.range_ratio, n)
     output_lens = sample_lengths(length_rng, settings.output_len, settings.range_ratio, n)
-    if max(input_lens) + max(output_lens) > info.max_model_len:
+    longest = settings.shared_prefix_len + settings.num_turns * (max(input_lens) + max(output_lens))
+    if longest > info.max_model_len:
         raise ValueError(
-            f"up to {max(input_lens)} prompt + {max(output_lens)} output tokens exceed the server's "
-            f"max_model_len={info.max_model_len}"
+            f"up to {longest} tokens (shared prefix, {settings.num_turns} turns of {max(input_lens)} prompt + "
+            f"{max(output_lens)} output tokens) exceed the server's max_model_len={info.max_model_len}"
         )
     prompts: list[str | list[int]]
     if settings.dataset_path is None:
@@ -212,7 +231,18 @@ async def plan_workload(settings: BenchSettings, client: AsyncGenerationClient) 
                 for start, length in zip(starts, input_lens, strict=True)
             ]
     arrivals = arrival_offsets(arrival_rng, n, settings.request_rate)
-    workload = [PlannedRequest(i, prompts[i], input_lens[i], output_lens[i], arrivals[i]) for i in range(n)]
+    shared = prompt_rng.integers(0, info.vocab_size, settings.shared_prefix_len).tolist()
+    workload = [
+        PlannedRequest(
+            i,
+            shared + prompts[i] if shared else prompts[i],
+            settings.shared_prefix_len + input_lens[i],
+            output_lens[i],
+            arrivals[i],
+            [prompt_rng.integers(0, info.vocab_size, input_lens[i]).tolist() for _ in range(settings.num_turns - 1)],
+        )
+        for i in range(n)
+    ]
     return info.model, workload
 
 
@@ -248,7 +278,12 @@ class LoadClient:
     async def warmup(self) -> None:
         """Send num_warmups requests of this share one by one (not recorded); raise if one fails."""
         for i in range(self.settings.num_warmups if self.requests else 0):
-            record = await self._send(self.requests[i % len(self.requests)], time.perf_counter())
+            request = self.requests[i % len(self.requests)]
+            if isinstance(request.prompt, list):  # reversed: warms the kernels, leaves no cached prefix behind
+                request = PlannedRequest(
+                    request.index, request.prompt[::-1], request.prompt_len, request.output_len, 0.0
+                )
+            record = await self._send(request, time.perf_counter())
             if not record.ok:
                 raise RuntimeError(f"warm-up request to {self.settings.target} failed: {record.status}: {record.error}")
 
@@ -264,7 +299,7 @@ class LoadClient:
             if slots is not None:
                 await slots.acquire()
             in_flight.append(asyncio.create_task(self._send_in_slot(request, run_start, slots)))
-        return list(await asyncio.gather(*in_flight))
+        return [record for records in await asyncio.gather(*in_flight) for record in records]
 
     async def close(self) -> None:
         if self._client is not None:
@@ -272,14 +307,29 @@ class LoadClient:
 
     async def _send_in_slot(
         self, request: PlannedRequest, run_start: float, slots: asyncio.Semaphore | None
-    ) -> RequestRecord:
+    ) -> list[RequestRecord]:
+        """The request's record, or a conversation's records (one per turn, each turn sent when the
+        previous reply is complete)."""
         try:
-            return await self._send(request, run_start)
+            turns = len(request.follow_ups) + 1
+            if turns == 1:
+                return [await self._send(request, run_start)]
+            records, history = [], list(request.prompt)
+            for t in range(turns):
+                if t:
+                    history += request.follow_ups[t - 1]
+                turn = PlannedRequest(request.index * turns + t, list(history), len(history), request.output_len, 0.0)
+                reply: list[int] = []
+                records.append(await self._send(turn, run_start, reply))
+                if not records[-1].ok:
+                    break
+                history += reply
+            return records
         finally:
             if slots is not None:
                 slots.release()
 
-    async def _send(self, request: PlannedRequest, run_start: float) -> RequestRecord:
+    async def _send(self, request: PlannedRequest, run_start: float, reply: list[int] | None = None) -> RequestRecord:
         sampling = dict(
             max_tokens=request.output_len, ignore_eos=self.settings.ignore_eos, temperature=self.settings.temperature
         )
@@ -296,6 +346,8 @@ class LoadClient:
                         if item.token_ids:
                             chunk_times.append(time.perf_counter())
                             completion_tokens += len(item.token_ids)
+                            if reply is not None:
+                                reply += item.token_ids
                     else:
                         final = item
         except grpc.RpcError as e:
@@ -424,6 +476,8 @@ def summarize(records: list[RequestRecord]) -> dict:
         "request_throughput": len(done) / duration,
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
+        # prompt tokens the server's prefix cache skipped, over all prompt tokens sent
+        "prefix_cache_hit_rate": sum(r.cached_tokens for r in done) / input_tokens if input_tokens else 0.0,
         **{f"{name}_ms": latency_stats_ms(values) for name, values in latencies.items()},
     }
 
@@ -441,6 +495,7 @@ def format_report(result: BenchResult) -> str:
         + "".join(f"  {code}: {count}" for code, count in sorted(s["failures_by_status"].items())),
         f"{'Benchmark duration (s):':<40}{s['duration_s']:.2f}",
         f"{'Total input tokens:':<40}{s['total_input_tokens']}",
+        f"{'Prefix cache hit rate:':<40}{100 * s['prefix_cache_hit_rate']:.1f}%",
         f"{'Total generated tokens:':<40}{s['total_output_tokens']}",
         f"{'Request throughput (req/s):':<40}{s['request_throughput']:.2f}",
         f"{'Output token throughput (tok/s):':<40}{s['output_throughput']:.2f}",
@@ -494,6 +549,10 @@ def add_parser(sub) -> None:
         "--ignore-eos", action=argparse.BooleanOptionalAction, default=True, help="generate exactly the output length"
     )
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--num-turns", type=int, default=1, help="conversations of this many turns, each resending the history"
+    )
+    g.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every request starts with")
     g = p.add_argument_group("load")
     g.add_argument(
         "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)"
@@ -527,6 +586,8 @@ def _main(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         ignore_eos=args.ignore_eos,
         request_timeout_s=args.request_timeout,
+        num_turns=args.num_turns,
+        shared_prefix_len=args.shared_prefix_len,
         clients_per_node=args.clients_per_node,
         num_client_nodes=args.num_client_nodes,
     )

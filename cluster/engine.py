@@ -449,6 +449,14 @@ class EngineCore:
             self._prompts.pop(req.req_id, None)
         return out
 
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Use the prefix cache or not (benchmarks compare both in one process); the index is kept."""
+        if self.prefix_cache is None:
+            if enabled:
+                raise ValueError("enable_prefix_caching: this engine was built without a prefix cache")
+            return
+        self.scheduler.set_prefix_cache(self.prefix_cache if enabled else None)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block and GDN snapshot; requests in flight keep what they hold."""
         return self.scheduler.reset_prefix_cache()

@@ -234,11 +234,30 @@ class SnapshotCache:
         self._lru: OrderedDict[tuple[bytes, tuple[int, ...]], Snapshot] = OrderedDict()
         self._by_chain: dict[bytes, dict[tuple[int, ...], Snapshot]] = {}
         self.stats = CacheStats()
+        # snapshots the plan being built restores: never evicted before that plan's copies are planned
+        self._pinned: set[int] = set()
         pages.reclaim = self._reclaim_page
+
+    def pin(self, snap: Snapshot) -> None:
+        self._pinned.add(snap.slot)
+
+    def unpin_all(self) -> None:
+        self._pinned.clear()
+
+    def pinned_pages(self, extra: Snapshot | None = None) -> int:
+        """Pages counted in num_free that pinned snapshots (and `extra`, about to be pinned) keep."""
+        slots = self._pinned | ({extra.slot} if extra is not None else set())
+        return sum(
+            1
+            for s in self._lru.values()
+            if s.slot in slots and s.tail_page is not None and self.pages.reclaimable(s.tail_page)
+        )
 
     def _reclaim_page(self) -> bool:
         """Evict the least recently used snapshot whose partly filled page nothing else holds."""
         for key, snap in self._lru.items():
+            if snap.slot in self._pinned:
+                continue
             if snap.tail_page is not None and self.pages.reclaimable(snap.tail_page):
                 del self._lru[key]
                 self._drop(snap)
@@ -261,7 +280,10 @@ class SnapshotCache:
         if self._free:
             slot = self._free.pop()
         else:
-            _, old = self._lru.popitem(last=False)
+            old = next((s for s in self._lru.values() if s.slot not in self._pinned), None)
+            if old is None:
+                return None  # every snapshot is in use by the plan being built
+            del self._lru[old.key]
             self._drop(old)
             self.stats.snapshots_evicted += 1
             slot = old.slot
@@ -282,14 +304,22 @@ class SnapshotCache:
         if snap.tail_page is not None:
             self.pages.release(snap.tail_page, by_snapshot=True)
 
+    def discard(self, snap: Snapshot) -> None:
+        if self._lru.get(snap.key) is snap:
+            del self._lru[snap.key]
+            self._drop(snap)
+            self._free.append(snap.slot)
+
     def touch(self, snap: Snapshot) -> None:
-        self._lru.move_to_end(snap.key)
+        if self._lru.get(snap.key) is snap:
+            self._lru.move_to_end(snap.key)
 
     def at_chain(self, chain: bytes) -> dict[tuple[int, ...], Snapshot]:
         return self._by_chain.get(chain, {})
 
     def reset(self) -> int:
         dropped = len(self._lru)
+        self._pinned.clear()
         for snap in self._lru.values():
             self._drop(snap)
             self._free.append(snap.slot)

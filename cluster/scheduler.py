@@ -159,8 +159,14 @@ class Scheduler:
         pages = hit.pages if hit.snapshot is not None else []
         bs = self.blocks.block_size
         taken_from_free = sum(self.blocks.cache.counts_as_free(p) for p in pages)
-        if -(-(hit.position + want) // bs) - len(pages) + taken_from_free > self.blocks.num_free:
+        free = self.blocks.num_free - self.prefix.snapshots.pinned_pages(hit.snapshot)
+        if -(-(hit.position + want) // bs) - len(pages) + taken_from_free > free:
             return None
+        if hit.snapshot is not None:
+            # kept until this plan is built: its save (if it was taken in this very step) and the
+            # restore from it must both reach the plan
+            self.prefix.snapshots.touch(hit.snapshot)
+            self.prefix.snapshots.pin(hit.snapshot)
         self.blocks.share(req, pages)
         self.slots.allocate(req)
         self.blocks.grow(req, hit.position + want)
@@ -172,7 +178,6 @@ class Scheduler:
             stats.hit_tokens += hit.position
             stats.hits += hit.position > 0
         if hit.snapshot is not None:
-            self.prefix.snapshots.touch(hit.snapshot)
             self._restores.append((hit.snapshot.slot, req.state_slot))
             if hit.copy_tail:
                 self._page_copies.append((hit.snapshot.tail_page, req.block_table[len(pages)]))
@@ -233,6 +238,15 @@ class Scheduler:
         for j in range(hashes.registered, full):
             cache.register(req.block_table[j], hashes.chain(j), hashes.hashes[j], tuple(tokens[j * bs : (j + 1) * bs]))
         hashes.registered = full
+
+    def set_prefix_cache(self, prefix: PrefixCache | None) -> None:
+        """Turn the cache on or off; saves not yet in a plan are dropped with their snapshots (their
+        slots may be reused before the cache is used again)."""
+        if self.prefix is not None and prefix is None:
+            for _, snap in self._pending_saves:
+                self.prefix.snapshots.discard(snap)
+            self._pending_saves = []
+        self.prefix = prefix
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block and snapshot (requests running keep what they hold)."""
@@ -319,6 +333,8 @@ class Scheduler:
             budget -= want
 
         if not scheduled:
+            if self.prefix is not None:
+                self.prefix.snapshots.unpin_all()
             if self.running or self.waiting:
                 self._check_progress()
             return None
@@ -462,6 +478,7 @@ class Scheduler:
         if self.prefix is not None:
             for req, _ in rows:
                 self._register_blocks(req)
+            self.prefix.snapshots.unpin_all()
         return plan
 
     @staticmethod

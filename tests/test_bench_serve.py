@@ -113,6 +113,27 @@ def test_fixed_lengths_through_the_cli(target, tmp_path, capsys):
     assert max(r.start_s + r.e2e_s for r in records) == pytest.approx(duration)
 
 
+def test_multi_turn_conversations_hit_the_prefix_cache(target, tmp_path):
+    """Each turn resends the shared prefix, the history and the replies: the report counts every turn,
+    and from the second turn on the server skips what it has seen."""
+    path = tmp_path / "turns.json"
+    argv = ["bench", "serve", "--target", target, "--num-prompts", "4", "--num-turns", "3", "--max-concurrency", "2"]
+    argv += ["--shared-prefix-len", "40", "--input-len", "5", "--output-len", "4", "--json", str(path)]
+    argv += ["--save-requests", "--num-warmups", "0"]
+    assert main(argv) == 0
+    report = json.loads(path.read_text())
+    assert (report["completed"], report["failed"]) == (12, 0)
+    records = sorted((RequestRecord(**r) for r in report["requests"]), key=lambda r: r.index)
+    for conv in range(4):
+        turns = records[3 * conv : 3 * conv + 3]
+        assert [r.prompt_tokens for r in turns] == [45, 45 + 4 + 5, 45 + 2 * (4 + 5)]
+        assert turns[1].cached_tokens > 40 and turns[2].cached_tokens > turns[1].cached_tokens
+    assert report["prefix_cache_hit_rate"] == pytest.approx(
+        sum(r.cached_tokens for r in records) / sum(r.prompt_tokens for r in records)
+    )
+    assert report["prefix_cache_hit_rate"] > 0.5
+
+
 @pytest.mark.parametrize("prompt_format", ["token_ids", "text"])
 def test_poisson_arrivals_and_text_dataset(target, tmp_path, prompt_format):
     dataset = tmp_path / "corpus.txt"

@@ -236,3 +236,30 @@ def test_tp2_and_ep2_hits_give_single_rank_tokens(ray_session, tmp_path_factory,
         assert got[2].num_cached_tokens == 37 and got[3].num_cached_tokens == 37
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling, seed", [(False, 0), (True, 1)])
+def test_random_traffic_under_a_tight_pool(tiny_checkpoints, async_scheduling, seed):
+    """Shared prefixes, preemption, evictions of snapshots and cached pages, all at once: the tokens
+    are those of the engine without a cache, and every page and slot is free at the end."""
+    path, _ = tiny_checkpoints["qwen3_next"]
+    kw = dict(
+        max_num_seqs=4, block_size=4, num_kv_blocks=16, max_num_batched_tokens=12,
+        async_scheduling=async_scheduling, dtype="float64",
+    )  # fmt: skip
+    on = LLM(str(path), num_prefix_snapshots=3, prefix_snapshot_interval=8, **kw)
+    off = LLM(str(path), enable_prefix_caching=False, **kw)
+    g = torch.Generator().manual_seed(seed)
+    prefixes = [ids(int(n), seed=seed * 10 + i) for i, n in enumerate(torch.randint(1, 14, (3,), generator=g))]
+    prompts, params = [], []
+    for i in range(10):
+        p = prefixes[int(torch.randint(0, 3, (1,), generator=g))]
+        prompts.append(p + ids(int(torch.randint(1, 7, (1,), generator=g)), seed=100 * seed + i))
+        params.append(SamplingParams(temperature=0, max_tokens=int(torch.randint(2, 14, (1,), generator=g))))
+    for batch in (prompts[:5], prompts[5:], prompts):
+        got = on.generate(batch, params[: len(batch)], use_tqdm=False)
+        want = off.generate(batch, params[: len(batch)], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    engine = on.engine
+    assert engine.prefix_cache_stats()["hits"] > 0
+    assert engine.blocks.num_free == engine.blocks.capacity and engine.slots.num_free == engine.slots.capacity

@@ -1,0 +1,154 @@
+"""Prefix-caching benchmark: time to first token for a long shared prefix with a hit against a miss,
+and decode step time with caching on against off, in one process on one engine.
+
+    deltaserve bench prefix --preset qwen3_5_35b_a3b --shared 16384 --new 256 --decode-batches 1,16,64
+
+A miss is a prompt whose prefix nobody sent before (with caching on it also leaves snapshots along the
+way, whose cost the miss includes); a hit resends that prefix with new tokens after it, so the engine
+restores the GDN snapshot at the prefix's end, shares its KV pages and runs only the new tokens. The
+same miss with caching off is the baseline a cache must not slow down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.layers.config import ModelConfig
+
+from .offline import bench_decode
+from .presets import PRESETS, preset_config
+
+
+def time_to_first_token(llm: LLM, prompt: list[int], req_id: str) -> tuple[float, int]:
+    """(seconds from add to the first token, tokens skipped) of one request run alone."""
+    engine = llm.engine
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.add_request(req_id, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    cached = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                cached = out.num_cached_tokens
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, cached
+
+
+def bench_ttft(llm: LLM, shared: int, new: int, repeats: int, vocab: int) -> dict:
+    rng = np.random.default_rng(shared)
+    rows = {"miss_off": [], "miss": [], "hit": []}
+    cached = []
+    engine = llm.engine
+    for rep in range(repeats + 1):  # the first round warms up the shapes
+        prefix = rng.integers(10, vocab - 10, shared).tolist()
+        suffixes = [rng.integers(10, vocab - 10, new).tolist() for _ in range(3)]
+        engine.set_prefix_caching(False)
+        off, _ = time_to_first_token(llm, prefix + suffixes[0], f"off{rep}")
+        engine.set_prefix_caching(True)
+        miss, _ = time_to_first_token(llm, prefix + suffixes[1], f"miss{rep}")
+        hit, skipped = time_to_first_token(llm, prefix + suffixes[2], f"hit{rep}")
+        if rep:
+            rows["miss_off"].append(off)
+            rows["miss"].append(miss)
+            rows["hit"].append(hit)
+            cached.append(skipped)
+    med = {k: statistics.median(v) * 1e3 for k, v in rows.items()}
+    return {
+        "shared": shared,
+        "new": new,
+        "ttft_ms": med,
+        "hit_over_miss": med["hit"] / med["miss_off"],
+        "cached_tokens": cached,
+        "cache": llm.engine.prefix_cache_stats(),
+    }
+
+
+def bench_decode_on_off(llm: LLM, batches: list[int], context: int, steps: int, vocab: int) -> list[dict]:
+    rows = []
+    engine = llm.engine
+    for b in batches:
+        times = {}
+        for label, on in (("off", False), ("on", True), ("off2", False), ("on2", True)):
+            engine.set_prefix_caching(on)
+            times[label] = bench_decode(llm, b, context, steps, None, vocab, tag=f"pc{label}")["step_s"] * 1e3
+            for req in list(engine.scheduler.running):
+                engine.abort(req.req_id)
+            while engine.has_unfinished():
+                engine.step()
+        on_ms, off_ms = min(times["on"], times["on2"]), min(times["off"], times["off2"])
+        rows.append({"batch": b, "on_ms": on_ms, "off_ms": off_ms, "on_over_off": on_ms / off_ms, "all_ms": times})
+    engine.set_prefix_caching(True)
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    model_config = preset_config(args.preset) if args.preset else ModelConfig.from_pretrained(args.model)
+    batches = [int(b) for b in args.decode_batches.split(",") if b]
+    llm = LLM(
+        args.model,
+        model_config=model_config,
+        load_format=args.load_format,
+        max_num_seqs=max([*batches, 4]),
+        max_model_len=args.shared + args.new + 64,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        prefix_snapshot_interval=args.interval,
+    )
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "model": args.preset or args.model,
+        "interval": args.interval,
+        "snapshot_slots": llm.engine.prefix_cache_stats().get("snapshot_slots", 0),
+    }
+    ttft = bench_ttft(llm, args.shared, args.new, args.repeats, model_config.vocab_size)
+    report["ttft"] = ttft
+    t = ttft["ttft_ms"]
+    print(
+        f"TTFT, {args.shared}-token shared prefix + {args.new} new tokens: miss (caching off) {t['miss_off']:.1f} ms, "
+        f"miss (caching on) {t['miss']:.1f} ms, hit {t['hit']:.1f} ms -> hit / miss = {ttft['hit_over_miss']:.3f} "
+        f"(skipped {ttft['cached_tokens']} tokens)",
+        flush=True,
+    )
+    if batches:
+        report["decode"] = bench_decode_on_off(llm, batches, args.context, args.steps, model_config.vocab_size)
+        for r in report["decode"]:
+            print(
+                f"decode batch {r['batch']:>4}: caching on {r['on_ms']:.3f} ms/step, off {r['off_ms']:.3f} ms/step "
+                f"({100 * (r['on_over_off'] - 1):+.2f}%)",
+                flush=True,
+            )
+    return report
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("prefix", help="prefix caching: TTFT hit vs miss, decode step with caching on vs off")
+    p.add_argument("--model", default=None, help="checkpoint dir (or use --preset with random weights)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS))
+    p.add_argument("--load-format", default="random")
+    p.add_argument("--shared", type=int, default=16384, help="tokens of the shared prefix")
+    p.add_argument("--new", type=int, default=256, help="tokens after it")
+    p.add_argument("--interval", type=int, default=1024, help="prefix_snapshot_interval")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decode-batches", default="1,16,64")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("bench prefix needs a CUDA device")
+        return 2
+    report = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return 0
