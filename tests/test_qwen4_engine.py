@@ -52,14 +52,14 @@ def test_token_budget_does_not_change_tokens(qwen4, budget):
     assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == refs
 
 
-def test_preemption_keeps_tokens(qwen4):
-    """Preempted requests recompute from scratch: their PLE state starts over, their indexer pages are new.
-    (With prefix caching on, pools this small hit a scheduler bug of their own: the admitted hit's
-    snapshot is evicted by the page reclaim of its own admission.)"""
+@pytest.mark.parametrize("caching", [True, False])
+def test_preemption_keeps_tokens(qwen4, caching):
+    """Preempted requests run again (from scratch, or with caching on from what the cache kept): their
+    PLE state and indexer pages are rebuilt or restored with the rest."""
     path, refs = qwen4
     # 4 pages of 16 tokens: far less than the prompts need together, enough for the longest alone
     llm = LLM(
-        path, max_num_seqs=8, block_size=16, max_num_batched_tokens=20, num_kv_blocks=4, enable_prefix_caching=False
+        path, max_num_seqs=8, block_size=16, max_num_batched_tokens=20, num_kv_blocks=4, enable_prefix_caching=caching
     )
     out = llm.generate(prompts(), GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.stats.num_preemptions > 0
