@@ -96,22 +96,7 @@ class QsaAttention(GatedAttention):
     ) -> torch.Tensor:
         """qkv [T, q_gate | k | v], index_qk [T, index q | index key] -> [T, hidden] (reduced over TP ranks)."""
         num_tokens, d = qkv.shape[0], self.head_dim
-        qs, kvs = self.q_size, self.kv_size
-        q_gate = qkv[:, :qs].view(num_tokens, self.num_heads, 2 * d)
-        gate = q_gate[..., d:]
-        k = qkv[:, qs : qs + kvs].view(num_tokens, self.num_kv_heads, d)
-        v = qkv[:, qs + kvs :].view(num_tokens, self.num_kv_heads, d)
-        q, _ = rotary_kernels.qk_norm_rope(
-            q=q_gate[..., :d],
-            k=k,
-            q_weight=self.q_norm.weight,
-            k_weight=self.k_norm.weight,
-            positions=ctx.positions,
-            eps=self.eps,
-            rotary_dim=self.rotary_dim,
-            theta=self.rope_theta,
-            kv_cache=rotary_kernels.KvCacheWrite(v, state.k_cache, state.v_cache, ctx.slot_mapping),
-        )
+        q, gate = self.queries_and_cache(qkv, ctx, state)
         carry: QsaCache = state.indexer_carry
         iq, raw_key = self._index_inputs(index_qk, ctx)
         qsa_kernels.write_index_keys(keys=raw_key, key_cache=carry.keys, slot_mapping=ctx.slot_mapping)

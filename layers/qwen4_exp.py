@@ -22,13 +22,12 @@ from torch import nn
 
 from .attention_qsa import QsaAttention, QsaCache
 from .base import AttnLayerState, CheckpointTensor, ForwardContext, LayerState, SsmLayerState, TransformerLayer
-from .common import empty_param
 from .config import ATTENTION, ModelConfig
 from .gdn import GatedDeltaNet
 from .hyper_connections import HyperConnection, add_block_output
 from .model import HybridModel
 from .moe import SparseMoeBlock
-from .parallel import ParallelLayout, validate_layout
+from .parallel import ParallelLayout
 from .pass_rows import PassRows, pass_rows
 from .ple import PerLayerEmbedding, PleState
 
@@ -113,20 +112,10 @@ class Qwen4ExpModel(HybridModel):
     """HybridModel's interface (embedding, lm_head, logits, state shapes, write-on-accept) over the
     Qwen4-Exp decoder layers."""
 
-    def __init__(self, config: ModelConfig, layout: ParallelLayout | None = None):
-        nn.Module.__init__(self)
-        layout = layout or ParallelLayout()
-        validate_layout(config, layout)
-        self.config, self.layout = config, layout
-        self.vocab_per_rank = -(-config.vocab_size // layout.tp_size)
-        self.vocab_start = layout.tp_rank * self.vocab_per_rank
-        self.vocab_rows = max(0, min(self.vocab_per_rank, config.vocab_size - self.vocab_start))
-        self.embed_tokens = empty_param(self.vocab_per_rank, config.hidden_size)
+    def _build_stack(self, config: ModelConfig, layout: ParallelLayout) -> None:
         self.layers = nn.ModuleList(Qwen4ExpDecoderLayer(config, i, layout) for i in range(config.num_layers))
         hc = config.hyper
         self.final_mixer = HyperConnection(config.hidden_size, hc.count, hc.lowrank, config.rms_norm_eps, inject=False)
-        self.lm_head = None if config.tie_word_embeddings else empty_param(self.vocab_per_rank, config.hidden_size)
-        self.mtp_weights: dict[str, torch.Tensor] = {}
 
     def checkpoint_tensors(self) -> list[CheckpointTensor]:
         out = [self._vocab_rows("model.embed_tokens.weight", self.embed_tokens)]
