@@ -88,3 +88,14 @@ def test_missing_qsa_config_is_named():
 
     with pytest.raises(ConfigError, match="indexer_n_heads"):
         ModelConfig.from_hf(text_dict(**dict.fromkeys(QSA_FIELDS)))
+
+
+def test_tp_layout_checks_the_ple_tables():
+    """Each rank holds a column slice of every PLE table row: a head dim TP does not divide fails
+    before any weight is read, naming it."""
+    from deltaserve.layers.parallel import ParallelConfigError, ParallelLayout, validate_layout
+
+    config = ModelConfig.from_hf(text_dict())  # 4 n-gram heads of 6 dims
+    validate_layout(config, ParallelLayout(tp_rank=0, tp_size=2))
+    with pytest.raises(ParallelConfigError, match="ple_embed_dim"):
+        validate_layout(ModelConfig.from_hf(text_dict(ple_embed_dim=20)), ParallelLayout(tp_rank=0, tp_size=2))
