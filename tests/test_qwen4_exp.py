@@ -190,3 +190,30 @@ def test_verify_then_write_on_accept(text):
         for s, logits in zip(p, seqs.run([(s, nxt[s]) for s in p]), strict=True):
             p[s] = p[s] + nxt[s]
             assert_close(logits, ref(p[s])[-1:])
+
+
+def test_ties_at_the_cut_are_broken_as_transformers_breaks_them(tmp_path, monkeypatch):
+    """With one indexer head half the block scores are exactly 0 (relu), so equal scores often straddle
+    the top-k cut; transformers keeps whichever of them torch.topk returns on the row's first nc scores
+    (not the lowest indices). The CPU path makes the same call on the same row and matches; the
+    Triton kernel keeps the lowest indices, so on such rows it cannot match transformers exactly."""
+    from deltaserve.layers.kernels import qsa
+
+    hf = save_tiny_qwen4(tmp_path, indexer_n_heads=1, indexer_budget=6, indexer_compress_ratio=2)
+    model = load_model(tmp_path)
+    ties, block_topk = [], qsa.block_topk
+
+    def counting(*, scores, positions, compress_ratio, top_blocks):
+        for t, nc in enumerate(((positions + 1) // compress_ratio).tolist()):
+            if nc > top_blocks:
+                row = scores[t, :nc]
+                ties.append(int((row == row.sort(descending=True).values[top_blocks - 1]).sum()) > 1)
+        return block_topk(scores=scores, positions=positions, compress_ratio=compress_ratio, top_blocks=top_blocks)
+
+    monkeypatch.setattr(qsa, "block_topk", counting)
+    ids = prompt(60, 15)
+    seqs = Sequences(model)
+    seqs.add("a")
+    got = [seqs.run([("a", ids[:25])])[0]] + [seqs.run([("a", [t])])[0] for t in ids[25:]]
+    assert any(ties)
+    assert_close(torch.cat(got), hf_logits(hf, ids))
