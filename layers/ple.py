@@ -34,6 +34,7 @@ from .common import empty_param, whole
 from .config_qwen4 import PleConfig
 from .hyper_connections import grouped_rms_norm
 from .kernels import linear as linear_kernels
+from .kernels.precision import acc_dtype
 from .parallel import ParallelLayout, all_reduce
 from .pass_rows import PassRows
 
@@ -326,11 +327,11 @@ class PerLayerEmbedding(nn.Module):
             init[:, None, None], old_conv, torch.zeros((), dtype=old_conv.dtype, device=old_conv.device)
         )
         ext_conv, conv_pos = extend_rows(conv_in, old_conv, rows)
-        conv = torch.zeros_like(conv_in)
+        conv = torch.zeros(conv_in.shape, dtype=acc_dtype(conv_in), device=conv_in.device)  # one rounding, as conv1d
         taps = ple.conv_kernel_size
         for j in range(taps):
-            conv = conv + self.conv_weight[:, j] * ext_conv[conv_pos - (taps - 1 - j) * ple.ngram_size]
-        out = gated + F.silu(conv)
+            conv += self.conv_weight[:, j].to(conv.dtype) * ext_conv[conv_pos - (taps - 1 - j) * ple.ngram_size]
+        out = gated + F.silu(conv.to(conv_in.dtype))
 
         self._capture(ctx, rows, ext_tokens, ext_conv, state)
         keep = slice(None)
