@@ -83,10 +83,6 @@ class QsaAttention(GatedAttention):
             "index_blocks": ((block_size - 1) // r + 1, d),
         }
 
-    @staticmethod
-    def make_state(k_cache: torch.Tensor, v_cache: torch.Tensor, extra: dict[str, torch.Tensor]) -> AttnLayerState:
-        return AttnLayerState(k_cache, v_cache, indexer_carry=QsaCache(extra["index_keys"], extra["index_blocks"]))
-
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: AttnLayerState, rows: PassRows) -> torch.Tensor:
         qkv = linear_kernels.linear(x=x, weight=self.qkv_proj, bias=self.in_proj_bias)
         return self.mix_sparse(qkv, linear_kernels.linear(x=x, weight=self.index_proj), ctx, state, rows)
