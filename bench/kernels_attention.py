@@ -3,11 +3,10 @@ batch 1 / 64 / 256 x 4096 context, prefill of 8192 new tokens, and the KV write.
 
     python -m deltaserve.bench.kernels --only attention
     python -m deltaserve.bench.kernels_attention --sweep   # decode tile / split sweep at batch 64
-    python -m deltaserve.bench.kernels_attention --sweep --batch 1 --ctx 512 --path fused --table-pages 4096
-    python -m deltaserve.bench.kernels_attention --sweep-path --ctx 512   # single launch vs decode + reduce
+    python -m deltaserve.bench.kernels_attention --sweep --batch 1 --ctx 512 --table-pages 4096
     python -m deltaserve.bench.kernels_attention --sweep-prefill   # prefill tile sweep at 8192 tokens
 
-The [graph] rows and --sweep-path time back-to-back calls (each its own KV pool, so that the KV
+The [graph] rows and the decode sweep time back-to-back calls (each its own KV pool, so that the KV
 comes from HBM) captured in one CUDA graph, with PDL as in serving: batch-1 decode is launch- and
 latency-bound, and timed from a stream it would time the host's launches. --table-pages gives the
 block tables the decode graphs' width (the server's longest context), which sets the split count.
@@ -25,6 +24,8 @@ import torch.nn.functional as F
 from deltaserve.bench.kernel_cases import Case, graphed
 from deltaserve.layers.kernels.attention import naive
 from deltaserve.layers.kernels.attention import triton_attention as ta
+from deltaserve.layers.kernels.attention import triton_decode as td
+from deltaserve.layers.kernels.device import device_info
 
 HQ, HKV, D, PAGE = 16, 2, 256, 16
 SCALE = D**-0.5
@@ -69,36 +70,34 @@ def _decode_args(batch: int, ctx: int, *, seed: int, table_pages: int = 0, gate:
     return args
 
 
-def _decode_graph_calls(batch: int, ctx: int, table_pages: int, path: str | None, cfg: dict | None = None):
+def _decode_graph_calls(batch: int, ctx: int, table_pages: int, cfg: dict | None = None, pdl: bool = True):
     """Back-to-back decode calls, each over its own KV pool (>= 64 MB in all, at most 64 calls, so
     the KV is not in L2), the layer's gate; returns (calls, args of the first, KV bytes per call)."""
     kv_bytes = 2 * batch * ctx * HKV * D * 2
     num = max(4, min(64, -(-(64 << 20) // kv_bytes)))
     all_args = [_decode_args(batch, ctx, seed=i, table_pages=table_pages, gate=True) for i in range(num)]
-    calls = [lambda a=a: ta.paged_decode_attention(**a, path=path, config=cfg) for a in all_args]
+    calls = [lambda a=a: td.paged_decode_attention(**a, config=cfg, pdl=pdl) for a in all_args]
     return calls, all_args[0], kv_bytes
 
 
-def _decode_graph_case(batch: int, ctx: int, path: str, table_pages: int = 4096) -> Case:
-    """Decode timed in a CUDA graph (PDL on), per call; the reference is the other path."""
-    calls, args, kv_bytes = _decode_graph_calls(batch, ctx, table_pages, path)
-    other = "reduce" if path == "fused" else "fused"
-    other_calls = _decode_graph_calls(batch, ctx, table_pages, other)[0]
+def _decode_graph_case(batch: int, ctx: int, table_pages: int = 4096) -> Case:
+    """Decode (+ reduce) timed in a CUDA graph with PDL, per call; the reference is the same without."""
+    calls, args, kv_bytes = _decode_graph_calls(batch, ctx, table_pages)
+    plain_calls = _decode_graph_calls(batch, ctx, table_pages, pdl=False)[0]
     num = len(calls)
 
     def check():
-        return _max_err(ta.paged_decode_attention(**args, path=path), naive.paged_decode_attention(**args))
+        return _max_err(td.paged_decode_attention(**args), naive.paged_decode_attention(**args))
 
     return Case(
         op="attn_decode[graph]",
-        shape=f"B={batch} ctx={ctx} {path} x{num}",
+        shape=f"B={batch} ctx={ctx} x{num}",
         ours=graphed(calls),
-        reference=graphed(other_calls),
-        reference_label=f"{other} path (x{num})",
+        reference=graphed(plain_calls),
+        reference_label=f"without PDL (x{num})",
         check=check,
         tolerance=2e-2,
         bytes_moved=num * kv_bytes,
-        target="single launch faster than decode + reduce" if path == "fused" else "",
     )
 
 
@@ -113,13 +112,13 @@ def _decode_case(batch: int, ctx: int) -> Case:
         return F.scaled_dot_product_attention(q_rows, k_seq, v_seq, scale=SCALE)
 
     def check():
-        return _max_err(ta.paged_decode_attention(**args), naive.paged_decode_attention(**args))
+        return _max_err(td.paged_decode_attention(**args), naive.paged_decode_attention(**args))
 
     kv_bytes = 2 * batch * ctx * HKV * D * 2
     return Case(
         op="attn_decode",
         shape=f"B={batch} ctx={ctx} Hq={HQ} Hkv={HKV} D={D}",
-        ours=lambda: ta.paged_decode_attention(**args),
+        ours=lambda: td.paged_decode_attention(**args),
         reference=reference,
         reference_label="sdpa(contiguous KV)",
         check=check,
@@ -194,8 +193,7 @@ def cases() -> list[Case]:
         _decode_case(1, 4096),
         _decode_case(64, 4096),
         _decode_case(256, 4096),
-        _decode_graph_case(1, 512, "fused"),
-        _decode_graph_case(1, 512, "reduce"),
+        _decode_graph_case(1, 512),
         _prefill_case(8192),
         _write_case(8192),
     ]
@@ -208,26 +206,24 @@ def _time_graph(replay: Callable[[], None], calls: int) -> float:
     return triton.testing.do_bench(replay, warmup=5, rep=40, return_mode="median") * 1e3 / calls
 
 
-def sweep(batch: int = 64, ctx: int = 4096, path: str | None = None, table_pages: int = 0) -> None:
+def sweep(batch: int = 64, ctx: int = 4096, table_pages: int = 0) -> None:
     """Decode configs at one shape, timed in CUDA graphs: time, share of copy bandwidth, error; the
-    default marked. path: force the single launch ("fused") or decode + reduce ("reduce")."""
+    default marked."""
     from deltaserve.bench.kernels import measure_copy_bandwidth
 
     bandwidth = measure_copy_bandwidth()
     args = _decode_args(batch, ctx, seed=batch, table_pages=table_pages, gate=True)
     ref = naive.paged_decode_attention(**args)
-    fused = path == "fused" if path is not None else batch <= ta.FUSED_MAX_SEQS
-    default = ta._decode_config(
+    default = td._decode_config(
         num_seqs=batch, num_kv_heads=HKV, max_context=args["block_tables"].shape[1] * PAGE, head_dim=D,
-        device=args["q"].device, fused=fused,
+        group=HQ // HKV, elem=2, info=device_info(args["q"].device),
     )  # fmt: skip
-    print(f"B={batch} ctx={ctx} path={'fused' if fused else 'reduce'}  default {default}")
-    splits_grid = [1, 2, 3, 4, 5, 8, 16] + ([] if fused else [32, 64])
-    for block_n, splits, warps, stages in itertools.product([16, 32], splits_grid, [4, 8], [3, 5]):
+    print(f"B={batch} ctx={ctx}  default {default}")
+    for block_n, splits, warps, stages in itertools.product([16, 32], [1, 2, 3, 4, 5, 8, 16, 32, 64], [4, 8], [3, 5]):
         cfg = dict(block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages)
         try:
-            err = _max_err(ta.paged_decode_attention(**args, config=cfg, path=path), ref)
-            calls, _, kv_bytes = _decode_graph_calls(batch, ctx, table_pages, path, cfg)
+            err = _max_err(td.paged_decode_attention(**args, config=cfg), ref)
+            calls, _, kv_bytes = _decode_graph_calls(batch, ctx, table_pages, cfg)
             us = _time_graph(graphed(calls), len(calls))
         except Exception as e:  # a config that does not compile or fit is reported, not fatal
             print(f"{cfg} failed: {type(e).__name__}: {str(e)[:80]}")
@@ -235,23 +231,6 @@ def sweep(batch: int = 64, ctx: int = 4096, path: str | None = None, table_pages
         frac = kv_bytes / bandwidth / (us * 1e-6)
         mark = "  <- default" if cfg == default else ""
         print(f"{cfg}  {us:8.1f} us  {100 * frac:5.1f}% of copy BW  err {err:.1e}{mark}", flush=True)
-
-
-def sweep_path(ctx: int = 512, table_pages: int = 4096) -> None:
-    """The single launch against decode + reduce at each decode-graph batch size (default configs,
-    CUDA graphs): where FUSED_MAX_SEQS should sit."""
-    print(f"ctx={ctx} table_pages={table_pages}  FUSED_MAX_SEQS={ta.FUSED_MAX_SEQS}")
-    for batch in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96):
-        us = {}
-        for path in ("fused", "reduce"):
-            calls, _, _ = _decode_graph_calls(batch, ctx, table_pages, path)
-            us[path] = _time_graph(graphed(calls), len(calls))
-        pick = "fused" if batch <= ta.FUSED_MAX_SEQS else "reduce"
-        print(
-            f"B={batch:<4} fused {us['fused']:7.1f} us  reduce {us['reduce']:7.1f} us  "
-            f"ratio {us['fused'] / us['reduce']:.2f}  default {pick}",
-            flush=True,
-        )
 
 
 def sweep_prefill(num_tokens: int = 8192) -> None:
@@ -271,7 +250,7 @@ def sweep_prefill(num_tokens: int = 8192) -> None:
     )
     ref = naive.paged_attention(**args)
     flops = 2 * HQ * num_tokens * num_tokens * D
-    print(f"T={num_tokens}  default {ta._prefill_config(D, HQ // HKV, True)}")
+    print(f"T={num_tokens}  default {ta._prefill_config(D, HQ // HKV, 2, device_info(q.device))}")
     for block_m, block_n, warps, stages in itertools.product([64, 128], [32, 64], [4, 8], [2, 3]):
         cfg = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
         try:
@@ -289,15 +268,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-prefill", action="store_true")
-    parser.add_argument("--sweep-path", action="store_true")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--ctx", type=int, default=4096)
-    parser.add_argument("--path", choices=["fused", "reduce"], default=None)
     parser.add_argument("--table-pages", type=int, default=0)
     a = parser.parse_args()
     if a.sweep:
-        sweep(a.batch, a.ctx, a.path, a.table_pages)
-    if a.sweep_path:
-        sweep_path(a.ctx, a.table_pages or 4096)
+        sweep(a.batch, a.ctx, a.table_pages)
     if a.sweep_prefill:
         sweep_prefill()

@@ -2,10 +2,11 @@
 bf16 q/k/v, float32 g/beta/state): chunked prefill of one sequence and recurrent decode, with fla as
 the peer when it is importable (q and k handed to it already expanded to the value heads).
 
-Every kernel variant (chunk.VARIANTS, recurrent.VARIANTS; the first of each is the design measured
-first) is a row of its own, checked against the reference, so that one run times old and new side
-by side; the row marked default= is the wrapper's own pick. DELTASERVE_GDN_VARIANTS=name,name,...
-limits the other rows to those variants.
+Every kernel variant (CHUNK_VARIANTS: chunk.VARIANTS, the ones its picker chooses, and the others
+compared with them; RECURRENT_VARIANTS; "fused" and "bv32" are the designs measured first) is a row
+of its own, checked against the reference, so that one run times old and new side by side; the row
+marked default= is the wrapper's own pick. DELTASERVE_GDN_VARIANTS=name,name,... limits the other
+rows to those variants.
 
 Gating (op gdn_gating: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) from the strided
 a / b columns of a bf16 in_proj output) and decode with raw gates (op gdn_decode_gates: the
@@ -25,21 +26,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from deltaserve import envs
 from deltaserve.bench.kernel_cases import Case
 from deltaserve.layers.kernels.conv1d import triton_conv1d
+from deltaserve.layers.kernels.device import num_sms
 from deltaserve.layers.kernels.gdn import chunk as chunk_module
 from deltaserve.layers.kernels.gdn import decode as decode_module
 from deltaserve.layers.kernels.gdn import gating as gating_module
 from deltaserve.layers.kernels.gdn import naive
-from deltaserve.layers.kernels.gdn import recurrent as recurrent_module
-from deltaserve.layers.kernels.gdn.chunk import CHUNK, chunk_gated_delta_rule
-from deltaserve.layers.kernels.gdn.recurrent import fused_recurrent_gated_delta_rule
+from deltaserve.layers.kernels.gdn.chunk import CHUNK, ChunkVariant, chunk_gated_delta_rule
+from deltaserve.layers.kernels.gdn.recurrent import DEFAULT_VARIANT, RecurrentVariant, fused_recurrent_gated_delta_rule
 from deltaserve.layers.kernels.norm import triton_norm
 
 HK, HV, K, V = 16, 32, 128, 128
@@ -95,9 +96,31 @@ def _chunk_flops(num_tokens: int) -> int:
     return per_chunk * HV * -(-num_tokens // CHUNK)
 
 
+# the chunk kernel's designs: the picker's three, then the others measured against them (gdn/NOTES.md)
+CHUNK_VARIANTS: dict[str, ChunkVariant] = {
+    **chunk_module.VARIANTS,
+    "fused64w8": ChunkVariant(split=False, block_v=64, num_warps=8, num_stages=3, prefetch=True),
+    "split64": ChunkVariant(split=True, block_v=64, num_warps=4),
+    "split64w8": ChunkVariant(split=True, block_v=64, num_warps=8),
+    "split32_o128": ChunkVariant(split=True, block_v=32, num_warps=4, out_block_v=128, out_warps=8),
+}
+# the recurrent kernel's: "bv32" is the first design (H200: 75% of copy bandwidth at N=64), "bv64_1p"
+# the default (recurrent.DEFAULT_VARIANT)
+RECURRENT_VARIANTS: dict[str, RecurrentVariant] = {
+    "bv32": RecurrentVariant(block_v=32, num_warps=4, one_pass=False, row_strides=False),
+    "bv32_1p": RecurrentVariant(block_v=32, num_warps=4),
+    "bv32_1p_r64": RecurrentVariant(block_v=32, num_warps=4, maxnreg=64),
+    "bv64_1p": DEFAULT_VARIANT,
+    "bv64w8_1p": RecurrentVariant(block_v=64, num_warps=8),
+    "bv64w8_1p_r64": RecurrentVariant(block_v=64, num_warps=8, maxnreg=64),
+    "bv128w8_1p": RecurrentVariant(block_v=128, num_warps=8),
+}
+DEFAULT_RECURRENT = next(name for name, v in RECURRENT_VARIANTS.items() if v == DEFAULT_VARIANT)
+
+
 def _selected(names: list[str]) -> list[str]:
     """The variant names to time: all of them, or those DELTASERVE_GDN_VARIANTS names."""
-    wanted = os.environ.get("DELTASERVE_GDN_VARIANTS")
+    wanted = envs.read("DELTASERVE_GDN_VARIANTS")
     if not wanted:
         return names
     return [n for n in names if n in wanted.split(",")]
@@ -123,7 +146,7 @@ def _chunk_cases(num_tokens: int, fla_chunk) -> list[Case]:
             reference_result.append((naive.chunk_gated_delta_rule(state_pool=ref_pool, **kwargs), ref_pool))
         ref, ref_pool = reference_result[0]
         ours_pool = pool.clone()
-        out = chunk_gated_delta_rule(state_pool=ours_pool, variant=variant, **kwargs)
+        out = chunk_gated_delta_rule(state_pool=ours_pool, variant=CHUNK_VARIANTS.get(variant), **kwargs)
         return max(_rel_err(out, ref), _rel_err(ours_pool, ref_pool))
 
     peer = None
@@ -143,14 +166,16 @@ def _chunk_cases(num_tokens: int, fla_chunk) -> list[Case]:
 
     io_bytes = num_tokens * (2 * HK * K * 2 + 2 * HV * V * 2 + 2 * HV * 4) + 2 * HV * K * V * 4
     peer = _working_peer(peer)
-    default = chunk_module.pick_variant(1, HV, V, torch.device("cuda"), num_tokens)
+    default = chunk_module.pick_variant(1, HV, V, num_sms(torch.device("cuda")), num_tokens)
     cases = []
-    for i, variant in enumerate([None, *_selected(list(chunk_module.VARIANTS))]):
+    for i, variant in enumerate([None, *_selected(list(CHUNK_VARIANTS))]):
         cases.append(
             Case(
                 op="gdn_chunk",
                 shape=f"T={num_tokens} Hk={HK} Hv={HV} K=V={K} {_label(variant, default)}",
-                ours=lambda variant=variant: chunk_gated_delta_rule(state_pool=work_pool, variant=variant, **kwargs),
+                ours=lambda variant=variant: chunk_gated_delta_rule(
+                    state_pool=work_pool, variant=CHUNK_VARIANTS.get(variant), **kwargs
+                ),
                 # the per-chunk torch loop is too slow beyond 2048 tokens; timed once per shape
                 reference=reference if num_tokens <= 2048 and i == 0 else None,
                 reference_label="naive torch",
@@ -175,7 +200,7 @@ def _recurrent_cases(num_seqs: int, fla_recurrent) -> list[Case]:
 
     def check(variant) -> float:
         ours_pool, ref_pool = pool.clone(), pool.clone()
-        out = fused_recurrent_gated_delta_rule(state_pool=ours_pool, variant=variant, **kwargs)
+        out = fused_recurrent_gated_delta_rule(state_pool=ours_pool, variant=RECURRENT_VARIANTS.get(variant), **kwargs)
         ref = naive.fused_recurrent_gated_delta_rule(state_pool=ref_pool, **kwargs)
         return max(_rel_err(out, ref), _rel_err(ours_pool, ref_pool))
 
@@ -194,13 +219,13 @@ def _recurrent_cases(num_seqs: int, fla_recurrent) -> list[Case]:
     io_bytes = num_seqs * ((2 * HK * K + 2 * HV * V) * 2 + 2 * HV * 4)
     peer = _working_peer(peer)
     cases = []
-    for i, variant in enumerate([None, *_selected(list(recurrent_module.VARIANTS))]):
+    for i, variant in enumerate([None, *_selected(list(RECURRENT_VARIANTS))]):
         cases.append(
             Case(
                 op="gdn_recurrent",
-                shape=f"N={num_seqs} L=1 Hk={HK} Hv={HV} K=V={K} {_label(variant, recurrent_module.DEFAULT_VARIANT)}",
+                shape=f"N={num_seqs} L=1 Hk={HK} Hv={HV} K=V={K} {_label(variant, DEFAULT_RECURRENT)}",
                 ours=lambda variant=variant: fused_recurrent_gated_delta_rule(
-                    state_pool=work_pool, variant=variant, **kwargs
+                    state_pool=work_pool, variant=RECURRENT_VARIANTS.get(variant), **kwargs
                 ),
                 reference=(lambda: naive.fused_recurrent_gated_delta_rule(state_pool=work_pool, **kwargs))
                 if i == 0
@@ -316,7 +341,7 @@ def _decode_gate_cases(num_seqs: int) -> list[Case]:
     return [
         Case(
             op="gdn_decode_gates",
-            shape=f"N={num_seqs} L=1 raw a,b {recurrent_module.DEFAULT_VARIANT} [graph x{GRAPH_CALLS}]",
+            shape=f"N={num_seqs} L=1 raw a,b {DEFAULT_RECURRENT} [graph x{GRAPH_CALLS}]",
             ours=_graphed(ours),
             reference=_graphed(torch_gates_then_recurrent),
             reference_label="torch gating + recurrent",

@@ -15,7 +15,7 @@ Time and floor are for all the calls of a row; "% of copy BW" is the floor over 
     python -m deltaserve.bench.kernels_linear --sweep --tokens 1 --shapes 1288:2048,2048:4096 --json out.json
 
 The sweep prints, per (M, N, K), cuBLAS, the default pick and the fastest configs (us per call,
-GB/s, % of copy BW, error, bit-reproducibility), then a summary and `TUNED[...] = {...}` lines to
+GB/s, % of copy BW, error, bit-reproducibility), then a summary and `TUNED[<device>][...] = {...}` lines to
 paste into layers/kernels/linear/tuned.py where the best beats the default.
 """
 
@@ -34,6 +34,7 @@ import triton
 
 from deltaserve.bench.kernel_cases import Case, graphed
 from deltaserve.layers.kernels import linear as linear_kernels
+from deltaserve.layers.kernels.device import device_info
 from deltaserve.layers.kernels.linear import naive
 from deltaserve.layers.kernels.linear import triton_linear as tl_
 from deltaserve.layers.kernels.linear.tuned import tuned_key
@@ -160,7 +161,7 @@ def _sweep_case(m: int, n: int, k: int, num_sms: int) -> dict:
     calls = _num_calls(n, k)
     x, w = _x(m, k), _weights(n, k)[0]
     ref = naive.linear(x=x.float(), weight=w.float())
-    default = _public(tl_.resolve(tl_.pick_config(m, n, k, DTYPE, x.device), m, n, k, DTYPE))
+    default = _public(tl_.resolve(tl_.pick_config(m, n, k, DTYPE, device_info(x.device)), m, n, k, DTYPE))
     cublas_us = _time_graph(graphed(_calls(lambda x, w: F.linear(x, w), m, n, k)), calls)
     configs = sweep_configs(m, n, k, num_sms)
     if default not in [_public(tl_.resolve(c, m, n, k, DTYPE)) for c in configs]:
@@ -237,7 +238,7 @@ def sweep(tokens: list[int], shapes: list[tuple[str, int, int]], json_path: str 
                     text += f" default {default_row['us']:6.2f} us"
                 summary.append(text)
                 if default_row is None or best["us"] < 0.97 * default_row["us"]:
-                    tuned.append(f"TUNED[{tuned_key(m, n, k)}] = {best['cfg']!r}")
+                    tuned.append(f"TUNED[{name!r}][{tuned_key(m, n, k)}] = {best['cfg']!r}")
             results.append(dict(res, label=label))
             if json_path:
                 with open(json_path, "w") as f:
@@ -272,7 +273,7 @@ def row_sweep(shapes: list[tuple[str, int, int]]) -> None:
         gemv_us = _time_graph(graphed(_calls(lambda x, w: tl_.linear(x=x, weight=w), 1, n, k)), calls)
         print(
             f"{label} N={n} K={k}: triton_linear GEMV {gemv_us:6.2f} us  (default row config "
-            f"{triton_row.pick_config(n, k)})",
+            f"{triton_row.pick_config(n, k, device_info(torch.device('cuda')))})",
             flush=True,
         )
         rows = []

@@ -13,7 +13,7 @@
 
     python -m deltaserve.bench.kernels --only moe
     python -m deltaserve.bench.kernels_moe --sweep --tokens 1   # tile sweep of the chosen path (graph-timed)
-    python -m deltaserve.bench.kernels_moe --sweep --tokens 1 --path pairs_mma
+    python -m deltaserve.bench.kernels_moe --sweep --tokens 8 --path sorted
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from deltaserve.bench.kernel_cases import Case, graphed
 from deltaserve.layers.kernels import linear as linear_kernels
-from deltaserve.layers.kernels.moe import naive
+from deltaserve.layers.kernels.device import device_info
+from deltaserve.layers.kernels.moe import naive, tiles
 from deltaserve.layers.kernels.moe import triton_moe as tm
 from deltaserve.layers.kernels.moe.naive import SharedExpert
 
@@ -193,7 +194,7 @@ def _shared_graph_case(num_tokens: int) -> Case:
     )
 
 
-GRAPH_CASES = [(1, "pairs"), (1, "pairs_mma"), (4, "pairs"), (8, "pairs"), (8, "sorted")]
+GRAPH_CASES = [(1, "pairs"), (4, "pairs"), (8, "pairs"), (8, "sorted")]
 GRAPH_CASES += [(16, "pairs"), (16, "sorted"), (32, "pairs"), (32, "sorted")]
 
 
@@ -218,13 +219,8 @@ def _sweep_configs(path: str) -> list[dict]:
         ups = [dict(block_n=n, block_k=k, num_warps=w) for n, k, w in itertools.product([2, 4, 8], [512, 1024], [2, 4])]
         downs = [dict(block_h=h, block_i=512, num_warps=w) for h, w in itertools.product([1, 2, 4, 8], [1, 2, 4])]
         # the up and down kernels are independent: sweep each against the other's default
-        default = tm._pairs_config(H, INTER, True)
+        default = tiles.pairs_config(H, INTER, device_info(torch.device("cuda")))
         return [dict(up=u, down=default["down"]) for u in ups] + [dict(up=default["up"], down=d) for d in downs]
-    if path == "pairs_mma":
-        return [
-            dict(up=_tiles(bn, 256, 4, s), down=_tiles(16, dk, 4, ds))
-            for bn, dk, s, ds in itertools.product([16, 32], [256, 512], [3, 4, 5], [3, 5])
-        ]
     return [
         dict(block_m=bm, up=_tiles(bn, bk, w, s), down=_tiles(bn, bk, w, s))
         for bm, bn, bk, w, s in itertools.product([16, 32], [64, 128], [64, 128], [4, 8], [3, 4])
@@ -243,12 +239,11 @@ def sweep(num_tokens: int, path: str | None) -> None:
     sets = [_inputs(num_tokens, seed=1000 * num_tokens + i) for i in range(GRAPH_CALLS)]
     floor_bytes = sum(_moe_bytes(a) for a in sets)
     ref = naive.fused_moe(**sets[0])
+    info = device_info(torch.device("cuda"))
     if path == "pairs":
-        default = tm._pairs_config(H, INTER, True)
-    elif path == "pairs_mma":
-        default = tm._pairs_mma_config(True)
+        default = tiles.pairs_config(H, INTER, info)
     else:
-        default = tm._sorted_config(num_tokens * TOP_K, E, True)
+        default = tiles.sorted_config(num_tokens * TOP_K, E, 2, info)
     print(f"T={num_tokens} path={path} default {default}")
     rows = []
     for cfg in _sweep_configs(path):
@@ -270,7 +265,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--tokens", type=int, default=1)
-    parser.add_argument("--path", choices=["pairs", "pairs_mma", "sorted"], default=None)
+    parser.add_argument("--path", choices=["pairs", "sorted"], default=None)
     a = parser.parse_args()
     if a.sweep:
         sweep(a.tokens, a.path)

@@ -22,6 +22,7 @@ import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.layers.config import ModelConfig
+from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.moe import SparseMoeBlock
 
 from .presets import PRESETS, preset_config
@@ -363,23 +364,22 @@ def run(args: argparse.Namespace) -> dict:
     runner = getattr(llm.engine.executor, "runner", None)
     counter = ExpertCounter(runner.model) if runner is not None else None
     variants = parse_variants(args.variants)
-    recaptures = any(env for _, env in variants)
-    if recaptures and runner is None:
-        raise SystemExit("--variants needs the in-process engine (TP = 1): graphs are recaptured per variant")
+    if any(settings for _, settings in variants) and runner is None:
+        raise SystemExit("--variants needs the in-process engine (TP = 1): the runner takes each variant's options")
+    base = runner.kernels if runner is not None else None
     rows = []
-    for label, env in variants:
-        with variant_env(env):
-            if recaptures:  # a graph replays the kernels it was captured with
-                runner.recapture_graphs()
-            for b in batches:
-                row = _decode_row(args, llm, model_config, bandwidth, counter, peer, b, tag=label)
-                if label:
-                    row["variant"] = label
-                rows.append(row)
-                print(_fmt_decode(row), flush=True)
+    for label, settings in variants:
+        if settings:  # the decode graphs are captured again under the variant's options
+            runner.set_kernel_options(base.with_settings(settings))
+        for b in batches:
+            row = _decode_row(args, llm, model_config, bandwidth, counter, peer, b, tag=label)
+            if label:
+                row["variant"] = label
+            rows.append(row)
+            print(_fmt_decode(row), flush=True)
+        if settings:  # the next variant, and the prefills below, start from the process's options
+            runner.set_kernel_options(base)
     report["decode"] = rows
-    if recaptures:  # the prefills below run with the process's own settings
-        runner.recapture_graphs()
     pre = []
     for n in prefills:
         seconds = bench_prefill(llm, n, model_config.vocab_size, profile=n in args.profile_prefills)
@@ -391,48 +391,28 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def parse_variants(spec: str | None) -> list[tuple[str, dict[str, str]]]:
-    """`--variants "base;nopdl:DELTASERVE_PDL=0;x:A=1,B=2"` -> [(label, environment settings)]: each
-    variant times every batch size with those variables set (a kernel switch read at launch) and the
-    decode graphs captured again under them. None: one unnamed variant, the process as it is."""
+    """`--variants "base:;nopdl:pdl=0;x:route_in_up_max_tokens=8,row_gemv=0"` -> [(label, KernelOptions
+    settings by field name)]: each variant times every batch size with the process's options and
+    those settings (the decode graphs captured again for them). None: one unnamed variant, the
+    process's options. A setting that names no option, or a bad value, is an error naming it."""
     if not spec:
         return [("", {})]
     variants = []
     for item in spec.split(";"):
-        label, _, settings = item.strip().partition(":")
-        env = {}
-        for pair in filter(None, (p.strip() for p in settings.split(","))):
+        label, _, text = item.strip().partition(":")
+        settings = {}
+        for pair in filter(None, (p.strip() for p in text.split(","))):
             name, eq, value = pair.partition("=")
             if not eq or not name:
-                raise ValueError(f"--variants: {pair!r} in variant {label!r} is not NAME=VALUE")
-            env[name] = value
+                raise ValueError(f"--variants: {pair[:40]!r} in variant {label!r} is not NAME=VALUE")
+            settings[name] = value
         if not label:
-            raise ValueError(f"--variants: {item!r} has no label (label:NAME=VALUE,...)")
-        variants.append((label, env))
+            raise ValueError(f"--variants: {item[:40]!r} has no label (label:NAME=VALUE,...)")
+        KernelOptions().with_settings(settings)  # names and values checked before anything runs
+        variants.append((label, settings))
     if len({label for label, _ in variants}) != len(variants):
         raise ValueError("--variants: labels must differ")
     return variants
-
-
-class variant_env:  # noqa: N801 (a context manager used as `with variant_env(env):`)
-    """Sets environment variables for the block and puts back what was there."""
-
-    def __init__(self, env: dict[str, str]):
-        self.env, self.saved = env, {}
-
-    def __enter__(self) -> None:
-        import os
-
-        self.saved = {name: os.environ.get(name) for name in self.env}
-        os.environ.update(self.env)
-
-    def __exit__(self, *exc) -> None:
-        import os
-
-        for name, value in self.saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _decode_row(
@@ -563,8 +543,8 @@ def add_parser(sub) -> None:
         "--variants",
         default=None,
         help='A/B in one process: "label:NAME=VALUE,...;label2:..." times every batch size under each '
-        "variant's environment (kernel switches read at launch, e.g. DELTASERVE_PDL=0), the decode graphs "
-        "captured again for each; TP = 1",
+        "variant's kernel options (KernelOptions fields, e.g. pdl=0, row_tiles=2048x4096:16x8), the decode "
+        "graphs captured again for each; TP = 1",
     )
     p.add_argument("--json", default=None)
     p.set_defaults(func=_main)

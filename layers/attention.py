@@ -18,10 +18,9 @@ import torch
 from torch import nn
 
 from .base import AttnLayerState, CheckpointTensor, ForwardContext
-from .common import RMSNorm, col_range, empty_param, row_ranges
+from .common import RMSNorm, col_range, empty_param, project, row_ranges
 from .config import ModelConfig
 from .kernels import attention as attn_kernels
-from .kernels import linear as linear_kernels
 from .kernels import rotary as rotary_kernels
 from .parallel import ParallelLayout, all_reduce
 
@@ -88,7 +87,7 @@ class GatedAttention(nn.Module):
         return self.qkv_bias if self.bias else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: AttnLayerState) -> torch.Tensor:
-        return self.mix(linear_kernels.linear(x=x, weight=self.qkv_proj, bias=self.in_proj_bias), ctx, state)
+        return self.mix(project(x, self.qkv_proj, ctx.kernels, self.in_proj_bias), ctx, state)
 
     def queries_and_cache(
         self, qkv: torch.Tensor, ctx: ForwardContext, state: AttnLayerState
@@ -111,6 +110,7 @@ class GatedAttention(nn.Module):
             theta=self.rope_theta,
             # the finished k and v go into the paged cache from the same launch
             kv_cache=rotary_kernels.KvCacheWrite(v, state.k_cache, state.v_cache, ctx.slot_mapping),
+            pdl=ctx.kernels.pdl,
         )
         return q, q_gate[..., d:]
 
@@ -143,6 +143,7 @@ class GatedAttention(nn.Module):
                 block_tables=ctx.decode.block_tables,
                 scale=self.scale,
                 output_gate=gate[:num_decode],
+                pdl=ctx.kernels.pdl,
             )
         if ctx.prefill is not None:
             prefill_out = attn_kernels.paged_attention(
@@ -156,7 +157,7 @@ class GatedAttention(nn.Module):
             )
             prefill_out = prefill_out * torch.sigmoid(gate[num_decode:])
         out = join_rows(decode_out, prefill_out).reshape(num_tokens, self.num_heads * d)
-        out = linear_kernels.linear(x=out, weight=self.o_proj, bias=self.o_bias if self.bias else None)
+        out = project(out, self.o_proj, ctx.kernels, self.o_bias if self.bias else None)
         return all_reduce(out, self.layout)
 
 

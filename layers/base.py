@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from .kernels.gdn.state import StateCaptures, VerifyTable
+from .kernels.options import KernelOptions
 
 if TYPE_CHECKING:
     from .config import ModelConfig
@@ -159,6 +160,8 @@ class ForwardContext:
     logits_indices: torch.Tensor
     midchunk_capture: MidchunkCapture | None = None
     moe_lora_route: MoeLoraRoute = MoeLoraRoute.SKIP
+    # the kernel choices the layers hand their ops (a captured graph keeps those of its capture)
+    kernels: KernelOptions = field(default_factory=KernelOptions)
 
     @property
     def num_tokens(self) -> int:

@@ -1,5 +1,5 @@
-"""Small pieces the layers share: the zero-centred RMSNorm and the helpers that load a rank's rows
-or columns of a checkpoint tensor."""
+"""Small pieces the layers share: the zero-centred RMSNorm's weights, a projection under the pass's
+kernel options, and the helpers that load a rank's rows or columns of a checkpoint tensor."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from .base import CheckpointTensor, LazyTensor, copy_into
-from .kernels import norm as norm_kernels
+from .kernels import linear as linear_kernels
+from .kernels.options import KernelOptions
 
 
 def empty_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -16,18 +17,25 @@ def empty_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * (1 + weight): the zero-centred norm of Qwen3-Next and Qwen3.5 (float32 math)."""
+    """The weight and eps of x / rms(x) * (1 + weight), the zero-centred norm of Qwen3-Next and
+    Qwen3.5; the kernels that fuse it into their neighbours apply it."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = empty_param(dim)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return norm_kernels.rms_norm(x=x, weight=self.weight, eps=self.eps)
-
     def checkpoint_tensors(self, name: str) -> list[CheckpointTensor]:
         return [whole(name, self.weight, init="zeros")]
+
+
+def project(
+    x: torch.Tensor, weight: torch.Tensor, kernels: KernelOptions, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) by linear_kernels.linear with the kernel options of the pass."""
+    return linear_kernels.linear(
+        x=x, weight=weight, bias=bias, pdl=kernels.pdl, row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles
+    )
 
 
 def whole(name: str, param: torch.Tensor, init: str = "normal") -> CheckpointTensor:

@@ -8,7 +8,7 @@ The input projections of both checkpoint layouts load into one fused local weigh
     [q, k, v (r heads), z (r heads)] and [b (r), a (r)] with r = value heads per key head.
 The conv runs over the channels [q | k | v] in both layouts.
 
-Decode rows of one token each, in batches of up to gdn_kernels.FUSED_DECODE_MAX_SEQS sequences,
+Decode rows of one token each, in batches of up to KernelOptions.fused_gdn_max_seqs sequences,
 run conv, delta rule and gated norm as one kernel (gdn_kernels.fused_gdn_decode); prefill chunks,
 larger decode batches and multi-token rows (speculative verify) run them as three ops.
 
@@ -23,11 +23,10 @@ from torch import nn
 
 from .attention import join_rows
 from .base import AttnMetadata, CheckpointTensor, ForwardContext, SsmLayerState
-from .common import col_range, empty_param, row_ranges, whole
+from .common import col_range, empty_param, project, row_ranges, whole
 from .config import ModelConfig
 from .kernels import conv1d as conv_kernels
 from .kernels import gdn as gdn_kernels
-from .kernels import linear as linear_kernels
 from .kernels import norm as norm_kernels
 from .kernels.gdn import state as gdn_state
 from .parallel import ParallelLayout, all_reduce
@@ -151,7 +150,7 @@ class GatedDeltaNet(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: SsmLayerState) -> torch.Tensor:
-        return self.mix(linear_kernels.linear(x=x, weight=self.in_proj), ctx, state)
+        return self.mix(project(x, self.in_proj, ctx.kernels), ctx, state)
 
     def mix(self, proj: torch.Tensor, ctx: ForwardContext, state: SsmLayerState) -> torch.Tensor:
         """Everything after the input projection: proj [T, in_proj rows] -> [T, hidden] (reduced
@@ -165,7 +164,7 @@ class GatedDeltaNet(nn.Module):
 
         num_decode = ctx.num_decode_tokens
         decode = ctx.decode
-        if decode is not None and decode.tokens_per_row == 1 and decode.num_seqs <= gdn_kernels.fused_decode_max_seqs():
+        if decode is not None and decode.tokens_per_row == 1 and decode.num_seqs <= ctx.kernels.fused_gdn_max_seqs:
             # small batches of one token per row: conv, delta rule and gated norm in one launch
             # (three at batch 1 are mostly launch latency); the prefill rows take the separate ops
             core_decode = gdn_kernels.fused_gdn_decode(
@@ -181,6 +180,7 @@ class GatedDeltaNet(nn.Module):
                 state_slots=decode.state_slots,
                 norm_weight=self.norm_weight,
                 eps=self.eps,
+                pdl=ctx.kernels.pdl,
             )
             core_prefill = None
             if ctx.prefill is not None:
@@ -189,7 +189,7 @@ class GatedDeltaNet(nn.Module):
             core = join_rows(core_decode, core_prefill)
         else:
             core = self._unfused(mixed, z, a, b, conv_weight, ctx.decode, ctx, state)
-        out = linear_kernels.linear(x=core.reshape(num_tokens, self.value_dim), weight=self.out_proj)
+        out = project(core.reshape(num_tokens, self.value_dim), self.out_proj, ctx.kernels)
         return all_reduce(out, self.layout)
 
     def _unfused(
@@ -215,10 +215,10 @@ class GatedDeltaNet(nn.Module):
             conv_decode = conv_kernels.causal_conv1d_update(
                 x=mixed[:num_decode],
                 weight=conv_weight,
-                bias=None,
                 conv_state_pool=state.conv,
                 state_slots=decode.state_slots,
                 activation="silu",
+                pdl=ctx.kernels.pdl,
             )
         elif decode is not None:  # k + 1 tokens a row (speculative verify): each row a short sequence
             n, rows = decode.num_seqs, decode.tokens_per_row
@@ -239,7 +239,6 @@ class GatedDeltaNet(nn.Module):
             conv_prefill = conv_kernels.causal_conv1d_varlen(
                 x=mixed[num_decode:],
                 weight=conv_weight,
-                bias=None,
                 cu_seqlens=ctx.prefill.cu_seqlens,
                 conv_state_pool=state.conv,
                 state_slots=ctx.prefill.state_slots,
@@ -272,6 +271,7 @@ class GatedDeltaNet(nn.Module):
                 # a verify keeps the slots' states and records each step; write_on_accept applies them
                 update_state=not verify,
                 verify_table=_rows(state.verify, n) if verify else None,
+                pdl=ctx.kernels.pdl,
             ).view(num_decode, *v.shape[1:])
         if ctx.prefill is not None:
             g, beta = gdn_kernels.gdn_gating(a=a[num_decode:], b=b[num_decode:], A_log=self.A_log, dt_bias=self.dt_bias)
@@ -289,7 +289,7 @@ class GatedDeltaNet(nn.Module):
                 captures=ctx.midchunk_capture,
             )
         core = join_rows(core_decode, core_prefill)
-        return norm_kernels.gated_rms_norm(x=core, gate=z, weight=self.norm_weight, eps=self.eps)
+        return norm_kernels.gated_rms_norm(x=core, gate=z, weight=self.norm_weight, eps=self.eps, pdl=ctx.kernels.pdl)
 
     # ---- speculative decoding -----------------------------------------------------------------
     def verify_buffers(self, rows: int, length: int, device: torch.device | str, dtype: torch.dtype) -> dict:

@@ -23,19 +23,38 @@ from .base import (
     TransformerLayer,
     copy_into,
 )
-from .common import RMSNorm, empty_param
+from .common import RMSNorm, empty_param, project
 from .config import ATTENTION, ModelConfig
 from .gdn import GatedDeltaNet
 from .kernels import linear as linear_kernels
 from .kernels import moe as moe_kernels
 from .kernels import norm as norm_kernels
+from .kernels.options import KernelOptions
 from .moe import DenseMLP, SparseMoeBlock
 from .parallel import ParallelLayout, all_gather_last_dim, all_reduce, validate_layout
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, kernels: KernelOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual) in one pass over memory."""
-    return norm_kernels.fused_add_rms_norm(x=x, residual=residual, weight=norm.weight, eps=norm.eps)
+    return norm_kernels.fused_add_rms_norm(x=x, residual=residual, weight=norm.weight, eps=norm.eps, pdl=kernels.pdl)
+
+
+def norm_project(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm: RMSNorm,
+    weight: torch.Tensor,
+    kernels: KernelOptions,
+    bias: torch.Tensor | None = None,
+    write_normed: bool = False,
+) -> linear_kernels.NormLinearOut:
+    """The residual add, `norm` and the projection after it (linear_kernels.rms_norm_linear)."""
+    return linear_kernels.rms_norm_linear(
+        x=x, residual=residual, norm_weight=norm.weight, eps=norm.eps, weight=weight, bias=bias,
+        write_normed=write_normed, pdl=kernels.pdl, row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles,
+    )  # fmt: skip
 
 
 class DecoderLayer(TransformerLayer):
@@ -94,29 +113,20 @@ class DecoderLayer(TransformerLayer):
             assert isinstance(state, AttnLayerState)
         else:
             assert isinstance(state, SsmLayerState)
+        kernels = ctx.kernels
         if input_normed:
-            proj = linear_kernels.linear(x=hidden, weight=self.mixer.in_proj, bias=self.mixer.in_proj_bias)
+            proj = project(hidden, self.mixer.in_proj, kernels, self.mixer.in_proj_bias)
         else:
-            proj, _, residual = linear_kernels.rms_norm_linear(
-                x=hidden,
-                residual=residual,
-                norm_weight=self.input_layernorm.weight,
-                eps=self.input_layernorm.eps,
-                weight=self.mixer.in_proj,
-                bias=self.mixer.in_proj_bias,
+            proj, _, residual = norm_project(
+                hidden, residual, self.input_layernorm, self.mixer.in_proj, kernels, self.mixer.in_proj_bias
             )
         mixed = self.mixer.mix(proj, ctx, state)
         if not self.is_moe:
-            x, residual = add_rms_norm(mixed, residual, self.post_attention_layernorm)
-            return LayerOut(self.mlp(x), residual, normed=False)
+            x, residual = add_rms_norm(mixed, residual, self.post_attention_layernorm, kernels)
+            return LayerOut(self.mlp(x, kernels), residual, normed=False)
         # the MoE block's experts read the normed input too: the fused kernel writes it
-        proj, x, residual = linear_kernels.rms_norm_linear(
-            x=mixed,
-            residual=residual,
-            norm_weight=self.post_attention_layernorm.weight,
-            eps=self.post_attention_layernorm.eps,
-            weight=self.mlp.in_proj,
-            write_normed=True,
+        proj, x, residual = norm_project(
+            mixed, residual, self.post_attention_layernorm, self.mlp.in_proj, kernels, write_normed=True
         )
         if next_norm is None:
             return LayerOut(self.mlp(x, ctx, proj), residual, normed=False)
@@ -196,7 +206,7 @@ class HybridModel(nn.Module):
             # the lookup and the first layer's input norm in one launch
             first = self.layers[0].input_layernorm
             hidden, residual = norm_kernels.embed_rms_norm(
-                ids=ctx.input_ids, table=self.embed_tokens, weight=first.weight, eps=first.eps
+                ids=ctx.input_ids, table=self.embed_tokens, weight=first.weight, eps=first.eps, pdl=ctx.kernels.pdl
             )
             normed = True
         else:
@@ -205,7 +215,7 @@ class HybridModel(nn.Module):
         for layer, state, norm_after in zip(self.layers, states, norms_after, strict=True):
             # each MoE block applies the norm after it in its last kernel: one launch fewer a layer
             hidden, residual, normed = layer(hidden, residual, ctx, state, input_normed=normed, next_norm=norm_after)
-        return hidden if normed else add_rms_norm(hidden, residual, self.norm)[0]
+        return hidden if normed else add_rms_norm(hidden, residual, self.norm, ctx.kernels)[0]
 
     def write_on_accept(self, states: list[LayerState], slots: torch.Tensor, last_accepted: torch.Tensor) -> None:
         """After a verify pass: every layer keeps its state after each row's last accepted token."""

@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import CheckpointTensor, ForwardContext, LazyTensor, MoeLoraRoute, copy_into
-from .common import col_range, empty_param, row_ranges
+from .common import col_range, empty_param, project, row_ranges
 from .config import ModelConfig
-from .kernels import linear as linear_kernels
 from .kernels import moe as moe_kernels
+from .kernels.options import KernelOptions
 from .parallel import ParallelLayout, all_reduce
 
 
@@ -63,14 +63,14 @@ class DenseMLP(nn.Module):
             col_range(f"{prefix}down_proj.weight", self.w2, (self.hidden_size, self.total_inter), i0),
         ]
 
-    def down(self, gate_up: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    def down(self, gate_up: torch.Tensor, kernels: KernelOptions, reduce: bool = True) -> torch.Tensor:
         """down(silu(gate) * up) from the gate/up projection's output [T, 2 * I_local]."""
         act = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
-        out = linear_kernels.linear(x=act, weight=self.w2)
+        out = project(act, self.w2, kernels)
         return all_reduce(out, self.layout) if reduce else out
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        return self.down(linear_kernels.linear(x=x, weight=self.w13), reduce)
+    def forward(self, x: torch.Tensor, kernels: KernelOptions, reduce: bool = True) -> torch.Tensor:
+        return self.down(project(x, self.w13, kernels), kernels, reduce)
 
 
 class SparseMoeBlock(nn.Module):
@@ -181,7 +181,7 @@ class SparseMoeBlock(nn.Module):
         if ctx.moe_lora_route is not MoeLoraRoute.SKIP:
             raise NotImplementedError("MoE LoRA is not built yet: only MoeLoraRoute.SKIP passes run")
         if proj is None:
-            proj = linear_kernels.linear(x=x, weight=self.in_proj)
+            proj = project(x, self.in_proj, ctx.kernels)
         num_experts = self.num_experts
         shared = None
         if self.shared_expert is not None:
@@ -200,10 +200,12 @@ class SparseMoeBlock(nn.Module):
             expert_offset=self.expert_start,
             shared=shared,  # summed in the same kernel at decode sizes
             add_norm=add_norm if self.layout.tp_size == 1 else None,
+            route_in_up_max_tokens=ctx.kernels.route_in_up_max_tokens,
+            pdl=ctx.kernels.pdl,
         )
         if self.layout.tp_size == 1:
             return out
-        return moe_kernels.apply_add_norm(all_reduce(out, self.layout), add_norm)
+        return moe_kernels.apply_add_norm(all_reduce(out, self.layout), add_norm, ctx.kernels.pdl)
 
 
 def _per_expert_loader(block: SparseMoeBlock, local: int, proj: str, name: str):

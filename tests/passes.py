@@ -10,14 +10,23 @@ import numpy as np
 import torch
 
 from deltaserve.cluster.plan import PassPlan
+from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.model import HybridModel
 from deltaserve.workers.context import build_forward_context, logits_rows
 from deltaserve.workers.state_pool import PoolSizes, StatePool
 
 
 class Sequences:
-    def __init__(self, model: HybridModel, num_blocks: int = 64, block_size: int = 4, num_slots: int = 8):
+    def __init__(
+        self,
+        model: HybridModel,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        num_slots: int = 8,
+        kernels: KernelOptions | None = None,
+    ):
         self.model = model
+        self.kernels = kernels or KernelOptions()
         self.block_size = block_size
         self.pool = StatePool(model, PoolSizes(num_blocks, block_size, num_slots), dtype=torch.float32, device="cpu")
         rng = np.random.default_rng(0)
@@ -80,7 +89,7 @@ class Sequences:
         )
         self.pass_id += 1
         indices, spans = logits_rows(plan)
-        ctx = build_forward_context(plan, self.model.config, self.model.layout, "cpu", indices)
+        ctx = build_forward_context(plan, self.model.config, self.model.layout, "cpu", indices, kernels=self.kernels)
         with torch.no_grad():
             hidden = self.model(ctx, self.pool.layer_states)
             logits = self.model.compute_logits(hidden[ctx.logits_indices])

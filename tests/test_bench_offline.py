@@ -9,6 +9,7 @@ import pytest
 from passes import Sequences
 
 from deltaserve.bench.offline import ExpertCounter, in_place_cost
+from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.loader import load_model
 from deltaserve.layers.moe import SparseMoeBlock
 
@@ -46,7 +47,9 @@ def test_decode_batch_stays_whole_through_the_timed_steps(tiny_checkpoints, monk
     assert result["step_s"] > 0
     assert not llm.engine.has_unfinished()
     # a variant times the same batch again: its requests are new ones; no graphs on CPU to recapture
-    llm.engine.executor.runner.recapture_graphs()
+    runner = llm.engine.executor.runner
+    runner.set_kernel_options(runner.kernels.with_settings({"pdl": "0"}))
+    assert runner.kernels.pdl is False and runner.sampler.pdl is False
     again = offline.bench_decode(llm, batch=6, context=64, steps=3, counter=None, vocab=100, tag="b")
     assert again["step_s"] > 0 and not llm.engine.has_unfinished()
 
@@ -64,21 +67,33 @@ def test_in_place_cost_attributes_each_op_its_end_minus_the_previous_end():
     assert nested == {"inside": (3.0, 1), "long": (7.0, 1)}
 
 
-def test_variants_parse_and_set_the_environment_for_their_block(monkeypatch):
-    from deltaserve.bench.offline import parse_variants, variant_env
+def test_variants_parse_into_kernel_options_and_leave_the_environment_alone(monkeypatch):
+    from deltaserve.bench.offline import parse_variants
 
     assert parse_variants(None) == [("", {})]
-    spec = "base:;nopdl:DELTASERVE_PDL=0;both:DELTASERVE_PDL=0, DELTASERVE_ROW_GEMV=0"
-    assert parse_variants(spec) == [
+    spec = "base:;nopdl:pdl=0;both:pdl=0, row_gemv=0;tiles:row_tiles=2048x4096:16x8+1288x2048:8x4"
+    variants = parse_variants(spec)
+    assert variants == [
         ("base", {}),
-        ("nopdl", {"DELTASERVE_PDL": "0"}),
-        ("both", {"DELTASERVE_PDL": "0", "DELTASERVE_ROW_GEMV": "0"}),
+        ("nopdl", {"pdl": "0"}),
+        ("both", {"pdl": "0", "row_gemv": "0"}),
+        ("tiles", {"row_tiles": "2048x4096:16x8+1288x2048:8x4"}),
     ]
-    for bad, field in (("x:PDL", "NAME=VALUE"), (":A=1", "no label"), ("a:;a:B=1", "labels must differ")):
+    base = KernelOptions()
+    assert base.with_settings(variants[2][1]) == KernelOptions(pdl=False, row_gemv=False)
+    tiles = base.with_settings(variants[3][1]).row_tiles
+    assert [(t.n, t.k, t.block_n, t.num_warps) for t in tiles] == [(2048, 4096, 16, 8), (1288, 2048, 8, 4)]
+    bad_cases = (
+        ("x:PDL", "NAME=VALUE"),
+        (":pdl=1", "no label"),
+        ("a:;a:pdl=1", "labels must differ"),
+        ("a:DELTASERVE_PDL=0", "not a kernel option"),
+        ("a:fused_gdn_max_seqs=x", "fused_gdn_max_seqs"),
+        ("a:row_tiles=1x2", "row_tiles"),
+    )
+    for bad, field in bad_cases:
         with pytest.raises(ValueError, match=field):
             parse_variants(bad)
-    monkeypatch.setenv("DELTASERVE_PDL", "1")
-    monkeypatch.delenv("DELTASERVE_ROW_GEMV", raising=False)
-    with variant_env({"DELTASERVE_PDL": "0", "DELTASERVE_ROW_GEMV": "0"}):
-        assert os.environ["DELTASERVE_PDL"] == "0" and os.environ["DELTASERVE_ROW_GEMV"] == "0"
-    assert os.environ["DELTASERVE_PDL"] == "1" and "DELTASERVE_ROW_GEMV" not in os.environ
+    before = dict(os.environ)
+    parse_variants(spec)
+    assert dict(os.environ) == before

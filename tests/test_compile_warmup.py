@@ -83,7 +83,9 @@ def test_warmup_runs_the_greedy_argmax_in_both_logit_dtypes(tiny_checkpoints, mo
     seen = []
     real = sampler_module.argmax_kernels.row_argmax
     monkeypatch.setattr(
-        sampler_module.argmax_kernels, "row_argmax", lambda *, logits: seen.append(logits.dtype) or real(logits=logits)
+        sampler_module.argmax_kernels,
+        "row_argmax",
+        lambda *, logits, **kw: seen.append(logits.dtype) or real(logits=logits, **kw),
     )
     pool = StatePool(runner.model, SIZES, dtype=runner.dtype, device=runner.device)
     runner.compile_warmup(pool)
@@ -97,12 +99,11 @@ def test_warmup_reaches_every_gdn_chunk_variant():
     runs each chunk variant the default picker can choose, so none compiles mid-serving."""
     from deltaserve.layers.kernels.gdn.chunk import pick_variant
 
-    cpu = torch.device("cpu")  # pick_variant counts 132 SMs off the GPU
     prefills = [[n for cached, n in b if not (n == 1 and cached > 0)] for b in WARMUP_BATCHES]
     prefills.append([8192])  # the profiling pass
     sizes = PoolSizes(num_blocks=8192 // 16 + 1, block_size=16, num_slots=1 + max(len(b) for b in WARMUP_BATCHES))
     fitting = [p for p, b in zip(prefills, [*WARMUP_BATCHES, ((0, 8192),)], strict=True) if warmup_fits(b, 8192, sizes)]
-    picked = {pick_variant(len(p), 32, 128, cpu, sum(p)) for p in fitting if p}
+    picked = {pick_variant(len(p), 32, 128, 132, sum(p)) for p in fitting if p}
     assert picked == {"fused", "split32", "fused_pf"}
 
 

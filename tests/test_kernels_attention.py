@@ -6,7 +6,7 @@ import torch
 
 from deltaserve.layers.kernels.attention import naive
 from deltaserve.layers.kernels.attention import triton_attention as ta
-from deltaserve.layers.kernels.device import ticket_buffers
+from deltaserve.layers.kernels.attention import triton_decode as td
 
 # conftest: TRITON_INTERPRET without CUDA, the `device` fixture, gpu-marked tests skipped on CPU
 pytestmark = pytest.mark.usefixtures("nan_fill")
@@ -125,16 +125,15 @@ def test_paged_attention_empty_sequence_and_tile_shapes(device):
         assert rel_err(out, ref) < tol(device)
 
 
-@pytest.mark.parametrize("path", ["fused", "reduce"])
 @pytest.mark.parametrize("hq,hkv,d", PREFILL_CASES[:2])
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
-def test_paged_decode_attention(device, hq, hkv, d, num_splits, path):
+def test_paged_decode_attention(device, hq, hkv, d, num_splits):
     """Different lengths per sequence; 8 splits leave the short sequences' last spans empty."""
     batch = make_batch(q_lens=[1, 1, 1, 1], ctx_lens=[0, 4, 16, 45], hq=hq, hkv=hkv, d=d, block_size=4, device=device)
     del batch["cu_seqlens_q"]
     ref = naive.paged_decode_attention(**batch, scale=0.2)
     cfg = None if num_splits is None else dict(block_n=16, num_splits=num_splits, num_warps=4, num_stages=1)
-    out = ta.paged_decode_attention(**batch, scale=0.2, config=cfg, path=path)
+    out = td.paged_decode_attention(**batch, scale=0.2, config=cfg)
     assert rel_err(out, ref) < tol(device)
 
 
@@ -151,20 +150,19 @@ def test_paged_decode_attention_output_gate(device, num_splits):
     ref = naive.paged_decode_attention(**batch, scale=0.2, output_gate=gate)
     assert torch.allclose(ref, plain * torch.sigmoid(gate), atol=1e-6)
     cfg = dict(block_n=16, num_splits=num_splits, num_warps=4, num_stages=1)
-    for path in ("fused", "reduce"):
-        out = ta.paged_decode_attention(**batch, scale=0.2, output_gate=gate, config=cfg, path=path)
-        assert rel_err(out, ref) < tol(device)
+    out = td.paged_decode_attention(**batch, scale=0.2, output_gate=gate, config=cfg)
+    assert rel_err(out, ref) < tol(device)
 
 
 def test_decode_matches_prefill_of_one_token(device):
     batch = make_batch(q_lens=[1, 1, 1], ctx_lens=[7, 0, 22], hq=6, hkv=2, d=24, block_size=4, seed=3, device=device)
     prefill = ta.paged_attention(**batch, scale=0.25)
     del batch["cu_seqlens_q"]
-    decode = ta.paged_decode_attention(**batch, scale=0.25)
+    decode = td.paged_decode_attention(**batch, scale=0.25)
     assert rel_err(decode, prefill) < tol(device)
 
 
-# --- single-launch decode (spans merged by the last program, a ticket) vs the two-kernel path ---
+# --- split decode: span merges over odd lengths, head groups, CUDA-graph padding rows --------------
 
 
 def decode_batch(ctx_lens, *, hq=8, hkv=2, d=24, block_size=4, seed=0, device="cpu", gate=True):
@@ -181,22 +179,16 @@ def decode_batch(ctx_lens, *, hq=8, hkv=2, d=24, block_size=4, seed=0, device="c
     return batch
 
 
-def assert_paths_agree(device, batch, cfg, scale=0.3):
-    """fused == reduce (bit for bit under the interpreter) and both == the reference."""
+def assert_matches_reference(device, batch, cfg, scale=0.3):
     ref = naive.paged_decode_attention(**batch, scale=scale)
-    fused = ta.paged_decode_attention(**batch, scale=scale, config=cfg, path="fused")
-    two = ta.paged_decode_attention(**batch, scale=scale, config=cfg, path="reduce")
-    assert rel_err(fused, ref) < tol(device) and rel_err(two, ref) < tol(device)
-    if device.type == "cpu":
-        assert torch.equal(fused, two), (fused - two).abs().max()
-    else:
-        assert rel_err(fused, two) < 1e-5
-    return fused
+    out = td.paged_decode_attention(**batch, scale=scale, config=cfg)
+    assert rel_err(out, ref) < tol(device)
+    return out
 
 
-# spans of one tile, several tiles, the cap of the single launch, one per tile (the last span of
-# 513 tokens at 32 splits holds only the new token), and chunked merges
-SINGLE_LAUNCH_CONFIGS = [
+# spans of one tile, several tiles, 16, one per tile (the last span of 513 tokens at 32 splits
+# holds only the new token), and merges read in chunks of 2 and 4 spans
+SPLIT_CONFIGS = [
     dict(block_n=16, num_splits=1, num_warps=4, num_stages=1),
     dict(block_n=16, num_splits=3, num_warps=4, num_stages=1),
     dict(block_n=16, num_splits=8, num_warps=4, num_stages=1, merge_chunk=2),
@@ -205,24 +197,24 @@ SINGLE_LAUNCH_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("cfg", SINGLE_LAUNCH_CONFIGS, ids=lambda c: f"s{c['num_splits']}c{c.get('merge_chunk')}")
-def test_decode_single_launch_odd_lengths(device, cfg):
+@pytest.mark.parametrize("cfg", SPLIT_CONFIGS, ids=lambda c: f"s{c['num_splits']}c{c.get('merge_chunk')}")
+def test_decode_odd_lengths(device, cfg):
     """Context lengths 1, 2, 17, 100, 513 (positions cached after this step; the new token is the
     last) in one batch, pages out of order, the layer's gate; outputs start as NaN (nan_fill)."""
     batch = decode_batch([0, 1, 16, 99, 512], device=device)
-    out = assert_paths_agree(device, batch, cfg)
+    out = assert_matches_reference(device, batch, cfg)
     assert not out.isnan().any()
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (6, 2, 24), (16, 2, 32)])
-def test_decode_single_launch_head_groups(device, hq, hkv, d):
-    """GQA groups 1, 3 (padded to 4 in the merge) and 8; without the gate; pages of 16."""
+def test_decode_head_groups(device, hq, hkv, d):
+    """GQA groups 1, 3 and 8; without the gate; pages of 16."""
     batch = decode_batch([40, 7, 130], hq=hq, hkv=hkv, d=d, block_size=16, seed=2, device=device, gate=False)
     for splits in (2, 5):
-        assert_paths_agree(device, batch, dict(block_n=16, num_splits=splits, num_warps=4, num_stages=1))
+        assert_matches_reference(device, batch, dict(block_n=16, num_splits=splits, num_warps=4, num_stages=1))
 
 
-def test_decode_single_launch_padding_rows(device):
+def test_decode_padding_rows(device):
     """CUDA-graph padding (workers/cuda_graph.py): rows past the batch have seq_len 1 and the
     scratch page first in their table row (their slot is -1: nothing was written there)."""
     batch = decode_batch([20, 63, 0, 0, 0], block_size=4, seed=4, device=device)
@@ -230,37 +222,10 @@ def test_decode_single_launch_padding_rows(device):
     batch["block_tables"][2:] = 0
     batch["block_tables"][2:, 0] = scratch
     batch["seq_lens"][2:] = 1
-    out = assert_paths_agree(device, batch, dict(block_n=16, num_splits=4, num_warps=4, num_stages=1))
+    out = assert_matches_reference(device, batch, dict(block_n=16, num_splits=4, num_warps=4, num_stages=1))
     # a padding row attends to the scratch page's first position alone
     v0 = batch["v_cache"][scratch, 0].repeat_interleave(4, dim=0)
     assert torch.allclose(out[2], v0 * torch.sigmoid(batch["output_gate"][2]), atol=1e-5)
-
-
-def test_decode_single_launch_back_to_back(device):
-    """Two launches in a row with different batches: each leaves its ticket counters at zero, so
-    the second one's last programs are found again (a stale count would leave NaN outputs)."""
-    cfg = dict(block_n=16, num_splits=6, num_warps=4, num_stages=1)
-    first = decode_batch([90, 3, 44, 17], seed=6, device=device)
-    second = decode_batch([5, 70, 33], seed=7, device=device)
-    for batch in (first, second, first):
-        ref = naive.paged_decode_attention(**batch, scale=0.3)
-        out = ta.paged_decode_attention(**batch, scale=0.3, config=cfg, path="fused")
-        assert rel_err(out, ref) < tol(device)
-        for tickets in ticket_buffers(ta.TICKETS, torch.device(device)):
-            assert not tickets.any(), "a ticket counter was not reset"
-
-
-def test_decode_path_default(monkeypatch, device):
-    """The single launch up to FUSED_MAX_SEQS sequences, the reduce kernel above: the same results."""
-    monkeypatch.setattr(ta, "FUSED_MAX_SEQS", 2)
-    batch = decode_batch([30, 12, 50], seed=8, device=device)
-    cfg = dict(block_n=16, num_splits=3, num_warps=4, num_stages=1)
-    above = ta.paged_decode_attention(**batch, scale=0.3, config=cfg)  # 3 > 2: two kernels
-    monkeypatch.setattr(ta, "FUSED_MAX_SEQS", 3)
-    at = ta.paged_decode_attention(**batch, scale=0.3, config=cfg)
-    assert rel_err(at, above) < tol(device)
-    with pytest.raises(AssertionError, match="path"):
-        ta.paged_decode_attention(**batch, scale=0.3, config=cfg, path="one")
 
 
 # --- GPU, bf16, the real shapes (16 q heads, 2 kv heads, head dim 256, pages of 16) ---------------
@@ -315,7 +280,7 @@ def test_gpu_paged_decode_attention_bf16(batch_size):
     ctx[0] = 4095
     batch = real_decode_batch(ctx)
     ref = naive.paged_decode_attention(**batch, scale=256**-0.5)
-    out = ta.paged_decode_attention(**batch, scale=256**-0.5)
+    out = td.paged_decode_attention(**batch, scale=256**-0.5)
     assert rel_err(out, ref) < 1e-2
 
 
@@ -328,12 +293,12 @@ def test_gpu_decode_split_counts_share_one_compiled_variant():
 
     def variants() -> int:
         return sum(
-            len(cache[0]) for k in (ta._decode_kernel, ta._decode_reduce_kernel) for cache in k.device_caches.values()
+            len(cache[0]) for k in (td._decode_kernel, td._decode_reduce_kernel) for cache in k.device_caches.values()
         )
 
     counts = []
     for splits in (3, 5, 6, 7, 9):
-        out = ta.paged_decode_attention(
+        out = td.paged_decode_attention(
             **batch, scale=0.0625, config=dict(block_n=32, num_splits=splits, num_warps=4, num_stages=5)
         )
         assert rel_err(out, ref) < 1e-2
@@ -343,34 +308,31 @@ def test_gpu_decode_split_counts_share_one_compiled_variant():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch_size", [1, 16])
-def test_gpu_decode_single_launch_bf16(batch_size):
-    """Both paths at the model's shape with the gate; the default path (FUSED_MAX_SEQS = 0) is the reduce kernel."""
+def test_gpu_decode_output_gate_bf16(batch_size):
+    """The model's shape with the gate, PDL on and off: the same bits."""
     g = torch.Generator().manual_seed(100 + batch_size)
     ctx = torch.randint(0, 1200, (batch_size,), generator=g).tolist()
     ctx[0] = 511
     batch = real_decode_batch(ctx)
     batch["output_gate"] = torch.randn(batch_size, 16, 512, device="cuda", dtype=torch.bfloat16)[..., 256:]
     ref = naive.paged_decode_attention(**batch, scale=0.0625)
-    fused = ta.paged_decode_attention(**batch, scale=0.0625, path="fused")
-    two = ta.paged_decode_attention(**batch, scale=0.0625, path="reduce")
-    assert rel_err(fused, ref) < 1e-2 and rel_err(two, ref) < 1e-2 and rel_err(fused, two) < 1e-2
-    assert torch.equal(ta.paged_decode_attention(**batch, scale=0.0625), two)
+    out = td.paged_decode_attention(**batch, scale=0.0625)
+    assert rel_err(out, ref) < 1e-2
+    assert torch.equal(td.paged_decode_attention(**batch, scale=0.0625, pdl=False), out)
 
 
 @pytest.mark.gpu
-def test_gpu_decode_single_launch_cuda_graph_replays():
-    """Captured once (PDL on, as the decode graphs), replayed with new lengths and queries: the
-    ticket counters are back at zero after every replay."""
+def test_gpu_decode_cuda_graph_replays():
+    """Captured once (PDL on, as the decode graphs), replayed with new lengths and queries."""
     batch = real_decode_batch([600, 30, 200])
-    ta.paged_decode_attention(**batch, scale=0.0625, path="fused")  # compiles, allocates the tickets
+    td.paged_decode_attention(**batch, scale=0.0625)  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ta.paged_decode_attention(**batch, scale=0.0625, path="fused")
+        out = td.paged_decode_attention(**batch, scale=0.0625)
     for step in range(3):
         batch["seq_lens"].copy_(torch.tensor([601 - 100 * step, 31 - 10 * step, 1 + 50 * step], dtype=torch.int32))
         batch["q"].normal_()
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, naive.paged_decode_attention(**batch, scale=0.0625)) < 1e-2
-        assert not any(t.any() for t in ticket_buffers(ta.TICKETS, out.device))

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 # conftest.py sets TRITON_INTERPRET (no CUDA) before anything imports triton
+from deltaserve.bench.kernels_gdn import CHUNK_VARIANTS as ALL_CHUNK_VARIANTS
+from deltaserve.bench.kernels_gdn import RECURRENT_VARIANTS
 from deltaserve.layers.kernels.gdn import chunk as chunk_module
 from deltaserve.layers.kernels.gdn import gating as gating_module
 from deltaserve.layers.kernels.gdn import naive
@@ -55,9 +57,9 @@ def run_chunk(impl, q, k, v, g, beta, cu_seqlens, pool, slots, has_init, **kw):
     return out, pool, states
 
 
-# the first design (fused, as measured first), the fused one with its loads pipelined, the split one;
-# on the CPU the other VARIANTS differ from these only in block sizes and warps
-CHUNK_VARIANTS = ["fused", "fused_pf", "split32"]
+# the designs the picker chooses: the first (fused), the fused one with its loads pipelined, the
+# split one; on the CPU the variants the benchmark compares differ from these only in block sizes
+CHUNK_VARIANTS = list(chunk_module.VARIANTS)
 
 
 @pytest.mark.parametrize("variant", CHUNK_VARIANTS)
@@ -184,7 +186,7 @@ def test_recurrent_matches_naive(nan_fill, length, heads, dims, update_state, va
     slots = torch.randperm(num_seqs + 3, device=DEVICE)[:num_seqs]
     results = []
     impls = (naive.fused_recurrent_gated_delta_rule, recurrent_module.fused_recurrent_gated_delta_rule)
-    for impl, kw in zip(impls, ({}, {"variant": variant}), strict=True):
+    for impl, kw in zip(impls, ({}, {"variant": RECURRENT_VARIANTS[variant]}), strict=True):
         p = pool.clone()
         inter = torch.full((num_seqs, length, num_v_heads, key_dim, value_dim), float("nan"), device=DEVICE)
         o = impl(
@@ -220,7 +222,7 @@ def test_recurrent_strided_pool(nan_fill, variant):
     slots = torch.tensor([4, 0, 2], device=DEVICE)
     outs = []
     impls = (naive.fused_recurrent_gated_delta_rule, recurrent_module.fused_recurrent_gated_delta_rule)
-    for impl, kw in zip(impls, ({}, {"variant": variant}), strict=True):
+    for impl, kw in zip(impls, ({}, {"variant": RECURRENT_VARIANTS[variant]}), strict=True):
         w = wide.clone()
         inter = torch.full((3, 2, 2, 16, 40), float("nan"), device=DEVICE)
         args = dict(q=q, k=k, v=v, g=g, beta=beta, state_slots=slots, intermediate_states_out=inter)
@@ -324,7 +326,14 @@ def test_recurrent_raw_gates_matches_naive(nan_fill, length, heads, dims, dtype,
     out_pool, out_inter = pool.clone(), torch.full(inter_shape, float("nan"), device=DEVICE)
     raw = dict(a=a, b=b, A_log=a_log, dt_bias=dt_bias)
     out = recurrent_module.fused_recurrent_gated_delta_rule(
-        q=q, k=k, v=v, state_pool=out_pool, state_slots=slots, intermediate_states_out=out_inter, variant=variant, **raw
+        q=q,
+        k=k,
+        v=v,
+        state_pool=out_pool,
+        state_slots=slots,
+        intermediate_states_out=out_inter,
+        variant=RECURRENT_VARIANTS[variant],
+        **raw,
     )
     assert rel_err(out, ref) < TOL
     assert rel_err(out_inter, ref_inter) < TOL
@@ -358,7 +367,7 @@ BF16_TOL = 2e-2  # bf16 operands: the reference runs in float32 on the same bf16
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", [None, *chunk_module.VARIANTS])
+@pytest.mark.parametrize("variant", [None, *ALL_CHUNK_VARIANTS.values()])
 def test_chunk_bf16_real_shapes(nan_fill, variant):
     torch.manual_seed(4)
     bounds = [0, 777, 2048, 2048, 2049, 3000]  # odd lengths, an empty and a 1-token sequence
@@ -384,7 +393,7 @@ def test_chunk_bf16_real_shapes(nan_fill, variant):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("length", [1, 4])
-@pytest.mark.parametrize("variant", [None, *recurrent_module.VARIANTS])
+@pytest.mark.parametrize("variant", [None, *RECURRENT_VARIANTS.values()])
 def test_recurrent_bf16_real_shapes(nan_fill, length, variant):
     torch.manual_seed(5)
     num_seqs = 64
@@ -393,7 +402,7 @@ def test_recurrent_bf16_real_shapes(nan_fill, length, variant):
     slots = torch.randperm(num_seqs + 8, device=DEVICE)[:num_seqs].int()
     results = []
     impls = (naive.fused_recurrent_gated_delta_rule, recurrent_module.fused_recurrent_gated_delta_rule)
-    for impl, kw in zip(impls, ({}, {"variant": variant}), strict=True):
+    for impl, kw in zip(impls, ({}, {"variant": RECURRENT_VARIANTS.get(variant, variant)}), strict=True):
         p = pool.clone()
         inter = torch.full((num_seqs, length, 32, 128, 128), float("nan"), device=DEVICE)
         o = impl(q=q, k=k, v=v, g=g, beta=beta, state_pool=p, state_slots=slots, intermediate_states_out=inter, **kw)
@@ -419,7 +428,7 @@ def test_gating_bf16_real_shapes(nan_fill, param_dtype):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("length", [1, 4])
-@pytest.mark.parametrize("variant", [None, *recurrent_module.VARIANTS])
+@pytest.mark.parametrize("variant", [None, *RECURRENT_VARIANTS.values()])
 def test_recurrent_raw_gates_bf16_real_shapes(nan_fill, length, variant):
     torch.manual_seed(11)
     num_seqs = 64

@@ -24,6 +24,7 @@ from deltaserve.layers.kernels.gdn import naive
 from deltaserve.layers.kernels.gdn import recurrent as recurrent_module
 from deltaserve.layers.kernels.norm import naive as norm_naive
 from deltaserve.layers.kernels.norm import triton_norm
+from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.loader import load_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -215,8 +216,9 @@ def test_dispatch_by_device():
 
 def test_layer_fused_decode_equals_separate_ops(tiny_checkpoints, monkeypatch):
     """The GDN layer (CPU: the naive ops) gives the same logits whether its one-token decode rows
-    take fused_gdn_decode (batches up to FUSED_DECODE_MAX_SEQS) or the three separate ops,
-    including a pass that mixes decode rows with a prefill chunk."""
+    take fused_gdn_decode (batches up to KernelOptions.fused_gdn_max_seqs) or the three separate
+    ops (fused_gdn_max_seqs = 0: the fused op is never called), including a pass that mixes decode
+    rows with a prefill chunk."""
     path, _ = tiny_checkpoints["qwen3_5"]
     gen = torch.Generator().manual_seed(3)
     ids = {s: torch.randint(3, VOCAB_SIZE, (10,), generator=gen).tolist() for s in "abc"}
@@ -226,20 +228,19 @@ def test_layer_fused_decode_equals_separate_ops(tiny_checkpoints, monkeypatch):
         [("a", ids["a"][7:8]), ("b", ids["b"][4:5]), ("c", ids["c"][5:6])],
         [("b", ids["b"][5:6]), ("c", ids["c"][6:7])],
     ]
-    limit, calls = gdn_kernels.FUSED_DECODE_MAX_SEQS, []
+    calls = []
     fused = gdn_kernels.fused_gdn_decode
     monkeypatch.setattr(gdn_kernels, "fused_gdn_decode", lambda **kw: calls.append(1) or fused(**kw))
 
     def logits(max_seqs: int) -> list[torch.Tensor]:
-        monkeypatch.setattr(gdn_kernels, "FUSED_DECODE_MAX_SEQS", max_seqs)
-        seqs = Sequences(load_model(path))
+        seqs = Sequences(load_model(path), kernels=KernelOptions(fused_gdn_max_seqs=max_seqs))
         for s in ids:
             seqs.add(s)
         return [out for rows in plan for out in seqs.run(rows)]
 
     separate = logits(0)
     assert not calls
-    together = logits(limit)
+    together = logits(KernelOptions().fused_gdn_max_seqs)
     assert len(calls) == 3 * sum(not layer.is_attention for layer in load_model(path).layers)  # 3 decode passes
     for got, want in zip(together, separate, strict=True):
         assert torch.equal(got, want)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deltaserve.layers.kernels.conv1d import naive as conv_naive
+from deltaserve.layers.kernels import conv1d
 from deltaserve.layers.kernels.gdn import chunk as chunk_module
 from deltaserve.layers.kernels.gdn import naive
 from deltaserve.layers.kernels.gdn import recurrent as recurrent_module
@@ -129,7 +129,7 @@ def test_conv_windows_at_offsets():
     caps = StateCaptures((StateCapture(0, 10, 3), StateCapture(0, 1, 4), StateCapture(1, 2, 5),
                           StateCapture(2, 2, 6), StateCapture(0, 0, 7)), lens)  # fmt: skip
     weight = torch.randn(channels, width, device=DEVICE)
-    conv_naive.causal_conv1d_varlen(
+    conv1d.causal_conv1d_varlen(
         x=x, weight=weight, bias=None, cu_seqlens=torch.tensor([0, 30, 32, 40], device=DEVICE),
         conv_state_pool=pool, state_slots=slots, has_initial_state=has_init, captures=caps,
     )  # fmt: skip

@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from deltaserve.layers.kernels import device as device_module
 from deltaserve.layers.kernels import linear as linear_kernels
+from deltaserve.layers.kernels.device import DeviceInfo
 from deltaserve.layers.kernels.linear import naive
 from deltaserve.layers.kernels.linear import triton_linear as tl_
 
@@ -139,20 +141,46 @@ def test_dispatch(device):
             assert torch.equal(out, tl_.linear(x=x, weight=w, bias=b))
 
 
+H200 = DeviceInfo(device_module.H200, num_sms=132, smem_per_block=232448, capability=(9, 0))
+OTHER_GPU = DeviceInfo("NVIDIA B200", num_sms=148, smem_per_block=232448, capability=(10, 0))
+
+
 def test_dispatch_above_gemv_rows_takes_only_tuned_half_shapes():
-    uses = linear_kernels.uses_triton
-    (bucket, n, k), *_ = [key for key in linear_kernels.TUNED if key[0] == 16]
-    assert uses(1, 130, 64, torch.float32) and uses(4, 130, 64, torch.float32)
-    assert uses(5, n, k, torch.bfloat16) and uses(16, n, k, torch.float16)
-    assert not uses(5, n, k, torch.float32)  # tiles measured in bf16 only
-    assert not uses(17, n, k, torch.bfloat16) and not uses(8, n + 1, k, torch.bfloat16)
+    """Up to MAX_TOKENS rows the Triton GEMV (a half-precision row: the one-row kernel unless
+    row_gemv is off); 5..16 rows only at the device's tuned half-precision shapes, cuBLAS else."""
+
+    def path(m, n, k, dtype, info=H200, row_gemv=True):
+        return linear_kernels.gemm_path(m, n, k, dtype, info, row_gemv)
+
+    (bucket, n, k), *_ = [key for key in linear_kernels.TUNED[device_module.H200] if key[0] == 16]
+    assert path(1, 130, 64, torch.float32) == path(4, 130, 64, torch.float32) == "skinny"
+    assert path(1, 130, 64, torch.bfloat16) == "row" and path(1, 130, 64, torch.bfloat16, row_gemv=False) == "skinny"
+    assert path(5, n, k, torch.bfloat16) == path(16, n, k, torch.float16) == "skinny"
+    assert path(5, n, k, torch.float32) == "torch"  # tiles measured in bf16 only
+    assert path(17, n, k, torch.bfloat16) == path(8, n + 1, k, torch.bfloat16) == "torch"
+    assert path(5, n, k, torch.bfloat16, OTHER_GPU) == "torch"  # measured on the H200 only
 
 
 def test_tuned_configs_resolve():
     """Every measured config is complete and valid for its own shape (the GPU test runs them)."""
-    for (bucket, n, k), cfg in linear_kernels.TUNED.items():
+    for (bucket, n, k), cfg in linear_kernels.TUNED[device_module.H200].items():
         cfg = tl_.resolve(cfg, bucket, n, k, torch.bfloat16)
         assert cfg["dot"] == (bucket == 16) and cfg["k_split"] % cfg["block_k"] == 0
+
+
+def test_tiles_by_device():
+    """The H200 takes its measured tiles; another GPU the heuristic, its pipeline within its shared
+    memory (a 99 KB part keeps fewer stages of the 16-row MMA form than it wants)."""
+    (bucket, n, k), cfg = next(iter(linear_kernels.TUNED[device_module.H200].items()))
+    assert tl_.pick_config(bucket, n, k, torch.bfloat16, H200) == cfg
+    small = DeviceInfo("NVIDIA L40S", num_sms=142, smem_per_block=101376, capability=(8, 9))
+    for info in (OTHER_GPU, small):
+        for m in (1, 3, 16):
+            got = tl_.resolve(tl_.pick_config(m, 12352, 2048, torch.bfloat16, info), m, 12352, 2048, torch.bfloat16)
+            per_stage = 2 * got["block_k"] * (16 + got["block_n"])
+            assert not got["dot"] or got["num_stages"] * per_stage + device_module.SMEM_SCRATCH <= info.smem_per_block
+    tiny = DeviceInfo("tiny", num_sms=8, smem_per_block=40 * 1024, capability=(8, 0))
+    assert tl_.pick_config(16, 12352, 2048, torch.bfloat16, tiny)["num_stages"] == 2
 
 
 # --- GPU, bf16, the real shapes ------------------------------------------------------------------

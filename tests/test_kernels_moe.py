@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deltaserve.layers.kernels import moe as moe_kernels
-from deltaserve.layers.kernels.moe import naive
+from deltaserve.layers.kernels.moe import align, naive
 from deltaserve.layers.kernels.moe import triton_moe as tm
 
 # conftest: TRITON_INTERPRET without CUDA, the `device` fixture, gpu-marked tests skipped on CPU
@@ -52,11 +52,9 @@ CASES = [
 ]
 
 
-# the pairs paths are for a handful of pairs: the interpreter runs one program per pair and row
+# the pairs path is for a handful of pairs: the interpreter runs one program per pair and row
 # block, so the case with 88 pairs runs the sorted path only
-PATH_CASES = [
-    (path, *c) for c in CASES for path in ("pairs", "sorted", "pairs_mma") if path == "sorted" or c[0] * c[5] <= 32
-]
+PATH_CASES = [(path, *c) for c in CASES for path in ("pairs", "sorted") if path == "sorted" or c[0] * c[5] <= 32]
 
 
 @pytest.mark.parametrize("path,tokens,hidden,inter,local,total,top_k,offset", PATH_CASES)
@@ -87,7 +85,7 @@ def test_align_pairs_layout(device):
     sentinel; block_expert matches; non-local pairs appear nowhere."""
     ids = torch.tensor([[3, 1], [3, 5], [0, 3], [1, 2], [6, 3], [3, 4]], device=device)
     local, offset, block_m = 4, 1, 2  # local experts are global 1..4
-    sorted_ids, block_expert, offsets = tm.align_pairs(
+    sorted_ids, block_expert, offsets = align.align_pairs(
         topk_ids=ids, num_experts=local, expert_offset=offset, block_m=block_m
     )
     ids, sorted_ids, block_expert, offsets = (t.cpu() for t in (ids, sorted_ids, block_expert, offsets))
@@ -256,7 +254,7 @@ def test_gpu_fused_moe_expert_parallel_bf16(tokens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 2, 4, 16])
-@pytest.mark.parametrize("path", ["pairs", "pairs_mma", "sorted"])
+@pytest.mark.parametrize("path", ["pairs", "sorted"])
 def test_gpu_fused_moe_small_batches_bf16(tokens, path):
     """Decode batches on every path (the default choice moves with PAIRS_PATH_MAX)."""
     args = make_inputs(

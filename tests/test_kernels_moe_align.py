@@ -6,7 +6,7 @@ free). Interpreted on CPU tensors without CUDA, compiled on the GPU with it."""
 import pytest
 import torch
 
-from deltaserve.layers.kernels.moe import triton_moe as tm
+from deltaserve.layers.kernels.moe import align as tm
 
 # conftest: TRITON_INTERPRET without CUDA, the `device` fixture; nan_fill: torch.empty hands out
 # integers at their largest value, so an output element the kernel never writes fails the checks

@@ -10,6 +10,7 @@ from test_kernels_shared_expert import make
 from deltaserve.layers.kernels import norm as norm_kernels
 from deltaserve.layers.kernels.device import ticket_buffers
 from deltaserve.layers.kernels.moe import AddNorm, NormedOut, naive
+from deltaserve.layers.kernels.moe import fused_norm as fused_norm_module
 from deltaserve.layers.kernels.moe import triton_moe as tm
 
 pytestmark = pytest.mark.usefixtures("nan_fill")
@@ -60,8 +61,8 @@ def test_fused_norm_is_block_then_norm(device, path, tokens, hidden, inter, shar
         assert not tickets.any()
 
 
-def test_naive_and_unfused_paths_apply_the_norm(device):
-    """The reference and pairs_mma (no fused form) give NormedOut too: block, then the norm."""
+def test_naive_and_unfused_paths_apply_the_norm(device, monkeypatch):
+    """The reference and rows too wide for the fused norm give NormedOut too: block, then the norm."""
     args = make(tokens=5, hidden=24, inter=8, shared_inter=16, local=4, total=6, top_k=2, offset=0, device=device)
     add_norm = _add_norm(5, 24, device)
     ref = naive.fused_moe(**args)
@@ -71,11 +72,13 @@ def test_naive_and_unfused_paths_apply_the_norm(device):
     )
     got = naive.fused_moe(**args, add_norm=add_norm)
     assert torch.equal(got.normed, normed) and torch.equal(got.residual, summed)
-    mma = tm.fused_moe(**args, path="pairs_mma", add_norm=add_norm)
-    # float32 tl.dot runs in tf32 on the GPU (the rule of test_kernels_moe's `tol`)
-    tol = 1e-5 if device.type == "cpu" else 5e-3
-    torch.testing.assert_close(mma.residual, summed, rtol=tol, atol=tol)
-    torch.testing.assert_close(mma.normed, normed, rtol=10 * tol, atol=10 * tol)
+    monkeypatch.setattr(fused_norm_module, "MAX_NORM_HIDDEN", 16)  # 24 wide: the norm kernel after the block
+    for path in ("pairs", "sorted"):
+        unfused = tm.fused_moe(**args, path=path, add_norm=add_norm)
+        # float32 tl.dot runs in tf32 on the GPU (the rule of test_kernels_moe's `tol`)
+        tol = 1e-5 if device.type == "cpu" else 5e-3
+        torch.testing.assert_close(unfused.residual, summed, rtol=tol, atol=tol)
+        torch.testing.assert_close(unfused.normed, normed, rtol=10 * tol, atol=10 * tol)
 
 
 def test_bad_residual_names_the_field(device):

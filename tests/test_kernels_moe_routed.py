@@ -54,7 +54,7 @@ def test_routing_in_the_up_gemv_is_route_then_experts(
         renormalize=renormalize,
         path="pairs",
         add_norm=add_norm,
-        route_in_up=True,
+        route_in_up_max_tokens=tokens,
     )
     # the reference experts on the router kernel's choice (torch.topk may order the tie differently)
     ref = naive.fused_moe(**args, topk_weights=weights, topk_ids=ids, add_norm=add_norm)
@@ -80,8 +80,8 @@ def test_other_paths_route_first(device):
 
 def test_only_small_batches_route_in_the_up_gemv(device, monkeypatch):
     """By default up to ROUTE_IN_UP_MAX_TOKENS tokens route inside the up GEMV (no router launch) and
-    more tokens launch the router first (measured slower at batch 8); DELTASERVE_ROUTE_IN_UP_MAX_TOKENS
-    moves the cut."""
+    more tokens launch the router first (measured slower at batch 8); route_in_up_max_tokens
+    (KernelOptions, DELTASERVE_ROUTE_IN_UP_MAX_TOKENS) moves the cut, and 0 always launches it."""
     launched = []
     route = tm.route_topk_softmax
 
@@ -100,6 +100,9 @@ def test_only_small_batches_route_in_the_up_gemv(device, monkeypatch):
         ref = naive.routed_moe(**args, router_logits=logits, top_k=2, renormalize=True)
         assert ((got - ref).norm() / ref.norm()).item() < (1e-5 if device.type == "cpu" else 5e-3)
     assert launched == [cut + 1]
-    monkeypatch.setenv("DELTASERVE_ROUTE_IN_UP_MAX_TOKENS", str(cut + 1))
-    tm.routed_moe(**args, router_logits=logits, top_k=2, renormalize=True)
+    tm.routed_moe(**args, router_logits=logits, top_k=2, renormalize=True, route_in_up_max_tokens=cut + 1)
     assert launched == [cut + 1]
+    one = make(tokens=1, **shape, device=device)
+    del one["topk_weights"], one["topk_ids"]
+    tm.routed_moe(**one, router_logits=logits[:1], top_k=2, renormalize=True, route_in_up_max_tokens=0)
+    assert launched == [cut + 1, 1]

@@ -7,10 +7,14 @@ the model's shapes, eager and inside a CUDA graph."""
 import pytest
 import torch
 
+from deltaserve.layers.kernels import device as device_module
 from deltaserve.layers.kernels import linear as linear_kernels
 from deltaserve.layers.kernels import norm as norm_kernels
+from deltaserve.layers.kernels.device import DeviceInfo
 from deltaserve.layers.kernels.linear import naive, triton_row
+from deltaserve.layers.kernels.linear.tuned import TUNED_ROW
 from deltaserve.layers.kernels.norm import naive as norm_naive
+from deltaserve.layers.kernels.options import KernelOptions
 
 # conftest: TRITON_INTERPRET without CUDA, the `device` fixture, gpu-marked tests skipped on CPU
 pytestmark = pytest.mark.usefixtures("nan_fill")
@@ -124,17 +128,23 @@ def test_row_gemv_tall_tiles_read_x_as_a_row(device, n, k, block_n, with_bias):
     assert close(out, broadcast)
 
 
-def test_row_tile_overrides(monkeypatch):
-    """DELTASERVE_ROW_TILES replaces TUNED_ROW's tile for the shapes it names, and names itself
-    when an entry is malformed."""
-    monkeypatch.setenv("DELTASERVE_ROW_TILES", "2048x4096:16x8+1288x2048:8x4")
-    assert triton_row.pick_config(2048, 4096) == dict(block_n=16, num_warps=8)
-    assert triton_row.pick_config(1288, 2048) == dict(block_n=8, num_warps=4)
-    assert triton_row.pick_config(12352, 2048) == triton_row.TUNED_ROW[(12352, 2048)]
+H200 = DeviceInfo(device_module.H200, num_sms=132, smem_per_block=232448, capability=(9, 0))
+
+
+def test_row_tile_overrides():
+    """KernelOptions.row_tiles (DELTASERVE_ROW_TILES) replace the device's measured tile for the
+    shapes they name; a malformed entry is an error naming the variable."""
+    tiles = KernelOptions.from_env({"DELTASERVE_ROW_TILES": "2048x4096:16x8+1288x2048:8x4"}).row_tiles
+    assert triton_row.pick_config(2048, 4096, H200, tiles) == dict(block_n=16, num_warps=8)
+    assert triton_row.pick_config(1288, 2048, H200, tiles) == dict(block_n=8, num_warps=4)
+    tuned = TUNED_ROW[device_module.H200]
+    assert triton_row.pick_config(12352, 2048, H200, tiles) == tuned[(12352, 2048)]
+    # another GPU: the heuristic, not the H200's measured tile
+    other = DeviceInfo("NVIDIA H100 80GB HBM3", num_sms=132, smem_per_block=232448, capability=(9, 0))
+    assert triton_row.pick_config(2048, 4096, other) != tuned[(2048, 4096)]
     for bad in ("2048x4096", "2048x4096:3x8", "2048:16x8", "2048x4096:16x3"):
-        monkeypatch.setenv("DELTASERVE_ROW_TILES", bad)
         with pytest.raises(ValueError, match="DELTASERVE_ROW_TILES"):
-            triton_row.pick_config(2048, 4096)
+            KernelOptions.from_env({"DELTASERVE_ROW_TILES": bad})
 
 
 def test_row_gemv_rows_past_n_not_written(device):
@@ -179,7 +189,7 @@ def test_fused_norm_only_where_measured_to_pay():
 def test_pick_config_bounds_registers():
     """The whole-row tile stays within MAX_ELEMS_PER_THREAD elements per thread at the model's shapes."""
     for n, k in [(12352, 2048), (9216, 2048), (2048, 4096), (1288, 2048), (2048, 512), (5, 8192)]:
-        cfg = triton_row.pick_config(n, k)
+        cfg = triton_row.pick_config(n, k, device_module.INTERPRETER)
         assert cfg["block_n"] * k <= triton_row.MAX_ELEMS_PER_THREAD * 32 * cfg["num_warps"]
 
 

@@ -89,13 +89,12 @@ def test_matches_reference(device, path, tokens, hidden, inter, shared_inter, lo
     assert ((out - ref).norm() / ref.norm()).item() < tol
 
 
-@pytest.mark.parametrize("path", ["sorted", "pairs_mma"])
-def test_sorted_and_pairs_mma_paths(device, path):
-    """The sorted path (its activation kernel, the down GEMM, the gate inside the routed sum) and
-    pairs_mma (torch ops after the routed sum) at a prefill-like shape: the reference's result."""
+def test_sorted_path(device):
+    """The sorted path (its activation kernel, the down GEMM, the gate inside the routed sum) at a
+    prefill-like shape: the reference's result."""
     args = make(tokens=37, hidden=24, inter=8, shared_inter=16, local=4, total=6, top_k=2, offset=1, device=device)
     ref = naive.fused_moe(**args)
-    out = tm.fused_moe(**args, path=path)
+    out = tm.fused_moe(**args, path="sorted")
     assert not out.isnan().any()
     assert ((out - ref).norm() / ref.norm()).item() < (1e-5 if device.type == "cpu" else 5e-3)
 

@@ -14,6 +14,7 @@ from deltaserve.cluster.plan import PassPlan
 from deltaserve.layers.base import AttnMetadata, BatchedAttnMetadata, ForwardContext
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.kernels.gdn.state import StateCapture, StateCaptures
+from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.parallel import ParallelLayout
 
 
@@ -112,6 +113,7 @@ def build_forward_context(
     device: torch.device | str,
     logits_indices: np.ndarray,
     prev_tokens: torch.Tensor | None = None,
+    kernels: KernelOptions | None = None,
 ) -> ForwardContext:
     """`prev_tokens`: the previous pass's sampled ids on the device; rows the plan marks in
     `input_from_prev` take their input id from it (a device-side scatter, no host round trip)."""
@@ -178,6 +180,7 @@ def build_forward_context(
         prefill=prefill,
         logits_indices=logits_idx,
         midchunk_capture=midchunk_captures(plan),
+        kernels=kernels or KernelOptions(),
     )
 
 

@@ -19,6 +19,7 @@ import torch
 
 from deltaserve.cluster.plan import PassPlan
 from deltaserve.layers.base import AttnMetadata, ForwardContext
+from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.model import HybridModel
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,10 @@ class DecodeGraphs:
         scratch_page: int,
         batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
         device: torch.device,
+        kernels: KernelOptions,
     ):
         self.model, self.layer_states, self.device = model, layer_states, device
+        self.kernels = kernels  # the kernel choices every graph was captured with
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.max_batch = n = self.batch_sizes[-1]
         self.max_pages = max_pages
@@ -79,6 +82,7 @@ class DecodeGraphs:
             decode=decode,
             prefill=None,
             logits_indices=torch.arange(bs, device=self.device),
+            kernels=self.kernels,
         )
 
     def _stage_padding(self, h: torch.Tensor, start: int) -> None:

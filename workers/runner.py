@@ -17,7 +17,7 @@ import gc
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ import torch
 from deltaserve.cluster.plan import PassPlan, RunnerOutput
 from deltaserve.cluster.wire import WireError
 from deltaserve.layers.config import ModelConfig
+from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.loader import load_model
 from deltaserve.layers.parallel import ParallelLayout
 from deltaserve.workers.compile_watch import LateCompileLog
@@ -64,6 +65,7 @@ class RunnerConfig:
     cuda_graph_max_batch: int = 256
     time_passes: bool = False  # CUDA events around each pass (RunnerOutput.device_busy_s / device_gap_s)
     num_prefix_snapshots: int | None = 0  # GDN snapshot slots (None: what 10% of the pool budget holds)
+    kernels: KernelOptions = field(default_factory=KernelOptions.from_env)  # the kernel choices, read once
 
 
 class ModelRunner:
@@ -85,7 +87,8 @@ class ModelRunner:
         self.pool: StatePool | None = None
         self.graphs = None
         self.late_compiles: LateCompileLog | None = None  # set once start-up is over (allocate)
-        self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
+        self.kernels = config.kernels
+        self.sampler = Sampler(model_config.vocab_size, seed=config.seed, pdl=self.kernels.pdl)
         self._unresolved: deque[PassOutput] = deque()  # launched passes whose output is not read yet
         self._last_pass_end = None  # with config.time_passes: the last launched pass's end event
         self._prev: tuple[int, torch.Tensor] | None = None  # (pass id, its sampled ids on the device)
@@ -191,13 +194,16 @@ class ModelRunner:
             scratch_slot=sizes.num_slots - 1,
             scratch_page=sizes.num_blocks - 1,
             batch_sizes=tuple(b for b in DEFAULT_BATCH_SIZES if b <= self.config.cuda_graph_max_batch),
+            kernels=self.kernels,
         )
 
-    def recapture_graphs(self) -> None:
-        """Capture the decode graphs again, e.g. after a kernel switch read at launch time changed
-        (the benchmark's variants): a graph replays the kernels it was captured with. Nothing may be
+    def set_kernel_options(self, kernels: KernelOptions) -> None:
+        """Run later passes with these kernel choices (the benchmark's variants); the decode graphs,
+        which replay the kernels of their capture, are captured again under them. Nothing may be
         in flight."""
-        if self.graphs is None:
+        self.kernels = kernels
+        self.sampler.pdl = kernels.pdl
+        if self.graphs is None or self.graphs.kernels == kernels:
             return
         torch.cuda.synchronize(self.device)
         self.graphs = None
@@ -209,7 +215,9 @@ class ModelRunner:
         indices, spans = logits_rows(plan)
         if self.graphs is not None and pool is self.pool and self.graphs.can_run(plan):
             return self.graphs.run(plan, prev_tokens), spans
-        ctx = build_forward_context(plan, self.model_config, self.layout, self.device, indices, prev_tokens)
+        ctx = build_forward_context(
+            plan, self.model_config, self.layout, self.device, indices, prev_tokens, kernels=self.kernels
+        )
         with torch.inference_mode():
             hidden = self.model(ctx, pool.layer_states)
             logits = self.model.compute_logits(hidden[ctx.logits_indices]) if len(indices) else None

@@ -126,8 +126,9 @@ class SampledBatch:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, seed: int = 0):
+    def __init__(self, vocab_size: int, seed: int = 0, pdl: bool = True):
         self.vocab_size = vocab_size
+        self.pdl = pdl  # the argmax kernel's launch (KernelOptions.pdl)
         self.states: dict[str, RequestSamplingState] = {}
         self.generator_seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -150,7 +151,7 @@ class Sampler:
         in float32 (what penalties leave), results dropped: it compiles at start-up, not on a
         server's first greedy request (a stall for every running request)."""
         for rows in (logits, logits.float()):
-            argmax_kernels.row_argmax(logits=rows)
+            argmax_kernels.row_argmax(logits=rows, pdl=self.pdl)
 
     def sample(self, req_ids: list[str], logits: torch.Tensor) -> tuple[list[int], dict[str, TokenLogprobs]]:
         """One token for each row of logits [R, V] (any float dtype), waited for; records it in the history."""
@@ -182,13 +183,13 @@ class Sampler:
             self._apply_penalties(logits, states, pending_rows, pending_tokens)
         greedy = [s.spec.temperature == 0 for s in states]
         if all(greedy):  # one argmax, no gathers
-            tokens = argmax_kernels.row_argmax(logits=logits)
+            tokens = argmax_kernels.row_argmax(logits=logits, pdl=self.pdl)
         else:
             random_rows = [i for i, g in enumerate(greedy) if not g]
             if len(random_rows) == len(states):
                 tokens = self._draw(logits, states, steps)
             else:
-                tokens = argmax_kernels.row_argmax(logits=logits)
+                tokens = argmax_kernels.row_argmax(logits=logits, pdl=self.pdl)
                 (rows,) = upload([np.asarray(random_rows)], logits.device)
                 drawn = self._draw(
                     logits.index_select(0, rows), [states[i] for i in random_rows], [steps[i] for i in random_rows]

@@ -1,23 +1,79 @@
-"""What the kernels' tile pickers ask of the device."""
+"""What the kernels' tile pickers ask of the device, read from the device itself; and the zeroed
+"last program to finish" ticket counters (one buffer per kernel family)."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
+T = TypeVar("T")
 
-def num_sms(device: torch.device, cpu: int = 4) -> int:
-    """Multiprocessor count of a CUDA device (cached per device); `cpu` for interpreter runs, where
-    a caller may want the tiles the GPU would pick (the H200's 132) or small grids."""
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """name: as torch reports it (the key of the measured tile tables); num_sms: multiprocessors;
+    smem_per_block: the shared memory one program may use (the opt-in maximum), in bytes;
+    capability: (major, minor), (0, 0) for the interpreter."""
+
+    name: str
+    num_sms: int
+    smem_per_block: int
+    capability: tuple[int, int]
+
+    @property
+    def is_interpreter(self) -> bool:
+        return self.name == INTERPRETER.name
+
+
+# CPU tensors run under Triton's interpreter: small grids (4 "SMs"), and a Hopper-sized shared
+# memory budget so that stage counts (which the interpreter ignores) come out as on the GPU.
+INTERPRETER = DeviceInfo(name="interpreter", num_sms=4, smem_per_block=227 * 1024, capability=(0, 0))
+
+# the name the H200's measured tile tables are keyed by (as torch.cuda.get_device_properties says)
+H200 = "NVIDIA H200"
+
+
+def device_info(device: torch.device) -> DeviceInfo:
+    """The device's facts (cached per CUDA device); INTERPRETER for anything but CUDA."""
     if device.type != "cuda":
-        return cpu
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+        return INTERPRETER
+    return _cuda_info(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _cuda_info(index: int) -> DeviceInfo:
+    props = torch.cuda.get_device_properties(index)
+    # the opt-in maximum where torch reports it, else the default per-block limit (always allowed)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
+    return DeviceInfo(props.name, props.multi_processor_count, int(smem), (props.major, props.minor))
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessor count of the device (INTERPRETER's for CPU tensors)."""
+    return device_info(device).num_sms
+
+
+def tuned_for(table: Mapping[str, T], info: DeviceInfo) -> T | None:
+    """The entry of a table keyed by device name for this device: its exact name, else the longest
+    key its name contains ("NVIDIA H200" also covers "NVIDIA H200 NVL"); None: use the heuristic."""
+    if info.name in table:
+        return table[info.name]
+    keys = [key for key in table if key in info.name]
+    return table[max(keys, key=len)] if keys else None
+
+
+# shared memory a kernel may use beyond its tiles' buffers (layout conversions), in the estimates
+SMEM_SCRATCH = 8192
+
+
+def stages_that_fit(wanted: int, per_stage: int, fixed: int, info: DeviceInfo) -> int:
+    """The deepest software pipeline, up to `wanted`, whose buffers (per_stage bytes each, plus
+    `fixed` for what is not pipelined) fit in one program's shared memory; at least 1."""
+    return max(1, min(wanted, (info.smem_per_block - fixed) // max(1, per_stage)))
 
 
 def ticket_counters(device: torch.device, count: int, owner: str) -> torch.Tensor:

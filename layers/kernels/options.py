@@ -6,7 +6,7 @@ belongs to one KernelOptions value; changing it means capturing again.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from deltaserve import envs
 
@@ -80,18 +80,31 @@ class KernelOptions:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelOptions:
         """The options the environment asks for (unset variables keep the defaults)."""
-        values = {}
-        for f in fields(cls):
-            raw = envs.read(f.metadata["env"], environ)
-            try:
-                if f.type in ("bool", bool):
-                    values[f.name] = raw.strip() not in ("0", "false", "False", "")
-                elif f.name == "row_tiles":
-                    values[f.name] = parse_row_tiles(raw)
-                else:
-                    values[f.name] = int(raw)
-            except ValueError as e:
-                if str(e).startswith(f.metadata["env"]):
-                    raise
-                raise ValueError(f"{f.metadata['env']}: {raw[:40]!r} is not a valid {f.type}") from None
+        values = {f.name: _parse(f, envs.read(f.metadata["env"], environ), f.metadata["env"]) for f in fields(cls)}
         return cls(**values)
+
+    def with_settings(self, settings: Mapping[str, str]) -> KernelOptions:
+        """These options with some fields set from text, by field name ({"pdl": "0", "row_tiles":
+        "2048x4096:16x8"}, as the environment spells them); an unknown name or a bad value is an
+        error naming the field."""
+        known = {f.name: f for f in fields(self)}
+        values = {}
+        for name, raw in settings.items():
+            if name not in known:
+                raise ValueError(f"{name[:40]!r} is not a kernel option (one of {', '.join(known)})")
+            values[name] = _parse(known[name], raw, name)
+        return replace(self, **values)
+
+
+def _parse(f, raw: str, what: str):
+    """The value of field f from its text; errors name `what` (the variable or the field)."""
+    try:
+        if f.type in ("bool", bool):
+            return raw.strip() not in ("0", "false", "False", "")
+        if f.name == "row_tiles":
+            return parse_row_tiles(raw)
+        return int(raw)
+    except ValueError as e:
+        if str(e).startswith("DELTASERVE_ROW_TILES"):
+            raise ValueError(str(e).replace("DELTASERVE_ROW_TILES", what, 1)) from None
+        raise ValueError(f"{what}: {raw[:40]!r} is not a valid {f.type}") from None

@@ -13,23 +13,19 @@ ordered even through kernels that exit early. Loads of anything else may come be
 it has passed its own wait, i.e. once every earlier kernel has completed, so only the immediately
 preceding kernel can still be running.
 
-DELTASERVE_PDL=0 turns it off (the benchmark compares both). With it on, torch.profiler's kernel
-times include the wait: attribute time per kernel with it off.
-Measured (H200, batch 1 decode): 2.94 -> 2.66 ms per step. An L2 prefetch of each GEMV's weights
-before the wait was slower (2.73 against 2.60 ms in one run) and was taken out, and so was an L2
-prefetch of the *next* kernels' weights from the latency-bound kernels (GDN decode, attention,
-the MoE GEMVs: batch 1 2.32 -> 2.50-2.65 ms; docs/PERF.md, session 14): the readers are
-latency-bound, so L2 hits shorten them little, and the issuers pay for the traffic.
+Every op that launches such kernels takes `pdl: bool`; the layers pass KernelOptions.pdl
+(DELTASERVE_PDL=0 turns it off; the benchmark compares both). With it on, torch.profiler's kernel
+times include the wait: attribute time per kernel with it off. What it saved, and the L2 prefetches
+tried beside it: docs/PERF.md ("Programmatic dependent launch").
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .device import device_info
 
 
 @triton.jit
@@ -40,22 +36,15 @@ def pdl_wait(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-@functools.cache
-def _capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+def pdl_enabled(t: torch.Tensor, pdl: bool) -> bool:
+    """Whether a kernel on t's device launches with programmatic dependent launch: asked for, and
+    a CUDA device of sm_90 or later."""
+    return pdl and t.is_cuda and device_info(t.device).capability >= (9, 0)
 
 
-def pdl_enabled(t: torch.Tensor) -> bool:
-    """Whether kernels on t's device launch with programmatic dependent launch (sm_90+, unless
-    DELTASERVE_PDL=0; read at each launch, so a process can compare both)."""
-    if not t.is_cuda or os.environ.get("DELTASERVE_PDL", "1") == "0":
-        return False
-    return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
-
-
-def pdl_launch(t: torch.Tensor) -> dict:
-    """Launch keywords for a kernel that takes USE_PDL and calls pdl_wait first: both on for CUDA
-    tensors on sm_90+, neither key for the interpreter."""
-    if pdl_enabled(t):
+def pdl_launch(t: torch.Tensor, pdl: bool) -> dict:
+    """Launch keywords for a kernel that takes USE_PDL and calls pdl_wait first: both on when
+    pdl_enabled, neither key for the interpreter."""
+    if pdl_enabled(t, pdl):
         return dict(USE_PDL=True, launch_pdl=True)
     return dict(USE_PDL=False)

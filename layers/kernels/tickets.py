@@ -6,11 +6,8 @@ stores before the arrival's release (an acq_rel atomic add, gpu scope); the last
 orders its loads after every release. The counter is back at zero when the launch ends (the last
 program resets it; the next launch on the device runs after this one).
 
-A two-level form (groups of F programs on their own counters, the last of each group on the
-shared one) was measured on the H200 for the MoE down GEMV's 1,024 arrivals a token and lost at
-batch 1: 8.99 us a layer with one counter, 9.35 at F = 8, 9.49 at F = 32 (docs/PERF.md, session 15),
-although a barrier over 1,056 programs costs more than over 264 (`bench.kernels_sync`): the
-arrivals of one launch are spread out enough that one address keeps up.
+One counter per job, not a tree of them: the arrivals of one launch are spread out enough that
+one address keeps up (a two-level form measured slower for the MoE down GEMV: moe/NOTES.md).
 """
 
 from __future__ import annotations

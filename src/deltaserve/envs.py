@@ -50,3 +50,12 @@ def read(name: str, environ: Mapping[str, str] | None = None) -> str:
     var = ENV_VARS[name]
     env = os.environ if environ is None else environ
     return env.get(name, var.default)
+
+
+def markdown_table() -> str:
+    """The README's table of variables (a test checks the README holds exactly this)."""
+    rows = ["| variable | default | what |", "|---|---|---|"]
+    for var in ENV_VARS.values():
+        default = f"`{var.default}`" if var.default else "(unset)"
+        rows.append(f"| `{var.name}` | {default} | {var.help} |")
+    return "\n".join(rows)

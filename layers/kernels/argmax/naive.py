@@ -6,6 +6,5 @@ import torch
 
 
 def row_argmax(*, logits: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] (any float dtype, any row stride) -> [R] int64: the first index of each row's
-    maximum, NaN counting as larger than any number (torch.argmax's rule)."""
+    """The reference of argmax.row_argmax."""
     return logits.argmax(dim=-1)

@@ -26,17 +26,9 @@ NUM_WARPS = 4
 
 @triton.jit
 def _row_argmax_kernel(
-    logits,
-    block_max,
-    block_arg,
-    out,
-    tickets,
-    s_row,
-    vocab,
-    BLOCK: tl.constexpr,
-    BLOCKS_P: tl.constexpr,
+    logits, block_max, block_arg, out, tickets, s_row, vocab, BLOCK: tl.constexpr, BLOCKS_P: tl.constexpr,
     USE_PDL: tl.constexpr,
-):
+):  # fmt: skip
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -59,10 +51,9 @@ def _row_argmax_kernel(
         tl.store(out + row, tl.min(tl.where((maxima == top) & mine, args, vocab), 0).to(tl.int64))
 
 
-def row_argmax(*, logits: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """logits [R, V] (float dtype; the last dim contiguous, rows at any stride) -> [R] int64, the
-    first index of each row's maximum (naive.row_argmax). Launches on a device must not overlap:
-    they share the ticket counters."""
+def row_argmax(*, logits: torch.Tensor, block: int = BLOCK, pdl: bool = True) -> torch.Tensor:
+    """argmax.row_argmax on CUDA (or the interpreter). Launches on a device must not overlap: they
+    share the ticket counters."""
     assert logits.dim() == 2 and logits.is_floating_point(), "logits [R, V] of a float dtype"
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     rows, vocab = logits.shape
@@ -75,16 +66,7 @@ def row_argmax(*, logits: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     block_arg = torch.empty((rows, blocks), dtype=torch.int32, device=logits.device)
     tickets = ticket_counters(logits.device, rows, "row_argmax")
     _row_argmax_kernel[(rows, blocks)](
-        logits,
-        block_max,
-        block_arg,
-        out,
-        tickets,
-        logits.stride(0),
-        vocab,
-        BLOCK=block,
-        BLOCKS_P=triton.next_power_of_2(blocks),
-        num_warps=NUM_WARPS,
-        **pdl_launch(logits),
-    )
+        logits, block_max, block_arg, out, tickets, logits.stride(0), vocab, BLOCK=block,
+        BLOCKS_P=triton.next_power_of_2(blocks), num_warps=NUM_WARPS, **pdl_launch(logits, pdl),
+    )  # fmt: skip
     return out

@@ -1,30 +1,101 @@
-"""Paged attention: KV write, prefill over cached pages, decode."""
+"""Paged attention over a KV pool: the KV write, prefill over cached pages, decode.
+
+The KV pool of one layer is [num_blocks, block_size, Hkv, D] for K and for V. A sequence's block
+table row maps its positions to pages: position p lives in page block_tables[n, p // block_size] at
+offset p % block_size. Queries are token-major and varlen. q head h reads kv head h // (Hq // Hkv).
+"""
+
+from __future__ import annotations
+
+import torch
 
 from . import naive
 
 
-def write_kv_cache(**kwargs):
-    """See naive.write_kv_cache."""
-    if kwargs["key"].is_cuda:
+def write_kv_cache(
+    *,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    pdl: bool = True,
+) -> None:
+    """Write each token's key and value into its cache slot.
+
+    Args:
+        key, value: [T, Hkv, D] (D contiguous). k_cache, v_cache: [num_blocks, block_size, Hkv, D].
+        slot_mapping: [T] int, flat slot = page * block_size + offset; -1 (padding) writes nothing.
+        pdl: CUDA: launch under programmatic dependent launch (sm_90+).
+    """
+    if key.is_cuda:
         from .triton_attention import write_kv_cache as impl
-    else:
-        impl = naive.write_kv_cache
-    return impl(**kwargs)
+
+        return impl(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, pdl=pdl)
+    return naive.write_kv_cache(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
 
 
-def paged_attention(**kwargs):
-    """See naive.paged_attention."""
-    if kwargs["q"].is_cuda:
+def paged_attention(
+    *,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a prefill chunk's tokens over their sequences' cached pages (themselves included).
+
+    Args:
+        q: [T, Hq, D] (D contiguous). k_cache, v_cache: [num_blocks, block_size, Hkv, D].
+        cu_seqlens_q: [N + 1] int, where each sequence's queries start in q.
+        seq_lens: [N] int32, tokens cached after this pass (the last q_len of them are the queries).
+        block_tables: [N, max_pages] int32. scale: the softmax scale.
+
+    Returns:
+        o: [T, Hq, D] in q's dtype (float32 softmax). CUDA: one launch, no host sync.
+    """
+    impl = naive.paged_attention
+    if q.is_cuda:
         from .triton_attention import paged_attention as impl
-    else:
-        impl = naive.paged_attention
-    return impl(**kwargs)
+    return impl(
+        q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
+        block_tables=block_tables, scale=scale,
+    )  # fmt: skip
 
 
-def paged_decode_attention(**kwargs):
-    """See naive.paged_decode_attention."""
-    if kwargs["q"].is_cuda:
-        from .triton_attention import paged_decode_attention as impl
-    else:
-        impl = naive.paged_decode_attention
-    return impl(**kwargs)
+def paged_decode_attention(
+    *,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    output_gate: torch.Tensor | None = None,
+    pdl: bool = True,
+) -> torch.Tensor:
+    """One query per sequence over all its cached positions (flash-decoding on CUDA).
+
+    Args:
+        q: [N, Hq, D] (D contiguous). k_cache, v_cache: [num_blocks, block_size, Hkv, D].
+        seq_lens: [N] int32, cached positions (the newest holds this token's key and value).
+        block_tables: [N, max_pages] int32. scale: the softmax scale.
+        output_gate: [N, Hq, D] (D contiguous): the result times sigmoid(output_gate), one rounding.
+        pdl: CUDA: launch under programmatic dependent launch (sm_90+).
+
+    Returns:
+        o: [N, Hq, D] in q's dtype. CUDA: no host sync (shapes alone choose the launch).
+    """
+    if q.is_cuda:
+        from .triton_decode import paged_decode_attention as impl
+
+        return impl(
+            q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_tables=block_tables, scale=scale,
+            output_gate=output_gate, pdl=pdl,
+        )  # fmt: skip
+    return naive.paged_decode_attention(
+        q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_tables=block_tables, scale=scale,
+        output_gate=output_gate,
+    )  # fmt: skip

@@ -1,9 +1,4 @@
-"""Plain-torch paged attention: the reference and the CPU path.
-
-The KV pool of one layer is [num_blocks, block_size, kv_heads, head_dim] for K and for V. A
-sequence's block table row maps its positions to pages: position p lives in page
-block_tables[n, p // block_size] at offset p % block_size. Queries are token-major and varlen.
-"""
+"""Plain-torch paged attention: the reference and the CPU path (layouts: attention/__init__.py)."""
 
 from __future__ import annotations
 
@@ -12,16 +7,8 @@ import torch
 from ..precision import acc_dtype
 
 
-def write_kv_cache(
-    *,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """key, value: [T, Hkv, D]; slot_mapping: [T] flat slot = page * block_size + offset; a slot
-    of -1 (padding) writes nothing."""
+def write_kv_cache(*, key, value, k_cache, v_cache, slot_mapping) -> None:
+    """The reference of attention.write_kv_cache."""
     block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
@@ -37,20 +24,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return pages.reshape(-1, *cache.shape[2:])[:length]
 
 
-def paged_attention(
-    *,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of new tokens over their sequence's cached pages (themselves included).
-
-    q: [T, Hq, D]; cu_seqlens_q: [N + 1]; seq_lens: [N] tokens cached after this pass (the last
-    q_len of them are the queries); block_tables: [N, max_pages]. Returns o: [T, Hq, D]."""
+def paged_attention(*, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale) -> torch.Tensor:
+    """The reference of attention.paged_attention."""
     return _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, q.dtype)
 
 
@@ -77,19 +52,8 @@ def _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
     return out
 
 
-def paged_decode_attention(
-    *,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    output_gate: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One query per sequence over all its cached positions. q: [N, Hq, D] -> [N, Hq, D].
-    output_gate [N, Hq, D] (any strides): the result times sigmoid(output_gate), one rounding (the
-    gated attention's output gate)."""
+def paged_decode_attention(*, q, k_cache, v_cache, seq_lens, block_tables, scale, output_gate=None) -> torch.Tensor:
+    """The reference of attention.paged_decode_attention."""
     cu = torch.arange(q.shape[0] + 1, device=q.device)
     if output_gate is None:
         return _attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, q.dtype)

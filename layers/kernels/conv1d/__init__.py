@@ -1,21 +1,83 @@
-"""Causal depthwise conv1d with a carried window: varlen prefill and single-token update."""
+"""Causal depthwise conv1d with a carried window: varlen prefill and single-token update.
 
+x is token-major: [T, C], sequences delimited by cu_seqlens. Each sequence's last W - 1 inputs
+before the pass live in `conv_state_pool [S, C, W - 1]` at its slot (oldest first).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..gdn.state import StateCaptures, conv_windows_at
 from . import naive
 
 
-def causal_conv1d_varlen(**kwargs):
-    """See naive.causal_conv1d_varlen."""
-    if kwargs["x"].is_cuda:
+def causal_conv1d_varlen(
+    *,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    conv_state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    captures: StateCaptures | None = None,
+) -> torch.Tensor:
+    """Prefill: the causal conv of each sequence's tokens after its slot's window.
+
+    Args:
+        x: [T, C] (rows may be strided). weight: [C, W]. bias: [C] or None.
+        cu_seqlens: [N + 1] int. conv_state_pool: [S, C, W - 1]. state_slots: [N].
+        has_initial_state: [N] bool (False: the window is zeros, the slot is not read).
+        activation: "silu" (or "swish") or None.
+        captures: also write the window after each capture's offset into its slot (prefix-cache
+            snapshots; gdn/state.py), gathered before the slots move on.
+
+    Returns:
+        y: [T, C] in x's dtype (float32 math). Writes each sequence's last W - 1 inputs to its slot.
+    """
+    if captures is not None:
+        conv_windows_at(
+            x=x, conv_state_pool=conv_state_pool, state_slots=state_slots, has_initial_state=has_initial_state,
+            captures=captures,
+        )  # fmt: skip
+    impl = naive.causal_conv1d_varlen
+    if x.is_cuda:
         from .triton_conv1d import causal_conv1d_varlen as impl
-    else:
-        impl = naive.causal_conv1d_varlen
-    return impl(**kwargs)
+    return impl(
+        x=x, weight=weight, bias=bias, cu_seqlens=cu_seqlens, conv_state_pool=conv_state_pool,
+        state_slots=state_slots, has_initial_state=has_initial_state, activation=activation,
+    )  # fmt: skip
 
 
-def causal_conv1d_update(**kwargs):
-    """See naive.causal_conv1d_update."""
-    if kwargs["x"].is_cuda:
+def causal_conv1d_update(
+    *,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    pdl: bool = True,
+) -> torch.Tensor:
+    """Decode: one new input per sequence, its window shifted by it.
+
+    Args:
+        x: [N, C]. weight: [C, W]. bias: [C] or None. conv_state_pool: [S, C, W - 1]. state_slots: [N].
+        activation: "silu" (or "swish") or None.
+        pdl: CUDA: launch under programmatic dependent launch (sm_90+).
+
+    Returns:
+        y: [N, C] in x's dtype (float32 math). Shifts each slot's window in place.
+    """
+    if x.is_cuda:
         from .triton_conv1d import causal_conv1d_update as impl
-    else:
-        impl = naive.causal_conv1d_update
-    return impl(**kwargs)
+
+        return impl(
+            x=x, weight=weight, bias=bias, conv_state_pool=conv_state_pool, state_slots=state_slots,
+            activation=activation, pdl=pdl,
+        )  # fmt: skip
+    return naive.causal_conv1d_update(
+        x=x, weight=weight, bias=bias, conv_state_pool=conv_state_pool, state_slots=state_slots, activation=activation
+    )

@@ -9,41 +9,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..gdn.state import StateCaptures, conv_windows_at
 from ..precision import acc_dtype
 
 
-def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+def is_silu(activation: str | None) -> bool:
+    """True for "silu" / "swish", False for None; anything else is an error naming the argument."""
     if activation is None:
-        return y
+        return False
     if activation in ("silu", "swish"):
-        return F.silu(y)
+        return True
     raise ValueError(f"activation {activation!r} is not supported (silu or None)")
 
 
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    return F.silu(y) if is_silu(activation) else y
+
+
 def causal_conv1d_varlen(
-    *,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    conv_state_pool: torch.Tensor,
-    state_slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    activation: str | None = "silu",
-    captures: StateCaptures | None = None,
-) -> torch.Tensor:
-    """Prefill: x [T, C], weight [C, W], bias [C] or None, cu_seqlens [N + 1], conv_state_pool
-    [S, C, W - 1], state_slots [N], has_initial_state [N] bool (False: the window is zeros).
-    Returns y [T, C] in x's dtype and writes each sequence's last W - 1 inputs to its slot."""
-    if captures is not None:  # the windows at the captured offsets, before the slots move on
-        conv_windows_at(
-            x=x,
-            conv_state_pool=conv_state_pool,
-            state_slots=state_slots,
-            has_initial_state=has_initial_state,
-            captures=captures,
-        )
+    *, x, weight, bias, cu_seqlens, conv_state_pool, state_slots, has_initial_state, activation="silu"
+):
+    """The reference of conv1d.causal_conv1d_varlen."""
     width = weight.shape[1]
     y = torch.empty_like(x)
     bounds = cu_seqlens.tolist()
@@ -68,16 +53,8 @@ def causal_conv1d_varlen(
     return y
 
 
-def causal_conv1d_update(
-    *,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state_pool: torch.Tensor,
-    state_slots: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
-    """Decode: one new input per sequence. x [N, C]; returns y [N, C]; shifts each slot's window."""
+def causal_conv1d_update(*, x, weight, bias, conv_state_pool, state_slots, activation="silu"):
+    """The reference of conv1d.causal_conv1d_update."""
     slots = state_slots.long()
     acc = acc_dtype(x)
     window = conv_state_pool[slots].to(acc)  # [N, C, W - 1]

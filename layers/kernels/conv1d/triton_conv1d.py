@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gdn.state import StateCaptures, conv_windows_at
 from ..gdn.varlen import locate_chunk
 from ..pdl import pdl_launch, pdl_wait
+from .naive import is_silu
 
 BLOCK_T = 64  # tokens per prefill program
 BLOCK_C = 128  # channels per prefill program: 256-byte bf16 rows
@@ -34,21 +34,9 @@ def _activate(y, SILU: tl.constexpr):
 
 @triton.jit
 def _conv_rows(
-    p_x,
-    p_s,
-    weight,
-    bias,
-    o_c,
-    m_c,
-    pos,
-    m_t,
-    stride_xt,
-    stride_sw,
-    stride_wc,
-    win_lo,
-    W: tl.constexpr,
+    p_x, p_s, weight, bias, o_c, m_c, pos, m_t, stride_xt, stride_sw, stride_wc, win_lo, W: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-):
+):  # fmt: skip
     """float32 conv outputs at sequence positions `pos` (rows) for channels `o_c`; taps before the
     sequence start read window positions [win_lo, 0), zeros elsewhere."""
     acc = tl.zeros([pos.shape[0], o_c.shape[0]], dtype=tl.float32)
@@ -69,30 +57,10 @@ def _conv_rows(
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state"])
 def _conv_varlen_kernel(
-    x,
-    weight,
-    bias,
-    y,
-    state,
-    cu_seqlens,
-    slots,
-    has_initial_state,
-    num_seqs,
-    channels,
-    stride_xt,
-    stride_yt,
-    stride_ss,
-    stride_sc,
-    stride_sw,
-    stride_wc,
-    W: tl.constexpr,
-    BW: tl.constexpr,
-    BT: tl.constexpr,
-    BC: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
-):
+    x, weight, bias, y, state, cu_seqlens, slots, has_initial_state, num_seqs, channels, stride_xt, stride_yt,
+    stride_ss, stride_sc, stride_sw, stride_wc, W: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+):  # fmt: skip
     n, c = locate_chunk(cu_seqlens, num_seqs, tl.program_id(0), BT, BLOCK_N)
     if n >= num_seqs:
         return
@@ -139,26 +107,10 @@ def _conv_varlen_kernel(
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["slots"])
 def _conv_update_kernel(
-    x,
-    weight,
-    bias,
-    y,
-    state,
-    slots,
-    channels,
-    stride_xn,
-    stride_yn,
-    stride_ss,
-    stride_sc,
-    stride_sw,
-    stride_wc,
-    W: tl.constexpr,
-    BW: tl.constexpr,
-    BC: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
+    x, weight, bias, y, state, slots, channels, stride_xn, stride_yn, stride_ss, stride_sc, stride_sw, stride_wc,
+    W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     USE_PDL: tl.constexpr,
-):
+):  # fmt: skip
     n = tl.program_id(0)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     m_c = o_c < channels
@@ -189,38 +141,11 @@ def _conv_update_kernel(
     tl.store(p_s + o_w[None, :] * stride_sw, shifted, mask=m_win)
 
 
-def _check_activation(activation: str | None) -> bool:
-    if activation is None:
-        return False
-    if activation in ("silu", "swish"):
-        return True
-    raise ValueError(f"activation {activation!r} is not supported (silu or None)")
-
-
 def causal_conv1d_varlen(
-    *,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    conv_state_pool: torch.Tensor,
-    state_slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    activation: str | None = "silu",
-    captures: StateCaptures | None = None,
-) -> torch.Tensor:
-    """Prefill: x [T, C] (rows may be strided), weight [C, W], bias [C] or None, cu_seqlens [N + 1],
-    conv_state_pool [S, C, W - 1], state_slots [N], has_initial_state [N] bool (False: the window is
-    zeros). Returns y [T, C] in x's dtype and writes each sequence's last W - 1 inputs to its slot."""
-    if captures is not None:  # the windows at the captured offsets, before the slots move on
-        conv_windows_at(
-            x=x,
-            conv_state_pool=conv_state_pool,
-            state_slots=state_slots,
-            has_initial_state=has_initial_state,
-            captures=captures,
-        )
-    silu = _check_activation(activation)
+    *, x, weight, bias, cu_seqlens, conv_state_pool, state_slots, has_initial_state, activation="silu"
+):
+    """conv1d.causal_conv1d_varlen: grid (T // BLOCK_T + N, C / BLOCK_C), no host sync."""
+    silu = is_silu(activation)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     num_tokens, channels = x.shape
@@ -240,17 +165,9 @@ def causal_conv1d_varlen(
     return y
 
 
-def causal_conv1d_update(
-    *,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state_pool: torch.Tensor,
-    state_slots: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
-    """Decode: one new input per sequence. x [N, C]; returns y [N, C]; shifts each slot's window."""
-    silu = _check_activation(activation)
+def causal_conv1d_update(*, x, weight, bias, conv_state_pool, state_slots, activation="silu", pdl=True):
+    """conv1d.causal_conv1d_update: grid (N, C / UPDATE_BLOCK_C)."""
+    silu = is_silu(activation)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     num_seqs, channels = x.shape
@@ -263,6 +180,6 @@ def causal_conv1d_update(
         x.stride(0), y.stride(0), *conv_state_pool.stride(), weight.stride(0),
         W=width, BW=triton.next_power_of_2(width), BC=UPDATE_BLOCK_C, HAS_BIAS=bias is not None, SILU=silu,
         num_warps=4,
-        **pdl_launch(x),
+        **pdl_launch(x, pdl),
     )  # fmt: skip
     return y

@@ -5,10 +5,8 @@ sequence); same contract as naive.fused_gdn_decode, which composes the three ops
 
 Grid: one program per (sequence, value head, block of block_v value columns), as the recurrent
 kernel's: the recurrent state (2 MB a layer at batch 1) is what takes the time, and it moves
-fastest spread over many SMs. On the H200, in CUDA graphs at N = 1 / 64, the recurrent kernel takes
-2.8 / 75 us at 32 columns a program, 3.2 / 72 at 64 and 5.7 / 104 at 128 (a whole value head),
-and a first fused design with one program per (sequence, key head) took 7.7 / 103 us against
-6.7 / 84 for the three unfused kernels. Each program computes the conv of its key head's q and k
+fastest spread over many SMs (a program per key head, or per whole value head, is slower:
+gdn/NOTES.md). Each program computes the conv of its key head's q and k
 (K channels each: the l2norm and the products need all of them) and of its own v columns, runs the
 delta rule on its [K, block_v] state tile and writes its output columns, rounded as the recurrent
 kernel stores them, into the output.
@@ -90,49 +88,12 @@ def _store_window(p_win, window, c, m_c, stride_cc, stride_cw, W: tl.constexpr, 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["slots"])
 def _fused_gdn_decode_kernel(
-    x,
-    z,
-    a,
-    b,
-    conv_weight,
-    conv_pool,
-    A_log,
-    dt_bias,
-    norm_weight,
-    pool,
-    slots,
-    out,
-    tickets,
-    scale,
-    eps,
-    stride_xn,
-    stride_zn,
-    stride_zh,
-    stride_an,
-    stride_ah,
-    stride_bn,
-    stride_bh,
-    stride_cs,
-    stride_cc,
-    stride_cw,
-    stride_wc,
-    stride_ps,
-    stride_ph,
-    stride_pk,
-    stride_pv,
-    HK: tl.constexpr,
-    GROUP: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    W: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    BG: tl.constexpr,
-    BVH: tl.constexpr,
-    BW: tl.constexpr,
-    ROW_STRIDES: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+    x, z, a, b, conv_weight, conv_pool, A_log, dt_bias, norm_weight, pool, slots, out, tickets, scale, eps, stride_xn,
+    stride_zn, stride_zh, stride_an, stride_ah, stride_bn, stride_bh, stride_cs, stride_cc, stride_cw, stride_wc,
+    stride_ps, stride_ph, stride_pk, stride_pv, HK: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BG: tl.constexpr, BVH: tl.constexpr, BW: tl.constexpr,
+    ROW_STRIDES: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     NV: tl.constexpr = (V + BV - 1) // BV
     HV: tl.constexpr = HK * GROUP
@@ -225,37 +186,12 @@ def _fused_gdn_decode_kernel(
 
 
 def fused_gdn_decode(
-    *,
-    mixed_qkv: torch.Tensor,
-    z: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_state_pool: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state_pool: torch.Tensor,
-    state_slots: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    scale: float | None = None,
-    block_v: int | None = None,
-    num_warps: int = DECODE_WARPS,
-) -> torch.Tensor:
-    """One GDN decode step (one new token per sequence) from the in_proj columns to the normed heads.
-
-    mixed_qkv: [N, 2 * Hk * K + Hv * V], the conv channels [q | k | v] of each sequence's token;
-    z: [N, Hv, V] output gate; a, b: [N, Hv] raw gates (all four may be strided column views of the
-    in_proj output; the last dim of mixed_qkv and z must be contiguous, or they are copied);
-    conv_weight: [C, W]; conv_state_pool: [S, C, W - 1] (any strides); A_log, dt_bias: [Hv];
-    state_pool: [S, Hv, K, V] float32; state_slots: [N] (distinct, but for rows whose results are
-    discarded: CUDA-graph padding rows share a scratch slot); norm_weight: [V]. Hk is what the
-    channel count leaves: C = 2 * Hk * K + Hv * V. Returns [N, Hv, V] in mixed_qkv's dtype and
-    updates the N conv windows and states in place.
-
-    Grid: N * Hv * cdiv(V, block_v) programs of num_warps warps (block_v None: BLOCK_V).
-    Launches on one device must not overlap (one stream): they share the ticket counters.
-    """
+    *, mixed_qkv, z, a, b, conv_weight, conv_state_pool, A_log, dt_bias, state_pool, state_slots, norm_weight, eps,
+    scale=None, block_v=None, num_warps=DECODE_WARPS, pdl=True,
+):  # fmt: skip
+    """gdn.fused_gdn_decode in one launch. Grid: N * Hv * cdiv(V, block_v) programs of num_warps
+    warps (block_v None: BLOCK_V). The last dims of mixed_qkv and z must be contiguous, or they are
+    copied."""
     mixed_qkv = mixed_qkv if mixed_qkv.stride(-1) == 1 else mixed_qkv.contiguous()
     z = z if z.stride(-1) == 1 else z.contiguous()
     conv_weight = conv_weight if conv_weight.stride(-1) == 1 else conv_weight.contiguous()
@@ -284,6 +220,6 @@ def fused_gdn_decode(
         BV=block_v, BG=triton.next_power_of_2(group), BVH=max(16, triton.next_power_of_2(value_dim)),
         BW=triton.next_power_of_2(width), ROW_STRIDES=row_strides,
         num_warps=num_warps,
-        **pdl_launch(mixed_qkv),
+        **pdl_launch(mixed_qkv, pdl),
     )  # fmt: skip
     return out

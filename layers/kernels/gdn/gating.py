@@ -39,21 +39,9 @@ def gate_values(a, b, neg_a_exp, dt_bias):
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_tokens"])
 def _gating_kernel(
-    a,
-    b,
-    A_log,
-    dt_bias,
-    g,
-    beta,
-    num_tokens,
-    stride_at,
-    stride_ah,
-    stride_bt,
-    stride_bh,
-    HV: tl.constexpr,
-    BT: tl.constexpr,
-    BH: tl.constexpr,
-):
+    a, b, A_log, dt_bias, g, beta, num_tokens, stride_at, stride_ah, stride_bt, stride_bh, HV: tl.constexpr,
+    BT: tl.constexpr, BH: tl.constexpr,
+):  # fmt: skip
     o_t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     o_h = tl.arange(0, BH)
     m_h = o_h < HV

@@ -26,7 +26,7 @@ import triton.language as tl
 from ..pdl import pdl_launch, pdl_wait
 from .gating import gate_values
 from .naive import raw_gate_form
-from .state import VerifyTable
+from .varlen import value_block
 
 BLOCK_V = 32  # 32 float32 columns: each state row segment is one 128-byte line
 
@@ -37,7 +37,7 @@ class RecurrentVariant:
     one_pass: see the module docstring; row_strides: when the [K, V] tiles of the pool (and of the
     intermediate states) are contiguous, address them with constant offsets, which frees the
     registers a [K, BV] tensor of 64-bit addresses holds; maxnreg: a register cap, so that more
-    programs (and more state bytes in flight) fit on an SM. bench/kernels_gdn.py times the VARIANTS
+    programs (and more state bytes in flight) fit on an SM. bench/kernels_gdn.py times variants
     side by side."""
 
     block_v: int = BLOCK_V
@@ -47,17 +47,9 @@ class RecurrentVariant:
     maxnreg: int | None = None
 
 
-VARIANTS = {
-    # the first design (H200: 75% of copy bandwidth at N=64)
-    "bv32": RecurrentVariant(block_v=32, num_warps=4, one_pass=False, row_strides=False),
-    "bv32_1p": RecurrentVariant(block_v=32, num_warps=4),
-    "bv32_1p_r64": RecurrentVariant(block_v=32, num_warps=4, maxnreg=64),
-    "bv64_1p": RecurrentVariant(block_v=64, num_warps=4),
-    "bv64w8_1p": RecurrentVariant(block_v=64, num_warps=8),
-    "bv64w8_1p_r64": RecurrentVariant(block_v=64, num_warps=8, maxnreg=64),
-    "bv128w8_1p": RecurrentVariant(block_v=128, num_warps=8),
-}
-DEFAULT_VARIANT = "bv64_1p"  # fastest on the H200 at N = 1, 64 and 256 (docs/PERF.md)
+# fastest on the H200 at N = 1, 64 and 256 of the variants bench/kernels_gdn.py times (gdn/NOTES.md);
+# registers only, so right on any GPU
+DEFAULT_VARIANT = RecurrentVariant(block_v=64, num_warps=4)
 
 
 @triton.jit
@@ -68,72 +60,16 @@ def _add_pair(a0, a1, b0, b1):
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["slots"])
 def _recurrent_kernel(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    A_log,
-    dt_bias,
-    o,
-    pool,
-    slots,
-    inter,
-    wy_k,
-    wy_delta,
-    wy_g,
-    scale,
-    length,
-    stride_qn,
-    stride_ql,
-    stride_qh,
-    stride_kn,
-    stride_kl,
-    stride_kh,
-    stride_vn,
-    stride_vl,
-    stride_vh,
-    stride_gn,
-    stride_gl,
-    stride_gh,
-    stride_bn,
-    stride_bl,
-    stride_bh,
-    stride_ps,
-    stride_ph,
-    stride_pk,
-    stride_pv,
-    stride_in,
-    stride_il,
-    stride_ih,
-    stride_ik,
-    stride_iv,
-    HV: tl.constexpr,
-    GROUP: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    L2NORM: tl.constexpr,
-    STORE_INTERMEDIATE: tl.constexpr,
-    UPDATE_STATE: tl.constexpr,
-    ONE_PASS: tl.constexpr,
-    ROW_STRIDES: tl.constexpr,
-    RAW_GATE: tl.constexpr,
-    STORE_WY: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    NV = tl.cdiv(V, BV)
-    i_v = pid % NV
-    hv = pid // NV % HV
-    n = pid // NV // HV
+    q, k, v, g, beta, A_log, dt_bias, o, pool, slots, inter, wy_k, wy_delta, wy_g, scale, length, stride_qn, stride_ql,
+    stride_qh, stride_kn,
+    stride_kl, stride_kh, stride_vn, stride_vl, stride_vh, stride_gn, stride_gl, stride_gh, stride_bn, stride_bl,
+    stride_bh, stride_ps, stride_ph, stride_pk, stride_pv, stride_in, stride_il, stride_ih, stride_ik, stride_iv,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr, STORE_INTERMEDIATE: tl.constexpr, UPDATE_STATE: tl.constexpr, ONE_PASS: tl.constexpr,
+    ROW_STRIDES: tl.constexpr, RAW_GATE: tl.constexpr, STORE_WY: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    n, hv, o_k, o_v, m_k, m_v = value_block(tl.program_id(0), HV, K, V, BK, BV)
     hk = hv // GROUP
-
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
 
     slot = tl.load(slots + n).to(tl.int64)
@@ -183,10 +119,10 @@ def _recurrent_kernel(
             state = state + b_k[:, None] * delta[None, :]
             b_o = tl.sum(state * (b_q * scale)[:, None], 0)
         tl.store(p_o + t * HV * V, b_o.to(o.dtype.element_ty), mask=m_v)
-        if STORE_WY:  # the step write-on-accept replays: contiguous [N, L, Hv, *] tables
+        if STORE_WY:  # the step write-on-accept replays (gdn/state.py): contiguous [N, L, Hv, *] tables
             wy_row = (n64 * length + t) * HV + hv
             tl.store(wy_delta + wy_row * V + o_v, delta, mask=m_v)
-            if i_v == 0:
+            if tl.program_id(0) % tl.cdiv(V, BV) == 0:
                 tl.store(wy_k + wy_row * K + o_k, b_k, mask=m_k)
                 tl.store(wy_g + wy_row, b_g)
         if STORE_INTERMEDIATE:
@@ -196,41 +132,17 @@ def _recurrent_kernel(
 
 
 def fused_recurrent_gated_delta_rule(
-    *,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor | None = None,
-    beta: torch.Tensor | None = None,
-    state_pool: torch.Tensor,
-    state_slots: torch.Tensor,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    intermediate_states_out: torch.Tensor | None = None,
-    update_state: bool = True,
-    verify_table: VerifyTable | None = None,
-    variant: str | RecurrentVariant | None = None,
-    a: torch.Tensor | None = None,
-    b: torch.Tensor | None = None,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Token-by-token gated delta rule for L tokens of each of N sequences.
-
-    q, k: [N, L, Hk, K]; v: [N, L, Hv, V]; g, beta: [N, L, Hv]; state_pool: [S, Hv, K, V] float32;
-    state_slots: [N]. Returns o: [N, L, Hv, V] in v's dtype. intermediate_states_out
-    ([N, L, Hv, K, V]), when given, receives the state after each token; update_state writes the
-    state after the last token to the slot. No host syncs. variant: a VARIANTS name or a
-    RecurrentVariant (None: DEFAULT_VARIANT). Raw gates: instead of g and beta, a and b
-    ([N, L, Hv], any float dtype and strides, e.g. column slices of the in_proj output) with A_log
-    and dt_bias ([Hv]); the kernel computes g and beta as gating.gdn_gating would.
-    """
+    *, q, k, v, state_pool, state_slots, g=None, beta=None, a=None, b=None, A_log=None, dt_bias=None, scale=None,
+    use_qk_l2norm=True, intermediate_states_out=None, update_state=True, verify_table=None, variant=None, pdl=True,
+):  # fmt: skip
+    """gdn.fused_recurrent_gated_delta_rule; variant: a RecurrentVariant (None: DEFAULT_VARIANT).
+    Raw gates: the kernel computes g and beta as gating.gdn_gating would."""
     raw_gate = raw_gate_form(g, beta, a, b, A_log, dt_bias)
     if raw_gate:
         g, beta = a, b  # the kernel reads them through the g / beta pointers and strides
     else:
         A_log = dt_bias = g  # never read
-    cfg = VARIANTS[variant or DEFAULT_VARIANT] if not isinstance(variant, RecurrentVariant) else variant
+    cfg = variant or DEFAULT_VARIANT
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     num_seqs, length, num_k_heads, key_dim = q.shape
     num_v_heads, value_dim = v.shape[2], v.shape[3]
@@ -256,6 +168,6 @@ def fused_recurrent_gated_delta_rule(
         STORE_INTERMEDIATE=intermediate_states_out is not None, UPDATE_STATE=update_state, ONE_PASS=cfg.one_pass,
         ROW_STRIDES=row_strides, RAW_GATE=raw_gate, STORE_WY=wy is not None, num_warps=cfg.num_warps,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
-        **pdl_launch(q),
+        **pdl_launch(q, pdl),
     )  # fmt: skip
     return out

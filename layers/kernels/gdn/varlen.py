@@ -1,4 +1,5 @@
-"""Varlen chunk bookkeeping done inside the kernels, so that wrappers never read cu_seqlens on the host.
+"""Varlen chunk bookkeeping done inside the kernels, so that wrappers never read cu_seqlens on the host;
+and the (sequence, value head, V-block) layout of the state-walking grids.
 
 A pass of N sequences (cu_seqlens [N + 1]) is cut into chunks of BT tokens per sequence; chunk
 `idx` counts over all sequences in order. Grids over chunks launch `T // BT + N` programs, an upper
@@ -40,3 +41,17 @@ def chunks_before(cu_seqlens, n, BT: tl.constexpr, BLOCK_N: tl.constexpr):
         hi = tl.load(cu_seqlens + offs + 1, mask=mask, other=0).to(tl.int32)
         before += tl.sum((hi - lo + BT - 1) // BT, 0)
     return before
+
+
+@triton.jit
+def value_block(pid, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Program pid of a grid over (sequence, value head, BV columns of V), V-blocks fastest:
+    (n, hv, o_k, o_v, m_k, m_v), its sequence and value head and the rows and columns of its
+    [BK, BV] state tile with their masks."""
+    NV = tl.cdiv(V, BV)
+    i_v = pid % NV
+    hv = pid // NV % HV
+    n = pid // NV // HV
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    return n, hv, o_k, o_v, o_k < K, o_v < V

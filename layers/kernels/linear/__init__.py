@@ -1,46 +1,79 @@
-"""Dense projections: a skinny GEMM / GEMV for the few-token (decode) case, cuBLAS otherwise; and
-the input norm fused into the projection that follows it (`rms_norm_linear`)."""
+"""Dense projections: a one-row GEMV or skinny GEMM for the few-token (decode) case, cuBLAS
+otherwise; and the input norm fused into the projection that follows it (`rms_norm_linear`)."""
 
 from __future__ import annotations
 
-import os
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from .. import norm as norm_kernels
+from ..device import DeviceInfo, device_info, tuned_for
+from ..options import RowTile
 from . import naive  # noqa: F401  (the reference, for tests and benches)
 from .tuned import TUNED, tuned_key
 
 # At or under this many rows (tokens) a CUDA input takes the Triton GEMV form: the weights are read
 # once and the work is bandwidth-bound. Above it, up to 16 rows, only the half-precision shapes whose
-# tensor-core tiles beat cuBLAS in the sweep (TUNED) do; cuBLAS takes the rest.
+# tensor-core tiles beat cuBLAS in the device's sweep (TUNED) do; cuBLAS takes the rest.
 MAX_TOKENS = 4
 MAX_TUNED_TOKENS = 16
 
+Path = Literal["row", "skinny", "torch"]
 
-def linear(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias), x: [M, K], weight: [N, K] -> [M, N] in x's dtype (float32 accumulate).
-    Triton skinny GEMM for CUDA inputs of at most MAX_TOKENS rows, or of at most MAX_TUNED_TOKENS
-    rows at a TUNED half-precision shape; F.linear otherwise (and on CPU)."""
-    if x.is_cuda and x.dim() == 2 and _one_row(x):
-        from .triton_row import row_gemv
 
-        return row_gemv(x=x, weight=weight, bias=bias)[0]
-    if x.is_cuda and x.dim() == 2 and uses_triton(x.shape[0], weight.shape[0], x.shape[1], x.dtype):
+def linear(
+    *,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    pdl: bool = True,
+    row_gemv: bool = True,
+    row_tiles: tuple[RowTile, ...] = (),
+) -> torch.Tensor:
+    """x @ weight.T (+ bias), float32 accumulation.
+
+    Args:
+        x: [M, K] (rows may be strided). weight: [N, K] in x's dtype. bias: [N] or None.
+        pdl: CUDA: the Triton kernels launch under programmatic dependent launch (sm_90+).
+        row_gemv: a half-precision CUDA row (M = 1) takes the one-row GEMV (else the skinny GEMM).
+        row_tiles: one-row GEMV tiles overriding the tuned ones for the shapes they name.
+
+    Returns:
+        [M, N] in x's dtype. The path: gemm_path (one row, <= MAX_TOKENS rows or a tuned shape on
+        CUDA: Triton; otherwise F.linear).
+    """
+    path = _path(x, weight.shape[0], row_gemv)
+    if path == "row":
+        from .triton_row import row_gemv as impl
+
+        return impl(x=x, weight=weight, bias=bias, row_tiles=row_tiles, pdl=pdl)[0]
+    if path == "skinny":
         from .triton_linear import linear as impl
 
-        return impl(x=x, weight=weight, bias=bias)
+        return impl(x=x, weight=weight, bias=bias, pdl=pdl)
     return F.linear(x, weight, bias)
 
 
-def uses_triton(num_rows: int, n: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether a CUDA call of this shape takes the Triton kernel (else cuBLAS)."""
+def gemm_path(num_rows: int, n: int, k: int, dtype: torch.dtype, info: DeviceInfo, row_gemv: bool) -> Path:
+    """Which kernel a CUDA call of this shape takes: "row" (the one-row GEMV), "skinny" (the
+    skinny GEMM) or "torch" (cuBLAS)."""
+    from .triton_row import supports
+
+    if row_gemv and supports(num_rows, k, dtype):
+        return "row"
     if num_rows <= MAX_TOKENS:
-        return True
+        return "skinny"
     half = dtype in (torch.bfloat16, torch.float16)
-    return half and num_rows <= MAX_TUNED_TOKENS and tuned_key(num_rows, n, k) in TUNED
+    tuned = tuned_for(TUNED, info) or {}
+    return "skinny" if half and num_rows <= MAX_TUNED_TOKENS and tuned_key(num_rows, n, k) in tuned else "torch"
+
+
+def _path(x: torch.Tensor, n: int, row_gemv: bool) -> Path:
+    if not x.is_cuda or x.dim() != 2:
+        return "torch"
+    return gemm_path(x.shape[0], n, x.shape[1], x.dtype, device_info(x.device), row_gemv)
 
 
 class NormLinearOut(NamedTuple):
@@ -61,39 +94,37 @@ def rms_norm_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     write_normed: bool = False,
+    pdl: bool = True,
+    row_gemv: bool = True,
+    row_tiles: tuple[RowTile, ...] = (),
 ) -> NormLinearOut:
-    """residual' = x + residual (x itself when residual is None), y = rms_norm(residual') * (1 +
-    norm_weight), out = y @ weight.T (+ bias). x, residual: [M, K]; norm_weight: [K]; weight: [N, K].
-    One kernel for a CUDA row (batch-1 decode) and a weight of at most FUSED_NORM_MAX_N rows (where
-    the measured fusion pays): the norm runs inside the GEMV; otherwise the norm kernel, then
-    `linear`. normed is y when write_normed (else None)."""
-    if x.is_cuda and _one_row(x) and _fuses_norm(weight.shape[0]):
-        from .triton_row import row_gemv
+    """The residual add, the zero-centred input norm and the projection after it:
+    s = x + residual (x itself when residual is None), y = rms_norm(s) * (1 + norm_weight),
+    out = y @ weight.T (+ bias).
 
-        out, normed, summed = row_gemv(
-            x=x,
-            weight=weight,
-            bias=bias,
-            residual=residual,
-            norm_weight=norm_weight,
-            eps=eps,
-            write_normed=write_normed,
-        )
+    Args:
+        x, residual: [M, K], one dtype. norm_weight: [K]. weight: [N, K]. bias: [N] or None.
+        write_normed: also return y. pdl, row_gemv, row_tiles: as `linear`.
+
+    Returns:
+        NormLinearOut(out [M, N], y [M, K] or None, s [M, K]), in x's dtype. A CUDA row whose
+        weight has at most triton_row.FUSED_NORM_MAX_N rows (where the fusion measured faster) runs
+        the norm inside the one-row GEMV; otherwise the norm kernel, then `linear`.
+    """
+    if _path(x, weight.shape[0], row_gemv) == "row" and _fuses_norm(weight.shape[0]):
+        from .triton_row import row_gemv as impl
+
+        out, normed, summed = impl(
+            x=x, weight=weight, bias=bias, residual=residual, norm_weight=norm_weight, eps=eps,
+            write_normed=write_normed, row_tiles=row_tiles, pdl=pdl,
+        )  # fmt: skip
         return NormLinearOut(out, normed, x if summed is None else summed)
     if residual is None:
-        summed, normed = x, norm_kernels.rms_norm(x=x, weight=norm_weight, eps=eps)
+        summed, normed = x, norm_kernels.rms_norm(x=x, weight=norm_weight, eps=eps, pdl=pdl)
     else:
-        normed, summed = norm_kernels.fused_add_rms_norm(x=x, residual=residual, weight=norm_weight, eps=eps)
-    out = linear(x=normed, weight=weight, bias=bias)
+        normed, summed = norm_kernels.fused_add_rms_norm(x=x, residual=residual, weight=norm_weight, eps=eps, pdl=pdl)
+    out = linear(x=normed, weight=weight, bias=bias, pdl=pdl, row_gemv=row_gemv, row_tiles=row_tiles)
     return NormLinearOut(out, normed if write_normed else None, summed)
-
-
-def _one_row(x: torch.Tensor) -> bool:
-    """Whether a CUDA input takes the one-row kernel (triton_row.py). DELTASERVE_ROW_GEMV=0 turns it
-    off (read per call, so the benchmark can compare both)."""
-    from .triton_row import supports
-
-    return supports(x.shape[0], x.shape[1], x.dtype) and os.environ.get("DELTASERVE_ROW_GEMV", "1") != "0"
 
 
 def _fuses_norm(n: int) -> bool:

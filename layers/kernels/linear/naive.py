@@ -8,8 +8,7 @@ from ..precision import acc_dtype
 
 
 def linear(*, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) accumulated in float32, returned in x's dtype.
-    x: [M, K]; weight: [N, K]; bias: [N] -> [M, N]."""
+    """The reference of linear.linear: float32 (float64 for float64 x) accumulation, x's dtype out."""
     acc = acc_dtype(x)
     out = x.to(acc) @ weight.to(acc).t()
     if bias is not None:

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import num_sms
+from ..device import SMEM_SCRATCH, DeviceInfo, device_info, stages_that_fit, tuned_for
 from ..pdl import pdl_launch, pdl_wait
 from .tuned import TUNED, tuned_key
 
@@ -94,31 +94,11 @@ def _emit(acc, m, n, n_ld, M, N, s_om, out, bias, part, pid_k, SPLIT_K: tl.const
 
 @triton.jit
 def _linear_kernel(
-    x,
-    w,
-    bias,
-    out,
-    part,
-    counters,
-    M,
-    N,
-    K,
-    s_xm,
-    s_wn,
-    s_om,
-    K_SPLIT: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    DOT_IEEE: tl.constexpr,
-    UNROLL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SEMAPHORE: tl.constexpr,
+    x, w, bias, out, part, counters, M, N, K, s_xm, s_wn, s_om, K_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
+    DOT_IEEE: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr, SEMAPHORE: tl.constexpr,
     USE_PDL: tl.constexpr,
-):
+):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -168,68 +148,17 @@ def _linear_kernel(
                 acc0, acc1, acc2, acc3 = _gemv_step(
                     acc0, acc1, acc2, acc3, x0, x1, x2, x3, w_ptr, k0, k_rel, k_left, BLOCK_M, EVEN_K
                 )
-        _emit(
-            tl.sum(acc0, 1)[None, :],
-            m0 + tl.arange(0, 1),
-            n,
-            n_ld,
-            M,
-            N,
-            s_om,
-            out,
-            bias,
-            part,
-            pid_k,
-            SPLIT_K,
-            HAS_BIAS,
-        )
+        # each row's accumulator reduced over K, then stored (or its split's partial)
+        _emit(tl.sum(acc0, 1)[None, :], m0 + tl.arange(0, 1),
+              n, n_ld, M, N, s_om, out, bias, part, pid_k, SPLIT_K, HAS_BIAS)  # fmt: skip
         if BLOCK_M > 1:
-            _emit(
-                tl.sum(acc1, 1)[None, :],
-                m0 + 1 + tl.arange(0, 1),
-                n,
-                n_ld,
-                M,
-                N,
-                s_om,
-                out,
-                bias,
-                part,
-                pid_k,
-                SPLIT_K,
-                HAS_BIAS,
-            )
+            _emit(tl.sum(acc1, 1)[None, :], m0 + 1 + tl.arange(0, 1),
+                  n, n_ld, M, N, s_om, out, bias, part, pid_k, SPLIT_K, HAS_BIAS)  # fmt: skip
         if BLOCK_M > 2:
-            _emit(
-                tl.sum(acc2, 1)[None, :],
-                m0 + 2 + tl.arange(0, 1),
-                n,
-                n_ld,
-                M,
-                N,
-                s_om,
-                out,
-                bias,
-                part,
-                pid_k,
-                SPLIT_K,
-                HAS_BIAS,
-            )
-            _emit(
-                tl.sum(acc3, 1)[None, :],
-                m0 + 3 + tl.arange(0, 1),
-                n,
-                n_ld,
-                M,
-                N,
-                s_om,
-                out,
-                bias,
-                part,
-                pid_k,
-                SPLIT_K,
-                HAS_BIAS,
-            )
+            _emit(tl.sum(acc2, 1)[None, :], m0 + 2 + tl.arange(0, 1),
+                  n, n_ld, M, N, s_om, out, bias, part, pid_k, SPLIT_K, HAS_BIAS)  # fmt: skip
+            _emit(tl.sum(acc3, 1)[None, :], m0 + 3 + tl.arange(0, 1),
+                  n, n_ld, M, N, s_om, out, bias, part, pid_k, SPLIT_K, HAS_BIAS)  # fmt: skip
 
     if SEMAPHORE:
         # split-K, one launch: the last of a tile's SPLIT_K programs sums the partials in split order
@@ -249,17 +178,9 @@ def _linear_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    part,
-    bias,
-    out,
-    M,
-    N,
-    s_om,
-    SPLIT_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    part, bias, out, M, N, s_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_PDL: tl.constexpr,
-):
+):  # fmt: skip
     """out[m, n] = sum over s in order of part[s, m, n] (+ bias[n]): the "pass" split-K reduction."""
     pdl_wait(USE_PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -293,16 +214,17 @@ def m_bucket(num_rows: int) -> int:
     return min(16, triton.next_power_of_2(max(1, num_rows)))
 
 
-def pick_config(num_rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """Tiles from the shape. GPU: <= 4 rows take the GEMV form with thin row blocks (4 rows x 512
-    columns of bf16 per chunk, 16-byte loads, 4 warps), 5..16 rows take tensor cores on 16-row
-    tiles; then K is split (powers of two, up to 16, each split keeping >= 2 chunks of K) until
-    there are ~4 programs per SM. Interpreter (CPU tensors): small tiles."""
+def pick_config(num_rows: int, n: int, k: int, dtype: torch.dtype, info: DeviceInfo) -> dict:
+    """Tiles from the shape: the device's TUNED entry (measured in bf16), else <= 4 rows take the
+    GEMV form with thin row blocks (4 rows x 512 columns of bf16 per chunk, 16-byte loads, 4 warps),
+    5..16 rows take tensor cores on 16-row tiles (stages as the device's shared memory holds); then
+    K is split (powers of two, up to 16, each split keeping >= 2 chunks of K) until there are ~4
+    programs per SM. Interpreter (CPU tensors): small tiles."""
     bm = m_bucket(num_rows)
-    if device.type != "cuda":
+    if info.is_interpreter:
         return dict(block_m=min(bm, 4), block_n=8, block_k=min(64, triton.next_power_of_2(k)), split_k=1)
     elem = torch.empty((), dtype=dtype).element_size()
-    tuned = TUNED.get(tuned_key(num_rows, n, k)) if elem == 2 else None  # measured in bf16
+    tuned = (tuned_for(TUNED, info) or {}).get(tuned_key(num_rows, n, k)) if elem == 2 else None
     if tuned is not None:
         return dict(tuned)
     if bm <= 4:
@@ -310,8 +232,11 @@ def pick_config(num_rows: int, n: int, k: int, dtype: torch.dtype, device: torch
     else:
         cfg = dict(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, dot=True)
     cfg["block_k"] = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
+    if cfg["dot"]:  # an x tile and a weight tile per stage
+        per_stage = elem * cfg["block_k"] * (16 + cfg["block_n"])
+        cfg["num_stages"] = stages_that_fit(cfg["num_stages"], per_stage, SMEM_SCRATCH, info)
     tiles = triton.cdiv(n, cfg["block_n"]) * triton.cdiv(num_rows, cfg["block_m"])
-    want = 4 * num_sms(device)
+    want = 4 * info.num_sms
     split = 1
     while tiles * split < want and split < 16 and k >= 4 * split * cfg["block_k"]:
         split *= 2
@@ -343,10 +268,10 @@ def resolve(config: dict, num_rows: int, n: int, k: int, dtype: torch.dtype) -> 
 
 
 def linear(
-    *, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None
+    *, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None, pdl=True
 ) -> torch.Tensor:
-    """See naive.linear. x: [M, K] (rows may be strided); weight: [N, K]; bias: [N]. Any M works
-    (row blocks); it is built for M <= 16. `config` forces tiles (see the module docstring)."""
+    """linear.linear's skinny GEMM. Any M works (row blocks); it is built for M <= 16. `config`
+    forces tiles (see the module docstring)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x [M, K], weight [N, K]"
     assert x.dtype == weight.dtype, "x and weight must share a dtype"
     num_rows, k = x.shape
@@ -361,7 +286,7 @@ def linear(
     if k == 0:
         out.zero_()
         return out + bias.to(out.dtype) if bias is not None else out
-    cfg = resolve(config or pick_config(num_rows, n, k, x.dtype, x.device), num_rows, n, k, x.dtype)
+    cfg = resolve(config or pick_config(num_rows, n, k, x.dtype, device_info(x.device)), num_rows, n, k, x.dtype)
     grid_n, grid_m, split = triton.cdiv(n, cfg["block_n"]), triton.cdiv(num_rows, cfg["block_m"]), cfg["split_k"]
     counters = part = None
     semaphore = False
@@ -372,46 +297,17 @@ def linear(
             semaphore = counters is not None
     dummy = out
     _linear_kernel[(grid_n, split, grid_m)](
-        x,
-        weight,
-        bias if bias is not None else dummy,
-        out,
-        part if part is not None else dummy,
-        counters if counters is not None else dummy,
-        num_rows,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        K_SPLIT=cfg["k_split"],
-        SPLIT_K=split,
-        BLOCK_M=cfg["block_m"],
-        BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"],
-        EVEN_K=k % cfg["k_split"] == 0,
-        USE_DOT=cfg["dot"],
-        DOT_IEEE=x.dtype == torch.float32,
-        UNROLL=cfg["k_split"] // cfg["block_k"] <= 16,
-        HAS_BIAS=bias is not None,
-        SEMAPHORE=semaphore,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-        **pdl_launch(x),
-    )
+        x, weight, bias if bias is not None else dummy, out, part if part is not None else dummy,
+        counters if counters is not None else dummy, num_rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        K_SPLIT=cfg["k_split"], SPLIT_K=split, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        EVEN_K=k % cfg["k_split"] == 0, USE_DOT=cfg["dot"], DOT_IEEE=x.dtype == torch.float32,
+        UNROLL=cfg["k_split"] // cfg["block_k"] <= 16, HAS_BIAS=bias is not None, SEMAPHORE=semaphore,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(x, pdl),
+    )  # fmt: skip
     if split > 1 and not semaphore:
         block = 1024
         _reduce_kernel[(triton.cdiv(num_rows * n, block),)](
-            part,
-            bias if bias is not None else dummy,
-            out,
-            num_rows,
-            n,
-            out.stride(0),
-            SPLIT_K=split,
-            BLOCK=block,
-            HAS_BIAS=bias is not None,
-            num_warps=4,
-            **pdl_launch(part),
-        )
+            part, bias if bias is not None else dummy, out, num_rows, n, out.stride(0), SPLIT_K=split, BLOCK=block,
+            HAS_BIAS=bias is not None, num_warps=4, **pdl_launch(part, pdl),
+        )  # fmt: skip
     return out

@@ -20,14 +20,14 @@ residual (x + residual) and, when asked, the normed row for later kernels.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ..device import num_sms
+from ..device import DeviceInfo, device_info, tuned_for
+from ..options import RowTile
 from ..pdl import pdl_launch, pdl_wait
+from .tuned import TUNED_ROW
 
 # the whole row is one register tile: at most this many weight elements per thread
 MAX_ELEMS_PER_THREAD = 64
@@ -153,27 +153,10 @@ def _row_gemv_kernel(
 
 @triton.jit
 def _row_gemv_x_row(
-    x,
-    residual,
-    norm_weight,
-    bias,
-    out,
-    res_out,
-    normed_out,
-    wt,
-    pid,
-    n,
-    n_ld,
-    k,
-    N,
-    eps,
-    K: tl.constexpr,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    WRITE_NORMED: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    x, residual, norm_weight, bias, out, res_out, normed_out, wt, pid, n, n_ld, k, N, eps, K: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_NORMED: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
-):
+):  # fmt: skip
     """The one-row kernel's work after its weight load, with x [K] read once as a row: the same
     operations and roundings as the broadcast form (the norm's sum over one row)."""
     k_ok = k < K
@@ -207,14 +190,6 @@ def fuses_norm(n: int) -> bool:
     return n <= FUSED_NORM_MAX_N
 
 
-# measured on the H200 (`python -m deltaserve.bench.kernels_linear --row-sweep`, graph-timed, us per
-# call against the GEMV form of triton_linear): (N, K) -> block_n, num_warps
-TUNED_ROW: dict[tuple[int, int], dict] = {
-    (12352, 2048): dict(block_n=2, num_warps=8),  # GDN in_proj: 13.4 vs 13.8
-    (9216, 2048): dict(block_n=2, num_warps=8),  # attention q_gate | k | v: 10.4 vs 10.7
-    (2048, 4096): dict(block_n=1, num_warps=4),  # o_proj / out_proj: 5.7 vs 5.8
-    (1288, 2048): dict(block_n=4, num_warps=8),  # MoE router | shared gate_up | gate: 2.8 vs 3.0
-}
 # the exact add + norm prologue is a serial chain in every program (loads, a reduction, then the
 # dot), paid once per wave of programs: it pays where there are few (MoE input: 3.1 us fused vs 4.1
 # norm kernel + GEMV) and loses on the 12K-row in_proj (19.1 vs 15.0); defer_norm removes the chain
@@ -225,34 +200,16 @@ FUSED_NORM_MAX_N = 2048
 X_ROW_MIN_BLOCK_N = 8
 
 
-def tile_overrides() -> dict[tuple[int, int], dict]:
-    """DELTASERVE_ROW_TILES="NxK:BLOCK_NxWARPS+...", e.g. "2048x4096:16x8": tiles for these weight
-    shapes instead of TUNED_ROW's (read at each launch, so that `bench offline --variants` can
-    compare tiles in one process; a bad entry is an error naming the variable)."""
-    spec = os.environ.get("DELTASERVE_ROW_TILES", "").strip()
-    tiles = {}
-    for item in filter(None, spec.split("+")):
-        try:
-            shape, tile = item.split(":")
-            n, k = (int(v) for v in shape.split("x"))
-            block_n, warps = (int(v) for v in tile.split("x"))
-        except ValueError:
-            raise ValueError(f"DELTASERVE_ROW_TILES: {item!r} is not NxK:BLOCK_NxWARPS") from None
-        if block_n < 1 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"DELTASERVE_ROW_TILES: {item!r}: BLOCK_N a power of two, WARPS one of 1-16")
-        tiles[(n, k)] = dict(block_n=block_n, num_warps=warps)
-    return tiles
-
-
-def pick_config(n: int, k: int) -> dict:
-    """block_n rows per program and num_warps: DELTASERVE_ROW_TILES, TUNED_ROW, else keep the
-    [block_n, K] tile within MAX_ELEMS_PER_THREAD elements per thread with ~4+ programs per SM at
-    the model's shapes."""
-    override = tile_overrides().get((n, k))
-    if override is not None:
-        return override
-    if (n, k) in TUNED_ROW:
-        return dict(TUNED_ROW[(n, k)])
+def pick_config(n: int, k: int, info: DeviceInfo, row_tiles: tuple[RowTile, ...] = ()) -> dict:
+    """block_n rows per program and num_warps: a row_tiles entry for [n, k], the device's TUNED_ROW,
+    else keep the [block_n, K] tile within MAX_ELEMS_PER_THREAD elements per thread with ~4+
+    programs per SM at the model's shapes (registers only: right on any GPU)."""
+    for tile in row_tiles:
+        if (tile.n, tile.k) == (n, k):
+            return dict(block_n=tile.block_n, num_warps=tile.num_warps)
+    tuned = (tuned_for(TUNED_ROW, info) or {}).get((n, k))
+    if tuned is not None:
+        return dict(tuned)
     block_k = triton.next_power_of_2(k)
     block_n = 4 if n >= 8192 else 2 if n >= 2048 else 1
     num_warps = 4
@@ -264,18 +221,10 @@ def pick_config(n: int, k: int) -> dict:
 
 
 def row_gemv(
-    *,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    write_normed: bool = False,
-    preload: bool = True,
-    defer_norm: bool = False,
-    config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    *, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, write_normed: bool = False, preload: bool = True,
+    defer_norm: bool = False, config: dict | None = None, row_tiles: tuple[RowTile, ...] = (), pdl: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """x: [1, K] (last dim contiguous); weight: [N, K]; bias: [N]. Without norm_weight: (x @ w.T,
     None, None). With it: y = rms_norm(x + residual) * (1 + norm_weight) (residual [1, K] or None),
     returns (y @ w.T (+ bias), y if write_normed else None, x + residual if residual is given else
@@ -301,38 +250,20 @@ def row_gemv(
     if residual is not None:
         assert norm and residual.shape == x.shape and residual.dtype == x.dtype, "residual [1, K] like x"
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
-    cfg = config or pick_config(n, k)
+    info = device_info(x.device)
+    cfg = config or pick_config(n, k, info, row_tiles)
     blocks = triton.cdiv(n, cfg["block_n"])
     per_sm = cfg.get("persistent")
-    programs = min(blocks, per_sm * num_sms(x.device)) if per_sm else blocks
+    programs = min(blocks, per_sm * info.num_sms) if per_sm else blocks
     # the row form has neither the deferred norm nor the persistent loop: those keep the broadcast
     x_row = cfg.get("x_row", cfg["block_n"] >= X_ROW_MIN_BLOCK_N) and not defer_norm and programs == blocks
     _row_gemv_kernel[(programs,)](
-        x,
-        residual if residual is not None else x,
-        norm_weight if norm else x,
-        weight,
-        bias if bias is not None else out,
-        out,
-        res_out if res_out is not None else out,
-        normed if normed is not None else out,
-        n,
-        weight.stride(0),
-        eps,
-        K=k,
-        BLOCK_N=cfg["block_n"],
-        BLOCK_K=triton.next_power_of_2(k),
-        NORM=norm,
-        HAS_RESIDUAL=residual is not None,
-        WRITE_NORMED=normed is not None,
-        HAS_BIAS=bias is not None,
-        PRELOAD=preload,
-        DEFER_NORM=defer_norm,
-        PERSISTENT=programs < blocks,
-        EVEN_K=triton.next_power_of_2(k) == k,
-        X_ROW=x_row,
-        num_warps=cfg["num_warps"],
-        num_stages=1,
-        **pdl_launch(x),
-    )
+        x, residual if residual is not None else x, norm_weight if norm else x, weight,
+        bias if bias is not None else out, out, res_out if res_out is not None else out,
+        normed if normed is not None else out, n, weight.stride(0), eps, K=k, BLOCK_N=cfg["block_n"],
+        BLOCK_K=triton.next_power_of_2(k), NORM=norm, HAS_RESIDUAL=residual is not None,
+        WRITE_NORMED=normed is not None, HAS_BIAS=bias is not None, PRELOAD=preload, DEFER_NORM=defer_norm,
+        PERSISTENT=programs < blocks, EVEN_K=triton.next_power_of_2(k) == k, X_ROW=x_row, num_warps=cfg["num_warps"],
+        num_stages=1, **pdl_launch(x, pdl),
+    )  # fmt: skip
     return out, normed, res_out

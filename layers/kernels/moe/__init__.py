@@ -1,33 +1,109 @@
-"""MoE routing and the fused expert computation."""
+"""MoE routing and the fused expert computation.
 
+Expert weights are fused per expert the way transformers holds them in memory: w13 [E, 2 * I, H]
+(gate rows then up rows) and w2 [E, H, I]. Under expert parallelism a rank holds experts
+[expert_offset, expert_offset + E) and skips the (token, slot) pairs routed elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..options import KernelOptions
 from . import naive
 from .naive import AddNorm, NormedOut, SharedExpert, apply_add_norm
 
 __all__ = ["AddNorm", "NormedOut", "SharedExpert", "apply_add_norm", "fused_moe", "route_topk_softmax", "routed_moe"]
 
 
-def route_topk_softmax(**kwargs):
-    """See naive.route_topk_softmax."""
-    if kwargs["router_logits"].is_cuda:
-        from .triton_moe import route_topk_softmax as impl
-    else:
-        impl = naive.route_topk_softmax
-    return impl(**kwargs)
+def route_topk_softmax(
+    *, router_logits: torch.Tensor, top_k: int, renormalize: bool, pdl: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts (float32), top-k, optional renormalisation.
+
+    Args:
+        router_logits: [T, E], any float dtype. top_k: in 1..E. renormalize: the k weights sum to 1.
+        pdl: CUDA: launch under programmatic dependent launch (sm_90+).
+
+    Returns:
+        (weights [T, top_k] float32, expert ids [T, top_k] int64), descending; CUDA: among equal
+        values the lower expert first, one launch.
+    """
+    if router_logits.is_cuda:
+        from .router import route_topk_softmax as impl
+
+        return impl(router_logits=router_logits, top_k=top_k, renormalize=renormalize, pdl=pdl)
+    return naive.route_topk_softmax(router_logits=router_logits, top_k=top_k, renormalize=renormalize)
 
 
-def fused_moe(**kwargs):
-    """See naive.fused_moe (the shared expert too, when `shared` is given)."""
-    if kwargs["hidden"].is_cuda:
+def fused_moe(
+    *,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int = 0,
+    shared: SharedExpert | None = None,
+    add_norm: AddNorm | None = None,
+    pdl: bool = True,
+) -> torch.Tensor | NormedOut:
+    """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) over the experts this rank holds
+    (e = topk_ids[t, k]), float32 accumulation, one rounding.
+
+    Args:
+        hidden: [T, H] (H contiguous). w13: [E, 2 * I, H]. w2: [E, H, I].
+        topk_weights: [T, top_k], any float dtype. topk_ids: [T, top_k] int (global expert ids).
+        shared: the shared expert, added as sigmoid(gate_logit) * down(silu(gate) * up).
+        add_norm: the residual add + zero-centred RMSNorm after the block, in the block's last
+            kernel on CUDA (rows up to fused_norm.MAX_NORM_HIDDEN wide; else the norm kernel).
+        pdl: CUDA: launch under programmatic dependent launch (sm_90+).
+
+    Returns:
+        [T, H] in hidden's dtype; with add_norm, NormedOut(normed, residual) of it.
+    """
+    args = dict(
+        hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, expert_offset=expert_offset,
+        shared=shared, add_norm=add_norm,
+    )  # fmt: skip
+    if hidden.is_cuda:
         from .triton_moe import fused_moe as impl
-    else:
-        impl = naive.fused_moe
-    return impl(**kwargs)
+
+        return impl(**args, pdl=pdl)
+    return naive.fused_moe(**args)
 
 
-def routed_moe(**kwargs):
-    """See naive.routed_moe (route, then the experts; on CUDA's pairs path the up GEMV routes)."""
-    if kwargs["hidden"].is_cuda:
+def routed_moe(
+    *,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    expert_offset: int = 0,
+    shared: SharedExpert | None = None,
+    add_norm: AddNorm | None = None,
+    route_in_up_max_tokens: int = KernelOptions.route_in_up_max_tokens,
+    pdl: bool = True,
+) -> torch.Tensor | NormedOut:
+    """The MoE block's expert part from its router logits: route_topk_softmax, then fused_moe.
+
+    Args:
+        router_logits: [T, E_total] (E_total >= expert_offset + E), any float dtype.
+        route_in_up_max_tokens: CUDA: batches of up to this many tokens on the pairs path route
+            inside the experts' up GEMV (no router launch); 0 always launches the router.
+        the rest: as fused_moe.
+
+    Returns:
+        As fused_moe.
+    """
+    args = dict(
+        hidden=hidden, w13=w13, w2=w2, router_logits=router_logits, top_k=top_k, renormalize=renormalize,
+        expert_offset=expert_offset, shared=shared, add_norm=add_norm,
+    )  # fmt: skip
+    if hidden.is_cuda:
         from .triton_moe import routed_moe as impl
-    else:
-        impl = naive.routed_moe
-    return impl(**kwargs)
+
+        return impl(**args, route_in_up_max_tokens=route_in_up_max_tokens, pdl=pdl)
+    return naive.routed_moe(**args)

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .. import norm
 from ..precision import acc_dtype
 
 
@@ -43,14 +44,12 @@ class NormedOut(NamedTuple):
     residual: torch.Tensor
 
 
-def apply_add_norm(out: torch.Tensor, add_norm: AddNorm | None) -> torch.Tensor | NormedOut:
+def apply_add_norm(out: torch.Tensor, add_norm: AddNorm | None, pdl: bool = True) -> torch.Tensor | NormedOut:
     """out itself, or NormedOut of out under add_norm (the norm op: its own kernel on CUDA)."""
     if add_norm is None:
         return out
-    from .. import norm
-
     normed, summed = norm.fused_add_rms_norm(
-        x=out, residual=add_norm.residual, weight=add_norm.weight, eps=add_norm.eps
+        x=out, residual=add_norm.residual, weight=add_norm.weight, eps=add_norm.eps, pdl=pdl
     )
     return NormedOut(normed, summed)
 
@@ -69,11 +68,8 @@ def check_shared(shared: SharedExpert, num_tokens: int, hidden_size: int) -> Non
             raise ValueError(f"shared.{name}: the last dim must be contiguous")
 
 
-def route_topk_softmax(
-    *, router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over experts (float32), top-k, optional renormalisation.
-    router_logits: [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int64)."""
+def route_topk_softmax(*, router_logits, top_k, renormalize):
+    """The reference of moe.route_topk_softmax (torch.topk: ties may come in another order)."""
     probs = torch.softmax(router_logits.to(acc_dtype(router_logits)), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -81,22 +77,8 @@ def route_topk_softmax(
     return weights, ids
 
 
-def fused_moe(
-    *,
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    expert_offset: int = 0,
-    shared: SharedExpert | None = None,
-    add_norm: AddNorm | None = None,
-) -> torch.Tensor | NormedOut:
-    """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts this rank holds, plus
-    sigmoid(gate_logit) * down(silu(gate) * up) of the shared expert when `shared` is given; float32
-    throughout, one rounding at the end.
-    hidden: [T, H]; topk_weights, topk_ids: [T, top_k]. Returns [T, H] in hidden's dtype, or with
-    add_norm the next norm of it (NormedOut)."""
+def fused_moe(*, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, shared=None, add_norm=None):
+    """The reference of moe.fused_moe: float32 throughout, one rounding at the end."""
     num_local, inter = w13.shape[0], w2.shape[2]
     acc = acc_dtype(hidden)
     out = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
@@ -117,18 +99,9 @@ def fused_moe(
 
 
 def routed_moe(
-    *,
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    router_logits: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    expert_offset: int = 0,
-    shared: SharedExpert | None = None,
-    add_norm: AddNorm | None = None,
-) -> torch.Tensor | NormedOut:
-    """The MoE block's expert part from its router logits: route_topk_softmax, then fused_moe."""
+    *, hidden, w13, w2, router_logits, top_k, renormalize, expert_offset=0, shared=None, add_norm=None
+):  # fmt: skip
+    """The reference of moe.routed_moe: route_topk_softmax, then fused_moe."""
     weights, ids = route_topk_softmax(router_logits=router_logits, top_k=top_k, renormalize=renormalize)
     return fused_moe(
         hidden=hidden, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, expert_offset=expert_offset,

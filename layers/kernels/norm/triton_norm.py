@@ -14,31 +14,10 @@ from ..pdl import pdl_launch, pdl_wait
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
-    x,
-    gate,
-    residual,
-    weight,
-    out,
-    res_out,
-    ids,
-    num_rows,
-    s_x,
-    s_g,
-    gate_heads,
-    s_gh,
-    s_r,
-    s_o,
-    s_ro,
-    eps,
-    DIM: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ZERO_CENTERED: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    GATHER: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+    x, gate, residual, weight, out, res_out, ids, num_rows, s_x, s_g, gate_heads, s_gh, s_r, s_o, s_ro, eps,
+    DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, GATHER: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
     pdl_wait(USE_PDL)
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -101,7 +80,7 @@ def _head_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return _rows(t), 1, 0
 
 
-def _launch(x, weight, eps, *, gate=None, residual=None, zero_centered=False, ids=None):
+def _launch(x, weight, eps, *, gate=None, residual=None, zero_centered=False, ids=None, pdl=True):
     """ids: x is a [V, D] table and the rows are x[ids] (res_out holds them)."""
     dim = x.shape[-1]
     x2 = _rows(x)
@@ -121,58 +100,27 @@ def _launch(x, weight, eps, *, gate=None, residual=None, zero_centered=False, id
     o2 = out.view(-1, dim)
     ro2 = res_out.view(-1, dim) if res_out is not None else o2
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
-        x2,
-        g2,
-        r2,
-        weight,
-        o2,
-        ro2,
-        ids if ids is not None else x2,
-        num_rows,
-        x2.stride(0),
-        g2.stride(0),
-        gate_heads,
-        s_gh,
-        r2.stride(0),
-        o2.stride(0),
-        ro2.stride(0),
-        eps,
-        DIM=dim,
-        ROWS=rows,
-        BLOCK_D=block_d,
-        ZERO_CENTERED=zero_centered,
-        HAS_GATE=gate is not None,
-        HAS_RESIDUAL=residual is not None,
-        GATHER=ids is not None,
-        num_warps=8 if rows * block_d >= 4096 else 4,
-        **pdl_launch(x2),
-    )
+        x2, g2, r2, weight, o2, ro2, ids if ids is not None else x2, num_rows, x2.stride(0), g2.stride(0), gate_heads,
+        s_gh, r2.stride(0), o2.stride(0), ro2.stride(0), eps, DIM=dim, ROWS=rows, BLOCK_D=block_d,
+        ZERO_CENTERED=zero_centered, HAS_GATE=gate is not None, HAS_RESIDUAL=residual is not None,
+        GATHER=ids is not None, num_warps=8 if rows * block_d >= 4096 else 4, **pdl_launch(x2, pdl),
+    )  # fmt: skip
     return out, res_out
 
 
-def rms_norm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = True) -> torch.Tensor:
-    """x / rms(x) * (1 + weight) when zero_centered, else * weight; float32 math, x's dtype out.
-    x: [..., D]; weight: [D]. Grid: cdiv(rows, ROWS) programs of ROWS rows."""
-    return _launch(x, weight, eps, zero_centered=zero_centered)[0]
+# the ops of norm/__init__.py; grid: cdiv(rows, ROWS) programs of ROWS rows
+def rms_norm(*, x, weight, eps, zero_centered=True, pdl=True):
+    return _launch(x, weight, eps, zero_centered=zero_centered, pdl=pdl)[0]
 
 
-def fused_add_rms_norm(
-    *, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual' = x + residual (rounded to x's dtype); returns (rms_norm(residual'), residual') in one pass.
-    x, residual: [..., D]; weight: [D]."""
-    return _launch(x, weight, eps, residual=residual, zero_centered=True)
+def fused_add_rms_norm(*, x, residual, weight, eps, pdl=True):
+    return _launch(x, weight, eps, residual=residual, zero_centered=True, pdl=pdl)
 
 
-def gated_rms_norm(*, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm(x) * weight * silu(gate) per head (plain weight, not zero-centred). x, gate: [..., D]."""
+def gated_rms_norm(*, x, gate, weight, eps, pdl=True):
     assert gate.shape == x.shape, "gate must match x"
-    return _launch(x, weight, eps, gate=gate)[0]
+    return _launch(x, weight, eps, gate=gate, pdl=pdl)[0]
 
 
-def embed_rms_norm(
-    *, ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The embedding lookup and the first layer's input norm in one launch: (rms_norm(table[ids]),
-    table[ids]). ids: [T] (valid rows of table); table: [V, D]; weight: [D] (zero-centred)."""
-    return _launch(table, weight, eps, zero_centered=True, ids=ids)
+def embed_rms_norm(*, ids, table, weight, eps, pdl=True):
+    return _launch(table, weight, eps, zero_centered=True, ids=ids, pdl=pdl)

@@ -44,21 +44,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((rot * cos + rotated_half * sin, rest), dim=-1)
 
 
-def qk_norm_rope(
-    *,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    positions: torch.Tensor,
-    eps: float,
-    rotary_dim: int,
-    theta: float,
-    kv_cache: KvCacheWrite | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, Hq, D], k: [T, Hkv, D] (may be strided views); weights [D]; positions [T].
-    Returns new contiguous (q, k) of the same shapes and dtype; with kv_cache, also writes k and
-    the value into the paged cache (attention's write_kv_cache)."""
+def qk_norm_rope(*, q, k, q_weight, k_weight, positions, eps, rotary_dim, theta, kv_cache=None):
+    """The reference of rotary.qk_norm_rope."""
     cos, sin = rotary_cos_sin(positions, rotary_dim, theta)
     q = norm_naive.rms_norm(x=q, weight=q_weight, eps=eps)
     k = norm_naive.rms_norm(x=k, weight=k_weight, eps=eps)

@@ -15,46 +15,15 @@ import triton
 import triton.language as tl
 
 from ..pdl import pdl_launch, pdl_wait
-from .naive import KvCacheWrite
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["POS", "SLOTS"])
 def _qk_norm_rope_kernel(
-    Q,
-    K,
-    Q_OUT,
-    K_OUT,
-    QW,
-    KW,
-    POS,
-    INV_FREQ,
-    q_stride_t,
-    q_stride_h,
-    k_stride_t,
-    k_stride_h,
-    num_q_heads,
-    num_k_heads,
-    eps,
-    V,
-    K_CACHE,
-    V_CACHE,
-    SLOTS,
-    v_stride_t,
-    v_stride_h,
-    s_kcb,
-    s_kco,
-    s_kch,
-    s_vcb,
-    s_vco,
-    s_vch,
-    D: tl.constexpr,
-    ROT: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,
-    WRITE_KV: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+    Q, K, Q_OUT, K_OUT, QW, KW, POS, INV_FREQ, q_stride_t, q_stride_h, k_stride_t, k_stride_h, num_q_heads, num_k_heads,
+    eps, V, K_CACHE, V_CACHE, SLOTS, v_stride_t, v_stride_h, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, D: tl.constexpr,
+    ROT: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, WRITE_KV: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
     pdl_wait(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -117,21 +86,8 @@ def _inv_freq(rotary_dim: int, theta: float, device: torch.device) -> torch.Tens
     return _INV_FREQ[key]
 
 
-def qk_norm_rope(
-    *,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    positions: torch.Tensor,
-    eps: float,
-    rotary_dim: int,
-    theta: float,
-    kv_cache: KvCacheWrite | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See naive.qk_norm_rope. q: [T, Hq, D], k: [T, Hkv, D] with unit stride over D. kv_cache:
-    k and v go into the paged cache from the same launch (value [T, Hkv, D] with unit stride
-    over D; caches [num_blocks, block_size, Hkv, D])."""
+def qk_norm_rope(*, q, k, q_weight, k_weight, positions, eps, rotary_dim, theta, kv_cache=None, pdl=True):
+    """rotary.qk_norm_rope in one launch (D contiguous in q, k and the kv_cache tensors)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1, "head dim must be contiguous"
@@ -150,28 +106,9 @@ def qk_norm_rope(
         cache_args, page = (q, q, q, positions, 0, 0, 0, 0, 0, 0, 0, 0), 1
     heads = num_q_heads + num_k_heads * (2 if kv_cache is not None else 1)
     _qk_norm_rope_kernel[(num_tokens, heads)](
-        q,
-        k,
-        q_out,
-        k_out,
-        q_weight,
-        k_weight,
-        positions,
-        _inv_freq(rotary_dim, theta, q.device),
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        num_q_heads,
-        num_k_heads,
-        eps,
-        *cache_args,
-        D=head_dim,
-        ROT=rotary_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        PAGE=page,
-        WRITE_KV=kv_cache is not None,
-        num_warps=1 if head_dim <= 128 else 2,
-        **pdl_launch(q),
-    )
+        q, k, q_out, k_out, q_weight, k_weight, positions, _inv_freq(rotary_dim, theta, q.device), q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), num_q_heads, num_k_heads, eps, *cache_args, D=head_dim, ROT=rotary_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page, WRITE_KV=kv_cache is not None,
+        num_warps=1 if head_dim <= 128 else 2, **pdl_launch(q, pdl),
+    )  # fmt: skip
     return q_out, k_out

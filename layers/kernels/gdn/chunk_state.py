@@ -1,0 +1,222 @@
+"""The chunked gated delta rule's sequential part (chunk.py): one program per (sequence, value
+head, V-block) walks the sequence's chunks with the float32 state in registers, in one of two
+designs (fused: _state_kernel; split: _recur_kernel, then _output_kernel in parallel over chunks)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .chunk_prepare import _load_block
+from .varlen import chunks_before, locate_chunk, value_block
+
+
+@triton.jit
+def _first_chunk_decay_log(gcum, hv, bos, eos, HV: tl.constexpr, BT: tl.constexpr):
+    """gamma_last of a sequence's first chunk (0 for an empty sequence), read as a masked vector so
+    that an empty sequence at the end of the batch reads nothing."""
+    o_t = tl.arange(0, BT)
+    last = tl.minimum(eos - bos, BT) - 1
+    vals = tl.load(gcum + (bos + o_t).to(tl.int64) * HV + hv, mask=o_t == last, other=0.0)
+    return tl.sum(vals, 0)
+
+
+@triton.jit
+def _walk_start(
+    cu_seqlens, pool, slots, has_initial_state, stride_ps, stride_ph, stride_pk, stride_pv, HV: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+):  # fmt: skip
+    """Where this program's walk starts: its sequence n, value head and state tile (varlen.value_block),
+    the sequence's tokens [bos, eos) and chunk count, and its pool slot's state tile (address and
+    float32 value; zeros without an initial state: an empty row range, so the slot's old contents
+    are never read)."""
+    n, hv, o_k, o_v, m_k, m_v = value_block(tl.program_id(0), HV, K, V, BK, BV)
+    bos = tl.load(cu_seqlens + n).to(tl.int32)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int32)
+    num_chunks = (eos - bos + BT - 1) // BT
+    slot = tl.load(slots + n).to(tl.int64)
+    k_init = tl.where(tl.load(has_initial_state + n) != 0, K, 0)
+    p_pool = pool + slot * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
+    state = tl.load(p_pool, mask=(o_k < k_init)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    return n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, p_pool, state
+
+
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state"])
+def _state_kernel(
+    q, w, u, kd, scores, qscale, gcum, o, chunk_states, capture, pool, cu_seqlens, slots, has_initial_state, num_seqs,
+    stride_qt, stride_qh, stride_ps, stride_ph, stride_pk, stride_pv, HV: tl.constexpr, GROUP: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
+    STORE_CHUNK_STATES: tl.constexpr, PREFETCH: tl.constexpr, STORE_CAPTURE: tl.constexpr,
+):  # fmt: skip
+    """The fused sequential kernel (output inside the chunk loop). PREFETCH: the chunk's qscale and
+    decay are loaded one chunk ahead (at the end of the previous iteration) instead of in the middle
+    of the dot chain, where each costs a full memory latency per chunk."""
+    n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, p_pool, state = _walk_start(
+        cu_seqlens, pool, slots, has_initial_state, stride_ps, stride_ph, stride_pk, stride_pv, HV, K, V, BK, BV, BT
+    )
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_t = tl.arange(0, BT)
+    dt = w.dtype.element_ty
+    if STORE_CHUNK_STATES or STORE_CAPTURE:
+        first = chunks_before(cu_seqlens, n, BT, BLOCK_N)
+    if STORE_CHUNK_STATES:
+        p_cs = chunk_states + (first * HV + hv).to(tl.int64) * (K * V)
+        p_cs += o_k[:, None] * V + o_v[None, :]
+    if PREFETCH:
+        b_qs_next = tl.load(qscale + bos.to(tl.int64) * HV + hv + o_t * HV, mask=o_t < eos - bos, other=0.0)
+        g_last_next = _first_chunk_decay_log(gcum, hv, bos, eos, HV, BT)
+
+    for c in range(num_chunks):
+        t0 = bos + c * BT
+        m_t = o_t < eos - t0
+        m_tv = m_t[:, None] & m_v[None, :]
+        row = t0.to(tl.int64) * HV + hv
+        b_w = tl.load(w + row * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        p_q = q + t0.to(tl.int64) * stride_qt + (hv // GROUP) * stride_qh + o_t[:, None] * stride_qt + o_k[None, :]
+        b_q = tl.load(p_q, mask=m_t[:, None] & m_k[None, :], other=0.0).to(dt)
+        p_u = u + row * V + o_t[:, None] * (HV * V) + o_v[None, :]
+        b_s = state.to(dt)
+        v_new = tl.load(p_u, mask=m_tv, other=0.0).to(tl.float32) - tl.dot(b_w, b_s)
+        v_new = v_new.to(dt)
+        # o = qscale * (q S) + scores v_new
+        if PREFETCH:
+            b_qs = b_qs_next
+        else:
+            b_qs = tl.load(qscale + row + o_t * HV, mask=m_t, other=0.0)
+        out = tl.dot(b_q, b_s) * b_qs[:, None]
+        b_sc = tl.load(scores + row * BT + o_t[:, None] * (HV * BT) + o_t[None, :], mask=m_t[:, None], other=0.0)
+        out = tl.dot(b_sc, v_new, out)
+        tl.store(o + row * V + o_t[:, None] * (HV * V) + o_v[None, :], out.to(o.dtype.element_ty), mask=m_tv)
+        # S = exp(gamma_last) S + kd^T v_new, kd^T as a [BK, BT] tile
+        if PREFETCH:
+            decay = tl.exp(g_last_next)
+        else:
+            decay = tl.exp(tl.load(gcum + row + (tl.minimum(eos - t0, BT) - 1) * HV))
+        b_kd = tl.load(
+            kd + row * K + o_k[:, None] + o_t[None, :] * (HV * K), mask=m_k[:, None] & m_t[None, :], other=0.0
+        )
+        state = state * decay + tl.dot(b_kd, v_new)
+        if STORE_CHUNK_STATES:
+            tl.store(p_cs + c * (HV * K * V), state, mask=m_kv)
+        if STORE_CAPTURE:  # a prefix-cache snapshot of the state after this chunk (gdn/state.py)
+            dst = tl.load(capture + first + c).to(tl.int64)
+            if dst >= 0:
+                p_dst = pool + dst * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
+                tl.store(p_dst, state.to(pool.dtype.element_ty), mask=m_kv)
+        if PREFETCH:
+            # the next chunk's (the last chunk's again on the last iteration: always in bounds)
+            t1 = bos + tl.minimum(c + 1, num_chunks - 1) * BT
+            row1 = t1.to(tl.int64) * HV + hv
+            b_qs_next = tl.load(qscale + row1 + o_t * HV, mask=o_t < eos - t1, other=0.0)
+            g_last_next = tl.load(gcum + row1 + (tl.minimum(eos - t1, BT) - 1) * HV)
+    if num_chunks > 0:
+        tl.store(p_pool, state.to(pool.dtype.element_ty), mask=m_kv)
+
+
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state"])
+def _recur_kernel(
+    k, w, u, kscale, gcum, h, chunk_states, capture, pool, cu_seqlens, slots, has_initial_state, num_seqs, stride_kt,
+    stride_kh, stride_ps, stride_ph, stride_pk, stride_pv, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
+    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
+    STORE_CHUNK_STATES: tl.constexpr, STORE_CAPTURE: tl.constexpr,
+):  # fmt: skip
+    """The split design's sequential kernel: only the recurrence. Per chunk it stores the state
+    entering the chunk (h, input dtype) for _output_kernel, turns u into v_new = u - w S in place, and
+    updates S = exp(gamma_last) S + k^T (kscale * v_new) with the raw keys (kscale folds the key norm
+    and the decay to the chunk end into v_new's rows). Two dependent matmuls per chunk."""
+    n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, p_pool, state = _walk_start(
+        cu_seqlens, pool, slots, has_initial_state, stride_ps, stride_ph, stride_pk, stride_pv, HV, K, V, BK, BV, BT
+    )
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_t = tl.arange(0, BT)
+    dt = w.dtype.element_ty
+    first = chunks_before(cu_seqlens, n, BT, BLOCK_N)
+    p_h = h + (first * HV + hv).to(tl.int64) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    if STORE_CHUNK_STATES:
+        p_cs = chunk_states + (first * HV + hv).to(tl.int64) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    p_k = k + (hv // GROUP) * stride_kh + o_t[:, None] * stride_kt + o_k[None, :]
+    b_ks_next = tl.load(kscale + bos.to(tl.int64) * HV + hv + o_t * HV, mask=o_t < eos - bos, other=0.0)
+    g_last_next = _first_chunk_decay_log(gcum, hv, bos, eos, HV, BT)
+
+    for c in range(num_chunks):
+        t0 = bos + c * BT
+        m_t = o_t < eos - t0
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        row = t0.to(tl.int64) * HV + hv
+        b_s = state.to(dt)
+        tl.store(p_h + c * (HV * K * V), b_s, mask=m_kv)
+        b_w = tl.load(w + row * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
+        p_u = u + row * V + o_t[:, None] * (HV * V) + o_v[None, :]
+        v_new = tl.load(p_u, mask=m_tv, other=0.0).to(tl.float32) - tl.dot(b_w, b_s)
+        tl.store(p_u, v_new.to(dt), mask=m_tv)  # this program owns these columns: u becomes v_new
+        b_k = tl.load(p_k + t0.to(tl.int64) * stride_kt, mask=m_tk, other=0.0).to(dt)
+        v_scaled = (v_new * b_ks_next[:, None]).to(dt)
+        state = state * tl.exp(g_last_next) + tl.dot(tl.trans(b_k), v_scaled)
+        if STORE_CHUNK_STATES:
+            tl.store(p_cs + c * (HV * K * V), state, mask=m_kv)
+        if STORE_CAPTURE:  # a prefix-cache snapshot of the state after this chunk (gdn/state.py)
+            dst = tl.load(capture + first + c).to(tl.int64)
+            if dst >= 0:
+                p_dst = pool + dst * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
+                tl.store(p_dst, state.to(pool.dtype.element_ty), mask=m_kv)
+        # the next chunk's small vectors, fetched a chunk ahead (the last chunk's again at the end)
+        t1 = bos + tl.minimum(c + 1, num_chunks - 1) * BT
+        row1 = t1.to(tl.int64) * HV + hv
+        b_ks_next = tl.load(kscale + row1 + o_t * HV, mask=o_t < eos - t1, other=0.0)
+        g_last_next = tl.load(gcum + row1 + (tl.minimum(eos - t1, BT) - 1) * HV)
+    if num_chunks > 0:
+        tl.store(p_pool, state.to(pool.dtype.element_ty), mask=m_kv)
+
+
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens"])
+def _output_kernel(
+    q, k, gcum, rnorm, h, v_new, o, cu_seqlens, num_seqs, scale, stride_qt, stride_qh, stride_kt, stride_kh,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BLOCK_N: tl.constexpr, L2NORM: tl.constexpr,
+):  # fmt: skip
+    """The split design's output, parallel over (chunk, value head):
+    o = qscale (q h) + (q k^T * causal decay, norms and scale folded in) v_new, over V in BV blocks."""
+    i_c = tl.program_id(0)
+    hv = tl.program_id(1)
+    n, c = locate_chunk(cu_seqlens, num_seqs, i_c, BT, BLOCK_N)
+    if n >= num_seqs:
+        return
+    t0 = tl.load(cu_seqlens + n).to(tl.int32) + c * BT
+    length = tl.load(cu_seqlens + n + 1).to(tl.int32) - t0
+    t0 = t0.to(tl.int64)
+    row = t0 * HV + hv
+    dt = v_new.dtype.element_ty
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_t = o_t < length
+    m_k = o_k < K
+    hk = hv // GROUP
+    # raw q and k feed the matmuls; their l2 norms scale the products (k's come from the solve kernel)
+    b_q = _load_block(q + t0 * stride_qt + hk * stride_qh, o_t, m_t, stride_qt, o_k, m_k).to(dt)
+    b_k = _load_block(k + t0 * stride_kt + hk * stride_kh, o_t, m_t, stride_kt, o_k, m_k).to(dt)
+    scale_q = tl.full([BT], scale, dtype=tl.float32)
+    scale_k = tl.full([BT], 1.0, dtype=tl.float32)
+    if L2NORM:
+        q32 = b_q.to(tl.float32)
+        scale_q = scale_q * tl.rsqrt(tl.sum(q32 * q32, 1) + 1e-6)
+        scale_k = tl.load(rnorm + row + o_t * HV, mask=m_t, other=0.0)
+    b_gc = tl.load(gcum + row + o_t * HV, mask=m_t, other=0.0)
+    causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+    decay = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
+    b_sc = (tl.dot(b_q, tl.trans(b_k)) * decay * scale_q[:, None] * scale_k[None, :]).to(dt)
+    b_qs = scale_q * tl.exp(b_gc)
+    p_h = h + (i_c * HV + hv).to(tl.int64) * (K * V) + o_k[:, None] * V
+    for vp in range(0, V, BV):
+        o_v = vp + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_h = tl.load(p_h + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_v = tl.load(v_new + row * V + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0)
+        out = tl.dot(b_q, b_h) * b_qs[:, None]
+        out = tl.dot(b_sc, b_v, out)
+        tl.store(o + row * V + o_t[:, None] * (HV * V) + o_v[None, :], out.to(o.dtype.element_ty), mask=m_tv)

@@ -1,0 +1,195 @@
+"""The fused MoE's pairs path (a handful of routed pairs, i.e. decode): GEMV kernels on CUDA cores,
+no sorting. Up: one program per (pair, BLOCK_N rows of the expert width) streams those gate and up
+rows with 16-byte loads; down: one program per (token, BLOCK_H rows of the hidden size) streams its
+top-k experts' rows and sums them in registers, the shared expert as one more slot. Thin row blocks
+put several programs on every SM even at batch 1, and the pair index is the fastest grid axis, so
+two tokens routed to one expert read its rows at about the same time (the second read mostly hits
+L2). The up GEMV can also route (ROUTE: router.py's top-k in each program, no router launch)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..device import ticket_counters
+from ..norm.triton_norm import add_rms_norm_row
+from ..pdl import pdl_launch, pdl_wait
+from ..tickets import last_to_arrive
+from .fused_norm import norm_kernel_args
+from .naive import SharedExpert
+from .router import _pair_expert, _topk_softmax
+
+
+@triton.jit
+def _up_gemv_kernel(
+    hidden, w13, act, topk_ids, expert_offset, num_experts, s_ht, s_we, s_wn, s_at, router_logits, topk_weights,
+    num_routed, s_lt, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, ROUTE: tl.constexpr, TOPK_P: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """act[pair, n] = silu(x . gate[n]) * (x . up[n]) for BLOCK_N rows n of one pair's expert.
+    ROUTE: the router's work too, so its launch goes. Each program finds its pair's expert from its
+    token's logits over the num_routed experts (argmax rounds up to the pair's slot: the router
+    kernel's selection); the programs of row block 0 also run the router kernel's whole top-k
+    softmax (_topk_softmax) and write topk_ids / topk_weights for the down GEMV. Meant for 1-warp
+    programs: a round's reduction then stays in the warp (shuffles, no barrier).
+    Pairs routed to another rank's expert exit (their act rows stay unset; the down kernel masks
+    them). The K loop is unrolled and accumulates [BLOCK_N, BLOCK_K] partial products, reduced once
+    at the end, so no barrier separates one chunk's loads from the next."""
+    pdl_wait(USE_PDL)
+    pair = tl.program_id(0)
+    if ROUTE:
+        routed = _pair_expert(router_logits, pair // TOPK, pair % TOPK, num_routed, s_lt, BLOCK_E)
+        if tl.program_id(1) == 0:
+            t = pair // TOPK + tl.zeros([1], tl.int32)
+            top_w, top_i = _topk_softmax(
+                router_logits, t, t >= 0, num_routed, s_lt, TOPK, TOPK_P, RENORMALIZE, 1, BLOCK_E
+            )
+            mine = tl.arange(0, TOPK_P)[None, :] == pair % TOPK
+            tl.store(topk_ids + pair, tl.sum(tl.sum(tl.where(mine, top_i, 0), 1), 0).to(tl.int64))
+            tl.store(topk_weights + pair, tl.sum(tl.sum(tl.where(mine, top_w, 0.0), 1), 0))
+        e = routed - expert_offset
+    else:
+        e = tl.load(topk_ids + pair).to(tl.int32) - expert_offset
+    if (e < 0) | (e >= num_experts):
+        return
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < INTER
+    k = tl.arange(0, BLOCK_K)
+    x_ptr = hidden + (pair // TOPK).to(tl.int64) * s_ht + k
+    g_ptr = w13 + e.to(tl.int64) * s_we + n[:, None] * s_wn + k[None, :]
+    u_ptr = g_ptr + INTER * s_wn
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.static_range(0, HIDDEN, BLOCK_K):
+        if HIDDEN % BLOCK_K == 0:
+            x = tl.load(x_ptr + k0).to(tl.float32)
+            if INTER % BLOCK_N == 0:
+                g = tl.load(g_ptr + k0, eviction_policy="evict_first")
+                u = tl.load(u_ptr + k0, eviction_policy="evict_first")
+            else:
+                g = tl.load(g_ptr + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+                u = tl.load(u_ptr + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+        else:
+            k_ok = k0 + k < HIDDEN
+            x = tl.load(x_ptr + k0, mask=k_ok, other=0.0).to(tl.float32)
+            w_ok = n_ok[:, None] & k_ok[None, :]
+            g = tl.load(g_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first")
+            u = tl.load(u_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first")
+        acc_g += g.to(tl.float32) * x[None, :]
+        acc_u += u.to(tl.float32) * x[None, :]
+    gate = tl.sum(acc_g, 1)
+    h = gate * tl.sigmoid(gate) * tl.sum(acc_u, 1)
+    tl.store(act + pair.to(tl.int64) * s_at + n, h.to(act.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    act, w2, out, topk_weights, topk_ids, expert_offset, num_experts, s_at, s_we, s_wn, s_ot, shared_gate_up, shared_w2,
+    shared_gate_logit, s_sgu, s_sw2, s_sgl, residual, norm_weight, normed_out, res_out, tickets, s_rt, eps,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+    SHARED_INTER: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK_HID: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """out[t, h] = sum_j weight[t, j] * act[t, j] . w2[e_j, h] for BLOCK_H rows h, all top-k slots
+    unrolled into one straight run of independent loads. A slot routed to another rank gets an
+    empty column range: its loads are fully masked (an empty range instead of a scalar mask, which
+    the interpreter mistypes). SHARED_INTER > 0: the shared expert is one more slot, its activation
+    silu(gate) * up formed on the fly from its gate/up projection and weighted by sigmoid(gate
+    logit), so the block's whole output leaves in one rounding. The shared expert's weights do not
+    depend on the routing: when they fit one chunk they are loaded before the PDL wait, while the
+    previous kernel finishes.
+    ADD_NORM: the next norm of the block's output too (the norm kernel's work, without its launch).
+    The last of a token's programs to finish (tickets.last_to_arrive, after a CTA barrier) reads the
+    whole row back from L2 and writes res_out = out + residual and normed_out = its zero-centred
+    RMSNorm."""
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < HIDDEN
+    i = tl.arange(0, BLOCK_I)
+    shared_ptr = shared_w2 + h[:, None].to(tl.int64) * s_sw2 + i[None, :]
+    PRELOAD_SHARED: tl.constexpr = SHARED_INTER > 0 and SHARED_INTER <= BLOCK_I
+    if PRELOAD_SHARED:
+        shared_mask = h_ok[:, None] & (i < SHARED_INTER)[None, :]
+        shared_b = tl.load(shared_ptr, mask=shared_mask, other=0.0, eviction_policy="evict_first")
+    pdl_wait(USE_PDL)
+    acc = tl.zeros([BLOCK_H, BLOCK_I], tl.float32)
+    for j in tl.static_range(TOPK):
+        pair = t * TOPK + j
+        e = tl.load(topk_ids + pair).to(tl.int32) - expert_offset
+        w = tl.load(topk_weights + pair).to(tl.float32)
+        local = (e >= 0) & (e < num_experts)
+        limit = tl.where(local, INTER, 0)
+        a_ptr = act + pair.to(tl.int64) * s_at + i
+        b_ptr = w2 + tl.where(local, e, 0).to(tl.int64) * s_we + h[:, None] * s_wn + i[None, :]
+        for i0 in tl.static_range(0, INTER, BLOCK_I):
+            i_ok = i0 + i < limit
+            a = tl.load(a_ptr + i0, mask=i_ok, other=0.0).to(tl.float32) * w
+            b = tl.load(b_ptr + i0, mask=h_ok[:, None] & i_ok[None, :], other=0.0, eviction_policy="evict_first")
+            acc += b.to(tl.float32) * a[None, :]
+    if SHARED_INTER > 0:
+        scale = tl.sigmoid(tl.load(shared_gate_logit + t.to(tl.int64) * s_sgl).to(tl.float32))
+        g_ptr = shared_gate_up + t.to(tl.int64) * s_sgu + i
+        for i0 in tl.static_range(0, SHARED_INTER, BLOCK_I):
+            i_ok = i0 + i < SHARED_INTER
+            g = tl.load(g_ptr + i0, mask=i_ok, other=0.0).to(tl.float32)
+            u = tl.load(g_ptr + SHARED_INTER + i0, mask=i_ok, other=0.0).to(tl.float32)
+            if PRELOAD_SHARED:
+                b = shared_b
+            else:
+                b_mask = h_ok[:, None] & i_ok[None, :]
+                b = tl.load(shared_ptr + i0, mask=b_mask, other=0.0, eviction_policy="evict_first")
+            acc += b.to(tl.float32) * (g * tl.sigmoid(g) * u * scale)[None, :]
+    tl.store(out + t.to(tl.int64) * s_ot + h, tl.sum(acc, 1).to(out.dtype.element_ty), mask=h_ok)
+    if ADD_NORM:
+        tl.debug_barrier()
+        if last_to_arrive(tickets + t, tl.num_programs(1)):
+            d = tl.arange(0, BLOCK_HID)
+            d_ok = d < HIDDEN
+            xv = tl.load(out + t.to(tl.int64) * s_ot + d, mask=d_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            row = t.to(tl.int64) * s_rt
+            add_rms_norm_row(xv, residual + row, res_out + row, normed_out + row, norm_weight, eps, d, d_ok, HIDDEN)
+
+
+def moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, route=None) -> None:
+    """The pairs path into `out` (or, with norm, into norm.out). route: (router_logits,
+    renormalize) when the up GEMV routes, filling topk_ids / topk_weights."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
+    up, down = cfg["up"] if route is None else cfg["up_route"], cfg["down"]
+    logits, renormalize = route if route is not None else (hidden, False)
+    _up_gemv_kernel[(num_pairs, triton.cdiv(inter, up["block_n"]))](
+        hidden, w13, act, topk_ids, expert_offset, num_experts, hidden.stride(0), w13.stride(0), w13.stride(1),
+        act.stride(0), logits, topk_weights, logits.shape[1], logits.stride(0), HIDDEN=hidden_size, INTER=inter,
+        TOPK=top_k, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], ROUTE=route is not None,
+        TOPK_P=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(logits.shape[1]),
+        num_warps=up["num_warps"], num_stages=1, **pdl_launch(hidden, pdl),
+    )  # fmt: skip
+    shared_inter = 0 if shared is None else shared.w2.shape[1]
+    args = (act, w2, out, topk_weights, topk_ids, expert_offset, num_experts)
+    args += (act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *_shared_args(shared, out))
+    tickets = out if norm is None else ticket_counters(out.device, num_tokens, "moe_down_norm")
+    norm_args = norm_kernel_args(norm, out)
+    args += (*norm_args[:4], tickets, *norm_args[4:])
+    _down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, down["block_h"]))](
+        *args, HIDDEN=hidden_size, INTER=inter, TOPK=top_k, BLOCK_H=down["block_h"], BLOCK_I=down["block_i"],
+        SHARED_INTER=shared_inter, ADD_NORM=norm is not None, BLOCK_HID=triton.next_power_of_2(hidden_size),
+        num_warps=down["num_warps"], num_stages=1, **pdl_launch(act, pdl),
+    )  # fmt: skip
+
+
+def _shared_args(shared: SharedExpert | None, out: torch.Tensor) -> tuple:
+    """The down GEMV's shared-expert pointers and row strides (placeholders when there is none)."""
+    if shared is None:
+        return out, out, out, 0, 0, 0
+    return (
+        shared.gate_up,
+        shared.w2,
+        shared.gate_logit,
+        shared.gate_up.stride(0),
+        shared.w2.stride(0),
+        shared.gate_logit.stride(0),
+    )

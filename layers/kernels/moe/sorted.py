@@ -1,0 +1,204 @@
+"""The fused MoE's sorted path (above a handful of routed pairs): the pairs grouped per local
+expert (align.py), the gate/up grouped GEMM writing silu(gate) * up per pair, the down grouped GEMM
+writing weight * down(act) per pair, and a kernel summing each token's top-k slots (with the
+shared expert's gated output and the next norm when asked). The shared expert: its activation
+kernel, a cuBLAS down projection, its gate and sum inside the sum kernel (three launches, not six)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..norm.triton_norm import add_rms_norm_row
+from ..pdl import pdl_launch, pdl_wait
+from .align import align_pairs
+from .fused_norm import norm_kernel_args
+
+
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_pairs"])
+def _up_kernel(
+    hidden, w13, act, sorted_ids, block_expert, num_padded, num_pairs, s_ht, s_we, s_wn, s_at, HIDDEN: tl.constexpr,
+    INTER: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """act[pair, n] = silu(x @ gate^T) * (x @ up^T) for one block of pairs of one expert and one
+    BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e]."""
+    pdl_wait(USE_PDL)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded):
+        return
+    e = tl.load(block_expert + pid_m)
+    pair = tl.load(sorted_ids + pid_m * BLOCK_M + rows)
+    row_ok = pair < num_pairs
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < INTER
+    k = tl.arange(0, BLOCK_K)
+    a_ptr = hidden + (pair // TOPK).to(tl.int64)[:, None] * s_ht + k[None, :]
+    g_ptr = w13 + e.to(tl.int64) * s_we + n[None, :] * s_wn + k[:, None]
+    u_ptr = g_ptr + INTER * s_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        if HIDDEN % BLOCK_K == 0:
+            a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptr, mask=n_ok[None, :], other=0.0)
+            u = tl.load(u_ptr, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + k < HIDDEN
+            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            u = tl.load(u_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
+        a_ptr += BLOCK_K
+        g_ptr += BLOCK_K
+        u_ptr += BLOCK_K
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    dst = act + pair.to(tl.int64)[:, None] * s_at + n[None, :]
+    tl.store(dst, h.to(act.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_kernel(
+    act, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, s_at, s_we, s_wn, s_yp,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """y[pair, n] = weight[pair] * act[pair] @ w2[e, n]^T for one block of sorted pairs."""
+    pdl_wait(USE_PDL)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded):
+        return
+    e = tl.load(block_expert + pid_m)
+    pair = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair < num_pairs
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < HIDDEN
+    k = tl.arange(0, BLOCK_K)
+    a_ptr = act + pair.to(tl.int64)[:, None] * s_at + k[None, :]
+    b_ptr = w2 + e.to(tl.int64) * s_we + n[None, :] * s_wn + k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        if INTER % BLOCK_K == 0:
+            a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptr, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + k < INTER
+            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K
+    acc *= tl.load(topk_weights + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    dst = y + pair.to(tl.int64)[:, None] * s_yp + n[None, :]
+    tl.store(dst, acc.to(y.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_kernel(
+    y, topk_ids, out, shared, gate_logit, expert_offset, num_experts, s_yp, s_ot, s_st, s_gl, residual, norm_weight,
+    normed_out, res_out, s_rt, eps, HIDDEN: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_SHARED: tl.constexpr, ADD_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """out[t] = sum of its local slots' rows of y (non-local slots were never written), plus
+    sigmoid(gate_logit[t]) * shared[t] (the shared expert's down projection) when HAS_SHARED; one
+    rounding. ADD_NORM (BLOCK covers the row): the next norm of the row instead, res_out[t] =
+    out[t] + residual[t] and normed_out[t] = its zero-centred RMSNorm (rows of stride s_rt).
+    With the shared expert, its two launches run between the routed down GEMM and this kernel, so
+    the routed rows (and the ids and gate logits, older still) load before the PDL wait
+    (kernels/pdl.py) and only the shared expert's output after it."""
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    if not HAS_SHARED:  # the routed down GEMM is the kernel just before
+        pdl_wait(USE_PDL)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOPK):
+        pair = t * TOPK + j
+        e = tl.load(topk_ids + pair).to(tl.int32) - expert_offset
+        local = (e >= 0) & (e < num_experts)
+        h_ok = h < tl.where(local, HIDDEN, 0)
+        acc += tl.load(y + pair.to(tl.int64) * s_yp + h, mask=h_ok, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        scale = tl.sigmoid(tl.load(gate_logit + t.to(tl.int64) * s_gl).to(tl.float32))
+        pdl_wait(USE_PDL)
+        acc += scale * tl.load(shared + t.to(tl.int64) * s_st + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
+    if ADD_NORM:
+        row = t.to(tl.int64) * s_rt
+        xv = acc.to(out.dtype.element_ty).to(tl.float32)
+        add_rms_norm_row(xv, residual + row, res_out + row, normed_out + row, norm_weight, eps, h, h < HIDDEN, HIDDEN)
+    else:
+        tl.store(out + t.to(tl.int64) * s_ot + h, acc.to(out.dtype.element_ty), mask=h < HIDDEN)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up, act, s_gt, s_at, INTER: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """act[t, i] = silu(gate[t, i]) * up[t, i] from gate_up [T, 2 * INTER] (strided rows), in float32,
+    one rounding."""
+    pdl_wait(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < INTER
+    g = tl.load(gate_up + t * s_gt + i, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gate_up + t * s_gt + INTER + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(act + t * s_at + i, (g * tl.sigmoid(g) * u).to(act.dtype.element_ty), mask=ok)
+
+
+def moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl) -> None:
+    """The sorted path into `out` (or, with norm, into norm.out): group, up GEMM, down GEMM, sum."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    block_m = cfg["block_m"]
+    sorted_ids, block_expert, offsets = align_pairs(
+        topk_ids=topk_ids, num_experts=num_experts, expert_offset=expert_offset, block_m=block_m, pdl=pdl
+    )
+    num_padded = offsets[num_experts:]
+    max_blocks = block_expert.shape[0]
+    act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
+    y = torch.empty((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    up, down = cfg["up"], cfg["down"]
+    _up_kernel[(max_blocks, triton.cdiv(inter, up["block_n"]))](
+        hidden, w13, act, sorted_ids, block_expert, num_padded, num_pairs, hidden.stride(0), w13.stride(0),
+        w13.stride(1), act.stride(0), HIDDEN=hidden_size, INTER=inter, TOPK=top_k, BLOCK_M=block_m,
+        BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], num_warps=up["num_warps"], num_stages=up["num_stages"],
+        **pdl_launch(hidden, pdl),
+    )  # fmt: skip
+    _down_kernel[(max_blocks, triton.cdiv(hidden_size, down["block_n"]))](
+        act, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, act.stride(0), w2.stride(0),
+        w2.stride(1), y.stride(0), HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m, BLOCK_N=down["block_n"],
+        BLOCK_K=down["block_k"], num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl_launch(act, pdl),
+    )  # fmt: skip
+    shared_out = gate_logit = None
+    if shared is not None:  # its down projection on cuBLAS; the gate and the sum in the sum kernel
+        shared_out = F.linear(_silu_mul(shared.gate_up, shared.w2.shape[1], pdl), shared.w2)
+        gate_logit = shared.gate_logit
+    # with the norm a program takes a whole row (a norm needs all of it)
+    block_h = (
+        triton.next_power_of_2(hidden_size) if norm is not None else min(1024, triton.next_power_of_2(hidden_size))
+    )
+    norm_args = norm_kernel_args(norm, out)
+    _sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        y, topk_ids, out, out if shared_out is None else shared_out, out if gate_logit is None else gate_logit,
+        expert_offset, num_experts, y.stride(0), out.stride(0), 0 if shared_out is None else shared_out.stride(0),
+        0 if gate_logit is None else gate_logit.stride(0), *norm_args, HIDDEN=hidden_size, TOPK=top_k, BLOCK=block_h,
+        HAS_SHARED=shared is not None, ADD_NORM=norm is not None, num_warps=4, **pdl_launch(y, pdl),
+    )  # fmt: skip
+
+
+def _silu_mul(gate_up: torch.Tensor, inter: int, pdl: bool) -> torch.Tensor:
+    """silu(gate) * up of gate_up [T, 2 * inter] -> [T, inter], one launch."""
+    num_tokens = gate_up.shape[0]
+    act = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+        gate_up, act, gate_up.stride(0), act.stride(0), INTER=inter, BLOCK=block, num_warps=4, **pdl_launch(act, pdl)
+    )
+    return act

@@ -1,0 +1,68 @@
+"""The fused MoE's tiles as data, keyed by device name (device.tuned_for), and what other GPUs use."""
+
+from __future__ import annotations
+
+import triton
+
+from ..device import H200, SMEM_SCRATCH, DeviceInfo, stages_that_fit, tuned_for
+
+# The pairs path (GEMV, registers only: the same tiles are right on any GPU). Thin row blocks so that
+# batch 1 (8 pairs) already runs 1024 up and 1024 down programs, several per SM. From the sm_90
+# compile (moe/NOTES.md): up 4 x 512 / 4 warps issues 14 of its 16 16-byte weight loads per thread
+# before the first FMA; down 2 x 512 / 2 warps 11 of 16. Routing in the up GEMV: one warp a program
+# keeps the top-k's reductions in the warp, one row a program (H200, batch 1: 12.2 us a layer;
+# 2 x 512 12.5, 4 x 512 / 4 warps 13.1). block_k / block_i: at most these, the row's power of two.
+PAIRS_TILES = {
+    H200: dict(
+        up=dict(block_n=4, block_k=512, num_warps=4),
+        up_route=dict(block_n=1, block_k=1024, num_warps=1),
+        down=dict(block_h=2, block_i=512, num_warps=2),
+    )
+}
+
+# The sorted path (tensor cores), by the mean routed rows per expert: thin blocks while the weights
+# dominate, square tiles once each expert has enough rows to be compute-bound. (rows at most, tiles)
+SORTED_TILES = {
+    H200: (
+        (24, dict(block_m=16, up=(64, 128, 4, 4), down=(64, 128, 4, 4))),
+        (64, dict(block_m=32, up=(64, 128, 4, 3), down=(64, 128, 4, 3))),
+        (192, dict(block_m=64, up=(64, 64, 4, 4), down=(128, 64, 4, 4))),
+        (None, dict(block_m=128, up=(64, 64, 8, 3), down=(128, 64, 8, 3))),
+    )
+}
+
+
+def pairs_config(hidden_size: int, inter: int, info: DeviceInfo) -> dict:
+    """The pairs path's tiles for this device (other GPUs: the H200's)."""
+    if info.is_interpreter:
+        block_k = min(64, triton.next_power_of_2(hidden_size))
+        block_i = min(64, triton.next_power_of_2(inter))
+        up = dict(block_n=8, block_k=block_k, num_warps=4)
+        return dict(up=up, up_route=up, down=dict(block_h=8, block_i=block_i, num_warps=4))
+    tiles = tuned_for(PAIRS_TILES, info) or PAIRS_TILES[H200]
+    k, i = triton.next_power_of_2(hidden_size), triton.next_power_of_2(inter)
+    return dict(
+        up={**tiles["up"], "block_k": min(tiles["up"]["block_k"], k)},
+        up_route={**tiles["up_route"], "block_k": min(tiles["up_route"]["block_k"], k)},
+        down={**tiles["down"], "block_i": min(tiles["down"]["block_i"], i)},
+    )
+
+
+def sorted_config(num_pairs: int, num_experts: int, elem: int, info: DeviceInfo) -> dict:
+    """The sorted path's tiles for this device: block_m, and up / down block_n, block_k, num_warps,
+    num_stages. Other GPUs: the H200's, each pipeline as deep as their shared memory holds."""
+    if info.is_interpreter:
+        tiles = dict(block_n=16, block_k=16, num_warps=4, num_stages=1)
+        return dict(block_m=16, up=tiles, down=dict(tiles))
+    tuned = tuned_for(SORTED_TILES, info)
+    rows = num_pairs / max(1, num_experts)
+    entry = next(cfg for most, cfg in (tuned or SORTED_TILES[H200]) if most is None or rows <= most)
+    block_m = entry["block_m"]
+    cfg = dict(block_m=block_m)
+    for name, operands in (("up", 2), ("down", 1)):  # up reads the gate and the up tile
+        block_n, block_k, warps, stages = entry[name]
+        if tuned is None:
+            per_stage = elem * block_k * (block_m + operands * block_n)
+            stages = stages_that_fit(stages, per_stage, SMEM_SCRATCH, info)
+        cfg[name] = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
+    return cfg
