@@ -26,12 +26,12 @@ import torch
 
 from .attention import GatedAttention, join_rows
 from .base import AttnLayerState, CheckpointTensor, ForwardContext
-from .common import empty_param, whole
+from .common import empty_param, project, whole
 from .config import ModelConfig
 from .kernels import attention as attn_kernels
-from .kernels import linear as linear_kernels
 from .kernels import qsa as qsa_kernels
 from .kernels import rotary as rotary_kernels
+from .kernels.options import KernelOptions
 from .parallel import ParallelLayout, all_reduce
 from .pass_rows import PassRows
 
@@ -84,8 +84,8 @@ class QsaAttention(GatedAttention):
         }
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: AttnLayerState, rows: PassRows) -> torch.Tensor:
-        qkv = linear_kernels.linear(x=x, weight=self.qkv_proj, bias=self.in_proj_bias)
-        return self.mix_sparse(qkv, linear_kernels.linear(x=x, weight=self.index_proj), ctx, state, rows)
+        qkv = project(x, self.qkv_proj, ctx.kernels, self.in_proj_bias)
+        return self.mix_sparse(qkv, project(x, self.index_proj, ctx.kernels), ctx, state, rows)
 
     def mix_sparse(
         self, qkv: torch.Tensor, index_qk: torch.Tensor, ctx: ForwardContext, state: AttnLayerState, rows: PassRows
@@ -113,10 +113,10 @@ class QsaAttention(GatedAttention):
                 theta=self.rope_theta,
                 compress_ratio=self.qsa.compress_ratio,
             )
-            outs.append(self._attend(q[sl], gate[sl], iq[sl], positions, group, state))
+            outs.append(self._attend(q[sl], gate[sl], iq[sl], positions, group, state, ctx.kernels))
         out = join_rows(*outs) if len(outs) == 2 else outs[0]
-        out = linear_kernels.linear(
-            x=out.reshape(num_tokens, self.num_heads * d), weight=self.o_proj, bias=self.o_bias if self.bias else None
+        out = project(
+            out.reshape(num_tokens, self.num_heads * d), self.o_proj, ctx.kernels, self.o_bias if self.bias else None
         )
         return all_reduce(out, self.layout)
 
@@ -133,6 +133,7 @@ class QsaAttention(GatedAttention):
             eps=self.eps,
             rotary_dim=self.rotary_dim,
             theta=self.rope_theta,
+            pdl=ctx.kernels.pdl,
         )
         return iq, raw_key
 
@@ -176,6 +177,7 @@ class QsaAttention(GatedAttention):
         positions: torch.Tensor,
         group: _Group,
         state: AttnLayerState,
+        kernels: KernelOptions,
     ) -> torch.Tensor:
         """The group's gated attention output [T_group, H, D]."""
         r, top = self.qsa.compress_ratio, self.qsa.top_blocks
@@ -191,6 +193,7 @@ class QsaAttention(GatedAttention):
                     block_tables=group.block_tables,
                     scale=self.scale,
                     output_gate=gate,
+                    pdl=kernels.pdl,
                 )
             out = attn_kernels.paged_attention(
                 q=q,

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import CheckpointTensor
-from .common import empty_param, whole
-from .kernels import linear as linear_kernels
+from .common import empty_param, project, whole
+from .kernels.options import KernelOptions
 from .kernels.precision import acc_dtype
 
 
@@ -56,15 +56,15 @@ class HyperConnection(nn.Module):
             out.append(whole(f"{prefix}block_inject_weight.weight", self.inject))
         return out
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, streams: torch.Tensor, kernels: KernelOptions) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [T, count * hidden] -> (the block input [T, hidden], inject weights [T, count] or None)."""
         normed = grouped_rms_norm(streams, self.norm_weight, self.hidden_size, self.eps)
-        mix = F.silu(linear_kernels.linear(x=normed, weight=self.down) / self.count)
-        mix = torch.sigmoid(linear_kernels.linear(x=mix, weight=self.up))
+        mix = F.silu(project(normed, self.down, kernels) / self.count)
+        mix = torch.sigmoid(project(mix, self.up, kernels))
         mixed = (mix.unflatten(-1, (self.count, self.hidden_size)) * normed.unflatten(-1, (self.count, -1))).mean(-2)
         if self.inject is None:
             return mixed, None
-        return mixed, 2 * torch.sigmoid(linear_kernels.linear(x=normed, weight=self.inject) / self.count)
+        return mixed, 2 * torch.sigmoid(project(normed, self.inject, kernels) / self.count)
 
 
 def add_block_output(streams: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:

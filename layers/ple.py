@@ -30,10 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import CheckpointTensor, ForwardContext, LazyTensor, copy_into
-from .common import empty_param, whole
+from .common import empty_param, project, whole
 from .config_qwen4 import PleConfig
 from .hyper_connections import grouped_rms_norm
-from .kernels import linear as linear_kernels
 from .kernels.precision import acc_dtype
 from .parallel import ParallelLayout, all_reduce
 from .pass_rows import PassRows
@@ -312,7 +311,7 @@ class PerLayerEmbedding(nn.Module):
         old_tokens = torch.where(init[:, None], state.tokens[rows.slots], ple.eos_token_id)
         ext_tokens, tok_pos = extend_rows(ctx.input_ids.long(), old_tokens, rows)
         emb = F.embedding(self.ngram_ids(ext_tokens, tok_pos), self.table).flatten(1)
-        kv = all_reduce(linear_kernels.linear(x=emb.to(self.kv_proj.dtype), weight=self.kv_proj), self.layout)
+        kv = all_reduce(project(emb.to(self.kv_proj.dtype), self.kv_proj, ctx.kernels), self.layout)
         key = grouped_rms_norm(kv[:, :width], self.norm_key, self.hidden_size, self.eps)
         value = kv[:, width:]
         query = grouped_rms_norm(streams, self.norm_query, self.hidden_size, self.eps)

@@ -101,10 +101,10 @@ class Qwen4ExpDecoderLayer(TransformerLayer):
     def forward(self, streams: torch.Tensor, ctx: ForwardContext, state: LayerState, rows: PassRows) -> torch.Tensor:
         if self.ple is not None:
             streams = streams + self.ple(streams, ctx, rows, state.ple)
-        x, inject = self.attn_hc(streams)
+        x, inject = self.attn_hc(streams, ctx.kernels)
         out = self.mixer(x, ctx, state, rows) if self.is_attention else self.mixer(x, ctx, state)
         streams = add_block_output(streams, out, inject)
-        x, inject = self.mlp_hc(streams)
+        x, inject = self.mlp_hc(streams, ctx.kernels)
         return add_block_output(streams, self.mlp(x, ctx), inject)
 
 
@@ -132,4 +132,4 @@ class Qwen4ExpModel(HybridModel):
         streams = self.embed(ctx.input_ids).repeat(1, self.config.hyper.count)
         for layer, state in zip(self.layers, states, strict=True):
             streams = layer(streams, ctx, state, rows)
-        return self.final_mixer(streams)[0]
+        return self.final_mixer(streams, ctx.kernels)[0]

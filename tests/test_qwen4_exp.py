@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from passes import Sequences
+from test_kernel_structure import op_calls  # noqa: F401  (a fixture)
 from tiny_models import VOCAB_SIZE
 from tiny_qwen4 import EOS, hf_logits, hf_model, save_tiny_qwen4
 
@@ -217,3 +218,24 @@ def test_ties_at_the_cut_are_broken_as_transformers_breaks_them(tmp_path, monkey
     got = [seqs.run([("a", ids[:25])])[0]] + [seqs.run([("a", [t])])[0] for t in ids[25:]]
     assert any(ties)
     assert_close(torch.cat(got), hf_logits(hf, ids))
+
+
+def test_kernel_options_reach_every_op(text, op_calls):  # noqa: F811 - the imported fixture
+    """The pass's KernelOptions reach every kernel op the Qwen4-Exp layers call (pdl, the row-GEMV
+    switch and tiles), as they reach the other families' (test_kernel_structure)."""
+    from deltaserve.layers.kernels.options import KernelOptions
+
+    model, _ = text
+    tiles = KernelOptions.from_env({"DELTASERVE_ROW_TILES": "64x32:2x4"}).row_tiles
+    opts = KernelOptions(pdl=False, row_gemv=False, row_tiles=tiles, route_in_up_max_tokens=0, fused_gdn_max_seqs=0)
+    seqs = Sequences(model, kernels=opts)
+    for s in "ab":
+        seqs.add(s)
+    seqs.run([("a", LONG[:20]), ("b", LONG[:3])])
+    seqs.run([("a", [7]), ("b", [9])])
+    names = {name for name, _ in op_calls}
+    assert {"linear", "qk_norm_rope", "routed_moe", "fused_recurrent_gated_delta_rule"} <= names
+    for name, kwargs in op_calls:
+        assert kwargs.get("pdl", False) is False, name
+        if name == "linear":
+            assert kwargs["row_gemv"] is False and kwargs["row_tiles"] == tiles
