@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from deltaserve import LLM, SamplingParams
+from deltaserve.cluster.config import EngineConfig, add_engine_args, engine_kwargs
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.moe import SparseMoeBlock
@@ -330,36 +331,33 @@ def bench_peer(model_config: ModelConfig, batches: list[int], context: int, step
 
 
 def run(args: argparse.Namespace) -> dict:
-    model_config = preset_config(args.preset) if args.preset else ModelConfig.from_pretrained(args.model)
+    settings = EngineConfig.from_kwargs(**engine_kwargs(args))  # the engine flags, checked
+    model = settings.load.model
+    model_config = preset_config(args.preset) if args.preset else ModelConfig.from_pretrained(model)
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     prefills = [int(n) for n in args.prefill_lens.split(",") if n]
     bandwidth = copy_bandwidth("cuda")
     report = {
         "device": torch.cuda.get_device_name(),
         "copy_bw_TBps": bandwidth / 1e12,
-        "model": args.preset or args.model,
+        "model": args.preset or model,
         "context": args.context,
-        "cuda_graphs": not args.enforce_eager,
-        "tp": args.tp,
-        "ep": args.ep,
+        "cuda_graphs": not settings.runner.enforce_eager,
+        "tp": settings.parallel.tensor_parallel_size,
+        "ep": settings.parallel.enable_expert_parallel,
     }
     peer = {}
     if args.peer:
         peer = bench_peer(model_config, [b for b in batches if b <= args.peer_max_batch], args.context, 6)
         report["peer_step_s"] = peer
     llm = LLM(
-        args.model,
         model_config=model_config,
-        load_format=args.load_format,
-        max_num_seqs=max(batches),
-        max_num_batched_tokens=max([*prefills, args.context * 4, 2048]),
-        max_model_len=max([*prefills, 4096]) + 64,
-        tensor_parallel_size=args.tp,
-        enable_expert_parallel=args.ep,
-        enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        time_passes=True,  # GPU busy / idle per pass from CUDA events (two events a pass)
+        **settings.replace(
+            max_num_seqs=max(batches),
+            max_num_batched_tokens=max([*prefills, args.context * 4, 2048]),
+            max_model_len=max([*prefills, 4096]) + 64,
+            time_passes=True,  # GPU busy / idle per pass from CUDA events (two events a pass)
+        ).to_kwargs(),
     )
     runner = getattr(llm.engine.executor, "runner", None)
     counter = ExpertCounter(runner.model) if runner is not None else None
@@ -428,7 +426,7 @@ def _decode_row(
     else:  # worker processes (TP/EP): no hooks here, so the bound every step stays under
         distinct = moe_layers * min(model_config.num_experts, b * model_config.num_experts_per_tok)
     floor = decode_floor_bytes(model_config, b, args.context + 4, distinct)
-    floor_s = floor["total"] / bandwidth / max(1, args.tp)
+    floor_s = floor["total"] / bandwidth / max(1, llm.config.parallel.tensor_parallel_size)
     row = {
         "batch": b,
         "step_ms": result["step_s"] * 1e3,
@@ -508,25 +506,19 @@ def _fmt_decode(r: dict) -> str:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("offline", help="LLM.generate decode/prefill benchmark with peer and memory floor")
-    p.add_argument("--model", default=None, help="checkpoint dir (or use --preset with random weights)")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS))
-    p.add_argument("--load-format", default="random")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="a model shape with random weights")
     p.add_argument("--batch-sizes", default="1,16,64,256")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per decoding sequence")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--prefill-lens", default="2048,8192,32768")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--ep", action="store_true", help="expert parallel over the TP ranks")
     p.add_argument("--peer", action="store_true", help="also time transformers on the same shapes")
     p.add_argument("--peer-max-batch", type=int, default=64)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="overlap passes (default: wherever supported: in-process, and the Ray worker group over the shm ring)",
+    # the engine's own flags; batch limits and pass timing follow from the benchmark's shapes
+    add_engine_args(
+        p,
+        exclude=("max_num_seqs", "max_num_batched_tokens", "max_model_len", "time_passes", "max_waiting_requests"),
+        defaults={"load_format": "random"},
     )
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument(
         "--profile-batches",
         type=lambda v: [int(b) for b in v.split(",") if b],

@@ -1,4 +1,4 @@
-"""Serving benchmark: a gRPC load generator against a running `deltaserve serve`.
+r"""Serving benchmark: a gRPC load generator against a running `deltaserve serve`.
 
 Single node (a server on this machine; random token-id prompts, 64 requests in flight):
 
@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import numpy as np
 
-from deltaserve.cluster.client import AsyncGenerationClient, Chunk, Final
+from deltaserve.cluster.entrypoints.client import AsyncGenerationClient, Chunk, Final
 
 # Tokenize RPCs stay far below the gateway's 4 MiB message limit with pieces of this many characters
 TOKENIZE_PIECE_CHARS = 64 * 1024

@@ -1,4 +1,4 @@
-"""Cost of the driver/worker codec (cluster/wire.py) on real decode plans: encode and decode of a
+"""Cost of the driver/worker codec (workers/wire.py) on real decode plans: encode and decode of a
 pass plan and of its output, per batch size, on this machine's CPU.
 
     python -m deltaserve.bench.wire_cost [--batch-sizes 1,64,256] [--context 300]
@@ -16,9 +16,10 @@ import time
 import numpy as np
 
 from deltaserve import SamplingParams
-from deltaserve.cluster.demo_model import ensure_demo_model
-from deltaserve.cluster.engine import EngineConfig, EngineCore
-from deltaserve.cluster.wire import decode_output, decode_plan, encode_output, encode_plan
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.entrypoints.demo_model import ensure_demo_model
+from deltaserve.cluster.entrypoints.startup import build_engine
+from deltaserve.workers.wire import decode_output, decode_plan, encode_output, encode_plan
 
 
 def _per_call_us(fn, n: int = 200) -> float:
@@ -29,11 +30,11 @@ def _per_call_us(fn, n: int = 200) -> float:
 
 
 def measure(batch: int, context: int) -> dict:
-    config = EngineConfig(
+    config = EngineConfig.from_kwargs(
         model=str(ensure_demo_model()), device="cpu", max_num_seqs=batch, async_scheduling=False,
         num_kv_blocks=batch * (context // 16 + 4), max_model_len=context + 64,
     )  # fmt: skip
-    core = EngineCore(config)
+    core = build_engine(config)
     rng = np.random.default_rng(batch)
     vocab = core.model_config.vocab_size
     for i in range(batch):

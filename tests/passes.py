@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from deltaserve.cluster.plan import PassPlan
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.model import HybridModel
 from deltaserve.workers.context import build_forward_context, logits_rows
-from deltaserve.workers.state_pool import PoolSizes, StatePool
+from deltaserve.workers.plan import PassPlan, PoolSizes
+from deltaserve.workers.state_pool import StatePool
 
 
 class Sequences:

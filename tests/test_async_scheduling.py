@@ -21,12 +21,16 @@ import torch
 from tiny_models import FAMILIES, VOCAB_SIZE
 
 from deltaserve import SamplingParams
-from deltaserve.cluster.engine import EngineConfig, EngineCore, LocalExecutor, WorkerFailure
-from deltaserve.cluster.plan import NewRequestData, SamplingSpec
-from deltaserve.cluster.scheduler import Scheduler
-from deltaserve.cluster.wire import WireError, decode_plan, encode_plan
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.core.engine import EngineCore
+from deltaserve.cluster.core.scheduler import Scheduler
+from deltaserve.cluster.entrypoints.startup import build_engine
+from deltaserve.cluster.executors.base import WorkerFailure
+from deltaserve.cluster.executors.local import LocalExecutor
 from deltaserve.layers.config import ModelConfig
+from deltaserve.workers.plan import NewRequestData, SamplingSpec
 from deltaserve.workers.sampler import Sampler
+from deltaserve.workers.wire import WireError, decode_plan, encode_plan
 
 LENGTHS = [1, 3, 7, 12, 20, 33, 50, 65]
 ABORTED = 7  # the request aborted once it has ABORT_AFTER tokens
@@ -46,8 +50,8 @@ def prompts() -> list[list[int]]:
 
 
 def engine(path, async_scheduling: bool, **kw) -> EngineCore:
-    config = EngineConfig(model=str(path), max_num_seqs=8, async_scheduling=async_scheduling, **kw)
-    core = EngineCore(config, output_mode="delta")
+    config = EngineConfig.from_kwargs(model=str(path), max_num_seqs=8, async_scheduling=async_scheduling, **kw)
+    core = build_engine(config, output_mode="delta")
     assert core.async_scheduling is async_scheduling
     return core
 
@@ -251,14 +255,15 @@ def test_preempting_a_request_whose_token_is_in_flight(tiny_checkpoints, family,
 
 def test_flag_reaches_the_engine(tiny_checkpoints, tmp_path):
     from deltaserve import LLM
-    from deltaserve.cluster.cli import build_parser, engine_config
+    from deltaserve.cli import build_parser
+    from deltaserve.cluster.entrypoints.cli import engine_config
 
     path = str(tiny_checkpoints["qwen3_5"][0])
     assert LLM(path).engine.async_scheduling  # on by default, CPU included
     assert not LLM(path, async_scheduling=False).engine.async_scheduling
     for argv, on in (([], None), (["--no-async-scheduling"], False), (["--async-scheduling"], True)):
         args = build_parser().parse_args(["serve", "--model", str(tmp_path), *argv])
-        assert engine_config(args, "local").async_scheduling is on
+        assert engine_config(args, "local").scheduler.async_scheduling is on
 
 
 def test_decode_inputs_come_from_the_device(tiny_checkpoints):
@@ -328,8 +333,8 @@ def test_worker_failure_fails_requests_cleanly(tiny_checkpoints):
     path = tiny_checkpoints["qwen3_5_moe"][0]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     (ref,) = run(engine(path, False), [("c", prompts()[4], params)])
-    config = EngineConfig(model=str(path), max_num_seqs=8)
-    core = EngineCore(config, executor=FailingExecutor(config, ModelConfig.from_pretrained(str(path)), fail_at=3))
+    config = EngineConfig.from_kwargs(model=str(path), max_num_seqs=8)
+    core = build_engine(config, executor=FailingExecutor(config, ModelConfig.from_pretrained(str(path)), fail_at=3))
     outs = run(core, [("a", prompts()[2], params), ("b", prompts()[6], params)])
     assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
     assert all("worker died" in o.error for o in outs)
@@ -345,7 +350,7 @@ def test_plan_that_reads_ids_the_runner_does_not_hold_is_rejected(tiny_checkpoin
     core.add_request("a", prompts()[2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     core.step()
     core.step()
-    plan = core._in_flight[0]
+    plan = core._in_flight.plan
     assert plan.input_from_prev is not None
     bad = decode_plan(encode_plan(plan))  # the field survives the wire
     assert np.array_equal(bad.input_from_prev, plan.input_from_prev)
@@ -410,7 +415,7 @@ def test_cuda_async_matches_sync_and_decode_launches_do_not_sync(tiny_checkpoint
         SamplingParams(temperature=0.7, seed=9, frequency_penalty=0.4, max_tokens=16, ignore_eos=True),
     ]
     requests = [(f"g{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts()[:4], params, strict=True))]
-    kw = dict(device="cuda", dtype="float32", num_kv_blocks=256, enable_cuda_graphs=not eager)
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=256, enforce_eager=eager)
     sync = [summary(o) for o in run(engine(path, False, **kw), requests)]
     core = engine(path, True, **kw)
     assert (core.executor.runner.graphs is None) is eager

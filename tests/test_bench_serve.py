@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from deltaserve.bench.serve import BenchSettings, PlannedRequest, RequestRecord, plan_workload, run_benchmark
-from deltaserve.cluster.async_engine import AsyncEngine
-from deltaserve.cluster.cli import main
-from deltaserve.cluster.client import AsyncGenerationClient
-from deltaserve.cluster.engine import EngineConfig
-from deltaserve.cluster.gateway import Gateway
+from deltaserve.cli import main
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.entrypoints.async_engine import AsyncEngine
+from deltaserve.cluster.entrypoints.client import AsyncGenerationClient
+from deltaserve.cluster.entrypoints.gateway import Gateway
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,7 +66,7 @@ def model_path(tiny_checkpoints) -> str:
 
 @pytest.fixture(scope="module")
 def target(model_path) -> Iterator[str]:
-    served = ServedGateway(EngineConfig(model=model_path))
+    served = ServedGateway(EngineConfig.from_kwargs(model=model_path))
     try:
         yield served.target
     finally:
@@ -177,7 +177,7 @@ async def plan_with_text_ids(settings: BenchSettings) -> tuple[list[PlannedReque
 
 def test_failures_are_counted_by_status(model_path):
     # one sequence slot and one queue place: most of a burst of 8 is refused with RESOURCE_EXHAUSTED
-    served = ServedGateway(EngineConfig(model=model_path, max_num_seqs=1, max_waiting_requests=1))
+    served = ServedGateway(EngineConfig.from_kwargs(model=model_path, max_num_seqs=1, max_waiting_requests=1))
     try:
         settings = BenchSettings(target=served.target, num_prompts=8, input_len=8, output_len=30, num_warmups=0)
         result = run_benchmark(settings)

@@ -8,7 +8,9 @@ import torch
 from tiny_models import TP2_OVERRIDES, VOCAB_SIZE, save_tiny
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.cluster.engine import EngineConfig, EngineCore, WorkerFailure
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.entrypoints.startup import build_engine
+from deltaserve.cluster.executors.base import WorkerFailure
 from deltaserve.layers.parallel import ParallelConfigError
 
 pytestmark = pytest.mark.ray
@@ -123,13 +125,13 @@ def test_async_scheduling_over_shm_gives_single_rank_tokens(ray_session, tp_chec
         llm.shutdown()
 
 
-@pytest.mark.parametrize("transport", ["shm", "compiled", "calls"])
+@pytest.mark.parametrize("transport", ["shm", "compiled"])
 def test_killed_worker_fails_requests_then_group_is_replaced(ray_session, tp_checkpoints, transport):
     path = tp_checkpoints["qwen3_5_moe"]
-    config = EngineConfig(model=path, tensor_parallel_size=2, async_scheduling=True)
-    engine = EngineCore(config, executor=_executor(config, transport))
+    config = EngineConfig.from_kwargs(model=path, tensor_parallel_size=2, async_scheduling=True)
+    engine = build_engine(config, executor=_executor(config, transport))
     assert engine.executor.transport == transport
-    # passes overlap over the shared-memory ring only; the other transports stay synchronous
+    # passes overlap over the shared-memory ring only; the compiled graph stays synchronous
     assert engine.async_scheduling is (transport == "shm")
     reference = tokens(LLM(path))
     for i, p in enumerate(prompts()):
@@ -164,10 +166,10 @@ def test_killed_worker_fails_requests_then_group_is_replaced(ray_session, tp_che
 
 
 def _executor(config, transport: str):
-    from deltaserve.cluster.ray_executor import RayExecutor
+    from deltaserve.cluster.executors.ray import RayExecutor
     from deltaserve.layers.config import ModelConfig
 
-    return RayExecutor(config, ModelConfig.from_pretrained(config.model), transport=transport)
+    return RayExecutor(config, ModelConfig.from_pretrained(config.load.model), transport=transport)
 
 
 def test_llm_generate_raises_after_worker_death_and_recovers(ray_session, tp_checkpoints):

@@ -10,18 +10,18 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.cluster.wire import decode_plan, encode_plan
+from deltaserve.cluster.config import EngineConfig
 from deltaserve.layers.config import ModelConfig
 from deltaserve.workers import runner as runner_module
+from deltaserve.workers.plan import PoolSizes
 from deltaserve.workers.runner import (
     WARMUP_BATCHES,
     ModelRunner,
-    RunnerConfig,
     _warmup_plan,
-    check_plan_ranges,
     warmup_fits,
 )
-from deltaserve.workers.state_pool import PoolSizes, StatePool
+from deltaserve.workers.state_pool import StatePool
+from deltaserve.workers.wire import check_plan_ranges, decode_plan, encode_plan
 
 SIZES = PoolSizes(num_blocks=1024, block_size=16, num_slots=32)
 
@@ -60,7 +60,8 @@ def test_warmup_fits_the_budget_and_pool():
 
 def test_runner_runs_every_fitting_warmup_batch(tiny_checkpoints, monkeypatch):
     path = str(tiny_checkpoints["qwen3_5_moe"][0])
-    runner = ModelRunner(RunnerConfig(model=path, max_num_batched_tokens=2048), ModelConfig.from_pretrained(path))
+    config = EngineConfig.from_kwargs(model=path, max_num_batched_tokens=2048).worker_config()
+    runner = ModelRunner(config, ModelConfig.from_pretrained(path))
     ran = []
     forward = runner._forward
     monkeypatch.setattr(runner, "_forward", lambda plan, pool: ran.append(plan.num_tokens) or forward(plan, pool))
@@ -73,13 +74,12 @@ def test_runner_runs_every_fitting_warmup_batch(tiny_checkpoints, monkeypatch):
 def test_warmup_runs_the_greedy_argmax_in_both_logit_dtypes(tiny_checkpoints, monkeypatch):
     """The sampler's Triton kernel (the greedy argmax) runs after each warm-up pass on the model's
     logits and on their float32 copy (what penalties leave), so a server's first greedy request
-    does not compile it (a stall seen on the H200: the one late compile in the serving log)."""
+    does not compile it (a first-use compile stalls every running request)."""
     from deltaserve.workers import sampler as sampler_module
 
     path = str(tiny_checkpoints["qwen3_5_moe"][0])
-    runner = ModelRunner(
-        RunnerConfig(model=path, dtype="bfloat16", max_num_batched_tokens=2048), ModelConfig.from_pretrained(path)
-    )
+    config = EngineConfig.from_kwargs(model=path, dtype="bfloat16", max_num_batched_tokens=2048).worker_config()
+    runner = ModelRunner(config, ModelConfig.from_pretrained(path))
     seen = []
     real = sampler_module.argmax_kernels.row_argmax
     monkeypatch.setattr(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from tiny_models import tiny_tokenizer
 
-from deltaserve.cluster.tokenizer import IncrementalDetokenizer, Tokenizer
+from deltaserve.cluster.core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @pytest.fixture(scope="module")

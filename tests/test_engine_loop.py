@@ -7,14 +7,14 @@ import logging
 import queue
 
 from deltaserve import SamplingParams
-from deltaserve.cluster import driver
-from deltaserve.cluster.engine import EngineConfig
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.entrypoints import driver
 
 
 def test_loop_runs_submitted_requests_and_logs_slow_steps(tiny_checkpoints, monkeypatch, caplog):
     monkeypatch.setattr(driver, "SLOW_STEP_S", 0.0)  # every step counts as slow
     outputs: queue.SimpleQueue = queue.SimpleQueue()
-    loop = driver.EngineLoop(EngineConfig(model=str(tiny_checkpoints["qwen3_5"][0])), outputs.put)
+    loop = driver.EngineLoop(EngineConfig.from_kwargs(model=str(tiny_checkpoints["qwen3_5"][0])), outputs.put)
     try:
         with caplog.at_level(logging.WARNING, logger=driver.__name__):
             assert loop.submit("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)) == 3

@@ -20,8 +20,9 @@ import torch
 from tiny_models import VOCAB_SIZE
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.cluster.async_engine import AsyncEngine
-from deltaserve.cluster.client import (
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.entrypoints.async_engine import AsyncEngine
+from deltaserve.cluster.entrypoints.client import (
     AsyncGenerationClient,
     Chunk,
     Final,
@@ -29,8 +30,8 @@ from deltaserve.cluster.client import (
     generate_request,
     stream_to_terminal,
 )
-from deltaserve.cluster.engine import EngineConfig, WorkerFailure
-from deltaserve.cluster.gateway import Gateway, run_gateway
+from deltaserve.cluster.entrypoints.gateway import Gateway, run_gateway
+from deltaserve.cluster.executors.base import WorkerFailure
 from deltaserve.protos import generation_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)  # a stream that hangs fails its test instead of stalling the suite
@@ -112,7 +113,7 @@ def stop_served(served: Served) -> None:
 
 @pytest.fixture(scope="module")
 def served(aio, model_path):
-    served = start_served(aio, EngineConfig(model=model_path))
+    served = start_served(aio, EngineConfig.from_kwargs(model=model_path))
     yield served
     stop_served(served)
 
@@ -349,7 +350,7 @@ def test_oversized_message_is_resource_exhausted(served, extra_gateway):
 
 
 def test_queue_limit_is_resource_exhausted(aio, model_path):
-    limited = start_served(aio, EngineConfig(model=model_path, max_num_seqs=1, max_waiting_requests=2))
+    limited = start_served(aio, EngineConfig.from_kwargs(model=model_path, max_num_seqs=1, max_waiting_requests=2))
     try:
         with GenerationClient(limited.target) as client, ThreadPoolExecutor(2) as readers:
             running = client.generate([3, 4, 5], **LONG)
@@ -395,18 +396,19 @@ def test_health_model_info_and_tokenize(served, client, reference):
     assert client.health("deltaserve.v1.Generation") == "SERVING"
     info = client.model_info()
     stats = served.stats()
-    assert (info.model, info.model_type, info.family) == (reference.config.model, "qwen3_next", "qwen3_next")
+    assert (info.model, info.model_type, info.family) == (reference.config.load.model, "qwen3_next", "qwen3_next")
     assert (info.vocab_size, info.max_model_len, list(info.eos_token_ids)) == (VOCAB_SIZE, 512, [2])
     assert (info.parallel.tensor_parallel_size, info.parallel.expert_parallel) == (1, False)
     assert (info.pool.kv_pages, info.pool.max_num_seqs) == (stats["total_pages"], stats["total_slots"])
     assert (info.pool.block_size, info.pool.kv_tokens) == (16, stats["total_pages"] * 16)
+    assert (info.dtype, info.device) == ("float32", "cpu")  # the dtype in use, not "auto"
     text = "hello world, caf\u00e9"
     assert client.tokenize(text) == reference.tokenizer.encode(text)
     assert client.tokenize("") == []
 
 
 def test_engine_down_is_unavailable_and_not_serving(aio, model_path):
-    doomed = start_served(aio, EngineConfig(model=model_path))
+    doomed = start_served(aio, EngineConfig.from_kwargs(model=model_path))
     try:
         aio.run(doomed.engine.shutdown())
         with GenerationClient(doomed.target) as client:
@@ -537,7 +539,7 @@ async def cancel_while_submitting(engine: AsyncEngine) -> None:
 
 @pytest.mark.ray
 def test_ray_backend_streams_end_to_end(ray_session, aio, model_path, reference):
-    engine = aio.run(AsyncEngine.ray(EngineConfig(model=model_path)), timeout_s=120)
+    engine = aio.run(AsyncEngine.ray(EngineConfig.from_kwargs(model=model_path)), timeout_s=120)
     gateway = Gateway(engine)
     try:
         aio.run(gateway.start())

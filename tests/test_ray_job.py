@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.cluster.client import Final, GenerationClient
+from deltaserve.cluster.entrypoints.client import Final, GenerationClient
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -8,7 +8,7 @@ import torch
 from tiny_models import VOCAB_SIZE
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.cluster.plan import NewRequestData, SamplingSpec
+from deltaserve.workers.plan import NewRequestData, SamplingSpec
 from deltaserve.workers.sampler import Sampler, _filter, seeded_exponentials
 
 

@@ -8,19 +8,19 @@ import numpy as np
 import pytest
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.cluster.engine import EngineConfig, EngineCore
-from deltaserve.cluster.plan import NewRequestData, PassPlan, RunnerOutput, SamplingSpec, TokenLogprobs
-from deltaserve.cluster.wire import (
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.entrypoints.startup import build_engine
+from deltaserve.workers.plan import NewRequestData, PassPlan, PoolSizes, RunnerOutput, SamplingSpec, TokenLogprobs
+from deltaserve.workers.wire import (
     WIRE_VERSION,
     WireError,
+    check_plan_ranges,
     decode_output,
     decode_plan,
     encode_output,
     encode_plan,
     rerun_codec,
 )
-from deltaserve.workers.runner import check_plan_ranges
-from deltaserve.workers.state_pool import PoolSizes
 
 
 def make_plan() -> PassPlan:
@@ -143,7 +143,7 @@ def test_rejected_plan_leaves_running_requests_intact(tiny_checkpoints):
     path = str(tiny_checkpoints["qwen3_5"][0])
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     (reference,) = LLM(path).generate([[5, 6, 7, 8, 9]], params, use_tqdm=False)
-    engine = EngineCore(EngineConfig(model=path))
+    engine = build_engine(EngineConfig.from_kwargs(model=path))
     engine.add_request("a", [5, 6, 7, 8, 9], params)
     engine.step()
     bad = make_plan()

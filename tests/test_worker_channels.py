@@ -11,10 +11,10 @@ import time
 
 import torch
 
-from deltaserve.cluster.plan import RunnerOutput
-from deltaserve.cluster.shm_channel import ShmBroadcast, WaitPolicy
-from deltaserve.cluster.wire import REPLY_STAMPS, decode_output, decode_reply, encode_plan
+from deltaserve.workers.plan import RunnerOutput
 from deltaserve.workers.runner import _profile_plan
+from deltaserve.workers.shm_ring import ShmBroadcast, WaitPolicy
+from deltaserve.workers.wire import REPLY_STAMPS, decode_output, decode_reply, encode_plan
 from deltaserve.workers.worker import Worker
 
 

@@ -10,12 +10,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from deltaserve.cluster.plan import PassPlan
 from deltaserve.layers.base import AttnMetadata, BatchedAttnMetadata, ForwardContext
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.kernels.gdn.state import StateCapture, StateCaptures
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.parallel import ParallelLayout
+from deltaserve.workers.plan import PassPlan
 
 
 def upload(arrays: Sequence[np.ndarray], device, dtype: torch.dtype = torch.int64) -> list[torch.Tensor]:

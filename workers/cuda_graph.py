@@ -17,10 +17,10 @@ import logging
 
 import torch
 
-from deltaserve.cluster.plan import PassPlan
 from deltaserve.layers.base import AttnMetadata, ForwardContext
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.model import HybridModel
+from deltaserve.workers.plan import PassPlan
 
 log = logging.getLogger(__name__)
 

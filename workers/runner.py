@@ -17,81 +17,62 @@ import gc
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from deltaserve.cluster.plan import PassPlan, RunnerOutput
-from deltaserve.cluster.wire import WireError
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.loader import load_model
 from deltaserve.layers.parallel import ParallelLayout
 from deltaserve.workers.compile_watch import LateCompileLog
+from deltaserve.workers.config import WorkerConfig
 from deltaserve.workers.context import HostCopy, build_forward_context, logits_rows, upload
+from deltaserve.workers.plan import PassPlan, PoolSizes, RunnerOutput
 from deltaserve.workers.sampler import LogprobParts, SampledBatch, Sampler
-from deltaserve.workers.state_pool import PoolSizes, StatePool, size_pools
+from deltaserve.workers.state_pool import StatePool, size_pools
+from deltaserve.workers.wire import check_plan_ranges, check_prev_ids
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
-    if dtype == "float64" and not device.startswith("cpu"):
-        raise ValueError("dtype: float64 runs on the CPU only (reference runs)")
-    return DTYPES[dtype]
-
-
 @dataclass(frozen=True)
-class RunnerConfig:
-    model: str | None
-    dtype: str = "auto"
-    device: str = "cpu"
-    load_format: str = "auto"
-    seed: int = 0
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_bytes: int = 256 * 2**20  # the KV + GDN state budget on CPU
-    num_kv_blocks: int | None = None  # exact KV page count, overriding the memory budget
-    enable_cuda_graphs: bool = True  # decode passes replay captured graphs (CUDA only)
-    cuda_graph_max_batch: int = 256
-    time_passes: bool = False  # CUDA events around each pass (RunnerOutput.device_busy_s / device_gap_s)
-    num_prefix_snapshots: int | None = 0  # GDN snapshot slots (None: what 10% of the pool budget holds)
-    kernels: KernelOptions = field(default_factory=KernelOptions.from_env)  # the kernel choices, read once
+class PrevPass:
+    """The last launched pass's sampled ids on the device (every rank's): the next plan's
+    `input_from_prev` rows take their input ids from them."""
+
+    pass_id: int
+    tokens: torch.Tensor
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig, model_config: ModelConfig, layout: ParallelLayout | None = None):
+    def __init__(self, config: WorkerConfig, model_config: ModelConfig, layout: ParallelLayout | None = None):
         self.config = config
         self.model_config = model_config
         self.layout = layout or ParallelLayout()
-        self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, config.device)
+        load = config.load
+        self.device = torch.device(load.device)
+        self.dtype = DTYPES[load.dtype_in_use]
         self.model = load_model(
-            config.model,
+            load.model,
             config=model_config,
             layout=self.layout,
             dtype=self.dtype,
             device=self.device,
-            load_format=config.load_format,
-            seed=config.seed,
+            load_format=load.load_format,
+            seed=load.seed,
         )
         self.pool: StatePool | None = None
         self.graphs = None
         self.late_compiles: LateCompileLog | None = None  # set once start-up is over (allocate)
-        self.kernels = config.kernels
-        self.sampler = Sampler(model_config.vocab_size, seed=config.seed, pdl=self.kernels.pdl)
+        self.kernels = config.runner.kernels
+        self.sampler = Sampler(model_config.vocab_size, seed=load.seed, pdl=self.kernels.pdl)
         self._unresolved: deque[PassOutput] = deque()  # launched passes whose output is not read yet
-        self._last_pass_end = None  # with config.time_passes: the last launched pass's end event
-        self._prev: tuple[int, torch.Tensor] | None = None  # (pass id, its sampled ids on the device)
+        self._last_pass_end = None  # with runner.time_passes: the last launched pass's end event
+        self._prev: PrevPass | None = None  # the last launched pass's sampled ids, on the device
         self.sizes = self._size_pools()  # what this rank could hold; the executor picks the final sizes
 
     @property
@@ -99,21 +80,21 @@ class ModelRunner:
         return self.layout.tp_rank == 0
 
     def _size_pools(self) -> PoolSizes:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
             budget = 0
         elif self.device.type == "cuda":
             budget = self._gpu_budget()
         else:
-            budget = cfg.cpu_kv_cache_bytes
+            budget = cache.cpu_kv_cache_bytes
         return size_pools(
             self.model,
             budget_bytes=budget,
-            block_size=cfg.block_size,
-            max_num_seqs=cfg.max_num_seqs,
+            block_size=cache.block_size,
+            max_num_seqs=self.config.max_num_seqs,
             dtype=self.dtype,
-            num_blocks_override=cfg.num_kv_blocks,
-            num_snapshots=cfg.num_prefix_snapshots,
+            num_blocks_override=cache.num_kv_blocks,
+            num_snapshots=cache.num_prefix_snapshots if cache.enable_prefix_caching else 0,
         )
 
     def _gpu_budget(self) -> int:
@@ -124,7 +105,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         activation = self._profile_activation_bytes()
         used = total - free
-        budget = int(total * self.config.gpu_memory_utilization) - used - activation
+        budget = int(total * self.config.cache.gpu_memory_utilization) - used - activation
         log.info(
             "GPU memory: %.1f GiB total, %.1f GiB in use after weights, %.1f GiB activation peak, %.1f GiB for pools",
             total / 2**30,
@@ -136,14 +117,13 @@ class ModelRunner:
 
     def _profile_activation_bytes(self) -> int:
         """Peak extra memory of a pass of max_num_batched_tokens prompt tokens (one sequence)."""
-        cfg = self.config
-        tokens = cfg.max_num_batched_tokens
-        pages = -(-tokens // cfg.block_size)
+        tokens, block_size = self.config.max_num_batched_tokens, self.config.cache.block_size
+        pages = -(-tokens // block_size)
         # slots for the warm-up batches' rows too (a few GiB at most, freed below)
         slots = 1 + max(len(batch) for batch in WARMUP_BATCHES)
-        sizes = PoolSizes(num_blocks=pages + 1, block_size=cfg.block_size, num_slots=slots)
+        sizes = PoolSizes(num_blocks=pages + 1, block_size=block_size, num_slots=slots)
         pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
-        plan = _profile_plan(tokens, cfg.block_size)
+        plan = _profile_plan(tokens, block_size)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -170,7 +150,7 @@ class ModelRunner:
         (`compile_watch`): start-up compiled what it could."""
         self.sizes = sizes
         self.pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
-        if self.device.type == "cuda" and self.config.num_kv_blocks is not None:
+        if self.device.type == "cuda" and self.config.cache.num_kv_blocks is not None:
             # given sizes skip the profiling pass, which runs the warm-up: run it on the empty pool
             self.compile_warmup(self.pool)
         self.graphs = self._capture_graphs()
@@ -180,7 +160,7 @@ class ModelRunner:
 
     def _capture_graphs(self):
         """The decode CUDA graphs over the pools (None on CPU or with graphs off)."""
-        if self.device.type != "cuda" or not self.config.enable_cuda_graphs:
+        if self.device.type != "cuda" or self.config.runner.enforce_eager:
             return None
         from deltaserve.workers.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs
 
@@ -193,7 +173,7 @@ class ModelRunner:
             max_pages=min(sizes.num_blocks, -(-max_len // sizes.block_size)),
             scratch_slot=sizes.num_slots - 1,
             scratch_page=sizes.num_blocks - 1,
-            batch_sizes=tuple(b for b in DEFAULT_BATCH_SIZES if b <= self.config.cuda_graph_max_batch),
+            batch_sizes=tuple(b for b in DEFAULT_BATCH_SIZES if b <= self.config.runner.cuda_graph_max_batch),
             kernels=self.kernels,
         )
 
@@ -231,7 +211,9 @@ class ModelRunner:
         """Launch one pass; nothing here waits for the device (on CPU the pass simply runs)."""
         started = time.perf_counter()
         check_plan_ranges(plan, self.sizes, self.model_config.vocab_size)
-        prev_tokens = self._check_input_from_prev(plan)
+        prev = self._prev
+        held = (None, 0) if prev is None else (prev.pass_id, prev.tokens.shape[0])
+        prev_tokens = prev.tokens if check_prev_ids(plan, *held) else None
         while len(self._unresolved) > 1:  # only the previous pass may still be unread when this one samples
             self._resolve_oldest()
         for req_id in plan.finished_req_ids:
@@ -278,7 +260,7 @@ class ModelRunner:
             self._last_pass_end = events[2]
         copy.record()
         tokens = batch.tokens if batch is not None else torch.zeros(0, dtype=torch.long, device=self.device)
-        self._prev = (plan.pass_id, tokens)
+        self._prev = PrevPass(plan.pass_id, tokens)
         handle = PassOutput(self, plan.pass_id, batch, copy, prompt_parts, started, events=events)
         self._unresolved.append(handle)
         return handle
@@ -296,32 +278,13 @@ class ModelRunner:
                 copy(src, dst)
 
     def _start_events(self) -> tuple | None:
-        """With config.time_passes on CUDA: (previous pass's end event or None, this pass's start
+        """With runner.time_passes on CUDA: (previous pass's end event or None, this pass's start
         event, recorded now, and its end event, recorded after its last operation)."""
-        if not (self.config.time_passes and self.device.type == "cuda"):
+        if not (self.config.runner.time_passes and self.device.type == "cuda"):
             return None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         return self._last_pass_end, start, end
-
-    def _check_input_from_prev(self, plan: PassPlan) -> torch.Tensor | None:
-        """The previous pass's sampled ids when the plan reads input ids from them; a plan that names
-        ids this rank does not hold is rejected before anything runs."""
-        from_prev = plan.input_from_prev
-        if from_prev is None or not (from_prev >= 0).any():
-            return None
-        prev = self._prev
-        if prev is None or prev[0] != plan.pass_id - 1:
-            held = "none" if prev is None else f"those of pass {prev[0]}"
-            raise WireError(
-                f"plan field 'input_from_prev' reads pass {plan.pass_id - 1}'s sampled ids; this rank holds {held}"
-            )
-        rows = np.flatnonzero(from_prev >= 0)
-        if from_prev.max() >= prev[1].shape[0]:
-            raise WireError(f"plan field 'input_from_prev' holds values outside [-1, {prev[1].shape[0]})")
-        if rows.max() >= plan.num_decode_rows or (np.diff(plan.query_start_loc)[rows] != 1).any():
-            raise WireError("plan field 'input_from_prev' names a row that is not a one-token decode row")
-        return prev[1]
 
     def _prompt_logprobs(self, plan: PassPlan, row: int, logits: torch.Tensor, copy: HostCopy):
         """Logprob of each next prompt token within (and right after) the row's chunk (on the device)."""
@@ -395,39 +358,6 @@ class PassOutput:
         self._output = out if self._runner.is_driver_rank else None
         self._resolved = True
         self._batch = self._copy = self._prompt_parts = self._events = None
-
-
-def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int) -> None:
-    """Indices that would address memory outside the pools are rejected before any kernel runs."""
-
-    def out_of(name: str, a: np.ndarray, hi: int, lo: int = 0) -> None:
-        if a.size and (a.min() < lo or a.max() >= hi):
-            raise WireError(f"plan field '{name}' holds values outside [{lo}, {hi})")
-
-    out_of("input_ids", plan.input_ids, vocab_size)
-    out_of("block_tables", plan.block_tables, sizes.num_blocks)
-    out_of("slot_mapping", plan.slot_mapping, sizes.num_blocks * sizes.block_size, lo=-1)
-    out_of("state_slots", plan.state_slots, sizes.num_slots)
-    out_of("seq_lens", plan.seq_lens, plan.block_tables.shape[1] * sizes.block_size + 1, lo=1)
-    snapshots = (sizes.num_slots, sizes.total_slots)
-    for name, cols in (("slot_saves", (sizes.num_slots, snapshots)), ("slot_restores", (snapshots, sizes.num_slots))):
-        pairs = getattr(plan, name)
-        if pairs is not None and len(pairs):
-            (lo0, hi0), (lo1, hi1) = [c if isinstance(c, tuple) else (0, c) for c in cols]
-            out_of(name, pairs[:, 0], hi0, lo=lo0)
-            out_of(name, pairs[:, 1], hi1, lo=lo1)
-            if len(set(pairs[:, 1].tolist())) != len(pairs):
-                raise WireError(f"plan field '{name}' names a destination twice")
-    if plan.page_copies is not None and len(plan.page_copies):
-        out_of("page_copies", plan.page_copies, sizes.num_blocks)
-    if plan.captures is not None and len(plan.captures):
-        nd, starts = plan.num_decode_rows, plan.query_start_loc
-        rows = plan.captures[:, 0]
-        out_of("captures", rows, plan.num_rows, lo=nd)
-        out_of("captures", plan.captures[:, 2], sizes.total_slots, lo=sizes.num_slots)
-        lengths = starts[rows + 1] - starts[rows]
-        if (plan.captures[:, 1] < 0).any() or (plan.captures[:, 1] > lengths).any():
-            raise WireError("plan field 'captures' holds an offset outside its row's chunk")
 
 
 # Batches run once at start-up, besides the profiling pass (one prompt of max_num_batched_tokens), so

@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from deltaserve.cluster.plan import NewRequestData, SamplingSpec, TokenLogprobs
 from deltaserve.layers.kernels import argmax as argmax_kernels
 from deltaserve.workers.context import HostCopy, upload
+from deltaserve.workers.plan import NewRequestData, SamplingSpec, TokenLogprobs
 
 _M32 = 0xFFFFFFFF
 
@@ -336,15 +336,3 @@ def _filter(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.T
     remove[:, 0] = False  # the best token always survives
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
-    """The token's logprob and rank, and the top-k alternatives, from a [V] logprob row (waits)."""
-    value = logprobs[token]
-    rank = int((logprobs > value).sum().item()) + 1
-    if k:
-        top = torch.topk(logprobs, k)
-        top_ids, top_lp = top.indices.tolist(), top.values.tolist()
-    else:
-        top_ids, top_lp = [], []
-    return TokenLogprobs(token_id=int(token), logprob=float(value), rank=rank, top_ids=top_ids, top_logprobs=top_lp)

@@ -16,12 +16,12 @@ extra)` builds its LayerState from the default view and its views of those pools
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from deltaserve.layers.base import AttnLayerState, LayerState, SsmLayerState
 from deltaserve.layers.model import HybridModel
+from deltaserve.workers.plan import PoolSizes
 
 log = logging.getLogger(__name__)
 
@@ -31,22 +31,6 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     for s in shape:
         n *= s
     return n * torch.empty((), dtype=dtype).element_size()
-
-
-@dataclass(frozen=True)
-class PoolSizes:
-    num_blocks: int
-    block_size: int
-    num_slots: int  # running slots + the scratch slot
-    num_snapshots: int = 0  # prefix-cache snapshot slots after them
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def total_slots(self) -> int:
-        return self.num_slots + self.num_snapshots
 
 
 def bytes_per_block(model: HybridModel, block_size: int, dtype: torch.dtype) -> int:

@@ -14,13 +14,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from deltaserve.cluster.plan import RunnerOutput
-from deltaserve.cluster.shm_channel import ChannelClosed, ShmBroadcast, ShmHandle, WaitPolicy, process_alive
-from deltaserve.cluster.wire import decode_plan, encode_error_reply, encode_output, encode_reply, rerun_codec
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.parallel import ParallelLayout
-from deltaserve.workers.runner import ModelRunner, RunnerConfig
-from deltaserve.workers.state_pool import PoolSizes
+from deltaserve.workers.config import WorkerConfig
+from deltaserve.workers.plan import PoolSizes, RunnerOutput
+from deltaserve.workers.runner import ModelRunner
+from deltaserve.workers.shm_ring import ChannelClosed, ShmBroadcast, ShmHandle, WaitPolicy, process_alive
+from deltaserve.workers.wire import decode_plan, encode_error_reply, encode_output, encode_reply, rerun_codec
 
 
 class Worker:
@@ -42,11 +42,9 @@ class Worker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def init(
-        self, config: RunnerConfig, model_config: ModelConfig, expert_parallel: bool, master: tuple[str, int]
-    ) -> PoolSizes:
+    def init(self, config: WorkerConfig, model_config: ModelConfig, master: tuple[str, int]) -> PoolSizes:
         """Join the group, load this rank's shard; returns the pool sizes this rank could hold."""
-        device = config.device
+        device = config.load.device
         if device.startswith("cuda"):
             torch.cuda.set_device(0)  # Ray exposes exactly the one GPU this actor owns
             backend = "nccl"
@@ -60,7 +58,7 @@ class Worker:
             world_size=self.world_size,
             timeout=timedelta(seconds=120),
         )
-        layout = ParallelLayout(tp_rank=self.rank, tp_size=self.world_size, expert_parallel=expert_parallel)
+        layout = ParallelLayout(self.rank, self.world_size, expert_parallel=config.parallel.enable_expert_parallel)
         self.runner = ModelRunner(config, model_config, layout)
         return self.runner.sizes
 
@@ -133,12 +131,6 @@ class Worker:
             return _Launched(self.runner.execute_async(plan), stamps=(read, decoded, time.perf_counter()))
         except Exception:
             return _Launched(None, traceback.format_exc())
-
-    def ping(self) -> int:
-        return self.rank
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def shutdown(self) -> None:
         if dist.is_initialized():

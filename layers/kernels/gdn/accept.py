@@ -7,11 +7,14 @@ stores it back. The accepted count is read on the device, so the step needs no h
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-from .state import VerifyTable
+if TYPE_CHECKING:  # state.accept_states imports this module (when CUDA)
+    from .state import VerifyTable
 
 BLOCK_V = 64
 

@@ -14,11 +14,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import dataclass
 
-from .engine import EngineConfig, EngineCore
-from .request import RequestOutput
-from .sampling_params import SamplingParams
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.core.engine import EngineCore, ModelInfo
+from deltaserve.cluster.core.request import RequestOutput
+from deltaserve.cluster.core.sampling_params import SamplingParams
+
+from .startup import build_engine, one_line
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +38,29 @@ class EngineUnavailableError(RuntimeError):
     """The engine is stopped, starting or failed."""
 
 
+@dataclass(frozen=True)
+class AddRequest:
+    """Inbox message: a request that `submit` validated, to add to the scheduler."""
+
+    req_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Inbox message: abort this request (a no-op once it finished)."""
+
+    req_id: str
+
+
 class EngineLoop:
     def __init__(self, config: EngineConfig, sink: Callable[[RequestOutput], None], engine: EngineCore | None = None):
         self.config = config
-        self.engine = engine or EngineCore(config, output_mode="delta")
+        self.engine = engine or build_engine(config, output_mode="delta")
         self._user_sink = sink
         self._live: set[str] = set()  # submitted and not finished: ids in use
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[AddRequest | AbortRequest] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._pending = 0  # submitted but not yet added to the scheduler
@@ -60,16 +79,17 @@ class EngineLoop:
         with self._lock:
             if req_id in self._live:
                 raise ValueError(f"request_id: {req_id!r} is already in use")
-            if self.engine.scheduler.num_waiting + self._pending >= self.config.max_waiting_requests:
-                raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting_requests} requests)")
+            limit = self.config.serving.max_waiting_requests
+            if self.engine.scheduler.num_waiting + self._pending >= limit:
+                raise QueueFullError(f"the waiting queue is full ({limit} requests)")
             self._pending += 1
             self._live.add(req_id)
-        self._inbox.put(("add", req_id, prompt, params))
+        self._inbox.put(AddRequest(req_id, prompt, params))
         self._wake.set()
         return req.num_prompt_tokens
 
     def abort(self, req_id: str) -> None:
-        self._inbox.put(("abort", req_id, None, None))
+        self._inbox.put(AbortRequest(req_id))
         self._wake.set()
 
     def sink(self, out: RequestOutput) -> None:
@@ -101,19 +121,19 @@ class EngineLoop:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                op, req_id, prompt, params = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if op == "add":
+            if isinstance(message, AddRequest):
                 with self._lock:
                     self._pending -= 1
                 try:
-                    self.engine.add_request(req_id, prompt, params)
+                    self.engine.add_request(message.req_id, message.prompt, message.params)
                 except ValueError as e:  # e.g. a request id reused while the first is running
-                    log.warning("rejected %s: %s", req_id, e)
+                    log.warning("rejected %s: %s", message.req_id, e)
                     continue
             else:
-                out = self.engine.abort(req_id)
+                out = self.engine.abort(message.req_id)
                 if out is not None:
                     self.sink(out)
 
@@ -147,13 +167,29 @@ class EngineLoop:
                 self.sink(out)
 
 
+class EngineStartError(RuntimeError):
+    """The engine failed to start inside the driver actor; the message is the cause in one line."""
+
+
 class Driver:
-    """Ray actor body (created with `ray.remote(max_concurrency=...)` by the serve entry point)."""
+    """Ray actor body (created with `ray.remote(max_concurrency=...)` by the serve entry point). A
+    failure to start is kept (`start_error`) rather than raised: an actor that dies in its constructor
+    makes Ray print its traceback and a stack dump, where the caller wants the cause in one line."""
 
     def __init__(self, config: EngineConfig):
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.loop = EngineLoop(config, self._outbox.put)
+        self._start_error: str | None = None
+        try:
+            self.loop = EngineLoop(config, self._outbox.put)
+        except Exception as e:
+            log.debug("engine start failed", exc_info=True)
+            self._start_error = one_line(e)
+            return
         self.config = self.loop.engine.config
+
+    def start_error(self) -> str | None:
+        """None once the engine is up (workers, weights, pools), else why it failed to start."""
+        return self._start_error
 
     def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> int:
         return self.loop.submit(req_id, prompt, params)
@@ -181,8 +217,8 @@ class Driver:
     def tokenize(self, text: str) -> list[int]:
         return self.loop.engine.tokenize(text)
 
-    def info(self) -> dict:
-        return model_info(self.loop.engine)
+    def info(self) -> ModelInfo:
+        return self.loop.engine.model_info()
 
     def stats(self) -> dict:
         return self.loop.stats()
@@ -192,24 +228,3 @@ class Driver:
 
     def shutdown(self) -> None:
         self.loop.stop()
-
-
-def model_info(engine: EngineCore) -> dict:
-    cfg, mc = engine.config, engine.model_config
-    return {
-        "model": cfg.model or "",
-        "model_type": mc.model_type,
-        "family": mc.family,
-        "max_model_len": engine.max_model_len,
-        "vocab_size": mc.vocab_size,
-        "eos_token_ids": list(mc.eos_token_ids),
-        "tensor_parallel_size": cfg.tensor_parallel_size,
-        "expert_parallel": cfg.enable_expert_parallel,
-        "num_kv_pages": engine.blocks.capacity,
-        "block_size": engine.blocks.block_size,
-        "kv_tokens": engine.blocks.capacity * engine.blocks.block_size,
-        "max_num_seqs": engine.scheduler.config.max_num_seqs,
-        "dtype": cfg.dtype,
-        "device": cfg.device,
-        "config": asdict(cfg),
-    }

@@ -13,10 +13,12 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from .driver import Driver, EngineLoop, EngineUnavailableError, QueueFullError, model_info
-from .engine import EngineConfig
-from .request import RequestOutput
-from .sampling_params import SamplingParams
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.core.engine import ModelInfo
+from deltaserve.cluster.core.request import RequestOutput
+from deltaserve.cluster.core.sampling_params import SamplingParams
+
+from .driver import Driver, EngineLoop, EngineStartError, EngineUnavailableError, QueueFullError
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,10 @@ class AsyncEngine:
         if name:
             options.update(name=name, get_if_exists=False)
         driver = ray.remote(Driver).options(**options).remote(config)
-        await driver.healthy.remote()  # waits for the engine (workers, weights, pools) to be up
+        error = await driver.start_error.remote()  # waits for the engine (workers, weights, pools) to be up
+        if error is not None:
+            ray.kill(driver)
+            raise EngineStartError(error)
         return cls("ray", driver=driver)
 
     # ---- outputs -------------------------------------------------------------------------------
@@ -145,10 +150,10 @@ class AsyncEngine:
         except BaseException as e:
             raise _unwrap(e) from None
 
-    async def info(self) -> dict:
+    async def info(self) -> ModelInfo:
         self._check_up()
         if self.backend == "local":
-            return model_info(self._loop_engine.engine)
+            return self._loop_engine.engine.model_info()
         return await self._driver.info.remote()
 
     async def stats(self) -> dict:

@@ -1,93 +1,25 @@
-"""The `deltaserve` command line.
-
-deltaserve demo                      local Ray + gateway + streamed gRPC requests, then stop
-deltaserve serve [--model PATH] ...  serve over gRPC (local Ray, or the cluster of a Ray job)
-deltaserve generate "prompt" ...     stream one generation from a running server
-deltaserve bench offline|serve ...   benchmarks (see bench/)
-"""
+"""The `serve`, `generate` and `demo` commands of the `deltaserve` command line (`deltaserve.cli`
+assembles them with `bench`)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import os
 import signal
 import sys
 import time
 
-from .engine import EngineConfig
-
-log = logging.getLogger("deltaserve")
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
-    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "random"])
-    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
-    g.add_argument("--enable-expert-parallel", "--ep", action="store_true")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--max-waiting-requests", type=int, default=1024)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--enforce-eager", action="store_true", help="run decode passes without CUDA graphs")
-    g.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="plan the next pass while the current one runs (default: on wherever the executor can: in-process, "
-        "and the Ray worker group over its shared-memory ring)",
-    )
+from deltaserve.cluster.config import EngineConfig, add_engine_args, engine_kwargs
 
 
 def engine_config(args: argparse.Namespace, executor: str) -> EngineConfig:
-    import torch
-
-    model = args.model
-    if model is None:
+    """The engine settings the command line gave; no --model: the built-in demo model."""
+    settings = engine_kwargs(args)
+    if settings.get("model") is None:
         from .demo_model import ensure_demo_model
 
-        model = str(ensure_demo_model())
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return EngineConfig(
-        model=model,
-        dtype=args.dtype,
-        device=device,
-        load_format=args.load_format,
-        seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_waiting_requests=args.max_waiting_requests,
-        enable_cuda_graphs=not args.enforce_eager,
-        async_scheduling=args.async_scheduling,
-        executor=executor,
-    )
-
-
-def _connect_ray(address: str | None) -> None:
-    """Join the Ray cluster of a `ray job submit` job (RAY_ADDRESS is set) or the given address
-    (`auto` joins the `ray start` cluster of this machine); otherwise start a local one."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        # "local": a cluster of our own, never a stale one a past `ray start` left on the machine
-        ray.init(address="local", include_dashboard=False, log_to_driver=True)
+        settings["model"] = str(ensure_demo_model())
+    return EngineConfig.from_kwargs(**settings, executor=executor)
 
 
 async def start_stack(config: EngineConfig, host: str, port: int, backend: str):
@@ -97,25 +29,72 @@ async def start_stack(config: EngineConfig, host: str, port: int, backend: str):
 
     engine = await (AsyncEngine.ray(config) if backend == "ray" else AsyncEngine.local(config))
     gateway = Gateway(engine, host=host, port=port)
-    bound = await gateway.start()
+    try:
+        bound = await gateway.start()
+    except BaseException:
+        await engine.shutdown()
+        raise
     return engine, gateway, bound
+
+
+def refuse(command: str, error: BaseException) -> int:
+    """A setting that cannot work, found before anything started: one line naming it, exit status 2."""
+    print(
+        f"deltaserve {command}: {str(error).splitlines()[0] if str(error) else type(error).__name__}", file=sys.stderr
+    )
+    return 2
+
+
+def checked_config(args: argparse.Namespace, backend: str, ray_address: str | None) -> EngineConfig:
+    """The command line's engine settings, checked before Ray or any weight starts (raises ValueError)."""
+    from .startup import check_startup
+
+    tp, ep = getattr(args, "tensor_parallel_size", 1), getattr(args, "enable_expert_parallel", False)
+    if backend == "local" and (tp > 1 or ep):
+        raise ValueError("backend: 'local' runs one rank in this process; tensor or expert parallelism needs 'ray'")
+    config = engine_config(args, executor="ray" if backend == "ray" else "local")
+    check_startup(config, ray_address=ray_address if backend == "ray" else None)
+    return config
+
+
+async def start_or_report(command: str, config: EngineConfig, host: str, port: int, backend: str):
+    """start_stack, or None after printing the failure's cause in one line (e.g. an actor that died
+    starting: Ray carries its traceback as text)."""
+    from .startup import one_line
+
+    try:
+        return await start_stack(config, host, port, backend)
+    except Exception as e:
+        print(f"deltaserve {command}: start-up failed: {one_line(e)}", file=sys.stderr, flush=True)
+        return None
 
 
 # ---- serve ---------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
+    from .startup import check_port
+
+    try:
+        config = checked_config(args, args.backend, args.ray_address)
+        check_port(args.host, args.port)
+    except ValueError as e:
+        return refuse("serve", e)
     if args.backend == "ray":
-        _connect_ray(args.ray_address)
-    config = engine_config(args, executor="ray" if args.backend == "ray" else "local")
+        from deltaserve.cluster.executors.ray import connect_ray
+
+        connect_ray(args.ray_address)
     return asyncio.run(_serve(config, args))
 
 
 async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
-    engine, gateway, port = await start_stack(config, args.host, args.port, args.backend)
+    started = await start_or_report("serve", config, args.host, args.port, args.backend)
+    if started is None:
+        return 1
+    engine, gateway, port = started
     info = await engine.info()
     print(
-        f"deltaserve: serving {info['model_type']} from {config.model} on {args.host}:{port} "
-        f"(TP={config.tensor_parallel_size}{', EP' if config.enable_expert_parallel else ''}, "
-        f"{info['kv_tokens']} KV tokens, {info['max_num_seqs']} sequences)",
+        f"deltaserve: serving {info.model_type} from {config.load.model} on {args.host}:{port} "
+        f"(TP={config.parallel.tensor_parallel_size}{', EP' if config.parallel.enable_expert_parallel else ''}, "
+        f"{info.kv_tokens} KV tokens, {info.max_num_seqs} sequences)",
         flush=True,
     )
     if args.port_file:
@@ -161,20 +140,28 @@ DEMO_PROMPTS = [
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from deltaserve.cluster.executors.ray import connect_ray
+
     started = time.monotonic()
-    _connect_ray(None)
-    config = engine_config(args, executor="ray")
+    try:
+        config = checked_config(args, "ray", None)
+    except ValueError as e:
+        return refuse("demo", e)
+    connect_ray()
     return asyncio.run(_demo(config, args, started))
 
 
 async def _demo(config: EngineConfig, args: argparse.Namespace, started: float) -> int:
     from .client import AsyncGenerationClient, Final
 
-    engine, gateway, port = await start_stack(config, "127.0.0.1", 0, "ray")
+    stack = await start_or_report("demo", config, "127.0.0.1", 0, "ray")
+    if stack is None:
+        return 1
+    engine, gateway, port = stack
     target = f"127.0.0.1:{port}"
     ready = time.monotonic()
     print(
-        f"demo: {config.model} served by a Ray driver actor and {config.tensor_parallel_size} worker(s); "
+        f"demo: {config.load.model} served by a Ray driver actor and {config.parallel.tensor_parallel_size} worker(s); "
         f"gateway on {target} (up in {ready - started:.1f}s)",
         flush=True,
     )
@@ -218,16 +205,11 @@ async def _demo(config: EngineConfig, args: argparse.Namespace, started: float) 
     return 0 if ok else 1
 
 
-# ---- entry -----------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="deltaserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--log-level", default="WARNING")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+# ---- parsers ---------------------------------------------------------------------------------------
+def add_parsers(sub) -> None:
+    """The serve, generate and demo subcommands."""
     serve = sub.add_parser("serve", help="serve over gRPC")
-    _engine_args(serve)
+    add_engine_args(serve)
     serve.add_argument("--host", default="0.0.0.0")
     serve.add_argument("--port", type=int, default=50051)
     serve.add_argument(
@@ -253,21 +235,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("demo", help="end-to-end demo on the built-in model")
-    _engine_args(demo)
+    add_engine_args(demo)
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.set_defaults(func=cmd_demo)
-
-    from deltaserve.bench.cli import add_bench_parser
-
-    add_bench_parser(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,8 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deltaserve.protos import generation_pb2 as pb
 from deltaserve.protos import generation_pb2_grpc
-
-from .plan import TokenLogprobs
+from deltaserve.workers.plan import TokenLogprobs
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from deltaserve.cluster.shm_channel import (
+from deltaserve.workers.shm_ring import (
     IDLE_EVERY_S,
     ChannelClosed,
     ShmBroadcast,
@@ -301,7 +301,7 @@ def test_attaching_process_exit_does_not_unlink_the_segment():
     writer = ShmBroadcast.create(1, num_slots=2, slot_bytes=SLOT)
     code = (
         "import sys\n"
-        "from deltaserve.cluster.shm_channel import ShmBroadcast, ShmHandle\n"
+        "from deltaserve.workers.shm_ring import ShmBroadcast, ShmHandle\n"
         f"r = ShmBroadcast.attach(ShmHandle(*{tuple(vars(writer.handle).values())!r}), reader=0)\n"
         "assert r.read(timeout=30) == b'x' * 5000\n"  # overflow: maps a second segment too
     )

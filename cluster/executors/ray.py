@@ -1,16 +1,15 @@
 """RayExecutor: a group of worker actors, one per TP rank, kept on one node by a placement group.
 
-Each pass's plan is encoded once (msgpack) and the same bytes go to every worker. Transports, in
-order of preference: `shm` (a shared-memory ring polled by a thread in each worker, when the driver
-runs on the workers' node: tens of microseconds a round trip), `compiled` (a Ray compiled graph),
-`calls` (plain actor calls). A worker that dies fails the pass with `WorkerFailure`; `restart()`
-replaces the whole group.
+Each pass's plan is encoded once (msgpack) and the same bytes go to every worker. Two transports:
+`shm` (a shared-memory ring polled by a thread in each worker, when the driver runs on the workers'
+node: tens of microseconds a round trip) and `compiled` (a Ray compiled graph, when it does not).
+A worker that dies fails the pass with `WorkerFailure`; `restart()` replaces the whole group.
 
 Over `shm` passes may overlap (async scheduling): `execute_async(plan)` writes the plan and returns
 a handle; `result()` reads the replies. Each worker keeps up to one pass in flight (it launches
 plan N+1 as soon as it arrives, then answers pass N), every rank samples (so pass N+1 can take its
 decode input ids from pass N's sampled ids on the device of every rank), and replies come back in
-pass order, read through a FIFO of the outstanding passes. The other transports run each pass
+pass order, read through a FIFO of the outstanding passes. The compiled graph runs each pass
 synchronously (`supports_async` is False; the engine then does not overlap).
 """
 
@@ -21,37 +20,33 @@ import os
 import time
 from collections import deque
 
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.executors.base import DonePass, PassHandle, WorkerFailure
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.parallel import ParallelLayout, validate_layout
-from deltaserve.workers.state_pool import PoolSizes
-
-from .engine import EngineConfig, WorkerFailure, runner_config
-from .plan import PassPlan, RunnerOutput
-from .shm_channel import ChannelClosed, ShmBroadcast, WaitPolicy, process_alive
-from .wire import REPLY_STAMPS, decode_output, decode_reply, encode_plan, rerun_codec
+from deltaserve.workers.plan import PassPlan, PoolSizes, RunnerOutput
+from deltaserve.workers.shm_ring import ChannelClosed, ShmBroadcast, WaitPolicy, process_alive
+from deltaserve.workers.wire import REPLY_STAMPS, decode_output, decode_reply, encode_plan, rerun_codec
 
 log = logging.getLogger(__name__)
 
 
 class RayExecutor:
-    TRANSPORTS = ("auto", "shm", "compiled", "calls")
+    TRANSPORTS = ("auto", "shm", "compiled")
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, transport: str = "auto"):
-        import ray
-
         # every split checked here, before any actor starts or any weight loads
-        validate_layout(model_config, ParallelLayout(0, config.tensor_parallel_size, config.enable_expert_parallel))
-        if not ray.is_initialized():
-            # RAY_ADDRESS (a Ray job, or set by the user) joins that cluster; otherwise a local one
-            ray.init(address=_cluster_address() or "local", log_to_driver=True)
+        parallel = config.parallel
+        validate_layout(model_config, ParallelLayout(0, parallel.tensor_parallel_size, parallel.enable_expert_parallel))
+        connect_ray()
         self.config = config
         self.model_config = model_config
-        self.world_size = config.tensor_parallel_size
-        self.use_gpu = config.device.startswith("cuda")
+        self.world_size = parallel.tensor_parallel_size
+        self.use_gpu = config.load.device.startswith("cuda")
         if transport not in self.TRANSPORTS:
             raise ValueError(f"transport: must be one of {', '.join(self.TRANSPORTS)}; got {transport!r}")
         self.requested_transport = transport
-        self.transport = "calls"  # what the running group uses (set by _start)
+        self.transport = "shm"  # what the running group uses (set by _start)
         self.workers = []
         self.placement_group = None
         self._dag = None
@@ -66,7 +61,11 @@ class RayExecutor:
         self._outstanding: deque[ShmPass] = deque()  # passes written to the ring, replies not read yet
         self._last_plan: PassPlan | None = None  # the last plan and output blob, re-coded by _warm
         self._last_output: bytes | None = None
-        self._start()
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()  # no worker actor or placement group outlives a failed start
+            raise
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def _start(self) -> None:
@@ -91,13 +90,8 @@ class RayExecutor:
             for i in range(self.world_size)
         ]
         master = ray.get(self.workers[0].address.remote())
-        rconfig = runner_config(self.config)
-        sizes = ray.get(
-            [
-                w.init.remote(rconfig, self.model_config, self.config.enable_expert_parallel, master)
-                for w in self.workers
-            ]
-        )
+        worker_config = self.config.worker_config()
+        sizes = ray.get([w.init.remote(worker_config, self.model_config, master) for w in self.workers])
         # every rank must hold the same pools: the smallest wins
         final = PoolSizes(
             num_blocks=min(s.num_blocks for s in sizes),
@@ -126,11 +120,8 @@ class RayExecutor:
                 return "shm"
             if wanted == "shm":
                 raise ValueError("transport: 'shm' needs the driver on the workers' node")
-        if wanted in ("auto", "compiled"):
-            self._dag = self._compile()
-            if self._dag is not None:
-                return "compiled"
-        return "calls"
+        self._dag = self._compile()
+        return "compiled"
 
     def _open_channels(self) -> None:
         import ray
@@ -163,15 +154,11 @@ class RayExecutor:
         self._plans, self._replies, self._worker_pids = None, [], []
 
     def _compile(self):
-        try:
-            from ray.dag import InputNode, MultiOutputNode
+        from ray.dag import InputNode, MultiOutputNode
 
-            with InputNode() as plan:
-                dag = MultiOutputNode([w.execute.bind(plan) for w in self.workers])
-            return dag.experimental_compile()
-        except Exception as e:  # older Ray, or channels unavailable: plain calls still work
-            log.warning("Ray compiled graph unavailable (%s); using plain actor calls", e)
-            return None
+        with InputNode() as plan:
+            dag = MultiOutputNode([w.execute.bind(plan) for w in self.workers])
+        return dag.experimental_compile()
 
     def shutdown(self) -> None:
         import ray
@@ -206,7 +193,7 @@ class RayExecutor:
     @property
     def supports_async(self) -> bool:
         """Whether `execute_async` overlaps passes: only over the shared-memory ring (the compiled
-        graph and plain calls run each pass synchronously)."""
+        graph runs each pass synchronously)."""
         return self._plans is not None
 
     def execute(self, plan: PassPlan) -> RunnerOutput:
@@ -218,19 +205,16 @@ class RayExecutor:
         started = time.perf_counter()
         blob = encode_plan(plan)
         try:
-            if self._dag is not None:
-                results = ray.get(self._dag.execute(blob))
-            else:
-                results = ray.get([w.execute.remote(blob) for w in self.workers])
+            results = ray.get(self._dag.execute(blob))
         except RayError as e:
             raise WorkerFailure(f"a worker failed during pass {plan.pass_id}: {type(e).__name__}: {e}") from e
         output = decode_output(results[0])
         self._record(time.perf_counter() - started, output.forward_time_s)
         return output
 
-    def execute_async(self, plan: PassPlan) -> ShmPass | DonePass:
+    def execute_async(self, plan: PassPlan) -> PassHandle:
         """Write the plan to the ring and return at once; the handle's `result()` reads the replies.
-        Other transports run the pass here (a handle that is already done)."""
+        Over the compiled graph the pass runs here (a handle that is already done)."""
         if self._plans is None:
             return DonePass(self.execute(plan))
         started = time.perf_counter()
@@ -391,20 +375,16 @@ class ShmPass:
         return self._output
 
 
-class DonePass:
-    """The handle of a pass that already ran (transports without overlap)."""
+def connect_ray(address: str | None = None) -> None:
+    """Join the Ray cluster at `address` (or RAY_ADDRESS: a `ray job submit` job; `auto` joins this
+    machine's `ray start` cluster); with neither, start a local cluster of our own, without the dashboard."""
+    import ray
 
-    def __init__(self, output: RunnerOutput):
-        self._output = output
-
-    def done(self) -> bool:
-        return True
-
-    def result(self) -> RunnerOutput:
-        return self._output
-
-
-def _cluster_address() -> str | None:
-    import os
-
-    return os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        # "local": never a stale cluster a past `ray start` left on the machine
+        ray.init(address="local", include_dashboard=False, log_to_driver=True)

@@ -21,21 +21,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from deltaserve.cluster.config import SchedulerConfig
+from deltaserve.workers.plan import NewRequestData, PassPlan, RunnerOutput
+
 from .allocator import BlockAllocator, StateSlotAllocator
-from .plan import NewRequestData, PassPlan, RunnerOutput
 from .prefix_cache import Hit, PrefixCache, RequestHashes, Snapshot, root_hash
-from .request import FinishReason, Request, RequestStatus
+from .request import FinishReason, Request, RequestStatus, SampleRef
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    # Chunked prefill: a long prompt is split across passes to fit the token budget.
-    enable_chunked_prefill: bool = True
 
 
 @dataclass
@@ -54,6 +47,7 @@ class Scheduler:
         slots: StateSlotAllocator,
         prefix: PrefixCache | None = None,
     ):
+        """`config.max_model_len` is the engine's effective limit (an int)."""
         self.config = config
         self.blocks = blocks
         self.slots = slots
@@ -346,12 +340,12 @@ class Scheduler:
         pending = req.num_pending_outputs
         if not pending:
             return req.num_tokens - req.num_computed_tokens
-        if pending > 1 or req.last_sample is None or req.last_sample[0] != self._pass_id - 1:
+        if pending > 1 or req.last_sample is None or req.last_sample.pass_id != self._pass_id - 1:
             return 0  # only the previous pass's sampled ids are on the device for the next one
         if req.num_computed_tokens != req.num_tokens:
             return 0
         if (
-            len(req.output_token_ids) + pending >= req.sampling_params.max_tokens
+            len(req.output_token_ids) + pending >= req.max_tokens
             or req.num_tokens + pending >= self.config.max_model_len
         ):
             return 0  # that token is its last: no pass for a token that would be discarded
@@ -393,7 +387,7 @@ class Scheduler:
                 from_prev.append(-1)
             else:
                 ids.append(0)
-                from_prev.append(r.last_sample[1])
+                from_prev.append(r.last_sample.index)
         positions = [r.num_computed_tokens for r, _ in decode]
         slot_mapping = [r.block_table[p // bs] * bs + p % bs for (r, _), p in zip(decode, positions, strict=True)]
         position_parts = [np.asarray(positions, dtype=np.int64)]
@@ -472,7 +466,7 @@ class Scheduler:
             req.num_computed_tokens += n
             if sampled:
                 req.num_pending_outputs += 1
-                req.last_sample = (plan.pass_id, j)
+                req.last_sample = SampleRef(plan.pass_id, j)
                 j += 1
         self._rows_in_flight[plan.pass_id] = [r for r, _ in rows]
         if self.prefix is not None:
@@ -532,7 +526,7 @@ class Scheduler:
                 req.stop_reason = token
                 self.finish(req, FinishReason.STOP)
                 return
-        if num_out >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if num_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
             self.finish(req, FinishReason.LENGTH)
 
 

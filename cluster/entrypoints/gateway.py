@@ -20,13 +20,13 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from deltaserve.cluster.core.request import RequestOutput
+from deltaserve.cluster.core.sampling_params import SamplingParams
 from deltaserve.protos import generation_pb2 as pb
 from deltaserve.protos import generation_pb2_grpc
+from deltaserve.workers.plan import TokenLogprobs
 
 from .async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
-from .plan import TokenLogprobs
-from .request import RequestOutput
-from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class Gateway:
         options = [
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a port another server holds is an error, not a shared port
         ]
         server = grpc.aio.server(options=options)
         generation_pb2_grpc.add_GenerationServicer_to_server(_GenerationServicer(self.engine), server)
@@ -183,23 +184,23 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except Exception as e:
             await self._abort_with(context, e)
         return pb.ModelInfo(
-            model=info["model"],
-            model_type=info["model_type"],
-            family=info["family"],
-            max_model_len=info["max_model_len"],
-            vocab_size=info["vocab_size"],
-            eos_token_ids=info["eos_token_ids"],
+            model=info.model,
+            model_type=info.model_type,
+            family=info.family,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids,
             parallel=pb.ParallelLayout(
-                tensor_parallel_size=info["tensor_parallel_size"], expert_parallel=info["expert_parallel"]
+                tensor_parallel_size=info.tensor_parallel_size, expert_parallel=info.expert_parallel
             ),
             pool=pb.PoolCapacity(
-                kv_tokens=info["kv_tokens"],
-                kv_pages=info["num_kv_pages"],
-                block_size=info["block_size"],
-                max_num_seqs=info["max_num_seqs"],
+                kv_tokens=info.kv_tokens,
+                kv_pages=info.num_kv_pages,
+                block_size=info.block_size,
+                max_num_seqs=info.max_num_seqs,
             ),
-            dtype=info["dtype"],
-            device=info["device"],
+            dtype=info.dtype,
+            device=info.device,
         )
 
     async def _abort_with(self, context, error: Exception) -> None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from deltaserve import envs
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ VOCAB_SIZE = 248320  # the Qwen3.5 embedding size (tokenizer ids stop at 248,076
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("DELTASERVE_CACHE", Path.home() / ".cache" / "deltaserve"))
+    return Path(envs.read("DELTASERVE_CACHE")).expanduser()
 
 
 def demo_model_path() -> Path:
@@ -80,7 +81,7 @@ def _write_weights(out: Path) -> None:
     import torch
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    from .tokenizer import Tokenizer
+    from deltaserve.cluster.core.tokenizer import Tokenizer
 
     tok = Tokenizer(out)
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]

@@ -14,7 +14,7 @@ from dataclasses import asdict
 import msgpack
 import numpy as np
 
-from .plan import NewRequestData, PassPlan, RunnerOutput, SamplingSpec, TokenLogprobs
+from .plan import NewRequestData, PassPlan, PoolSizes, RunnerOutput, SamplingSpec, TokenLogprobs
 
 WIRE_VERSION = 4  # 4: prefix-cache copies and captures
 
@@ -142,6 +142,11 @@ def _buffer_error(key, data, dtype, want, layout, present, t, n, p) -> None:
     )
 
 
+# ---- plan checks ----------------------------------------------------------------------------------
+# Every check a plan passes before a worker runs it: `decode_plan` runs `check_plan_values`; the
+# runner runs `check_plan_ranges` and `check_prev_ids`, which need what the rank holds.
+
+
 def check_plan_values(plan: PassPlan) -> None:
     """What the shapes cannot say: row boundaries rise from 0 to the token count, the decode rows
     come first, and rows that read the previous pass's ids are one-token decode rows."""
@@ -149,16 +154,69 @@ def check_plan_values(plan: PassPlan) -> None:
     starts = plan.query_start_loc
     if not isinstance(plan.num_decode_rows, int) or not 0 <= plan.num_decode_rows <= n:
         raise WireError(f"plan field 'num_decode_rows' is {plan.num_decode_rows} for {n} rows")
-    widths = np.diff(starts)
-    if n and (starts[0] != 0 or starts[-1] != t or widths.min() < 1):
+    if n and (starts[0] != 0 or starts[-1] != t or np.diff(starts).min() < 1):
         raise WireError("plan field 'query_start_loc' must rise from 0 to the token count in steps >= 1")
+    if plan.input_from_prev is not None and n:
+        _check_prev_rows(plan)
+
+
+def _check_prev_rows(plan: PassPlan) -> None:
     from_prev = plan.input_from_prev
-    if from_prev is not None and n:
-        if from_prev.min() < -1:
-            raise WireError("plan field 'input_from_prev' holds values below -1")
-        rows = from_prev >= 0
-        if (widths[rows] != 1).any() or rows[plan.num_decode_rows :].any():
-            raise WireError("plan field 'input_from_prev' names a row that is not a one-token decode row")
+    if from_prev.min() < -1:
+        raise WireError("plan field 'input_from_prev' holds values below -1")
+    rows = from_prev >= 0
+    if (np.diff(plan.query_start_loc)[rows] != 1).any() or rows[plan.num_decode_rows :].any():
+        raise WireError("plan field 'input_from_prev' names a row that is not a one-token decode row")
+
+
+def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int) -> None:
+    """Indices that would address memory outside the pools (or the vocabulary) are rejected before
+    any kernel runs."""
+
+    def out_of(name: str, a: np.ndarray, hi: int, lo: int = 0) -> None:
+        if a.size and (a.min() < lo or a.max() >= hi):
+            raise WireError(f"plan field '{name}' holds values outside [{lo}, {hi})")
+
+    out_of("input_ids", plan.input_ids, vocab_size)
+    out_of("block_tables", plan.block_tables, sizes.num_blocks)
+    out_of("slot_mapping", plan.slot_mapping, sizes.num_blocks * sizes.block_size, lo=-1)
+    out_of("state_slots", plan.state_slots, sizes.num_slots)
+    out_of("seq_lens", plan.seq_lens, plan.block_tables.shape[1] * sizes.block_size + 1, lo=1)
+    running, snapshots = (0, sizes.num_slots), (sizes.num_slots, sizes.total_slots)
+    for name, (src, dst) in (("slot_saves", (running, snapshots)), ("slot_restores", (snapshots, running))):
+        pairs = getattr(plan, name)
+        if pairs is not None and len(pairs):
+            out_of(name, pairs[:, 0], src[1], lo=src[0])
+            out_of(name, pairs[:, 1], dst[1], lo=dst[0])
+            if len(set(pairs[:, 1].tolist())) != len(pairs):
+                raise WireError(f"plan field '{name}' names a destination twice")
+    if plan.page_copies is not None and len(plan.page_copies):
+        out_of("page_copies", plan.page_copies, sizes.num_blocks)
+    if plan.captures is not None and len(plan.captures):
+        rows = plan.captures[:, 0]
+        out_of("captures", rows, plan.num_rows, lo=plan.num_decode_rows)
+        out_of("captures", plan.captures[:, 2], sizes.total_slots, lo=sizes.num_slots)
+        starts = plan.query_start_loc
+        if (plan.captures[:, 1] < 0).any() or (plan.captures[:, 1] > starts[rows + 1] - starts[rows]).any():
+            raise WireError("plan field 'captures' holds an offset outside its row's chunk")
+
+
+def check_prev_ids(plan: PassPlan, held_pass_id: int | None, held_count: int) -> bool:
+    """Whether the plan reads decode input ids from the previous pass's sampled ids (`input_from_prev`),
+    checked against what the rank holds: the sampled ids of pass `held_pass_id` (None: none), `held_count`
+    of them."""
+    from_prev = plan.input_from_prev
+    if from_prev is None or not (from_prev >= 0).any():
+        return False
+    if held_pass_id is None or held_pass_id != plan.pass_id - 1:
+        what = "none" if held_pass_id is None else f"those of pass {held_pass_id}"
+        raise WireError(
+            f"plan field 'input_from_prev' reads pass {plan.pass_id - 1}'s sampled ids; this rank holds {what}"
+        )
+    if from_prev.max() >= held_count:
+        raise WireError(f"plan field 'input_from_prev' holds values outside [-1, {held_count})")
+    _check_prev_rows(plan)
+    return True
 
 
 def _logprobs_record(lp: TokenLogprobs) -> dict:

@@ -1,6 +1,6 @@
 """The two plain dataclasses that cross the driver/worker boundary: `PassPlan` (what one forward
 pass runs) and `RunnerOutput` (the tokens it produced). Arrays are numpy, so the msgpack codec
-(`cluster/wire.py`) sends them as raw little-endian bytes.
+(`workers/wire.py`) sends them as raw little-endian bytes.
 
 Under async scheduling the plan of pass N+1 is built before pass N's tokens are known: a decode
 row whose input is such a token says so in `input_from_prev`, and the worker fills it in on the
@@ -16,6 +16,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """The KV pages and GDN state slots every rank allocated (the smallest any rank could hold): the
+    driver's allocators hand out exactly these, and a plan may address nothing beyond them."""
+
+    num_blocks: int
+    block_size: int
+    num_slots: int  # running slots + the scratch slot
+    num_snapshots: int = 0  # prefix-cache snapshot slots after them
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_slots(self) -> int:
+        return self.num_slots + self.num_snapshots
 
 
 @dataclass

@@ -9,71 +9,30 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
-from .engine import EngineConfig, EngineCore, WorkerFailure
-from .request import RequestOutput
-from .sampling_params import SamplingParams
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.core.request import RequestOutput
+from deltaserve.cluster.core.sampling_params import SamplingParams
+from deltaserve.cluster.executors.base import WorkerFailure
+from deltaserve.layers.config import ModelConfig
+
+from .startup import build_engine
 
 PromptLike = str | list[int] | dict
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None,
-        *,
-        dtype: str = "auto",
-        device: str | None = None,
-        tensor_parallel_size: int = 1,
-        enable_expert_parallel: bool = False,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        gpu_memory_utilization: float = 0.9,
-        cpu_kv_cache_bytes: int = 256 * 2**20,
-        num_kv_blocks: int | None = None,
-        enforce_eager: bool = False,
-        async_scheduling: bool | None = None,
-        time_passes: bool = False,
-        seed: int = 0,
-        load_format: str = "auto",
-        enable_prefix_caching: bool = True,
-        num_prefix_snapshots: int | None = None,
-        prefix_snapshot_interval: int = 1024,
-        prefix_snapshot_policy: str = "all",
-        model_config=None,
-    ):
-        if device is None:
-            import torch
+    """`LLM(model, **settings)`: the settings are EngineConfig's fields by their flat names, vLLM's where
+    vLLM has them (`tensor_parallel_size`, `max_num_seqs`, `enforce_eager`, `dtype`, ...; see
+    `deltaserve.cluster.config`); a wrong name or value is a ValueError naming it. `model_config` stands
+    in for the checkpoint's config.json (benchmarks on random weights)."""
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            load_format=load_format,
-            seed=seed,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_expert_parallel=enable_expert_parallel,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            cpu_kv_cache_bytes=cpu_kv_cache_bytes,
-            num_kv_blocks=num_kv_blocks,
-            enable_cuda_graphs=not enforce_eager,
-            async_scheduling=async_scheduling,
-            time_passes=time_passes,
-            enable_prefix_caching=enable_prefix_caching,
-            num_prefix_snapshots=num_prefix_snapshots,
-            prefix_snapshot_interval=prefix_snapshot_interval,
-            prefix_snapshot_policy=prefix_snapshot_policy,
-        )
-        self.engine = EngineCore(self.config, model_config=model_config, output_mode="final")
+    def __init__(self, model: str | None = None, *, model_config: ModelConfig | None = None, **settings: Any):
+        self.config = EngineConfig.from_kwargs(model=model, **settings)
+        self.engine = build_engine(self.config, model_config=model_config, output_mode="final")
         self._ids = itertools.count()
 
     @property
@@ -100,10 +59,8 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        requests = [
-            self.engine.make_request(i, p, sp, salt) for i, (p, salt), sp in zip(ids, prompts, params, strict=True)
-        ]
-        del requests  # validated all before queueing any
+        for i, (p, salt), sp in zip(ids, prompts, params, strict=True):
+            self.engine.make_request(i, p, sp, salt)  # validate all before queueing any
         for req_id, (prompt, salt), sp in zip(ids, prompts, params, strict=True):
             self.engine.add_request(req_id, prompt, sp, salt)
         final: dict[str, RequestOutput] = {}
@@ -127,7 +84,11 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[tuple[str | list[int], str | None]]:
-    """(prompt, cache_salt) per prompt."""
+    """(prompt, cache_salt) per prompt; a dict prompt may carry a "cache_salt"."""
+    if not isinstance(prompts, str | dict | list | tuple):
+        raise ValueError(
+            f"prompts: must be a string, a list of token ids, a dict or a list of those; got {type(prompts).__name__}"
+        )
     single_ids = isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
     if isinstance(prompts, str | dict) or single_ids:
         prompts = [prompts]
@@ -137,7 +98,7 @@ def _as_prompt_list(prompts) -> list[tuple[str | list[int], str | None]]:
         if isinstance(p, dict):
             salt = p.get("cache_salt")
             if "prompt_token_ids" in p:
-                p = list(p["prompt_token_ids"])
+                p = p["prompt_token_ids"]
             elif "prompt" in p:
                 p = p["prompt"]
             else:

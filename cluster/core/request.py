@@ -10,7 +10,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from .plan import TokenLogprobs
+from deltaserve.workers.plan import TokenLogprobs
+
 from .prefix_cache import RequestHashes
 from .sampling_params import SamplingParams
 
@@ -28,11 +29,21 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine failed the request (a worker died)
 
 
+@dataclass(frozen=True)
+class SampleRef:
+    """Where a sampled token is before the driver sees it: pass `pass_id`'s sampled ids, entry `index`
+    (its sampling rows in plan order)."""
+
+    pass_id: int
+    index: int
+
+
 @dataclass
 class Request:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    max_tokens: int  # sampling_params.max_tokens, or (None there) what fits in max_model_len
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
@@ -51,9 +62,9 @@ class Request:
     # set by the scheduler when the request (re)enters the running set; the next plan carries it
     needs_worker_state: bool = True
     # async scheduling: tokens sampled by passes in flight whose ids the driver has not seen yet,
-    # and where the latest one is: (pass id, its index among that pass's sampled rows)
+    # and where the latest one is
     num_pending_outputs: int = 0
-    last_sample: tuple[int, int] | None = None
+    last_sample: SampleRef | None = None
     # prefix caching: what keeps its blocks apart from other requests' (adapter, salt), its block
     # hashes, the prompt tokens its first admission skipped, positions below kv_shared_until are in
     # pages it shares (its recomputed KV there is not written), and where its tokens stopped

@@ -1,0 +1,219 @@
+"""The engine's configuration: one tree of frozen dataclasses.
+
+    EngineConfig
+      load       LoadConfig       model, dtype, device, load_format, seed           (workers/config.py)
+      parallel   ParallelConfig   tensor_parallel_size, enable_expert_parallel      (workers/config.py)
+      cache      CacheConfig      block_size, gpu_memory_utilization, ...           (workers/config.py)
+      scheduler  SchedulerConfig  max_num_seqs, max_num_batched_tokens, ...         (here)
+      runner     RunnerConfig     enforce_eager, cuda_graph_max_batch, kernels, ... (workers/config.py)
+      serving    ServingConfig    max_waiting_requests                              (here)
+      executor   "auto" | "local" | "ray"
+
+Each field's default and help are written once, in its section (`setting`). Field names are vLLM's
+where vLLM has the setting and are unique across the tree, so the tree also reads as flat keyword
+arguments: `EngineConfig.from_kwargs(model=..., max_num_seqs=8)` (what `LLM(**kwargs)` takes), and
+`add_engine_args` makes one command-line flag per field. A new section is a dataclass field of
+EngineConfig; a new setting is a field of its section: the keyword argument and the flag follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from deltaserve.workers.config import (
+    CacheConfig,
+    LoadConfig,
+    ParallelConfig,
+    RunnerConfig,
+    WorkerConfig,
+    at_least,
+    setting,
+    short,
+    validate_fields,
+)
+
+EXECUTORS = ("auto", "local", "ray")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the driver batches requests into passes."""
+
+    max_num_seqs: int = setting(64, check=at_least(1), help="most sequences in one pass (and GDN state slots)")
+    max_num_batched_tokens: int = setting(
+        2048, check=at_least(1), help="token budget of one pass; longer prompts are prefilled in chunks"
+    )
+    max_model_len: int | None = setting(
+        None, check=at_least(2), help="longest prompt + output; default: the model's limit, capped by the KV pool"
+    )
+    enable_chunked_prefill: bool = setting(True, help="split prompts longer than the token budget across passes")
+    async_scheduling: bool | None = setting(
+        None, help="plan the next pass while the current one runs; default: wherever the executor can overlap passes"
+    )
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """What the serving front doors enforce."""
+
+    max_waiting_requests: int = setting(
+        1024, check=at_least(1), help="waiting requests beyond which new ones are refused (RESOURCE_EXHAUSTED)"
+    )
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    load: LoadConfig = dataclasses.field(default_factory=LoadConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = dataclasses.field(default_factory=RunnerConfig)
+    serving: ServingConfig = dataclasses.field(default_factory=ServingConfig)
+    executor: str = setting(
+        "auto", choices=EXECUTORS, cli=False, help="local: the model in this process (one rank); ray: worker actors"
+    )
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        single = self.parallel.tensor_parallel_size == 1 and not self.parallel.enable_expert_parallel
+        if self.executor == "local" and not single:
+            raise ValueError("executor: 'local' runs one rank; tensor or expert parallelism needs 'ray'")
+
+    # ---- flat views ------------------------------------------------------------------------------
+    @classmethod
+    def from_kwargs(cls, **flat: Any) -> EngineConfig:
+        """The tree from flat keyword arguments (any field of any section, a whole section by its name,
+        or `kernels`); an unknown name is an error naming it."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        root: dict[str, Any] = {}
+        for name, value in flat.items():
+            if name in _SECTIONS and isinstance(value, _SECTIONS[name]):
+                root[name] = value
+            elif name in _OWNER:
+                owner = _OWNER[name]
+                (root if owner is None else sections[owner])[name] = value
+            else:
+                raise ValueError(f"{name}: not an engine setting")
+        for name, values in sections.items():
+            if name in root and values:
+                raise ValueError(f"{next(iter(values))}: given both alone and inside {name}")
+            if name not in root:
+                root[name] = _SECTIONS[name](**values)
+        return cls(**root)
+
+    def replace(self, **flat: Any) -> EngineConfig:
+        """A copy with some settings (flat names) changed, checked like a new one."""
+        return EngineConfig.from_kwargs(**{**self.to_kwargs(), **flat})
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """Every setting by its flat name (`from_kwargs` of the result is this config)."""
+        return {f.name: getattr(self if _OWNER[f.name] is None else getattr(self, _OWNER[f.name]), f.name)
+                for f in engine_settings()}  # fmt: skip
+
+    def worker_config(self) -> WorkerConfig:
+        """What each rank needs of this configuration."""
+        return WorkerConfig(
+            load=self.load,
+            parallel=self.parallel,
+            cache=self.cache,
+            runner=self.runner,
+            max_num_seqs=self.scheduler.max_num_seqs,
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+        )
+
+
+# section name -> its dataclass; field name -> the section that holds it (None: EngineConfig itself)
+_SECTIONS: dict[str, type] = {
+    f.name: f.default_factory for f in dataclasses.fields(EngineConfig) if f.default_factory is not dataclasses.MISSING
+}
+_OWNER: dict[str, str | None] = {}
+for _section, _cls in (*_SECTIONS.items(), (None, EngineConfig)):
+    for _f in dataclasses.fields(_cls):
+        if _f.name in _SECTIONS:
+            continue
+        assert _f.name not in _OWNER, f"setting {_f.name} is defined twice"
+        _OWNER[_f.name] = _section
+
+
+def engine_settings() -> list[dataclasses.Field]:
+    """Every setting of the tree, in tree order."""
+    out = []
+    for section, cls in (*_SECTIONS.items(), (None, EngineConfig)):
+        out += [f for f in dataclasses.fields(cls) if f.name not in _SECTIONS and _OWNER[f.name] == section]
+    return out
+
+
+def _hint(f: dataclasses.Field) -> Any:
+    owner = _OWNER[f.name]
+    cls = EngineConfig if owner is None else _SECTIONS[owner]
+    return typing.get_type_hints(cls)[f.name]
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def add_engine_args(
+    parser: argparse.ArgumentParser,
+    *,
+    exclude: tuple[str, ...] = (),
+    defaults: dict[str, Any] | None = None,
+    title: str = "engine",
+) -> None:
+    """One flag per engine setting (`--max-num-seqs`, plus aliases such as `--tp`), its help and default
+    taken from the field. A flag not given leaves the field's default: `engine_kwargs` returns only the
+    settings the command line gave (and `defaults`, this parser's own defaults)."""
+    defaults = defaults or {}
+    group = parser.add_argument_group(title)
+    for f in engine_settings():
+        if not f.metadata.get("cli", True) or f.name in exclude:
+            continue
+        hint = _hint(f)
+        kinds = typing.get_args(hint) or (hint,)
+        kind = next(k for k in kinds if k is not type(None))
+        default = defaults.get(f.name, _default(f))
+        options: dict[str, Any] = {
+            "dest": f.name,
+            "default": defaults.get(f.name, argparse.SUPPRESS),
+            "help": f"{f.metadata['help']} (default: {default})",
+        }
+        if kind is bool:
+            plain_switch = default is False and type(None) not in kinds
+            options["action"] = "store_true" if plain_switch else argparse.BooleanOptionalAction
+        else:
+            options["type"] = kind
+            if f.metadata.get("choices"):
+                options["choices"] = f.metadata["choices"]
+        group.add_argument("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()), **options)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine settings present on a namespace parsed with `add_engine_args`."""
+    names = {f.name for f in engine_settings()}
+    return {name: value for name, value in vars(args).items() if name in names}
+
+
+__all__ = [
+    "CacheConfig",
+    "EngineConfig",
+    "LoadConfig",
+    "ParallelConfig",
+    "RunnerConfig",
+    "SchedulerConfig",
+    "ServingConfig",
+    "WorkerConfig",
+    "add_engine_args",
+    "engine_kwargs",
+    "engine_settings",
+    "short",
+]

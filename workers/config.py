@@ -1,0 +1,235 @@
+"""The worker side of the engine's configuration: frozen dataclasses, one per concern.
+
+Each field's default and help are written once, here (`setting`); `deltaserve.cluster.config` puts
+these beside the driver's sections in one tree, `EngineConfig`, and derives the flat keyword
+arguments (`LLM(**kwargs)`) and the command-line flags from the fields. A wrong value raises a
+ValueError naming the field when the section is built, wherever the value came from. Nothing here
+imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from deltaserve.layers.kernels.options import KernelOptions
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # float64: CPU reference runs
+LOAD_FORMATS = ("auto", "safetensors", "random")
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    aliases: Sequence[str] = (),
+    choices: Sequence[Any] | None = None,
+    check: Callable[[Any], str | None] | None = None,
+    default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
+    cli: bool = True,
+) -> Any:
+    """A configuration field: its default, its help, extra flag spellings (`aliases`, e.g. "--tp"),
+    the allowed values (`choices`), a `check` returning what is wrong with a value (None: fine),
+    and whether it becomes a command-line flag (`cli`)."""
+    metadata = {"help": help, "aliases": tuple(aliases), "choices": choices, "check": check, "cli": cli}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def at_least(low: int | float) -> Callable[[Any], str | None]:
+    return lambda v: None if v is None or v >= low else f"must be >= {low}, got {v!r}"
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    if hint is Any:
+        return True
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    origin = typing.get_origin(hint)
+    return isinstance(value, origin or hint)
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _describe(hint: Any) -> str:
+    parts = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    names = [_TYPE_NAMES.get(p, "None" if p is type(None) else getattr(p, "__name__", str(p))) for p in parts]
+    return " or ".join(names)
+
+
+def validate_fields(obj: Any) -> None:
+    """Each field's type, choices and check; raises ValueError naming the first bad field (the value
+    cut short)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        hint = hints[f.name]
+        if not _matches(value, hint):
+            raise ValueError(f"{f.name}: must be {_describe(hint)}, got {short(value)}")
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ValueError(f"{f.name}: must be one of {', '.join(map(str, choices))}; got {short(value)}")
+        check = f.metadata.get("check")
+        problem = check(value) if check is not None else None
+        if problem:
+            raise ValueError(f"{f.name}: {problem}")
+
+
+def short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _device_problem(device: str) -> str | None:
+    if device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit()):
+        return None
+    return f"must be auto, cpu, cuda or cuda:N; got {short(device)}"
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """The model and how its weights load."""
+
+    model: str | None = setting(
+        None, help="checkpoint directory (config.json + safetensors); serve and demo default to the demo model"
+    )
+    dtype: str = setting("auto", choices=DTYPES, help="weights and activations; auto: bfloat16 on CUDA, else float32")
+    device: str = setting("auto", check=_device_problem, help="cuda or cpu; auto: cuda when torch sees a GPU")
+    load_format: str = setting(
+        "auto", choices=LOAD_FORMATS, help="auto/safetensors: the checkpoint's weights; random: seeded random weights"
+    )
+    seed: int = setting(0, check=at_least(0), help="seed of random weights and of unseeded sampling")
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        if self.device == "auto":  # resolved once, where the config is built
+            import torch
+
+            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
+        if self.dtype == "float64" and not self.device.startswith("cpu"):
+            raise ValueError("dtype: float64 runs on the CPU only (reference runs)")
+
+    @property
+    def dtype_in_use(self) -> str:
+        """The dtype name the weights load in (auto resolved for the device)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over ranks (one Ray worker actor per rank)."""
+
+    tensor_parallel_size: int = setting(
+        1, aliases=("--tp",), check=at_least(1), help="ranks (GPUs) each layer is split over"
+    )
+    enable_expert_parallel: bool = setting(
+        False, aliases=("--ep",), help="place whole MoE experts on ranks instead of slicing every expert"
+    )
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+def _num_kv_blocks_problem(value: int | None) -> str | None:
+    return None if value is None or value >= 2 else f"must be >= 2 (one page is scratch), got {value}"
+
+
+SNAPSHOT_POINTS = ("interval", "prompt_end", "last_block", "divergence", "finish")
+
+
+def _policy_problem(value: str) -> str | None:
+    if value in ("all", "none", ""):
+        return None
+    unknown = [p for p in (s.strip() for s in value.split(",")) if p not in SNAPSHOT_POINTS]
+    return f"unknown point {short(unknown[0])} (one of {', '.join(SNAPSHOT_POINTS)})" if unknown else None
+
+
+def _utilization_problem(value: float) -> str | None:
+    return None if 0 < value <= 1 else f"must be in (0, 1], got {value!r}"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV page pool and GDN state slots."""
+
+    block_size: int = setting(16, check=at_least(1), help="tokens per KV page")
+    gpu_memory_utilization: float = setting(
+        0.9, check=_utilization_problem, help="share of GPU memory for weights, activations and the state pools"
+    )
+    cpu_kv_cache_bytes: int = setting(256 * 2**20, check=at_least(0), help="bytes for the state pools on CPU")
+    num_kv_blocks: int | None = setting(
+        None, check=_num_kv_blocks_problem, help="exact KV page count, overriding the memory budget"
+    )
+    enable_prefix_caching: bool = setting(
+        True, help="reuse KV pages and GDN state snapshots of earlier requests' prefixes (docs/STATE_REUSE.md)"
+    )
+    num_prefix_snapshots: int | None = setting(
+        None,
+        check=at_least(0),
+        help="GDN state snapshot slots for prefix caching (default: what a tenth of the pool budget holds)",
+    )
+    prefix_snapshot_interval: int = setting(
+        1024, check=at_least(0), help="tokens between GDN snapshots along a prefill (a multiple of block_size; 0: none)"
+    )
+    prefix_snapshot_policy: str = setting(
+        "all",
+        check=_policy_problem,
+        help="where snapshots are taken: all, none, or a comma list of interval, prompt_end, last_block, "
+        "divergence, finish",
+    )
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        if self.prefix_snapshot_interval % self.block_size:
+            raise ValueError(
+                f"prefix_snapshot_interval: must be a multiple of block_size ({self.block_size}), "
+                f"got {self.prefix_snapshot_interval}"
+            )
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How each rank runs its passes."""
+
+    enforce_eager: bool = setting(False, help="run decode passes without CUDA graphs")
+    cuda_graph_max_batch: int = setting(256, check=at_least(1), help="largest decode batch replayed from a CUDA graph")
+    time_passes: bool = setting(
+        False, help="CUDA events around each pass: GPU busy and idle time per pass (benchmarks)"
+    )
+    kernels: KernelOptions = setting(
+        default_factory=KernelOptions.from_env,
+        cli=False,
+        help="kernel choices; default: the DELTASERVE_* environment, read when the config is built",
+    )
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What one rank is given: its sections of the engine's configuration, and the batch limits the
+    driver plans within (the pools are sized and the warm-up passes shaped for them)."""
+
+    load: LoadConfig
+    parallel: ParallelConfig
+    cache: CacheConfig
+    runner: RunnerConfig
+    max_num_seqs: int
+    max_num_batched_tokens: int
