@@ -26,6 +26,7 @@ from .config import ModelConfig
 from .model import HybridModel
 from .mtp import MtpHead
 from .parallel import ParallelLayout
+from .qwen4_exp import Qwen4ExpModel
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +86,15 @@ def build_model(
 ) -> HybridModel:
     """The model with uninitialised parameters allocated directly in `dtype` on `device`; with `mtp`,
     its MTP head too (an error naming the config field when the checkpoint declares none)."""
-    if mtp and config.num_mtp_layers < 1:
+    if mtp and (config.num_mtp_layers < 1 or config.family == "qwen4_exp"):
         raise CheckpointError(
-            "speculative_config method 'mtp' needs a checkpoint with an MTP head; this config declares none "
-            "(mtp_num_hidden_layers / num_nextn_predict_layers)"
+            "speculative_config method 'mtp' needs a checkpoint with an MTP head of a qwen3_next / qwen3_5 family; "
+            f"this {config.family} config declares {config.num_mtp_layers} (mtp_num_hidden_layers / "
+            "num_nextn_predict_layers)"
         )
+    cls = Qwen4ExpModel if config.family == "qwen4_exp" else HybridModel
     with torch.device(device), _default_dtype(dtype):
-        model = HybridModel(config, layout)
+        model = cls(config, layout)
         if mtp:
             model.mtp = MtpHead(config, model.layout)
     return model.eval()
@@ -189,8 +192,8 @@ def fill_random(entries: list[CheckpointTensor], *, seed: int, dtype: torch.dtyp
     """Fill every target from a per-tensor seed: the same weights whatever the rank layout."""
     covered: set[str] = set()
     for entry in entries:
-        if entry.load is None or covered.issuperset(entry.targets):
-            continue
+        if entry.load is None or entry.init == "computed" or covered.issuperset(entry.targets):
+            continue  # "computed": the parameter holds its value from the config already
         generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(entry.name.encode()))
         full = _random_tensor(entry.shape, entry.init, generator, dtype, device)
         entry.load(LazyTensor(entry.name, entry.shape, lambda index, full=full: full[index] if index else full))

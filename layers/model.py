@@ -155,11 +155,15 @@ class HybridModel(nn.Module):
         self.vocab_start = layout.tp_rank * self.vocab_per_rank
         self.vocab_rows = max(0, min(self.vocab_per_rank, config.vocab_size - self.vocab_start))
         self.embed_tokens = empty_param(self.vocab_per_rank, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, layout) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._build_stack(config, layout)
         self.lm_head = None if config.tie_word_embeddings else empty_param(self.vocab_per_rank, config.hidden_size)
         # the MTP head (layers/mtp.py), attached by the loader when speculative decoding uses it
         self.mtp: nn.Module | None = None
+
+    def _build_stack(self, config: ModelConfig, layout: ParallelLayout) -> None:
+        """The decoder layers and what follows them (a family with other layers builds its own)."""
+        self.layers = nn.ModuleList(DecoderLayer(config, i, layout) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     # ---- weights -----------------------------------------------------------------------------
     def checkpoint_tensors(self) -> list[CheckpointTensor]:

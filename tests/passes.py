@@ -47,12 +47,17 @@ class Sequences:
     def add(self, seq: str) -> None:
         self.pages[seq], self.slot[seq], self.cached[seq] = [], self.free_slots.pop(), 0
 
-    def run(self, rows: list[tuple[str, list[int]]], tokens_per_row: int = 1) -> list[torch.Tensor]:
+    def run(
+        self, rows: list[tuple[str, list[int]]], tokens_per_row: int = 1, verify: bool = False
+    ) -> list[torch.Tensor]:
         """One pass over rows (seq, new token ids); rows of `tokens_per_row` tokens of cached
-        sequences go first as decode rows (more than one: speculative-verify rows). Returns each
-        row's logits for all its new tokens, in the order given; `self.last` keeps the pass's
-        (context, hidden states, rows in pass order) for `mtp`."""
+        sequences go first as decode rows (more than one: speculative-verify rows); verify: every
+        row is a decode row of the same token count. Returns each row's logits for all its new
+        tokens, in the order given; `self.last` keeps the pass's (context, hidden states, rows in
+        pass order) for `mtp`."""
         decode = [r for r in rows if len(r[1]) == tokens_per_row and self.cached[r[0]] > 0]
+        if verify:
+            decode = list(rows)
         prefill = [r for r in rows if r not in decode]
         ordered = decode + prefill
         ids, pos, slots, starts, seq_lens, tables, state_slots, has_init = [], [], [], [0], [], [], [], []

@@ -125,7 +125,9 @@ class ModelRunner:
         pages = -(-tokens // block_size)
         # slots for the warm-up batches' rows too (a few GiB at most, freed below)
         slots = 1 + max(len(batch) for batch in WARMUP_BATCHES)
-        sizes = PoolSizes(num_blocks=pages + 1, block_size=block_size, num_slots=slots)
+        # two snapshot slots: the warm-up also runs the prefix-cache capture kernels
+        snapshots = 2 if self.config.cache.enable_prefix_caching else 0
+        sizes = PoolSizes(num_blocks=pages + 1, block_size=block_size, num_slots=slots, num_snapshots=snapshots)
         pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
         plan = _profile_plan(tokens, block_size)
         torch.cuda.synchronize(self.device)
@@ -145,9 +147,23 @@ class ModelRunner:
         logits' kernels, outputs dropped."""
         for streams in WARMUP_BATCHES:
             if warmup_fits(streams, self.config.max_num_batched_tokens, pool.sizes):
-                logits, _, _ = self._forward(_warmup_plan(streams, pool.sizes.block_size), pool)
+                plan = _warmup_plan(streams, pool.sizes.block_size)
+                logits, _, _ = self._forward(plan, pool)
                 if logits is not None:
                     self.sampler.compile_warmup(logits)
+                if pool.sizes.num_snapshots >= 2 and len(streams) in CAPTURE_WARMUP_ROWS:
+                    # again with prefix-cache captures: a chunk-boundary store and a replayed remainder
+                    # (the chunk kernel variant this batch picks, compiled with its capture store)
+                    first = plan.num_decode_rows
+                    new = int(plan.query_start_loc[first + 1] - plan.query_start_loc[first])
+                    plan.captures = np.array(
+                        [
+                            [first, min(64, new), pool.sizes.num_slots],
+                            [first, max(1, new - 5), pool.sizes.num_slots + 1],
+                        ],
+                        dtype=np.int32,
+                    )
+                    self._forward(plan, pool)
 
     def allocate(self, sizes: PoolSizes) -> None:
         """Allocate the pools (the same sizes on every rank); from here on a Triton compile is logged
@@ -497,6 +513,10 @@ WARMUP_BATCHES = (
     tuple((20 + i, 1) for i in range(16)) + ((0, 77),),  # 16 decode rows and a short prompt
     ((0, 2100), (0, 2100), (0, 2100)),  # several long prompts: the GDN chunk kernels' third variant
 )
+
+
+# warm-up batches (by row count) that also run with captures: one per chunk-kernel variant they pick
+CAPTURE_WARMUP_ROWS = (1, 3)
 
 
 def _warmup_plan(streams: tuple[tuple[int, int], ...], block_size: int) -> PassPlan:

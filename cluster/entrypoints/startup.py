@@ -64,6 +64,8 @@ def check_speculative(config: EngineConfig, model_config: ModelConfig) -> None:
     (its weights are checked when they load)."""
     if not config.runner.num_speculative_tokens:
         return
+    if model_config.family == "qwen4_exp":
+        raise ValueError("speculative_config: the MTP head of qwen4_exp checkpoints is not supported")
     if model_config.num_mtp_layers != 1:
         declared = "none" if model_config.num_mtp_layers < 1 else f"{model_config.num_mtp_layers} layers"
         raise ValueError(
