@@ -2,7 +2,7 @@
 the time per output token with drafts that agree with the target at a set rate.
 
     deltaserve bench spec --preset qwen3_5_35b_a3b --ks 1,2,3,4,5,6,7,8 --batches 1,16,64 \\
-        --k 3 --token-batches 1,16 --agreements 0.5,0.7,0.9,1.0 --json spec.json
+        --k 3 --token-batches 1,16 --agreements 0.5,0.7,0.8,0.9,1.0 --json spec.json
 
 Passes (one engine, its pools idle; pages and slots are scratch): at each batch, a plain decode step
 replayed from a CUDA graph and run eagerly; for each k, the verify pass (the target over k + 1 tokens
@@ -311,7 +311,7 @@ def add_parser(sub) -> None:
     p.add_argument("--batches", default="1,16,64", help="batch sizes of the pass timings")
     p.add_argument("--k", type=int, default=3, help="drafts per verify row of the per-token timings")
     p.add_argument("--token-batches", default="1,16")
-    p.add_argument("--agreements", default="0.5,0.7,0.9,1.0")
+    p.add_argument("--agreements", default="0.5,0.7,0.8,0.9,1.0")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=24, help="timed engine steps per agreement")
     p.add_argument("--repeats", type=int, default=20, help="timed repeats per pass")
