@@ -140,6 +140,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         del pool
         torch.cuda.empty_cache()
+        k = self.config.runner.num_speculative_tokens
+        if k:  # a verify pass's logits: k + 1 rows a sequence, widened to float32 and drawn from (~4 copies)
+            peak = max(peak, self.config.max_num_seqs * (k + 1) * self.model_config.vocab_size * 4 * 4)
         return int(peak * 1.1)
 
     def compile_warmup(self, pool: StatePool) -> None:
