@@ -187,6 +187,30 @@ def _verify_costs(
     return out
 
 
+def profile_step(llm: LLM, b: int, context: int, steps: int = 3) -> str:
+    """Each GPU op's in-place cost in the engine's whole speculative step replayed from its graph
+    (offline.marginal_table), batch b: where a verify step's time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from .offline import marginal_table
+
+    runner = llm.engine.executor.runner
+    graphs = runner.verify_graphs
+    k = runner.spec.k
+    plan = scratch_plan(b, context, k + 1, runner.pool.sizes.block_size, runner.model.config.vocab_size, k)
+    if graphs is None or not graphs.can_run(plan):
+        return f"no verify graph for batch {b}"
+    for _ in range(3):
+        graphs.run(plan)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graphs.run(plan)
+        torch.cuda.synchronize()
+    return f"--- batch {b}, k = {k}: the speculative step from its graph ---\n" + marginal_table(prof, steps)
+
+
 def _pass_line(row: dict, ks: list[int]) -> str:
     head = f"batch {row['batch']:>3}: decode {row.get('decode_graph_ms', float('nan')):.3f} ms (graph), "
     head += f"{row['decode_eager_ms']:.3f} ms (eager)"
@@ -295,6 +319,8 @@ def run(args: argparse.Namespace) -> dict:
         "context": args.context,
         "draft": "ReferenceDrafter (test-only: the reference run's tokens at a set agreement)",
     }
+    for b in args.profile_step:
+        print(profile_step(llm, b, args.context), flush=True)
     report["passes"] = bench_passes(llm, batches, ks, args.context, args.repeats)
     report["tokens"] = {str(b): bench_tokens(llm, b, agreements, args.context, args.steps) for b in token_batches}
     llm.shutdown()
@@ -316,6 +342,12 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=24, help="timed engine steps per agreement")
     p.add_argument("--repeats", type=int, default=20, help="timed repeats per pass")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument(
+        "--profile-step",
+        type=lambda v: [int(b) for b in v.split(",") if b],
+        default=[],
+        help="print each GPU op's in-place cost in the graphed speculative step at these batch sizes",
+    )
     p.add_argument("--json", default=None)
     p.set_defaults(func=_main)
 

@@ -513,6 +513,7 @@ WARMUP_BATCHES = (
     tuple((0, 61) for _ in range(17)),  # 17 prompts, 1,037 tokens
     tuple((0, 64) for _ in range(16)),  # 16 prompts, 1,024 tokens
     ((40, 1), (17, 1), (300, 200), (0, 99)),  # decode rows, a continued chunk, a new prompt
+    ((30, 1), (0, 50)),  # one decode row: the prefill rows' inputs start at an odd row offset
     tuple((20 + i, 1) for i in range(16)) + ((0, 77),),  # 16 decode rows and a short prompt
     ((0, 2100), (0, 2100), (0, 2100)),  # several long prompts: the GDN chunk kernels' third variant
 )
