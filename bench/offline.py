@@ -353,7 +353,7 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(
         model_config=model_config,
         **settings.replace(
-            max_num_seqs=max(batches),
+            max_num_seqs=max([*batches, 1]),
             max_num_batched_tokens=max([*prefills, args.context * 4, 2048]),
             max_model_len=max([*prefills, 4096]) + 64,
             time_passes=True,  # GPU busy / idle per pass from CUDA events (two events a pass)
