@@ -184,16 +184,16 @@ def enable_lora(model: torch.nn.Module, *, max_loras: int, max_lora_rank: int, e
         )
         owner.lora_slots = {**owner.lora_slots, key: slots}
     if experts:
-        for block in model.modules():
-            if hasattr(block, "w13") and block.w13.dim() == 3:  # the routed experts [E, 2I, H]
-                e, inter2, h = block.w13.shape
-                weights = ExpertLoraWeights(
-                    a13=torch.zeros((max_loras, e, 2 * rank, h), **opts),
-                    b13=torch.zeros((max_loras, e, inter2, rank), **opts),
-                    a2=torch.zeros((max_loras, e, rank, inter2 // 2), **opts),
-                    b2=torch.zeros((max_loras, e, h, rank), **opts),
-                )
-                block.lora_slots = {**block.lora_slots, "experts": ExpertLoraSlots(weights, [False] * max_loras)}
+        blocks = {id(t.owner): t.owner for t in model.lora_targets() if t.expert}
+        for block in blocks.values():  # the routed experts, w13 [E, 2I, H]
+            e, inter2, h = block.w13.shape
+            weights = ExpertLoraWeights(
+                a13=torch.zeros((max_loras, e, 2 * rank, h), **opts),
+                b13=torch.zeros((max_loras, e, inter2, rank), **opts),
+                a2=torch.zeros((max_loras, e, rank, inter2 // 2), **opts),
+                b2=torch.zeros((max_loras, e, h, rank), **opts),
+            )
+            block.lora_slots = {**block.lora_slots, "experts": ExpertLoraSlots(weights, [False] * max_loras)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,12 +18,15 @@ graph groups the rows by slot on the device); padding rows and base-model rows h
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from deltaserve.layers.base import AttnMetadata, ForwardContext, LoraBatch, MoeLoraRoute
+from deltaserve.layers.base import ForwardContext, LoraBatch, MoeLoraRoute
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.model import HybridModel
+from deltaserve.workers.context import decode_context
 from deltaserve.workers.lora import AdapterSlots
 from deltaserve.workers.plan import PassPlan
 
@@ -74,30 +77,22 @@ class DecodeGraphs:
 
     def _context(self, bs: int, with_lora: bool = False) -> ForwardContext:
         f = self.fields
-        decode = AttnMetadata(
+        ctx = decode_context(
+            config=self.model.config,
+            layout=self.model.layout,
+            kernels=self.kernels,
+            input_ids=f[_IDS, :bs],
             positions=f[_POS, :bs],
             slot_mapping=f[_SLOT, :bs],
             block_tables=self.block_tables[:bs],
             seq_lens=self.seq_lens[:bs],
             state_slots=f[_STATE, :bs],
         )
-        lora = None
         if with_lora:  # every slot may be named at replay: the capture runs every adapter op
             slots = self.lora.num_slots
-            lora = LoraBatch(f[_LORA, :bs], slots, frozenset(range(slots)), capture=True)
-        return ForwardContext(
-            config=self.model.config,
-            layout=self.model.layout,
-            input_ids=f[_IDS, :bs],
-            positions=decode.positions,
-            slot_mapping=decode.slot_mapping,
-            decode=decode,
-            prefill=None,
-            logits_indices=torch.arange(bs, device=self.device),
-            kernels=self.kernels,
-            moe_lora_route=MoeLoraRoute.FOLD if with_lora else MoeLoraRoute.SKIP,
-            lora=lora,
-        )
+            ctx.lora = LoraBatch(f[_LORA, :bs], slots, frozenset(range(slots)), capture=True)
+            ctx.moe_lora_route = MoeLoraRoute.FOLD
+        return ctx
 
     def _stage_padding(self, h: torch.Tensor, start: int) -> None:
         """Rows from `start` on: no KV write, the scratch slot, one cached token on the scratch page."""
@@ -127,23 +122,15 @@ class DecodeGraphs:
         h, _, _ = self._staging_buffers(self.max_batch, 0)
         self._stage_padding(h, 0)
         self._upload(h, self.max_batch)
-        torch.cuda.synchronize(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            variants = (False, True) if self.lora is not None else (False,)
-            for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory
-                for with_lora in variants:
-                    ctx = self._context(bs, with_lora)
-                    for _ in range(2):  # warm up: Triton compiles (and autotunes) outside the capture
-                        self.model.compute_logits(self.model(ctx, self.layer_states))
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        self.logits[bs, with_lora] = self.model.compute_logits(self.model(ctx, self.layer_states))
-                    self.graphs[bs, with_lora] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        for with_lora in (False, True) if self.lora is not None else (False,):
+            contexts = {bs: self._context(bs, with_lora) for bs in self.batch_sizes}
+            graphs, logits = capture_per_batch(
+                self.device,
+                self.batch_sizes,
+                lambda bs, contexts=contexts: self.model.compute_logits(self.model(contexts[bs], self.layer_states)),
+            )
+            self.graphs.update({(bs, with_lora): g for bs, g in graphs.items()})
+            self.logits.update({(bs, with_lora): out for bs, out in logits.items()})
         log.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
 
     def can_run(self, plan: PassPlan) -> bool:
@@ -189,3 +176,27 @@ class DecodeGraphs:
         key = (bs, plan.lora_slots is not None and bool((plan.lora_slots >= 0).any()))
         self.graphs[key].replay()
         return self.logits[key][:n]
+
+
+def capture_per_batch(
+    device: torch.device, batch_sizes: tuple[int, ...], step: Callable[[int], Any]
+) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, Any]]:
+    """A CUDA graph of `step(bs)` for each batch size, and the outputs each capture left (a replay
+    rewrites them): largest first, so that later graphs reuse its memory pool; two runs before each
+    capture, so that Triton compiles (and autotunes) outside it."""
+    graphs, outputs = {}, {}
+    torch.cuda.synchronize(device)
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.inference_mode(), torch.cuda.stream(stream):
+        for bs in sorted(batch_sizes, reverse=True):
+            for _ in range(2):
+                step(bs)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs[bs] = step(bs)
+            graphs[bs] = graph
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    return graphs, outputs

@@ -78,6 +78,8 @@ class Request:
     num_cached_tokens: int | None = None
     kv_shared_until: int = 0
     divergence: int = 0
+    # speculative decoding: the MTP head's drafts after the latest token, for its next verify row
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
