@@ -183,3 +183,9 @@ def test_one_slot_two_adapters_take_turns(tiny_checkpoints, adapters):
     outs = llm.generate(rows, GREEDY, lora_request=[a, b, a], use_tqdm=False)
     refs = [merged_a, merged_b, merged_a]
     assert [tokens(o) for o in outs] == [greedy(m, ids, GREEDY.max_tokens) for m, ids in zip(refs, rows, strict=True)]
+
+
+def test_lora_with_speculative_decoding_is_refused(tiny_checkpoints):
+    path, _ = tiny_checkpoints["qwen3_5"]
+    with pytest.raises(ValueError, match="enable_lora: not served together with speculative_config"):
+        make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2})

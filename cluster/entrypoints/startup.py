@@ -135,8 +135,8 @@ def check_startup(config: EngineConfig, ray_address: str | None = None) -> Model
     """Everything about `config` that can be checked before anything starts; returns the model's config."""
     model_config = load_model_config(config.load.model)
     check_layout(config, model_config)
-    check_speculative(config, model_config)
     check_lora(config, model_config)
+    check_speculative(config, model_config)
     check_device(config, ray_address)
     return model_config
 
@@ -176,8 +176,8 @@ def build_engine(
     if model_config is None:
         model_config = load_model_config(config.load.model)
     check_layout(config, model_config)
-    check_speculative(config, model_config)
     check_lora(config, model_config)
+    check_speculative(config, model_config)
     if executor is None:
         check_device(config)
         executor = make_executor(config, model_config)
