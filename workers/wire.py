@@ -14,9 +14,9 @@ from dataclasses import asdict
 import msgpack
 import numpy as np
 
-from .plan import NewRequestData, PassPlan, PoolSizes, RunnerOutput, SamplingSpec, TokenLogprobs
+from .plan import GrammarSpec, NewRequestData, PassPlan, PoolSizes, RunnerOutput, SamplingSpec, TokenLogprobs
 
-WIRE_VERSION = 4  # 4: prefix-cache copies and captures
+WIRE_VERSION = 5  # 5: structured output (grammars to compile, grammars ready, grammar errors)
 
 # A plan's arrays, in buffer order, with their lengths in terms of T tokens, N rows and P pages per
 # block table. One buffer per dtype keeps decoding to three `frombuffer` calls and some slicing
@@ -80,6 +80,8 @@ def encode_plan(plan: PassPlan) -> bytes:
         body["tables"] = tables
     body["new_requests"] = [asdict(r) for r in plan.new_requests]
     body["finished_req_ids"] = plan.finished_req_ids
+    if plan.grammars:
+        body["grammars"] = [asdict(g) for g in plan.grammars]
     return msgpack.packb({"v": WIRE_VERSION, "kind": "plan", "body": body}, use_bin_type=True)
 
 
@@ -124,6 +126,7 @@ def decode_plan(blob: bytes) -> PassPlan:
             for r in body.get("new_requests", ())
         ]
         kwargs["finished_req_ids"] = list(body.get("finished_req_ids", ()))
+        kwargs["grammars"] = [GrammarSpec(**g) for g in body.get("grammars", ())]
         plan = PassPlan(**kwargs)
     except WireError:
         raise
@@ -240,12 +243,15 @@ def encode_output(out: RunnerOutput) -> bytes:
         "forward_time_s": out.forward_time_s,
         "device_s": [out.device_busy_s, out.device_gap_s],
     }
+    if out.grammars_ready or out.grammar_errors:
+        body["grammars"] = [out.grammars_ready, out.grammar_errors]
     return msgpack.packb({"v": WIRE_VERSION, "kind": "output", "body": body}, use_bin_type=True)
 
 
 def decode_output(blob: bytes) -> RunnerOutput:
     body = _open(blob, "output")
     try:
+        ready, errors = body.get("grammars", ({}, {}))
         return RunnerOutput(
             pass_id=body["pass_id"],
             req_ids=list(body["req_ids"]),
@@ -255,8 +261,10 @@ def decode_output(blob: bytes) -> RunnerOutput:
             forward_time_s=body["forward_time_s"],
             device_busy_s=body["device_s"][0],
             device_gap_s=body["device_s"][1],
+            grammars_ready=dict(ready),
+            grammar_errors=dict(errors),
         )
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, ValueError) as e:
         raise WireError(f"malformed runner output: {e}") from e
 
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.executors.base import Executor, PassHandle, WorkerFailure, overlaps_passes
 from deltaserve.layers.config import ModelConfig
 from deltaserve.workers.config import short
-from deltaserve.workers.plan import PassPlan, RunnerOutput
+from deltaserve.workers.grammar import parse_grammar
+from deltaserve.workers.plan import GrammarSpec, PassPlan, RunnerOutput
 
 from .allocator import BlockAllocator, StateSlotAllocator
 from .prefix_cache import CapturePolicy, PrefixCache, SnapshotCache
@@ -37,6 +39,7 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 log = logging.getLogger(__name__)
 
 OUTPUT_MODES = ("cumulative", "delta", "final")
+CHECKED_GRAMMARS = 1024  # grammar keys known to parse, so that a repeated schema is not parsed again
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,8 @@ class EngineCore:
         self.scheduler = Scheduler(scheduling, self.blocks, self.slots, self.prefix_cache)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
+        self._checked_grammars: OrderedDict[str, None] = OrderedDict()
+        self._grammar_lock = threading.Lock()  # make_request runs on the callers' threads too
         self.async_scheduling = overlaps_passes(self.executor, config.scheduler.async_scheduling)
         self._in_flight: InFlightPass | None = None  # the launched pass not yet applied
         # with runner.time_passes on a GPU: (device busy s, device idle before it s) of recent passes
@@ -168,9 +173,29 @@ class EngineCore:
             raise ValueError(f"min_tokens: {params.min_tokens} after a {len(ids)}-token prompt exceeds {room}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 256):
             raise ValueError("cache_salt: must be a string of at most 256 characters")
-        req = Request(req_id, ids, params, max_tokens, eos_token_ids=self.model_config.eos_token_ids)
+        grammar = self._check_grammar(params)
+        req = Request(req_id, ids, params, max_tokens, eos_token_ids=self.model_config.eos_token_ids, grammar=grammar)
         req.cache_key = "salt:" + cache_salt if cache_salt else ""
         return req
+
+    def _check_grammar(self, params: SamplingParams) -> GrammarSpec | None:
+        """The request's constraint, checked to compile (xgrammar parses it: milliseconds; the
+        compile against the vocabulary runs on the workers); ValueError naming the field."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs: needs the model's tokenizer.json, and this model has none")
+        spec = params.structured_outputs.to_grammar_spec()
+        with self._grammar_lock:
+            if spec.key in self._checked_grammars:
+                self._checked_grammars.move_to_end(spec.key)
+                return spec
+        parse_grammar(spec)
+        with self._grammar_lock:
+            self._checked_grammars[spec.key] = None
+            while len(self._checked_grammars) > CHECKED_GRAMMARS:
+                self._checked_grammars.popitem(last=False)
+        return spec
 
     def add_request(
         self, req_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
@@ -252,14 +277,18 @@ class EngineCore:
             out = self._on_token(req)
             if out is not None:
                 outputs.append(out)
+        # requests the output failed (a grammar that did not compile on the workers)
+        outputs += [self._output(req, [], self._flush(req)) for req in self.scheduler.pop_failed()]
         return outputs
 
     def _on_worker_failure(self, e: WorkerFailure) -> list[RequestOutput]:
         log.error("%s; failing %d requests and restarting the workers", e, len(self.scheduler.requests))
         outputs = self.fail_all(str(e))
         self.executor.restart()
-        # the new workers' pools hold none of the cached pages and snapshots the index names
+        # the new workers' pools hold none of the cached pages and snapshots the index names, and
+        # they have compiled no grammar
         self.scheduler.reset_prefix_cache()
+        self.scheduler.reset_grammars()
         # a restarted group may use another transport (no overlap over a compiled graph)
         self.async_scheduling = self.async_scheduling and overlaps_passes(self.executor)
         return outputs

@@ -10,7 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from deltaserve.workers.plan import TokenLogprobs
+from deltaserve.workers.plan import GrammarSpec, TokenLogprobs
 
 from .prefix_cache import RequestHashes
 from .sampling_params import SamplingParams
@@ -74,6 +74,8 @@ class Request:
     num_cached_tokens: int | None = None
     kv_shared_until: int = 0
     divergence: int = 0
+    # structured output: the constraint its outputs follow (checked to compile when it was made)
+    grammar: GrammarSpec | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

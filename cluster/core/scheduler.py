@@ -10,6 +10,11 @@ Async scheduling: the engine may plan pass N+1 before pass N's sampled tokens ar
 whose token from the previous pass is still in flight (`num_pending_outputs`) gets a one-token decode
 row whose input the worker takes on the device from that pass's sampled ids (`input_from_prev`).
 When the output arrives, a token for a request that finished in the meantime is discarded.
+
+Structured output: a constrained request's grammar travels to the workers in the next plan
+(`PassPlan.grammars`), which compile it in the background; the request waits, while the requests
+behind it are admitted, until a RunnerOutput reports its grammar ready, so that no pass waits for a
+compile. When nothing else would run it is admitted at once (its pass waits, stalling no one).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from deltaserve.cluster.config import SchedulerConfig
-from deltaserve.workers.plan import NewRequestData, PassPlan, RunnerOutput
+from deltaserve.workers.plan import GrammarSpec, NewRequestData, PassPlan, RunnerOutput
 
 from .allocator import BlockAllocator, StateSlotAllocator
 from .prefix_cache import Hit, PrefixCache, RequestHashes, Snapshot, root_hash
@@ -66,6 +71,11 @@ class Scheduler:
         self._pass_id = 0
         # pass id -> the requests of its rows, from planning until its output is applied
         self._rows_in_flight: dict[int, list[Request]] = {}
+        # structured output: grammar keys the workers reported compiled, keys sent to them, and
+        # grammars for the next plan
+        self._grammars_ready: set[str] = set()
+        self._grammars_sent: set[str] = set()
+        self._grammars_to_send: dict[str, GrammarSpec] = {}
 
     # ---- queue -----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -73,6 +83,28 @@ class Scheduler:
             raise ValueError(f"request_id: {req.req_id!r} is already in use")
         self.requests[req.req_id] = req
         self.waiting.append(req)
+        if req.grammar is not None and req.grammar.key not in self._grammars_sent:
+            self._grammars_to_send[req.grammar.key] = req.grammar
+
+    def _grammar_ready(self, req: Request) -> bool:
+        return req.grammar is None or req.grammar.key in self._grammars_ready
+
+    def reset_grammars(self) -> None:
+        """The workers were replaced: they hold no compiled grammar; send the waiting ones again."""
+        self._grammars_ready.clear()
+        self._grammars_sent.clear()
+        self._grammars_to_send = {r.grammar.key: r.grammar for r in self.waiting if r.grammar is not None}
+
+    def _grammars_reported(self, output: RunnerOutput) -> None:
+        """Grammars compiled (their requests may run) or not (their waiting requests fail)."""
+        for key, error in output.grammars_ready.items():
+            if error is None:
+                self._grammars_ready.add(key)
+                continue
+            self._grammars_sent.discard(key)  # a later request with it asks again
+            for req in [r for r in self.waiting if r.grammar is not None and r.grammar.key == key]:
+                self.finish(req, FinishReason.ERROR, error)
+                self._failed.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -300,31 +332,29 @@ class Scheduler:
             budget -= want
             i += 1
 
-        # then waiting requests, in arrival order (preempted ones were put back in front)
+        # then waiting requests, in arrival order (preempted ones were put back in front); those
+        # whose grammar the workers still compile are passed over
+        compiling: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self.slots.num_free:
             req = self.waiting[0]
             if req.num_pending_outputs:
                 break  # preempted with a token in flight: it resumes once that token is known
-            if self.prefix is not None:
-                want = self._admit_from_cache(req, budget)
-                if want is None:
-                    break
-                self.waiting.popleft()
-            else:
-                want = req.num_tokens - req.num_computed_tokens
-                if want > budget:
-                    if not cfg.enable_chunked_prefill:
-                        break
-                    want = budget
-                if not self.blocks.can_grow(req, want):
-                    break
-                self.waiting.popleft()
-                self.slots.allocate(req)
-                self.blocks.grow(req, want)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            if not self._grammar_ready(req):
+                compiling.append(self.waiting.popleft())
+                continue
+            want = self._admit(req, budget)
+            if want is None:
+                break
+            self.waiting.popleft()
             scheduled.append((req, want))
             budget -= want
+        if compiling and not scheduled and not self.running:
+            # nothing else would run: its pass waits for the compile, and stalls no one
+            want = self._admit(compiling[0], budget)
+            if want is not None:
+                scheduled.append((compiling.pop(0), want))
+                budget -= want
+        self.waiting.extendleft(reversed(compiling))
 
         if not scheduled:
             if self.prefix is not None:
@@ -333,6 +363,27 @@ class Scheduler:
                 self._check_progress()
             return None
         return self._build_plan(scheduled)
+
+    def _admit(self, req: Request, budget: int) -> int | None:
+        """Take pages and a slot for a waiting request and make it running; returns the tokens it
+        runs in this pass, or None when it does not fit (nothing is taken then)."""
+        if self.prefix is not None:
+            want = self._admit_from_cache(req, budget)
+            if want is None:
+                return None
+        else:
+            want = req.num_tokens - req.num_computed_tokens
+            if want > budget:
+                if not self.config.enable_chunked_prefill:
+                    return None
+                want = budget
+            if not self.blocks.can_grow(req, want):
+                return None
+            self.slots.allocate(req)
+            self.blocks.grow(req, want)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return want
 
     def _tokens_wanted(self, req: Request) -> int:
         """Tokens `req` could run in the next pass: its uncomputed tokens, or (async scheduling) one
@@ -456,8 +507,11 @@ class Scheduler:
             ),
             new_requests=new_requests,
             finished_req_ids=self._finished_since_last_plan,
+            grammars=list(self._grammars_to_send.values()),
             **copies,
         )
+        self._grammars_sent.update(self._grammars_to_send)
+        self._grammars_to_send = {}
         self._finished_since_last_plan = []
         self._pass_id += 1
         self.stats.num_passes += 1
@@ -493,6 +547,8 @@ class Scheduler:
         # the plan's own request objects: an id may be reused by a new request while the pass ran
         rows = self._rows_in_flight.pop(plan.pass_id, None)
         by_id = {r.req_id: r for r in rows} if rows is not None else self.requests
+        if output.grammars_ready:
+            self._grammars_reported(output)
         # prompt logprobs first: a request that finishes on this pass's token leaves self.requests
         for req_id, entries in output.prompt_logprobs.items():
             req = by_id.get(req_id)
@@ -507,6 +563,10 @@ class Scheduler:
             if req.is_finished:
                 self.stats.num_discarded_tokens += 1  # aborted or stopped while the pass ran
                 continue
+            if req_id in output.grammar_errors:  # its token was not constrained: not an output
+                self.finish(req, FinishReason.ERROR, output.grammar_errors[req_id])
+                self._failed.append(req)
+                continue
             req.output_token_ids.append(int(token))
             if req_id in output.logprobs:
                 req.logprobs.append(output.logprobs[req_id])
@@ -518,7 +578,8 @@ class Scheduler:
         params = req.sampling_params
         num_out = len(req.output_token_ids)
         if num_out >= params.min_tokens:
-            if not params.ignore_eos and token in req.eos_token_ids:
+            # a grammar allows EOS only at its end, where nothing else may follow: it ends the output
+            if (not params.ignore_eos or req.grammar is not None) and token in req.eos_token_ids:
                 req.stop_reason = None
                 self.finish(req, FinishReason.STOP)
                 return
