@@ -67,9 +67,10 @@ def parse_grammar(spec: GrammarSpec) -> xgrammar.Grammar:
     xgr = _xgr()
     try:
         if spec.kind == "json":
-            return xgr.Grammar.from_json_schema(spec.text, any_whitespace=spec.any_whitespace)
+            return _no_raw_controls(xgr.Grammar.from_json_schema(spec.text, any_whitespace=spec.any_whitespace))
         if spec.kind == "json_object":  # any object: an open schema, not xgrammar's strict default
-            return xgr.Grammar.from_json_schema(ANY_OBJECT, any_whitespace=spec.any_whitespace, strict_mode=False)
+            grammar = xgr.Grammar.from_json_schema(ANY_OBJECT, any_whitespace=spec.any_whitespace, strict_mode=False)
+            return _no_raw_controls(grammar)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.text)
         if spec.kind == "choice":
@@ -79,6 +80,22 @@ def parse_grammar(spec: GrammarSpec) -> xgrammar.Grammar:
     except Exception as e:  # xgrammar raises RuntimeError (C++) or its own InvalidJSONError
         raise ValueError(f"structured_outputs.{spec.kind}: does not compile: {error_text(e)}") from None
     raise ValueError(f"structured_outputs: unknown constraint kind {spec.kind!r}")
+
+
+# xgrammar 0.2.9 writes the characters of a JSON string with minLength / maxLength as this class,
+# which lets a raw tab or other control character (U+0000-U+001F) into the string: not JSON, and
+# Python's json.loads refuses it (xgrammar issue #800). Its own unbounded strings use the second.
+_RAW_CONTROLS = r"[^\"\\\r\n]"
+_NO_CONTROLS = r"[^\0-\x1f\"\\\r\n]"
+
+
+def _no_raw_controls(grammar):
+    """The grammar with control characters kept out of length-bounded JSON strings (through its
+    EBNF, which xgrammar prints and parses back to the same grammar)."""
+    text = str(grammar)
+    if _RAW_CONTROLS not in text:
+        return grammar
+    return _xgr().Grammar.from_ebnf(text.replace(_RAW_CONTROLS, _NO_CONTROLS))
 
 
 @functools.lru_cache(maxsize=4)  # engines built again in one process (tests, benchmarks) share it

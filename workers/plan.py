@@ -24,7 +24,7 @@ GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 @dataclass(frozen=True)
 class GrammarSpec:
     """A structured-output constraint in canonical text (`workers/grammar.py` compiles it with
-    xgrammar): `json` a JSON schema (sorted keys, compact), `json_object` any JSON object (text
+    xgrammar): `json` a JSON schema (compact, keys in the user's order), `json_object` any JSON object (text
     empty), `regex`, `choice` a JSON list of the strings, `grammar` EBNF. Equal texts share one
     compile on each worker, through `key`."""
 

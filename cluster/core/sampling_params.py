@@ -39,7 +39,7 @@ class StructuredOutputsParams:
         self.to_grammar_spec()
 
     def to_grammar_spec(self) -> GrammarSpec:
-        """The constraint in canonical text (equal schemas give equal texts: one compile); raises
+        """The constraint in canonical text (a schema's text without its spacing: one compile); raises
         ValueError naming `structured_outputs.<field>` when the fields are not one valid constraint."""
 
         def bad(name: str, why: str) -> None:
@@ -63,7 +63,8 @@ class StructuredOutputsParams:
                     bad("json", f"is not valid JSON ({e})")
             if not isinstance(schema, dict):
                 bad("json", f"must be a JSON schema object, got {short(value)}")
-            text = json_module.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            # keys keep their order: the output's properties come in the schema's order
+            text = json_module.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         elif kind == "json_object":
             if value is not True:
                 bad("json_object", f"must be true or unset, got {short(value)}")

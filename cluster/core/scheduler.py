@@ -103,7 +103,7 @@ class Scheduler:
                 continue
             self._grammars_sent.discard(key)  # a later request with it asks again
             for req in [r for r in self.waiting if r.grammar is not None and r.grammar.key == key]:
-                self.finish(req, FinishReason.ERROR, error)
+                self.finish(req, FinishReason.ERROR, f"structured_outputs: the grammar did not compile: {error}")
                 self._failed.append(req)
 
     def has_work(self) -> bool:
