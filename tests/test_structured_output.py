@@ -430,3 +430,61 @@ def test_tensor_parallel_ranks_hold_their_own_matchers(ray_session, llm, demo_pa
     finally:
         parallel.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]
+
+
+def _mixed_batch() -> tuple[list[str], list[SamplingParams]]:
+    """48 constrained rows (greedy and seeded sampled) beside 16 free ones."""
+    prompts, params = [], []
+    for i in range(64):
+        prompts.append(f"Row {i}:")
+        if i % 4 == 3:
+            sampled = i % 8 == 7
+            params.append(SamplingParams(max_tokens=20, temperature=0.9 if sampled else 0, seed=i, ignore_eos=True))
+        else:
+            params.append(constrained(i, json=SCHEMAS[i % len(SCHEMAS)], disable_any_whitespace=True))
+    return prompts, params
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_and_async_change_no_token_of_a_mixed_batch(demo_path, monkeypatch):
+    """The race vLLM shipped (guided decoding + CUDA graphs + async copies): on the GPU, decode graphs
+    with async scheduling give the tokens of eager synchronous passes (float32 with IEEE dots, so
+    that the graphs' padded GEMMs round alike), and every constrained output is valid."""
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    prompts, params = _mixed_batch()
+    results = []
+    for eager in (False, True):
+        llm = LLM(demo_path, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=64, num_kv_blocks=1024)
+        try:
+            assert (llm.engine.executor.runner.graphs is None) == eager
+            if eager:
+                llm.engine.set_async_scheduling(False)
+            # every grammar compiled first: both runs admit the batch alike, not as compiles finish
+            warm = [SamplingParams(max_tokens=1, structured_outputs=p.structured_outputs) for p in params[:20]]
+            llm.generate(["warm"] * len(warm), warm, use_tqdm=False)
+            results.append(llm.generate(prompts, params, use_tqdm=False))
+        finally:
+            llm.shutdown()
+    overlapped, synchronous = results
+    assert [o.outputs[0].token_ids for o in overlapped] == [o.outputs[0].token_ids for o in synchronous]
+    for i, (o, p) in enumerate(zip(overlapped, params, strict=True)):
+        if p.structured_outputs is not None:
+            assert json_valid(o.outputs[0].text, SCHEMAS[i % len(SCHEMAS)]), o.outputs[0].text
+
+
+@pytest.mark.gpu
+def test_gpu_first_constrained_requests_compile_no_kernel(demo_path):
+    """The mask kernel (every row constrained, and some rows) ran in the start-up warm-up: a server's
+    first constrained requests compile no Triton kernel (a stall for every running request)."""
+    from deltaserve.layers.kernels.bitmask.triton_bitmask import _apply_bitmask_kernel
+
+    _apply_bitmask_kernel.device_caches.clear()  # as in a fresh worker
+    llm = LLM(demo_path, device="cuda", max_num_seqs=64, num_kv_blocks=1024)
+    try:
+        late = llm.engine.executor.runner.late_compiles
+        llm.generate("Alone:", constrained(0, choice=["a", "b"]), use_tqdm=False)
+        prompts, params = _mixed_batch()
+        llm.generate(prompts[:8], params[:8], use_tqdm=False)
+        assert [r for r, _ in late.events] == []
+    finally:
+        llm.shutdown()
