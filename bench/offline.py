@@ -537,8 +537,12 @@ def _main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("bench offline needs a CUDA device")
         return 2
-    report = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+    save_report(run(args), args.json)
     return 0
+
+
+def save_report(report: dict, path: str | None) -> None:
+    """A benchmark's report as JSON at `path` (None: not saved)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1, default=str)

@@ -12,7 +12,6 @@ same miss with caching off is the baseline a cache must not slow down.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -22,7 +21,7 @@ import torch
 from deltaserve import LLM, SamplingParams
 from deltaserve.layers.config import ModelConfig
 
-from .offline import bench_decode
+from .offline import bench_decode, save_report
 from .presets import PRESETS, preset_config
 
 
@@ -147,8 +146,5 @@ def _main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("bench prefix needs a CUDA device")
         return 2
-    report = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+    save_report(run(args), args.json)
     return 0

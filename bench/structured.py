@@ -13,7 +13,6 @@ the timed steps (a random model mostly writes strings, where the masks allow mos
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import tempfile
@@ -32,7 +31,7 @@ from deltaserve.workers import grammar as grammar_module
 from deltaserve.workers.grammar import GrammarCompiler, RequestGrammar, fill_bitmasks, parse_grammar
 from deltaserve.workers.plan import GrammarSpec
 
-from .offline import bench_decode
+from .offline import bench_decode, save_report
 from .presets import PRESETS, preset_config, write_preset_dir
 
 # an array of at least 64 records: far longer than any timed run
@@ -219,8 +218,5 @@ def _main(args: argparse.Namespace) -> int:
     if not args.preset and not args.model:
         print("bench structured needs --preset or --model")
         return 2
-    report = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+    save_report(run(args), args.json)
     return 0
