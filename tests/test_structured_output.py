@@ -333,6 +333,21 @@ def test_a_grammar_that_fails_on_the_workers_fails_its_requests_only(llm, monkey
     assert len(outputs["free"].outputs[0].token_ids) == 40
 
 
+def test_a_grammar_the_driver_forgot_is_sent_and_waited_for_again(llm, monkeypatch):
+    """The driver keeps fewer ready grammars than a worker keeps compiled: one it forgot is sent
+    again (and waited for), never assumed compiled on a worker that may have dropped it."""
+    from deltaserve.cluster.core import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "READY_GRAMMARS", 2)
+    plans = _record_plans(llm.engine, monkeypatch)
+    choices = [[f"forgotten {i}"] for i in range(3)]
+    for choice in [*choices, choices[0], choices[2]]:
+        (out,) = llm.generate("x", constrained(0, choice=choice), use_tqdm=False)
+        assert out.outputs[0].text == choice[0]
+    sent = [json.loads(g.text) for _, p in plans for g in p.grammars]
+    assert sent == [*choices, choices[0]]  # the oldest was forgotten, the newest was not
+
+
 @pytest.mark.parametrize(
     "constraint,field",
     [

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from deltaserve.cluster.config import SchedulerConfig
+from deltaserve.workers.grammar import MAX_CACHED_GRAMMARS
 from deltaserve.workers.plan import GrammarSpec, NewRequestData, PassPlan, RunnerOutput
 
 from .allocator import BlockAllocator, StateSlotAllocator
@@ -34,6 +35,8 @@ from .prefix_cache import Hit, PrefixCache, RequestHashes, Snapshot, root_hash
 from .request import FinishReason, Request, RequestStatus, SampleRef
 
 log = logging.getLogger(__name__)
+
+READY_GRAMMARS = MAX_CACHED_GRAMMARS // 2
 
 
 @dataclass
@@ -71,9 +74,10 @@ class Scheduler:
         self._pass_id = 0
         # pass id -> the requests of its rows, from planning until its output is applied
         self._rows_in_flight: dict[int, list[Request]] = {}
-        # structured output: grammar keys the workers reported compiled, keys sent to them, and
-        # grammars for the next plan
-        self._grammars_ready: set[str] = set()
+        # structured output: grammar keys the workers reported compiled (the most recently used,
+        # fewer than a worker keeps: one forgotten here is sent and waited for again, never assumed
+        # compiled), keys sent to them, and grammars for the next plan
+        self._grammars_ready: OrderedDict[str, None] = OrderedDict()
         self._grammars_sent: set[str] = set()
         self._grammars_to_send: dict[str, GrammarSpec] = {}
 
@@ -87,7 +91,12 @@ class Scheduler:
             self._grammars_to_send[req.grammar.key] = req.grammar
 
     def _grammar_ready(self, req: Request) -> bool:
-        return req.grammar is None or req.grammar.key in self._grammars_ready
+        if req.grammar is None:
+            return True
+        if req.grammar.key not in self._grammars_ready:
+            return False
+        self._grammars_ready.move_to_end(req.grammar.key)
+        return True
 
     def reset_grammars(self) -> None:
         """The workers were replaced: they hold no compiled grammar; send the waiting ones again."""
@@ -99,7 +108,9 @@ class Scheduler:
         """Grammars compiled (their requests may run) or not (their waiting requests fail)."""
         for key, error in output.grammars_ready.items():
             if error is None:
-                self._grammars_ready.add(key)
+                self._grammars_ready[key] = None
+                while len(self._grammars_ready) > READY_GRAMMARS:
+                    self._grammars_sent.discard(self._grammars_ready.popitem(last=False)[0])
                 continue
             self._grammars_sent.discard(key)  # a later request with it asks again
             for req in [r for r in self.waiting if r.grammar is not None and r.grammar.key == key]:
