@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def add_bench_parser(sub) -> None:
-    from . import offline, prefix, serve, structured
+    from . import offline, prefix, serve, spec, structured
 
     bench = sub.add_parser("bench", help="benchmarks: offline (LLM) and serve (gRPC load)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -12,3 +12,4 @@ def add_bench_parser(sub) -> None:
     prefix.add_parser(bench_sub)
     serve.add_parser(bench_sub)
     structured.add_parser(bench_sub)
+    spec.add_parser(bench_sub)

@@ -73,11 +73,20 @@ def weight_bytes(model_config: ModelConfig, dtype_bytes: int) -> tuple[int, int]
     h = c.hidden_size
     expert = 3 * h * c.moe_intermediate_size * dtype_bytes
     total = c.vocab_size * h  # lm_head (the embedding is read one row per token)
+    if c.hyper is not None:  # Qwen4-Exp: two stream mixers a layer and the final one
+        width = c.hyper.count * h
+        total += (2 * c.num_layers + 1) * (
+            2 * width * c.hyper.lowrank + width
+        ) + 2 * c.num_layers * c.hyper.count * width
+        if c.ple is not None:  # its projections and norms (the table is read a few rows per token)
+            total += len(c.ple.layer_ids) * ((width + h) * c.ple.embed_dim + (3 + c.ple.conv_kernel_size) * width)
     for i in range(c.num_layers):
         total += 2 * h  # norms
         if c.layer_types[i] == "full_attention":
             d = c.head_dim
             total += h * (2 * c.num_attention_heads * d + 2 * c.num_kv_heads * d) + c.num_attention_heads * d * h
+            if c.qsa is not None:
+                total += h * (c.qsa.num_heads + 1) * c.qsa.head_dim
         else:
             rows = 2 * c.gdn_key_dim + 2 * c.gdn_value_dim + 2 * c.linear_num_value_heads
             total += rows * h + c.gdn_conv_dim * c.conv_kernel_size + c.gdn_value_dim * h
@@ -95,6 +104,10 @@ def decode_floor_bytes(
     dense, expert = weight_bytes(model_config, dtype_bytes)
     experts = distinct_experts * expert
     kv = batch * context * len(c.attention_layer_ids) * 2 * c.num_kv_heads * c.head_dim * dtype_bytes
+    if c.qsa is not None:  # QSA: the selected tokens' KV and every block key the indexer scores
+        attended = min(context, c.qsa.budget + c.qsa.compress_ratio - 1) * 2 * c.num_kv_heads * c.head_dim
+        scored = (context // c.qsa.compress_ratio) * c.qsa.head_dim
+        kv = batch * len(c.attention_layer_ids) * (attended + scored) * dtype_bytes
     gdn = (
         batch
         * len(c.gdn_layer_ids)
@@ -294,9 +307,10 @@ def bench_prefill(llm: LLM, length: int, vocab: int, profile: bool = False) -> f
 
 def bench_peer(model_config: ModelConfig, batches: list[int], context: int, steps: int) -> dict:
     """transformers on the same shapes with random bf16 weights: per-step decode time."""
-    from transformers import AutoModelForCausalLM, DynamicCache, Qwen3_5MoeTextConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-    hf_config = Qwen3_5MoeTextConfig()  # the preset is transformers' default shape
+    raw = dict(model_config.raw)
+    hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
     out = {}
@@ -344,7 +358,7 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(
         model_config=model_config,
         **settings.replace(
-            max_num_seqs=max(batches),
+            max_num_seqs=max([*batches, 1]),
             max_num_batched_tokens=max([*prefills, args.context * 4, 2048]),
             max_model_len=max([*prefills, 4096]) + 64,
             time_passes=True,  # GPU busy / idle per pass from CUDA events (two events a pass)

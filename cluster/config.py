@@ -191,10 +191,23 @@ def add_engine_args(
             plain_switch = default is False and type(None) not in kinds
             options["action"] = "store_true" if plain_switch else argparse.BooleanOptionalAction
         else:
-            options["type"] = kind
+            options["type"] = _flag_parser(f) if f.metadata.get("parse") else kind
             if f.metadata.get("choices"):
                 options["choices"] = f.metadata["choices"]
         group.add_argument("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()), **options)
+
+
+def _flag_parser(f: dataclasses.Field):
+    """The field's `parse`, its errors as argparse's (the flag and what is wrong, in one line)."""
+    parse = f.metadata["parse"]
+
+    def flag_value(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return flag_value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -89,16 +89,17 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: AttnLayerState) -> torch.Tensor:
         return self.mix(project(x, self.qkv_proj, ctx.kernels, self.in_proj_bias), ctx, state)
 
-    def mix(self, qkv: torch.Tensor, ctx: ForwardContext, state: AttnLayerState) -> torch.Tensor:
-        """Everything after the input projection: qkv [T, q_gate | k | v] -> [T, hidden] (reduced
-        over TP ranks). The decoder layer calls it with qkv_proj fused into the input norm."""
+    def queries_and_cache(
+        self, qkv: torch.Tensor, ctx: ForwardContext, state: AttnLayerState
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """From qkv [T, q_gate | k | v]: the normed, rotated queries [T, H, D] and the output gate
+        [T, H, D] (a view); the finished k and v go into the paged cache."""
         num_tokens, d = qkv.shape[0], self.head_dim
         qs, kvs = self.q_size, self.kv_size
         q_gate = qkv[:, :qs].view(num_tokens, self.num_heads, 2 * d)
-        gate = q_gate[..., d:]  # the output gate [T, H, D], applied by the decode kernel / below
         k = qkv[:, qs : qs + kvs].view(num_tokens, self.num_kv_heads, d)
         v = qkv[:, qs + kvs :].view(num_tokens, self.num_kv_heads, d)
-        q, k = rotary_kernels.qk_norm_rope(
+        q, _ = rotary_kernels.qk_norm_rope(
             q=q_gate[..., :d],
             k=k,
             q_weight=self.q_norm.weight,
@@ -111,6 +112,13 @@ class GatedAttention(nn.Module):
             kv_cache=rotary_kernels.KvCacheWrite(v, state.k_cache, state.v_cache, ctx.slot_mapping),
             pdl=ctx.kernels.pdl,
         )
+        return q, q_gate[..., d:]
+
+    def mix(self, qkv: torch.Tensor, ctx: ForwardContext, state: AttnLayerState) -> torch.Tensor:
+        """Everything after the input projection: qkv [T, q_gate | k | v] -> [T, hidden] (reduced
+        over TP ranks). The decoder layer calls it with qkv_proj fused into the input norm."""
+        num_tokens, d = qkv.shape[0], self.head_dim
+        q, gate = self.queries_and_cache(qkv, ctx, state)  # gate: applied by the decode kernel / below
         num_decode = ctx.num_decode_tokens
         decode_out = prefill_out = None
         if ctx.decode is not None and ctx.decode.tokens_per_row > 1:

@@ -198,7 +198,7 @@ class CheckpointTensor:
     `experts.N.gate_proj.weight` and `experts.N.up_proj.weight`; such an `alternative` entry only
     covers targets, it never makes one required. Every target of a non-alternative entry this
     rank loads must be covered. `init` says how the random load format fills it: normal, zeros,
-    ones or a_log."""
+    ones, a_log, or computed (the parameter already holds its value, derived from the config)."""
 
     name: str
     shape: tuple[int, ...]

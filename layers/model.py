@@ -155,11 +155,15 @@ class HybridModel(nn.Module):
         self.vocab_start = layout.tp_rank * self.vocab_per_rank
         self.vocab_rows = max(0, min(self.vocab_per_rank, config.vocab_size - self.vocab_start))
         self.embed_tokens = empty_param(self.vocab_per_rank, config.hidden_size)
+        self._build_stack(config, layout)
+        self.lm_head = None if config.tie_word_embeddings else empty_param(self.vocab_per_rank, config.hidden_size)
+        # the MTP head (layers/mtp.py), attached by the loader when speculative decoding uses it
+        self.mtp: nn.Module | None = None
+
+    def _build_stack(self, config: ModelConfig, layout: ParallelLayout) -> None:
+        """The decoder layers and what follows them (a family with other layers builds its own)."""
         self.layers = nn.ModuleList(DecoderLayer(config, i, layout) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else empty_param(self.vocab_per_rank, config.hidden_size)
-        # mtp.* tensors, kept whole for speculative decoding (a later issue); name -> tensor
-        self.mtp_weights: dict[str, torch.Tensor] = {}
 
     # ---- weights -----------------------------------------------------------------------------
     def checkpoint_tensors(self) -> list[CheckpointTensor]:
@@ -169,6 +173,8 @@ class HybridModel(nn.Module):
         out += self.norm.checkpoint_tensors("model.norm.weight")
         if self.lm_head is not None:
             out.append(self._vocab_rows("lm_head.weight", self.lm_head))
+        if self.mtp is not None:
+            out += self.mtp.checkpoint_tensors("mtp.")
         return out
 
     def _vocab_rows(self, name: str, param: torch.Tensor) -> CheckpointTensor:
@@ -212,6 +218,11 @@ class HybridModel(nn.Module):
             # each MoE block applies the norm after it in its last kernel: one launch fewer a layer
             hidden, residual, normed = layer(hidden, residual, ctx, state, input_normed=normed, next_norm=norm_after)
         return hidden if normed else add_rms_norm(hidden, residual, self.norm, ctx.kernels)[0]
+
+    def mtp_forward(self, ctx: ForwardContext, hidden: torch.Tensor, state: AttnLayerState) -> torch.Tensor:
+        """The MTP head over the pass's rows: ctx.input_ids holds each row's next token, hidden [T, H]
+        the target's final hidden state at the row (or the head's own output). Returns [T, H]."""
+        return self.mtp(self.embed(ctx.input_ids), hidden, ctx, state)
 
     def write_on_accept(self, states: list[LayerState], slots: torch.Tensor, last_accepted: torch.Tensor) -> None:
         """After a verify pass: every layer keeps its state after each row's last accepted token."""

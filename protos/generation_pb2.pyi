@@ -191,7 +191,7 @@ class PoolCapacity(_message.Message):
     def __init__(self, kv_tokens: _Optional[int] = ..., kv_pages: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "model_type", "family", "max_model_len", "vocab_size", "eos_token_ids", "parallel", "pool", "dtype", "device")
+    __slots__ = ("model", "model_type", "family", "max_model_len", "vocab_size", "eos_token_ids", "parallel", "pool", "dtype", "device", "speculative")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +202,7 @@ class ModelInfo(_message.Message):
     POOL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_type: str
     family: str
@@ -212,4 +213,23 @@ class ModelInfo(_message.Message):
     pool: PoolCapacity
     dtype: str
     device: str
-    def __init__(self, model: _Optional[str] = ..., model_type: _Optional[str] = ..., family: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., pool: _Optional[_Union[PoolCapacity, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    speculative: SpeculativeDecoding
+    def __init__(self, model: _Optional[str] = ..., model_type: _Optional[str] = ..., family: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., pool: _Optional[_Union[PoolCapacity, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., speculative: _Optional[_Union[SpeculativeDecoding, _Mapping]] = ...) -> None: ...
+
+class SpeculativeDecoding(_message.Message):
+    __slots__ = ("method", "num_speculative_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "mean_acceptance_length")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    num_speculative_tokens: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    mean_acceptance_length: float
+    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ...) -> None: ...

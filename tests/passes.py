@@ -6,6 +6,8 @@ tables are not the identity and sequences share the pools.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -45,10 +47,17 @@ class Sequences:
     def add(self, seq: str) -> None:
         self.pages[seq], self.slot[seq], self.cached[seq] = [], self.free_slots.pop(), 0
 
-    def run(self, rows: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
-        """One pass over rows (seq, new token ids); single-token rows of cached sequences go first
-        as decode rows. Returns each row's logits for all its new tokens, in the order given."""
-        decode = [r for r in rows if len(r[1]) == 1 and self.cached[r[0]] > 0]
+    def run(
+        self, rows: list[tuple[str, list[int]]], tokens_per_row: int = 1, verify: bool = False
+    ) -> list[torch.Tensor]:
+        """One pass over rows (seq, new token ids); rows of `tokens_per_row` tokens of cached
+        sequences go first as decode rows (more than one: speculative-verify rows); verify: every
+        row is a decode row of the same token count. Returns each row's logits for all its new
+        tokens, in the order given; `self.last` keeps the pass's (context, hidden states, rows in
+        pass order) for `mtp`."""
+        decode = [r for r in rows if len(r[1]) == tokens_per_row and self.cached[r[0]] > 0]
+        if verify:
+            decode = list(rows)
         prefill = [r for r in rows if r not in decode]
         ordered = decode + prefill
         ids, pos, slots, starts, seq_lens, tables, state_slots, has_init = [], [], [], [0], [], [], [], []
@@ -90,7 +99,27 @@ class Sequences:
         with torch.no_grad():
             hidden = self.model(ctx, self.pool.layer_states)
             logits = self.model.compute_logits(hidden[ctx.logits_indices])
+        self.last = (ctx, hidden, [seq for seq, _ in ordered])
         by_seq = {
             seq: logits[first : first + count] for (seq, _), (first, count, _) in zip(ordered, spans, strict=True)
         }
         return [by_seq[seq] for seq, _ in rows]
+
+    def mtp(self, next_ids: dict[str, list[int]], hidden: dict[str, torch.Tensor] | None = None) -> dict:
+        """The MTP head over the last pass's rows: each row's token ids shifted by one (next_ids[seq]
+        for each of its positions) with the target's hidden states of that pass, or `hidden[seq]`
+        instead. Returns seq -> (logits, the head's output hidden) for each of its positions."""
+        ctx, target_hidden, order = self.last
+        ids = torch.tensor([t for seq in order for t in next_ids[seq]])
+        assert ids.shape[0] == ctx.num_tokens
+        if hidden is not None:
+            target_hidden = torch.cat([hidden[seq] for seq in order])
+        with torch.no_grad():
+            out = self.model.mtp_forward(dataclasses.replace(ctx, input_ids=ids), target_hidden, self.pool.mtp_state)
+            logits = self.model.compute_logits(out)
+        result, start = {}, 0
+        for seq in order:
+            n = len(next_ids[seq])
+            result[seq] = (logits[start : start + n], out[start : start + n])
+            start += n
+        return result

@@ -5,6 +5,7 @@ memory, non-blocking, with one CUDA event that is waited for only when the resul
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -80,8 +81,12 @@ class HostCopy:
 def logits_rows(plan: PassPlan) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
     """Token rows whose logits the pass computes, and per plan row (first, count, sampled_at):
     the span of its entries in that list and the entry of its sampled position (-1: none).
-    A sampling row contributes its last token; a prompt-logprobs row contributes all its tokens."""
+    A sampling row contributes its last token; a prompt-logprobs row contributes all its tokens; a
+    verify row (speculative decoding) all its tokens, first in the list, with sampled_at -1 (the
+    runner samples verify rows apart)."""
     starts = plan.query_start_loc
+    if plan.num_spec_tokens:
+        return _with_verify_rows(plan)
     if not plan.prompt_logprob_rows.any():  # the common case, without a Python loop over rows
         sampled = plan.sample_rows
         order = np.cumsum(sampled) - 1
@@ -104,6 +109,26 @@ def logits_rows(plan: PassPlan) -> tuple[np.ndarray, list[tuple[int, int, int]]]
         count += len(rows)
     flat = np.concatenate(indices) if indices else np.zeros(0, dtype=np.int64)
     return flat.astype(np.int64), spans
+
+
+def _with_verify_rows(plan: PassPlan) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """logits_rows of a plan whose decode rows are verify rows of k + 1 tokens."""
+    nv, length = plan.num_decode_rows, plan.num_spec_tokens + 1
+    rest = dataclasses.replace(
+        plan,
+        num_spec_tokens=0,
+        num_decode_rows=0,
+        query_start_loc=plan.query_start_loc[nv:] - plan.query_start_loc[nv],
+        sample_rows=plan.sample_rows[nv:],
+        prompt_logprob_rows=plan.prompt_logprob_rows[nv:],
+        req_ids=plan.req_ids[nv:],
+    )
+    indices, spans = logits_rows(rest)
+    offset = nv * length
+    spans = [(n * length, length, -1) for n in range(nv)] + [
+        (first + offset, count, -1 if at < 0 else at + offset) for first, count, at in spans
+    ]
+    return np.concatenate([np.arange(offset), indices + offset]).astype(np.int64), spans
 
 
 def build_forward_context(
@@ -181,6 +206,42 @@ def build_forward_context(
         logits_indices=logits_idx,
         midchunk_capture=midchunk_captures(plan),
         kernels=kernels or KernelOptions(),
+    )
+
+
+def decode_context(
+    *,
+    config: ModelConfig,
+    layout: ParallelLayout,
+    kernels: KernelOptions,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    state_slots: torch.Tensor,
+    tokens_per_row: int = 1,
+) -> ForwardContext:
+    """A pass of decode rows only (`tokens_per_row` tokens each) over device tensors that are already
+    there (CUDA-graph buffers, the MTP head's draft steps); logits for every token."""
+    decode = AttnMetadata(
+        positions=positions,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        state_slots=state_slots,
+        tokens_per_row=tokens_per_row,
+    )
+    return ForwardContext(
+        config=config,
+        layout=layout,
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        decode=decode,
+        prefill=None,
+        logits_indices=torch.arange(input_ids.shape[0], device=input_ids.device),
+        kernels=kernels,
     )
 
 

@@ -14,12 +14,15 @@ staged while the previous one still runs), and rows whose input id the previous 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from deltaserve.layers.base import AttnMetadata, ForwardContext
+from deltaserve.layers.base import ForwardContext
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.model import HybridModel
+from deltaserve.workers.context import decode_context
 from deltaserve.workers.plan import PassPlan
 
 log = logging.getLogger(__name__)
@@ -66,23 +69,16 @@ class DecodeGraphs:
 
     def _context(self, bs: int) -> ForwardContext:
         f = self.fields
-        decode = AttnMetadata(
+        return decode_context(
+            config=self.model.config,
+            layout=self.model.layout,
+            kernels=self.kernels,
+            input_ids=f[_IDS, :bs],
             positions=f[_POS, :bs],
             slot_mapping=f[_SLOT, :bs],
             block_tables=self.block_tables[:bs],
             seq_lens=self.seq_lens[:bs],
             state_slots=f[_STATE, :bs],
-        )
-        return ForwardContext(
-            config=self.model.config,
-            layout=self.model.layout,
-            input_ids=f[_IDS, :bs],
-            positions=decode.positions,
-            slot_mapping=decode.slot_mapping,
-            decode=decode,
-            prefill=None,
-            logits_indices=torch.arange(bs, device=self.device),
-            kernels=self.kernels,
         )
 
     def _stage_padding(self, h: torch.Tensor, start: int) -> None:
@@ -112,21 +108,12 @@ class DecodeGraphs:
         h, _, _ = self._staging_buffers(self.max_batch, 0)
         self._stage_padding(h, 0)
         self._upload(h, self.max_batch)
-        torch.cuda.synchronize(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory
-                ctx = self._context(bs)
-                for _ in range(2):  # warm up: Triton compiles (and autotunes) outside the capture
-                    self.model.compute_logits(self.model(ctx, self.layer_states))
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[bs] = self.model.compute_logits(self.model(ctx, self.layer_states))
-                self.graphs[bs] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        contexts = {bs: self._context(bs) for bs in self.batch_sizes}
+        self.graphs, self.logits = capture_per_batch(
+            self.device,
+            self.batch_sizes,
+            lambda bs: self.model.compute_logits(self.model(contexts[bs], self.layer_states)),
+        )
         log.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
 
     def can_run(self, plan: PassPlan) -> bool:
@@ -170,3 +157,27 @@ class DecodeGraphs:
             ids.copy_(torch.where(src >= 0, prev_tokens.index_select(0, src.clamp(min=0)), ids))
         self.graphs[bs].replay()
         return self.logits[bs][:n]
+
+
+def capture_per_batch(
+    device: torch.device, batch_sizes: tuple[int, ...], step: Callable[[int], Any]
+) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, Any]]:
+    """A CUDA graph of `step(bs)` for each batch size, and the outputs each capture left (a replay
+    rewrites them): largest first, so that later graphs reuse its memory pool; two runs before each
+    capture, so that Triton compiles (and autotunes) outside it."""
+    graphs, outputs = {}, {}
+    torch.cuda.synchronize(device)
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.inference_mode(), torch.cuda.stream(stream):
+        for bs in sorted(batch_sizes, reverse=True):
+            for _ in range(2):
+                step(bs)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs[bs] = step(bs)
+            graphs[bs] = graph
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    return graphs, outputs

@@ -14,9 +14,10 @@ from dataclasses import asdict
 import msgpack
 import numpy as np
 
+from .config import MAX_SPEC_TOKENS
 from .plan import GrammarSpec, NewRequestData, PassPlan, PoolSizes, RunnerOutput, SamplingSpec, TokenLogprobs
 
-WIRE_VERSION = 5  # 5: structured output (grammars to compile, grammars ready, grammar errors)
+WIRE_VERSION = 6  # 6: structured output (grammars to compile, grammars ready, grammar errors)
 
 # A plan's arrays, in buffer order, with their lengths in terms of T tokens, N rows and P pages per
 # block table. One buffer per dtype keeps decoding to three `frombuffer` calls and some slicing
@@ -32,11 +33,11 @@ _INT32_FIELDS = (
     ("input_from_prev", "N"),  # optional
 )
 _INT64_FIELDS = (("slot_mapping", "T"),)
-_BOOL_FIELDS = (("has_initial_state", "N"), ("sample_rows", "N"), ("prompt_logprob_rows", "N"))
-_OPTIONAL = ("next_prompt_token", "input_from_prev")
+_BOOL_FIELDS = (("has_initial_state", "N"), ("sample_rows", "N"), ("prompt_logprob_rows", "N"), ("draft_rows", "N"))
+_OPTIONAL = ("next_prompt_token", "input_from_prev", "draft_rows")
 _BUFFERS = (("int32", np.dtype("<i4"), _INT32_FIELDS), ("int64", np.dtype("<i8"), _INT64_FIELDS),
             ("bool", np.dtype("|b1"), _BOOL_FIELDS))  # fmt: skip
-_PLAN_SCALARS = ("pass_id", "req_ids", "num_decode_rows", "num_tokens", "max_pages")
+_PLAN_SCALARS = ("pass_id", "req_ids", "num_decode_rows", "num_tokens", "max_pages", "num_spec_tokens")
 # optional [M, width] int32 tables, each sent as (M, raw bytes)
 _TABLES = (("slot_saves", 2), ("slot_restores", 2), ("page_copies", 2), ("captures", 3))
 _I32 = np.dtype("<i4")
@@ -52,7 +53,7 @@ def encode_plan(plan: PassPlan) -> bytes:
         raise WireError(f"plan field 'block_tables' has shape {plan.block_tables.shape}, expected ({n}, pages)")
     p = plan.block_tables.shape[1]
     body = {"pass_id": plan.pass_id, "req_ids": plan.req_ids, "num_decode_rows": plan.num_decode_rows,
-            "num_tokens": t, "max_pages": p}  # fmt: skip
+            "num_tokens": t, "max_pages": p, "num_spec_tokens": plan.num_spec_tokens}  # fmt: skip
     present = []
     shapes = {"T": (t,), "N": (n,), "N+1": (n + 1,), "N*P": (n, p)}
     for key, dtype, layout in _BUFFERS:
@@ -97,7 +98,8 @@ def decode_plan(blob: bytes) -> PassPlan:
         n = len(req_ids)
         present = body.get("optional", ())
         lengths = {"T": t, "N": n, "N+1": n + 1, "N*P": n * p}
-        kwargs = {"pass_id": body["pass_id"], "req_ids": req_ids, "num_decode_rows": body["num_decode_rows"]}
+        kwargs = {"pass_id": body["pass_id"], "req_ids": req_ids, "num_decode_rows": body["num_decode_rows"],
+                  "num_spec_tokens": body["num_spec_tokens"]}  # fmt: skip
         for key, dtype, layout in _BUFFERS:
             data = body[key]
             flat = np.frombuffer(data, dtype=dtype) if isinstance(data, bytes) else None
@@ -161,6 +163,7 @@ def check_plan_values(plan: PassPlan) -> None:
         raise WireError("plan field 'query_start_loc' must rise from 0 to the token count in steps >= 1")
     if plan.input_from_prev is not None and n:
         _check_prev_rows(plan)
+    check_spec_rows(plan)
 
 
 def _check_prev_rows(plan: PassPlan) -> None:
@@ -170,6 +173,34 @@ def _check_prev_rows(plan: PassPlan) -> None:
     rows = from_prev >= 0
     if (np.diff(plan.query_start_loc)[rows] != 1).any() or rows[plan.num_decode_rows :].any():
         raise WireError("plan field 'input_from_prev' names a row that is not a one-token decode row")
+
+
+def check_spec_rows(plan: PassPlan) -> None:
+    """Verify rows (num_spec_tokens = k > 0): the decode rows, k + 1 tokens each, all sampling and
+    drafting; k within what the verify tables hold."""
+    k, nd = plan.num_spec_tokens, plan.num_decode_rows
+    if not isinstance(k, int) or not 0 <= k <= MAX_SPEC_TOKENS:
+        raise WireError(f"plan field 'num_spec_tokens' is {k!r}; it must be in 0..{MAX_SPEC_TOKENS}")
+    if not k:
+        return
+    if plan.draft_rows is None or plan.next_prompt_token is None:
+        raise WireError("a plan with verify rows needs the fields 'draft_rows' and 'next_prompt_token'")
+    if nd < 1 or (np.diff(plan.query_start_loc)[:nd] != k + 1).any():
+        raise WireError(f"plan field 'num_spec_tokens' is {k}: its decode rows must hold {k + 1} tokens each")
+    if not (plan.sample_rows[:nd].all() and plan.draft_rows[:nd].all()):
+        raise WireError("a verify row must sample and draft")
+    if plan.input_from_prev is not None and (plan.input_from_prev >= 0).any():
+        raise WireError("plan field 'input_from_prev' cannot be used with verify rows")
+
+
+def check_spec_engine(plan: PassPlan, num_speculative_tokens: int) -> None:
+    """A plan's verify rows and drafting rows against the rank's speculative decoding (k drafts, or 0:
+    none)."""
+    k = num_speculative_tokens
+    if plan.num_spec_tokens and plan.num_spec_tokens != k:
+        raise WireError(f"plan field 'num_spec_tokens' is {plan.num_spec_tokens}; this engine verifies {k}")
+    if not k and plan.draft_rows is not None and plan.draft_rows.any():
+        raise WireError("plan field 'draft_rows' names rows, but this engine has no speculative decoding")
 
 
 def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int) -> None:
@@ -240,6 +271,9 @@ def encode_output(out: RunnerOutput) -> bytes:
         "sampled_token_ids": out.sampled_token_ids,
         "logprobs": {k: _logprobs_record(v) for k, v in out.logprobs.items()},
         "prompt_logprobs": {k: [_logprobs_record(e) for e in v] for k, v in out.prompt_logprobs.items()},
+        "extra_token_ids": out.extra_token_ids,
+        "extra_logprobs": {k: [_logprobs_record(e) for e in v] for k, v in out.extra_logprobs.items()},
+        "draft_token_ids": out.draft_token_ids,
         "forward_time_s": out.forward_time_s,
         "device_s": [out.device_busy_s, out.device_gap_s],
     }
@@ -258,6 +292,9 @@ def decode_output(blob: bytes) -> RunnerOutput:
             sampled_token_ids=list(body["sampled_token_ids"]),
             logprobs={k: TokenLogprobs(**v) for k, v in body["logprobs"].items()},
             prompt_logprobs={k: [TokenLogprobs(**e) for e in v] for k, v in body["prompt_logprobs"].items()},
+            extra_token_ids={k: list(v) for k, v in body["extra_token_ids"].items()},
+            extra_logprobs={k: [TokenLogprobs(**e) for e in v] for k, v in body["extra_logprobs"].items()},
+            draft_token_ids={k: list(v) for k, v in body["draft_token_ids"].items()},
             forward_time_s=body["forward_time_s"],
             device_busy_s=body["device_s"][0],
             device_gap_s=body["device_s"][1],

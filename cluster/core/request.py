@@ -76,6 +76,8 @@ class Request:
     divergence: int = 0
     # structured output: the constraint its outputs follow (checked to compile when it was made)
     grammar: GrammarSpec | None = None
+    # speculative decoding: the MTP head's drafts after the latest token, for its next verify row
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -6,6 +6,12 @@ cached requests first (decode rows), then the prefill streams batched into one c
 When pages run out, the newest running request is preempted: its pages and slot are freed and it
 is recomputed later from its prompt and the tokens it already produced.
 
+Speculative decoding (`num_speculative_tokens` k > 0, cluster/core/speculative.py): a decoding request
+with k drafts runs a verify row of k + 1 tokens; those rows become the pass's decode rows and the
+other one-token rows join the prefill streams. A row after which the MTP head drafts holds pages
+for k - 1 more positions (the head's draft steps write their KV there). A verify row counts one
+computed token when planned and its accepted drafts when its output arrives.
+
 Async scheduling: the engine may plan pass N+1 before pass N's sampled tokens are known. A request
 whose token from the previous pass is still in flight (`num_pending_outputs`) gets a one-token decode
 row whose input the worker takes on the device from that pass's sampled ids (`input_from_prev`).
@@ -33,6 +39,7 @@ from deltaserve.workers.plan import GrammarSpec, NewRequestData, PassPlan, Runne
 from .allocator import BlockAllocator, StateSlotAllocator
 from .prefix_cache import Hit, PrefixCache, RequestHashes, Snapshot, root_hash
 from .request import FinishReason, Request, RequestStatus, SampleRef
+from .speculative import SpecStats, speculates
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +61,10 @@ class Scheduler:
         blocks: BlockAllocator,
         slots: StateSlotAllocator,
         prefix: PrefixCache | None = None,
+        num_speculative_tokens: int = 0,
     ):
-        """`config.max_model_len` is the engine's effective limit (an int)."""
+        """`config.max_model_len` is the engine's effective limit (an int); num_speculative_tokens: the
+        drafts of a verify row (0: no speculative decoding)."""
         self.config = config
         self.blocks = blocks
         self.slots = slots
@@ -80,6 +89,14 @@ class Scheduler:
         self._grammars_ready: OrderedDict[str, None] = OrderedDict()
         self._grammars_sent: set[str] = set()
         self._grammars_to_send: dict[str, GrammarSpec] = {}
+        self.k = num_speculative_tokens
+        self.spec_stats = SpecStats(self.k) if self.k else None
+        # this plan's rows by request id: verify rows, and rows after which the head drafts
+        self._verify: set[str] = set()
+        self._drafting: set[str] = set()
+        # tests and benchmarks: an object whose propose(req, k, head_drafts) replaces the head's
+        # drafts (drafts of known quality); the head still runs
+        self.drafter = None
 
     # ---- queue -----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -244,6 +261,8 @@ class Scheduler:
         bs = self.blocks.block_size
         for i, (req, n) in enumerate(rows[first_prefill:], start=first_prefill):
             start = req.num_computed_tokens
+            if n == 1 and start > 0 and start >= req.num_prompt_tokens:
+                continue  # a decode row among the prefill streams (a speculative pass): as any decode row
             points = self._capture_points(req, start, start + n)
             if not points:
                 continue
@@ -306,6 +325,7 @@ class Scheduler:
             victim.prefix_hashes.registered = 0  # its new pages are offered to the index again
         victim.kv_shared_until = 0
         victim.num_computed_tokens = 0
+        victim.draft_token_ids = []
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         victim.needs_worker_state = True
@@ -321,6 +341,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         self._restores, self._page_copies = [], []
+        self._verify, self._drafting = set(), set()
 
         # running requests first, oldest first; preempt the newest when pages run out
         i = 0
@@ -330,15 +351,22 @@ class Scheduler:
             if want <= 0:
                 i += 1
                 continue
-            if self.blocks.pages_needed(req, req.num_computed_tokens + want):  # most decode steps need none
-                while not self.blocks.can_grow(req, req.num_computed_tokens + want):
+            if self._verifies(req, want, budget):
+                want = self.k + 1
+                self._verify.add(req.req_id)
+            # a verify row's pages also hold the head's k - 1 draft steps after it
+            need = req.num_computed_tokens + want + (self.k - 1 if req.req_id in self._verify else 0)
+            if self.blocks.pages_needed(req, need):  # most decode steps need none
+                while not self.blocks.can_grow(req, need):
                     victim = self.running[-1]
                     self._preempt(victim)
                     if victim is req:
                         break
                 if req.status is not RequestStatus.RUNNING:
+                    self._verify.discard(req.req_id)
                     break  # req itself was the newest and got preempted
-                self.blocks.grow(req, req.num_computed_tokens + want)
+                self.blocks.grow(req, need)
+            self._plan_drafting(req, want)
             scheduled.append((req, want))
             budget -= want
             i += 1
@@ -394,6 +422,7 @@ class Scheduler:
             self.blocks.grow(req, want)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        self._plan_drafting(req, want)
         return want
 
     def _tokens_wanted(self, req: Request) -> int:
@@ -412,6 +441,33 @@ class Scheduler:
         ):
             return 0  # that token is its last: no pass for a token that would be discarded
         return pending
+
+    def _verifies(self, req: Request, want: int, budget: int) -> bool:
+        """Whether a decoding request runs a verify row of its k drafts in this pass."""
+        return (
+            self.k > 0
+            and want == 1
+            and req.num_computed_tokens == req.num_tokens - 1
+            and len(req.draft_token_ids) == self.k
+            and budget >= self.k + 1
+            and req.num_tokens + self.k <= self.config.max_model_len
+            and speculates(req)
+        )
+
+    def _plan_drafting(self, req: Request, want: int) -> None:
+        """A speculating request's sampling row drafts when its pages hold the head's draft steps
+        (verify rows got them with their own); without room it decodes plainly next pass."""
+        if not self.k or not speculates(req):
+            return
+        if req.req_id in self._verify:
+            self._drafting.add(req.req_id)
+            return
+        end = req.num_computed_tokens + want
+        if end != req.num_tokens + req.num_pending_outputs:
+            return  # the row does not sample
+        if self.blocks.can_grow(req, end + self.k - 1):
+            self.blocks.grow(req, end + self.k - 1)
+            self._drafting.add(req.req_id)
 
     def _check_progress(self) -> None:
         """A request that can never fit the page pool would wait forever: fail it instead."""
@@ -436,9 +492,18 @@ class Scheduler:
         return failed
 
     def _build_plan(self, scheduled: list[tuple[Request, int]]) -> PassPlan:
+        if self._verify:  # verify rows are the decode rows; one-token rows join the prefill streams
+            verify = [(r, n) for r, n in scheduled if r.req_id in self._verify]
+            prefill = [(r, n) for r, n in scheduled if r.req_id not in self._verify]
+            return self._finish_plan(verify, [], prefill)
         decode = [(r, n) for r, n in scheduled if n == 1 and r.num_computed_tokens > 0]
         prefill = [(r, n) for r, n in scheduled if not (n == 1 and r.num_computed_tokens > 0)]
-        rows = decode + prefill
+        return self._finish_plan([], decode, prefill)
+
+    def _finish_plan(
+        self, verify: list[tuple[Request, int]], decode: list[tuple[Request, int]], prefill: list[tuple[Request, int]]
+    ) -> PassPlan:
+        rows = verify + decode + prefill
         bs = self.blocks.block_size
         # decode rows: one token each, in plain Python (numpy per row costs more than it saves);
         # a token still in flight is a placeholder the worker replaces from the previous pass's ids
@@ -454,9 +519,13 @@ class Scheduler:
         slot_mapping = [r.block_table[p // bs] * bs + p % bs for (r, _), p in zip(decode, positions, strict=True)]
         position_parts = [np.asarray(positions, dtype=np.int64)]
         slot_parts = [np.asarray(slot_mapping, dtype=np.int64)]
-        for req, n in prefill:
+        for req, _ in verify:  # the last token, then the drafts
+            ids.append(req.token_at(req.num_computed_tokens))
+            ids.extend(req.draft_token_ids)
+        for req, n in verify + prefill:
             start = req.num_computed_tokens
-            ids.extend(req.token_slice(start, start + n))
+            if req.req_id not in self._verify:
+                ids.extend(req.token_slice(start, start + n))
             pos = np.arange(start, start + n)
             position_parts.append(pos)
             slots = np.asarray(req.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
@@ -477,7 +546,7 @@ class Scheduler:
         copies = {}
         if self.prefix is not None:
             saves = self._take_saves()
-            captures = self._plan_captures(rows, len(decode))
+            captures = self._plan_captures(rows, len(verify) + len(decode))
             for name, pairs, width in (
                 ("slot_saves", saves, 2),
                 ("slot_restores", self._restores, 2),
@@ -486,10 +555,14 @@ class Scheduler:
             ):
                 if pairs:
                     copies[name] = np.asarray(pairs, dtype=np.int32).reshape(-1, width)
+        spec = {}
+        if self.k:
+            spec["draft_rows"] = np.asarray([r.req_id in self._drafting for r, _ in rows], dtype=bool)
+            spec["num_spec_tokens"] = self.k if verify else 0
         plan = PassPlan(
             pass_id=self._pass_id,
             req_ids=[r.req_id for r, _ in rows],
-            num_decode_rows=len(decode),
+            num_decode_rows=len(verify) + len(decode),
             input_ids=np.asarray(ids, dtype=np.int32),
             positions=np.concatenate(position_parts).astype(np.int32),
             slot_mapping=np.concatenate(slot_parts),
@@ -499,16 +572,18 @@ class Scheduler:
             state_slots=np.asarray([r.state_slot for r, _ in rows], dtype=np.int32),
             has_initial_state=np.asarray([r.num_computed_tokens > 0 for r, _ in rows], dtype=bool),
             sample_rows=np.asarray(
-                [r.num_computed_tokens + n == r.num_tokens + r.num_pending_outputs for r, n in rows], dtype=bool
+                [
+                    r.req_id in self._verify or r.num_computed_tokens + n == r.num_tokens + r.num_pending_outputs
+                    for r, n in rows
+                ],
+                dtype=bool,
             ),
             prompt_logprob_rows=np.asarray(
                 [r.wants_prompt_logprobs and r.num_computed_tokens < r.num_prompt_tokens for r, _ in rows], dtype=bool
             ),
             next_prompt_token=np.asarray(
                 [
-                    r.prompt_token_ids[r.num_computed_tokens + n]
-                    if r.num_computed_tokens + n < r.num_prompt_tokens
-                    else -1
+                    r.token_at(r.num_computed_tokens + n) if r.num_computed_tokens + n < r.num_tokens else -1
                     for r, n in rows
                 ],
                 dtype=np.int32,
@@ -520,6 +595,7 @@ class Scheduler:
             finished_req_ids=self._finished_since_last_plan,
             grammars=list(self._grammars_to_send.values()),
             **copies,
+            **spec,
         )
         self._grammars_sent.update(self._grammars_to_send)
         self._grammars_to_send = {}
@@ -528,7 +604,8 @@ class Scheduler:
         self.stats.num_passes += 1
         j = 0
         for (req, n), sampled in zip(rows, plan.sample_rows.tolist(), strict=True):
-            req.num_computed_tokens += n
+            # a verify row has computed its last token; its accepted drafts count when known
+            req.num_computed_tokens += 1 if req.req_id in self._verify else n
             if sampled:
                 req.num_pending_outputs += 1
                 req.last_sample = SampleRef(plan.pass_id, j)
@@ -552,9 +629,10 @@ class Scheduler:
         return spec
 
     # ---- results -----------------------------------------------------------------------------
-    def apply_output(self, plan: PassPlan, output: RunnerOutput) -> list[Request]:
-        """Append sampled tokens; finish requests on EOS, stop ids, max_tokens or the length limit.
-        Returns the requests that got a token this pass (finished ones included)."""
+    def apply_output(self, plan: PassPlan, output: RunnerOutput) -> list[tuple[Request, int]]:
+        """Append sampled tokens; finish requests on EOS, stop ids, max_tokens or the length limit
+        (a verify row's tokens after the one that ends it are dropped). Returns the requests that got
+        tokens this pass (finished ones included), each with how many."""
         # the plan's own request objects: an id may be reused by a new request while the pass ran
         rows = self._rows_in_flight.pop(plan.pass_id, None)
         by_id = {r.req_id: r for r in rows} if rows is not None else self.requests
@@ -566,6 +644,7 @@ class Scheduler:
             if req is not None and not req.is_finished:
                 _extend_prompt_logprobs(req, entries, plan)
         touched = []
+        verified = set(plan.req_ids[: plan.num_decode_rows]) if plan.num_spec_tokens else set()
         for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
             req = by_id.get(req_id)
             if req is None:
@@ -578,11 +657,28 @@ class Scheduler:
                 self.finish(req, FinishReason.ERROR, output.grammar_errors[req_id])
                 self._failed.append(req)
                 continue
-            req.output_token_ids.append(int(token))
+            extra = output.extra_token_ids.get(req_id, ())
+            if req_id in verified:
+                req.num_computed_tokens += len(extra)  # the accepted drafts were computed correctly
+                self.spec_stats.record(len(extra))
+            tokens = [int(token), *extra]
+            entries = []
             if req_id in output.logprobs:
-                req.logprobs.append(output.logprobs[req_id])
-            touched.append(req)
-            self._check_stop(req, int(token))
+                entries = [output.logprobs[req_id], *output.extra_logprobs.get(req_id, ())]
+            for i, t in enumerate(tokens):
+                req.output_token_ids.append(t)
+                if entries:
+                    req.logprobs.append(entries[i])
+                self._check_stop(req, t)
+                if req.is_finished:
+                    tokens = tokens[: i + 1]
+                    break
+            if not req.is_finished and self.k:
+                drafts = output.draft_token_ids.get(req_id, ())
+                if drafts and self.drafter is not None:
+                    drafts = self.drafter.propose(req, self.k, drafts)
+                req.draft_token_ids = list(drafts)
+            touched.append((req, len(tokens)))
         return touched
 
     def _check_stop(self, req: Request, token: int) -> None:

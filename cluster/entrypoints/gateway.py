@@ -16,6 +16,7 @@ import signal
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -201,6 +202,7 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ),
             dtype=info.dtype,
             device=info.device,
+            speculative=None if info.speculative is None else pb.SpeculativeDecoding(**asdict(info.speculative)),
         )
 
     async def _abort_with(self, context, error: Exception) -> None:

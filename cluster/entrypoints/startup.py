@@ -59,6 +59,21 @@ def check_layout(config: EngineConfig, model_config: ModelConfig) -> None:
         raise type(e)(f"{setting}: the model cannot be split so: {e}") from None
 
 
+def check_speculative(config: EngineConfig, model_config: ModelConfig) -> None:
+    """Speculative decoding with the MTP head needs a checkpoint that declares exactly one MTP layer
+    (its weights are checked when they load)."""
+    if not config.runner.num_speculative_tokens:
+        return
+    if model_config.family == "qwen4_exp":
+        raise ValueError("speculative_config: the MTP head of qwen4_exp checkpoints is not supported")
+    if model_config.num_mtp_layers != 1:
+        declared = "none" if model_config.num_mtp_layers < 1 else f"{model_config.num_mtp_layers} layers"
+        raise ValueError(
+            f"speculative_config: method 'mtp' needs a checkpoint with one MTP layer; {short(config.load.model, 80)} "
+            f"declares {declared} (config mtp_num_hidden_layers / num_nextn_predict_layers)"
+        )
+
+
 def runs_on_this_machine(config: EngineConfig, ray_address: str | None = None) -> bool:
     """Whether the ranks run on this machine: in this process, or in a Ray cluster started here (not
     one joined through `ray_address` / RAY_ADDRESS or an earlier `ray.init`)."""
@@ -109,6 +124,7 @@ def check_startup(config: EngineConfig, ray_address: str | None = None) -> Model
     """Everything about `config` that can be checked before anything starts; returns the model's config."""
     model_config = load_model_config(config.load.model)
     check_layout(config, model_config)
+    check_speculative(config, model_config)
     check_device(config, ray_address)
     return model_config
 
@@ -125,6 +141,7 @@ def build_engine(
     if model_config is None:
         model_config = load_model_config(config.load.model)
     check_layout(config, model_config)
+    check_speculative(config, model_config)
     if executor is None:
         check_device(config)
         executor = make_executor(config, model_config)
