@@ -253,6 +253,30 @@ def test_preempted_constrained_requests_resume_their_grammar(llm, demo_path):
     assert all(json_valid(o.outputs[0].text, schema) for o in squeezed)
 
 
+def test_constrained_requests_decode_one_token_at_a_time_beside_speculating_ones(tiny_checkpoints, monkeypatch):
+    """With MTP speculation the constrained requests never run verify rows (their masks follow the
+    grammar position by position), the free ones do; every token is the one without speculation."""
+    path = str(tiny_checkpoints["qwen3_5_moe"][0])  # a byte-level tokenizer and an MTP head
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = [free, constrained(0, regex="[a-z]{3,6}!"), free, constrained(4, choice=["yes", "no", "maybe so"])]
+    plain = LLM(path, max_num_seqs=8)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    plain.shutdown()
+    speculative = LLM(path, max_num_seqs=8, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    try:
+        plans = _record_plans(speculative.engine, monkeypatch)
+        got = speculative.generate(prompts, params, use_tqdm=False)
+        assert speculative.engine.speculative_stats()["num_drafts"] > 0
+    finally:
+        speculative.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert re.fullmatch("[a-z]{3,6}!", got[1].outputs[0].text) and got[3].outputs[0].text in ("yes", "no", "maybe so")
+    constrained_ids = {got[1].request_id, got[3].request_id}
+    verified = {r for _, p in plans if p.num_spec_tokens for r in p.req_ids[: p.num_decode_rows]}
+    assert verified and not verified & constrained_ids
+
+
 class _SlowCompiles:
     """The worker's compiles take `delay_s` longer (or fail): a grammar still compiling for a while."""
 
@@ -271,13 +295,14 @@ class _SlowCompiles:
 def _record_plans(engine, monkeypatch) -> list:
     """The plans the engine launches from now on, as (launch time, plan)."""
     plans = []
-    launch = engine.executor.execute_async
+    for name in ("execute", "execute_async"):  # synchronous passes, overlapped ones
+        launch = getattr(engine.executor, name)
 
-    def recording(plan):
-        plans.append((time.monotonic(), plan))
-        return launch(plan)
+        def recording(plan, launch=launch):
+            plans.append((time.monotonic(), plan))
+            return launch(plan)
 
-    monkeypatch.setattr(engine.executor, "execute_async", recording)
+        monkeypatch.setattr(engine.executor, name, recording)
     return plans
 
 
