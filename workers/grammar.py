@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import re
 import threading
@@ -34,8 +33,6 @@ from deltaserve.workers.plan import GrammarSpec
 if TYPE_CHECKING:
     import torch
     import xgrammar
-
-log = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept per process (a large schema's is a few MB)
 COMPILE_THREADS = 2  # grammars compiled at once
@@ -123,7 +120,7 @@ class GrammarCompiler:
         self.stop_token_ids = list(stop_token_ids)
         self._futures: OrderedDict[str, Future] = OrderedDict()
         self._ready: dict[str, str | None] = {}
-        self._lock = threading.RLock()  # RLock: a done future runs its callback inside prepare()
+        self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._compiler = None
         self._compiler_lock = threading.Lock()
