@@ -128,11 +128,13 @@ def bench_decode(
     vocab: int,
     profile_steps: int = 0,
     tag: str = "",
+    loras: list | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
 ) -> dict:
     """Decode timing of `batch` sequences of `context` prompt tokens; `tag` keeps request ids
-    distinct when a process times the same batch again (variants); `structured_outputs`: every row
-    under this constraint (one whose output outlasts the timed steps)."""
+    distinct when a process times the same batch again (variants); `loras`: the LoRARequest (or None)
+    of sequence i is loras[i % len(loras)]; `structured_outputs`: every row under this constraint (one
+    whose output outlasts the timed steps)."""
     engine = llm.engine
     rng = np.random.default_rng(batch)
     # the first prompts decode beside the later ones' prefill chunks: a token a pass from then on,
@@ -143,7 +145,10 @@ def bench_decode(
         temperature=0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=structured_outputs
     )
     for i in range(batch):
-        engine.add_request(f"d{tag}{batch}-{i}", rng.integers(10, vocab - 10, context).tolist(), params)
+        lora = loras[i % len(loras)] if loras else None
+        engine.add_request(
+            f"d{tag}{batch}-{i}", rng.integers(10, vocab - 10, context).tolist(), params, lora_request=lora
+        )
     # run until every request is decoding (prefill done, first token out)
     while (
         any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting
@@ -547,16 +552,17 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_main)
 
 
-def _main(args: argparse.Namespace) -> int:
+def run_on_cuda(name: str, run, args: argparse.Namespace) -> int:
+    """A benchmark's command: `run(args)` on a CUDA device, its report written to --json."""
     if not torch.cuda.is_available():
-        print("bench offline needs a CUDA device")
+        print(f"bench {name} needs a CUDA device")
         return 2
-    save_report(run(args), args.json)
+    report = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
     return 0
 
 
-def save_report(report: dict, path: str | None) -> None:
-    """A benchmark's report as JSON at `path` (None: not saved)."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+def _main(args: argparse.Namespace) -> int:
+    return run_on_cuda("offline", run, args)

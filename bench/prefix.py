@@ -21,7 +21,7 @@ import torch
 from deltaserve import LLM, SamplingParams
 from deltaserve.layers.config import ModelConfig
 
-from .offline import bench_decode, save_report
+from .offline import bench_decode, run_on_cuda
 from .presets import PRESETS, preset_config
 
 
@@ -143,8 +143,4 @@ def add_parser(sub) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("bench prefix needs a CUDA device")
-        return 2
-    save_report(run(args), args.json)
-    return 0
+    return run_on_cuda("prefix", run, args)

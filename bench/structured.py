@@ -31,7 +31,7 @@ from deltaserve.workers import grammar as grammar_module
 from deltaserve.workers.grammar import GrammarCompiler, RequestGrammar, fill_bitmasks, parse_grammar
 from deltaserve.workers.plan import GrammarSpec
 
-from .offline import bench_decode, save_report
+from .offline import bench_decode, run_on_cuda
 from .presets import PRESETS, preset_config, write_preset_dir
 
 # an array of at least 64 records: far longer than any timed run
@@ -218,5 +218,4 @@ def _main(args: argparse.Namespace) -> int:
     if not args.preset and not args.model:
         print("bench structured needs --preset or --model")
         return 2
-    save_report(run(args), args.json)
-    return 0
+    return run_on_cuda("structured", run, args)

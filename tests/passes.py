@@ -26,8 +26,12 @@ class Sequences:
         block_size: int = 4,
         num_slots: int = 8,
         kernels: KernelOptions | None = None,
+        lora=None,
     ):
+        """lora: the model's AdapterSlots (workers/lora.py) when sequences run on adapters."""
         self.model = model
+        self.lora = lora
+        self.lora_slot: dict[str, int] = {}
         self.kernels = kernels or KernelOptions()
         self.block_size = block_size
         self.pool = StatePool(model, PoolSizes(num_blocks, block_size, num_slots), dtype=torch.float32, device="cpu")
@@ -44,8 +48,9 @@ class Sequences:
                 if isinstance(t, torch.Tensor):
                     t.normal_()
 
-    def add(self, seq: str) -> None:
+    def add(self, seq: str, lora_slot: int = -1) -> None:
         self.pages[seq], self.slot[seq], self.cached[seq] = [], self.free_slots.pop(), 0
+        self.lora_slot[seq] = lora_slot
 
     def run(
         self, rows: list[tuple[str, list[int]]], tokens_per_row: int = 1, verify: bool = False
@@ -92,10 +97,16 @@ class Sequences:
             has_initial_state=np.array(has_init, bool),
             sample_rows=np.ones(n, bool),
             prompt_logprob_rows=np.ones(n, bool),
+            lora_slots=np.array([self.lora_slot[s] for s, _ in ordered], np.int32) if self.lora else None,
         )
         self.pass_id += 1
         indices, spans = logits_rows(plan)
-        ctx = build_forward_context(plan, self.model.config, self.model.layout, "cpu", indices, kernels=self.kernels)
+        lora = {}
+        if self.lora is not None:
+            lora = dict(num_lora_slots=self.lora.num_slots, moe_lora_route=self.lora.route(plan.lora_slots))
+        ctx = build_forward_context(
+            plan, self.model.config, self.model.layout, "cpu", indices, kernels=self.kernels, **lora
+        )
         with torch.no_grad():
             hidden = self.model(ctx, self.pool.layer_states)
             logits = self.model.compute_logits(hidden[ctx.logits_indices])

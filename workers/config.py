@@ -240,6 +240,32 @@ def json_object(text: str) -> dict:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters served beside the base model (PEFT's adapter_config.json + safetensors)."""
+
+    enable_lora: bool = setting(False, help="serve LoRA adapters beside the base model")
+    max_loras: int = setting(1, check=at_least(1), help="adapters on the device at once (slots, evicted LRU)")
+    max_lora_rank: int = setting(16, check=at_least(1), help="largest adapter rank served (each slot holds this rank)")
+    max_cpu_loras: int | None = setting(
+        None, check=at_least(1), help="adapters each rank keeps loaded in host memory (LRU); default: max_loras"
+    )
+    enable_expert_lora: bool = setting(
+        True,
+        help="slots for adapters on the routed experts too (MoE models; memory: max_loras x rank x experts x "
+        "3 (hidden + expert width) a layer); off: such adapters are refused",
+    )
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras: must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass(frozen=True)
 class RunnerConfig:
     """How each rank runs its passes."""
 
@@ -281,3 +307,4 @@ class WorkerConfig:
     runner: RunnerConfig
     max_num_seqs: int
     max_num_batched_tokens: int
+    lora: LoraConfig = field(default_factory=LoraConfig)

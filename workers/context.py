@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from deltaserve.layers.base import AttnMetadata, BatchedAttnMetadata, ForwardContext
+from deltaserve.layers.base import AttnMetadata, BatchedAttnMetadata, ForwardContext, LoraBatch, MoeLoraRoute
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.kernels.gdn.state import StateCapture, StateCaptures
 from deltaserve.layers.kernels.options import KernelOptions
@@ -139,9 +139,12 @@ def build_forward_context(
     logits_indices: np.ndarray,
     prev_tokens: torch.Tensor | None = None,
     kernels: KernelOptions | None = None,
+    num_lora_slots: int = 0,
+    moe_lora_route: MoeLoraRoute = MoeLoraRoute.SKIP,
 ) -> ForwardContext:
     """`prev_tokens`: the previous pass's sampled ids on the device; rows the plan marks in
-    `input_from_prev` take their input id from it (a device-side scatter, no host round trip)."""
+    `input_from_prev` take their input id from it (a device-side scatter, no host round trip).
+    `num_lora_slots`: the adapter slots there are; the plan's `lora_slots` become each token's slot."""
     nd = plan.num_decode_rows
     starts = plan.query_start_loc
     num_decode_tokens = int(starts[nd])
@@ -162,7 +165,14 @@ def build_forward_context(
     if scatter:
         rows = np.flatnonzero(from_prev >= 0)
         arrays += [starts[rows], from_prev[rows]]
+    lora_rows = plan.lora_slots if plan.lora_slots is not None and (plan.lora_slots >= 0).any() else None
+    if lora_rows is not None:
+        arrays.append(np.repeat(lora_rows, np.diff(starts)))
     up = upload(arrays, device)
+    lora = None
+    if lora_rows is not None:
+        active = frozenset(int(s) for s in np.unique(lora_rows) if s >= 0)
+        lora = LoraBatch(up.pop().to(torch.int32), num_lora_slots, active)
     input_ids, positions, slot_mapping, block_tables, seq_lens, state_slots, logits_idx = up[:7]
     block_tables = block_tables.to(torch.int32)
     seq_lens = seq_lens.to(torch.int32)
@@ -205,6 +215,8 @@ def build_forward_context(
         prefill=prefill,
         logits_indices=logits_idx,
         midchunk_capture=midchunk_captures(plan),
+        moe_lora_route=moe_lora_route if lora is not None else MoeLoraRoute.SKIP,
+        lora=lora,
         kernels=kernels or KernelOptions(),
     )
 

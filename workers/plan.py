@@ -94,6 +94,18 @@ class NewRequestData:
 
 
 @dataclass
+class LoraLoad:
+    """An adapter to place in a device slot before the pass runs (the driver picks slots, LRU):
+    `key` names this registration of the adapter (a rank's host cache of loaded adapters is keyed by
+    it), `name` and `path` the adapter folder (PEFT: adapter_config.json + adapter_model.safetensors)."""
+
+    slot: int
+    key: int
+    name: str
+    path: str
+
+
+@dataclass
 class PassPlan:
     pass_id: int
     req_ids: list[str]  # N rows
@@ -131,6 +143,10 @@ class PassPlan:
     # tokens for the request's next verify (with k > 0 every verify row is one)
     num_spec_tokens: int = 0
     draft_rows: np.ndarray | None = None
+    # LoRA: [N] int32, each row's adapter slot (-1: the base model); None: no row has an adapter.
+    # lora_loads: adapters placed in slots before the forward (a slot a row names holds its adapter)
+    lora_slots: np.ndarray | None = None
+    lora_loads: list[LoraLoad] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
     # grammars the workers start compiling now, in the background (requests that will need them

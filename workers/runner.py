@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from deltaserve.layers.base import MoeLoraRoute
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.loader import load_model
@@ -36,6 +37,7 @@ from deltaserve.workers.compile_watch import LateCompileLog
 from deltaserve.workers.config import WorkerConfig
 from deltaserve.workers.context import HostCopy, build_forward_context, logits_rows, upload
 from deltaserve.workers.grammar import GrammarCompiler
+from deltaserve.workers.lora import AdapterSlots
 from deltaserve.workers.plan import PassPlan, PoolSizes, RunnerOutput
 from deltaserve.workers.sampler import LogprobParts, SampledBatch, Sampler
 from deltaserve.workers.spec_decode import SpecDecoder
@@ -74,6 +76,8 @@ class ModelRunner:
             seed=load.seed,
             mtp=config.runner.num_speculative_tokens > 0,
         )
+        # LoRA adapter slots (allocated with the weights, before the pools are sized)
+        self.lora = AdapterSlots(self.model, config.lora) if config.lora.enable_lora else None
         self.pool: StatePool | None = None
         self.spec: SpecDecoder | None = None
         self.verify_graphs = None
@@ -212,6 +216,7 @@ class ModelRunner:
             scratch_page=sizes.num_blocks - 1,
             batch_sizes=tuple(b for b in DEFAULT_BATCH_SIZES if b <= self.config.runner.cuda_graph_max_batch),
             kernels=self.kernels,
+            lora=self.lora,
         )
 
     def _capture_verify_graphs(self):
@@ -262,15 +267,21 @@ class ModelRunner:
         """(logits of the plan's logits rows, their spans, (context, final hidden states) or None when
         a graph ran)."""
         indices, spans = logits_rows(plan)
+        route = self.lora.route(plan.lora_slots) if self.lora is not None else None
         if self.graphs is not None and pool is self.pool and self.graphs.can_run(plan):
             return self.graphs.run(plan, prev_tokens), spans, None
         ctx = build_forward_context(
-            plan, self.model_config, self.layout, self.device, indices, prev_tokens, kernels=self.kernels
-        )
+            plan, self.model_config, self.layout, self.device, indices, prev_tokens, kernels=self.kernels,
+            num_lora_slots=self.num_lora_slots, moe_lora_route=route or MoeLoraRoute.SKIP,
+        )  # fmt: skip
         with torch.inference_mode():
             hidden = self.model(ctx, pool.layer_states)
             logits = self.model.compute_logits(hidden[ctx.logits_indices]) if len(indices) else None
         return logits, spans, (ctx, hidden)
+
+    @property
+    def num_lora_slots(self) -> int:
+        return 0 if self.lora is None else self.lora.num_slots
 
     def execute(self, plan: PassPlan) -> RunnerOutput | None:
         """Run one pass and wait for its output (None on ranks other than TP rank 0)."""
@@ -279,7 +290,7 @@ class ModelRunner:
     def execute_async(self, plan: PassPlan) -> PassOutput:
         """Launch one pass; nothing here waits for the device (on CPU the pass simply runs)."""
         started = time.perf_counter()
-        check_plan_ranges(plan, self.sizes, self.model_config.vocab_size)
+        check_plan_ranges(plan, self.sizes, self.model_config.vocab_size, self.num_lora_slots)
         for spec in plan.grammars:  # compiles start now, in the background
             self.sampler.prepare_grammar(spec)
         prev = self._prev
@@ -294,6 +305,8 @@ class ModelRunner:
             self.sampler.remove(req_id)
         for data in plan.new_requests:
             self.sampler.add(data)
+        if plan.lora_loads:
+            self.lora.place(plan.lora_loads)
         events = self._start_events()
         self._copy_state(plan)
         if (

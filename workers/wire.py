@@ -15,9 +15,20 @@ import msgpack
 import numpy as np
 
 from .config import MAX_SPEC_TOKENS
-from .plan import GrammarSpec, NewRequestData, PassPlan, PoolSizes, RunnerOutput, SamplingSpec, TokenLogprobs
+from .plan import (
+    GrammarSpec,
+    LoraLoad,
+    NewRequestData,
+    PassPlan,
+    PoolSizes,
+    RunnerOutput,
+    SamplingSpec,
+    TokenLogprobs,
+)
 
-WIRE_VERSION = 6  # 6: structured output (grammars to compile, grammars ready, grammar errors)
+# 5: speculative decoding (verify rows, drafts); 6: LoRA slots and loads; 7: structured output
+# (grammars to compile, grammars ready, grammar errors)
+WIRE_VERSION = 7
 
 # A plan's arrays, in buffer order, with their lengths in terms of T tokens, N rows and P pages per
 # block table. One buffer per dtype keeps decoding to three `frombuffer` calls and some slicing
@@ -31,10 +42,11 @@ _INT32_FIELDS = (
     ("block_tables", "N*P"),
     ("next_prompt_token", "N"),  # optional
     ("input_from_prev", "N"),  # optional
+    ("lora_slots", "N"),  # optional
 )
 _INT64_FIELDS = (("slot_mapping", "T"),)
 _BOOL_FIELDS = (("has_initial_state", "N"), ("sample_rows", "N"), ("prompt_logprob_rows", "N"), ("draft_rows", "N"))
-_OPTIONAL = ("next_prompt_token", "input_from_prev", "draft_rows")
+_OPTIONAL = ("next_prompt_token", "input_from_prev", "lora_slots", "draft_rows")
 _BUFFERS = (("int32", np.dtype("<i4"), _INT32_FIELDS), ("int64", np.dtype("<i8"), _INT64_FIELDS),
             ("bool", np.dtype("|b1"), _BOOL_FIELDS))  # fmt: skip
 _PLAN_SCALARS = ("pass_id", "req_ids", "num_decode_rows", "num_tokens", "max_pages", "num_spec_tokens")
@@ -79,6 +91,8 @@ def encode_plan(plan: PassPlan) -> bytes:
         tables[name] = [int(a.shape[0]), a.astype(_I32, copy=False).tobytes()]
     if tables:
         body["tables"] = tables
+    if plan.lora_loads:
+        body["lora_loads"] = [[x.slot, x.key, x.name, x.path] for x in plan.lora_loads]
     body["new_requests"] = [asdict(r) for r in plan.new_requests]
     body["finished_req_ids"] = plan.finished_req_ids
     if plan.grammars:
@@ -121,6 +135,7 @@ def decode_plan(blob: bytes) -> PassPlan:
             if not (isinstance(rows, int) and isinstance(data, bytes) and len(data) == rows * width * 4):
                 raise WireError(f"plan field '{name}' is not {rows!r} rows of {width} int32")
             kwargs[name] = np.frombuffer(data, dtype=_I32).reshape(rows, width)
+        kwargs["lora_loads"] = [LoraLoad(int(a), int(b), str(c), str(d)) for a, b, c, d in body.get("lora_loads", ())]
         kwargs["new_requests"] = [
             NewRequestData(
                 r["req_id"], list(r["prompt_token_ids"]), list(r["output_token_ids"]), SamplingSpec(**r["sampling"])
@@ -203,9 +218,9 @@ def check_spec_engine(plan: PassPlan, num_speculative_tokens: int) -> None:
         raise WireError("plan field 'draft_rows' names rows, but this engine has no speculative decoding")
 
 
-def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int) -> None:
-    """Indices that would address memory outside the pools (or the vocabulary) are rejected before
-    any kernel runs."""
+def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int, num_lora_slots: int = 0) -> None:
+    """Indices that would address memory outside the pools (or the vocabulary, or the adapter slots)
+    are rejected before any kernel runs."""
 
     def out_of(name: str, a: np.ndarray, hi: int, lo: int = 0) -> None:
         if a.size and (a.min() < lo or a.max() >= hi):
@@ -226,6 +241,11 @@ def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int) -> None
                 raise WireError(f"plan field '{name}' names a destination twice")
     if plan.page_copies is not None and len(plan.page_copies):
         out_of("page_copies", plan.page_copies, sizes.num_blocks)
+    if plan.lora_slots is not None:
+        out_of("lora_slots", plan.lora_slots, num_lora_slots, lo=-1)
+    for load in plan.lora_loads:
+        if not 0 <= load.slot < num_lora_slots:
+            raise WireError(f"plan field 'lora_loads' names slot {load.slot} outside [0, {num_lora_slots})")
     if plan.captures is not None and len(plan.captures):
         rows = plan.captures[:, 0]
         out_of("captures", rows, plan.num_rows, lo=plan.num_decode_rows)

@@ -30,6 +30,7 @@ from deltaserve.workers.grammar import parse_grammar
 from deltaserve.workers.plan import GrammarSpec, PassPlan, RunnerOutput
 
 from .allocator import BlockAllocator, StateSlotAllocator
+from .lora import AdapterRegistry, LoRARequest
 from .prefix_cache import CapturePolicy, PrefixCache, SnapshotCache
 from .request import CompletionOutput, FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
@@ -115,9 +116,11 @@ class EngineCore:
         scheduling = dataclasses.replace(
             self.config.scheduler, max_num_seqs=min(config.scheduler.max_num_seqs, self.slots.capacity)
         )
+        self.loras = AdapterRegistry(config.lora, model_config)
         self.scheduler = Scheduler(
-            scheduling, self.blocks, self.slots, self.prefix_cache, num_speculative_tokens=self.num_speculative_tokens
-        )
+            scheduling, self.blocks, self.slots, self.prefix_cache, self.loras,
+            num_speculative_tokens=self.num_speculative_tokens,
+        )  # fmt: skip
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         self._checked_grammars: OrderedDict[str, None] = OrderedDict()
@@ -147,10 +150,16 @@ class EngineCore:
         return self.tokenizer.encode(text)
 
     def make_request(
-        self, req_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        req_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate and build a request (raises ValueError naming the bad field); queues nothing.
-        cache_salt: requests share prefix-cache entries only with requests of the same salt."""
+        cache_salt: requests share prefix-cache entries only with requests of the same salt.
+        lora_request: the adapter it runs on (registered and checked on first use)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.model_config.vocab_size)
@@ -184,8 +193,20 @@ class EngineCore:
         if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 256):
             raise ValueError("cache_salt: must be a string of at most 256 characters")
         grammar = self._check_grammar(params)
-        req = Request(req_id, ids, params, max_tokens, eos_token_ids=self.model_config.eos_token_ids, grammar=grammar)
-        req.cache_key = "salt:" + cache_salt if cache_salt else ""
+        adapter = self.loras.resolve(lora_request)
+        req = Request(
+            req_id,
+            ids,
+            params,
+            max_tokens,
+            eos_token_ids=self.model_config.eos_token_ids,
+            lora=adapter,
+            grammar=grammar,
+        )
+        # requests on different adapters (or none) never share cached blocks or GDN snapshots
+        keys = [adapter.cache_key] if adapter is not None else []
+        keys += ["salt:" + cache_salt] if cache_salt else []
+        req.cache_key = "|".join(keys)
         return req
 
     def _check_grammar(self, params: SamplingParams) -> GrammarSpec | None:
@@ -208,9 +229,14 @@ class EngineCore:
         return spec
 
     def add_request(
-        self, req_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        req_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
-        req = self.make_request(req_id, prompt, params, cache_salt)
+        req = self.make_request(req_id, prompt, params, cache_salt, lora_request)
         self.scheduler.add(req)
         self._prompts[req_id] = prompt if isinstance(prompt, str) else None
         if self.tokenizer is not None:
@@ -222,6 +248,23 @@ class EngineCore:
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
         return req
+
+    # ---- adapters ------------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter (checked against the model: ValueError naming the file and field)."""
+        self.loras.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter; requests running on it finish on it."""
+        return self.loras.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.loras.list()
+
+    def lora_request(self, name: str) -> LoRARequest | None:
+        """The registered adapter of this name, or None (front doors answer NOT_FOUND)."""
+        return self.loras.lookup(name)
 
     def abort(self, req_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(req_id)
@@ -296,10 +339,11 @@ class EngineCore:
         log.error("%s; failing %d requests and restarting the workers", e, len(self.scheduler.requests))
         outputs = self.fail_all(str(e))
         self.executor.restart()
-        # the new workers' pools hold none of the cached pages and snapshots the index names, and
-        # they have compiled no grammar
+        # the new workers' pools hold none of the cached pages and snapshots the index names, nor
+        # adapters, and they have compiled no grammar
         self.scheduler.reset_prefix_cache()
         self.scheduler.reset_grammars()
+        self.loras.reset_device()
         # a restarted group may use another transport (no overlap over a compiled graph)
         self.async_scheduling = self.async_scheduling and overlaps_passes(self.executor)
         return outputs

@@ -37,6 +37,7 @@ from deltaserve.workers.grammar import MAX_CACHED_GRAMMARS
 from deltaserve.workers.plan import GrammarSpec, NewRequestData, PassPlan, RunnerOutput
 
 from .allocator import BlockAllocator, StateSlotAllocator
+from .lora import AdapterRegistry
 from .prefix_cache import Hit, PrefixCache, RequestHashes, Snapshot, root_hash
 from .request import FinishReason, Request, RequestStatus, SampleRef
 from .speculative import SpecStats, speculates
@@ -61,13 +62,16 @@ class Scheduler:
         blocks: BlockAllocator,
         slots: StateSlotAllocator,
         prefix: PrefixCache | None = None,
+        loras: AdapterRegistry | None = None,
         num_speculative_tokens: int = 0,
     ):
-        """`config.max_model_len` is the engine's effective limit (an int); num_speculative_tokens: the
+        """`config.max_model_len` is the engine's effective limit (an int); `loras`: the adapter
+        registry whose device slots requests on adapters pin while they run; num_speculative_tokens: the
         drafts of a verify row (0: no speculative decoding)."""
         self.config = config
         self.blocks = blocks
         self.slots = slots
+        self.loras = loras
         # prefix caching (None: off): the index, snapshot saves waiting for the next plan, and this
         # plan's restores and page copies
         self.prefix = prefix if prefix is not None and prefix.enabled else None
@@ -316,6 +320,9 @@ class Scheduler:
         # after it in stream order (one CUDA stream per worker, passes executed in plan order)
         self.blocks.free(req)
         self.slots.free(req)
+        if req.lora_slot is not None:
+            self.loras.release(req.lora_slot)
+            req.lora_slot = None
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -404,26 +411,37 @@ class Scheduler:
         return self._build_plan(scheduled)
 
     def _admit(self, req: Request, budget: int) -> int | None:
-        """Take pages and a slot for a waiting request and make it running; returns the tokens it
-        runs in this pass, or None when it does not fit (nothing is taken then)."""
+        """Take an adapter slot, pages and a state slot for a waiting request and make it running;
+        returns the tokens it runs in this pass, or None when it does not fit (nothing is taken then)."""
+        if req.lora is not None and req.lora_slot is None:
+            req.lora_slot = self.loras.acquire(req.lora)
+            if req.lora_slot is None:
+                return None  # every adapter slot is pinned by running requests on other adapters
         if self.prefix is not None:
             want = self._admit_from_cache(req, budget)
             if want is None:
+                self._unpin_adapter(req)
                 return None
         else:
             want = req.num_tokens - req.num_computed_tokens
-            if want > budget:
-                if not self.config.enable_chunked_prefill:
-                    return None
-                want = budget
-            if not self.blocks.can_grow(req, want):
+            cfg = self.config
+            if want > budget and not cfg.enable_chunked_prefill or not self.blocks.can_grow(req, min(want, budget)):
+                self._unpin_adapter(req)
                 return None
+            want = min(want, budget)
             self.slots.allocate(req)
             self.blocks.grow(req, want)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self._plan_drafting(req, want)
         return want
+
+    def _unpin_adapter(self, req: Request) -> None:
+        """A waiting request that was not admitted gives its adapter slot back (the load, if the slot
+        was just assigned, still reaches the next plan: harmless)."""
+        if req.lora_slot is not None:
+            self.loras.release(req.lora_slot)
+            req.lora_slot = None
 
     def _tokens_wanted(self, req: Request) -> int:
         """Tokens `req` could run in the next pass: its uncomputed tokens, or (async scheduling) one
@@ -591,6 +609,12 @@ class Scheduler:
             input_from_prev=(
                 np.asarray(from_prev + [-1] * len(prefill), dtype=np.int32) if any(j >= 0 for j in from_prev) else None
             ),
+            lora_slots=(
+                np.asarray([-1 if r.lora_slot is None else r.lora_slot for r, _ in rows], dtype=np.int32)
+                if any(r.lora_slot is not None for r, _ in rows)
+                else None
+            ),
+            lora_loads=self.loras.take_loads() if self.loras is not None else [],
             new_requests=new_requests,
             finished_req_ids=self._finished_since_last_plan,
             grammars=list(self._grammars_to_send.values()),
