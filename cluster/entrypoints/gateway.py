@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deltaserve.cluster.core.request import RequestOutput
-from deltaserve.cluster.core.sampling_params import SamplingParams
+from deltaserve.cluster.core.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.protos import generation_pb2 as pb
 from deltaserve.protos import generation_pb2_grpc
 from deltaserve.workers.plan import TokenLogprobs
@@ -319,6 +319,11 @@ def _sampling_params(message: pb.SamplingParams) -> SamplingParams:
     for name in ("stop", "stop_token_ids"):
         if name in fields:
             fields[name] = list(fields[name])
+    if "structured_outputs" in fields:
+        constraint = {descriptor.name: value for descriptor, value in fields["structured_outputs"].ListFields()}
+        if "choice" in constraint:
+            constraint["choice"] = list(constraint["choice"])
+        fields["structured_outputs"] = StructuredOutputsParams(**constraint)
     return SamplingParams(**fields)
 
 
