@@ -2,7 +2,7 @@
 engine.generate(prompt, params, request_id)`) streams cumulative, delta or final outputs whose last
 one equals LLM.generate's; leaving the loop aborts the request; logprobs are {token id: Logprob}
 dicts with the chosen token first; and the metrics export the engine's counters under vLLM's names
-(speculative decoding's included, once the engine reports them)."""
+(speculative decoding's included, from a speculating engine)."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def reference(tiny_chat_model):
     llm.shutdown()
 
 
-def run(tiny_chat_model, body):
+def run(tiny_chat_model, body, **settings):
     async def main():
-        engine = await AsyncEngine.local(EngineConfig.from_kwargs(model=str(tiny_chat_model)))
+        engine = await AsyncEngine.local(EngineConfig.from_kwargs(model=str(tiny_chat_model), **settings))
         try:
             return await body(engine)
         finally:
@@ -122,7 +122,7 @@ def test_engine_metrics_use_vllm_names_and_take_spec_decode_counters():
         "preemptions": 4,
         "passes": 99,
         "prefix_cache": {"enabled": True, "query_tokens": 100, "hit_tokens": 60, "snapshots_held": 2},
-        "spec_decode": None,
+        "spec_decode": {"enabled": False},  # what EngineCore.speculative_stats() says without speculation
     }
     metrics.update_engine(stats)
     values = parse(metrics.render())
@@ -139,6 +139,32 @@ def test_engine_metrics_use_vllm_names_and_take_spec_decode_counters():
     assert values["vllm:spec_decode_num_drafts_total"] == 10
     assert values["vllm:spec_decode_num_draft_tokens_total"] == 30
     assert values["vllm:spec_decode_num_accepted_tokens_total"] == 21
+
+
+def test_a_speculating_engine_exports_its_acceptance_counters(tiny_chat_model):
+    """The MTP head's counters (EngineCore.speculative_stats) reach /metrics under vLLM's names."""
+
+    async def body(engine):
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        async for _ in engine.generate("hello world", params, "spec"):
+            pass
+        return (await engine.stats())["spec_decode"], (await engine.render_metrics()).decode()
+
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    stats, text = run(tiny_chat_model, body, speculative_config=spec, enable_prefix_caching=False)
+    assert stats["enabled"] and stats["num_drafts"] > 0
+    samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+    value = {s.name: s.value for s in samples if "position" not in s.labels}
+    assert value["vllm:spec_decode_num_drafts_total"] == stats["num_drafts"]
+    assert value["vllm:spec_decode_num_draft_tokens_total"] == stats["num_draft_tokens"] == 2 * stats["num_drafts"]
+    assert value["vllm:spec_decode_num_accepted_tokens_total"] == stats["num_accepted_tokens"]
+    per_position = {
+        int(s.labels["position"]): s.value
+        for s in samples
+        if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    }
+    assert per_position == dict(enumerate(stats["accepted_per_position"]))
+    assert sum(per_position.values()) == stats["num_accepted_tokens"]
 
 
 def parse(text: bytes) -> dict[str, float]:

@@ -1,11 +1,14 @@
 """`deltaserve serve` (a subprocess on 127.0.0.1, the tiny model with the demo's chat template) through
 the real `openai` client: completions and chat completions, streamed and not, give the same tokens as
 gRPC and LLM.generate / LLM.chat for the same request; bad input is a 400 naming the field and the
-server keeps serving; a client that leaves aborts its request (the pool frees); /metrics, parsed by
-prometheus_client, counts exactly what a `bench serve --backend openai` run sent and received."""
+server keeps serving; a client that leaves aborts its request (the pool frees); OpenAI's
+`response_format` and vLLM's `structured_outputs` constrain the output as SamplingParams'
+structured_outputs does in LLM.generate; /metrics, parsed by prometheus_client, counts exactly what a
+`bench serve --backend openai` run sent and received."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,12 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from logprob_checks import assert_entries_close
 from prometheus_client.parser import text_string_to_metric_families
 
-from deltaserve import LLM, SamplingParams
+from deltaserve import LLM, SamplingParams, StructuredOutputsParams
 from deltaserve.cli import main
 from deltaserve.cluster.entrypoints.client import Chunk, Final, GenerationClient
 
@@ -31,6 +35,12 @@ MODEL = "tiny-chat"
 STARTUP_TIMEOUT_S = 90
 LONG = dict(max_tokens=400, temperature=0, extra_body={"ignore_eos": True})  # a second or more on CPU
 CHAT = [{"role": "system", "content": "hello world"}, {"role": "user", "content": "the quick brown fox"}]
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["ok", "n"],
+}
+CHOICES = ["yes", "no", "maybe so"]
 
 
 @dataclass
@@ -265,6 +275,42 @@ def test_models_and_an_unknown_model(server, client):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+# ---- structured output -----------------------------------------------------------------------------------
+def constrained(**constraint) -> dict:
+    return dict(structured_outputs=StructuredOutputsParams(**constraint))
+
+
+def test_response_format_equals_llm_chat_with_structured_outputs(client, reference):
+    greedy = dict(temperature=0, max_tokens=80)  # the schema's object closes after 55 tokens
+    for response_format, constraint in [
+        ({"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA, "strict": True}}, {"json": SCHEMA}),
+        ({"type": "json_object"}, {"json_object": True}),  # the random model stays inside a string: length
+    ]:
+        (want,) = reference.chat(CHAT, SamplingParams(**greedy, **constrained(**constraint)), use_tqdm=False)
+        got = client.chat.completions.create(
+            model=MODEL, messages=CHAT, response_format=response_format, extra_body={"return_token_ids": True}, **greedy
+        ).choices[0]
+        assert (got.token_ids, got.message.content) == (want.outputs[0].token_ids, want.outputs[0].text)
+        assert got.finish_reason == want.outputs[0].finish_reason
+        if got.finish_reason == "stop":
+            jsonschema.validate(json.loads(got.message.content), SCHEMA)
+        assert response_format["type"] == "json_object" or got.finish_reason == "stop"
+
+
+def test_structured_outputs_field_equals_llm_generate_streamed(client, reference):
+    """vLLM's `structured_outputs` body field, on completions, sampled and streamed."""
+    sampling = dict(temperature=1.0, seed=5, max_tokens=20)
+    for constraint in ({"choice": CHOICES}, {"regex": r"[a-z]{2,6}-[0-9]{2}"}):
+        (want,) = reference.generate(["hello"], SamplingParams(**sampling, **constrained(**constraint)), use_tqdm=False)
+        text = ""
+        for chunk in client.completions.create(
+            model=MODEL, prompt="hello", stream=True, extra_body={"structured_outputs": constraint}, **sampling
+        ):
+            text += chunk.choices[0].text
+        assert text == want.outputs[0].text
+    assert text != "" and want.outputs[0].finish_reason == "stop"
+
+
 # ---- bad input ------------------------------------------------------------------------------------------
 BAD = [
     ("completions", b'{"model": "tiny-chat", "prompt": "hi", "max_tokens": 4', "body"),  # malformed JSON
@@ -284,6 +330,21 @@ BAD = [
     ("chat/completions", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ("chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"prompt": "hi", "request_id": "r" * 300}, "request_id"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    (
+        "chat/completions",
+        {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}},
+        "response_format.json_schema.schema",
+    ),
+    ("completions", {"prompt": "hi", "structured_outputs": {"regexp": "a+"}}, "structured_outputs.regexp"),
+    ("completions", {"prompt": "hi", "structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ("completions", {"prompt": "hi", "structured_outputs": {}}, "structured_outputs"),
+    (
+        "completions",
+        {"prompt": "hi", "structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
+        "structured_outputs",
+    ),
 ]
 
 

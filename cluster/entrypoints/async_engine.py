@@ -21,17 +21,19 @@ from collections.abc import AsyncIterator
 
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.core.engine import ModelInfo
+from deltaserve.cluster.core.lora import LoRARequest
 from deltaserve.cluster.core.request import CompletionOutput, RequestOutput
 from deltaserve.cluster.core.sampling_params import RequestOutputKind, SamplingParams
+from deltaserve.workers.config import short
 
 from . import validation
 from .chat_template import ChatTemplate
-from .driver import Driver, EngineLoop, EngineStartError, EngineUnavailableError, QueueFullError
+from .driver import AdapterNotFoundError, Driver, EngineLoop, EngineStartError, EngineUnavailableError, QueueFullError
 from .metrics import RequestTimer, ServingMetrics
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineUnavailableError", "QueueFullError"]
+__all__ = ["AdapterNotFoundError", "AsyncEngine", "EngineUnavailableError", "QueueFullError"]
 
 
 class AsyncEngine:
@@ -109,12 +111,15 @@ class AsyncEngine:
                 self._dispatch(out)
 
     # ---- requests ------------------------------------------------------------------------------
-    async def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> int:
-        """Queue a request (ValueError / QueueFullError / EngineUnavailableError before queueing)."""
+    async def submit(
+        self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None
+    ) -> int:
+        """Queue a request (ValueError / AdapterNotFoundError / QueueFullError / EngineUnavailableError
+        before queueing). lora_name: the loaded adapter it runs on (None: the base model)."""
         try:
             self._check_up()
             if req_id in self._streams:  # replacing the queue would cut the live request's stream off
-                raise ValueError(f"request_id: {req_id!r} is already in use")
+                raise ValueError(f"request_id: {short(req_id, 80)} is already in use")
         except Exception as e:
             self._refused(e)
             raise
@@ -122,8 +127,8 @@ class AsyncEngine:
         self._timers[req_id] = self.metrics.start()
         try:
             if self.backend == "local":
-                return self._loop_engine.submit(req_id, prompt, params)
-            submitted = asyncio.ensure_future(self._driver.submit.remote(req_id, prompt, params))
+                return self._loop_engine.submit(req_id, prompt, params, lora_name)
+            submitted = asyncio.ensure_future(self._driver.submit.remote(req_id, prompt, params, lora_name))
             try:
                 return await asyncio.shield(submitted)
             except asyncio.CancelledError:
@@ -167,13 +172,19 @@ class AsyncEngine:
                 await self.abort(req_id)
 
     async def generate(
-        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """vLLM's AsyncLLM.generate: RequestOutputs until the request finishes, whole so far
         (`output_kind` CUMULATIVE, the default), only what each step added (DELTA) or only the last
         (FINAL_ONLY). Bad input raises ValueError naming the field before anything is queued;
-        leaving the loop early (or cancelling the task) aborts the request."""
-        await self.submit(request_id, prompt, sampling_params)
+        leaving the loop early (or cancelling the task) aborts the request. `lora_request`: a loaded
+        adapter to run on (by its name: AdapterNotFoundError when none of that name is loaded)."""
+        lora_name = lora_request.lora_name if lora_request is not None else None
+        await self.submit(request_id, prompt, sampling_params, lora_name)
         kind = sampling_params.output_kind
         text, token_ids, logprobs = "", [], []
         async with contextlib.aclosing(self.stream(request_id)) as outputs:
@@ -228,6 +239,34 @@ class AsyncEngine:
         else:
             await self._driver.abort.remote(req_id)
 
+    # ---- adapters ------------------------------------------------------------------------------
+    async def lora_request(self, name: str) -> LoRARequest | None:
+        """The loaded adapter of this name, or None (the HTTP `model` field's lookup)."""
+        return next((r for r in await self.list_loras() if r.lora_name == name), None)
+
+    async def list_loras(self) -> list[LoRARequest]:
+        self._check_up()
+        if self.backend == "local":
+            return self._loop_engine.list_loras()
+        return await self._driver.list_loras.remote()
+
+    async def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Load an adapter under `name` (ValueError naming the file and field when it cannot be served)."""
+        return await self._adapter_call("load_lora", name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload an adapter (AdapterNotFoundError for a name not loaded)."""
+        await self._adapter_call("unload_lora", name)
+
+    async def _adapter_call(self, method: str, *args):
+        self._check_up()
+        try:
+            if self.backend == "local":
+                return await asyncio.to_thread(getattr(self._loop_engine, method), *args)
+            return await getattr(self._driver, method).remote(*args)
+        except BaseException as e:
+            raise _unwrap(e) from None
+
     # ---- queries -------------------------------------------------------------------------------
     async def tokenize(self, text: str) -> list[int]:
         self._check_up()
@@ -268,12 +307,16 @@ class AsyncEngine:
         except Exception:
             return False
 
+    @property
+    def failed(self) -> str | None:
+        """Why the engine went down (the driver actor died, the engine loop failed), else None."""
+        return self.failure or (self._loop_engine.failure if self._loop_engine else None)
+
     def _check_up(self) -> None:
         if self._closing:
             raise EngineUnavailableError("the engine is shutting down")
-        failure = self.failure or (self._loop_engine.failure if self._loop_engine else None)
-        if failure:
-            raise EngineUnavailableError(failure)
+        if self.failed:
+            raise EngineUnavailableError(self.failed)
 
     @property
     def num_streams(self) -> int:
@@ -287,11 +330,15 @@ class AsyncEngine:
             await asyncio.to_thread(self._loop_engine.stop)
         else:
             import ray
+            from ray.exceptions import RayError
 
             try:
                 await self._driver.shutdown.remote()
+            except RayError as e:  # the driver actor is gone already: nothing of it to stop
+                log.info("driver actor already gone at shutdown: %s", type(e).__name__)
             finally:
-                ray.kill(self._driver)
+                with contextlib.suppress(Exception):
+                    ray.kill(self._driver)
 
 
 def served_model_name(config: EngineConfig) -> str:
@@ -318,6 +365,6 @@ def _with_completion(out: RequestOutput, text: str, token_ids: list[int], logpro
 def _unwrap(e: BaseException) -> BaseException:
     """A Ray task error carries the driver's exception as its cause: surface that one."""
     cause = getattr(e, "cause", None)
-    if isinstance(cause, ValueError | QueueFullError | EngineUnavailableError):
+    if isinstance(cause, ValueError | QueueFullError | EngineUnavailableError | AdapterNotFoundError):
         return cause
     return e

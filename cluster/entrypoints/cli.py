@@ -106,8 +106,11 @@ def front_doors(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from .startup import check_lora_modules
+
     try:
         config = checked_config(args, args.backend, args.ray_address)
+        args.lora_modules = check_lora_modules(config, args.lora_modules)
         doors = front_doors(args)
     except ValueError as e:
         return refuse("serve", e)
@@ -122,6 +125,13 @@ async def _serve(config: EngineConfig, doors, args: argparse.Namespace) -> int:
     stack = await start_or_report("serve", config, doors, args.backend)
     if stack is None:
         return 1
+    for name, path in args.lora_modules:  # checked before start-up; loading reads them again
+        try:
+            await stack.engine.load_lora(name, path)
+        except Exception as e:
+            print(f"deltaserve serve: --lora-modules {name}: {str(e)[:300]}", file=sys.stderr, flush=True)
+            await stack.stop(0)
+            return 2
     info = await stack.engine.info()
     where = ", ".join(f"{name} {doors.host}:{port}" for name, port in stack.ports.items())
     print(
@@ -140,7 +150,11 @@ async def _serve(config: EngineConfig, doors, args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     print("deltaserve: draining in-flight requests", flush=True)
-    await stack.stop()
+    failed = await stack.stop()
+    if failed:  # e.g. the driver actor died: a stop, not a crash, but a supervisor should hear of it
+        print(f"deltaserve: stopped; the engine had failed before: {failed}", file=sys.stderr, flush=True)
+        return 1
+    print("deltaserve: stopped", flush=True)
     return 0
 
 
@@ -307,6 +321,14 @@ def add_parsers(sub) -> None:
         default="ray",
         choices=["ray", "local"],
         help="ray: driver actor + worker actors; local: the engine in this process",
+    )
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) to load at start-up, each served under its name (needs --enable-lora)",
     )
     serve.add_argument("--ray-address", default=None, help="join this Ray cluster (default: RAY_ADDRESS or local)")
     serve.add_argument("--port-file", default=None, help="write the bound gRPC port here once serving")

@@ -100,12 +100,13 @@ class GenerationClient(_Connection):
         *,
         request_id: str = "",
         timeout_s: float | None = None,
+        lora_name: str = "",
         **sampling,
     ) -> Iterator[Chunk | Final]:
-        """Chunks as they arrive, then the Final; `timeout_s` bounds the whole stream."""
-        call = self._stub.Generate(
-            generate_request(prompt, request_id, **sampling), timeout=timeout_s, metadata=self._metadata
-        )
+        """Chunks as they arrive, then the Final; `timeout_s` bounds the whole stream; `lora_name`: a
+        loaded adapter to run on."""
+        request = generate_request(prompt, request_id, lora_name=lora_name, **sampling)
+        call = self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
         try:
             for response in call:
                 yield from_response(response)
@@ -119,6 +120,18 @@ class GenerationClient(_Connection):
 
     def model_info(self, *, timeout_s: float | None = None) -> pb.ModelInfo:
         return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, metadata=self._metadata)
+
+    def load_lora_adapter(self, name: str, path: str, *, timeout_s: float | None = None) -> pb.LoraAdapter:
+        request = pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        return self._stub.LoadLoraAdapter(request, timeout=timeout_s, metadata=self._metadata)
+
+    def unload_lora_adapter(self, name: str, *, timeout_s: float | None = None) -> None:
+        request = pb.UnloadLoraAdapterRequest(lora_name=name)
+        self._stub.UnloadLoraAdapter(request, timeout=timeout_s, metadata=self._metadata)
+
+    def list_lora_adapters(self, *, timeout_s: float | None = None) -> list[pb.LoraAdapter]:
+        request = pb.ListLoraAdaptersRequest()
+        return list(self._stub.ListLoraAdapters(request, timeout=timeout_s, metadata=self._metadata).adapters)
 
     def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
         """SERVING or NOT_SERVING (grpc.health.v1); "" is the whole server."""
@@ -148,11 +161,11 @@ class AsyncGenerationClient(_Connection):
         *,
         request_id: str = "",
         timeout_s: float | None = None,
+        lora_name: str = "",
         **sampling,
     ) -> AsyncIterator[Chunk | Final]:
-        call = self._stub.Generate(
-            generate_request(prompt, request_id, **sampling), timeout=timeout_s, metadata=self._metadata
-        )
+        request = generate_request(prompt, request_id, lora_name=lora_name, **sampling)
+        call = self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
         try:
             async for response in call:
                 yield from_response(response)
@@ -230,14 +243,16 @@ def summary_line(final: Final, elapsed_s: float) -> str:
 
 
 def generate_request(
-    prompt: str | Sequence[int] | Sequence[dict], request_id: str = "", **sampling
+    prompt: str | Sequence[int] | Sequence[dict], request_id: str = "", *, lora_name: str = "", **sampling
 ) -> pb.GenerateRequest:
-    """The GenerateRequest for a prompt (text, token ids or chat messages) and SamplingParams keywords
-    (None: the server's default)."""
+    """The GenerateRequest for a prompt (text, token ids or chat messages), the adapter to run on ("" the
+    base model) and SamplingParams keywords (None: the server's default)."""
     sampling = {name: value for name, value in sampling.items() if value is not None}
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
-    request = pb.GenerateRequest(request_id=request_id, sampling_params=pb.SamplingParams(**sampling))
+    request = pb.GenerateRequest(
+        request_id=request_id, sampling_params=pb.SamplingParams(**sampling), lora_name=lora_name
+    )
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and isinstance(prompt[0], dict):

@@ -6,7 +6,9 @@ error object: 400 naming the field (malformed JSON, a wrong type, an unknown fie
 SamplingParams or the engine refuses), 401 without the API key, 404 for an unknown model, 429 when
 the waiting queue is full, 503 while the engine is down. A client that disconnects aborts its request
 (its pages and state slot free on the next engine step), streamed or not. `--api-key` guards the
-/v1 routes and /tokenize (health and metrics stay open, as vLLM's do).
+/v1 routes and /tokenize (health and metrics stay open, as vLLM's do). `model` names the served model
+or a loaded LoRA adapter (as vLLM: /v1/models lists both); `response_format` (OpenAI's) or
+`structured_outputs` (vLLM's) constrain the output.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from deltaserve.cluster.core.sampling_params import SamplingParams
+
 from . import openai_protocol as api
 from . import validation
-from .async_engine import AsyncEngine
+from .async_engine import AdapterNotFoundError, AsyncEngine
 from .metrics import CONTENT_TYPE
 from .openai_serving import Job, RequestFailedError, collect, stream_events
 from .validation import ErrorKind, ModelNotFoundError
@@ -120,12 +124,23 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
         )
-        return api.ModelList(data=[card])
+        adapters = [
+            api.ModelCard(
+                id=lora.lora_name,
+                created=api.now(),
+                root=lora.path,
+                parent=engine.model_name,
+                max_model_len=info.max_model_len,
+                vocab_size=info.vocab_size,
+            )
+            for lora in await engine.list_loras()
+        ]
+        return api.ModelList(data=[card, *adapters])
 
     @app.post("/tokenize")
     async def tokenize(body: api.TokenizeRequest):
         try:
-            _check_model(engine, body.model)
+            await _adapter_for(engine, body.model)
             tokens = await engine.tokenize(body.prompt)
             info = await engine.info()
         except Exception as e:
@@ -137,8 +152,9 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
         try:
             prompt = _single_prompt(body)
             params = validation.sampling_params(body.sampling_fields(body.max_tokens, body.logprobs))
+            lora = await _adapter_for(engine, body.model)
             job = _job(engine, body, "cmpl", chat=False, logprobs=body.logprobs)
-            await engine.submit(job.req_id, prompt, params)
+            await _submit(job, prompt, params, lora, _renames(body))
         except Exception as e:
             return await response_for(engine, e)
         return await _answer(job, body.stream, request)
@@ -146,11 +162,10 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: api.ChatCompletionRequest, request: Request):
         try:
-            if body.response_format is not None and body.response_format.get("type") != "text":
-                raise ValueError("response_format: only {'type': 'text'} is supported")
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             k = (body.top_logprobs or 0) if body.logprobs else None
             params = validation.sampling_params(body.sampling_fields(max_tokens, k))
+            lora = await _adapter_for(engine, body.model)
             job = _job(engine, body, "chatcmpl", chat=True, logprobs=k)
             prompt = engine.render_chat(
                 [m.for_template() for m in body.messages],
@@ -159,13 +174,10 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
                 tools=body.tools if body.tool_choice != "none" else None,
                 chat_template_kwargs=body.chat_template_kwargs,
             )
-            try:
-                await engine.submit(job.req_id, prompt, params)
-            except ValueError as e:  # the rendered prompt is the messages' doing
-                field = validation.field_of(str(e))
-                if field in ("prompt", "prompt_token_ids"):
-                    raise ValueError("messages" + str(e)[len(field) :]) from None
-                raise
+            # the rendered prompt is the messages' doing
+            await _submit(
+                job, prompt, params, lora, {"prompt": "messages", "prompt_token_ids": "messages"} | _renames(body)
+            )
         except Exception as e:
             return await response_for(engine, e)
         return await _answer(job, body.stream, request)
@@ -173,11 +185,37 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
     return app
 
 
-def _check_model(engine: AsyncEngine, model: str | None) -> None:
-    if model is not None and model != engine.model_name:
+async def _adapter_for(engine: AsyncEngine, model: str | None) -> str | None:
+    """The LoRA adapter `model` names (None: the base model); ModelNotFoundError for anything else."""
+    if model is None or model == engine.model_name:
+        return None
+    if await engine.lora_request(model) is None:
         raise ModelNotFoundError(
             f"model: {validation.brief(model, 100)!r} is not served here (try {engine.model_name!r})"
         )
+    return model
+
+
+def _renames(body: api.SamplingFields) -> dict[str, str]:
+    """Engine field names -> the request's, where the request spelled the setting its own way."""
+    if not body.response_format or body.response_format.get("type") == "text":  # checked by sampling_fields
+        return {}
+    return {"structured_outputs.json": "response_format.json_schema.schema", "structured_outputs": "response_format"}
+
+
+async def _submit(
+    job: Job, prompt: str | list[int], params: SamplingParams, lora: str | None, renames: dict[str, str]
+) -> None:
+    """Queue the job's request; an error names the field as this request spelled it."""
+    try:
+        await job.engine.submit(job.req_id, prompt, params, lora)
+    except AdapterNotFoundError:  # unloaded since the lookup
+        raise ModelNotFoundError(f"model: {validation.brief(lora, 100)!r} is no longer loaded") from None
+    except ValueError as e:
+        field = validation.field_of(str(e))
+        if field in renames:
+            raise ValueError(renames[field] + str(e)[len(field) :]) from None
+        raise
 
 
 def _single_prompt(body: api.CompletionRequest) -> str | list[int]:
@@ -196,7 +234,6 @@ def _single_prompt(body: api.CompletionRequest) -> str | list[int]:
 
 
 def _job(engine: AsyncEngine, body: api.SamplingFields, prefix: str, *, chat: bool, logprobs: int | None) -> Job:
-    _check_model(engine, body.model)
     options = body.stream_options
     if options is not None and not body.stream:
         raise ValueError("stream_options: only with stream=true")
@@ -204,7 +241,7 @@ def _job(engine: AsyncEngine, body: api.SamplingFields, prefix: str, *, chat: bo
     return Job(
         engine,
         req_id,
-        engine.model_name,
+        body.model or engine.model_name,  # the adapter's name when it names one
         chat,
         logprobs,
         return_token_ids=body.return_token_ids,

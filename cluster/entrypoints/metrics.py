@@ -7,8 +7,8 @@ Two sources, both exposed from the process that serves HTTP (one registry per As
 - the engine, read from `EngineLoop.stats()` (in the Ray driver actor under `serve`) when /metrics is
   scraped: requests running and waiting, KV-cache usage, preemptions, prefix-cache queries and hits,
   and deltaserve's own GDN state slots in use. Speculative decoding's counters are exported under
-  vLLM's names once the engine reports them (`stats()["spec_decode"]`: num_drafts, num_draft_tokens,
-  num_accepted_tokens).
+  vLLM's names when the engine speculates (`stats()["spec_decode"]`, EngineCore.speculative_stats():
+  num_drafts, num_draft_tokens, num_accepted_tokens, and accepted tokens per draft position).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)  # fmt: skip
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-# stats()["spec_decode"] key -> vLLM's counter name (the speculative decoder fills these)
+# stats()["spec_decode"] key -> vLLM's counter name (absent while the engine does not speculate)
 SPEC_DECODE_COUNTERS = {
     "num_drafts": ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
     "num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
@@ -182,6 +182,16 @@ class EngineCollector:
                 "GDN state snapshots the prefix cache holds.",
                 prefix["snapshots_held"],
             )
-        for key, value in (stats.get("spec_decode") or {}).items():
+        spec = stats.get("spec_decode") or {}
+        for key, value in spec.items():
             if key in SPEC_DECODE_COUNTERS:
                 yield counter(*SPEC_DECODE_COUNTERS[key], value)
+        if spec.get("accepted_per_position") is not None:
+            family = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                labels=[*labels, "position"],
+            )
+            for position, accepted in enumerate(spec["accepted_per_position"]):
+                family.add_metric([*values, str(position)], accepted)
+            yield family

@@ -3,7 +3,9 @@
 Requests refuse unknown fields (a typo is a 400 naming it, not a silently ignored setting); the
 fields beyond OpenAI's are vLLM's extensions by vLLM's names (top_k, min_p, repetition_penalty,
 min_tokens, stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens,
-return_token_ids, chat_template_kwargs, add_generation_prompt, continue_final_message).
+return_token_ids, structured_outputs, chat_template_kwargs, add_generation_prompt,
+continue_final_message). OpenAI's `response_format` and vLLM's `structured_outputs` both become
+SamplingParams.structured_outputs.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deltaserve.cluster.core.sampling_params import MAX_LOGPROBS
+from deltaserve.cluster.core.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 
 from .validation import CHAT_ROLES
 
@@ -26,6 +28,17 @@ class Strict(BaseModel):
 class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs` request field: exactly one constraint (StructuredOutputsParams checks)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # BaseModel has a .json
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class SamplingFields(Strict):
@@ -54,6 +67,9 @@ class SamplingFields(Strict):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     request_id: str | None = None
+    # OpenAI's (chat completions; vLLM takes it on completions too) and vLLM's constraint on the output
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def sampling_fields(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         """The SamplingParams fields this request sets (the rest keep SamplingParams' defaults)."""
@@ -81,6 +97,13 @@ class SamplingFields(Strict):
             "stop_token_ids": self.stop_token_ids,
         }
         fields.update({name: value for name, value in optional.items() if value is not None})
+        constraint = StructuredOutputsParams.from_response_format(self.response_format)
+        if self.structured_outputs is not None:
+            if constraint is not None:
+                raise ValueError("structured_outputs: give it or a json response_format, not both")
+            constraint = StructuredOutputsParams(**self.structured_outputs.model_dump(exclude_none=True, by_alias=True))
+        if constraint is not None:
+            fields["structured_outputs"] = constraint
         return fields
 
 
@@ -127,7 +150,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's extensions
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -254,6 +276,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "deltaserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
     vocab_size: int | None = None  # deltaserve's: what random-token benchmarks draw ids below
 

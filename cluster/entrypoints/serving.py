@@ -24,7 +24,8 @@ class Stack:
     metrics: object | None = None
     ports: dict[str, int] = field(default_factory=dict)  # bound: grpc, http, metrics
 
-    async def stop(self, grace_s: float | None = None) -> None:
+    async def stop(self, grace_s: float | None = None) -> str | None:
+        """Drain and stop the front doors, then the engine; returns why the engine had failed, if it had."""
         grace = self.doors.grace_s if grace_s is None else grace_s
         try:
             if self.gateway is not None:
@@ -33,7 +34,9 @@ class Stack:
                 if server is not None:
                     await server.stop()
         finally:
+            failed = self.engine.failed  # read before shutdown, which marks the engine closing
             await self.engine.shutdown()
+        return failed
 
 
 async def start_stack(config: EngineConfig, doors: FrontDoors, backend: str) -> Stack:

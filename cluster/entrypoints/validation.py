@@ -17,7 +17,7 @@ from typing import Any
 from deltaserve.cluster.core.sampling_params import SamplingParams
 from deltaserve.workers.config import short
 
-from .driver import EngineUnavailableError, QueueFullError
+from .driver import AdapterNotFoundError, EngineUnavailableError, QueueFullError
 
 MAX_REQUEST_ID_LEN = 256
 MAX_ERROR_CHARS = 512
@@ -31,7 +31,7 @@ _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
 class ErrorKind(enum.Enum):
     INVALID = "invalid"  # a bad field: gRPC INVALID_ARGUMENT, HTTP 400
-    NOT_FOUND = "not_found"  # an unknown model: NOT_FOUND, 404
+    NOT_FOUND = "not_found"  # an unknown model or LoRA adapter: NOT_FOUND, 404
     QUEUE_FULL = "queue_full"  # RESOURCE_EXHAUSTED, 429
     UNAVAILABLE = "unavailable"  # the engine is down: UNAVAILABLE, 503
 
@@ -42,7 +42,7 @@ class ModelNotFoundError(ValueError):
 
 def classify(error: BaseException) -> ErrorKind | None:
     """The kind of an error raised before anything was queued; None for anything else (a bug)."""
-    if isinstance(error, ModelNotFoundError):
+    if isinstance(error, ModelNotFoundError | AdapterNotFoundError):
         return ErrorKind.NOT_FOUND
     if isinstance(error, ValueError):
         return ErrorKind.INVALID

@@ -1,6 +1,6 @@
 """deltaserve: a serving engine for hybrid linear-attention LLMs.
 
-from deltaserve import LLM, SamplingParams
+from deltaserve import LLM, SamplingParams, StructuredOutputsParams
 
 The names below load on first use, so that `import deltaserve` (and the thin `deltaserve generate`
 client) does not import torch.
@@ -15,7 +15,9 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "AsyncEngine",
+    "LoRARequest",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",
@@ -26,7 +28,9 @@ __all__ = [
 _LAZY = {
     "LLM": "deltaserve.cluster.entrypoints.llm",
     "AsyncEngine": "deltaserve.cluster.entrypoints.async_engine",
+    "LoRARequest": "deltaserve.cluster.core.lora",
     "SamplingParams": "deltaserve.cluster.core.sampling_params",
+    "StructuredOutputsParams": "deltaserve.cluster.core.sampling_params",
     "RequestOutputKind": "deltaserve.cluster.core.sampling_params",
     "RequestOutput": "deltaserve.cluster.core.request",
     "CompletionOutput": "deltaserve.cluster.core.request",
@@ -34,8 +38,9 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from deltaserve.cluster.core.lora import LoRARequest
     from deltaserve.cluster.core.request import CompletionOutput, Logprob, RequestOutput
-    from deltaserve.cluster.core.sampling_params import RequestOutputKind, SamplingParams
+    from deltaserve.cluster.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
     from deltaserve.cluster.entrypoints.async_engine import AsyncEngine
     from deltaserve.cluster.entrypoints.llm import LLM
 
