@@ -48,9 +48,11 @@ def pairs_config(hidden_size: int, inter: int, info: DeviceInfo) -> dict:
     )
 
 
-def sorted_config(num_pairs: int, num_experts: int, elem: int, info: DeviceInfo) -> dict:
+def sorted_config(num_pairs: int, num_experts: int, elem: int, info: DeviceInfo, fp8: bool = False) -> dict:
     """The sorted path's tiles for this device: block_m, and up / down block_n, block_k, num_warps,
-    num_stages. Other GPUs: the H200's, each pipeline as deep as their shared memory holds."""
+    num_stages. Other GPUs: the H200's, each pipeline as deep as their shared memory holds. fp8
+    (one-byte operands, unmeasured): the same tiles with twice the K step (the same bytes a
+    stage), at most one 128-column scale group."""
     if info.is_interpreter:
         tiles = dict(block_n=16, block_k=16, num_warps=4, num_stages=1)
         return dict(block_m=16, up=tiles, down=dict(tiles))
@@ -61,8 +63,10 @@ def sorted_config(num_pairs: int, num_experts: int, elem: int, info: DeviceInfo)
     cfg = dict(block_m=block_m)
     for name, operands in (("up", 2), ("down", 1)):  # up reads the gate and the up tile
         block_n, block_k, warps, stages = entry[name]
+        if fp8:
+            block_k = min(128, 2 * block_k)
         if tuned is None:
-            per_stage = elem * block_k * (block_m + operands * block_n)
+            per_stage = (1 if fp8 else elem) * block_k * (block_m + operands * block_n)
             stages = stages_that_fit(stages, per_stage, SMEM_SCRATCH, info)
         cfg[name] = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
     return cfg
