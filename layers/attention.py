@@ -23,6 +23,7 @@ from .config import ModelConfig
 from .kernels import attention as attn_kernels
 from .kernels import rotary as rotary_kernels
 from .parallel import ParallelLayout, all_reduce
+from .quant import Fp8Projection
 
 
 class GatedAttention(nn.Module):
@@ -72,6 +73,14 @@ class GatedAttention(nn.Module):
                 _rank0_bias(f"{prefix}o_proj.bias", self.o_bias, self.layout),
             ]
         return out
+
+    def fp8_projections(self, prefix: str) -> list[Fp8Projection]:
+        """q_gate | k | v (pieces of whole heads) and o_proj (a rank's columns start on a head)."""
+        qkv = tuple(f"{prefix}{p}_proj" for p in "qkv")
+        return [
+            Fp8Projection(self, "qkv_proj", qkv, row_unit=self.head_dim, col_unit=0),
+            Fp8Projection(self, "o_proj", (f"{prefix}o_proj",), row_unit=0, col_unit=self.head_dim),
+        ]
 
     def state_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
         shape = (block_size, self.num_kv_heads, self.head_dim)

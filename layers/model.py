@@ -32,6 +32,7 @@ from .kernels import norm as norm_kernels
 from .kernels.options import KernelOptions
 from .moe import DenseMLP, SparseMoeBlock
 from .parallel import ParallelLayout, all_gather_last_dim, all_reduce, validate_layout
+from .quant import Fp8Projection, scale_of, tail_of
 
 
 def add_rms_norm(
@@ -53,7 +54,8 @@ def norm_project(
     """The residual add, `norm` and the projection after it (linear_kernels.rms_norm_linear)."""
     return linear_kernels.rms_norm_linear(
         x=x, residual=residual, norm_weight=norm.weight, eps=norm.eps, weight=weight, bias=bias,
-        write_normed=write_normed, pdl=kernels.pdl, row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles,
+        write_normed=write_normed, weight_scale=scale_of(weight), weight_tail=tail_of(weight), pdl=kernels.pdl,
+        row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles,
     )  # fmt: skip
 
 
@@ -83,6 +85,11 @@ class DecoderLayer(TransformerLayer):
             *self.mixer.checkpoint_tensors(f"{prefix}{mixer}"),
             *self.mlp.checkpoint_tensors(f"{prefix}mlp."),
         ]
+
+    def fp8_projections(self, prefix: str) -> list[Fp8Projection]:
+        """The projections an FP8 scheme may quantize (layers/quant.py)."""
+        mixer = "self_attn." if self.is_attention else "linear_attn."
+        return self.mixer.fp8_projections(prefix + mixer) + self.mlp.fp8_projections(prefix + "mlp.")
 
     def state_shapes(self, block_size: int = 16) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         """Attention: K and V shapes of one page; GDN: recurrent and conv shapes of one slot."""
@@ -170,6 +177,10 @@ class HybridModel(nn.Module):
         if self.lm_head is not None:
             out.append(self._vocab_rows("lm_head.weight", self.lm_head))
         return out
+
+    def fp8_projections(self) -> list[Fp8Projection]:
+        """Every projection an FP8 scheme may quantize (the embedding and lm_head stay unquantized)."""
+        return [p for i, layer in enumerate(self.layers) for p in layer.fp8_projections(f"model.layers.{i}.")]
 
     def _vocab_rows(self, name: str, param: torch.Tensor) -> CheckpointTensor:
         start, rows = self.vocab_start, self.vocab_rows

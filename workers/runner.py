@@ -64,6 +64,7 @@ class ModelRunner:
             device=self.device,
             load_format=load.load_format,
             seed=load.seed,
+            quantization=load.quantization,
         )
         self.pool: StatePool | None = None
         self.graphs = None
