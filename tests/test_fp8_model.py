@@ -24,6 +24,7 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.layers.config import ConfigError, Fp8Scheme, ModelConfig
 from deltaserve.layers.kernels import fp8 as fp8_kernels
 from deltaserve.layers.loader import CheckpointError, load_model
+from deltaserve.layers.parallel import ParallelLayout
 from deltaserve.layers.quant import layout
 
 EXACT = 1e-4  # decode-sized passes: max abs error relative to the largest twin logit
@@ -243,3 +244,25 @@ def test_quantization_config_fields():
         with pytest.raises(ConfigError, match=f"quantization_config.{field}"):
             edited = {k: v for k, v in qwen.items() if k != field}
             Fp8Scheme.from_hf(edited if value is None else {**edited, field: value})
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_tensor_parallel_shards(qwen_like, expert_parallel):
+    """Rank 1 of 2: every FP8 weight's values times its scales are exactly the twin's shard of that
+    weight (experts split to 64 rows a rank: local scale blocks inside the checkpoint's 128-row
+    ones; or whole experts a rank), and its tail the twin's last rows."""
+    fp8_dir, twin_dir, _ = qwen_like
+    layout_ = ParallelLayout(tp_rank=1, tp_size=2, expert_parallel=expert_parallel)
+    model, twin = load_model(fp8_dir, layout=layout_), load_model(twin_dir, layout=layout_)
+    twin_params = dict(twin.named_parameters())
+    checked = 0
+    for name, p in model.named_parameters():
+        lay = layout(p)
+        if lay is None:
+            continue
+        ref = twin_params[name]
+        assert torch.equal(fp8_kernels.dequantize_weight(p, lay.scale), ref[..., : lay.rows, :]), name
+        if lay.tail is not None:
+            assert torch.equal(lay.tail, ref[..., lay.rows :, :]), name
+        checked += 1
+    assert checked == 4 * 6  # a layer: in_proj or qkv, out_proj or o_proj, w13, w2, the MoE in_proj, shared w2
