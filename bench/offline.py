@@ -66,32 +66,38 @@ class ExpertCounter:
         self.distinct.append(int(torch.unique(ids).numel()))
 
 
-def weight_bytes(model_config: ModelConfig, dtype_bytes: int) -> tuple[int, int]:
-    """(bytes of all non-expert weights, bytes of one routed expert)."""
+def weight_bytes(model_config: ModelConfig, dtype_bytes: int, fp8: bool = False) -> tuple[int, int]:
+    """(bytes of all non-expert weights, bytes of one routed expert). fp8: the projections a block-FP8
+    model quantizes take one byte a weight and 4 bytes a 128 x 128 block; the lm_head, router,
+    shared-expert gate, GDN b / a rows, conv and norms keep dtype_bytes."""
     c = model_config
     h = c.hidden_size
-    expert = 3 * h * c.moe_intermediate_size * dtype_bytes
-    total = c.vocab_size * h  # lm_head (the embedding is read one row per token)
+    q = 1 + 4 / (128 * 128) if fp8 else dtype_bytes  # bytes per quantized weight, scales included
+    expert = 3 * h * c.moe_intermediate_size * q
+    kept = c.vocab_size * h  # lm_head (the embedding is read one row per token)
+    quantized = 0
     for i in range(c.num_layers):
-        total += 2 * h  # norms
+        kept += 2 * h  # norms
         if c.layer_types[i] == "full_attention":
             d = c.head_dim
-            total += h * (2 * c.num_attention_heads * d + 2 * c.num_kv_heads * d) + c.num_attention_heads * d * h
+            quantized += h * (2 * c.num_attention_heads * d + 2 * c.num_kv_heads * d) + c.num_attention_heads * d * h
         else:
-            rows = 2 * c.gdn_key_dim + 2 * c.gdn_value_dim + 2 * c.linear_num_value_heads
-            total += rows * h + c.gdn_conv_dim * c.conv_kernel_size + c.gdn_value_dim * h
+            quantized += (2 * c.gdn_key_dim + 2 * c.gdn_value_dim) * h + c.gdn_value_dim * h
+            kept += 2 * c.linear_num_value_heads * h + c.gdn_conv_dim * c.conv_kernel_size
         if c.mlp_types[i] == "moe":
-            total += c.num_experts * h + h + 3 * h * c.shared_expert_intermediate_size
+            kept += c.num_experts * h + h
+            quantized += 3 * h * c.shared_expert_intermediate_size
         else:
-            total += 3 * h * c.intermediate_size
-    return total * dtype_bytes, expert
+            quantized += 3 * h * c.intermediate_size
+    return int(kept * dtype_bytes + quantized * q), int(expert)
 
 
 def decode_floor_bytes(
-    model_config: ModelConfig, batch: int, context: int, distinct_experts: float, dtype_bytes: int = 2
-) -> dict:
+    model_config: ModelConfig, batch: int, context: int, distinct_experts: float, dtype_bytes: int = 2,
+    fp8: bool = False,
+) -> dict:  # fmt: skip
     c = model_config
-    dense, expert = weight_bytes(model_config, dtype_bytes)
+    dense, expert = weight_bytes(model_config, dtype_bytes, fp8)
     experts = distinct_experts * expert
     kv = batch * context * len(c.attention_layer_ids) * 2 * c.num_kv_heads * c.head_dim * dtype_bytes
     gdn = (
@@ -331,6 +337,7 @@ def run(args: argparse.Namespace) -> dict:
         "cuda_graphs": not settings.runner.enforce_eager,
         "tp": settings.parallel.tensor_parallel_size,
         "ep": settings.parallel.enable_expert_parallel,
+        "quantization": settings.load.quantization or (model_config.quantization and "fp8"),
     }
     peer = {}
     if args.peer:
@@ -411,7 +418,8 @@ def _decode_row(
         distinct = sum(per_layer)
     else:  # worker processes (TP/EP): no hooks here, so the bound every step stays under
         distinct = moe_layers * min(model_config.num_experts, b * model_config.num_experts_per_tok)
-    floor = decode_floor_bytes(model_config, b, args.context + 4, distinct)
+    fp8 = model_config.quantization is not None or llm.config.load.quantization == "fp8"
+    floor = decode_floor_bytes(model_config, b, args.context + 4, distinct, fp8=fp8)
     floor_s = floor["total"] / bandwidth / max(1, llm.config.parallel.tensor_parallel_size)
     row = {
         "batch": b,
