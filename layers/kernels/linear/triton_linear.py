@@ -75,8 +75,11 @@ def _gemv_step(
     multiplied by its blocks' scales (sc_ptr: the rows' scale rows; identical addresses, few loads)."""
     wt = _load_w(w_ptr, k0, k_rel, k_left, EVEN_K).to(tl.float32)
     if FP8:
-        group = (k_start + k0 + k_rel) // SCALE_K
-        wt *= tl.load(sc_ptr + group[None, :], mask=(k0 + k_rel < k_left)[None, :], other=0.0)
+        group = ((k_start + k0 + k_rel) // SCALE_K)[None, :]
+        if EVEN_K:  # no mask: an identical-address load per block, not per element
+            wt *= tl.load(sc_ptr + group)
+        else:
+            wt *= tl.load(sc_ptr + group, mask=(k0 + k_rel < k_left)[None, :], other=0.0)
     acc0 += wt * _load_x(x0, k0, k_rel[None, :], k_left, EVEN_K).to(tl.float32)
     if BLOCK_M > 1:
         acc1 += wt * _load_x(x1, k0, k_rel[None, :], k_left, EVEN_K).to(tl.float32)

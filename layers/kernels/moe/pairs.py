@@ -134,7 +134,8 @@ def _down_gemv_kernel(
         shared_mask = h_ok[:, None] & (i < SHARED_INTER)[None, :]
         shared_b = tl.load(shared_ptr, mask=shared_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         if SHARED_FP8:
-            shared_b *= tl.load(shared_sc_ptr + (i // SHARED_SCALE_K)[None, :], mask=shared_mask, other=0.0)
+            i_in = (i < SHARED_INTER)[None, :]
+            shared_b *= tl.load(shared_sc_ptr + (i // SHARED_SCALE_K)[None, :], mask=i_in, other=0.0)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_H, BLOCK_I], tl.float32)
     for j in tl.static_range(TOPK):
@@ -151,8 +152,8 @@ def _down_gemv_kernel(
             a = tl.load(a_ptr + i0, mask=i_ok, other=0.0).to(tl.float32) * w
             b_ok = h_ok[:, None] & i_ok[None, :]
             b = tl.load(b_ptr + i0, mask=b_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            if FP8:
-                b *= tl.load(bs_ptr + ((i0 + i) // SCALE_K)[None, :], mask=b_ok, other=0.0)
+            if FP8:  # masked by the static bound only (an identical-address load per block, not per element)
+                b *= tl.load(bs_ptr + ((i0 + i) // SCALE_K)[None, :], mask=(i0 + i < INTER)[None, :], other=0.0)
             acc += b * a[None, :]
     if SHARED_INTER > 0:
         scale = tl.sigmoid(tl.load(shared_gate_logit + t.to(tl.int64) * s_sgl).to(tl.float32))
@@ -167,7 +168,8 @@ def _down_gemv_kernel(
                 b_mask = h_ok[:, None] & i_ok[None, :]
                 b = tl.load(shared_ptr + i0, mask=b_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
                 if SHARED_FP8:
-                    b *= tl.load(shared_sc_ptr + ((i0 + i) // SHARED_SCALE_K)[None, :], mask=b_mask, other=0.0)
+                    sc = tl.load(shared_sc_ptr + ((i0 + i) // SHARED_SCALE_K)[None, :], mask=i_ok[None, :], other=0.0)
+                    b *= sc
             acc += b * (g * tl.sigmoid(g) * u * scale)[None, :]
     tl.store(out + t.to(tl.int64) * s_ot + h, tl.sum(acc, 1).to(out.dtype.element_ty), mask=h_ok)
     if ADD_NORM:
