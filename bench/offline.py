@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -261,13 +262,18 @@ def _check_whole(engine, batch: int) -> None:
         raise RuntimeError(f"decode batch {batch}: {running} running after the timed steps (budget too small)")
 
 
-def bench_prefill(llm: LLM, length: int, vocab: int, profile: bool = False) -> float:
+def bench_prefill(llm: LLM, length: int, vocab: int, profile: bool = False, tag: str = "") -> float:
+    """The best of two timed prefills of a `length`-token prompt (one discarded before them), each
+    a fresh random prompt (no prefix-cache hit); `profile`: then one under torch.profiler, its
+    kernel table and each kernel's in-place cost printed (GPU busy against wall: idle GPU time is
+    host time)."""
     engine = llm.engine
-    rng = np.random.default_rng(length)
+    # prompts of their own per variant: the same tokens again would hit the prefix cache
+    rng = np.random.default_rng([length, zlib.crc32(tag.encode())])
 
     def one(rep: int) -> float:
         engine.add_request(
-            f"p{length}-{rep}",
+            f"p{tag}{length}-{rep}",
             rng.integers(10, vocab - 10, length).tolist(),
             SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
         )
@@ -287,9 +293,14 @@ def bench_prefill(llm: LLM, length: int, vocab: int, profile: bool = False) -> f
             wall = one(3)
         events = prof.key_averages()
         gpu_us = sum(e.self_device_time_total for e in events)
+        launches = sum(e.count for e in events if e.self_device_time_total > 0)
         table = events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=72)
-        print(f"--- profile of a {length}-token prefill: GPU busy {gpu_us / 1e3:.2f} ms, wall {wall * 1e3:.2f} ms ---")
+        print(
+            f"--- profile of a {length}-token prefill{f' [{tag}]' if tag else ''}: GPU busy {gpu_us / 1e3:.2f} ms, "
+            f"wall {wall * 1e3:.2f} ms, {launches} GPU ops ---"
+        )
         print(table, flush=True)
+        print(marginal_table(prof, 1), flush=True)
     return min(times[1:])
 
 
@@ -346,7 +357,7 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(
         model_config=model_config,
         **settings.replace(
-            max_num_seqs=max(batches),
+            max_num_seqs=max(batches, default=1),
             max_num_batched_tokens=max([*prefills, args.context * 4, 2048]),
             max_model_len=max([*prefills, 4096]) + 64,
             time_passes=True,  # GPU busy / idle per pass from CUDA events (two events a pass)
@@ -358,7 +369,7 @@ def run(args: argparse.Namespace) -> dict:
     if any(settings for _, settings in variants) and runner is None:
         raise SystemExit("--variants needs the in-process engine (TP = 1): the runner takes each variant's options")
     base = runner.kernels if runner is not None else None
-    rows = []
+    rows, pre = [], []
     for label, settings in variants:
         if settings:  # the decode graphs are captured again under the variant's options
             runner.set_kernel_options(base.with_settings(settings))
@@ -368,14 +379,15 @@ def run(args: argparse.Namespace) -> dict:
                 row["variant"] = label
             rows.append(row)
             print(_fmt_decode(row), flush=True)
-        if settings:  # the next variant, and the prefills below, start from the process's options
+        for n in prefills:  # prefill passes are eager: they take the variant's options as they run
+            seconds = bench_prefill(llm, n, model_config.vocab_size, profile=n in args.profile_prefills, tag=label)
+            row = {"tokens": n, "seconds": seconds, "tok_s": n / seconds, **({"variant": label} if label else {})}
+            pre.append(row)
+            tagged = f"[{label}] " if label else ""
+            print(f"{tagged}prefill {n:>6} tokens: {seconds * 1e3:8.1f} ms  {n / seconds:10.0f} tok/s", flush=True)
+        if settings:  # the next variant starts from the process's options
             runner.set_kernel_options(base)
     report["decode"] = rows
-    pre = []
-    for n in prefills:
-        seconds = bench_prefill(llm, n, model_config.vocab_size, profile=n in args.profile_prefills)
-        pre.append({"tokens": n, "seconds": seconds, "tok_s": n / seconds})
-        print(f"prefill {n:>6} tokens: {seconds * 1e3:8.1f} ms  {n / seconds:10.0f} tok/s", flush=True)
     report["prefill"] = pre
     llm.shutdown()
     return report

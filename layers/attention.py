@@ -147,14 +147,19 @@ class GatedAttention(nn.Module):
                 pdl=ctx.kernels.pdl,
             )
         if ctx.prefill is not None:
+            prefill = ctx.prefill
+            # one sequence whose chunk is all of it: SDPA over its own keys when the options ask for it
+            whole = prefill.num_seqs == 1 and prefill.max_query_len == prefill.max_seq_len
+            own_kv = (k[num_decode:], v[num_decode:]) if whole and ctx.kernels.prefill_attention == "sdpa" else None
             prefill_out = attn_kernels.paged_attention(
                 q=q[num_decode:],
                 k_cache=state.k_cache,
                 v_cache=state.v_cache,
-                cu_seqlens_q=ctx.prefill.cu_seqlens,
-                seq_lens=ctx.prefill.seq_lens,
-                block_tables=ctx.prefill.block_tables,
+                cu_seqlens_q=prefill.cu_seqlens,
+                seq_lens=prefill.seq_lens,
+                block_tables=prefill.block_tables,
                 scale=self.scale,
+                own_kv=own_kv,
             )
             prefill_out = prefill_out * torch.sigmoid(gate[num_decode:])
         out = join_rows(decode_out, prefill_out).reshape(num_tokens, self.num_heads * d)

@@ -303,6 +303,7 @@ class GatedDeltaNet(nn.Module):
                 has_initial_state=ctx.prefill.has_initial_state,
                 use_qk_l2norm=True,
                 captures=ctx.midchunk_capture,
+                variant=ctx.kernels.gdn_chunk_variant,
             )
         core = join_rows(core_decode, core_prefill)
         return norm_kernels.gated_rms_norm(x=core, gate=z, weight=self.norm_weight, eps=self.eps, pdl=ctx.kernels.pdl)

@@ -244,6 +244,7 @@ class SparseMoeBlock(nn.Module):
             shared=shared,  # summed in the same kernel at decode sizes
             add_norm=add_norm if self.layout.tp_size == 1 else None,
             route_in_up_max_tokens=ctx.kernels.route_in_up_max_tokens,
+            sorted_block_m=ctx.kernels.moe_sorted_block_m,
             pdl=ctx.kernels.pdl,
         )
         if self.layout.tp_size == 1:

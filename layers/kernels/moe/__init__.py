@@ -97,6 +97,7 @@ def routed_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     route_in_up_max_tokens: int = KernelOptions.route_in_up_max_tokens,
+    sorted_block_m: int = 0,
     pdl: bool = True,
 ) -> torch.Tensor | NormedOut:
     """The MoE block's expert part from its router logits: route_topk_softmax, then fused_moe.
@@ -105,6 +106,8 @@ def routed_moe(
         router_logits: [T, E_total] (E_total >= expert_offset + E), any float dtype.
         route_in_up_max_tokens: CUDA: batches of up to this many tokens on the pairs path route
             inside the experts' up GEMV (no router launch); 0 always launches the router.
+        sorted_block_m: CUDA: the sorted path's tile rows (tiles.SORTED_TILES' entry of that
+            block_m); 0: the entry for the rows per expert.
         the rest: as fused_moe.
 
     Returns:
@@ -117,5 +120,5 @@ def routed_moe(
     if hidden.is_cuda:
         from .triton_moe import routed_moe as impl
 
-        return impl(**args, route_in_up_max_tokens=route_in_up_max_tokens, pdl=pdl)
+        return impl(**args, route_in_up_max_tokens=route_in_up_max_tokens, sorted_block_m=sorted_block_m, pdl=pdl)
     return naive.routed_moe(**args)

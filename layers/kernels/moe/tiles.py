@@ -48,17 +48,26 @@ def pairs_config(hidden_size: int, inter: int, info: DeviceInfo) -> dict:
     )
 
 
-def sorted_config(num_pairs: int, num_experts: int, elem: int, info: DeviceInfo, fp8: bool = False) -> dict:
+def sorted_config(
+    num_pairs: int, num_experts: int, elem: int, info: DeviceInfo, fp8: bool = False, block_m: int = 0
+) -> dict:
     """The sorted path's tiles for this device: block_m, and up / down block_n, block_k, num_warps,
     num_stages. Other GPUs: the H200's, each pipeline as deep as their shared memory holds. fp8
     (one-byte operands, unmeasured): the same tiles with twice the K step (the same bytes a
-    stage), at most one 128-column scale group."""
+    stage), at most one 128-column scale group. block_m: the entry with these tile rows (0: the
+    entry for the mean rows per expert)."""
     if info.is_interpreter:
         tiles = dict(block_n=16, block_k=16, num_warps=4, num_stages=1)
         return dict(block_m=16, up=tiles, down=dict(tiles))
     tuned = tuned_for(SORTED_TILES, info)
     rows = num_pairs / max(1, num_experts)
-    entry = next(cfg for most, cfg in (tuned or SORTED_TILES[H200]) if most is None or rows <= most)
+    table = tuned or SORTED_TILES[H200]
+    if block_m:
+        entry = next((cfg for _, cfg in table if cfg["block_m"] == block_m), None)
+        if entry is None:
+            raise ValueError(f"sorted_block_m: no tile entry with block_m {block_m}")
+    else:
+        entry = next(cfg for most, cfg in table if most is None or rows <= most)
     block_m = entry["block_m"]
     cfg = dict(block_m=block_m)
     for name, operands in (("up", 2), ("down", 1)):  # up reads the gate and the up tile

@@ -38,10 +38,10 @@ def _check(hidden, w13, w2, shared, w13_scale, w2_scale) -> None:
 
 def fused_moe(
     *, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, shared=None, add_norm=None, path=None, config=None,
-    w13_scale=None, w2_scale=None, pdl=True,
+    w13_scale=None, w2_scale=None, sorted_block_m=0, pdl=True,
 ):  # fmt: skip
     """moe.fused_moe. `path` ("pairs" or "sorted") and `config` override the choice made from the
-    shapes (tests and tuning sweeps)."""
+    shapes (tests and tuning sweeps); sorted_block_m: the sorted path's tile rows (0: by shape)."""
     _check(hidden, w13, w2, shared, w13_scale, w2_scale)
     scales = (w13_scale, w2_scale)
     num_tokens, hidden_size = hidden.shape
@@ -60,14 +60,18 @@ def fused_moe(
         moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=scales)
     else:
         assert path == "sorted", f"unknown path {path!r}"
-        cfg = config or sorted_config(num_pairs, num_experts, hidden.element_size(), info, fp8=w13_scale is not None)
+        fp8 = w13_scale is not None
+        cfg = config or sorted_config(
+            num_pairs, num_experts, hidden.element_size(), info, fp8=fp8, block_m=sorted_block_m
+        )
         moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=scales)
     return norm.out if norm is not None else apply_add_norm(out, add_norm, pdl)
 
 
 def routed_moe(
     *, hidden, w13, w2, router_logits, top_k, renormalize, expert_offset=0, shared=None, add_norm=None,
-    route_in_up_max_tokens=ROUTE_IN_UP_MAX_TOKENS, path=None, w13_scale=None, w2_scale=None, pdl=True,
+    route_in_up_max_tokens=ROUTE_IN_UP_MAX_TOKENS, path=None, w13_scale=None, w2_scale=None, sorted_block_m=0,
+    pdl=True,
 ):  # fmt: skip
     """moe.routed_moe: on the pairs path, up to route_in_up_max_tokens tokens, the up GEMV routes
     (one launch fewer); otherwise the router kernel, then fused_moe. `path` forces one ("pairs"
@@ -79,7 +83,8 @@ def routed_moe(
         weights, ids = route_topk_softmax(router_logits=router_logits, top_k=top_k, renormalize=renormalize, pdl=pdl)
         return fused_moe(
             hidden=hidden, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, expert_offset=expert_offset,
-            shared=shared, add_norm=add_norm, path=path, w13_scale=w13_scale, w2_scale=w2_scale, pdl=pdl,
+            shared=shared, add_norm=add_norm, path=path, w13_scale=w13_scale, w2_scale=w2_scale,
+            sorted_block_m=sorted_block_m, pdl=pdl,
         )  # fmt: skip
     assert 0 < top_k <= router_logits.shape[1], "top_k must be in 1..num_experts"
     assert router_logits.shape[0] == num_tokens, "router_logits: one row per token"
