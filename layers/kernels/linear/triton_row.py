@@ -219,15 +219,15 @@ X_ROW_MIN_BLOCK_N = 8
 
 def pick_config(n: int, k: int, info: DeviceInfo, row_tiles: tuple[RowTile, ...] = (), fp8: bool = False) -> dict:
     """block_n rows per program and num_warps: a row_tiles entry for [n, k], the device's TUNED_ROW
-    (measured in bf16: not for FP8 weights), else keep the [block_n, K] tile within
-    MAX_ELEMS_PER_THREAD elements per thread with ~4+ programs per SM at the model's shapes
-    (registers only: right on any GPU)."""
+    (measured in bf16; an FP8 weight takes twice its rows: the same bytes a program, unmeasured),
+    else keep the [block_n, K] tile within MAX_ELEMS_PER_THREAD elements per thread with ~4+
+    programs per SM at the model's shapes (registers only: right on any GPU)."""
     for tile in row_tiles:
         if (tile.n, tile.k) == (n, k):
             return dict(block_n=tile.block_n, num_warps=tile.num_warps)
-    tuned = None if fp8 else (tuned_for(TUNED_ROW, info) or {}).get((n, k))
+    tuned = (tuned_for(TUNED_ROW, info) or {}).get((n, k))
     if tuned is not None:
-        return dict(tuned)
+        return dict(tuned, block_n=2 * tuned["block_n"]) if fp8 else dict(tuned)
     block_k = triton.next_power_of_2(k)
     block_n = 4 if n >= 8192 else 2 if n >= 2048 else 1
     num_warps = 4

@@ -56,7 +56,7 @@ def fused_moe(
     path = path or ("pairs" if num_pairs <= PAIRS_PATH_MAX else "sorted")
     info = device_info(hidden.device)
     if path == "pairs":
-        cfg = config or pairs_config(hidden_size, two_inter // 2, info)
+        cfg = config or pairs_config(hidden_size, two_inter // 2, info, fp8=w13_scale is not None)
         moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=scales)
     else:
         assert path == "sorted", f"unknown path {path!r}"
@@ -94,7 +94,7 @@ def routed_moe(
     ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=hidden.device)
     out = torch.empty_like(hidden)
     norm = fused_norm(add_norm, hidden)
-    cfg = pairs_config(hidden.shape[1], w13.shape[1] // 2, device_info(hidden.device))
+    cfg = pairs_config(hidden.shape[1], w13.shape[1] // 2, device_info(hidden.device), fp8=w13_scale is not None)
     moe_pairs(
         hidden, w13, w2, weights, ids, expert_offset, out, cfg, shared, norm, pdl, route=(logits, renormalize),
         scales=(w13_scale, w2_scale),
