@@ -38,7 +38,8 @@ def quantize_group_block(x, FP8_LIMIT: tl.constexpr, FLOOR: tl.constexpr):
     return q.to(tl.float8e4nv), s
 
 
-@triton.jit
+# the row count changes from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["M"])
 def _quant_kernel(
     x, q, s, M, K, s_xm, s_qm, s_sm, GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_LIMIT: tl.constexpr,
     FLOOR: tl.constexpr, USE_PDL: tl.constexpr,

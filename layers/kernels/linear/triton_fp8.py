@@ -22,7 +22,8 @@ from ..device import DeviceInfo, device_info
 from ..fp8 import ACT_GROUP, quantize_act, scale_block
 
 
-@triton.jit
+# the row count changes from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
     a, a_scale, b, b_scale, bias, c, M, N, K, s_am, s_asm, s_bn, s_bsn, s_cm, SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
