@@ -278,3 +278,17 @@ def test_scale_block_read_off_the_shapes():
     assert fp8_kernels.scale_block(100, 256, (2, 16)) == (64, 16)
     with pytest.raises(ValueError, match="no power-of-two block"):
         fp8_kernels.scale_block(1000, 256, (3, 2))
+
+
+def test_float8_without_scales_is_an_error():
+    """A float8 weight handed over without its scales (a weight that lost them) is an error, never
+    read as plain values."""
+    q, s = weight(16, 128)
+    x = rand(2, 128)
+    with pytest.raises(ValueError, match="weight_scale"):
+        linear_kernels.linear(x=x, weight=q)
+    with pytest.raises(ValueError, match="weight_tail"):
+        linear_kernels.linear(x=x, weight=x, weight_tail=x)
+    args, weights, ids, _ = moe_case(2, 4, 128, 32, 2, (128, 128), (128, 128), 0, device="cpu")
+    with pytest.raises(ValueError, match="w13_scale"):
+        moe_naive.fused_moe(**{**args, "w13_scale": None, "w2_scale": None}, topk_weights=weights, topk_ids=ids)

@@ -57,7 +57,7 @@ def linear(
     """
     if weight_scale is not None:
         return _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles)
-    assert weight_tail is None, "weight_tail goes with an FP8 weight"
+    _check_plain(weight, weight_tail)
     path = _path(x, weight.shape[0], row_gemv)
     if path == "row":
         from .triton_row import row_gemv as impl
@@ -68,6 +68,13 @@ def linear(
 
         return impl(x=x, weight=weight, bias=bias, pdl=pdl)
     return F.linear(x, weight, bias)
+
+
+def _check_plain(weight: torch.Tensor, weight_tail: torch.Tensor | None) -> None:
+    if weight.dtype == torch.float8_e4m3fn:
+        raise ValueError("weight: float8 values need their weight_scale")
+    if weight_tail is not None:
+        raise ValueError("weight_tail: only with an FP8 weight (weight_scale)")
 
 
 def _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles) -> torch.Tensor:
@@ -148,6 +155,8 @@ def rms_norm_linear(
         weight has at most triton_row.FUSED_NORM_MAX_N rows (where the fusion measured faster) runs
         the norm inside the one-row GEMV; otherwise the norm kernel, then `linear`.
     """
+    if weight_scale is None:
+        _check_plain(weight, weight_tail)
     if _path(x, weight.shape[0], row_gemv) == "row" and _fuses_norm(weight.shape[0]):
         from .triton_row import row_gemv as impl
 

@@ -57,6 +57,14 @@ def apply_add_norm(out: torch.Tensor, add_norm: AddNorm | None, pdl: bool = True
     return NormedOut(normed, summed)
 
 
+def check_fp8(w13: torch.Tensor, w2: torch.Tensor, w13_scale, w2_scale) -> None:
+    """FP8 experts come with both block scales; float8 weights without them are an error."""
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("w13_scale, w2_scale: FP8 experts need both")
+    if w13_scale is None and torch.float8_e4m3fn in (w13.dtype, w2.dtype):
+        raise ValueError("w13 / w2: float8 values need their w13_scale / w2_scale")
+
+
 def check_shared(shared: SharedExpert, num_tokens: int, hidden_size: int) -> None:
     """Shapes and layouts every fused_moe implementation relies on; errors name the tensor."""
     inter = shared.w2.shape[1]
@@ -64,6 +72,8 @@ def check_shared(shared: SharedExpert, num_tokens: int, hidden_size: int) -> Non
         raise ValueError(f"shared.w2: expected [{hidden_size}, I], got {list(shared.w2.shape)}")
     if shared.gate_up.shape != (num_tokens, 2 * inter):
         raise ValueError(f"shared.gate_up: expected [{num_tokens}, {2 * inter}], got {list(shared.gate_up.shape)}")
+    if shared.w2_scale is None and shared.w2.dtype == torch.float8_e4m3fn:
+        raise ValueError("shared.w2: float8 values need shared.w2_scale")
     if shared.gate_logit.shape != (num_tokens, 1):
         raise ValueError(f"shared.gate_logit: expected [{num_tokens}, 1], got {list(shared.gate_logit.shape)}")
     for name in ("gate_up", "w2"):
@@ -89,6 +99,7 @@ def fused_moe(
     the expert inputs (x, and silu(gate) * up) are quantized per row and 1 x 128 group first and
     the shared expert's down projection takes linear's path for its rows, as on the GPU (`quantize`
     forces the choice: the reference of a path the test forced)."""
+    check_fp8(w13, w2, w13_scale, w2_scale)
     num_local, inter = w13.shape[0], w2.shape[2]
     acc = acc_dtype(hidden)
     if quantize is None:

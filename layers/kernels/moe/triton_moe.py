@@ -10,7 +10,7 @@ import torch
 from ..device import device_info
 from ..options import KernelOptions
 from .fused_norm import fused_norm
-from .naive import PAIRS_PATH_MAX, apply_add_norm, check_shared
+from .naive import PAIRS_PATH_MAX, apply_add_norm, check_fp8, check_shared
 from .pairs import moe_pairs
 from .router import route_topk_softmax
 from .sorted import moe_sorted
@@ -29,7 +29,7 @@ def _check(hidden, w13, w2, shared, w13_scale, w2_scale) -> None:
     num_experts, two_inter, hidden_size = w13.shape
     assert hidden.shape[1] == hidden_size and w2.shape == (num_experts, hidden_size, two_inter // 2), "weight shapes"
     assert hidden.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1, "contiguous last dims"
-    assert (w13_scale is None) == (w2_scale is None), "FP8 experts: both w13_scale and w2_scale"
+    check_fp8(w13, w2, w13_scale, w2_scale)
     for s in (w13_scale, w2_scale):
         assert s is None or (s.dim() == 3 and s.shape[0] == num_experts and s.stride(-1) == 1), "[E, ., .] scales"
     if shared is not None:
