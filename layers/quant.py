@@ -138,7 +138,7 @@ def assign(param: torch.Tensor, dst: tuple, t: LazyTensor, src: tuple, name: str
     bn, bk = lay.block
     if r0 % bn or c0 % bk or s0 % bn or k0 % bk:
         raise ValueError(f"checkpoint tensor '{name}': an FP8 piece starts inside a {bn} x {bk} scale block")
-    q, blocks, cb = _fp8_slice(t, tuple(src_lead), (s0, s1), (k0, k1))
+    q, blocks, cb = _fp8_slice(t, tuple(src_lead), (s0, s1), (k0, k1), param.device)
     copy_into(param[(*lead, slice(r0, r1), slice(c0, c1))], q, name)
     # each local block's factor: that of the checkpoint block its first element lies in
     rb = (s0 + torch.arange(0, r1 - r0, bn)) // cb[0] - s0 // cb[0]
@@ -160,11 +160,12 @@ def _full(src: tuple, shape: tuple[int, ...]) -> tuple:
 
 
 def _fp8_slice(
-    t: LazyTensor, lead: tuple, rows: tuple[int, int], cols: tuple[int, int]
+    t: LazyTensor, lead: tuple, rows: tuple[int, int], cols: tuple[int, int], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
     """(values float8 [*, R, C], the scales of the checkpoint blocks the slice touches [*, RB, CB],
     the checkpoint block) of t[lead, rows, cols]: an FP8 tensor's own, or a higher-precision one
-    quantized in the scheme's blocks of the whole tensor (the block-aligned slice around it)."""
+    quantized (on `device`) in the scheme's blocks of the whole tensor (the block-aligned slice
+    around it)."""
     (s0, s1), (k0, k1) = rows, cols
     if t.scale is not None:
         bn, bk = t.block
@@ -174,5 +175,5 @@ def _fp8_slice(
     bn, bk = t.block
     a0, a1 = s0 // bn * bn, min(-(-s1 // bn) * bn, t.shape[-2])
     b0, b1 = k0 // bk * bk, min(-(-k1 // bk) * bk, t.shape[-1])
-    q, sc = fp8_kernels.quantize_weight(t.get(*lead, slice(a0, a1), slice(b0, b1)), (bn, bk))
+    q, sc = fp8_kernels.quantize_weight(t.get(*lead, slice(a0, a1), slice(b0, b1)).to(device), (bn, bk))
     return q[..., s0 - a0 : s1 - a0, k0 - b0 : k1 - b0], sc, (bn, bk)
