@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-OPS = ("gdn", "conv1d", "attention", "moe", "norm", "linear")
+OPS = ("gdn", "conv1d", "attention", "moe", "norm", "linear", "fp8")
 
 
 def measure_copy_bandwidth() -> float:
