@@ -94,21 +94,26 @@ def _row_gemv_body(
     cols = k[None, :] + 0 * r[:, None]  # [BLOCK_N, BLOCK_K], every row the same columns
     k_ok = cols < K  # unused when EVEN_K: unmasked loads vectorise to 16 bytes
     w_ptr = w + n_ld[:, None] * s_wn + k[None, :]
-    if FP8:  # one factor per element, from its block (identical addresses: few loads, L1 hits)
+    if FP8 and not X_ROW:  # one factor per element, from its block (identical addresses within a block)
         sc = tl.load(scale + (n_ld // SCALE_N)[:, None] * s_sn + cols // SCALE_K, mask=k_ok, other=0.0)
+    if FP8 and X_ROW:  # the tile's rows share one scale row (BLOCK_N <= SCALE_N): it scales x's row instead
+        row_scale = tl.load(scale + ((pid * BLOCK_N) // SCALE_N) * s_sn + k // SCALE_K, mask=k < K, other=0.0)
+    else:
+        row_scale = 0.0
     if PRELOAD:  # weights are constant during the pass: fetch them while the previous kernel ends
         wt = _load(w_ptr, k_ok, EVEN_K, "evict_first")
     pdl_wait(USE_PDL)
     if not PRELOAD:
         wt = _load(w_ptr, k_ok, EVEN_K, "evict_first")
-    if FP8:
+    if FP8 and not X_ROW:
         wt = wt.to(tl.float32) * sc
     if X_ROW:
-        # tall tiles: the activations as one row (a tile's worth of copies would not fit in
-        # registers), broadcast over the weight rows by one layout conversion
+        # tall tiles (and FP8 tiles within one scale row): the activations as one row (a tile's
+        # worth of copies would not fit in registers), broadcast over the weight rows by one layout
+        # conversion
         _row_gemv_x_row(
             x, residual, norm_weight, bias, out, res_out, normed_out, wt, writer, n, n_ld, k, N, eps, K,
-            NORM, HAS_RESIDUAL, WRITE_NORMED, HAS_BIAS, EVEN_K,
+            NORM, HAS_RESIDUAL, WRITE_NORMED, HAS_BIAS, EVEN_K, row_scale, FP8,
         )  # fmt: skip
         return
     y = _load(x + cols, k_ok, EVEN_K, "").to(tl.float32)
@@ -172,10 +177,12 @@ def _row_gemv_body(
 def _row_gemv_x_row(
     x, residual, norm_weight, bias, out, res_out, normed_out, wt, writer, n, n_ld, k, N, eps, K: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_NORMED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, row_scale, FP8: tl.constexpr,
 ):  # fmt: skip
     """The one-row kernel's work after its weight load, with x [K] read once as a row: the same
-    operations and roundings as the broadcast form (the norm's sum over one row)."""
+    operations and roundings as the broadcast form (the norm's sum over one row). FP8: the row is
+    multiplied by the tile's block scales (row_scale [K]) before the dot: one multiply a column,
+    none a weight (Triton 3.6 also loads a per-element scale tile element by element)."""
     k_ok = k < K
     y = _load(x + k, k_ok, EVEN_K, "").to(tl.float32)
     if NORM:
@@ -191,6 +198,8 @@ def _row_gemv_x_row(
             if writer:
                 tl.store(normed_out + k, normed, mask=k_ok)
         y = normed.to(tl.float32)
+    if FP8:
+        y = y * row_scale
     acc = tl.sum(wt.to(tl.float32) * y[None, :], 1)
     if HAS_BIAS:
         acc += tl.load(bias + n_ld).to(tl.float32)
@@ -286,8 +295,10 @@ def row_gemv(
     if weight_tail is not None and weight_tail.stride(1) != 1:
         weight_tail = weight_tail.contiguous()
     scale_n, scale_k = scale_block(n8, k, tuple(weight_scale.shape)) if fp8 else (1, 1)
-    # the row form has neither the deferred norm nor the persistent loop: those keep the broadcast
-    x_row = cfg.get("x_row", cfg["block_n"] >= X_ROW_MIN_BLOCK_N) and not defer_norm and programs == blocks
+    # the row form has neither the deferred norm nor the persistent loop: those keep the broadcast;
+    # FP8 tiles within one scale row take it (the row scaled by the blocks, not each weight)
+    x_row = cfg.get("x_row", cfg["block_n"] >= X_ROW_MIN_BLOCK_N or (fp8 and cfg["block_n"] <= scale_n))
+    x_row = x_row and not defer_norm and programs == blocks and not (fp8 and cfg["block_n"] > scale_n)
     _row_gemv_kernel[(programs,)](
         x, residual if residual is not None else x, norm_weight if norm else x, weight,
         weight_scale if fp8 else out, weight_tail if weight_tail is not None else weight,

@@ -64,9 +64,19 @@ def _up_gemv_kernel(
     x_ptr = hidden + (pair // TOPK).to(tl.int64) * s_ht + k
     g_ptr = w13 + e.to(tl.int64) * s_we + n[:, None] * s_wn + k[None, :]
     u_ptr = g_ptr + INTER * s_wn
-    n_sc = tl.minimum(n, INTER - 1)  # scale rows of the rows past INTER (never stored): the last one's
-    gs_ptr = w13_scale + e.to(tl.int64) * s_se + (n_sc // SCALE_N)[:, None] * s_sn
-    us_ptr = w13_scale + e.to(tl.int64) * s_se + ((n_sc + INTER) // SCALE_N)[:, None] * s_sn
+    # FP8: a tile whose gate rows (and up rows) lie in one scale row scales x's chunk by that row's
+    # blocks (one multiply a column); otherwise each weight is scaled (n_sc: rows past INTER, never
+    # stored, take the last row's scales)
+    ROW_SCALE: tl.constexpr = FP8 and BLOCK_N <= SCALE_N and INTER % BLOCK_N == 0
+    n_sc = tl.minimum(n, INTER - 1)
+    first = tl.program_id(1) * BLOCK_N
+    e_scale = w13_scale + e.to(tl.int64) * s_se
+    if ROW_SCALE:
+        gs_ptr = e_scale + (first // SCALE_N) * s_sn
+        us_ptr = e_scale + ((first + INTER) // SCALE_N) * s_sn
+    else:
+        gs_ptr = e_scale + (n_sc // SCALE_N)[:, None] * s_sn
+        us_ptr = e_scale + ((n_sc + INTER) // SCALE_N)[:, None] * s_sn
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in tl.static_range(0, HIDDEN, BLOCK_K):
@@ -86,13 +96,18 @@ def _up_gemv_kernel(
             u = tl.load(u_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first")
         g = g.to(tl.float32)
         u = u.to(tl.float32)
-        if FP8:  # the chunk's scales: one value per block, identical addresses (few loads)
+        xg, xu = x, x
+        if ROW_SCALE:
+            group, k_in = (k0 + k) // SCALE_K, k0 + k < HIDDEN
+            xg = x * tl.load(gs_ptr + group, mask=k_in, other=0.0)
+            xu = x * tl.load(us_ptr + group, mask=k_in, other=0.0)
+        elif FP8:  # the chunk's scales: one value per element, identical addresses within a block
             group = ((k0 + k) // SCALE_K)[None, :]
             k_in = (k0 + k < HIDDEN)[None, :]
             g *= tl.load(gs_ptr + group, mask=k_in, other=0.0)
             u *= tl.load(us_ptr + group, mask=k_in, other=0.0)
-        acc_g += g * x[None, :]
-        acc_u += u * x[None, :]
+        acc_g += g * xg[None, :]
+        acc_u += u * xu[None, :]
     gate = tl.sum(acc_g, 1)
     h = gate * tl.sigmoid(gate) * tl.sum(acc_u, 1)
     tl.store(act + pair.to(tl.int64) * s_at + n, h.to(act.dtype.element_ty), mask=n_ok)
@@ -128,12 +143,19 @@ def _down_gemv_kernel(
     h_sc = tl.minimum(h, HIDDEN - 1)
     i = tl.arange(0, BLOCK_I)
     shared_ptr = shared_w2 + h[:, None].to(tl.int64) * s_sw2 + i[None, :]
-    shared_sc_ptr = shared_scale + (h_sc // SHARED_SCALE_N)[:, None] * s_ssn
+    # FP8 tiles whose rows lie in one scale row scale the activation row, not each weight
+    ROW_SCALE: tl.constexpr = FP8 and BLOCK_H <= SCALE_N
+    SHARED_ROW_SCALE: tl.constexpr = SHARED_FP8 and BLOCK_H <= SHARED_SCALE_N
+    first = tl.program_id(1) * BLOCK_H
+    if SHARED_ROW_SCALE:
+        shared_sc_ptr = shared_scale + (first // SHARED_SCALE_N) * s_ssn
+    else:
+        shared_sc_ptr = shared_scale + (h_sc // SHARED_SCALE_N)[:, None] * s_ssn
     PRELOAD_SHARED: tl.constexpr = SHARED_INTER > 0 and SHARED_INTER <= BLOCK_I
     if PRELOAD_SHARED:
         shared_mask = h_ok[:, None] & (i < SHARED_INTER)[None, :]
         shared_b = tl.load(shared_ptr, mask=shared_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        if SHARED_FP8:
+        if SHARED_FP8 and not SHARED_ROW_SCALE:
             i_in = (i < SHARED_INTER)[None, :]
             shared_b *= tl.load(shared_sc_ptr + (i // SHARED_SCALE_K)[None, :], mask=i_in, other=0.0)
     pdl_wait(USE_PDL)
@@ -146,13 +168,20 @@ def _down_gemv_kernel(
         limit = tl.where(local, INTER, 0)
         a_ptr = act + pair.to(tl.int64) * s_at + i
         b_ptr = w2 + tl.where(local, e, 0).to(tl.int64) * s_we + h[:, None] * s_wn + i[None, :]
-        bs_ptr = w2_scale + tl.where(local, e, 0).to(tl.int64) * s_se + (h_sc // SCALE_N)[:, None] * s_sn
+        e_scale = w2_scale + tl.where(local, e, 0).to(tl.int64) * s_se
+        if ROW_SCALE:
+            bs_ptr = e_scale + (first // SCALE_N) * s_sn
+        else:
+            bs_ptr = e_scale + (h_sc // SCALE_N)[:, None] * s_sn
         for i0 in tl.static_range(0, INTER, BLOCK_I):
             i_ok = i0 + i < limit
             a = tl.load(a_ptr + i0, mask=i_ok, other=0.0).to(tl.float32) * w
             b_ok = h_ok[:, None] & i_ok[None, :]
             b = tl.load(b_ptr + i0, mask=b_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            if FP8:  # masked by the static bound only (an identical-address load per block, not per element)
+            # FP8 scales masked by the static bound only (identical addresses within a block)
+            if ROW_SCALE:
+                a *= tl.load(bs_ptr + (i0 + i) // SCALE_K, mask=i0 + i < INTER, other=0.0)
+            elif FP8:
                 b *= tl.load(bs_ptr + ((i0 + i) // SCALE_K)[None, :], mask=(i0 + i < INTER)[None, :], other=0.0)
             acc += b * a[None, :]
     if SHARED_INTER > 0:
@@ -162,15 +191,18 @@ def _down_gemv_kernel(
             i_ok = i0 + i < SHARED_INTER
             g = tl.load(g_ptr + i0, mask=i_ok, other=0.0).to(tl.float32)
             u = tl.load(g_ptr + SHARED_INTER + i0, mask=i_ok, other=0.0).to(tl.float32)
+            shared_act = g * tl.sigmoid(g) * u * scale
+            if SHARED_ROW_SCALE:
+                shared_act *= tl.load(shared_sc_ptr + (i0 + i) // SHARED_SCALE_K, mask=i_ok, other=0.0)
             if PRELOAD_SHARED:
                 b = shared_b
             else:
                 b_mask = h_ok[:, None] & i_ok[None, :]
                 b = tl.load(shared_ptr + i0, mask=b_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                if SHARED_FP8:
+                if SHARED_FP8 and not SHARED_ROW_SCALE:
                     sc = tl.load(shared_sc_ptr + ((i0 + i) // SHARED_SCALE_K)[None, :], mask=i_ok[None, :], other=0.0)
                     b *= sc
-            acc += b * (g * tl.sigmoid(g) * u * scale)[None, :]
+            acc += b * shared_act[None, :]
     tl.store(out + t.to(tl.int64) * s_ot + h, tl.sum(acc, 1).to(out.dtype.element_ty), mask=h_ok)
     if ADD_NORM:
         tl.debug_barrier()
