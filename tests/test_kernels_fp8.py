@@ -13,6 +13,7 @@ import torch
 
 from deltaserve.layers.kernels import fp8 as fp8_kernels
 from deltaserve.layers.kernels import linear as linear_kernels
+from deltaserve.layers.kernels.device import H200, DeviceInfo
 from deltaserve.layers.kernels.fp8 import naive as fp8_naive
 from deltaserve.layers.kernels.fp8.triton_quant import quantize_act
 from deltaserve.layers.kernels.linear import naive, triton_fp8, triton_linear, triton_row
@@ -292,3 +293,25 @@ def test_float8_without_scales_is_an_error():
     args, weights, ids, _ = moe_case(2, 4, 128, 32, 2, (128, 128), (128, 128), 0, device="cpu")
     with pytest.raises(ValueError, match="w13_scale"):
         moe_naive.fused_moe(**{**args, "w13_scale": None, "w2_scale": None}, topk_weights=weights, topk_ids=ids)
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_block_scaled_gemm_split_k(device, split_k):
+    """Decode-batch tiles: K split, the partials summed in split order (bias added once)."""
+    q, s = weight(96, 640, device=device)
+    t = rand(5, 640, device=device, scale=640**-0.5)
+    x, b = rand(20, 640, device=device), rand(101, device=device)
+    cfg = dict(block_m=16, block_n=32, block_k=128, group_m=2, num_warps=4, num_stages=1, split_k=split_k)
+    out = triton_fp8.fp8_linear(x=x, weight=q, weight_scale=s, bias=b, weight_tail=t, config=cfg)
+    again = triton_fp8.fp8_linear(x=x, weight=q, weight_scale=s, bias=b, weight_tail=t, config=cfg)
+    assert torch.equal(out, again)
+    assert close(out, naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, bias=b, quantize_x=True), 8)
+
+
+def test_block_scaled_gemm_tiles_stream_decode_batches():
+    """Up to 256 rows the weight bounds the time: K splits until ~2 programs per SM (o_proj at 64
+    rows: 32 column blocks x 16 splits of 256 columns); prefill sizes take whole-K 128 x 128 tiles."""
+    info = DeviceInfo(H200, 132, 227 * 1024, (9, 0))
+    cfg = triton_fp8.pick_config(64, 2048, 4096, info)
+    assert (cfg["block_m"], cfg["block_n"], cfg["split_k"]) == (64, 64, 16)
+    assert triton_fp8.pick_config(2048, 2048, 4096, info)["split_k"] == 1
