@@ -7,6 +7,7 @@ weights are renormalised); everything else is shared.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -79,20 +80,26 @@ class Fp8Scheme:
 
     def quantizes(self, module: str) -> bool:
         """Whether the checkpoint holds `module` (a text-model module name, "model.layers.3.mlp.experts.7.up_proj")
-        in FP8: not named by `ignored` (itself, a parent, a trailing part of its name, or a pattern)."""
-        for entry in self.ignored:
-            if entry.startswith("re:"):
-                if re.fullmatch(entry[3:], module):
-                    return False
-                continue
-            name = _text_module(entry)
-            if module == name or module.startswith(name + "."):
-                return False
-            if not name.startswith(("model.", "lm_head", "mtp.")) and (
-                module.endswith("." + name) or f".{name}." in module
-            ):
-                return False
-        return True
+        in FP8: not named by `ignored` (itself, a parent, a run of its parts for a name within a
+        layer, or a pattern). Set lookups: lists of ~900 names checked for ~30,000 expert modules."""
+        names, within, patterns = _ignore_index(self.ignored)
+        parts = module.split(".")
+        runs = (".".join(parts[:end]) for end in range(1, len(parts) + 1))
+        if any(run in names for run in runs):
+            return False
+        if within and any(
+            ".".join(parts[i:j]) in within for i in range(1, len(parts)) for j in range(i + 1, len(parts) + 1)
+        ):
+            return False
+        return not any(p.fullmatch(module) for p in patterns)
+
+
+@functools.cache
+def _ignore_index(ignored: tuple[str, ...]) -> tuple[frozenset, frozenset, tuple]:
+    """(every plain name, the names within a layer such as "mlp.gate", the compiled "re:" patterns)."""
+    plain = [_text_module(e) for e in ignored if not e.startswith("re:")]
+    within = frozenset(n for n in plain if not n.startswith(("model.", "lm_head", "mtp.")))
+    return frozenset(plain), within, tuple(re.compile(e[3:]) for e in ignored if e.startswith("re:"))
 
 
 def _text_module(name: str) -> str:
