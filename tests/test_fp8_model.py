@@ -266,3 +266,19 @@ def test_tensor_parallel_shards(qwen_like, expert_parallel):
             assert torch.equal(lay.tail, ref[..., lay.rows :, :]), name
         checked += 1
     assert checked == 4 * 6  # a layer: in_proj or qkv, out_proj or o_proj, w13, w2, the MoE in_proj, shared w2
+
+
+def test_fp8_accuracy_bench_harness(qwen_like):
+    """bench.fp8_accuracy's passes on the CPU: one prefill then one token a pass give the logits of
+    every position (the same model twice: KL 0, top-1 1); FP8 against full precision: measured."""
+    from deltaserve.bench.fp8_accuracy import compare, run_model
+
+    config = ModelConfig.from_pretrained(qwen_like[2])
+    ids = prompt(24, seed=6)
+    run = dict(ids=ids, decode=4, seed=1, device="cpu", dtype=torch.float32)
+    full, again, fp8 = run_model(config, None, **run), run_model(config, None, **run), run_model(config, "fp8", **run)
+    assert full["logits"].shape == (24, config.vocab_size)
+    same = compare(full["logits"], again["logits"])
+    assert same["top1_agreement"] == 1.0 and same["mean_kl"] < 1e-9
+    ours = compare(full["logits"], fp8["logits"])
+    assert ours["positions"] == 24 and ours["mean_kl"] < 5e-3 and fp8["weight_bytes"] < full["weight_bytes"] / 3
