@@ -106,3 +106,23 @@ def test_option_values_are_checked():
     for settings in ({"prefill_attention": "flash"}, {"moe_sorted_block_m": "48"}, {"gdn_chunk_variant": "x"}):
         with pytest.raises(ValueError, match=next(iter(settings))):
             KernelOptions().with_settings(settings)
+
+
+@pytest.mark.gpu
+def test_gpu_sdpa_prefill_matches_the_paged_kernel():
+    """The model's attention shape (16 q heads, 2 kv heads, head dim 256, bf16, pages of 16), one
+    2,048-token sequence: SDPA over its own keys against the paged kernel over the same keys in pages."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t, hq, hkv, d, page = 2048, 16, 2, 256, 16
+    q, k, v = (torch.randn(t, h, d, device="cuda", generator=g).bfloat16() for h in (hq, hkv, hkv))
+    pages = t // page
+    k_cache = k.view(pages, page, hkv, d).contiguous()
+    v_cache = v.view(pages, page, hkv, d).contiguous()
+    args = dict(
+        q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=torch.tensor([0, t], device="cuda", dtype=torch.int32),
+        seq_lens=torch.tensor([t], device="cuda", dtype=torch.int32),
+        block_tables=torch.arange(pages, device="cuda", dtype=torch.int32)[None], scale=d**-0.5,
+    )  # fmt: skip
+    paged = attn_kernels.paged_attention(**args)
+    sdpa = attn_kernels.paged_attention(**args, own_kv=(k, v))
+    assert (sdpa.float() - paged.float()).abs().max().item() < 2e-2
