@@ -40,7 +40,7 @@ import triton.language as tl
 from ..device import SMEM_SCRATCH, DeviceInfo, device_info, stages_that_fit, tuned_for
 from ..fp8 import scale_block
 from ..pdl import pdl_launch, pdl_wait
-from .triton_row import _dividing
+from .triton_row import dividing_block
 from .tuned import TUNED, tuned_key
 
 # Split-K "sem" counters: one int32 per output tile of a launch; a launch with more tiles uses "pass".
@@ -351,7 +351,7 @@ def linear(
     picked = config or pick_config(num_rows, n, k, weight.dtype if fp8 else x.dtype, device_info(x.device))
     cfg = resolve(picked, num_rows, n, k, x.dtype, scale_k if fp8 else 0)
     if weight_tail is not None:  # the tail's programs start after whole column blocks
-        cfg["block_n"] = _dividing(cfg["block_n"], n8)
+        cfg["block_n"] = dividing_block(cfg["block_n"], n8)
     grid_n, grid_m, split = triton.cdiv(n, cfg["block_n"]), triton.cdiv(num_rows, cfg["block_m"]), cfg["split_k"]
     counters = part = None
     semaphore = False

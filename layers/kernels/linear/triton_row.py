@@ -286,7 +286,7 @@ def row_gemv(
     info = device_info(x.device)
     cfg = dict(config or pick_config(n, k, info, row_tiles, fp8=fp8))
     if weight_tail is not None:  # the tail's programs start after whole row blocks
-        cfg["block_n"] = _dividing(cfg["block_n"], n8)
+        cfg["block_n"] = dividing_block(cfg["block_n"], n8)
     blocks = triton.cdiv(n8, cfg["block_n"]) + (0 if weight_tail is None else triton.cdiv(n - n8, cfg["block_n"]))
     per_sm = cfg.get("persistent")
     programs = min(blocks, per_sm * info.num_sms) if per_sm else blocks
@@ -314,7 +314,7 @@ def row_gemv(
     return out, normed, res_out
 
 
-def _dividing(block: int, n: int) -> int:
+def dividing_block(block: int, n: int) -> int:
     """The largest power of two <= block that divides n (block a power of two)."""
     while n % block:
         block //= 2
