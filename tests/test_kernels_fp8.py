@@ -8,6 +8,8 @@ outputs NaN-prefilled so that an element never written fails."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -27,8 +29,9 @@ pytestmark = pytest.mark.usefixtures("nan_fill")
 EPS = 1e-6
 
 
+@functools.cache
 def weight(n: int, k: int, block=(128, 128), lead=(), seed: int = 0, device="cpu"):
-    """(float8 values, block scales) of a random [*lead, n, k] weight."""
+    """(float8 values, block scales) of a random [*lead, n, k] weight (made once: tests only read it)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(*lead, n, k, generator=g) * k**-0.5
     q, s = fp8_naive.quantize_weight(w, block)
