@@ -4,13 +4,15 @@ parameters, or a seeded random fill of the real shapes (`load_format="random"`).
 Every parameter is read through the layers' `checkpoint_tensors()` list, so a rank reads only the
 slices it owns, and a tensor that is missing or has the wrong shape is an error naming it. Composite
 checkpoints (`model.language_model.*`) map onto the text names; vision tensors are skipped; `mtp.*`
-tensors are kept whole on the model for speculative decoding.
+tensors load into the MTP head when the model is built with it (speculative decoding), and are
+skipped otherwise.
 
 Block-FP8 (config.json's quantization_config with quant_method fp8, or quantization="fp8"): the
 projections the scheme quantizes are held in FP8 (layers/quant.py). A float8 checkpoint tensor
 `X.weight` comes with `X.weight_scale_inv` (one factor per block of its last two dims); both are
-read into FP8 weights as they are, and dequantized for weights the model keeps in its dtype. A
-missing scale, or one whose shape is not the weight's block grid, is an error naming the tensor.
+read into FP8 weights as they are, and dequantized for weights the model keeps in its dtype (the
+MTP head's among them). A missing scale, or one whose shape is not the weight's block grid, is an
+error naming the tensor.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from safetensors import safe_open
 from .base import CheckpointTensor, LazyTensor
 from .config import Fp8Scheme, ModelConfig
 from .model import HybridModel
+from .mtp import MtpHead
 from .parallel import ParallelLayout
 from .quant import apply_scheme
+from .qwen4_exp import Qwen4ExpModel
 
 log = logging.getLogger(__name__)
 
@@ -89,21 +93,41 @@ def build_model(
     layout: ParallelLayout | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    mtp: bool = False,
 ) -> HybridModel:
     """The model with uninitialised parameters allocated directly in `dtype` on `device` (under an
-    FP8 scheme the projections it quantizes in FP8, never allocated in `dtype` first)."""
-    if config.quantization is None:
-        with torch.device(device), _default_dtype(dtype):
-            model = HybridModel(config, layout)
-        return model.eval()
-    with torch.device("meta"), _default_dtype(dtype):
-        model = HybridModel(config, layout)
-    apply_scheme(model.fp8_projections(), config.quantization, device, dtype)
+    FP8 scheme the projections it quantizes in FP8, never allocated in `dtype` first); with `mtp`,
+    its MTP head too (an error naming the config field when the checkpoint declares none)."""
+    if mtp and (config.num_mtp_layers < 1 or config.family == "qwen4_exp"):
+        raise CheckpointError(
+            "speculative_config method 'mtp' needs a checkpoint with an MTP head of a qwen3_next / qwen3_5 family; "
+            f"this {config.family} config declares {config.num_mtp_layers} (mtp_num_hidden_layers / "
+            "num_nextn_predict_layers)"
+        )
+    cls = Qwen4ExpModel if config.family == "qwen4_exp" else HybridModel
+    fp8 = config.quantization is not None
+    with torch.device("meta" if fp8 else device), _default_dtype(dtype):
+        model = cls(config, layout)
+        if mtp:
+            model.mtp = MtpHead(config, model.layout)
+    if fp8:
+        apply_scheme(model.fp8_projections(), config.quantization, device, dtype)
+        _materialize(model, device)
+    return model.eval()
+
+
+def _materialize(model: torch.nn.Module, device: str | torch.device) -> None:
+    """After a meta build: the parameters the FP8 scheme left there allocated on `device`
+    (uninitialised, as without a scheme); buffers (values computed at construction, on the host)
+    moved there."""
     for module in model.modules():
         for name, param in module._parameters.items():
             if param is not None and param.is_meta:
                 module._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device=device), False)
-    return model.eval()
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                assert not buf.is_meta, f"buffer {name!r} was built on the meta device: its values are lost"
+                module._buffers[name] = buf.to(device)
 
 
 def load_model(
@@ -116,10 +140,12 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     quantization: str | None = None,
+    mtp: bool = False,
 ) -> HybridModel:
-    """Build the model and fill this rank's shard of every parameter. quantization: "fp8" holds
-    the projections in block FP8 whatever the checkpoint's dtype (quantized at load in 128 x 128
-    blocks where it is not FP8 already); None: as the checkpoint's config says."""
+    """Build the model (with `mtp`: and its MTP head) and fill this rank's shard of every parameter.
+    quantization: "fp8" holds the projections in block FP8 whatever the checkpoint's dtype
+    (quantized at load in 128 x 128 blocks where it is not FP8 already); None: as the checkpoint's
+    config says."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     if quantization not in QUANTIZATIONS:
@@ -131,7 +157,7 @@ def load_model(
     if quantization == "fp8" and config.quantization is None:
         config = dataclasses.replace(config, quantization=Fp8Scheme())
     started = time.perf_counter()
-    model = build_model(config, layout=layout, dtype=dtype, device=device)
+    model = build_model(config, layout=layout, dtype=dtype, device=device, mtp=mtp)
     entries = model.checkpoint_tensors()
     block = config.quantization.block if config.quantization is not None else (128, 128)
     if load_format == "random":
@@ -175,11 +201,13 @@ def load_safetensors(
                 name = canonical_name(raw_name)
                 if name is None:
                     continue
+                if name.startswith("mtp.") and model.mtp is None:
+                    continue  # the MTP head is built only for speculative decoding
                 entry = by_name.get(name)
-                if not name.startswith("mtp.") and entry is None:
+                if entry is None:
                     unexpected.append(raw_name)
                     continue
-                if entry is not None and entry.load is None:
+                if entry.load is None:
                     continue  # another rank's tensor
                 sliced = f.get_slice(raw_name)
                 shape = tuple(sliced.get_shape())
@@ -187,13 +215,14 @@ def load_safetensors(
                 tensor = LazyTensor(raw_name, shape, _slice_reader(sliced), block=block)
                 if sliced.get_dtype() == "F8_E4M3":
                     tensor.scale = _scale_tensor(raw_name, shape, files, handle, scheme)
-                if name.startswith("mtp."):
-                    model.mtp_weights[name] = tensor.get().to(device=device, dtype=dtype)
-                    continue
                 if shape != entry.shape:
                     raise CheckpointError(f"checkpoint tensor '{raw_name}' has shape {shape}, expected {entry.shape}")
                 entry.load(tensor)
                 covered.update(entry.targets)
+    if model.mtp is not None and not any((canonical_name(n) or "").startswith("mtp.") for n in files):
+        raise CheckpointError(
+            f"speculative_config method 'mtp' needs MTP weights (mtp.*); checkpoint {model_dir} has none"
+        )
     missing = [name for target, name in _required_targets(entries).items() if target not in covered]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -240,8 +269,8 @@ def fill_random(
     weights: those values quantized in `block`s)."""
     covered: set[str] = set()
     for entry in entries:
-        if entry.load is None or covered.issuperset(entry.targets):
-            continue
+        if entry.load is None or entry.init == "computed" or covered.issuperset(entry.targets):
+            continue  # "computed": the parameter holds its value from the config already
         generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(entry.name.encode()))
         full = _random_tensor(entry.shape, entry.init, generator, dtype, device)
         read = lambda index, full=full: full[index] if index else full  # noqa: E731

@@ -24,43 +24,57 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10generation.proto\x12\rdeltaserve.v1\"\xde\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x01H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\x05H\x0f\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_n\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.deltaserve.v1.TokenIdsH\x00\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.deltaserve.v1.SamplingParamsB\x08\n\x06prompt\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x01\"_\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.deltaserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x9b\x02\n\rGenerateFinal\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.deltaserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x02 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x03 \x01(\tH\x00\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.deltaserve.v1.Usage\x12\"\n\x15time_to_first_token_s\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x34\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1b.deltaserve.v1.TokenLogprobB\r\n\x0bstop_reasonB\x18\n\x16_time_to_first_token_s\"\x8c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1c.deltaserve.v1.GenerateChunkH\x00\x12-\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1c.deltaserve.v1.GenerateFinalH\x00\x42\x06\n\x04kind\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"G\n\x0eParallelLayout\x12\x1c\n\x14tensor_parallel_size\x18\x01 \x01(\x05\x12\x17\n\x0f\x65xpert_parallel\x18\x02 \x01(\x08\"]\n\x0cPoolCapacity\x12\x11\n\tkv_tokens\x18\x01 \x01(\x03\x12\x10\n\x08kv_pages\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\x05\"\xfb\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12/\n\x08parallel\x18\x07 \x01(\x0b\x32\x1d.deltaserve.v1.ParallelLayout\x12)\n\x04pool\x18\x08 \x01(\x0b\x32\x1b.deltaserve.v1.PoolCapacity\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf6\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.deltaserve.v1.GenerateRequest\x1a\x1f.deltaserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.deltaserve.v1.TokenizeRequest\x1a\x1f.deltaserve.v1.TokenizeResponse\x12L\n\x0cGetModelInfo\x12\".deltaserve.v1.GetModelInfoRequest\x1a\x18.deltaserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10generation.proto\x12\rdeltaserve.v1\"\xde\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x01H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\x05H\x0f\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_n\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.deltaserve.v1.TokenIdsH\x00\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.deltaserve.v1.SamplingParams\x12\x11\n\tlora_name\x18\x05 \x01(\tB\x08\n\x06prompt\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x01\"_\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.deltaserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x9b\x02\n\rGenerateFinal\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.deltaserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x02 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x03 \x01(\tH\x00\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.deltaserve.v1.Usage\x12\"\n\x15time_to_first_token_s\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x34\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1b.deltaserve.v1.TokenLogprobB\r\n\x0bstop_reasonB\x18\n\x16_time_to_first_token_s\"\x8c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1c.deltaserve.v1.GenerateChunkH\x00\x12-\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1c.deltaserve.v1.GenerateFinalH\x00\x42\x06\n\x04kind\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"G\n\x0eParallelLayout\x12\x1c\n\x14tensor_parallel_size\x18\x01 \x01(\x05\x12\x17\n\x0f\x65xpert_parallel\x18\x02 \x01(\x08\"]\n\x0cPoolCapacity\x12\x11\n\tkv_tokens\x18\x01 \x01(\x03\x12\x10\n\x08kv_pages\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\x05\"\xb4\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12/\n\x08parallel\x18\x07 \x01(\x0b\x32\x1d.deltaserve.v1.ParallelLayout\x12)\n\x04pool\x18\x08 \x01(\x0b\x32\x1b.deltaserve.v1.PoolCapacity\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x37\n\x0bspeculative\x18\x0b \x01(\x0b\x32\".deltaserve.v1.SpeculativeDecoding\"\xcf\x01\n\x13SpeculativeDecoding\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\x05\x12\x12\n\nnum_drafts\x18\x03 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\x03\x12\x1e\n\x16mean_acceptance_length\x18\x07 \x01(\x01\"H\n\x0bLoraAdapter\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x13\n\x0blora_int_id\x18\x02 \x01(\x03\x12\x11\n\tlora_path\x18\x03 \x01(\t\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoraAdapterResponse\"\x19\n\x17ListLoraAdaptersRequest\"H\n\x18ListLoraAdaptersResponse\x12,\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1a.deltaserve.v1.LoraAdapter*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x99\x04\n\nGeneration\x12M\n\x08Generate\x12\x1e.deltaserve.v1.GenerateRequest\x1a\x1f.deltaserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.deltaserve.v1.TokenizeRequest\x1a\x1f.deltaserve.v1.TokenizeResponse\x12L\n\x0cGetModelInfo\x12\".deltaserve.v1.GetModelInfoRequest\x1a\x18.deltaserve.v1.ModelInfo\x12T\n\x0fLoadLoraAdapter\x12%.deltaserve.v1.LoadLoraAdapterRequest\x1a\x1a.deltaserve.v1.LoraAdapter\x12\x66\n\x11UnloadLoraAdapter\x12\'.deltaserve.v1.UnloadLoraAdapterRequest\x1a(.deltaserve.v1.UnloadLoraAdapterResponse\x12\x63\n\x10ListLoraAdapters\x12&.deltaserve.v1.ListLoraAdaptersRequest\x1a\'.deltaserve.v1.ListLoraAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2200
-  _globals['_FINISHREASON']._serialized_end=2320
+  _globals['_FINISHREASON']._serialized_start=2801
+  _globals['_FINISHREASON']._serialized_end=2921
   _globals['_SAMPLINGPARAMS']._serialized_start=36
   _globals['_SAMPLINGPARAMS']._serialized_end=770
   _globals['_TOKENIDS']._serialized_start=772
   _globals['_TOKENIDS']._serialized_end=795
   _globals['_GENERATEREQUEST']._serialized_start=798
-  _globals['_GENERATEREQUEST']._serialized_end=963
-  _globals['_TOKENLOGPROB']._serialized_start=965
-  _globals['_TOKENLOGPROB']._serialized_end=1073
-  _globals['_GENERATECHUNK']._serialized_start=1075
-  _globals['_GENERATECHUNK']._serialized_end=1170
-  _globals['_USAGE']._serialized_start=1172
-  _globals['_USAGE']._serialized_end=1252
-  _globals['_GENERATEFINAL']._serialized_start=1255
-  _globals['_GENERATEFINAL']._serialized_end=1538
-  _globals['_GENERATERESPONSE']._serialized_start=1541
-  _globals['_GENERATERESPONSE']._serialized_end=1681
-  _globals['_TOKENIZEREQUEST']._serialized_start=1683
-  _globals['_TOKENIZEREQUEST']._serialized_end=1714
-  _globals['_TOKENIZERESPONSE']._serialized_start=1716
-  _globals['_TOKENIZERESPONSE']._serialized_end=1753
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1755
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1776
-  _globals['_PARALLELLAYOUT']._serialized_start=1778
-  _globals['_PARALLELLAYOUT']._serialized_end=1849
-  _globals['_POOLCAPACITY']._serialized_start=1851
-  _globals['_POOLCAPACITY']._serialized_end=1944
-  _globals['_MODELINFO']._serialized_start=1947
-  _globals['_MODELINFO']._serialized_end=2198
-  _globals['_GENERATION']._serialized_start=2323
-  _globals['_GENERATION']._serialized_end=2569
+  _globals['_GENERATEREQUEST']._serialized_end=982
+  _globals['_TOKENLOGPROB']._serialized_start=984
+  _globals['_TOKENLOGPROB']._serialized_end=1092
+  _globals['_GENERATECHUNK']._serialized_start=1094
+  _globals['_GENERATECHUNK']._serialized_end=1189
+  _globals['_USAGE']._serialized_start=1191
+  _globals['_USAGE']._serialized_end=1271
+  _globals['_GENERATEFINAL']._serialized_start=1274
+  _globals['_GENERATEFINAL']._serialized_end=1557
+  _globals['_GENERATERESPONSE']._serialized_start=1560
+  _globals['_GENERATERESPONSE']._serialized_end=1700
+  _globals['_TOKENIZEREQUEST']._serialized_start=1702
+  _globals['_TOKENIZEREQUEST']._serialized_end=1733
+  _globals['_TOKENIZERESPONSE']._serialized_start=1735
+  _globals['_TOKENIZERESPONSE']._serialized_end=1772
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1774
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1795
+  _globals['_PARALLELLAYOUT']._serialized_start=1797
+  _globals['_PARALLELLAYOUT']._serialized_end=1868
+  _globals['_POOLCAPACITY']._serialized_start=1870
+  _globals['_POOLCAPACITY']._serialized_end=1963
+  _globals['_MODELINFO']._serialized_start=1966
+  _globals['_MODELINFO']._serialized_end=2274
+  _globals['_SPECULATIVEDECODING']._serialized_start=2277
+  _globals['_SPECULATIVEDECODING']._serialized_end=2484
+  _globals['_LORAADAPTER']._serialized_start=2486
+  _globals['_LORAADAPTER']._serialized_end=2558
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=2560
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2622
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2624
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2669
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=2671
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=2698
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_start=2700
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_end=2725
+  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_start=2727
+  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_end=2799
+  _globals['_GENERATION']._serialized_start=2924
+  _globals['_GENERATION']._serialized_end=3461
 # @@protoc_insertion_point(module_scope)

@@ -555,3 +555,20 @@ def test_ray_backend_streams_end_to_end(ray_session, aio, model_path, reference)
             aio.run(gateway.stop(0))
         finally:
             aio.run(engine.shutdown())
+
+
+def test_model_info_reports_speculative_decoding(aio, model_path, client):
+    """GetModelInfo carries the speculative setting and its acceptance counters; without it, none."""
+    assert not client.model_info().HasField("speculative")
+    setting = {"method": "mtp", "num_speculative_tokens": 2}
+    spec = start_served(aio, EngineConfig.from_kwargs(model=model_path, speculative_config=setting))
+    try:
+        with GenerationClient(spec.target) as spec_client:
+            assert len(list(spec_client.generate([5, 6, 7], max_tokens=6, temperature=0))) > 0
+            info = spec_client.model_info().speculative
+            assert (info.method, info.num_speculative_tokens) == ("mtp", 2)
+            assert info.num_drafts > 0 and info.num_draft_tokens == 2 * info.num_drafts
+            assert len(info.accepted_per_position) == 2
+            assert info.mean_acceptance_length == 1 + info.num_accepted_tokens / info.num_drafts
+    finally:
+        stop_served(spec)

@@ -68,6 +68,18 @@ class NewRequestData:
 
 
 @dataclass
+class LoraLoad:
+    """An adapter to place in a device slot before the pass runs (the driver picks slots, LRU):
+    `key` names this registration of the adapter (a rank's host cache of loaded adapters is keyed by
+    it), `name` and `path` the adapter folder (PEFT: adapter_config.json + adapter_model.safetensors)."""
+
+    slot: int
+    key: int
+    name: str
+    path: str
+
+
+@dataclass
 class PassPlan:
     pass_id: int
     req_ids: list[str]  # N rows
@@ -82,8 +94,9 @@ class PassPlan:
     has_initial_state: np.ndarray  # [N] bool: cached tokens exist before this pass
     sample_rows: np.ndarray  # [N] bool: the row's last token yields a sampled token
     prompt_logprob_rows: np.ndarray  # [N] bool: return prompt logprobs for this row's tokens
-    # [N] int32: the prompt token right after the row's chunk (-1: none), so that the chunk's last
-    # position gets a prompt logprob too
+    # [N] int32: the token right after the row's chunk (-1: none or not known yet), so that the chunk's
+    # last position gets a prompt logprob too and the MTP head its next token (a preempted request's
+    # recomputed chunk may end before one of its output tokens)
     next_prompt_token: np.ndarray | None = None
     # [N] int32 (async scheduling): -1, or j: the row is one decode token whose id is not known on
     # the driver yet (input_ids holds a placeholder); the runner takes it on the device from entry j
@@ -99,6 +112,15 @@ class PassPlan:
     # [M, 3] int32 (row, tokens of the row's chunk before the captured point, snapshot slot): GDN
     # state captured inside a prefill row's chunk (the seed's MidchunkCapture)
     captures: np.ndarray | None = None
+    # Speculative decoding (MTP): k > 0 when the decode rows are verify rows of k + 1 tokens each (the
+    # request's last token, then its k drafts); [N] bool: the rows after which the MTP head drafts k
+    # tokens for the request's next verify (with k > 0 every verify row is one)
+    num_spec_tokens: int = 0
+    draft_rows: np.ndarray | None = None
+    # LoRA: [N] int32, each row's adapter slot (-1: the base model); None: no row has an adapter.
+    # lora_loads: adapters placed in slots before the forward (a slot a row names holds its adapter)
+    lora_slots: np.ndarray | None = None
+    lora_loads: list[LoraLoad] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
 
@@ -136,3 +158,9 @@ class RunnerOutput:
     # operation, and the device's idle time between the previous pass's last operation and its first
     device_busy_s: float = -1.0
     device_gap_s: float = -1.0
+    # speculative decoding: req_id -> the tokens a verify row emitted after the first (its accepted
+    # drafts are those it emitted but the last) and their logprobs; req_id -> the drafts of its next
+    # verify
+    extra_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    extra_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

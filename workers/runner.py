@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deltaserve.layers.base import MoeLoraRoute
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.loader import load_model
@@ -29,10 +30,12 @@ from deltaserve.layers.parallel import ParallelLayout
 from deltaserve.workers.compile_watch import LateCompileLog
 from deltaserve.workers.config import WorkerConfig
 from deltaserve.workers.context import HostCopy, build_forward_context, logits_rows, upload
+from deltaserve.workers.lora import AdapterSlots
 from deltaserve.workers.plan import PassPlan, PoolSizes, RunnerOutput
 from deltaserve.workers.sampler import LogprobParts, SampledBatch, Sampler
+from deltaserve.workers.spec_decode import SpecDecoder
 from deltaserve.workers.state_pool import StatePool, size_pools
-from deltaserve.workers.wire import check_plan_ranges, check_prev_ids
+from deltaserve.workers.wire import check_plan_ranges, check_prev_ids, check_spec_engine
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +68,13 @@ class ModelRunner:
             load_format=load.load_format,
             seed=load.seed,
             quantization=load.quantization,
+            mtp=config.runner.num_speculative_tokens > 0,
         )
+        # LoRA adapter slots (allocated with the weights, before the pools are sized)
+        self.lora = AdapterSlots(self.model, config.lora) if config.lora.enable_lora else None
         self.pool: StatePool | None = None
+        self.spec: SpecDecoder | None = None
+        self.verify_graphs = None
         self.graphs = None
         self.late_compiles: LateCompileLog | None = None  # set once start-up is over (allocate)
         self.kernels = config.runner.kernels
@@ -122,7 +130,9 @@ class ModelRunner:
         pages = -(-tokens // block_size)
         # slots for the warm-up batches' rows too (a few GiB at most, freed below)
         slots = 1 + max(len(batch) for batch in WARMUP_BATCHES)
-        sizes = PoolSizes(num_blocks=pages + 1, block_size=block_size, num_slots=slots)
+        # two snapshot slots: the warm-up also runs the prefix-cache capture kernels
+        snapshots = 2 if self.config.cache.enable_prefix_caching else 0
+        sizes = PoolSizes(num_blocks=pages + 1, block_size=block_size, num_slots=slots, num_snapshots=snapshots)
         pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
         plan = _profile_plan(tokens, block_size)
         torch.cuda.synchronize(self.device)
@@ -135,6 +145,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         del pool
         torch.cuda.empty_cache()
+        k = self.config.runner.num_speculative_tokens
+        if k:  # a verify pass's logits: k + 1 rows a sequence, widened to float32 and drawn from (~4 copies)
+            peak = max(peak, self.config.max_num_seqs * (k + 1) * self.model_config.vocab_size * 4 * 4)
         return int(peak * 1.1)
 
     def compile_warmup(self, pool: StatePool) -> None:
@@ -142,27 +155,46 @@ class ModelRunner:
         logits' kernels, outputs dropped."""
         for streams in WARMUP_BATCHES:
             if warmup_fits(streams, self.config.max_num_batched_tokens, pool.sizes):
-                logits, _ = self._forward(_warmup_plan(streams, pool.sizes.block_size), pool)
+                plan = _warmup_plan(streams, pool.sizes.block_size)
+                logits, _, _ = self._forward(plan, pool)
                 if logits is not None:
                     self.sampler.compile_warmup(logits)
+                if pool.sizes.num_snapshots >= 2 and len(streams) in CAPTURE_WARMUP_ROWS:
+                    # again with prefix-cache captures: a chunk-boundary store and a replayed remainder
+                    # (the chunk kernel variant this batch picks, compiled with its capture store)
+                    first = plan.num_decode_rows
+                    new = int(plan.query_start_loc[first + 1] - plan.query_start_loc[first])
+                    plan.captures = np.array(
+                        [
+                            [first, min(64, new), pool.sizes.num_slots],
+                            [first, max(1, new - 5), pool.sizes.num_slots + 1],
+                        ],
+                        dtype=np.int32,
+                    )
+                    self._forward(plan, pool)
 
     def allocate(self, sizes: PoolSizes) -> None:
         """Allocate the pools (the same sizes on every rank); from here on a Triton compile is logged
         (`compile_watch`): start-up compiled what it could."""
         self.sizes = sizes
         self.pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
+        k = self.config.runner.num_speculative_tokens
+        if k:
+            self.pool.enable_verify(self.model, rows=self.config.max_num_seqs, length=k + 1)
+            self.spec = SpecDecoder(self.model, self.pool, k)
         if self.device.type == "cuda" and self.config.cache.num_kv_blocks is not None:
             # given sizes skip the profiling pass, which runs the warm-up: run it on the empty pool
             self.compile_warmup(self.pool)
         self.graphs = self._capture_graphs()
+        self.verify_graphs = self._capture_verify_graphs()
         if self.device.type == "cuda":  # after the graph captures, which compile the decode kernels
             self.late_compiles = LateCompileLog()
             self.late_compiles.install()
 
     def _capture_graphs(self):
         """The decode CUDA graphs over the pools (None on CPU or with graphs off)."""
-        if self.device.type != "cuda" or self.config.runner.enforce_eager:
-            return None
+        if self.device.type != "cuda" or self.config.runner.enforce_eager or self.spec is not None:
+            return None  # speculative passes need the hidden states the graphs do not return
         from deltaserve.workers.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs
 
         sizes = self.sizes
@@ -176,7 +208,36 @@ class ModelRunner:
             scratch_page=sizes.num_blocks - 1,
             batch_sizes=tuple(b for b in DEFAULT_BATCH_SIZES if b <= self.config.runner.cuda_graph_max_batch),
             kernels=self.kernels,
+            lora=self.lora,
         )
+
+    def _capture_verify_graphs(self):
+        """The speculative verify CUDA graphs (None on CPU, with graphs off or without speculation)."""
+        if self.device.type != "cuda" or self.config.runner.enforce_eager or self.spec is None:
+            return None
+        from deltaserve.workers.cuda_graph import DEFAULT_BATCH_SIZES
+        from deltaserve.workers.spec_graphs import VerifyGraphs
+
+        sizes, k = self.sizes, self.spec.k
+        max_len = self.model_config.max_position_embeddings + 2 * k
+        largest = min(self.config.max_num_seqs, self.config.runner.cuda_graph_max_batch)
+        batch_sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b <= largest)
+        try:
+            graphs = VerifyGraphs(
+                self.model,
+                self.spec,
+                max_pages=min(sizes.num_blocks, -(-max_len // sizes.block_size)),
+                scratch_slot=sizes.num_slots - 1,
+                scratch_page=sizes.num_blocks - 1,
+                batch_sizes=batch_sizes,
+                device=self.device,
+                kernels=self.kernels,
+            )
+        except Exception:  # serving goes on eagerly; tests/test_gpu_spec_decode.py asserts the graphs exist
+            log.exception("capturing the speculative verify CUDA graphs failed: verify passes run eagerly")
+            torch.cuda.synchronize(self.device)
+            return None
+        return graphs if graphs.batch_sizes else None
 
     def set_kernel_options(self, kernels: KernelOptions) -> None:
         """Run later passes with these kernel choices (the benchmark's variants); the decode graphs,
@@ -184,25 +245,35 @@ class ModelRunner:
         in flight."""
         self.kernels = kernels
         self.sampler.pdl = kernels.pdl
-        if self.graphs is None or self.graphs.kernels == kernels:
+        held = self.graphs or self.verify_graphs
+        if held is None or held.kernels == kernels:
             return
         torch.cuda.synchronize(self.device)
-        self.graphs = None
+        self.graphs = self.verify_graphs = None
         torch.cuda.empty_cache()
         self.graphs = self._capture_graphs()
+        self.verify_graphs = self._capture_verify_graphs()
 
     # ---- one pass ----------------------------------------------------------------------------
     def _forward(self, plan: PassPlan, pool: StatePool, prev_tokens: torch.Tensor | None = None):
+        """(logits of the plan's logits rows, their spans, (context, final hidden states) or None when
+        a graph ran)."""
         indices, spans = logits_rows(plan)
+        route = self.lora.route(plan.lora_slots) if self.lora is not None else None
         if self.graphs is not None and pool is self.pool and self.graphs.can_run(plan):
-            return self.graphs.run(plan, prev_tokens), spans
+            return self.graphs.run(plan, prev_tokens), spans, None
         ctx = build_forward_context(
-            plan, self.model_config, self.layout, self.device, indices, prev_tokens, kernels=self.kernels
-        )
+            plan, self.model_config, self.layout, self.device, indices, prev_tokens, kernels=self.kernels,
+            num_lora_slots=self.num_lora_slots, moe_lora_route=route or MoeLoraRoute.SKIP,
+        )  # fmt: skip
         with torch.inference_mode():
             hidden = self.model(ctx, pool.layer_states)
             logits = self.model.compute_logits(hidden[ctx.logits_indices]) if len(indices) else None
-        return logits, spans
+        return logits, spans, (ctx, hidden)
+
+    @property
+    def num_lora_slots(self) -> int:
+        return 0 if self.lora is None else self.lora.num_slots
 
     def execute(self, plan: PassPlan) -> RunnerOutput | None:
         """Run one pass and wait for its output (None on ranks other than TP rank 0)."""
@@ -211,19 +282,30 @@ class ModelRunner:
     def execute_async(self, plan: PassPlan) -> PassOutput:
         """Launch one pass; nothing here waits for the device (on CPU the pass simply runs)."""
         started = time.perf_counter()
-        check_plan_ranges(plan, self.sizes, self.model_config.vocab_size)
+        check_plan_ranges(plan, self.sizes, self.model_config.vocab_size, self.num_lora_slots)
         prev = self._prev
         held = (None, 0) if prev is None else (prev.pass_id, prev.tokens.shape[0])
         prev_tokens = prev.tokens if check_prev_ids(plan, *held) else None
-        while len(self._unresolved) > 1:  # only the previous pass may still be unread when this one samples
+        check_spec_engine(plan, self.config.runner.num_speculative_tokens)
+        # only the previous pass may still be unread when this one samples; with speculation none (a
+        # verify's accepted count moves its requests' draw counters)
+        while len(self._unresolved) > (0 if self.spec is not None else 1):
             self._resolve_oldest()
         for req_id in plan.finished_req_ids:
             self.sampler.remove(req_id)
         for data in plan.new_requests:
             self.sampler.add(data)
+        if plan.lora_loads:
+            self.lora.place(plan.lora_loads)
         events = self._start_events()
         self._copy_state(plan)
-        logits, spans = self._forward(plan, self.pool, prev_tokens)
+        if (
+            self.verify_graphs is not None
+            and self.verify_graphs.can_run(plan)
+            and self.sampler.is_plain_greedy(plan.req_ids)
+        ):
+            return self._graphed_verify(plan, started, events)
+        logits, spans, forward = self._forward(plan, self.pool, prev_tokens)
         # every TP rank samples (its logits are the full vocabulary after the all-gather, and its
         # sampler sees the same plans, seeds and counters): the next plan may read its decode input
         # ids from these sampled ids on any rank. Only rank 0 computes logprobs and returns outputs.
@@ -256,6 +338,9 @@ class ModelRunner:
             batch = self.sampler.sample_async(
                 sample_ids, sampled_logits, copy, pending_rows, pending_tokens, logprobs=driver
             )
+        verify = drafts = None
+        if self.spec is not None:
+            verify, drafts = self._speculate(plan, forward, logits, batch, spans, copy)
         if events is not None:  # before the copies' event, so the pass's own wait covers it
             events[2].record()
             self._last_pass_end = events[2]
@@ -263,8 +348,54 @@ class ModelRunner:
         tokens = batch.tokens if batch is not None else torch.zeros(0, dtype=torch.long, device=self.device)
         self._prev = PrevPass(plan.pass_id, tokens)
         handle = PassOutput(self, plan.pass_id, batch, copy, prompt_parts, started, events=events)
+        handle.set_spec(verify, drafts, plan)
         self._unresolved.append(handle)
         return handle
+
+    def _graphed_verify(self, plan: PassPlan, started: float, events) -> PassOutput:
+        """A pass of greedy verify rows, the whole speculative step replayed from a CUDA graph."""
+        copy = HostCopy(self.device)
+        sampled, accepted, drafts = self.verify_graphs.run(plan)
+        verify = self.sampler.verified(plan.req_ids, sampled, accepted, copy)
+        drafts_slot = copy.add(drafts)
+        if events is not None:
+            events[2].record()
+            self._last_pass_end = events[2]
+        copy.record()
+        self._prev = PrevPass(plan.pass_id, torch.zeros(0, dtype=torch.long, device=self.device))
+        handle = PassOutput(self, plan.pass_id, None, copy, [], started, events=events)
+        handle.set_spec(verify, drafts_slot, plan)
+        self._unresolved.append(handle)
+        return handle
+
+    def _speculate(self, plan: PassPlan, forward, logits, batch: SampledBatch | None, spans, copy: HostCopy):
+        """The verify rows' sampling and accepted counts, then write-on-accept, the MTP head's
+        catch-up and the next drafts (workers/spec_decode.py). Returns (the VerifyBatch or None, the
+        drafts' host-copy slot or None)."""
+        ctx, hidden = forward
+        nv = plan.num_decode_rows if plan.num_spec_tokens else 0
+        verify = None
+        with torch.inference_mode():
+            if nv:
+                tokens = nv * (plan.num_spec_tokens + 1)
+                drafts = ctx.input_ids[:tokens].view(nv, -1)[:, 1:]
+                verify = self.sampler.sample_verify(
+                    plan.req_ids[:nv], logits[:tokens], drafts, copy, logprobs=self.is_driver_rank
+                )
+            index, j = [], 0
+            for _, _, sampled_at in spans:
+                index.append(j if sampled_at >= 0 else -1)
+                j += sampled_at >= 0
+            drafts = self.spec.after_sampling(
+                plan,
+                ctx,
+                hidden,
+                None if verify is None else verify.sampled,
+                None if verify is None else verify.num_accepted,
+                None if batch is None else batch.tokens,
+                index,
+            )
+        return verify, (None if drafts is None else copy.add(drafts))
 
     def _copy_state(self, plan: PassPlan) -> None:
         """The plan's prefix-cache copies, before its forward: snapshot saves, then restores (a slot
@@ -331,6 +462,12 @@ class PassOutput:
         self._events = events
         self._resolved = resolved
         self._output: RunnerOutput | None = None
+        self._verify = self._drafts = self._plan = None
+
+    def set_spec(self, verify, drafts: int | None, plan: PassPlan) -> None:
+        """A speculative pass's verify batch and the host-copy slot of its drafts."""
+        if verify is not None or drafts is not None:
+            self._verify, self._drafts, self._plan = verify, drafts, plan
 
     def done(self) -> bool:
         return self._resolved or self._copy is None or self._copy.ready()
@@ -347,9 +484,23 @@ class PassOutput:
         out = RunnerOutput(pass_id=self.pass_id, req_ids=[], sampled_token_ids=[])
         for req_id, parts, ks in self._prompt_parts:
             out.prompt_logprobs[req_id] = parts.result(ks)
+        if self._verify is not None:
+            emitted, verify_logprobs = self._verify.result()
+            out.req_ids = list(self._verify.req_ids)
+            out.sampled_token_ids = [tokens[0] for tokens in emitted]
+            out.extra_token_ids = {r: t[1:] for r, t in zip(out.req_ids, emitted, strict=True) if len(t) > 1}
+            for req_id, entries in verify_logprobs.items():
+                out.logprobs[req_id] = entries[0]
+                if len(entries) > 1:
+                    out.extra_logprobs[req_id] = entries[1:]
         if self._batch is not None:
             tokens, logprobs = self._batch.result()
-            out.req_ids, out.sampled_token_ids, out.logprobs = list(self._batch.req_ids), tokens, logprobs
+            out.req_ids += list(self._batch.req_ids)
+            out.sampled_token_ids += tokens
+            out.logprobs.update(logprobs)
+        if self._drafts is not None:
+            drafting = [self._plan.req_ids[n] for n in np.flatnonzero(self._plan.draft_rows)]
+            out.draft_token_ids = dict(zip(drafting, self._copy.get(self._drafts).tolist(), strict=True))
         if self._events is not None:
             previous, start, end = self._events
             end.synchronize()  # done already when the pass had host copies (recorded before their event)
@@ -359,6 +510,7 @@ class PassOutput:
         self._output = out if self._runner.is_driver_rank else None
         self._resolved = True
         self._batch = self._copy = self._prompt_parts = self._events = None
+        self._verify = self._drafts = self._plan = None
 
 
 # Batches run once at start-up, besides the profiling pass (one prompt of max_num_batched_tokens), so
@@ -375,9 +527,14 @@ WARMUP_BATCHES = (
     tuple((0, 61) for _ in range(17)),  # 17 prompts, 1,037 tokens
     tuple((0, 64) for _ in range(16)),  # 16 prompts, 1,024 tokens
     ((40, 1), (17, 1), (300, 200), (0, 99)),  # decode rows, a continued chunk, a new prompt
+    ((30, 1), (0, 50)),  # one decode row: the prefill rows' inputs start at an odd row offset
     tuple((20 + i, 1) for i in range(16)) + ((0, 77),),  # 16 decode rows and a short prompt
     ((0, 2100), (0, 2100), (0, 2100)),  # several long prompts: the GDN chunk kernels' third variant
 )
+
+
+# warm-up batches (by row count) that also run with captures: one per chunk-kernel variant they pick
+CAPTURE_WARMUP_ROWS = (1, 3)
 
 
 def _warmup_plan(streams: tuple[tuple[int, int], ...], block_size: int) -> PassPlan:

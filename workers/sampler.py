@@ -24,6 +24,7 @@ import torch
 from deltaserve.layers.kernels import argmax as argmax_kernels
 from deltaserve.workers.context import HostCopy, upload
 from deltaserve.workers.plan import NewRequestData, SamplingSpec, TokenLogprobs
+from deltaserve.workers.rejection import accept_drafts
 
 _M32 = 0xFFFFFFFF
 
@@ -125,6 +126,40 @@ class SampledBatch:
         return self._result
 
 
+class VerifyBatch:
+    """One `sample_verify` call: `sampled` [N, L] and `num_accepted` [N] stay on the device (write-on-
+    accept and the MTP head read them); `result()` waits for their host copies, records each row's
+    emitted tokens (sampled[n, : num_accepted[n] + 1]) in its request's history and returns (the
+    emitted ids per row, their logprobs by request id)."""
+
+    def __init__(self, req_ids, states, sampled, num_accepted, copy, logprob_rows, logprobs: LogprobParts | None):
+        self.req_ids, self.states = req_ids, states
+        self.sampled, self.num_accepted = sampled, num_accepted
+        self._copy = copy
+        self._slots = (copy.add(sampled), copy.add(num_accepted))
+        self._logprob_rows, self._logprobs = logprob_rows, logprobs
+        self._result = None
+
+    def result(self) -> tuple[list[list[int]], dict[str, list[TokenLogprobs]]]:
+        if self._result is None:
+            sampled, accepted = (self._copy.get(s).tolist() for s in self._slots)
+            length = len(sampled[0]) if sampled else 0
+            emitted = [row[: a + 1] for row, a in zip(sampled, accepted, strict=True)]
+            for state, tokens in zip(self.states, emitted, strict=True):
+                state.output_token_ids.extend(tokens)
+                state.num_sampled += len(tokens)
+            logprobs: dict[str, list[TokenLogprobs]] = {}
+            if self._logprobs is not None:
+                rows = self._logprob_rows  # expanded rows: request n's position i is n * length + i
+                ks = [self.states[i // length].spec.logprobs for i in rows]
+                for i, entry in zip(rows, self._logprobs.result(ks), strict=True):
+                    n, position = divmod(i, length)
+                    if position <= accepted[n]:
+                        logprobs.setdefault(self.req_ids[n], []).append(entry)
+            self._result = emitted, logprobs
+        return self._result
+
+
 class Sampler:
     def __init__(self, vocab_size: int, seed: int = 0, pdl: bool = True):
         self.vocab_size = vocab_size
@@ -181,32 +216,83 @@ class Sampler:
         if any(_needs_penalties(s) for s in states):
             logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             self._apply_penalties(logits, states, pending_rows, pending_tokens)
-        greedy = [s.spec.temperature == 0 for s in states]
-        if all(greedy):  # one argmax, no gathers
-            tokens = argmax_kernels.row_argmax(logits=logits, pdl=self.pdl)
-        else:
-            random_rows = [i for i, g in enumerate(greedy) if not g]
-            if len(random_rows) == len(states):
-                tokens = self._draw(logits, states, steps)
-            else:
-                tokens = argmax_kernels.row_argmax(logits=logits, pdl=self.pdl)
-                (rows,) = upload([np.asarray(random_rows)], logits.device)
-                drawn = self._draw(
-                    logits.index_select(0, rows), [states[i] for i in random_rows], [steps[i] for i in random_rows]
-                )
-                tokens.index_copy_(0, rows, drawn)
+        tokens = self._tokens(logits, states, steps)
         for s in states:
             s.num_sampled += 1
-        want = [i for i, s in enumerate(states) if s.spec.logprobs is not None] if logprobs else []
-        parts = None
-        if want:
-            kmax = max(states[i].spec.logprobs for i in want)
-            if len(want) == len(states):
-                parts = LogprobParts(copy, tokens, raw, kmax)
-            else:
-                (rows,) = upload([np.asarray(want)], logits.device)
-                parts = LogprobParts(copy, tokens.index_select(0, rows), raw.index_select(0, rows), kmax)
+        want, parts = self._logprob_parts(states, tokens, raw, copy, logprobs)
         return SampledBatch(req_ids, states, tokens, copy, want, parts)
+
+    def sample_verify(
+        self,
+        req_ids: list[str],
+        logits: torch.Tensor,
+        drafts: torch.Tensor,
+        copy: HostCopy,
+        logprobs: bool = True,
+    ) -> VerifyBatch:
+        """Speculative verify rows: logits [N * L, V] (each row's L = k + 1 positions in order), drafts
+        [N, k] on the device. Position i of a row is sampled as decoding would sample the request's
+        output number num_sampled + i (its seeded draw included); `accept_drafts` keeps the drafts up
+        to the first mismatch (workers/rejection.py says why that is the rejection scheme for greedy
+        drafts). Nothing waits for the device; the requests' counters move when the result is read.
+        Penalties need each position's history: such requests are never planned as verify rows."""
+        states = [self.states[r] for r in req_ids]
+        if any(_needs_penalties(s) for s in states):
+            raise ValueError("verify rows cannot apply penalties or min_tokens bans")
+        length = logits.shape[0] // max(1, len(states))
+        expanded = [s for s in states for _ in range(length)]
+        tokens = self._tokens(logits, expanded, [s.num_sampled + i for s in states for i in range(length)])
+        sampled = tokens.view(len(states), length)
+        num_accepted = accept_drafts(sampled, drafts)
+        want, parts = self._logprob_parts(expanded, tokens, logits, copy, logprobs)
+        return VerifyBatch(req_ids, states, sampled, num_accepted, copy, want, parts)
+
+    def is_plain_greedy(self, req_ids: Sequence[str]) -> bool:
+        """Whether every request samples by argmax alone, without logprobs or penalties: their verify
+        rows can run inside a CUDA graph."""
+        for r in req_ids:
+            state = self.states[r]
+            if state.spec.temperature != 0 or state.spec.logprobs is not None or _needs_penalties(state):
+                return False
+        return True
+
+    def verified(
+        self, req_ids: list[str], sampled: torch.Tensor, num_accepted: torch.Tensor, copy: HostCopy
+    ) -> VerifyBatch:
+        """A VerifyBatch of greedy verify rows sampled elsewhere (a CUDA graph's argmax and acceptance)."""
+        if not self.is_plain_greedy(req_ids):
+            raise ValueError("only greedy verify rows without logprobs run outside the sampler")
+        return VerifyBatch(req_ids, [self.states[r] for r in req_ids], sampled, num_accepted, copy, [], None)
+
+    def _tokens(self, logits: torch.Tensor, states: list[RequestSamplingState], steps: list[int]) -> torch.Tensor:
+        """One token per row of logits [R, V]: the argmax for greedy requests, a draw (seeded at
+        `steps[i]` for a request with a seed) for the others."""
+        greedy = [s.spec.temperature == 0 for s in states]
+        if all(greedy):  # one argmax, no gathers
+            return argmax_kernels.row_argmax(logits=logits, pdl=self.pdl)
+        random_rows = [i for i, g in enumerate(greedy) if not g]
+        if len(random_rows) == len(states):
+            return self._draw(logits, states, steps)
+        tokens = argmax_kernels.row_argmax(logits=logits, pdl=self.pdl)
+        (rows,) = upload([np.asarray(random_rows)], logits.device)
+        drawn = self._draw(
+            logits.index_select(0, rows), [states[i] for i in random_rows], [steps[i] for i in random_rows]
+        )
+        tokens.index_copy_(0, rows, drawn)
+        return tokens
+
+    def _logprob_parts(
+        self, states: list[RequestSamplingState], tokens: torch.Tensor, raw: torch.Tensor, copy: HostCopy, on: bool
+    ) -> tuple[list[int], LogprobParts | None]:
+        """The rows whose request wants logprobs, and their logprob tensors (None: no such row)."""
+        want = [i for i, s in enumerate(states) if s.spec.logprobs is not None] if on else []
+        if not want:
+            return want, None
+        kmax = max(states[i].spec.logprobs for i in want)
+        if len(want) == len(states):
+            return want, LogprobParts(copy, tokens, raw, kmax)
+        (rows,) = upload([np.asarray(want)], raw.device)
+        return want, LogprobParts(copy, tokens.index_select(0, rows), raw.index_select(0, rows), kmax)
 
     def _apply_penalties(
         self,

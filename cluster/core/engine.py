@@ -28,15 +28,18 @@ from deltaserve.workers.config import short
 from deltaserve.workers.plan import PassPlan, RunnerOutput
 
 from .allocator import BlockAllocator, StateSlotAllocator
+from .lora import AdapterRegistry, LoRARequest
 from .prefix_cache import CapturePolicy, PrefixCache, SnapshotCache
 from .request import CompletionOutput, FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .speculative import SpeculativeInfo
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
 OUTPUT_MODES = ("cumulative", "delta", "final")
+SPEC_LOG_INTERVAL_S = 30.0  # how often the acceptance counters are logged while verifying
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class ModelInfo:
     max_num_seqs: int
     dtype: str  # in use ("auto" resolved for the device)
     device: str
+    speculative: SpeculativeInfo | None = None  # None: no speculative decoding
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class EngineCore:
         if output_mode not in OUTPUT_MODES:
             raise ValueError(f"output_mode must be one of {OUTPUT_MODES}, got {output_mode!r}")
         self.output_mode = output_mode
+        self.num_speculative_tokens = config.runner.num_speculative_tokens
         self.model_config = model_config
         model = config.load.model
         self.tokenizer = Tokenizer(model) if model is not None and (Path(model) / "tokenizer.json").is_file() else None
@@ -108,11 +113,19 @@ class EngineCore:
         scheduling = dataclasses.replace(
             self.config.scheduler, max_num_seqs=min(config.scheduler.max_num_seqs, self.slots.capacity)
         )
-        self.scheduler = Scheduler(scheduling, self.blocks, self.slots, self.prefix_cache)
+        self.loras = AdapterRegistry(config.lora, model_config)
+        self.scheduler = Scheduler(
+            scheduling, self.blocks, self.slots, self.prefix_cache, self.loras,
+            num_speculative_tokens=self.num_speculative_tokens,
+        )  # fmt: skip
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
-        self.async_scheduling = overlaps_passes(self.executor, config.scheduler.async_scheduling)
+        # speculative passes run synchronously: a verify's accepted count decides the next plan
+        self.async_scheduling = not self.num_speculative_tokens and overlaps_passes(
+            self.executor, config.scheduler.async_scheduling
+        )
         self._in_flight: InFlightPass | None = None  # the launched pass not yet applied
+        self._spec_logged = time.monotonic()
         # with runner.time_passes on a GPU: (device busy s, device idle before it s) of recent passes
         self.pass_device_times: deque[tuple[float, float]] = deque(maxlen=4096)
         log.info(
@@ -132,10 +145,16 @@ class EngineCore:
         return self.tokenizer.encode(text)
 
     def make_request(
-        self, req_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        req_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate and build a request (raises ValueError naming the bad field); queues nothing.
-        cache_salt: requests share prefix-cache entries only with requests of the same salt."""
+        cache_salt: requests share prefix-cache entries only with requests of the same salt.
+        lora_request: the adapter it runs on (registered and checked on first use)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.model_config.vocab_size)
@@ -168,14 +187,23 @@ class EngineCore:
             raise ValueError(f"min_tokens: {params.min_tokens} after a {len(ids)}-token prompt exceeds {room}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 256):
             raise ValueError("cache_salt: must be a string of at most 256 characters")
-        req = Request(req_id, ids, params, max_tokens, eos_token_ids=self.model_config.eos_token_ids)
-        req.cache_key = "salt:" + cache_salt if cache_salt else ""
+        adapter = self.loras.resolve(lora_request)
+        req = Request(req_id, ids, params, max_tokens, eos_token_ids=self.model_config.eos_token_ids, lora=adapter)
+        # requests on different adapters (or none) never share cached blocks or GDN snapshots
+        keys = [adapter.cache_key] if adapter is not None else []
+        keys += ["salt:" + cache_salt] if cache_salt else []
+        req.cache_key = "|".join(keys)
         return req
 
     def add_request(
-        self, req_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        req_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
-        req = self.make_request(req_id, prompt, params, cache_salt)
+        req = self.make_request(req_id, prompt, params, cache_salt, lora_request)
         self.scheduler.add(req)
         self._prompts[req_id] = prompt if isinstance(prompt, str) else None
         if self.tokenizer is not None:
@@ -187,6 +215,23 @@ class EngineCore:
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
         return req
+
+    # ---- adapters ------------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter (checked against the model: ValueError naming the file and field)."""
+        self.loras.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter; requests running on it finish on it."""
+        return self.loras.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.loras.list()
+
+    def lora_request(self, name: str) -> LoRARequest | None:
+        """The registered adapter of this name, or None (front doors answer NOT_FOUND)."""
+        return self.loras.lookup(name)
 
     def abort(self, req_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(req_id)
@@ -241,25 +286,27 @@ class EngineCore:
                 outputs = self._apply(previous.plan, previous.handle.result())
             except WorkerFailure as e:
                 outputs = self._on_worker_failure(e)
-        self.async_scheduling = enabled and overlaps_passes(self.executor)
+        self.async_scheduling = enabled and not self.num_speculative_tokens and overlaps_passes(self.executor)
         return outputs
 
     def _apply(self, plan: PassPlan, result: RunnerOutput) -> list[RequestOutput]:
         if result.device_gap_s >= 0:
             self.pass_device_times.append((result.device_busy_s, result.device_gap_s))
         outputs = []
-        for req in self.scheduler.apply_output(plan, result):
-            out = self._on_token(req)
+        for req, count in self.scheduler.apply_output(plan, result):
+            out = self._on_tokens(req, count)
             if out is not None:
                 outputs.append(out)
+        self._log_spec_stats()
         return outputs
 
     def _on_worker_failure(self, e: WorkerFailure) -> list[RequestOutput]:
         log.error("%s; failing %d requests and restarting the workers", e, len(self.scheduler.requests))
         outputs = self.fail_all(str(e))
         self.executor.restart()
-        # the new workers' pools hold none of the cached pages and snapshots the index names
+        # the new workers' pools hold none of the cached pages and snapshots the index names, nor adapters
         self.scheduler.reset_prefix_cache()
+        self.loras.reset_device()
         # a restarted group may use another transport (no overlap over a compiled graph)
         self.async_scheduling = self.async_scheduling and overlaps_passes(self.executor)
         return outputs
@@ -275,22 +322,34 @@ class EngineCore:
             outputs.append(self._output(req, [], self._flush(req)))
         return outputs
 
-    def _on_token(self, req: Request) -> RequestOutput | None:
-        token = req.output_token_ids[-1]
+    def _on_tokens(self, req: Request, count: int) -> RequestOutput | None:
+        """The request's last `count` tokens (several from a speculative verify) into text; a stop
+        string ends the request at the token that completed it (later ones are dropped)."""
+        new = req.output_token_ids[len(req.output_token_ids) - count :]
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         delta = ""
         detok = self._detok.get(req.req_id)
         if detok is not None:
-            delta = detok.add([token])
-            if detok.stopped_by is not None and not req.is_finished:
-                req.stop_reason = detok.stopped_by
-                self.scheduler.finish(req, FinishReason.STOP)
+            for i, token in enumerate(new):
+                delta += detok.add([token])
+                if detok.stopped_by is not None:
+                    later = len(new) - i - 1
+                    if later:  # the scheduler may have ended it on one of them: the string came first
+                        del req.output_token_ids[-later:]
+                        del req.logprobs[len(req.logprobs) - min(later, len(req.logprobs)) :]
+                        new = new[: i + 1]
+                        req.finish_reason = FinishReason.STOP if req.is_finished else req.finish_reason
+                    if not req.is_finished or later:
+                        req.stop_reason = detok.stopped_by
+                    if not req.is_finished:
+                        self.scheduler.finish(req, FinishReason.STOP)
+                    break
         if req.is_finished:
             delta += self._flush(req)
         elif self.output_mode == "final":
             return None
-        return self._output(req, [token], delta)
+        return self._output(req, new, delta)
 
     def _flush(self, req: Request) -> str:
         detok = self._detok.get(req.req_id)
@@ -351,6 +410,7 @@ class EngineCore:
             max_num_seqs=self.scheduler.config.max_num_seqs,
             dtype=cfg.load.dtype_in_use,
             device=cfg.load.device,
+            speculative=None if self.scheduler.spec_stats is None else self.scheduler.spec_stats.info(),
         )
 
     def set_prefix_caching(self, enabled: bool) -> None:
@@ -364,6 +424,30 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block and GDN snapshot; requests in flight keep what they hold."""
         return self.scheduler.reset_prefix_cache()
+
+    def speculative_stats(self) -> dict:
+        """Drafts proposed and accepted (per position too) and the mean acceptance length."""
+        stats = self.scheduler.spec_stats
+        if stats is None:
+            return {"enabled": False}
+        return {"enabled": True, "method": "mtp", **stats.as_dict()}
+
+    def _log_spec_stats(self) -> None:
+        stats = self.scheduler.spec_stats
+        now = time.monotonic()
+        if stats is None or not stats.num_drafts or now - self._spec_logged < SPEC_LOG_INTERVAL_S:
+            return
+        self._spec_logged = now
+        rates = ", ".join(f"{r:.2f}" for r in stats.as_dict()["acceptance_rate_per_position"])
+        log.info(
+            "speculative decoding: %d verify rows, %d of %d drafts accepted, mean acceptance length %.2f, "
+            "acceptance by position [%s]",
+            stats.num_drafts,
+            stats.num_accepted_tokens,
+            stats.num_draft_tokens,
+            stats.mean_acceptance_length,
+            rates,
+        )
 
     def prefix_cache_stats(self) -> dict:
         if self.prefix_cache is None:

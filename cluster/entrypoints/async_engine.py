@@ -15,14 +15,15 @@ from collections.abc import AsyncIterator
 
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.core.engine import ModelInfo
+from deltaserve.cluster.core.lora import LoRARequest
 from deltaserve.cluster.core.request import RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
 
-from .driver import Driver, EngineLoop, EngineStartError, EngineUnavailableError, QueueFullError
+from .driver import AdapterNotFoundError, Driver, EngineLoop, EngineStartError, EngineUnavailableError, QueueFullError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineUnavailableError", "QueueFullError"]
+__all__ = ["AdapterNotFoundError", "AsyncEngine", "EngineUnavailableError", "QueueFullError"]
 
 
 class AsyncEngine:
@@ -87,16 +88,19 @@ class AsyncEngine:
                 self._dispatch(out)
 
     # ---- requests ------------------------------------------------------------------------------
-    async def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> int:
-        """Queue a request (ValueError / QueueFullError / EngineUnavailableError before queueing)."""
+    async def submit(
+        self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None
+    ) -> int:
+        """Queue a request (ValueError / AdapterNotFoundError / QueueFullError / EngineUnavailableError
+        before queueing). lora_name: the loaded adapter it runs on (None: the base model)."""
         self._check_up()
         if req_id in self._streams:  # replacing the queue would cut the live request's stream off
             raise ValueError(f"request_id: {req_id!r} is already in use")
         self._streams[req_id] = asyncio.Queue()
         try:
             if self.backend == "local":
-                return self._loop_engine.submit(req_id, prompt, params)
-            submitted = asyncio.ensure_future(self._driver.submit.remote(req_id, prompt, params))
+                return self._loop_engine.submit(req_id, prompt, params, lora_name)
+            submitted = asyncio.ensure_future(self._driver.submit.remote(req_id, prompt, params, lora_name))
             try:
                 return await asyncio.shield(submitted)
             except asyncio.CancelledError:
@@ -127,8 +131,10 @@ class AsyncEngine:
             if not finished:
                 await self.abort(req_id)
 
-    async def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams):
-        await self.submit(req_id, prompt, params)
+    async def generate(
+        self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None
+    ):
+        await self.submit(req_id, prompt, params, lora_name)
         async for out in self.stream(req_id):
             yield out
 
@@ -139,6 +145,34 @@ class AsyncEngine:
             self._loop_engine.abort(req_id)
         else:
             await self._driver.abort.remote(req_id)
+
+    # ---- adapters ------------------------------------------------------------------------------
+    async def lora_request(self, name: str) -> LoRARequest | None:
+        """The loaded adapter of this name, or None (the HTTP `model` field's lookup)."""
+        return next((r for r in await self.list_loras() if r.lora_name == name), None)
+
+    async def list_loras(self) -> list[LoRARequest]:
+        self._check_up()
+        if self.backend == "local":
+            return self._loop_engine.list_loras()
+        return await self._driver.list_loras.remote()
+
+    async def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Load an adapter under `name` (ValueError naming the file and field when it cannot be served)."""
+        return await self._adapter_call("load_lora", name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload an adapter (AdapterNotFoundError for a name not loaded)."""
+        await self._adapter_call("unload_lora", name)
+
+    async def _adapter_call(self, method: str, *args):
+        self._check_up()
+        try:
+            if self.backend == "local":
+                return await asyncio.to_thread(getattr(self._loop_engine, method), *args)
+            return await getattr(self._driver, method).remote(*args)
+        except BaseException as e:
+            raise _unwrap(e) from None
 
     # ---- queries -------------------------------------------------------------------------------
     async def tokenize(self, text: str) -> list[int]:
@@ -201,6 +235,6 @@ class AsyncEngine:
 def _unwrap(e: BaseException) -> BaseException:
     """A Ray task error carries the driver's exception as its cause: surface that one."""
     cause = getattr(e, "cause", None)
-    if isinstance(cause, ValueError | QueueFullError | EngineUnavailableError):
+    if isinstance(cause, ValueError | QueueFullError | EngineUnavailableError | AdapterNotFoundError):
         return cause
     return e

@@ -2,7 +2,8 @@
 
 Every field is checked before anything is queued (SamplingParams and AsyncEngine.submit raise a
 ValueError naming the field), and engine errors map to gRPC status codes: INVALID_ARGUMENT,
-RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (engine down, or the request failed mid-stream).
+NOT_FOUND (an adapter not loaded), RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (engine down, or the
+request failed mid-stream).
 A Generate handler owns its request's output stream: when the client cancels or disconnects, grpc
 cancels the handler, which closes the stream, which aborts the request (its pages and slot free).
 """
@@ -16,6 +17,7 @@ import signal
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,7 +28,7 @@ from deltaserve.protos import generation_pb2 as pb
 from deltaserve.protos import generation_pb2_grpc
 from deltaserve.workers.plan import TokenLogprobs
 
-from .async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
+from .async_engine import AdapterNotFoundError, AsyncEngine, EngineUnavailableError, QueueFullError
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +158,9 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             if len(req_id) > MAX_REQUEST_ID_LEN:
                 raise ValueError(f"request_id: at most {MAX_REQUEST_ID_LEN} characters, got {len(req_id)}")
-            await self._engine.submit(req_id, _prompt(request), _sampling_params(request.sampling_params))
+            await self._engine.submit(
+                req_id, _prompt(request), _sampling_params(request.sampling_params), request.lora_name or None
+            )
         except Exception as e:
             await self._abort_with(context, e)
         try:
@@ -201,10 +205,34 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ),
             dtype=info.dtype,
             device=info.device,
+            speculative=None if info.speculative is None else pb.SpeculativeDecoding(**asdict(info.speculative)),
         )
+
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context) -> pb.LoraAdapter:
+        try:
+            if not request.lora_name or not request.lora_path:
+                raise ValueError("lora_name and lora_path: both are required")
+            return _adapter(await self._engine.load_lora(request.lora_name, request.lora_path))
+        except Exception as e:
+            await self._abort_with(context, e)
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context) -> pb.UnloadLoraAdapterResponse:
+        try:
+            await self._engine.unload_lora(request.lora_name)
+            return pb.UnloadLoraAdapterResponse()
+        except Exception as e:
+            await self._abort_with(context, e)
+
+    async def ListLoraAdapters(self, request: pb.ListLoraAdaptersRequest, context) -> pb.ListLoraAdaptersResponse:
+        try:
+            return pb.ListLoraAdaptersResponse(adapters=[_adapter(r) for r in await self._engine.list_loras()])
+        except Exception as e:
+            await self._abort_with(context, e)
 
     async def _abort_with(self, context, error: Exception) -> None:
         """End the RPC with the status that `error` (raised before anything was queued) calls for."""
+        if isinstance(error, AdapterNotFoundError):
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
         if isinstance(error, ValueError):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         if isinstance(error, QueueFullError):
@@ -214,6 +242,10 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not await self._engine.healthy():  # e.g. the Ray driver actor is gone
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is down: {type(error).__name__}: {error}")
         raise error
+
+
+def _adapter(lora) -> pb.LoraAdapter:
+    return pb.LoraAdapter(lora_name=lora.lora_name, lora_int_id=lora.lora_int_id, lora_path=lora.path)
 
 
 def _prompt(request: pb.GenerateRequest) -> str | list[int]:

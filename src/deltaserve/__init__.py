@@ -12,16 +12,18 @@ import importlib
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 _LAZY = {
     "LLM": "deltaserve.cluster.entrypoints.llm",
+    "LoRARequest": "deltaserve.cluster.core.lora",
     "SamplingParams": "deltaserve.cluster.core.sampling_params",
     "RequestOutput": "deltaserve.cluster.core.request",
     "CompletionOutput": "deltaserve.cluster.core.request",
 }
 
 if TYPE_CHECKING:
+    from deltaserve.cluster.core.lora import LoRARequest
     from deltaserve.cluster.core.request import CompletionOutput, RequestOutput
     from deltaserve.cluster.core.sampling_params import SamplingParams
     from deltaserve.cluster.entrypoints.llm import LLM

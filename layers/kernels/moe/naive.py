@@ -7,7 +7,7 @@ experts [expert_offset, expert_offset + E) and skips tokens routed elsewhere.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,17 @@ class NormedOut(NamedTuple):
 
     normed: torch.Tensor
     residual: torch.Tensor
+
+
+class PairDeltas(Protocol):
+    """Additions to each routed pair's projections inside the experts (the experts' LoRA adapters,
+    kernels/lora): `gate_up(topk_ids)` [P, 2 * I] is added to the pair's gate / up projection before
+    the activation, then `down(act)` [P, H] (from the pairs' activations [P, I]) to its down projection
+    before the routing weight. Pair p = token * top_k + k; pairs routed to other ranks are never read."""
+
+    def gate_up(self, topk_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def down(self, act: torch.Tensor) -> torch.Tensor: ...
 
 
 def apply_add_norm(out: torch.Tensor, add_norm: AddNorm | None, pdl: bool = True) -> torch.Tensor | NormedOut:
@@ -92,31 +103,46 @@ def route_topk_softmax(*, router_logits, top_k, renormalize):
 
 def fused_moe(
     *, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, shared=None, add_norm=None, w13_scale=None,
-    w2_scale=None, quantize: bool | None = None,
+    w2_scale=None, deltas=None, quantize: bool | None = None,
 ):  # fmt: skip
     """The reference of moe.fused_moe: float32 throughout, one rounding at the end. FP8 weights
-    (w13_scale / w2_scale: their block scales) are dequantized; above PAIRS_PATH_MAX routed pairs
-    the expert inputs (x, and silu(gate) * up) are quantized per row and 1 x 128 group first and
-    the shared expert's down projection takes linear's path for its rows, as on the GPU (`quantize`
-    forces the choice: the reference of a path the test forced)."""
+    (w13_scale / w2_scale: their block scales) are dequantized; above PAIRS_PATH_MAX routed pairs,
+    or with deltas (the GPU then takes the sorted path), the expert inputs (x, and silu(gate) * up)
+    are quantized per row and 1 x 128 group first and the shared expert's down projection takes
+    linear's path for its rows, as on the GPU (`quantize` forces the choice: the reference of a
+    path the test forced). The deltas read the unquantized activations."""
     check_fp8(w13, w2, w13_scale, w2_scale)
     num_local, inter = w13.shape[0], w2.shape[2]
     acc = acc_dtype(hidden)
     if quantize is None:
-        quantize = topk_ids.numel() > PAIRS_PATH_MAX
+        quantize = deltas is not None or topk_ids.numel() > PAIRS_PATH_MAX
     quantize = quantize and w13_scale is not None
     out = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
     local_ids = topk_ids - expert_offset
+    top_k = topk_ids.shape[1]
     x_all = _fake_quant(hidden, acc) if quantize else hidden.to(acc)
-    for e in torch.unique(local_ids).tolist():
-        if not 0 <= e < num_local:
-            continue
-        token_idx, k_idx = torch.where(local_ids == e)
+    experts = [e for e in torch.unique(local_ids).tolist() if 0 <= e < num_local]
+    members = {e: torch.where(local_ids == e) for e in experts}
+    d13 = deltas.gate_up(topk_ids) if deltas is not None else None
+    acts = {}
+    for e, (token_idx, k_idx) in members.items():
         gate_up = x_all[token_idx] @ _weight(w13[e], None if w13_scale is None else w13_scale[e], acc).t()
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        if d13 is not None:
+            gate_up = gate_up + d13[token_idx * top_k + k_idx].to(acc)
+        acts[e] = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    d2 = None
+    if deltas is not None:  # the down deltas read every pair's activation
+        act_all = torch.zeros((topk_ids.numel(), inter), dtype=acc, device=hidden.device)
+        for e, (token_idx, k_idx) in members.items():
+            act_all[token_idx * top_k + k_idx] = acts[e]
+        d2 = deltas.down(act_all.to(hidden.dtype))
+    for e, (token_idx, k_idx) in members.items():
+        act = acts[e]
         if quantize:  # the GPU stores act in hidden's dtype, then quantizes it
             act = _fake_quant(act.to(hidden.dtype), acc)
         y = act @ _weight(w2[e], None if w2_scale is None else w2_scale[e], acc).t()
+        if d2 is not None:
+            y = y + d2[token_idx * top_k + k_idx].to(acc)
         out.index_add_(0, token_idx, y * topk_weights[token_idx, k_idx, None].to(acc))
     if shared is not None:
         check_shared(shared, hidden.shape[0], hidden.shape[1])
@@ -145,13 +171,13 @@ def _fake_quant(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 
 def routed_moe(
     *, hidden, w13, w2, router_logits, top_k, renormalize, expert_offset=0, shared=None, add_norm=None,
-    w13_scale=None, w2_scale=None,
+    w13_scale=None, w2_scale=None, deltas=None,
 ):  # fmt: skip
     """The reference of moe.routed_moe: route_topk_softmax, then fused_moe."""
     weights, ids = route_topk_softmax(router_logits=router_logits, top_k=top_k, renormalize=renormalize)
     return fused_moe(
         hidden=hidden, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, expert_offset=expert_offset,
-        shared=shared, add_norm=add_norm, w13_scale=w13_scale, w2_scale=w2_scale,
+        shared=shared, add_norm=add_norm, w13_scale=w13_scale, w2_scale=w2_scale, deltas=deltas,
     )  # fmt: skip
 
 
