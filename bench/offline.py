@@ -23,6 +23,7 @@ import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.cluster.config import EngineConfig, add_engine_args, engine_kwargs
+from deltaserve.cluster.core.sampling_params import StructuredOutputsParams
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.moe import SparseMoeBlock
@@ -135,17 +136,21 @@ def bench_decode(
     profile_steps: int = 0,
     tag: str = "",
     loras: list | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> dict:
     """Decode timing of `batch` sequences of `context` prompt tokens; `tag` keeps request ids
     distinct when a process times the same batch again (variants); `loras`: the LoRARequest (or None)
-    of sequence i is loras[i % len(loras)]."""
+    of sequence i is loras[i % len(loras)]; `structured_outputs`: every row under this constraint (one
+    whose output outlasts the timed steps)."""
     engine = llm.engine
     rng = np.random.default_rng(batch)
     # the first prompts decode beside the later ones' prefill chunks: a token a pass from then on,
     # so the budget covers those passes too (a request that finished mid-timing would shrink the batch)
     prefill_passes = -(-batch * context // engine.scheduler.config.max_num_batched_tokens) + 1
     max_tokens = prefill_passes + 2 * steps + profile_steps + 6
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=structured_outputs
+    )
     for i in range(batch):
         lora = loras[i % len(loras)] if loras else None
         engine.add_request(

@@ -73,10 +73,16 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """Streams GenerateResponse.chunk messages as tokens are produced, then one GenerateResponse.final.
-        Errors: INVALID_ARGUMENT (a bad field, named first in the message), NOT_FOUND (lora_name names no
-        loaded adapter), RESOURCE_EXHAUSTED (the
-        waiting queue is full), UNAVAILABLE (the engine is down, or failed this request mid-stream).
+        Errors: INVALID_ARGUMENT (a bad field, named first in the message; also bytes that are not a
+        GenerateRequest), NOT_FOUND (lora_name names no loaded adapter), RESOURCE_EXHAUSTED (the waiting
+        queue is full, or a message over the size limit), UNAVAILABLE (the engine is down, or failed this
+        request mid-stream). No other status means bad input; INTERNAL is a server bug. Status messages
+        are at most 512 characters.
         Cancelling the call aborts the request and frees its cache at once.
+        When a worker dies, the requests in flight end UNAVAILABLE at once and the worker group is
+        replaced; health stays SERVING through the replacement: requests sent meanwhile are queued and
+        served once the new group is up (seconds: it loads the weights), so a client sees a slow first
+        token, not an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -96,6 +96,9 @@ def validate_fields(obj: Any) -> None:
 
 
 def short(value: Any, limit: int = 40) -> str:
+    """repr(value) cut to `limit` characters: an error message never echoes a long value back."""
+    if isinstance(value, int) and value.bit_length() > 64:  # repr of a huge int is long, or raises past 4300 digits
+        return f"{'-' if value < 0 else ''}<a {value.bit_length()}-bit integer>"
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

@@ -9,6 +9,11 @@ from it), their copy to pinned host memory is non-blocking behind one CUDA event
 samples, every pass but the one just before it is resolved (its ids feed the penalties). Every TP
 rank samples (same logits, seeds and counters: the same ids), so that a plan's `input_from_prev`
 rows find their ids on every rank; only TP rank 0 computes logprobs and returns the RunnerOutput.
+
+Structured output: every rank holds the grammar matchers of its requests (`workers/grammar.py`). A
+constrained row's mask needs its latest token on the host: when that token comes from the pass
+still unresolved, the runner resolves it after launching the new pass's forward (the device runs
+the forward while the host advances the matchers and fills the masks), never before.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,6 +36,7 @@ from deltaserve.layers.parallel import ParallelLayout
 from deltaserve.workers.compile_watch import LateCompileLog
 from deltaserve.workers.config import WorkerConfig
 from deltaserve.workers.context import HostCopy, build_forward_context, logits_rows, upload
+from deltaserve.workers.grammar import GrammarCompiler
 from deltaserve.workers.lora import AdapterSlots
 from deltaserve.workers.plan import PassPlan, PoolSizes, RunnerOutput
 from deltaserve.workers.sampler import LogprobParts, SampledBatch, Sampler
@@ -78,7 +85,9 @@ class ModelRunner:
         self.graphs = None
         self.late_compiles: LateCompileLog | None = None  # set once start-up is over (allocate)
         self.kernels = config.runner.kernels
-        self.sampler = Sampler(model_config.vocab_size, seed=load.seed, pdl=self.kernels.pdl)
+        tokenizer_dir = load.model if load.model and (Path(load.model) / "tokenizer.json").is_file() else None
+        grammars = GrammarCompiler(tokenizer_dir, model_config.vocab_size, model_config.eos_token_ids)
+        self.sampler = Sampler(model_config.vocab_size, seed=load.seed, pdl=self.kernels.pdl, grammars=grammars)
         self._unresolved: deque[PassOutput] = deque()  # launched passes whose output is not read yet
         self._last_pass_end = None  # with runner.time_passes: the last launched pass's end event
         self._prev: PrevPass | None = None  # the last launched pass's sampled ids, on the device
@@ -283,6 +292,8 @@ class ModelRunner:
         """Launch one pass; nothing here waits for the device (on CPU the pass simply runs)."""
         started = time.perf_counter()
         check_plan_ranges(plan, self.sizes, self.model_config.vocab_size, self.num_lora_slots)
+        for spec in plan.grammars:  # compiles start now, in the background
+            self.sampler.prepare_grammar(spec)
         prev = self._prev
         held = (None, 0) if prev is None else (prev.pass_id, prev.tokens.shape[0])
         prev_tokens = prev.tokens if check_prev_ids(plan, *held) else None
@@ -324,6 +335,11 @@ class ModelRunner:
             if driver and plan.prompt_logprob_rows[n] and count:
                 prompt_parts.append(self._prompt_logprobs(plan, n, logits[first : first + count], copy))
         batch = None
+        if sample_ids and self._unresolved and self.sampler.needs_known_history(sample_ids):
+            # a constrained row's latest token is in the previous pass's output: read it now, the
+            # forward just launched keeps the device busy while the matchers advance
+            while self._unresolved:
+                self._resolve_oldest()
         if sample_ids:
             if sample_rows == list(range(logits.shape[0])):
                 sampled_logits = logits
@@ -498,6 +514,8 @@ class PassOutput:
             out.req_ids += list(self._batch.req_ids)
             out.sampled_token_ids += tokens
             out.logprobs.update(logprobs)
+            out.grammar_errors = self._batch.grammar_errors
+        out.grammars_ready = self._runner.sampler.grammars.take_ready() if self._runner.is_driver_rank else {}
         if self._drafts is not None:
             drafting = [self._plan.req_ids[n] for n in np.flatnonzero(self._plan.draft_rows)]
             out.draft_token_ids = dict(zip(drafting, self._copy.get(self._drafts).tolist(), strict=True))

@@ -12,6 +12,12 @@ once copied and only then records the ids in each request's history. Under async
 request's latest token may still be on its way when the next pass samples it: the output counter
 (`num_sampled`, the seeded draw's index) counts it already, and penalties take its id from the
 device (`pending_rows` / `pending_tokens`).
+
+Structured output (`workers/grammar.py`): a constrained row's logits are masked, in place and before
+anything else (so its logprobs are those of the constrained distribution, as vLLM's), to the tokens
+its grammar allows next, for greedy and sampled rows alike; the mask needs the row's latest token
+known on the host (the runner waits for the previous pass's ids first), and `SampledBatch.result()`
+advances each grammar with its token.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ import numpy as np
 import torch
 
 from deltaserve.layers.kernels import argmax as argmax_kernels
+from deltaserve.layers.kernels import bitmask as bitmask_kernels
 from deltaserve.workers.context import HostCopy, upload
-from deltaserve.workers.plan import NewRequestData, SamplingSpec, TokenLogprobs
+from deltaserve.workers.grammar import GrammarCompiler, RequestGrammar, fill_bitmasks
+from deltaserve.workers.plan import FLOAT32_MAX, GrammarSpec, NewRequestData, SamplingSpec, TokenLogprobs
 from deltaserve.workers.rejection import accept_drafts
 
 _M32 = 0xFFFFFFFF
@@ -56,21 +64,25 @@ def seeded_exponentials(seed: int, step: int, vocab_size: int, device) -> torch.
 
 
 class RequestSamplingState:
-    def __init__(self, data: NewRequestData):
+    def __init__(self, data: NewRequestData, grammar: RequestGrammar | None = None):
         self.spec: SamplingSpec = data.sampling
         self.prompt_token_ids = list(data.prompt_token_ids)
         # the output ids known on the host (a token whose pass is not resolved yet is missing)
         self.output_token_ids = list(data.output_token_ids)
         # outputs sampled so far, known or still on the device: the index of the next draw
         self.num_sampled = len(self.output_token_ids)
+        self.grammar = grammar  # structured output: what the next token may be
 
 
 def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, k: int):
     """On the device: log-softmax of logits [R, V], then per row the logprob of tokens[r], its rank
-    (1 = most likely) and the top-k (values, ids) (None when k = 0)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    (1 = most likely) and the top-k (values, ids) (None when k = 0; at most V of them). Every logprob
+    is finite: an infinite logit counts as the largest finite float32 (a log-softmax over +inf is NaN),
+    and a token ruled out gets the lowest one, not -inf (which JSON cannot carry)."""
+    lp = torch.log_softmax(logits.float().clamp(-FLOAT32_MAX, FLOAT32_MAX), dim=-1).clamp_(min=-FLOAT32_MAX)
     chosen = lp.gather(1, tokens.view(-1, 1))
     rank = (lp > chosen).sum(dim=1) + 1
+    k = min(k, lp.shape[-1])
     top = torch.topk(lp, k, dim=-1) if k else None
     return chosen.view(-1), rank, top
 
@@ -100,9 +112,10 @@ class LogprobParts:
 class SampledBatch:
     """One `sample_async` call: `tokens` [R] (int64) stays on the device (the next pass may read its
     input ids from it); `result()` waits for the host copies, records the ids in the request
-    histories and returns (ids, logprobs by request id)."""
+    histories (and grammars) and returns (ids, logprobs by request id). `grammar_errors`: req_id ->
+    why its grammar failed it (its token here is not constrained), complete once `result()` ran."""
 
-    def __init__(self, req_ids, states, tokens, copy, logprob_rows, logprobs: LogprobParts | None):
+    def __init__(self, req_ids, states, tokens, copy, logprob_rows, logprobs: LogprobParts | None, grammar_errors=None):
         self.req_ids = req_ids
         self.states = states  # the state objects sampled: a request id re-added later is another state
         self.tokens = tokens
@@ -110,13 +123,16 @@ class SampledBatch:
         self._tokens_slot = copy.add(tokens)
         self._logprob_rows = logprob_rows
         self._logprobs = logprobs
+        self.grammar_errors: dict[str, str] = grammar_errors or {}
         self._result = None
 
     def result(self) -> tuple[list[int], dict[str, TokenLogprobs]]:
         if self._result is None:
             token_list = self._copy.get(self._tokens_slot).tolist()
-            for state, token in zip(self.states, token_list, strict=True):
+            for req_id, state, token in zip(self.req_ids, self.states, token_list, strict=True):
                 state.output_token_ids.append(token)
+                if state.grammar is not None and state.grammar.accept(token) is not None:
+                    self.grammar_errors.setdefault(req_id, state.grammar.error)
             logprobs = {}
             if self._logprobs is not None:
                 ks = [self.states[i].spec.logprobs for i in self._logprob_rows]
@@ -161,10 +177,12 @@ class VerifyBatch:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, seed: int = 0, pdl: bool = True):
+    def __init__(self, vocab_size: int, seed: int = 0, pdl: bool = True, grammars: GrammarCompiler | None = None):
         self.vocab_size = vocab_size
         self.pdl = pdl  # the argmax kernel's launch (KernelOptions.pdl)
         self.states: dict[str, RequestSamplingState] = {}
+        # structured output's compiles (no tokenizer: a constrained request fails with that error)
+        self.grammars = grammars or GrammarCompiler(None, vocab_size, ())
         self.generator_seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
@@ -175,7 +193,24 @@ class Sampler:
 
     # ---- request bookkeeping ------------------------------------------------------------------
     def add(self, data: NewRequestData) -> None:
-        self.states[data.req_id] = RequestSamplingState(data)
+        spec = data.sampling.grammar
+        grammar = None
+        if spec is not None:
+            grammar = RequestGrammar(spec.key, self.grammars.prepare(spec), data.output_token_ids)
+        self.states[data.req_id] = RequestSamplingState(data, grammar)
+
+    def prepare_grammar(self, spec: GrammarSpec) -> None:
+        """Start compiling a grammar that requests will need (in the background)."""
+        self.grammars.prepare(spec)
+
+    def needs_known_history(self, req_ids: Sequence[str]) -> bool:
+        """Whether one of these requests is constrained and its latest sampled token is not known on
+        the host yet (its grammar cannot say what may follow until it is)."""
+        for r in req_ids:
+            state = self.states[r]
+            if state.grammar is not None and state.num_sampled > len(state.output_token_ids):
+                return True
+        return False
 
     def remove(self, req_id: str) -> None:
         self.states.pop(req_id, None)
@@ -187,6 +222,11 @@ class Sampler:
         server's first greedy request (a stall for every running request)."""
         for rows in (logits, logits.float()):
             argmax_kernels.row_argmax(logits=rows, pdl=self.pdl)
+        if logits.is_cuda:  # structured output's mask kernel, every row or some, on a copy (all allowed)
+            words = -(-logits.shape[1] // 32)
+            mask = torch.full((1, words), -1, dtype=torch.int32, device=logits.device)
+            for rows in (None, torch.zeros(1, dtype=torch.long, device=logits.device)):
+                bitmask_kernels.apply_token_bitmask(logits=logits[:1].clone(), bitmask=mask, rows=rows)
 
     def sample(self, req_ids: list[str], logits: torch.Tensor) -> tuple[list[int], dict[str, TokenLogprobs]]:
         """One token for each row of logits [R, V] (any float dtype), waited for; records it in the history."""
@@ -212,6 +252,9 @@ class Sampler:
         (TP ranks other than 0) skips the requests' logprobs."""
         states = [self.states[r] for r in req_ids]
         steps = [s.num_sampled for s in states]
+        grammar_errors = {}
+        if any(s.grammar is not None for s in states):
+            logits = self._apply_grammars(req_ids, states, logits, grammar_errors)
         raw = logits
         if any(_needs_penalties(s) for s in states):
             logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
@@ -220,7 +263,37 @@ class Sampler:
         for s in states:
             s.num_sampled += 1
         want, parts = self._logprob_parts(states, tokens, raw, copy, logprobs)
-        return SampledBatch(req_ids, states, tokens, copy, want, parts)
+        return SampledBatch(req_ids, states, tokens, copy, want, parts, grammar_errors)
+
+    def _apply_grammars(self, req_ids, states, logits: torch.Tensor, errors: dict[str, str]) -> torch.Tensor:
+        """Mask each constrained row of logits [R, V] to what its grammar allows next (in place; the
+        logits returned are those masked). The masks are filled on the host into fresh pinned memory
+        and copied without blocking: a buffer is never reused while a copy may still read it."""
+        rows, grammars = [], []
+        for i, state in enumerate(states):
+            grammar = state.grammar
+            if grammar is None:
+                continue
+            if grammar.start() is not None:
+                errors[req_ids[i]] = grammar.error  # sampled unconstrained; the driver fails the request
+            elif not grammar.terminated:  # past the end, the token is dropped on the driver
+                rows.append(i)
+                grammars.append(grammar)
+        if not rows:
+            return logits
+        device = logits.device
+        words = -(-logits.shape[1] // 32)
+        host = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=device.type == "cuda")
+        fill_bitmasks(grammars, host)
+        mask = host.to(device, non_blocking=True)
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        ids = None
+        if len(rows) < len(states):
+            (ids,) = upload([np.asarray(rows)], device)
+        with torch.inference_mode():  # the forward's logits are inference tensors
+            bitmask_kernels.apply_token_bitmask(logits=logits, bitmask=mask, rows=ids)
+        return logits
 
     def sample_verify(
         self,
@@ -239,6 +312,8 @@ class Sampler:
         states = [self.states[r] for r in req_ids]
         if any(_needs_penalties(s) for s in states):
             raise ValueError("verify rows cannot apply penalties or min_tokens bans")
+        if any(s.grammar is not None for s in states):  # see grammar.fill_draft_bitmasks
+            raise ValueError("verify rows cannot follow a grammar yet")
         length = logits.shape[0] // max(1, len(states))
         expanded = [s for s in states for _ in range(length)]
         tokens = self._tokens(logits, expanded, [s.num_sampled + i for s in states for i in range(length)])
@@ -252,7 +327,9 @@ class Sampler:
         rows can run inside a CUDA graph."""
         for r in req_ids:
             state = self.states[r]
-            if state.spec.temperature != 0 or state.spec.logprobs is not None or _needs_penalties(state):
+            if not state.spec.greedy or state.spec.logprobs is not None or _needs_penalties(state):
+                return False
+            if state.grammar is not None:  # its mask is applied here, not inside a graph
                 return False
         return True
 
@@ -267,7 +344,7 @@ class Sampler:
     def _tokens(self, logits: torch.Tensor, states: list[RequestSamplingState], steps: list[int]) -> torch.Tensor:
         """One token per row of logits [R, V]: the argmax for greedy requests, a draw (seeded at
         `steps[i]` for a request with a seed) for the others."""
-        greedy = [s.spec.temperature == 0 for s in states]
+        greedy = [s.spec.greedy for s in states]
         if all(greedy):  # one argmax, no gathers
             return argmax_kernels.row_argmax(logits=logits, pdl=self.pdl)
         random_rows = [i for i, g in enumerate(greedy) if not g]
@@ -301,9 +378,10 @@ class Sampler:
         pending_rows: Sequence[int] = (),
         pending_tokens: Callable[[], torch.Tensor] | None = None,
     ) -> None:
-        """In place on logits [R, V] (contiguous), row i for states[i]: min_tokens bans, then the
-        repetition penalty, then presence and frequency penalties; built as flat index lists on the
-        host and applied with device-side fills (no host sync)."""
+        """In place on logits [R, V] (contiguous), row i for states[i]: the repetition penalty, then
+        presence and frequency penalties, then min_tokens bans; built as flat index lists on the host
+        and applied with device-side fills (no host sync). A penalty that overflows float32 leaves the
+        largest finite value (an infinite logit would make the draw's softmax NaN)."""
         device, vocab = logits.device, logits.shape[1]
         flat_logits = logits.view(-1)
         pending = {row: j for j, row in enumerate(pending_rows)}
@@ -320,16 +398,6 @@ class Sampler:
             at, offsets = upload([np.asarray([pending[r] for r in mine]), np.asarray(mine) * vocab], device)
             return offsets, pending_ids.index_select(0, at)
 
-        banned = [
-            i * vocab + t
-            for i, s in enumerate(states)
-            if s.num_sampled < s.spec.min_tokens
-            for t in s.spec.min_tokens_banned_ids
-        ]
-        if banned:
-            (flat,) = upload([np.asarray(banned)], device)
-            flat_logits.index_fill_(0, flat, float("-inf"))
-
         rep = [i for i, s in enumerate(states) if s.spec.repetition_penalty != 1.0]
         if rep:
             seen_ids = [
@@ -337,7 +405,7 @@ class Sampler:
                 for i in rep
             ]
             penalty = np.ones((len(states), 1), np.float32)
-            penalty[rep, 0] = [states[i].spec.repetition_penalty for i in rep]
+            penalty[rep, 0] = np.minimum([states[i].spec.repetition_penalty for i in rep], FLOAT32_MAX)
             flat, penalty = upload([np.concatenate(seen_ids)], device) + upload([penalty], device, torch.float32)
             seen = torch.zeros(logits.numel(), dtype=torch.bool, device=device)
             seen.index_fill_(0, flat, True)
@@ -366,10 +434,25 @@ class Sampler:
             counts = counts.view_as(logits)
             logits -= scale[0] * counts + scale[1] * (counts > 0).to(logits.dtype)
 
+        if rep or pf:  # a zero logit times an infinite penalty is NaN: that token is as unlikely as can be
+            torch.nan_to_num_(logits, nan=-FLOAT32_MAX, posinf=FLOAT32_MAX, neginf=-FLOAT32_MAX)
+        banned = [
+            i * vocab + t
+            for i, s in enumerate(states)
+            if s.num_sampled < s.spec.min_tokens
+            for t in s.spec.min_tokens_banned_ids
+        ]
+        if banned:
+            (flat,) = upload([np.asarray(banned)], device)
+            flat_logits.index_fill_(0, flat, float("-inf"))
+
     def _draw(self, logits: torch.Tensor, states: list[RequestSamplingState], steps: list[int]) -> torch.Tensor:
         device = logits.device
         (temps,) = upload([np.asarray([s.spec.temperature for s in states], np.float32)], device, torch.float32)
-        logits = logits.float() / temps[:, None]
+        logits = logits.float()
+        # shifted by the row's largest logit first: logits / a small temperature overflow, shifted ones
+        # only reach -inf (probability 0), never inf - inf = NaN
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temps[:, None]
         if any(s.spec.top_k > 0 or s.spec.top_p < 1.0 or s.spec.min_p > 0 for s in states):
             logits = _filter(logits, states)
         probs = torch.softmax(logits, dim=-1)
@@ -408,7 +491,7 @@ def _needs_penalties(state: RequestSamplingState) -> bool:
 def _filter(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
     """top-k, then top-p, then min-p, per row (-inf for removed tokens)."""
     device, vocab = logits.device, logits.shape[1]
-    (top_k,) = upload([np.asarray([s.spec.top_k if s.spec.top_k > 0 else vocab for s in states])], device)
+    (top_k,) = upload([np.asarray([s.spec.top_k if 0 < s.spec.top_k < vocab else vocab for s in states])], device)
     top_p, min_p = upload(
         [np.asarray([s.spec.top_p for s in states]), np.asarray([s.spec.min_p for s in states])], device, torch.float32
     )

@@ -15,9 +15,20 @@ import msgpack
 import numpy as np
 
 from .config import MAX_SPEC_TOKENS
-from .plan import LoraLoad, NewRequestData, PassPlan, PoolSizes, RunnerOutput, SamplingSpec, TokenLogprobs
+from .plan import (
+    GrammarSpec,
+    LoraLoad,
+    NewRequestData,
+    PassPlan,
+    PoolSizes,
+    RunnerOutput,
+    SamplingSpec,
+    TokenLogprobs,
+)
 
-WIRE_VERSION = 6  # 5: speculative decoding (verify rows, drafts); 6: LoRA slots and loads
+# 5: speculative decoding (verify rows, drafts); 6: LoRA slots and loads; 7: structured output
+# (grammars to compile, grammars ready, grammar errors)
+WIRE_VERSION = 7
 
 # A plan's arrays, in buffer order, with their lengths in terms of T tokens, N rows and P pages per
 # block table. One buffer per dtype keeps decoding to three `frombuffer` calls and some slicing
@@ -84,6 +95,8 @@ def encode_plan(plan: PassPlan) -> bytes:
         body["lora_loads"] = [[x.slot, x.key, x.name, x.path] for x in plan.lora_loads]
     body["new_requests"] = [asdict(r) for r in plan.new_requests]
     body["finished_req_ids"] = plan.finished_req_ids
+    if plan.grammars:
+        body["grammars"] = [asdict(g) for g in plan.grammars]
     return msgpack.packb({"v": WIRE_VERSION, "kind": "plan", "body": body}, use_bin_type=True)
 
 
@@ -130,6 +143,7 @@ def decode_plan(blob: bytes) -> PassPlan:
             for r in body.get("new_requests", ())
         ]
         kwargs["finished_req_ids"] = list(body.get("finished_req_ids", ()))
+        kwargs["grammars"] = [GrammarSpec(**g) for g in body.get("grammars", ())]
         plan = PassPlan(**kwargs)
     except WireError:
         raise
@@ -283,12 +297,15 @@ def encode_output(out: RunnerOutput) -> bytes:
         "forward_time_s": out.forward_time_s,
         "device_s": [out.device_busy_s, out.device_gap_s],
     }
+    if out.grammars_ready or out.grammar_errors:
+        body["grammars"] = [out.grammars_ready, out.grammar_errors]
     return msgpack.packb({"v": WIRE_VERSION, "kind": "output", "body": body}, use_bin_type=True)
 
 
 def decode_output(blob: bytes) -> RunnerOutput:
     body = _open(blob, "output")
     try:
+        ready, errors = body.get("grammars", ({}, {}))
         return RunnerOutput(
             pass_id=body["pass_id"],
             req_ids=list(body["req_ids"]),
@@ -301,8 +318,10 @@ def decode_output(blob: bytes) -> RunnerOutput:
             forward_time_s=body["forward_time_s"],
             device_busy_s=body["device_s"][0],
             device_gap_s=body["device_s"][1],
+            grammars_ready=dict(ready),
+            grammar_errors=dict(errors),
         )
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, ValueError) as e:
         raise WireError(f"malformed runner output: {e}") from e
 
 

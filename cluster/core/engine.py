@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.executors.base import Executor, PassHandle, WorkerFailure, overlaps_passes
 from deltaserve.layers.config import ModelConfig
 from deltaserve.workers.config import short
-from deltaserve.workers.plan import PassPlan, RunnerOutput
+from deltaserve.workers.grammar import parse_grammar
+from deltaserve.workers.plan import GrammarSpec, PassPlan, RunnerOutput
 
 from .allocator import BlockAllocator, StateSlotAllocator
 from .lora import AdapterRegistry, LoRARequest
@@ -39,6 +41,7 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 log = logging.getLogger(__name__)
 
 OUTPUT_MODES = ("cumulative", "delta", "final")
+CHECKED_GRAMMARS = 1024  # grammar keys known to parse, so that a repeated schema is not parsed again
 SPEC_LOG_INTERVAL_S = 30.0  # how often the acceptance counters are logged while verifying
 
 
@@ -120,11 +123,14 @@ class EngineCore:
         )  # fmt: skip
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
+        self._checked_grammars: OrderedDict[str, None] = OrderedDict()
+        self._grammar_lock = threading.Lock()  # make_request runs on the callers' threads too
         # speculative passes run synchronously: a verify's accepted count decides the next plan
         self.async_scheduling = not self.num_speculative_tokens and overlaps_passes(
             self.executor, config.scheduler.async_scheduling
         )
         self._in_flight: InFlightPass | None = None  # the launched pass not yet applied
+        self._restart_pending = False  # a worker died: the next step replaces the group first
         self._spec_logged = time.monotonic()
         # with runner.time_passes on a GPU: (device busy s, device idle before it s) of recent passes
         self.pass_device_times: deque[tuple[float, float]] = deque(maxlen=4096)
@@ -180,20 +186,49 @@ class EngineCore:
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
             raise ValueError(
-                f"max_tokens: {max_tokens} after a {len(ids)}-token prompt exceeds max_model_len={self.max_model_len}"
+                f"max_tokens: {short(max_tokens)} after a {len(ids)}-token prompt exceeds"
+                f" max_model_len={self.max_model_len}"
                 f" (at most {room} fit; None asks for as many as fit)"
             )
         if params.min_tokens > room:
-            raise ValueError(f"min_tokens: {params.min_tokens} after a {len(ids)}-token prompt exceeds {room}")
+            raise ValueError(f"min_tokens: {short(params.min_tokens)} after a {len(ids)}-token prompt exceeds {room}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 256):
             raise ValueError("cache_salt: must be a string of at most 256 characters")
+        grammar = self._check_grammar(params)
         adapter = self.loras.resolve(lora_request)
-        req = Request(req_id, ids, params, max_tokens, eos_token_ids=self.model_config.eos_token_ids, lora=adapter)
+        req = Request(
+            req_id,
+            ids,
+            params,
+            max_tokens,
+            eos_token_ids=self.model_config.eos_token_ids,
+            lora=adapter,
+            grammar=grammar,
+        )
         # requests on different adapters (or none) never share cached blocks or GDN snapshots
         keys = [adapter.cache_key] if adapter is not None else []
         keys += ["salt:" + cache_salt] if cache_salt else []
         req.cache_key = "|".join(keys)
         return req
+
+    def _check_grammar(self, params: SamplingParams) -> GrammarSpec | None:
+        """The request's constraint, checked to compile (xgrammar parses it: milliseconds; the
+        compile against the vocabulary runs on the workers); ValueError naming the field."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs: needs the model's tokenizer.json, and this model has none")
+        spec = params.structured_outputs.to_grammar_spec()
+        with self._grammar_lock:
+            if spec.key in self._checked_grammars:
+                self._checked_grammars.move_to_end(spec.key)
+                return spec
+        parse_grammar(spec)
+        with self._grammar_lock:
+            self._checked_grammars[spec.key] = None
+            while len(self._checked_grammars) > CHECKED_GRAMMARS:
+                self._checked_grammars.popitem(last=False)
+        return spec
 
     def add_request(
         self,
@@ -238,12 +273,14 @@ class EngineCore:
         return None if req is None else self._output(req, [], "")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        return self.scheduler.has_work() or self._in_flight is not None or self._restart_pending
 
     # ---- one pass ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one pass: synchronously, or (async scheduling) launch the next pass and then apply the
         one launched by the previous step."""
+        if self._restart_pending:
+            self._replace_workers()
         if self.async_scheduling:
             return self._step_async()
         plan = self.scheduler.schedule()
@@ -297,19 +334,28 @@ class EngineCore:
             out = self._on_tokens(req, count)
             if out is not None:
                 outputs.append(out)
+        # requests the output failed (a grammar that did not compile on the workers)
+        outputs += [self._output(req, [], self._flush(req)) for req in self.scheduler.pop_failed()]
         self._log_spec_stats()
         return outputs
 
     def _on_worker_failure(self, e: WorkerFailure) -> list[RequestOutput]:
+        """Fail every request now (their clients hear of it at once, not after the restart); the next
+        step replaces the worker group, and requests added meanwhile wait for it."""
         log.error("%s; failing %d requests and restarting the workers", e, len(self.scheduler.requests))
-        outputs = self.fail_all(str(e))
+        self._restart_pending = True
+        return self.fail_all(str(e))
+
+    def _replace_workers(self) -> None:
+        self._restart_pending = False
         self.executor.restart()
-        # the new workers' pools hold none of the cached pages and snapshots the index names, nor adapters
+        # the new workers' pools hold none of the cached pages and snapshots the index names, nor
+        # adapters, and they have compiled no grammar
         self.scheduler.reset_prefix_cache()
+        self.scheduler.reset_grammars()
         self.loras.reset_device()
         # a restarted group may use another transport (no overlap over a compiled graph)
         self.async_scheduling = self.async_scheduling and overlaps_passes(self.executor)
-        return outputs
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every queued and running request with an error (a worker died); the passes in flight

@@ -10,7 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from deltaserve.workers.plan import TokenLogprobs
+from deltaserve.workers.plan import GrammarSpec, TokenLogprobs
 
 from .lora import Adapter
 from .prefix_cache import RequestHashes
@@ -78,6 +78,8 @@ class Request:
     num_cached_tokens: int | None = None
     kv_shared_until: int = 0
     divergence: int = 0
+    # structured output: the constraint its outputs follow (checked to compile when it was made)
+    grammar: GrammarSpec | None = None
     # speculative decoding: the MTP head's drafts after the latest token, for its next verify row
     draft_token_ids: list[int] = field(default_factory=list)
 

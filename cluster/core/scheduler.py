@@ -16,19 +16,26 @@ Async scheduling: the engine may plan pass N+1 before pass N's sampled tokens ar
 whose token from the previous pass is still in flight (`num_pending_outputs`) gets a one-token decode
 row whose input the worker takes on the device from that pass's sampled ids (`input_from_prev`).
 When the output arrives, a token for a request that finished in the meantime is discarded.
+
+Structured output: a constrained request's grammar travels to the workers in the next plan
+(`PassPlan.grammars`), which compile it in the background; the request waits, while the requests
+behind it are admitted, until a RunnerOutput reports its grammar ready, so that no pass waits for a
+compile. When nothing else would run it is admitted at once (its pass waits, stalling no one).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from deltaserve.cluster.config import SchedulerConfig
-from deltaserve.workers.plan import NewRequestData, PassPlan, RunnerOutput
+from deltaserve.workers.config import short
+from deltaserve.workers.grammar import MAX_CACHED_GRAMMARS
+from deltaserve.workers.plan import GrammarSpec, NewRequestData, PassPlan, RunnerOutput
 
 from .allocator import BlockAllocator, StateSlotAllocator
 from .lora import AdapterRegistry
@@ -37,6 +44,8 @@ from .request import FinishReason, Request, RequestStatus, SampleRef
 from .speculative import SpecStats, speculates
 
 log = logging.getLogger(__name__)
+
+READY_GRAMMARS = MAX_CACHED_GRAMMARS // 2
 
 
 @dataclass
@@ -79,6 +88,12 @@ class Scheduler:
         self._pass_id = 0
         # pass id -> the requests of its rows, from planning until its output is applied
         self._rows_in_flight: dict[int, list[Request]] = {}
+        # structured output: grammar keys the workers reported compiled (the most recently used,
+        # fewer than a worker keeps: one forgotten here is sent and waited for again, never assumed
+        # compiled), keys sent to them, and grammars for the next plan
+        self._grammars_ready: OrderedDict[str, None] = OrderedDict()
+        self._grammars_sent: set[str] = set()
+        self._grammars_to_send: dict[str, GrammarSpec] = {}
         self.k = num_speculative_tokens
         self.spec_stats = SpecStats(self.k) if self.k else None
         # this plan's rows by request id: verify rows, and rows after which the head drafts
@@ -91,9 +106,38 @@ class Scheduler:
     # ---- queue -----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         if req.req_id in self.requests:
-            raise ValueError(f"request_id: {req.req_id!r} is already in use")
+            raise ValueError(f"request_id: {short(req.req_id, 80)} is already in use")
         self.requests[req.req_id] = req
         self.waiting.append(req)
+        if req.grammar is not None and req.grammar.key not in self._grammars_sent:
+            self._grammars_to_send[req.grammar.key] = req.grammar
+
+    def _grammar_ready(self, req: Request) -> bool:
+        if req.grammar is None:
+            return True
+        if req.grammar.key not in self._grammars_ready:
+            return False
+        self._grammars_ready.move_to_end(req.grammar.key)
+        return True
+
+    def reset_grammars(self) -> None:
+        """The workers were replaced: they hold no compiled grammar; send the waiting ones again."""
+        self._grammars_ready.clear()
+        self._grammars_sent.clear()
+        self._grammars_to_send = {r.grammar.key: r.grammar for r in self.waiting if r.grammar is not None}
+
+    def _grammars_reported(self, output: RunnerOutput) -> None:
+        """Grammars compiled (their requests may run) or not (their waiting requests fail)."""
+        for key, error in output.grammars_ready.items():
+            if error is None:
+                self._grammars_ready[key] = None
+                while len(self._grammars_ready) > READY_GRAMMARS:
+                    self._grammars_sent.discard(self._grammars_ready.popitem(last=False)[0])
+                continue
+            self._grammars_sent.discard(key)  # a later request with it asks again
+            for req in [r for r in self.waiting if r.grammar is not None and r.grammar.key == key]:
+                self.finish(req, FinishReason.ERROR, f"structured_outputs: the grammar did not compile: {error}")
+                self._failed.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -335,35 +379,29 @@ class Scheduler:
             budget -= want
             i += 1
 
-        # then waiting requests, in arrival order (preempted ones were put back in front)
+        # then waiting requests, in arrival order (preempted ones were put back in front); those
+        # whose grammar the workers still compile are passed over
+        compiling: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self.slots.num_free:
             req = self.waiting[0]
             if req.num_pending_outputs:
                 break  # preempted with a token in flight: it resumes once that token is known
-            if req.lora is not None and req.lora_slot is None:
-                req.lora_slot = self.loras.acquire(req.lora)
-                if req.lora_slot is None:
-                    break  # every adapter slot is pinned by running requests on other adapters
-            if self.prefix is not None:
-                want = self._admit_from_cache(req, budget)
-                if want is None:
-                    self._unpin_adapter(req)
-                    break
-                self.waiting.popleft()
-            else:
-                want = req.num_tokens - req.num_computed_tokens
-                if want > budget and not cfg.enable_chunked_prefill or not self.blocks.can_grow(req, min(want, budget)):
-                    self._unpin_adapter(req)
-                    break
-                want = min(want, budget)
-                self.waiting.popleft()
-                self.slots.allocate(req)
-                self.blocks.grow(req, want)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._plan_drafting(req, want)
+            if not self._grammar_ready(req):
+                compiling.append(self.waiting.popleft())
+                continue
+            want = self._admit(req, budget)
+            if want is None:
+                break
+            self.waiting.popleft()
             scheduled.append((req, want))
             budget -= want
+        if compiling and not scheduled and not self.running:
+            # nothing else would run: its pass waits for the compile, and stalls no one
+            want = self._admit(compiling[0], budget)
+            if want is not None:
+                scheduled.append((compiling.pop(0), want))
+                budget -= want
+        self.waiting.extendleft(reversed(compiling))
 
         if not scheduled:
             if self.prefix is not None:
@@ -372,6 +410,32 @@ class Scheduler:
                 self._check_progress()
             return None
         return self._build_plan(scheduled)
+
+    def _admit(self, req: Request, budget: int) -> int | None:
+        """Take an adapter slot, pages and a state slot for a waiting request and make it running;
+        returns the tokens it runs in this pass, or None when it does not fit (nothing is taken then)."""
+        if req.lora is not None and req.lora_slot is None:
+            req.lora_slot = self.loras.acquire(req.lora)
+            if req.lora_slot is None:
+                return None  # every adapter slot is pinned by running requests on other adapters
+        if self.prefix is not None:
+            want = self._admit_from_cache(req, budget)
+            if want is None:
+                self._unpin_adapter(req)
+                return None
+        else:
+            want = req.num_tokens - req.num_computed_tokens
+            cfg = self.config
+            if want > budget and not cfg.enable_chunked_prefill or not self.blocks.can_grow(req, min(want, budget)):
+                self._unpin_adapter(req)
+                return None
+            want = min(want, budget)
+            self.slots.allocate(req)
+            self.blocks.grow(req, want)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._plan_drafting(req, want)
+        return want
 
     def _unpin_adapter(self, req: Request) -> None:
         """A waiting request that was not admitted gives its adapter slot back (the load, if the slot
@@ -554,9 +618,12 @@ class Scheduler:
             lora_loads=self.loras.take_loads() if self.loras is not None else [],
             new_requests=new_requests,
             finished_req_ids=self._finished_since_last_plan,
+            grammars=list(self._grammars_to_send.values()),
             **copies,
             **spec,
         )
+        self._grammars_sent.update(self._grammars_to_send)
+        self._grammars_to_send = {}
         self._finished_since_last_plan = []
         self._pass_id += 1
         self.stats.num_passes += 1
@@ -594,6 +661,8 @@ class Scheduler:
         # the plan's own request objects: an id may be reused by a new request while the pass ran
         rows = self._rows_in_flight.pop(plan.pass_id, None)
         by_id = {r.req_id: r for r in rows} if rows is not None else self.requests
+        if output.grammars_ready:
+            self._grammars_reported(output)
         # prompt logprobs first: a request that finishes on this pass's token leaves self.requests
         for req_id, entries in output.prompt_logprobs.items():
             req = by_id.get(req_id)
@@ -608,6 +677,10 @@ class Scheduler:
             req.num_pending_outputs = max(0, req.num_pending_outputs - 1)
             if req.is_finished:
                 self.stats.num_discarded_tokens += 1  # aborted or stopped while the pass ran
+                continue
+            if req_id in output.grammar_errors:  # its token was not constrained: not an output
+                self.finish(req, FinishReason.ERROR, output.grammar_errors[req_id])
+                self._failed.append(req)
                 continue
             extra = output.extra_token_ids.get(req_id, ())
             if req_id in verified:
@@ -637,7 +710,8 @@ class Scheduler:
         params = req.sampling_params
         num_out = len(req.output_token_ids)
         if num_out >= params.min_tokens:
-            if not params.ignore_eos and token in req.eos_token_ids:
+            # a grammar allows EOS only at its end, where nothing else may follow: it ends the output
+            if (not params.ignore_eos or req.grammar is not None) and token in req.eos_token_ids:
                 req.stop_reason = None
                 self.finish(req, FinishReason.STOP)
                 return

@@ -18,6 +18,7 @@ from deltaserve.cluster.core.engine import ModelInfo
 from deltaserve.cluster.core.lora import LoRARequest
 from deltaserve.cluster.core.request import RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
+from deltaserve.workers.config import short
 
 from .driver import AdapterNotFoundError, Driver, EngineLoop, EngineStartError, EngineUnavailableError, QueueFullError
 
@@ -95,7 +96,7 @@ class AsyncEngine:
         before queueing). lora_name: the loaded adapter it runs on (None: the base model)."""
         self._check_up()
         if req_id in self._streams:  # replacing the queue would cut the live request's stream off
-            raise ValueError(f"request_id: {req_id!r} is already in use")
+            raise ValueError(f"request_id: {short(req_id, 80)} is already in use")
         self._streams[req_id] = asyncio.Queue()
         try:
             if self.backend == "local":
@@ -206,12 +207,16 @@ class AsyncEngine:
         except Exception:
             return False
 
+    @property
+    def failed(self) -> str | None:
+        """Why the engine went down (the driver actor died, the engine loop failed), else None."""
+        return self.failure or (self._loop_engine.failure if self._loop_engine else None)
+
     def _check_up(self) -> None:
         if self._closing:
             raise EngineUnavailableError("the engine is shutting down")
-        failure = self.failure or (self._loop_engine.failure if self._loop_engine else None)
-        if failure:
-            raise EngineUnavailableError(failure)
+        if self.failed:
+            raise EngineUnavailableError(self.failed)
 
     @property
     def num_streams(self) -> int:
@@ -225,11 +230,15 @@ class AsyncEngine:
             await asyncio.to_thread(self._loop_engine.stop)
         else:
             import ray
+            from ray.exceptions import RayError
 
             try:
                 await self._driver.shutdown.remote()
+            except RayError as e:  # the driver actor is gone already: nothing of it to stop
+                log.info("driver actor already gone at shutdown: %s", type(e).__name__)
             finally:
-                ray.kill(self._driver)
+                with contextlib.suppress(Exception):
+                    ray.kill(self._driver)
 
 
 def _unwrap(e: BaseException) -> BaseException:

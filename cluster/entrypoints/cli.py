@@ -116,7 +116,12 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
     await stop.wait()
     print("deltaserve: draining in-flight requests", flush=True)
     await gateway.stop(args.grace)
+    failed = engine.failed  # read before shutdown, which marks the engine closing
     await engine.shutdown()
+    if failed:  # e.g. the driver actor died: a stop, not a crash, but a supervisor should hear of it
+        print(f"deltaserve: stopped; the engine had failed before: {failed}", file=sys.stderr, flush=True)
+        return 1
+    print("deltaserve: stopped", flush=True)
     return 0
 
 

@@ -22,6 +22,7 @@ from deltaserve.cluster.core.engine import EngineCore, ModelInfo
 from deltaserve.cluster.core.lora import LoRARequest
 from deltaserve.cluster.core.request import RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
+from deltaserve.workers.config import short
 
 from .startup import build_engine, one_line
 
@@ -96,7 +97,7 @@ class EngineLoop:
         req = self.engine.make_request(req_id, prompt, params, lora_request=lora)
         with self._lock:
             if req_id in self._live:
-                raise ValueError(f"request_id: {req_id!r} is already in use")
+                raise ValueError(f"request_id: {short(req_id, 80)} is already in use")
             limit = self.config.serving.max_waiting_requests
             if self.engine.scheduler.num_waiting + self._pending >= limit:
                 raise QueueFullError(f"the waiting queue is full ({limit} requests)")
