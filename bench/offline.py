@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -67,41 +68,47 @@ class ExpertCounter:
         self.distinct.append(int(torch.unique(ids).numel()))
 
 
-def weight_bytes(model_config: ModelConfig, dtype_bytes: int) -> tuple[int, int]:
-    """(bytes of all non-expert weights, bytes of one routed expert)."""
+def weight_bytes(model_config: ModelConfig, dtype_bytes: int, fp8: bool = False) -> tuple[int, int]:
+    """(bytes of all non-expert weights, bytes of one routed expert). fp8: the projections a block-FP8
+    model quantizes take one byte a weight and 4 bytes a 128 x 128 block; the lm_head, router,
+    shared-expert gate, GDN b / a rows, conv and norms keep dtype_bytes."""
     c = model_config
     h = c.hidden_size
-    expert = 3 * h * c.moe_intermediate_size * dtype_bytes
-    total = c.vocab_size * h  # lm_head (the embedding is read one row per token)
-    if c.hyper is not None:  # Qwen4-Exp: two stream mixers a layer and the final one
+    q = 1 + 4 / (128 * 128) if fp8 else dtype_bytes  # bytes per quantized weight, scales included
+    expert = 3 * h * c.moe_intermediate_size * q
+    kept = c.vocab_size * h  # lm_head (the embedding is read one row per token)
+    quantized = 0
+    if c.hyper is not None:  # Qwen4-Exp: two stream mixers a layer and the final one (never quantized)
         width = c.hyper.count * h
-        total += (2 * c.num_layers + 1) * (
+        kept += (2 * c.num_layers + 1) * (
             2 * width * c.hyper.lowrank + width
         ) + 2 * c.num_layers * c.hyper.count * width
         if c.ple is not None:  # its projections and norms (the table is read a few rows per token)
-            total += len(c.ple.layer_ids) * ((width + h) * c.ple.embed_dim + (3 + c.ple.conv_kernel_size) * width)
+            kept += len(c.ple.layer_ids) * ((width + h) * c.ple.embed_dim + (3 + c.ple.conv_kernel_size) * width)
     for i in range(c.num_layers):
-        total += 2 * h  # norms
+        kept += 2 * h  # norms
         if c.layer_types[i] == "full_attention":
             d = c.head_dim
-            total += h * (2 * c.num_attention_heads * d + 2 * c.num_kv_heads * d) + c.num_attention_heads * d * h
-            if c.qsa is not None:
-                total += h * (c.qsa.num_heads + 1) * c.qsa.head_dim
+            quantized += h * (2 * c.num_attention_heads * d + 2 * c.num_kv_heads * d) + c.num_attention_heads * d * h
+            if c.qsa is not None:  # the indexer's projection stays unquantized
+                kept += h * (c.qsa.num_heads + 1) * c.qsa.head_dim
         else:
-            rows = 2 * c.gdn_key_dim + 2 * c.gdn_value_dim + 2 * c.linear_num_value_heads
-            total += rows * h + c.gdn_conv_dim * c.conv_kernel_size + c.gdn_value_dim * h
+            quantized += (2 * c.gdn_key_dim + 2 * c.gdn_value_dim) * h + c.gdn_value_dim * h
+            kept += 2 * c.linear_num_value_heads * h + c.gdn_conv_dim * c.conv_kernel_size
         if c.mlp_types[i] == "moe":
-            total += c.num_experts * h + h + 3 * h * c.shared_expert_intermediate_size
+            kept += c.num_experts * h + h
+            quantized += 3 * h * c.shared_expert_intermediate_size
         else:
-            total += 3 * h * c.intermediate_size
-    return total * dtype_bytes, expert
+            quantized += 3 * h * c.intermediate_size
+    return int(kept * dtype_bytes + quantized * q), int(expert)
 
 
 def decode_floor_bytes(
-    model_config: ModelConfig, batch: int, context: int, distinct_experts: float, dtype_bytes: int = 2
-) -> dict:
+    model_config: ModelConfig, batch: int, context: int, distinct_experts: float, dtype_bytes: int = 2,
+    fp8: bool = False,
+) -> dict:  # fmt: skip
     c = model_config
-    dense, expert = weight_bytes(model_config, dtype_bytes)
+    dense, expert = weight_bytes(model_config, dtype_bytes, fp8)
     experts = distinct_experts * expert
     kv = batch * context * len(c.attention_layer_ids) * 2 * c.num_kv_heads * c.head_dim * dtype_bytes
     if c.qsa is not None:  # QSA: the selected tokens' KV and every block key the indexer scores
@@ -278,13 +285,18 @@ def _check_whole(engine, batch: int) -> None:
         raise RuntimeError(f"decode batch {batch}: {running} running after the timed steps (budget too small)")
 
 
-def bench_prefill(llm: LLM, length: int, vocab: int, profile: bool = False) -> float:
+def bench_prefill(llm: LLM, length: int, vocab: int, profile: bool = False, tag: str = "") -> float:
+    """The best of two timed prefills of a `length`-token prompt (one discarded before them), each
+    a fresh random prompt (no prefix-cache hit); `profile`: then one under torch.profiler, its
+    kernel table and each kernel's in-place cost printed (GPU busy against wall: idle GPU time is
+    host time)."""
     engine = llm.engine
-    rng = np.random.default_rng(length)
+    # prompts of their own per variant: the same tokens again would hit the prefix cache
+    rng = np.random.default_rng([length, zlib.crc32(tag.encode())])
 
     def one(rep: int) -> float:
         engine.add_request(
-            f"p{length}-{rep}",
+            f"p{tag}{length}-{rep}",
             rng.integers(10, vocab - 10, length).tolist(),
             SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
         )
@@ -304,9 +316,14 @@ def bench_prefill(llm: LLM, length: int, vocab: int, profile: bool = False) -> f
             wall = one(3)
         events = prof.key_averages()
         gpu_us = sum(e.self_device_time_total for e in events)
+        launches = sum(e.count for e in events if e.self_device_time_total > 0)
         table = events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=72)
-        print(f"--- profile of a {length}-token prefill: GPU busy {gpu_us / 1e3:.2f} ms, wall {wall * 1e3:.2f} ms ---")
+        print(
+            f"--- profile of a {length}-token prefill{f' [{tag}]' if tag else ''}: GPU busy {gpu_us / 1e3:.2f} ms, "
+            f"wall {wall * 1e3:.2f} ms, {launches} GPU ops ---"
+        )
         print(table, flush=True)
+        print(marginal_table(prof, 1), flush=True)
     return min(times[1:])
 
 
@@ -355,6 +372,7 @@ def run(args: argparse.Namespace) -> dict:
         "cuda_graphs": not settings.runner.enforce_eager,
         "tp": settings.parallel.tensor_parallel_size,
         "ep": settings.parallel.enable_expert_parallel,
+        "quantization": settings.load.quantization or (model_config.quantization and "fp8"),
     }
     peer = {}
     if args.peer:
@@ -363,7 +381,7 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(
         model_config=model_config,
         **settings.replace(
-            max_num_seqs=max([*batches, 1]),
+            max_num_seqs=max(batches, default=1),
             max_num_batched_tokens=max([*prefills, args.context * 4, 2048]),
             max_model_len=max([*prefills, 4096]) + 64,
             time_passes=True,  # GPU busy / idle per pass from CUDA events (two events a pass)
@@ -375,7 +393,7 @@ def run(args: argparse.Namespace) -> dict:
     if any(settings for _, settings in variants) and runner is None:
         raise SystemExit("--variants needs the in-process engine (TP = 1): the runner takes each variant's options")
     base = runner.kernels if runner is not None else None
-    rows = []
+    rows, pre = [], []
     for label, settings in variants:
         if settings:  # the decode graphs are captured again under the variant's options
             runner.set_kernel_options(base.with_settings(settings))
@@ -385,14 +403,15 @@ def run(args: argparse.Namespace) -> dict:
                 row["variant"] = label
             rows.append(row)
             print(_fmt_decode(row), flush=True)
-        if settings:  # the next variant, and the prefills below, start from the process's options
+        for n in prefills:  # prefill passes are eager: they take the variant's options as they run
+            seconds = bench_prefill(llm, n, model_config.vocab_size, profile=n in args.profile_prefills, tag=label)
+            row = {"tokens": n, "seconds": seconds, "tok_s": n / seconds, **({"variant": label} if label else {})}
+            pre.append(row)
+            tagged = f"[{label}] " if label else ""
+            print(f"{tagged}prefill {n:>6} tokens: {seconds * 1e3:8.1f} ms  {n / seconds:10.0f} tok/s", flush=True)
+        if settings:  # the next variant starts from the process's options
             runner.set_kernel_options(base)
     report["decode"] = rows
-    pre = []
-    for n in prefills:
-        seconds = bench_prefill(llm, n, model_config.vocab_size, profile=n in args.profile_prefills)
-        pre.append({"tokens": n, "seconds": seconds, "tok_s": n / seconds})
-        print(f"prefill {n:>6} tokens: {seconds * 1e3:8.1f} ms  {n / seconds:10.0f} tok/s", flush=True)
     report["prefill"] = pre
     llm.shutdown()
     return report
@@ -435,7 +454,8 @@ def _decode_row(
         distinct = sum(per_layer)
     else:  # worker processes (TP/EP): no hooks here, so the bound every step stays under
         distinct = moe_layers * min(model_config.num_experts, b * model_config.num_experts_per_tok)
-    floor = decode_floor_bytes(model_config, b, args.context + 4, distinct)
+    fp8 = model_config.quantization is not None or llm.config.load.quantization == "fp8"
+    floor = decode_floor_bytes(model_config, b, args.context + 4, distinct, fp8=fp8)
     floor_s = floor["total"] / bandwidth / max(1, llm.config.parallel.tensor_parallel_size)
     row = {
         "batch": b,

@@ -24,6 +24,7 @@ from .kernels import attention as attn_kernels
 from .kernels import rotary as rotary_kernels
 from .lora import NO_SLOTS, LoraTarget, add_lora, column_target, row_target
 from .parallel import ParallelLayout, all_reduce
+from .quant import Fp8Projection
 
 
 class GatedAttention(nn.Module):
@@ -80,6 +81,14 @@ class GatedAttention(nn.Module):
             ]
         return out
 
+    def fp8_projections(self, prefix: str) -> list[Fp8Projection]:
+        """q_gate | k | v (pieces of whole heads) and o_proj (a rank's columns start on a head)."""
+        qkv = tuple(f"{prefix}{p}_proj" for p in "qkv")
+        return [
+            Fp8Projection(self, "qkv_proj", qkv, row_unit=self.head_dim, col_unit=0),
+            Fp8Projection(self, "o_proj", (f"{prefix}o_proj",), row_unit=0, col_unit=self.head_dim),
+        ]
+
     def lora_targets(self, prefix: str) -> list[LoraTarget]:
         q_rows, k_rows, v_rows, q_shape, kv_shape = self._qkv_rows()
         d = self.head_dim
@@ -110,15 +119,15 @@ class GatedAttention(nn.Module):
 
     def queries_and_cache(
         self, qkv: torch.Tensor, ctx: ForwardContext, state: AttnLayerState
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """From qkv [T, q_gate | k | v]: the normed, rotated queries [T, H, D] and the output gate
-        [T, H, D] (a view); the finished k and v go into the paged cache."""
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """From qkv [T, q_gate | k | v]: the normed, rotated queries [T, H, D], the output gate
+        [T, H, D] (a view) and the finished (k, v) [T, Hkv, D], which also go into the paged cache."""
         num_tokens, d = qkv.shape[0], self.head_dim
         qs, kvs = self.q_size, self.kv_size
         q_gate = qkv[:, :qs].view(num_tokens, self.num_heads, 2 * d)
         k = qkv[:, qs : qs + kvs].view(num_tokens, self.num_kv_heads, d)
         v = qkv[:, qs + kvs :].view(num_tokens, self.num_kv_heads, d)
-        q, _ = rotary_kernels.qk_norm_rope(
+        q, k = rotary_kernels.qk_norm_rope(
             q=q_gate[..., :d],
             k=k,
             q_weight=self.q_norm.weight,
@@ -131,13 +140,13 @@ class GatedAttention(nn.Module):
             kv_cache=rotary_kernels.KvCacheWrite(v, state.k_cache, state.v_cache, ctx.slot_mapping),
             pdl=ctx.kernels.pdl,
         )
-        return q, q_gate[..., d:]
+        return q, q_gate[..., d:], (k, v)
 
     def mix(self, qkv: torch.Tensor, ctx: ForwardContext, state: AttnLayerState) -> torch.Tensor:
         """Everything after the input projection: qkv [T, q_gate | k | v] -> [T, hidden] (reduced
         over TP ranks). The decoder layer calls it with qkv_proj fused into the input norm."""
         num_tokens, d = qkv.shape[0], self.head_dim
-        q, gate = self.queries_and_cache(qkv, ctx, state)  # gate: applied by the decode kernel / below
+        q, gate, kv = self.queries_and_cache(qkv, ctx, state)  # gate: applied by the decode kernel / below
         num_decode = ctx.num_decode_tokens
         decode_out = prefill_out = None
         if ctx.decode is not None and ctx.decode.tokens_per_row > 1:
@@ -165,14 +174,21 @@ class GatedAttention(nn.Module):
                 pdl=ctx.kernels.pdl,
             )
         if ctx.prefill is not None:
+            prefill = ctx.prefill
+            # one sequence whose chunk is all of it: SDPA over its own keys when the options ask for it
+            whole = prefill.num_seqs == 1 and prefill.max_query_len == prefill.max_seq_len
+            own_kv = None
+            if whole and ctx.kernels.prefill_attention == "sdpa":
+                own_kv = (kv[0][num_decode:], kv[1][num_decode:])
             prefill_out = attn_kernels.paged_attention(
                 q=q[num_decode:],
                 k_cache=state.k_cache,
                 v_cache=state.v_cache,
-                cu_seqlens_q=ctx.prefill.cu_seqlens,
-                seq_lens=ctx.prefill.seq_lens,
-                block_tables=ctx.prefill.block_tables,
+                cu_seqlens_q=prefill.cu_seqlens,
+                seq_lens=prefill.seq_lens,
+                block_tables=prefill.block_tables,
                 scale=self.scale,
+                own_kv=own_kv,
             )
             prefill_out = prefill_out * torch.sigmoid(gate[num_decode:])
         attn = join_rows(decode_out, prefill_out).reshape(num_tokens, self.num_heads * d)

@@ -92,7 +92,7 @@ class QsaAttention(GatedAttention):
     ) -> torch.Tensor:
         """qkv [T, q_gate | k | v], index_qk [T, index q | index key] -> [T, hidden] (reduced over TP ranks)."""
         num_tokens, d = qkv.shape[0], self.head_dim
-        q, gate = self.queries_and_cache(qkv, ctx, state)
+        q, gate, _ = self.queries_and_cache(qkv, ctx, state)
         carry: QsaCache = state.indexer_carry
         iq, raw_key = self._index_inputs(index_qk, ctx)
         qsa_kernels.write_index_keys(keys=raw_key, key_cache=carry.keys, slot_mapping=ctx.slot_mapping)

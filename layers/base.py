@@ -193,16 +193,46 @@ class ForwardContext:
 # Weights
 # ---------------------------------------------------------------------------------------------
 class LazyTensor:
-    """A checkpoint tensor not yet read: its full shape, and reads of just the slice a rank needs."""
+    """A checkpoint tensor not yet read: its full shape, and reads of just the slice a rank needs.
 
-    def __init__(self, name: str, shape: tuple[int, ...], read: Callable[[tuple], torch.Tensor]):
+    A block-FP8 checkpoint tensor (float8 values) comes with `scale`, its `weight_scale_inv`
+    (one float per `block` of rows x columns of the last two dims): `get` then returns the
+    dequantized float32 values, `get_raw` the stored ones (layers/quant.py writes those into FP8
+    weights). `block` is also the block a higher-precision tensor is quantized in for an FP8 weight."""
+
+    def __init__(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        read: Callable[[tuple], torch.Tensor],
+        scale: LazyTensor | None = None,
+        block: tuple[int, int] = (128, 128),
+    ):
         self.name = name
         self.shape = tuple(shape)
         self._read = read
+        self.scale = scale
+        self.block = block
+
+    def get_raw(self, *index: slice) -> torch.Tensor:
+        """The stored values under `index` (slices per leading dim); no index: the whole tensor."""
+        return self._read(tuple(index))
 
     def get(self, *index: slice) -> torch.Tensor:
-        """The tensor under `index` (slices per leading dim); no index: the whole tensor."""
-        return self._read(tuple(index))
+        """The tensor under `index` (slices per leading dim); no index: the whole tensor. FP8
+        values come dequantized (float32)."""
+        value = self._read(tuple(index))
+        if self.scale is None:
+            return value
+        full = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
+        r0 = full[-2].indices(self.shape[-2])[0]
+        c0 = full[-1].indices(self.shape[-1])[0]
+        r1, c1 = r0 + value.shape[-2], c0 + value.shape[-1]
+        bn, bk = self.block
+        scale = self.scale.get(*full[:-2], slice(r0 // bn, -(-r1 // bn)), slice(c0 // bk, -(-c1 // bk))).float()
+        rows = torch.arange(r0, r1) // bn - r0 // bn
+        cols = torch.arange(c0, c1) // bk - c0 // bk
+        return value.float() * scale[..., rows, :][..., :, cols].to(value.device)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from torch import nn
 from .base import CheckpointTensor, LazyTensor, copy_into
 from .kernels import linear as linear_kernels
 from .kernels.options import KernelOptions
+from .quant import assign, scale_of, tail_of
 
 
 def empty_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -32,10 +33,12 @@ class RMSNorm(nn.Module):
 def project(
     x: torch.Tensor, weight: torch.Tensor, kernels: KernelOptions, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) by linear_kernels.linear with the kernel options of the pass."""
+    """x @ weight.T (+ bias) by linear_kernels.linear with the kernel options of the pass (an FP8
+    weight with its block scales and tail rows, layers/quant.py)."""
     return linear_kernels.linear(
-        x=x, weight=weight, bias=bias, pdl=kernels.pdl, row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles
-    )
+        x=x, weight=weight, bias=bias, weight_scale=scale_of(weight), weight_tail=tail_of(weight), pdl=kernels.pdl,
+        row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles,
+    )  # fmt: skip
 
 
 def whole(name: str, param: torch.Tensor, init: str = "normal") -> CheckpointTensor:
@@ -56,7 +59,7 @@ def row_ranges(
 
     def load(t: LazyTensor) -> None:
         for src, dst, rows in pieces:
-            copy_into(param[dst : dst + rows], t.get(slice(src, src + rows)), name)
+            assign(param, (slice(dst, dst + rows),), t, (slice(src, src + rows),), name)
 
     return CheckpointTensor(name, tuple(full_shape), load, init=init)
 
@@ -65,5 +68,7 @@ def col_range(name: str, param: torch.Tensor, full_shape: tuple[int, ...], start
     """Columns [start, start + param.shape[1]) of a row-parallel weight."""
     cols = param.shape[1]
     return CheckpointTensor(
-        name, tuple(full_shape), lambda t: copy_into(param, t.get(slice(None), slice(start, start + cols)), name)
+        name,
+        tuple(full_shape),
+        lambda t: assign(param, (slice(None), slice(None)), t, (slice(None), slice(start, start + cols)), name),
     )

@@ -7,7 +7,9 @@ weights are renormalised); everything else is shared.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,79 @@ def _require(cfg: dict, key: str, model_type: str) -> Any:
     if key not in cfg or cfg[key] is None:
         raise ConfigError(f"config field '{key}' is missing (model_type={model_type!r})")
     return cfg[key]
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """Block-FP8 weights (config.json's `quantization_config` with `quant_method: fp8`, or
+    `quantization="fp8"` on a higher-precision checkpoint): e4m3 weights with one float32 factor
+    per `block` (rows, columns), activations quantized at run time. `ignored`: the modules kept in
+    the checkpoint's dtype (`modules_to_not_convert` / `ignored_layers`; full names, names within
+    a layer such as "mlp.gate", or "re:" patterns). Whatever the list says, the model keeps the
+    embedding, lm_head, the MoE router and shared-expert gate and the GDN b / a projections
+    unquantized (layers/quant.py)."""
+
+    block: tuple[int, int] = (128, 128)
+    ignored: tuple[str, ...] = ()
+
+    @classmethod
+    def from_hf(cls, qc: dict) -> Fp8Scheme:
+        """From a quantization_config; anything deltaserve cannot serve is a ConfigError naming the field."""
+        method = qc.get("quant_method")
+        if method != "fp8":
+            raise ConfigError(f"config field 'quantization_config.quant_method' is {method!r}; supported: 'fp8'")
+        fmt = qc.get("fmt", "e4m3")
+        if fmt not in ("e4m3", "float8_e4m3fn"):
+            raise ConfigError(f"config field 'quantization_config.fmt' is {fmt!r}; supported: 'e4m3'")
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise ConfigError(
+                f"config field 'quantization_config.activation_scheme' is {scheme!r}; supported: 'dynamic'"
+            )
+        block = qc.get("weight_block_size")
+        if block is None:
+            raise ConfigError(
+                "config field 'quantization_config.weight_block_size' is missing: only block-FP8 checkpoints "
+                "(one scale per block) are supported"
+            )
+        if len(block) != 2 or any(not isinstance(b, int) or b < 1 or b & (b - 1) or b > 128 for b in block):
+            raise ConfigError(
+                f"config field 'quantization_config.weight_block_size' is {block!r}; supported: two powers of two "
+                "up to 128"
+            )
+        ignored = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or qc.get("ignore") or ()
+        return cls(block=(int(block[0]), int(block[1])), ignored=tuple(str(m) for m in ignored))
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the checkpoint holds `module` (a text-model module name, "model.layers.3.mlp.experts.7.up_proj")
+        in FP8: not named by `ignored` (itself, a parent, a run of its parts for a name within a
+        layer, or a pattern). Set lookups: lists of ~900 names checked for ~30,000 expert modules."""
+        names, within, patterns = _ignore_index(self.ignored)
+        parts = module.split(".")
+        runs = (".".join(parts[:end]) for end in range(1, len(parts) + 1))
+        if any(run in names for run in runs):
+            return False
+        if within and any(
+            ".".join(parts[i:j]) in within for i in range(1, len(parts)) for j in range(i + 1, len(parts) + 1)
+        ):
+            return False
+        return not any(p.fullmatch(module) for p in patterns)
+
+
+@functools.cache
+def _ignore_index(ignored: tuple[str, ...]) -> tuple[frozenset, frozenset, tuple]:
+    """(every plain name, the names within a layer such as "mlp.gate", the compiled "re:" patterns)."""
+    plain = [_text_module(e) for e in ignored if not e.startswith("re:")]
+    within = frozenset(n for n in plain if not n.startswith(("model.", "lm_head", "mtp.")))
+    return frozenset(plain), within, tuple(re.compile(e[3:]) for e in ignored if e.startswith("re:"))
+
+
+def _text_module(name: str) -> str:
+    """A checkpoint module name with the composite model's text prefix mapped as the loader maps tensors."""
+    for prefix, repl in (("model.language_model.", "model."), ("language_model.", "")):
+        if name.startswith(prefix):
+            return repl + name[len(prefix) :]
+    return name
 
 
 @dataclass(frozen=True)
@@ -81,6 +156,8 @@ class ModelConfig:
     # the checkpoint's multi-token-prediction head (mtp.*): its decoder layer count and FFN kind
     num_mtp_layers: int = 0
     mtp_mlp_type: str = "dense"
+    # block-FP8 weights (the checkpoint's quantization_config, or quantization="fp8" at load)
+    quantization: Fp8Scheme | None = None
     # qwen4_exp: QSA sparse attention on every attention layer, hyper-connection residual streams,
     # per-layer n-gram embeddings (config_qwen4.py); None for the other families
     qsa: QsaConfig | None = None
@@ -132,6 +209,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict, generation_config: dict | None = None) -> ModelConfig:
         model_type = cfg.get("model_type")
+        quant = cfg.get("quantization_config")  # a composite config holds it at the top level
         if model_type in COMPOSITE_TYPES:
             text = dict(cfg.get("text_config") or {})
             if not text:
@@ -143,6 +221,7 @@ class ModelConfig:
                     text[key] = cfg[key]
             cfg = text
             model_type = cfg["model_type"]
+            quant = quant or cfg.get("quantization_config")
         if model_type not in TEXT_FAMILIES:
             raise ConfigError(
                 f"config field 'model_type' is {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -277,6 +356,7 @@ class ModelConfig:
             bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
             num_mtp_layers=num_mtp,
             mtp_mlp_type=mtp_mlp,
+            quantization=Fp8Scheme.from_hf(quant) if quant else None,
             qsa=qsa,
             hyper=hyper,
             ple=ple,

@@ -18,6 +18,8 @@ out_proj is row-parallel with one all-reduce.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -31,6 +33,7 @@ from .kernels import norm as norm_kernels
 from .kernels.gdn import state as gdn_state
 from .lora import NO_SLOTS, LoraTarget, add_lora, column_target, row_target
 from .parallel import ParallelLayout, all_reduce
+from .quant import Fp8Projection
 
 
 class GatedDeltaNet(nn.Module):
@@ -135,6 +138,19 @@ class GatedDeltaNet(nn.Module):
             col_range(f"{prefix}out_proj.weight", self.out_proj, (h, total_vd), v0 * vdim),
         ]
         return out
+
+    def fp8_projections(self, prefix: str) -> list[Fp8Projection]:
+        """in_proj's q | k | v | z rows (b and a stay unquantized: its tail) and out_proj; pieces
+        of whole heads."""
+        if self.config.gdn_projection == "split":
+            sources = (f"{prefix}in_proj_qkv", f"{prefix}in_proj_z")
+        else:
+            sources = (f"{prefix}in_proj_qkvz",)
+        unit = math.gcd(self.key_head_dim, self.value_head_dim)
+        return [
+            Fp8Projection(self, "in_proj", sources, tail_rows=2 * self.num_value_heads, row_unit=unit, col_unit=0),
+            Fp8Projection(self, "out_proj", (f"{prefix}out_proj",), row_unit=0, col_unit=self.value_head_dim),
+        ]
 
     def lora_targets(self, prefix: str) -> list[LoraTarget]:
         targets = [
@@ -294,6 +310,7 @@ class GatedDeltaNet(nn.Module):
                 has_initial_state=ctx.prefill.has_initial_state,
                 use_qk_l2norm=True,
                 captures=ctx.midchunk_capture,
+                variant=ctx.kernels.gdn_chunk_variant,
             )
         core = join_rows(core_decode, core_prefill)
         return norm_kernels.gated_rms_norm(x=core, gate=z, weight=self.norm_weight, eps=self.eps, pdl=ctx.kernels.pdl)

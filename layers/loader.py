@@ -6,11 +6,19 @@ slices it owns, and a tensor that is missing or has the wrong shape is an error 
 checkpoints (`model.language_model.*`) map onto the text names; vision tensors are skipped; `mtp.*`
 tensors load into the MTP head when the model is built with it (speculative decoding), and are
 skipped otherwise.
+
+Block-FP8 (config.json's quantization_config with quant_method fp8, or quantization="fp8"): the
+projections the scheme quantizes are held in FP8 (layers/quant.py). A float8 checkpoint tensor
+`X.weight` comes with `X.weight_scale_inv` (one factor per block of its last two dims); both are
+read into FP8 weights as they are, and dequantized for weights the model keeps in its dtype (the
+MTP head's among them). A missing scale, or one whose shape is not the weight's block grid, is an
+error naming the tensor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -22,15 +30,18 @@ import torch
 from safetensors import safe_open
 
 from .base import CheckpointTensor, LazyTensor
-from .config import ModelConfig
+from .config import Fp8Scheme, ModelConfig
 from .model import HybridModel
 from .mtp import MtpHead
 from .parallel import ParallelLayout
+from .quant import apply_scheme
 from .qwen4_exp import Qwen4ExpModel
 
 log = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "random")
+QUANTIZATIONS = (None, "fp8")
+SCALE_SUFFIX = "_scale_inv"  # X.weight's block scales: X.weight_scale_inv
 _VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.merger.")
 
 
@@ -84,7 +95,8 @@ def build_model(
     device: str | torch.device = "cpu",
     mtp: bool = False,
 ) -> HybridModel:
-    """The model with uninitialised parameters allocated directly in `dtype` on `device`; with `mtp`,
+    """The model with uninitialised parameters allocated directly in `dtype` on `device` (under an
+    FP8 scheme the projections it quantizes in FP8, never allocated in `dtype` first); with `mtp`,
     its MTP head too (an error naming the config field when the checkpoint declares none)."""
     if mtp and (config.num_mtp_layers < 1 or config.family == "qwen4_exp"):
         raise CheckpointError(
@@ -93,11 +105,29 @@ def build_model(
             "num_nextn_predict_layers)"
         )
     cls = Qwen4ExpModel if config.family == "qwen4_exp" else HybridModel
-    with torch.device(device), _default_dtype(dtype):
+    fp8 = config.quantization is not None
+    with torch.device("meta" if fp8 else device), _default_dtype(dtype):
         model = cls(config, layout)
         if mtp:
             model.mtp = MtpHead(config, model.layout)
+    if fp8:
+        apply_scheme(model.fp8_projections(), config.quantization, device, dtype)
+        _materialize(model, device)
     return model.eval()
+
+
+def _materialize(model: torch.nn.Module, device: str | torch.device) -> None:
+    """After a meta build: the parameters the FP8 scheme left there allocated on `device`
+    (uninitialised, as without a scheme); buffers (values computed at construction, on the host)
+    moved there."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                module._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device=device), False)
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                assert not buf.is_meta, f"buffer {name!r} was built on the meta device: its values are lost"
+                module._buffers[name] = buf.to(device)
 
 
 def load_model(
@@ -109,20 +139,29 @@ def load_model(
     device: str | torch.device = "cpu",
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
     mtp: bool = False,
 ) -> HybridModel:
-    """Build the model (with `mtp`: and its MTP head) and fill this rank's shard of every parameter."""
+    """Build the model (with `mtp`: and its MTP head) and fill this rank's shard of every parameter.
+    quantization: "fp8" holds the projections in block FP8 whatever the checkpoint's dtype
+    (quantized at load in 128 x 128 blocks where it is not FP8 already); None: as the checkpoint's
+    config says."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if config is None:
         if model_dir is None:
             raise ValueError("load_model needs model_dir or config")
         config = ModelConfig.from_pretrained(model_dir)
+    if quantization == "fp8" and config.quantization is None:
+        config = dataclasses.replace(config, quantization=Fp8Scheme())
     started = time.perf_counter()
     model = build_model(config, layout=layout, dtype=dtype, device=device, mtp=mtp)
     entries = model.checkpoint_tensors()
+    block = config.quantization.block if config.quantization is not None else (128, 128)
     if load_format == "random":
-        fill_random(entries, seed=seed, dtype=dtype, device=device)
+        fill_random(entries, seed=seed, dtype=dtype, device=device, block=block)
     else:
         if model_dir is None:
             raise ValueError(f"load_format={load_format!r} needs a model directory")
@@ -141,13 +180,23 @@ def load_safetensors(
 ) -> None:
     by_name = {e.name: e for e in entries}
     files = checkpoint_files(model_dir)
+    scheme = model.config.quantization
     covered: set[str] = set()
     unexpected: list[str] = []
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
-        by_file.setdefault(path, []).append(name)
-    for path, names in by_file.items():
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        if not name.endswith(SCALE_SUFFIX):  # read with their weights
+            by_file.setdefault(path, []).append(name)
+    with contextlib.ExitStack() as opened:
+        handles: dict[Path, object] = {}
+
+        def handle(path: Path):
+            if path not in handles:
+                handles[path] = opened.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            return handles[path]
+
+        for path, names in by_file.items():
+            f = handle(path)
             for raw_name in names:
                 name = canonical_name(raw_name)
                 if name is None:
@@ -162,9 +211,13 @@ def load_safetensors(
                     continue  # another rank's tensor
                 sliced = f.get_slice(raw_name)
                 shape = tuple(sliced.get_shape())
+                block = scheme.block if scheme else (128, 128)
+                tensor = LazyTensor(raw_name, shape, _slice_reader(sliced), block=block)
+                if sliced.get_dtype() == "F8_E4M3":
+                    tensor.scale = _scale_tensor(raw_name, shape, files, handle, scheme)
                 if shape != entry.shape:
                     raise CheckpointError(f"checkpoint tensor '{raw_name}' has shape {shape}, expected {entry.shape}")
-                entry.load(LazyTensor(raw_name, shape, _slice_reader(sliced)))
+                entry.load(tensor)
                 covered.update(entry.targets)
     if model.mtp is not None and not any((canonical_name(n) or "").startswith("mtp.") for n in files):
         raise CheckpointError(
@@ -188,15 +241,40 @@ def _slice_reader(sliced):
     return read
 
 
-def fill_random(entries: list[CheckpointTensor], *, seed: int, dtype: torch.dtype, device) -> None:
-    """Fill every target from a per-tensor seed: the same weights whatever the rank layout."""
+def _scale_tensor(raw_name: str, shape: tuple[int, ...], files: dict[str, Path], handle, scheme) -> LazyTensor:
+    """The block scales of a float8 checkpoint tensor, checked against its block grid."""
+    if scheme is None:
+        raise CheckpointError(
+            f"checkpoint tensor '{raw_name}' is float8, but config.json has no quantization_config (quant_method fp8)"
+        )
+    scale_name = raw_name + SCALE_SUFFIX
+    if scale_name not in files or len(shape) < 2:
+        raise CheckpointError(f"checkpoint tensor '{raw_name}' is float8 without its block scales '{scale_name}'")
+    sliced = handle(files[scale_name]).get_slice(scale_name)
+    got = tuple(sliced.get_shape())
+    bn, bk = scheme.block
+    want = (*shape[:-2], -(-shape[-2] // bn), -(-shape[-1] // bk))
+    if got != want:
+        raise CheckpointError(
+            f"checkpoint tensor '{scale_name}' has shape {got}, expected {want} ({bn} x {bk} blocks of "
+            f"'{raw_name}' {shape})"
+        )
+    return LazyTensor(scale_name, got, _slice_reader(sliced))
+
+
+def fill_random(
+    entries: list[CheckpointTensor], *, seed: int, dtype: torch.dtype, device, block: tuple[int, int] = (128, 128)
+) -> None:
+    """Fill every target from a per-tensor seed: the same weights whatever the rank layout (FP8
+    weights: those values quantized in `block`s)."""
     covered: set[str] = set()
     for entry in entries:
         if entry.load is None or entry.init == "computed" or covered.issuperset(entry.targets):
             continue  # "computed": the parameter holds its value from the config already
         generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(entry.name.encode()))
         full = _random_tensor(entry.shape, entry.init, generator, dtype, device)
-        entry.load(LazyTensor(entry.name, entry.shape, lambda index, full=full: full[index] if index else full))
+        read = lambda index, full=full: full[index] if index else full  # noqa: E731
+        entry.load(LazyTensor(entry.name, entry.shape, read, block=block))
         covered.update(entry.targets)
 
 

@@ -148,6 +148,11 @@ def expert_deltas(
     )  # fmt: skip
 
 
+def _model_param(model: torch.nn.Module) -> torch.Tensor:
+    """A parameter in the model's own dtype (FP8 projections hold float8 values: never one of those)."""
+    return next(p for p in model.parameters() if p.dtype != torch.float8_e4m3fn)
+
+
 def slot_rank(max_lora_rank: int) -> int:
     """The rank a slot holds: the limit rounded up to a power of two of at least 16 (the kernels' tiles)."""
     return max(16, 1 << (max_lora_rank - 1).bit_length())
@@ -160,7 +165,7 @@ def enable_lora(model: torch.nn.Module, *, max_loras: int, max_lora_rank: int, e
     """Allocate every projection's adapter slots (zeros) in the model's dtype and device; `experts`:
     the routed experts' too (their memory is max_loras x rank x experts x (3 H + 3 I) a layer)."""
     rank = slot_rank(max_lora_rank)
-    param = next(model.parameters())
+    param = _model_param(model)
     opts = dict(dtype=param.dtype, device=param.device)
     groups: dict[tuple[int, str], list[LoraTarget]] = {}
     for t in model.lora_targets():
@@ -421,7 +426,7 @@ def load_adapter(
 ) -> LoadedAdapter:
     """Read this rank's share of the adapter at `path` (checked as match_adapter)."""
     entries = match_adapter(model.lora_targets(), path, max_lora_rank=max_lora_rank, experts=experts)
-    dtype = next(model.parameters()).dtype
+    dtype = _model_param(model).dtype
     parts = []
     with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt") as f:
         for entry in entries:

@@ -34,6 +34,7 @@ from .kernels.options import KernelOptions
 from .lora import LoraTarget, add_lora, lora_wanted
 from .moe import DenseMLP, SparseMoeBlock
 from .parallel import ParallelLayout, all_gather_last_dim, all_reduce, validate_layout
+from .quant import Fp8Projection, scale_of, tail_of
 
 
 def add_rms_norm(
@@ -55,7 +56,8 @@ def norm_project(
     """The residual add, `norm` and the projection after it (linear_kernels.rms_norm_linear)."""
     return linear_kernels.rms_norm_linear(
         x=x, residual=residual, norm_weight=norm.weight, eps=norm.eps, weight=weight, bias=bias,
-        write_normed=write_normed, pdl=kernels.pdl, row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles,
+        write_normed=write_normed, weight_scale=scale_of(weight), weight_tail=tail_of(weight), pdl=kernels.pdl,
+        row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles,
     )  # fmt: skip
 
 
@@ -85,6 +87,11 @@ class DecoderLayer(TransformerLayer):
             *self.mixer.checkpoint_tensors(f"{prefix}{mixer}"),
             *self.mlp.checkpoint_tensors(f"{prefix}mlp."),
         ]
+
+    def fp8_projections(self, prefix: str) -> list[Fp8Projection]:
+        """The projections an FP8 scheme may quantize (layers/quant.py)."""
+        mixer = "self_attn." if self.is_attention else "linear_attn."
+        return self.mixer.fp8_projections(prefix + mixer) + self.mlp.fp8_projections(prefix + "mlp.")
 
     def lora_targets(self, prefix: str) -> list[LoraTarget]:
         mixer = "self_attn." if self.is_attention else "linear_attn."
@@ -186,6 +193,12 @@ class HybridModel(nn.Module):
         if self.mtp is not None:
             out += self.mtp.checkpoint_tensors("mtp.")
         return out
+
+    def fp8_projections(self) -> list[Fp8Projection]:
+        """Every projection an FP8 scheme may quantize (the embedding and lm_head stay unquantized),
+        the MTP head's decoder layer among them."""
+        out = [p for i, layer in enumerate(self.layers) for p in layer.fp8_projections(f"model.layers.{i}.")]
+        return out + (self.mtp.fp8_projections("mtp.") if self.mtp is not None else [])
 
     def lora_targets(self) -> list[LoraTarget]:
         """Every module an adapter may target, with where its delta goes on this rank (layers/lora.py)."""

@@ -6,11 +6,11 @@ and w2 [E_local, H, I_local], and load from either checkpoint layout: per expert
 (`experts.N.{gate,up,down}_proj.weight`, what transformers saves) or fused
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]).
 
-The router, the shared expert's gate/up and the shared expert's sigmoid gate load into one fused
-local weight `in_proj`, rows [router (E) | shared gate_up (2 * I_shared_local) | shared gate (1) | pad],
-so every projection that reads the block's input is one GEMM (the shared gate row goes last so the
-gate_up slice starts at an aligned column); the router logits come out of it in the activations'
-dtype, as from the unfused F.linear.
+The shared expert's gate/up, the router and the shared expert's sigmoid gate load into one fused
+local weight `in_proj`, rows [shared gate_up (2 * I_shared_local) | router (E) | shared gate (1) |
+pad], so every projection that reads the block's input is one GEMM; the router logits come out of
+it in the activations' dtype, as from the unfused F.linear. The rows a block-FP8 checkpoint keeps
+unquantized (router, gate, pad) come last: under FP8 they are the weight's tail (layers/quant.py).
 
 Parallelism: by default every expert is split along its intermediate dim (column- then
 row-parallel); with expert parallelism each rank holds E / tp whole experts and skips tokens routed
@@ -27,13 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CheckpointTensor, ForwardContext, LazyTensor, copy_into
+from .base import CheckpointTensor, ForwardContext, LazyTensor
 from .common import col_range, empty_param, project, row_ranges
 from .config import ModelConfig
 from .kernels import moe as moe_kernels
 from .kernels.options import KernelOptions
 from .lora import NO_SLOTS, LoraTarget, add_lora, column_target, expert_deltas, lora_wanted, row_target
 from .parallel import ParallelLayout, all_reduce
+from .quant import Fp8Projection, assign, rows_of, scale_of, tail_of
 
 
 class DenseMLP(nn.Module):
@@ -66,6 +67,14 @@ class DenseMLP(nn.Module):
             col_range(f"{prefix}down_proj.weight", self.w2, (self.hidden_size, self.total_inter), i0),
         ]
 
+    def fp8_projections(self, prefix: str) -> list[Fp8Projection]:
+        """w13 (when it owns it) and w2; a rank's pieces start on its intermediate width."""
+        out = [Fp8Projection(self, "w2", (f"{prefix}down_proj",), row_unit=0, col_unit=self.inter)]
+        if hasattr(self, "w13"):
+            sources = (f"{prefix}gate_proj", f"{prefix}up_proj")
+            out.append(Fp8Projection(self, "w13", sources, row_unit=self.inter, col_unit=0))
+        return out
+
     def lora_targets(self, prefix: str, owner: nn.Module | None = None, first_row: int = 0) -> list[LoraTarget]:
         """gate / up go to `owner`'s "in" slots (itself, or the MoE block whose in_proj holds them)."""
         full, i0, inter = (self.total_inter, self.hidden_size), self.inter_start, self.inter
@@ -92,7 +101,7 @@ class DenseMLP(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    # adapter slots of "in" (router | shared gate_up | shared gate) and "experts", once enabled
+    # adapter slots of "in" (shared gate_up | router | shared gate) and "experts", once enabled
     lora_slots = NO_SLOTS
 
     def __init__(self, config: ModelConfig, layout: ParallelLayout):
@@ -111,26 +120,49 @@ class SparseMoeBlock(nn.Module):
         self.w13 = empty_param(self.num_local_experts, 2 * self.inter, h)
         self.w2 = empty_param(self.num_local_experts, h, self.inter)
         self.shared_expert = None
-        rows = config.num_experts
+        self.router_row = 0  # the router's first row of in_proj
         if config.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(
                 h, config.shared_expert_intermediate_size, layout, "shared_expert_intermediate_size", own_gate_up=False
             )
-            rows += 2 * self.shared_expert.inter + 1
-        self.gate_row = rows - 1  # the shared expert gate's row (when there is a shared expert)
-        # fused input projection: [router | shared gate_up (this rank's shard) | shared gate | unused
+            self.router_row = 2 * self.shared_expert.inter
+        self.gate_row = self.router_row + config.num_experts  # the shared expert gate's row (with a shared expert)
+        rows = self.gate_row + (1 if self.shared_expert is not None else 0)
+        # fused input projection: [shared gate_up (this rank's shard) | router | shared gate | unused
         # rows up to a multiple of 8]: cuBLAS takes an sm_75 kernel at 4x the time for N = 1281
         self.in_proj = empty_param(-(-rows // 8) * 8, h)
 
     @property
     def router(self) -> torch.Tensor:
         """The router's rows of in_proj [E, H]."""
-        return self.in_proj[: self.num_experts]
+        return rows_of(self.in_proj, self.router_row, self.gate_row)
 
     @property
     def shared_expert_gate(self) -> torch.Tensor:
         """The shared expert gate's row of in_proj [1, H]."""
-        return self.in_proj[self.gate_row : self.gate_row + 1]
+        return rows_of(self.in_proj, self.gate_row, self.gate_row + 1)
+
+    def fp8_projections(self, prefix: str) -> list[Fp8Projection]:
+        """in_proj's shared gate_up rows (the router, the shared gate and the padding: its tail),
+        the experts' w13 and w2, and the shared expert's down projection. A rank's pieces start on
+        its intermediate width."""
+        experts = range(self.num_experts)
+        out = [
+            Fp8Projection(
+                self, "w13", tuple(f"{prefix}experts.{e}.{p}" for e in experts for p in ("gate_proj", "up_proj")),
+                row_unit=self.inter, col_unit=0,
+            ),
+            Fp8Projection(
+                self, "w2", tuple(f"{prefix}experts.{e}.down_proj" for e in experts), row_unit=0, col_unit=self.inter
+            ),
+        ]  # fmt: skip
+        if self.shared_expert is not None:
+            shared = tuple(f"{prefix}shared_expert.{p}" for p in ("gate_proj", "up_proj"))
+            tail = self.in_proj.shape[0] - self.router_row
+            inter = self.shared_expert.inter
+            out.append(Fp8Projection(self, "in_proj", shared, tail_rows=tail, row_unit=inter, col_unit=0))
+            out += self.shared_expert.fp8_projections(prefix + "shared_expert.")
+        return out
 
     def checkpoint_tensors(self, prefix: str) -> list[CheckpointTensor]:
         h, total_inter = self.hidden_size, self.total_inter
@@ -153,12 +185,16 @@ class SparseMoeBlock(nn.Module):
             CheckpointTensor(
                 f"{prefix}experts.down_proj",
                 (self.num_experts, h, total_inter),
-                lambda t: copy_into(
-                    self.w2, t.get(slice(e0, e1), slice(None), slice(i0, i0 + inter)), f"{prefix}experts.down_proj"
+                lambda t: assign(
+                    self.w2,
+                    (slice(None),) * 3,
+                    t,
+                    (slice(e0, e1), slice(None), slice(i0, i0 + inter)),
+                    f"{prefix}experts.down_proj",
                 ),
                 tuple(name(e, "down_proj") for e in experts),
                 alternative=True,
-            ),
+            ),  # fmt: skip
         ]
         for e in experts:
             local = e - e0 if e0 <= e < e1 else None
@@ -167,19 +203,19 @@ class SparseMoeBlock(nn.Module):
                 load = None if local is None else _per_expert_loader(self, local, proj, name(e, proj))
                 out.append(CheckpointTensor(name(e, proj), shape, load))
         num_experts = self.num_experts
-        router = row_ranges(f"{prefix}gate.weight", self.in_proj, (num_experts, h), [(0, 0, num_experts)])
+        router = row_ranges(f"{prefix}gate.weight", self.in_proj, (num_experts, h), [(0, self.router_row, num_experts)])
         out.append(replace(router, load=self._load_router_and_zero_padding(router.load)))
         if self.shared_expert is not None:
-            out += self.shared_expert.checkpoint_tensors(f"{prefix}shared_expert.", self.in_proj, num_experts)
+            out += self.shared_expert.checkpoint_tensors(f"{prefix}shared_expert.", self.in_proj, 0)
             gate_row = self.gate_row
             out.append(row_ranges(f"{prefix}shared_expert_gate.weight", self.in_proj, (1, h), [(0, gate_row, 1)]))
         return out
 
     def lora_targets(self, prefix: str) -> list[LoraTarget]:
         h, num_experts = self.hidden_size, self.num_experts
-        out = [column_target(f"{prefix}gate", self, "in", (num_experts, h), [(0, 0, num_experts)])]
+        out = [column_target(f"{prefix}gate", self, "in", (num_experts, h), [(0, self.router_row, num_experts)])]
         if self.shared_expert is not None:
-            out += self.shared_expert.lora_targets(f"{prefix}shared_expert.", self, num_experts)
+            out += self.shared_expert.lora_targets(f"{prefix}shared_expert.", self, 0)
             out.append(column_target(f"{prefix}shared_expert_gate", self, "in", (1, h), [(0, self.gate_row, 1)]))
         full_13, full_2 = (2 * self.total_inter, h), (h, self.total_inter)
         # the fused 3-D layout (PEFT target_parameters), then per expert (-1: another rank's expert)
@@ -198,15 +234,19 @@ class SparseMoeBlock(nn.Module):
     def _load_router_and_zero_padding(self, load_router):
         def load(t: LazyTensor) -> None:
             load_router(t)
-            self.in_proj.data[self.gate_row + 1 :].zero_()  # the padding rows: never read, but defined
+            rows = self.in_proj.shape[0] + (0 if tail_of(self.in_proj) is None else tail_of(self.in_proj).shape[0])
+            with torch.no_grad():  # the padding rows: never read, but defined
+                rows_of(self.in_proj, self.gate_row + (self.shared_expert is not None), rows).zero_()
 
         return load
 
     def _load_fused_gate_up(self, t: LazyTensor, name: str) -> None:
         e0, e1 = self.expert_start, self.expert_start + self.num_local_experts
         i0, inter, total = self.inter_start, self.inter, self.total_inter
-        copy_into(self.w13[:, :inter], t.get(slice(e0, e1), slice(i0, i0 + inter)), name)
-        copy_into(self.w13[:, inter:], t.get(slice(e0, e1), slice(total + i0, total + i0 + inter)), name)
+        every = slice(None)
+        assign(self.w13, (every, slice(0, inter), every), t, (slice(e0, e1), slice(i0, i0 + inter)), name)
+        up = slice(total + i0, total + i0 + inter)
+        assign(self.w13, (every, slice(inter, 2 * inter), every), t, (slice(e0, e1), up), name)
 
     def forward(
         self,
@@ -230,26 +270,30 @@ class SparseMoeBlock(nn.Module):
         shared = None
         if self.shared_expert is not None:
             shared = moe_kernels.SharedExpert(
-                gate_up=proj[:, num_experts : self.gate_row],
+                gate_up=proj[:, : self.router_row],
                 w2=self.shared_expert.w2,
                 gate_logit=proj[:, self.gate_row : self.gate_row + 1],
+                w2_scale=scale_of(self.shared_expert.w2),
             )
         out = moe_kernels.routed_moe(  # at decode sizes the routing runs inside the experts' up GEMV
             hidden=x,
             w13=self.w13,
             w2=self.w2,
-            router_logits=proj[:, :num_experts],
+            w13_scale=scale_of(self.w13),
+            w2_scale=scale_of(self.w2),
+            router_logits=proj[:, self.router_row : self.router_row + num_experts],
             top_k=self.top_k,
             renormalize=self.renormalize,
             expert_offset=self.expert_start,
             shared=shared,  # summed in the same kernel at decode sizes
             add_norm=fused_norm,
             route_in_up_max_tokens=ctx.kernels.route_in_up_max_tokens,
+            sorted_block_m=ctx.kernels.moe_sorted_block_m,
             pdl=ctx.kernels.pdl,
             deltas=deltas,
         )
         if shared_lora is not None:  # the shared expert's down adapter, under its sigmoid gate
-            gate_up = proj[:, num_experts : self.gate_row]
+            gate_up = proj[:, : self.router_row]
             inter = self.shared_expert.inter
             act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
             delta = add_lora(ctx, shared_lora, torch.zeros_like(out), act)
@@ -263,11 +307,12 @@ def _per_expert_loader(block: SparseMoeBlock, local: int, proj: str, name: str):
     i0, inter = block.inter_start, block.inter
 
     def load(t: LazyTensor) -> None:
+        every = slice(None)
         if proj == "gate_proj":
-            copy_into(block.w13[local, :inter], t.get(slice(i0, i0 + inter)), name)
+            assign(block.w13, (local, slice(0, inter), every), t, (slice(i0, i0 + inter),), name)
         elif proj == "up_proj":
-            copy_into(block.w13[local, inter:], t.get(slice(i0, i0 + inter)), name)
+            assign(block.w13, (local, slice(inter, 2 * inter), every), t, (slice(i0, i0 + inter),), name)
         else:
-            copy_into(block.w2[local], t.get(slice(None), slice(i0, i0 + inter)), name)
+            assign(block.w2, (local, every, every), t, (every, slice(i0, i0 + inter)), name)
 
     return load

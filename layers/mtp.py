@@ -26,6 +26,7 @@ from .config import ConfigError, ModelConfig
 from .kernels import norm as norm_kernels
 from .model import DecoderLayer, add_rms_norm
 from .parallel import ParallelLayout
+from .quant import Fp8Projection
 
 
 class MtpHead(nn.Module):
@@ -50,6 +51,10 @@ class MtpHead(nn.Module):
             *self.layer.checkpoint_tensors(f"{prefix}layers.0."),
             *self.norm.checkpoint_tensors(f"{prefix}norm.weight"),
         ]
+
+    def fp8_projections(self, prefix: str = "mtp.") -> list[Fp8Projection]:
+        """The decoder layer's projections (fc stays in the model's dtype)."""
+        return self.layer.fp8_projections(f"{prefix}layers.0.")
 
     def state_shapes(self, block_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         return self.layer.state_shapes(block_size)

@@ -178,7 +178,7 @@ class PerLayerEmbedding(nn.Module):
         self.norm_query = empty_param(width)
         self.norm_conv = empty_param(width)
         self.conv_weight = empty_param(width, ple.conv_kernel_size)
-        dev = self.table.device
+        dev = "cpu" if self.table.is_meta else self.table.device  # a meta build (FP8) moves them to the device
         self.register_buffer(
             "multipliers", torch.tensor(layer_multipliers(vocab_size, ple.ngram_size, ple_index, ple.seed), device=dev)
         )

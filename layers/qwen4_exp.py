@@ -25,7 +25,7 @@ from .base import AttnLayerState, CheckpointTensor, ForwardContext, LayerState, 
 from .config import ATTENTION, ModelConfig
 from .gdn import GatedDeltaNet
 from .hyper_connections import HyperConnection, add_block_output
-from .model import HybridModel
+from .model import DecoderLayer, HybridModel
 from .moe import SparseMoeBlock
 from .parallel import ParallelLayout
 from .pass_rows import PassRows, pass_rows
@@ -67,6 +67,9 @@ class Qwen4ExpDecoderLayer(TransformerLayer):
         if self.ple is not None:
             out += self.ple.checkpoint_tensors(f"{prefix}ple.")
         return out
+
+    # the mixer's and the MoE block's projections (QSA's indexer, PLE and the hyper-connections stay unquantized)
+    fp8_projections = DecoderLayer.fp8_projections
 
     def state_shapes(self, block_size: int = 16) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         """Attention: K, V and the indexer caches of one page; GDN: the state of one slot (and PLE's)."""

@@ -21,6 +21,7 @@ from deltaserve.layers.kernels.options import KernelOptions
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # float64: CPU reference runs
 LOAD_FORMATS = ("auto", "safetensors", "random")
+QUANTIZATIONS = (None, "fp8")
 
 
 def setting(
@@ -121,6 +122,12 @@ class LoadConfig:
         "auto", choices=LOAD_FORMATS, help="auto/safetensors: the checkpoint's weights; random: seeded random weights"
     )
     seed: int = setting(0, check=at_least(0), help="seed of random weights and of unseeded sampling")
+    quantization: str | None = setting(
+        None,
+        choices=QUANTIZATIONS,
+        help="fp8: block-FP8 weights (128 x 128 scales; quantized at load where the checkpoint is not FP8, "
+        "random weights included); default: as the checkpoint's config.json says",
+    )
 
     def __post_init__(self) -> None:
         validate_fields(self)

@@ -74,6 +74,7 @@ class ModelRunner:
             device=self.device,
             load_format=load.load_format,
             seed=load.seed,
+            quantization=load.quantization,
             mtp=config.runner.num_speculative_tokens > 0,
         )
         # LoRA adapter slots (allocated with the weights, before the pools are sized)

@@ -65,11 +65,40 @@ class KernelOptions:
             "help": "largest decode batch whose GDN step is one launch",
         },
     )
+    prefill_attention: str = field(
+        default="paged",
+        metadata={
+            "env": "DELTASERVE_PREFILL_ATTENTION",
+            "help": "paged: prefill attention over the KV pages; sdpa: a one-sequence chunk with nothing cached "
+            "before it takes torch's SDPA (flash) over its own keys and values",
+            "choices": ("paged", "sdpa"),
+        },
+    )
+    moe_sorted_block_m: int = field(
+        default=0,
+        metadata={
+            "env": "DELTASERVE_MOE_SORTED_BLOCK_M",
+            "help": "rows of the MoE sorted path's tiles (16, 32, 64 or 128); 0: by the rows per expert",
+            "choices": (0, 16, 32, 64, 128),
+        },
+    )
+    gdn_chunk_variant: str = field(
+        default="",
+        metadata={
+            "env": "DELTASERVE_GDN_CHUNK_VARIANT",
+            "help": "the chunked GDN prefill's design (fused, fused_pf, split32); empty: by the shapes",
+            "choices": ("", "fused", "fused_pf", "split32"),
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("route_in_up_max_tokens", "fused_gdn_max_seqs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name}: must be one of {choices}, got {getattr(self, f.name)!r}")
 
     def row_tile(self, n: int, k: int) -> RowTile | None:
         for tile in self.row_tiles:
@@ -103,6 +132,8 @@ def _parse(f, raw: str, what: str):
             return raw.strip() not in ("0", "false", "False", "")
         if f.name == "row_tiles":
             return parse_row_tiles(raw)
+        if f.type in ("str", str):
+            return raw.strip()
         return int(raw)
     except ValueError as e:
         if str(e).startswith("DELTASERVE_ROW_TILES"):

@@ -45,6 +45,21 @@ ENV_VARS: dict[str, EnvVar] = {
             "12",
             "the largest decode batch whose GDN step (conv, delta rule, gated norm) is one launch",
         ),
+        EnvVar(
+            "DELTASERVE_PREFILL_ATTENTION",
+            "paged",
+            "sdpa: a one-sequence prefill chunk with nothing cached before it takes torch's SDPA (flash)",
+        ),
+        EnvVar(
+            "DELTASERVE_MOE_SORTED_BLOCK_M",
+            "0",
+            "rows of the MoE sorted path's tiles (16, 32, 64, 128); 0: by the rows per expert",
+        ),
+        EnvVar(
+            "DELTASERVE_GDN_CHUNK_VARIANT",
+            "",
+            "the chunked GDN prefill's design (fused, fused_pf, split32); unset: by shape",
+        ),
         EnvVar("DELTASERVE_GDN_VARIANTS", "", "bench only: comma-separated chunk-kernel variants to time"),
     )
 }

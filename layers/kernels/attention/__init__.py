@@ -44,6 +44,7 @@ def paged_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    own_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of a prefill chunk's tokens over their sequences' cached pages (themselves included).
 
@@ -52,10 +53,15 @@ def paged_attention(
         cu_seqlens_q: [N + 1] int, where each sequence's queries start in q.
         seq_lens: [N] int32, tokens cached after this pass (the last q_len of them are the queries).
         block_tables: [N, max_pages] int32. scale: the softmax scale.
+        own_kv: (k, v) [T, Hkv, D], the chunk's own keys and values, when the chunk is one whole
+            sequence (N = 1, nothing cached before it): causal attention over them with torch's
+            SDPA (flash on CUDA) instead of reading the pages; the caller vouches for the shape.
 
     Returns:
         o: [T, Hq, D] in q's dtype (float32 softmax). CUDA: one launch, no host sync.
     """
+    if own_kv is not None:
+        return naive.causal_sdpa(q=q, k=own_kv[0], v=own_kv[1], scale=scale)
     impl = naive.paged_attention
     if q.is_cuda:
         from .triton_attention import paged_attention as impl

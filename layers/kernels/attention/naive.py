@@ -60,3 +60,15 @@ def paged_decode_attention(*, q, k_cache, v_cache, seq_lens, block_tables, scale
     acc = acc_dtype(q, k_cache)
     out = _attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, acc)
     return (out * torch.sigmoid(output_gate.to(acc))).to(q.dtype)
+
+
+def causal_sdpa(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's q [T, Hq, D] over its own k, v [T, Hkv, D] by torch's
+    scaled_dot_product_attention (its flash kernel on CUDA: k and v expanded to the q heads, bf16 or
+    fp16, D up to 256). Returns [T, Hq, D] in q's dtype."""
+    group = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1).unsqueeze(0)
+    kh = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    vh = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    return out[0].transpose(0, 1).contiguous()

@@ -36,6 +36,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm: bool = True,
     chunk_states_out: list[torch.Tensor] | None = None,
     captures: StateCaptures | None = None,
+    variant: str = "",
 ) -> torch.Tensor:
     """The chunked gated delta rule over varlen sequences (prefill); updates their pool slots in place.
 
@@ -48,18 +49,22 @@ def chunk_gated_delta_rule(
             ([num_chunks, Hv, K, V] float32; reads cu_seqlens on the host).
         captures: also write the state after each capture's offset of its sequence into its slot
             (prefix-cache snapshots; state.py), without changing how the sequence is chunked.
+        variant: CUDA: the sequential part's design (chunk.VARIANTS: "fused", "fused_pf",
+            "split32"); empty: chunk.pick_variant's choice by the shapes.
 
     Returns:
         o: [T, Hv, V] in v's dtype. CUDA: no host sync (unless chunk_states_out).
     """
-    impl = naive.chunk_gated_delta_rule
-    if q.is_cuda:
-        from .chunk import chunk_gated_delta_rule as impl
-    return impl(
+    args = dict(
         q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, state_pool=state_pool, state_slots=state_slots,
         has_initial_state=has_initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
         chunk_states_out=chunk_states_out, captures=captures,
     )  # fmt: skip
+    if q.is_cuda:
+        from .chunk import chunk_gated_delta_rule as impl
+
+        return impl(**args, variant=variant or None)
+    return naive.chunk_gated_delta_rule(**args)
 
 
 def fused_recurrent_gated_delta_rule(

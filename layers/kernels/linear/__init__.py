@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from .. import norm as norm_kernels
 from ..device import DeviceInfo, device_info, tuned_for
 from ..options import RowTile
-from . import naive  # noqa: F401  (the reference, for tests and benches)
+from . import naive
 from .tuned import TUNED, tuned_key
 
 # At or under this many rows (tokens) a CUDA input takes the Triton GEMV form: the weights are read
@@ -28,6 +28,8 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+    weight_tail: torch.Tensor | None = None,
     pdl: bool = True,
     row_gemv: bool = True,
     row_tiles: tuple[RowTile, ...] = (),
@@ -35,15 +37,27 @@ def linear(
     """x @ weight.T (+ bias), float32 accumulation.
 
     Args:
-        x: [M, K] (rows may be strided). weight: [N, K] in x's dtype. bias: [N] or None.
+        x: [M, K] (rows may be strided). weight: [N, K] in x's dtype, or float8_e4m3fn with
+            weight_scale. bias: [N (+ N_tail)] or None.
+        weight_scale: an FP8 weight's block scales [ceil(N / bn), ceil(K / bk)] float32 (w = q * s
+            per block; checkpoints' 128 x 128 `weight_scale_inv`, see kernels.fp8).
+        weight_tail: with an FP8 weight, [N_tail, K] rows in x's dtype after weight's (a fused
+            projection whose last rows a checkpoint keeps unquantized); the output has N + N_tail
+            columns.
         pdl: CUDA: the Triton kernels launch under programmatic dependent launch (sm_90+).
         row_gemv: a half-precision CUDA row (M = 1) takes the one-row GEMV (else the skinny GEMM).
         row_tiles: one-row GEMV tiles overriding the tuned ones for the shapes they name.
 
     Returns:
-        [M, N] in x's dtype. The path: gemm_path (one row, <= MAX_TOKENS rows or a tuned shape on
-        CUDA: Triton; otherwise F.linear).
+        [M, N (+ N_tail)] in x's dtype. The path: gemm_path (one row, <= MAX_TOKENS rows or a tuned
+        shape on CUDA: Triton; otherwise F.linear). An FP8 weight: up to MAX_TUNED_TOKENS rows the
+        Triton GEMV / skinny GEMM with the weight dequantized in registers, x as it is; above, x is
+        quantized per row and 1 x 128 group (fp8.quantize_act) for the block-scaled FP8 GEMM on
+        tensor cores (the CPU reference quantizes x likewise above MAX_TUNED_TOKENS rows).
     """
+    if weight_scale is not None:
+        return _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles)
+    _check_plain(weight, weight_tail)
     path = _path(x, weight.shape[0], row_gemv)
     if path == "row":
         from .triton_row import row_gemv as impl
@@ -54,6 +68,34 @@ def linear(
 
         return impl(x=x, weight=weight, bias=bias, pdl=pdl)
     return F.linear(x, weight, bias)
+
+
+def _check_plain(weight: torch.Tensor, weight_tail: torch.Tensor | None) -> None:
+    if weight.dtype == torch.float8_e4m3fn:
+        raise ValueError("weight: float8 values need their weight_scale")
+    if weight_tail is not None:
+        raise ValueError("weight_tail: only with an FP8 weight (weight_scale)")
+
+
+def _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles) -> torch.Tensor:
+    """linear with an FP8 weight: the path by rows (see linear)."""
+    quantize_x = x.shape[0] > MAX_TUNED_TOKENS
+    if not x.is_cuda or x.dim() != 2:
+        return naive.linear(
+            x=x, weight=weight, bias=bias, weight_scale=weight_scale, weight_tail=weight_tail, quantize_x=quantize_x
+        )
+    if quantize_x:
+        from .triton_fp8 import fp8_linear
+
+        return fp8_linear(x=x, weight=weight, weight_scale=weight_scale, bias=bias, weight_tail=weight_tail, pdl=pdl)
+    args = dict(x=x, weight=weight, bias=bias, weight_scale=weight_scale, weight_tail=weight_tail, pdl=pdl)
+    if _path(x, weight.shape[0], row_gemv) == "row":
+        from .triton_row import row_gemv as impl
+
+        return impl(**args, row_tiles=row_tiles)[0]
+    from .triton_linear import linear as impl
+
+    return impl(**args)
 
 
 def gemm_path(num_rows: int, n: int, k: int, dtype: torch.dtype, info: DeviceInfo, row_gemv: bool) -> Path:
@@ -94,6 +136,8 @@ def rms_norm_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     write_normed: bool = False,
+    weight_scale: torch.Tensor | None = None,
+    weight_tail: torch.Tensor | None = None,
     pdl: bool = True,
     row_gemv: bool = True,
     row_tiles: tuple[RowTile, ...] = (),
@@ -104,26 +148,31 @@ def rms_norm_linear(
 
     Args:
         x, residual: [M, K], one dtype. norm_weight: [K]. weight: [N, K]. bias: [N] or None.
-        write_normed: also return y. pdl, row_gemv, row_tiles: as `linear`.
+        write_normed: also return y. weight_scale, weight_tail, pdl, row_gemv, row_tiles: as `linear`.
 
     Returns:
         NormLinearOut(out [M, N], y [M, K] or None, s [M, K]), in x's dtype. A CUDA row whose
         weight has at most triton_row.FUSED_NORM_MAX_N rows (where the fusion measured faster) runs
         the norm inside the one-row GEMV; otherwise the norm kernel, then `linear`.
     """
+    if weight_scale is None:
+        _check_plain(weight, weight_tail)
     if _path(x, weight.shape[0], row_gemv) == "row" and _fuses_norm(weight.shape[0]):
         from .triton_row import row_gemv as impl
 
         out, normed, summed = impl(
             x=x, weight=weight, bias=bias, residual=residual, norm_weight=norm_weight, eps=eps,
-            write_normed=write_normed, row_tiles=row_tiles, pdl=pdl,
+            write_normed=write_normed, row_tiles=row_tiles, pdl=pdl, weight_scale=weight_scale, weight_tail=weight_tail,
         )  # fmt: skip
         return NormLinearOut(out, normed, x if summed is None else summed)
     if residual is None:
         summed, normed = x, norm_kernels.rms_norm(x=x, weight=norm_weight, eps=eps, pdl=pdl)
     else:
         normed, summed = norm_kernels.fused_add_rms_norm(x=x, residual=residual, weight=norm_weight, eps=eps, pdl=pdl)
-    out = linear(x=normed, weight=weight, bias=bias, pdl=pdl, row_gemv=row_gemv, row_tiles=row_tiles)
+    out = linear(
+        x=normed, weight=weight, bias=bias, weight_scale=weight_scale, weight_tail=weight_tail, pdl=pdl,
+        row_gemv=row_gemv, row_tiles=row_tiles,
+    )  # fmt: skip
     return NormLinearOut(out, normed if write_normed else None, summed)
 
 

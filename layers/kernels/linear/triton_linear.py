@@ -38,7 +38,9 @@ import triton
 import triton.language as tl
 
 from ..device import SMEM_SCRATCH, DeviceInfo, device_info, stages_that_fit, tuned_for
+from ..fp8 import scale_block
 from ..pdl import pdl_launch, pdl_wait
+from .triton_row import dividing_block
 from .tuned import TUNED, tuned_key
 
 # Split-K "sem" counters: one int32 per output tile of a launch; a launch with more tiles uses "pass".
@@ -64,10 +66,20 @@ def _load_x(x_ptr, k0, k_rel, k_left, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_step(acc0, acc1, acc2, acc3, x0, x1, x2, x3, w_ptr, k0, k_rel, k_left, BLOCK_M: tl.constexpr, EVEN_K):
+def _gemv_step(
+    acc0, acc1, acc2, acc3, x0, x1, x2, x3, w_ptr, k0, k_rel, k_left, BLOCK_M: tl.constexpr, EVEN_K, sc_ptr,
+    k_start, FP8: tl.constexpr, SCALE_K: tl.constexpr,
+):  # fmt: skip
     """One K chunk of the GEMV form: weight [BLOCK_N, BLOCK_K] times up to 4 x rows (x0..x3 point
-    at them), each row its own [BLOCK_N, BLOCK_K] float32 accumulator."""
+    at them), each row its own [BLOCK_N, BLOCK_K] float32 accumulator. FP8: the chunk widened and
+    multiplied by its blocks' scales (sc_ptr: the rows' scale rows; identical addresses, few loads)."""
     wt = _load_w(w_ptr, k0, k_rel, k_left, EVEN_K).to(tl.float32)
+    if FP8:
+        group = ((k_start + k0 + k_rel) // SCALE_K)[None, :]
+        if EVEN_K:  # no mask: an identical-address load per block, not per element
+            wt *= tl.load(sc_ptr + group)
+        else:
+            wt *= tl.load(sc_ptr + group, mask=(k0 + k_rel < k_left)[None, :], other=0.0)
     acc0 += wt * _load_x(x0, k0, k_rel[None, :], k_left, EVEN_K).to(tl.float32)
     if BLOCK_M > 1:
         acc1 += wt * _load_x(x1, k0, k_rel[None, :], k_left, EVEN_K).to(tl.float32)
@@ -94,21 +106,51 @@ def _emit(acc, m, n, n_ld, M, N, s_om, out, bias, part, pid_k, SPLIT_K: tl.const
 
 @triton.jit
 def _linear_kernel(
-    x, w, bias, out, part, counters, M, N, K, s_xm, s_wn, s_om, K_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
-    DOT_IEEE: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr, SEMAPHORE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    x, w, scale, tail, bias, out, part, counters, M, N, N8, K, s_xm, s_wn, s_sn, s_tn, s_om, K_SPLIT: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SEMAPHORE: tl.constexpr, FP8: tl.constexpr, HAS_TAIL: tl.constexpr, SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """FP8: w is float8 with block scales `scale` (SCALE_N x SCALE_K), widened in registers (the MMA
+    form multiplies each K step's dot by its scale column, so BLOCK_K <= SCALE_K). HAS_TAIL: output
+    columns N8.. come from `tail` (x's dtype, rows of stride s_tn), in the column blocks after the
+    FP8 rows' (N8 a multiple of BLOCK_N)."""
     pid_n = tl.program_id(0)
+    if HAS_TAIL:  # noqa: SIM102 (a constexpr test, then a run-time one)
+        if pid_n >= N8 // BLOCK_N:
+            _linear_body(
+                x, tail, scale, bias, out, part, counters, M, N, K, s_xm, s_tn, 0, s_om, pid_n, N8, N - N8, K_SPLIT,
+                SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, DOT_IEEE, UNROLL, HAS_BIAS, SEMAPHORE, False,
+                SCALE_N, SCALE_K, USE_PDL,
+            )  # fmt: skip
+            return
+    _linear_body(
+        x, w, scale, bias, out, part, counters, M, N, K, s_xm, s_wn, s_sn, s_om, pid_n, 0, N8 if HAS_TAIL else N,
+        K_SPLIT, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, DOT_IEEE, UNROLL, HAS_BIAS, SEMAPHORE, FP8,
+        SCALE_N, SCALE_K, USE_PDL,
+    )  # fmt: skip
+
+
+@triton.jit
+def _linear_body(
+    x, w, scale, bias, out, part, counters, M, N, K, s_xm, s_wn, s_sn, s_om, pid_n, n_base, N_W, K_SPLIT: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SEMAPHORE: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Output column block pid_n of the N columns; its weight w holds columns n_base .. n_base + N_W."""
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ld = tl.minimum(n, N - 1).to(tl.int64)
+    n_w = tl.minimum(n - n_base, N_W - 1).to(tl.int64)  # the weight's rows; past its end the last one
+    n_ld = n_base + n_w  # bias columns
     k_rel = tl.arange(0, BLOCK_K)
     k_start = pid_k * K_SPLIT
     k_left = K - k_start
-    w_ptr = w + n_ld[:, None] * s_wn + (k_start + k_rel)[None, :]
+    w_ptr = w + n_w[:, None] * s_wn + (k_start + k_rel)[None, :]
+    sc_ptr = scale + (n_w // SCALE_N)[:, None] * s_sn
     pdl_wait(USE_PDL)
 
     if USE_DOT:
@@ -118,7 +160,13 @@ def _linear_kernel(
         for k0 in range(0, K_SPLIT, BLOCK_K):
             xt = _load_x(x_ptr, k0, k_rel[None, :], k_left, EVEN_K)
             wt = _load_w(w_ptr, k0, k_rel, k_left, EVEN_K)
-            if DOT_IEEE:
+            if FP8:  # float8 widens exactly to x's dtype; the K step lies in one scale block
+                if DOT_IEEE:
+                    part_dot = tl.dot(xt, tl.trans(wt.to(xt.dtype)), input_precision="ieee")
+                else:
+                    part_dot = tl.dot(xt, tl.trans(wt.to(xt.dtype)))
+                acc += part_dot * tl.reshape(tl.load(sc_ptr + (k_start + k0) // SCALE_K), [BLOCK_N])[None, :]
+            elif DOT_IEEE:
                 acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
             else:
                 acc = tl.dot(xt, tl.trans(wt), acc)
@@ -141,13 +189,15 @@ def _linear_kernel(
         if UNROLL:
             for k0 in tl.static_range(0, K_SPLIT, BLOCK_K):
                 acc0, acc1, acc2, acc3 = _gemv_step(
-                    acc0, acc1, acc2, acc3, x0, x1, x2, x3, w_ptr, k0, k_rel, k_left, BLOCK_M, EVEN_K
-                )
+                    acc0, acc1, acc2, acc3, x0, x1, x2, x3, w_ptr, k0, k_rel, k_left, BLOCK_M, EVEN_K, sc_ptr,
+                    k_start, FP8, SCALE_K,
+                )  # fmt: skip
         else:
             for k0 in range(0, K_SPLIT, BLOCK_K):
                 acc0, acc1, acc2, acc3 = _gemv_step(
-                    acc0, acc1, acc2, acc3, x0, x1, x2, x3, w_ptr, k0, k_rel, k_left, BLOCK_M, EVEN_K
-                )
+                    acc0, acc1, acc2, acc3, x0, x1, x2, x3, w_ptr, k0, k_rel, k_left, BLOCK_M, EVEN_K, sc_ptr,
+                    k_start, FP8, SCALE_K,
+                )  # fmt: skip
         # each row's accumulator reduced over K, then stored (or its split's partial)
         _emit(tl.sum(acc0, 1)[None, :], m0 + tl.arange(0, 1),
               n, n_ld, M, N, s_om, out, bias, part, pid_k, SPLIT_K, HAS_BIAS)  # fmt: skip
@@ -215,7 +265,7 @@ def m_bucket(num_rows: int) -> int:
 
 
 def pick_config(num_rows: int, n: int, k: int, dtype: torch.dtype, info: DeviceInfo) -> dict:
-    """Tiles from the shape: the device's TUNED entry (measured in bf16), else <= 4 rows take the
+    """Tiles from the shape (dtype: the weight's): the device's TUNED entry (measured in bf16), else <= 4 rows take the
     GEMV form with thin row blocks (4 rows x 512 columns of bf16 per chunk, 16-byte loads, 4 warps),
     5..16 rows take tensor cores on 16-row tiles (stages as the device's shared memory holds); then
     K is split (powers of two, up to 16, each split keeping >= 2 chunks of K) until there are ~4
@@ -232,8 +282,8 @@ def pick_config(num_rows: int, n: int, k: int, dtype: torch.dtype, info: DeviceI
     else:
         cfg = dict(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, dot=True)
     cfg["block_k"] = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
-    if cfg["dot"]:  # an x tile and a weight tile per stage
-        per_stage = elem * cfg["block_k"] * (16 + cfg["block_n"])
+    if cfg["dot"]:  # an x tile and a weight tile per stage (an FP8 weight's x is 16-bit)
+        per_stage = cfg["block_k"] * (16 * max(elem, 2) + cfg["block_n"] * elem)
         cfg["num_stages"] = stages_that_fit(cfg["num_stages"], per_stage, SMEM_SCRATCH, info)
     tiles = triton.cdiv(n, cfg["block_n"]) * triton.cdiv(num_rows, cfg["block_m"])
     want = 4 * info.num_sms
@@ -244,11 +294,15 @@ def pick_config(num_rows: int, n: int, k: int, dtype: torch.dtype, info: DeviceI
     return cfg
 
 
-def resolve(config: dict, num_rows: int, n: int, k: int, dtype: torch.dtype) -> dict:
+def resolve(config: dict, num_rows: int, n: int, k: int, dtype: torch.dtype, scale_k: int = 0) -> dict:
     """A config with every field set, block_k clamped to K, the split count made exact (no empty
-    splits) and the per-split K range (a multiple of block_k)."""
+    splits) and the per-split K range (a multiple of block_k). scale_k (FP8 weights: the columns of
+    a scale block): the MMA form's K steps stay inside one block (block_k <= scale_k), the GEMV
+    form's splits start at one (block_k >= scale_k)."""
     dot = bool(config.get("dot", False))
     block_k = min(int(config["block_k"]), max(16 if dot else 1, triton.next_power_of_2(k)))
+    if scale_k:
+        block_k = min(block_k, scale_k) if dot else max(block_k, scale_k)
     split = max(1, int(config.get("split_k", 1)))
     k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_split)
@@ -268,25 +322,36 @@ def resolve(config: dict, num_rows: int, n: int, k: int, dtype: torch.dtype) -> 
 
 
 def linear(
-    *, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None, pdl=True
-) -> torch.Tensor:
+    *, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None, pdl=True,
+    weight_scale: torch.Tensor | None = None, weight_tail: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """linear.linear's skinny GEMM. Any M works (row blocks); it is built for M <= 16. `config`
-    forces tiles (see the module docstring)."""
+    forces tiles (see the module docstring). weight_scale: weight is float8 with these block scales
+    (dequantized in registers); weight_tail [N_tail, K] in x's dtype: rows after weight's (the
+    output has N + N_tail columns; block_n shrinks to a power of two dividing N)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x [M, K], weight [N, K]"
-    assert x.dtype == weight.dtype, "x and weight must share a dtype"
+    fp8 = weight_scale is not None
+    assert fp8 or x.dtype == weight.dtype, "x and weight must share a dtype (or weight is FP8 with scales)"
     num_rows, k = x.shape
-    n = weight.shape[0]
+    n8 = weight.shape[0]
+    n = n8 + (0 if weight_tail is None else weight_tail.shape[0])
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
+    if weight_tail is not None and weight_tail.stride(1) != 1:
+        weight_tail = weight_tail.contiguous()
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         return out
     if k == 0:
         out.zero_()
         return out + bias.to(out.dtype) if bias is not None else out
-    cfg = resolve(config or pick_config(num_rows, n, k, x.dtype, device_info(x.device)), num_rows, n, k, x.dtype)
+    scale_n, scale_k = scale_block(n8, k, tuple(weight_scale.shape)) if fp8 else (1, 1)
+    picked = config or pick_config(num_rows, n, k, weight.dtype if fp8 else x.dtype, device_info(x.device))
+    cfg = resolve(picked, num_rows, n, k, x.dtype, scale_k if fp8 else 0)
+    if weight_tail is not None:  # the tail's programs start after whole column blocks
+        cfg["block_n"] = dividing_block(cfg["block_n"], n8)
     grid_n, grid_m, split = triton.cdiv(n, cfg["block_n"]), triton.cdiv(num_rows, cfg["block_m"]), cfg["split_k"]
     counters = part = None
     semaphore = False
@@ -297,12 +362,15 @@ def linear(
             semaphore = counters is not None
     dummy = out
     _linear_kernel[(grid_n, split, grid_m)](
-        x, weight, bias if bias is not None else dummy, out, part if part is not None else dummy,
-        counters if counters is not None else dummy, num_rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, weight_scale if fp8 else dummy, weight_tail if weight_tail is not None else weight,
+        bias if bias is not None else dummy, out, part if part is not None else dummy,
+        counters if counters is not None else dummy, num_rows, n, n8, k, x.stride(0), weight.stride(0),
+        weight_scale.stride(0) if fp8 else 0, weight_tail.stride(0) if weight_tail is not None else 0, out.stride(0),
         K_SPLIT=cfg["k_split"], SPLIT_K=split, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         EVEN_K=k % cfg["k_split"] == 0, USE_DOT=cfg["dot"], DOT_IEEE=x.dtype == torch.float32,
-        UNROLL=cfg["k_split"] // cfg["block_k"] <= 16, HAS_BIAS=bias is not None, SEMAPHORE=semaphore,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(x, pdl),
+        UNROLL=cfg["k_split"] // cfg["block_k"] <= 16, HAS_BIAS=bias is not None, SEMAPHORE=semaphore, FP8=fp8,
+        HAS_TAIL=weight_tail is not None, SCALE_N=scale_n, SCALE_K=scale_k, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **pdl_launch(x, pdl),
     )  # fmt: skip
     if split > 1 and not semaphore:
         block = 1024

@@ -11,11 +11,11 @@ import torch
 
 from ..options import KernelOptions
 from . import naive
-from .naive import AddNorm, NormedOut, PairDeltas, SharedExpert, apply_add_norm
+from .naive import PAIRS_PATH_MAX, AddNorm, NormedOut, PairDeltas, SharedExpert, apply_add_norm
 
 __all__ = [
-    "AddNorm", "NormedOut", "PairDeltas", "SharedExpert", "apply_add_norm", "fused_moe", "route_topk_softmax",
-    "routed_moe",
+    "PAIRS_PATH_MAX", "AddNorm", "NormedOut", "PairDeltas", "SharedExpert", "apply_add_norm", "fused_moe",
+    "route_topk_softmax", "routed_moe",
 ]  # fmt: skip
 
 
@@ -49,6 +49,8 @@ def fused_moe(
     expert_offset: int = 0,
     shared: SharedExpert | None = None,
     add_norm: AddNorm | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
     pdl: bool = True,
     deltas: PairDeltas | None = None,
 ) -> torch.Tensor | NormedOut:
@@ -57,6 +59,11 @@ def fused_moe(
 
     Args:
         hidden: [T, H] (H contiguous). w13: [E, 2 * I, H]. w2: [E, H, I].
+        w13_scale, w2_scale: FP8 experts (w13 and w2 float8_e4m3fn, both or neither): their block
+            scales [E, ceil(rows / bn), ceil(cols / bk)] (kernels.fp8). Up to PAIRS_PATH_MAX routed
+            pairs the GEMVs dequantize them in registers; above, the grouped GEMMs run FP8 dots on
+            x and silu(gate) * up quantized per row and 1 x 128 group (fp8.quantize_act), and the
+            shared expert's down projection takes linear's FP8 path for T rows.
         topk_weights: [T, top_k], any float dtype. topk_ids: [T, top_k] int (global expert ids).
         shared: the shared expert, added as sigmoid(gate_logit) * down(silu(gate) * up).
         add_norm: the residual add + zero-centred RMSNorm after the block, in the block's last
@@ -70,7 +77,7 @@ def fused_moe(
     """
     args = dict(
         hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, expert_offset=expert_offset,
-        shared=shared, add_norm=add_norm, deltas=deltas,
+        shared=shared, add_norm=add_norm, w13_scale=w13_scale, w2_scale=w2_scale, deltas=deltas,
     )  # fmt: skip
     if hidden.is_cuda:
         from .triton_moe import fused_moe as impl
@@ -90,7 +97,10 @@ def routed_moe(
     expert_offset: int = 0,
     shared: SharedExpert | None = None,
     add_norm: AddNorm | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
     route_in_up_max_tokens: int = KernelOptions.route_in_up_max_tokens,
+    sorted_block_m: int = 0,
     pdl: bool = True,
     deltas: PairDeltas | None = None,
 ) -> torch.Tensor | NormedOut:
@@ -100,6 +110,8 @@ def routed_moe(
         router_logits: [T, E_total] (E_total >= expert_offset + E), any float dtype.
         route_in_up_max_tokens: CUDA: batches of up to this many tokens on the pairs path route
             inside the experts' up GEMV (no router launch); 0 always launches the router.
+        sorted_block_m: CUDA: the sorted path's tile rows (tiles.SORTED_TILES' entry of that
+            block_m); 0: the entry for the rows per expert.
         the rest: as fused_moe.
 
     Returns:
@@ -107,10 +119,11 @@ def routed_moe(
     """
     args = dict(
         hidden=hidden, w13=w13, w2=w2, router_logits=router_logits, top_k=top_k, renormalize=renormalize,
-        expert_offset=expert_offset, shared=shared, add_norm=add_norm, deltas=deltas,
+        expert_offset=expert_offset, shared=shared, add_norm=add_norm, w13_scale=w13_scale, w2_scale=w2_scale,
+        deltas=deltas,
     )  # fmt: skip
     if hidden.is_cuda:
         from .triton_moe import routed_moe as impl
 
-        return impl(**args, route_in_up_max_tokens=route_in_up_max_tokens, pdl=pdl)
+        return impl(**args, route_in_up_max_tokens=route_in_up_max_tokens, sorted_block_m=sorted_block_m, pdl=pdl)
     return naive.routed_moe(**args)

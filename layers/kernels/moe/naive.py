@@ -13,17 +13,20 @@ import torch
 import torch.nn.functional as F
 
 from .. import norm
+from ..fp8.naive import ACT_GROUP, dequantize_weight, expand_scale, quantize_act
 from ..precision import acc_dtype
 
 
 class SharedExpert(NamedTuple):
     """The shared expert's part of an MoE block, for fused_moe: gate_up [T, 2 * I] (the gate then
     the up projection of the block's input, rows may be strided column slices of a fused
-    projection), w2 [H, I] (its down projection) and gate_logit [T, 1] (its sigmoid gate's logit)."""
+    projection), w2 [H, I] (its down projection) and gate_logit [T, 1] (its sigmoid gate's logit);
+    w2_scale: w2 is FP8 with these block scales (kernels.fp8)."""
 
     gate_up: torch.Tensor
     w2: torch.Tensor
     gate_logit: torch.Tensor
+    w2_scale: torch.Tensor | None = None
 
 
 class AddNorm(NamedTuple):
@@ -65,6 +68,14 @@ def apply_add_norm(out: torch.Tensor, add_norm: AddNorm | None, pdl: bool = True
     return NormedOut(normed, summed)
 
 
+def check_fp8(w13: torch.Tensor, w2: torch.Tensor, w13_scale, w2_scale) -> None:
+    """FP8 experts come with both block scales; float8 weights without them are an error."""
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("w13_scale, w2_scale: FP8 experts need both")
+    if w13_scale is None and torch.float8_e4m3fn in (w13.dtype, w2.dtype):
+        raise ValueError("w13 / w2: float8 values need their w13_scale / w2_scale")
+
+
 def check_shared(shared: SharedExpert, num_tokens: int, hidden_size: int) -> None:
     """Shapes and layouts every fused_moe implementation relies on; errors name the tensor."""
     inter = shared.w2.shape[1]
@@ -72,6 +83,8 @@ def check_shared(shared: SharedExpert, num_tokens: int, hidden_size: int) -> Non
         raise ValueError(f"shared.w2: expected [{hidden_size}, I], got {list(shared.w2.shape)}")
     if shared.gate_up.shape != (num_tokens, 2 * inter):
         raise ValueError(f"shared.gate_up: expected [{num_tokens}, {2 * inter}], got {list(shared.gate_up.shape)}")
+    if shared.w2_scale is None and shared.w2.dtype == torch.float8_e4m3fn:
+        raise ValueError("shared.w2: float8 values need shared.w2_scale")
     if shared.gate_logit.shape != (num_tokens, 1):
         raise ValueError(f"shared.gate_logit: expected [{num_tokens}, 1], got {list(shared.gate_logit.shape)}")
     for name in ("gate_up", "w2"):
@@ -88,19 +101,32 @@ def route_topk_softmax(*, router_logits, top_k, renormalize):
     return weights, ids
 
 
-def fused_moe(*, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, shared=None, add_norm=None, deltas=None):
-    """The reference of moe.fused_moe: float32 throughout, one rounding at the end."""
+def fused_moe(
+    *, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, shared=None, add_norm=None, w13_scale=None,
+    w2_scale=None, deltas=None, quantize: bool | None = None,
+):  # fmt: skip
+    """The reference of moe.fused_moe: float32 throughout, one rounding at the end. FP8 weights
+    (w13_scale / w2_scale: their block scales) are dequantized; above PAIRS_PATH_MAX routed pairs,
+    or with deltas (the GPU then takes the sorted path), the expert inputs (x, and silu(gate) * up)
+    are quantized per row and 1 x 128 group first and the shared expert's down projection takes
+    linear's path for its rows, as on the GPU (`quantize` forces the choice: the reference of a
+    path the test forced). The deltas read the unquantized activations."""
+    check_fp8(w13, w2, w13_scale, w2_scale)
     num_local, inter = w13.shape[0], w2.shape[2]
     acc = acc_dtype(hidden)
+    if quantize is None:
+        quantize = deltas is not None or topk_ids.numel() > PAIRS_PATH_MAX
+    quantize = quantize and w13_scale is not None
     out = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
     local_ids = topk_ids - expert_offset
     top_k = topk_ids.shape[1]
+    x_all = _fake_quant(hidden, acc) if quantize else hidden.to(acc)
     experts = [e for e in torch.unique(local_ids).tolist() if 0 <= e < num_local]
     members = {e: torch.where(local_ids == e) for e in experts}
     d13 = deltas.gate_up(topk_ids) if deltas is not None else None
     acts = {}
     for e, (token_idx, k_idx) in members.items():
-        gate_up = hidden[token_idx].to(acc) @ w13[e].to(acc).t()
+        gate_up = x_all[token_idx] @ _weight(w13[e], None if w13_scale is None else w13_scale[e], acc).t()
         if d13 is not None:
             gate_up = gate_up + d13[token_idx * top_k + k_idx].to(acc)
         acts[e] = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
@@ -111,36 +137,69 @@ def fused_moe(*, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, share
             act_all[token_idx * top_k + k_idx] = acts[e]
         d2 = deltas.down(act_all.to(hidden.dtype))
     for e, (token_idx, k_idx) in members.items():
-        y = acts[e] @ w2[e].to(acc).t()
+        act = acts[e]
+        if quantize:  # the GPU stores act in hidden's dtype, then quantizes it
+            act = _fake_quant(act.to(hidden.dtype), acc)
+        y = act @ _weight(w2[e], None if w2_scale is None else w2_scale[e], acc).t()
         if d2 is not None:
             y = y + d2[token_idx * top_k + k_idx].to(acc)
         out.index_add_(0, token_idx, y * topk_weights[token_idx, k_idx, None].to(acc))
     if shared is not None:
         check_shared(shared, hidden.shape[0], hidden.shape[1])
-        return apply_add_norm(shared_expert_combine(routed=out, **shared._asdict()).to(hidden.dtype), add_norm)
+        quantize_shared = quantize and hidden.shape[0] > SHARED_QUANT_MIN_TOKENS
+        combined = shared_expert_combine(routed=out, **shared._asdict(), quantize_x=quantize_shared)
+        return apply_add_norm(combined.to(hidden.dtype), add_norm)
     return apply_add_norm(out.to(hidden.dtype), add_norm)
 
 
+# at or under this many routed pairs the GPU takes the pairs path (FP8 weights: x as it is), above
+# it the sorted path (FP8: quantized activations); triton_moe.py takes it from here
+PAIRS_PATH_MAX = 64
+
+
+def _weight(w: torch.Tensor, scale: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:
+    return w.to(acc) if scale is None else dequantize_weight(w, scale, acc)
+
+
+def _fake_quant(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """x quantized per row and 1 x 128 group (fp8.quantize_act) and dequantized, in acc."""
+    if not x.shape[0]:
+        return x.to(acc)
+    q, s = quantize_act(x=x, group=ACT_GROUP)
+    return (q.float() * expand_scale(s, *x.shape, (1, ACT_GROUP))).to(acc)
+
+
 def routed_moe(
-    *, hidden, w13, w2, router_logits, top_k, renormalize, expert_offset=0, shared=None, add_norm=None, deltas=None
+    *, hidden, w13, w2, router_logits, top_k, renormalize, expert_offset=0, shared=None, add_norm=None,
+    w13_scale=None, w2_scale=None, deltas=None,
 ):  # fmt: skip
     """The reference of moe.routed_moe: route_topk_softmax, then fused_moe."""
     weights, ids = route_topk_softmax(router_logits=router_logits, top_k=top_k, renormalize=renormalize)
     return fused_moe(
         hidden=hidden, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, expert_offset=expert_offset,
-        shared=shared, add_norm=add_norm, deltas=deltas,
+        shared=shared, add_norm=add_norm, w13_scale=w13_scale, w2_scale=w2_scale, deltas=deltas,
     )  # fmt: skip
 
 
 def shared_expert_combine(
-    *, routed: torch.Tensor, gate_up: torch.Tensor, w2: torch.Tensor, gate_logit: torch.Tensor
-) -> torch.Tensor:
+    *, routed: torch.Tensor, gate_up: torch.Tensor, w2: torch.Tensor, gate_logit: torch.Tensor,
+    w2_scale: torch.Tensor | None = None, quantize_x: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """routed + sigmoid(gate_logit) * down(silu(gate) * up): the shared expert's down projection,
     its sigmoid gate and the sum with the routed experts' output, in float32.
-    routed: [T, H]; gate_up: [T, 2 * I] (gate columns then up); w2: [H, I]; gate_logit: [T, 1].
-    Returns [T, H] in routed's dtype."""
+    routed: [T, H]; gate_up: [T, 2 * I] (gate columns then up); w2: [H, I]; gate_logit: [T, 1];
+    w2_scale: w2 is FP8 with these block scales. quantize_x (FP8): the activation is quantized
+    per 1 x 128 group first (the sorted path's down projection through linear, above
+    linear.MAX_TUNED_TOKENS rows). Returns [T, H] in routed's dtype."""
     inter = w2.shape[1]
     acc = acc_dtype(routed, gate_up)
     act = F.silu(gate_up[:, :inter].to(acc)) * gate_up[:, inter:].to(acc)
-    shared = act @ w2.to(acc).t()
+    if w2_scale is not None and quantize_x:  # the GPU stores act in the activations' dtype, then quantizes it
+        act = _fake_quant(act.to(gate_up.dtype), acc)
+    shared = act @ _weight(w2, w2_scale, acc).t()
     return (routed.to(acc) + torch.sigmoid(gate_logit.to(acc)) * shared).to(routed.dtype)
+
+
+# linear.MAX_TUNED_TOKENS: above it linear quantizes its input for an FP8 weight (the sorted path's
+# shared down projection goes through linear); kept here so that the reference needs no import of it
+SHARED_QUANT_MIN_TOKENS = 16

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ..device import ticket_counters
+from ..fp8 import scale_block
 from ..norm.triton_norm import add_rms_norm_row
 from ..pdl import pdl_launch, pdl_wait
 from ..tickets import last_to_arrive
@@ -24,9 +25,10 @@ from .router import _pair_expert, _topk_softmax
 @triton.jit
 def _up_gemv_kernel(
     hidden, w13, act, topk_ids, expert_offset, num_experts, s_ht, s_we, s_wn, s_at, router_logits, topk_weights,
-    num_routed, s_lt, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, ROUTE: tl.constexpr, TOPK_P: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    num_routed, s_lt, w13_scale, s_se, s_sn, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUTE: tl.constexpr, TOPK_P: tl.constexpr,
+    RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n] = silu(x . gate[n]) * (x . up[n]) for BLOCK_N rows n of one pair's expert.
     ROUTE: the router's work too, so its launch goes. Each program finds its pair's expert from its
@@ -36,7 +38,9 @@ def _up_gemv_kernel(
     programs: a round's reduction then stays in the warp (shuffles, no barrier).
     Pairs routed to another rank's expert exit (their act rows stay unset; the down kernel masks
     them). The K loop is unrolled and accumulates [BLOCK_N, BLOCK_K] partial products, reduced once
-    at the end, so no barrier separates one chunk's loads from the next."""
+    at the end, so no barrier separates one chunk's loads from the next.
+    FP8: w13 is float8 with block scales w13_scale [E, rows / SCALE_N, HIDDEN / SCALE_K] (strides
+    s_se, s_sn), widened and scaled in registers."""
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
     if ROUTE:
@@ -60,6 +64,19 @@ def _up_gemv_kernel(
     x_ptr = hidden + (pair // TOPK).to(tl.int64) * s_ht + k
     g_ptr = w13 + e.to(tl.int64) * s_we + n[:, None] * s_wn + k[None, :]
     u_ptr = g_ptr + INTER * s_wn
+    # FP8: a tile whose gate rows (and up rows) lie in one scale row scales x's chunk by that row's
+    # blocks (one multiply a column); otherwise each weight is scaled (n_sc: rows past INTER, never
+    # stored, take the last row's scales)
+    ROW_SCALE: tl.constexpr = FP8 and BLOCK_N <= SCALE_N and INTER % BLOCK_N == 0
+    n_sc = tl.minimum(n, INTER - 1)
+    first = tl.program_id(1) * BLOCK_N
+    e_scale = w13_scale + e.to(tl.int64) * s_se
+    if ROW_SCALE:
+        gs_ptr = e_scale + (first // SCALE_N) * s_sn
+        us_ptr = e_scale + ((first + INTER) // SCALE_N) * s_sn
+    else:
+        gs_ptr = e_scale + (n_sc // SCALE_N)[:, None] * s_sn
+        us_ptr = e_scale + ((n_sc + INTER) // SCALE_N)[:, None] * s_sn
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in tl.static_range(0, HIDDEN, BLOCK_K):
@@ -77,8 +94,20 @@ def _up_gemv_kernel(
             w_ok = n_ok[:, None] & k_ok[None, :]
             g = tl.load(g_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first")
             u = tl.load(u_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first")
-        acc_g += g.to(tl.float32) * x[None, :]
-        acc_u += u.to(tl.float32) * x[None, :]
+        g = g.to(tl.float32)
+        u = u.to(tl.float32)
+        xg, xu = x, x
+        if ROW_SCALE:
+            group, k_in = (k0 + k) // SCALE_K, k0 + k < HIDDEN
+            xg = x * tl.load(gs_ptr + group, mask=k_in, other=0.0)
+            xu = x * tl.load(us_ptr + group, mask=k_in, other=0.0)
+        elif FP8:  # the chunk's scales: one value per element, identical addresses within a block
+            group = ((k0 + k) // SCALE_K)[None, :]
+            k_in = (k0 + k < HIDDEN)[None, :]
+            g *= tl.load(gs_ptr + group, mask=k_in, other=0.0)
+            u *= tl.load(us_ptr + group, mask=k_in, other=0.0)
+        acc_g += g * xg[None, :]
+        acc_u += u * xu[None, :]
     gate = tl.sum(acc_g, 1)
     h = gate * tl.sigmoid(gate) * tl.sum(acc_u, 1)
     tl.store(act + pair.to(tl.int64) * s_at + n, h.to(act.dtype.element_ty), mask=n_ok)
@@ -88,8 +117,10 @@ def _up_gemv_kernel(
 def _down_gemv_kernel(
     act, w2, out, topk_weights, topk_ids, expert_offset, num_experts, s_at, s_we, s_wn, s_ot, shared_gate_up, shared_w2,
     shared_gate_logit, s_sgu, s_sw2, s_sgl, residual, norm_weight, normed_out, res_out, tickets, s_rt, eps,
-    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
-    SHARED_INTER: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK_HID: tl.constexpr, USE_PDL: tl.constexpr,
+    w2_scale, s_se, s_sn, shared_scale, s_ssn, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, SHARED_INTER: tl.constexpr, ADD_NORM: tl.constexpr,
+    BLOCK_HID: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    SHARED_FP8: tl.constexpr, SHARED_SCALE_N: tl.constexpr, SHARED_SCALE_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """out[t, h] = sum_j weight[t, j] * act[t, j] . w2[e_j, h] for BLOCK_H rows h, all top-k slots
     unrolled into one straight run of independent loads. A slot routed to another rank gets an
@@ -102,16 +133,31 @@ def _down_gemv_kernel(
     ADD_NORM: the next norm of the block's output too (the norm kernel's work, without its launch).
     The last of a token's programs to finish (tickets.last_to_arrive, after a CTA barrier) reads the
     whole row back from L2 and writes res_out = out + residual and normed_out = its zero-centred
-    RMSNorm."""
+    RMSNorm.
+    FP8 / SHARED_FP8: w2 / shared_w2 are float8 with block scales (w2_scale [E, H / SCALE_N,
+    INTER / SCALE_K], strides s_se, s_sn; shared_scale [H / .., SHARED_INTER / ..], row stride
+    s_ssn), widened and scaled in registers."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < HIDDEN
+    h_sc = tl.minimum(h, HIDDEN - 1)
     i = tl.arange(0, BLOCK_I)
     shared_ptr = shared_w2 + h[:, None].to(tl.int64) * s_sw2 + i[None, :]
+    # FP8 tiles whose rows lie in one scale row scale the activation row, not each weight
+    ROW_SCALE: tl.constexpr = FP8 and BLOCK_H <= SCALE_N
+    SHARED_ROW_SCALE: tl.constexpr = SHARED_FP8 and BLOCK_H <= SHARED_SCALE_N
+    first = tl.program_id(1) * BLOCK_H
+    if SHARED_ROW_SCALE:
+        shared_sc_ptr = shared_scale + (first // SHARED_SCALE_N) * s_ssn
+    else:
+        shared_sc_ptr = shared_scale + (h_sc // SHARED_SCALE_N)[:, None] * s_ssn
     PRELOAD_SHARED: tl.constexpr = SHARED_INTER > 0 and SHARED_INTER <= BLOCK_I
     if PRELOAD_SHARED:
         shared_mask = h_ok[:, None] & (i < SHARED_INTER)[None, :]
-        shared_b = tl.load(shared_ptr, mask=shared_mask, other=0.0, eviction_policy="evict_first")
+        shared_b = tl.load(shared_ptr, mask=shared_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if SHARED_FP8 and not SHARED_ROW_SCALE:
+            i_in = (i < SHARED_INTER)[None, :]
+            shared_b *= tl.load(shared_sc_ptr + (i // SHARED_SCALE_K)[None, :], mask=i_in, other=0.0)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_H, BLOCK_I], tl.float32)
     for j in tl.static_range(TOPK):
@@ -122,11 +168,22 @@ def _down_gemv_kernel(
         limit = tl.where(local, INTER, 0)
         a_ptr = act + pair.to(tl.int64) * s_at + i
         b_ptr = w2 + tl.where(local, e, 0).to(tl.int64) * s_we + h[:, None] * s_wn + i[None, :]
+        e_scale = w2_scale + tl.where(local, e, 0).to(tl.int64) * s_se
+        if ROW_SCALE:
+            bs_ptr = e_scale + (first // SCALE_N) * s_sn
+        else:
+            bs_ptr = e_scale + (h_sc // SCALE_N)[:, None] * s_sn
         for i0 in tl.static_range(0, INTER, BLOCK_I):
             i_ok = i0 + i < limit
             a = tl.load(a_ptr + i0, mask=i_ok, other=0.0).to(tl.float32) * w
-            b = tl.load(b_ptr + i0, mask=h_ok[:, None] & i_ok[None, :], other=0.0, eviction_policy="evict_first")
-            acc += b.to(tl.float32) * a[None, :]
+            b_ok = h_ok[:, None] & i_ok[None, :]
+            b = tl.load(b_ptr + i0, mask=b_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            # FP8 scales masked by the static bound only (identical addresses within a block)
+            if ROW_SCALE:
+                a *= tl.load(bs_ptr + (i0 + i) // SCALE_K, mask=i0 + i < INTER, other=0.0)
+            elif FP8:
+                b *= tl.load(bs_ptr + ((i0 + i) // SCALE_K)[None, :], mask=(i0 + i < INTER)[None, :], other=0.0)
+            acc += b * a[None, :]
     if SHARED_INTER > 0:
         scale = tl.sigmoid(tl.load(shared_gate_logit + t.to(tl.int64) * s_sgl).to(tl.float32))
         g_ptr = shared_gate_up + t.to(tl.int64) * s_sgu + i
@@ -134,12 +191,18 @@ def _down_gemv_kernel(
             i_ok = i0 + i < SHARED_INTER
             g = tl.load(g_ptr + i0, mask=i_ok, other=0.0).to(tl.float32)
             u = tl.load(g_ptr + SHARED_INTER + i0, mask=i_ok, other=0.0).to(tl.float32)
+            shared_act = g * tl.sigmoid(g) * u * scale
+            if SHARED_ROW_SCALE:
+                shared_act *= tl.load(shared_sc_ptr + (i0 + i) // SHARED_SCALE_K, mask=i_ok, other=0.0)
             if PRELOAD_SHARED:
                 b = shared_b
             else:
                 b_mask = h_ok[:, None] & i_ok[None, :]
-                b = tl.load(shared_ptr + i0, mask=b_mask, other=0.0, eviction_policy="evict_first")
-            acc += b.to(tl.float32) * (g * tl.sigmoid(g) * u * scale)[None, :]
+                b = tl.load(shared_ptr + i0, mask=b_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                if SHARED_FP8 and not SHARED_ROW_SCALE:
+                    sc = tl.load(shared_sc_ptr + ((i0 + i) // SHARED_SCALE_K)[None, :], mask=i_ok[None, :], other=0.0)
+                    b *= sc
+            acc += b * shared_act[None, :]
     tl.store(out + t.to(tl.int64) * s_ot + h, tl.sum(acc, 1).to(out.dtype.element_ty), mask=h_ok)
     if ADD_NORM:
         tl.debug_barrier()
@@ -151,9 +214,13 @@ def _down_gemv_kernel(
             add_rms_norm_row(xv, residual + row, res_out + row, normed_out + row, norm_weight, eps, d, d_ok, HIDDEN)
 
 
-def moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, route=None) -> None:
+def moe_pairs(
+    hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, route=None,
+    scales=(None, None),
+) -> None:  # fmt: skip
     """The pairs path into `out` (or, with norm, into norm.out). route: (router_logits,
-    renormalize) when the up GEMV routes, filling topk_ids / topk_weights."""
+    renormalize) when the up GEMV routes, filling topk_ids / topk_weights. scales: (w13_scale,
+    w2_scale) of FP8 experts, else (None, None)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -161,12 +228,15 @@ def moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, 
     act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
     up, down = cfg["up"] if route is None else cfg["up_route"], cfg["down"]
     logits, renormalize = route if route is not None else (hidden, False)
+    w13_scale, w2_scale = scales
+    up_scale = _scale_args(w13_scale, w13, out)
     _up_gemv_kernel[(num_pairs, triton.cdiv(inter, up["block_n"]))](
         hidden, w13, act, topk_ids, expert_offset, num_experts, hidden.stride(0), w13.stride(0), w13.stride(1),
-        act.stride(0), logits, topk_weights, logits.shape[1], logits.stride(0), HIDDEN=hidden_size, INTER=inter,
-        TOPK=top_k, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], ROUTE=route is not None,
+        act.stride(0), logits, topk_weights, logits.shape[1], logits.stride(0), *up_scale[:3], HIDDEN=hidden_size,
+        INTER=inter, TOPK=top_k, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], ROUTE=route is not None,
         TOPK_P=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(logits.shape[1]),
-        num_warps=up["num_warps"], num_stages=1, **pdl_launch(hidden, pdl),
+        FP8=w13_scale is not None, SCALE_N=up_scale[3], SCALE_K=up_scale[4], num_warps=up["num_warps"], num_stages=1,
+        **pdl_launch(hidden, pdl),
     )  # fmt: skip
     shared_inter = 0 if shared is None else shared.w2.shape[1]
     args = (act, w2, out, topk_weights, topk_ids, expert_offset, num_experts)
@@ -174,11 +244,26 @@ def moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, 
     tickets = out if norm is None else ticket_counters(out.device, num_tokens, "moe_down_norm")
     norm_args = norm_kernel_args(norm, out)
     args += (*norm_args[:4], tickets, *norm_args[4:])
+    down_scale = _scale_args(w2_scale, w2, out)
+    shared_scale = None if shared is None else shared.w2_scale
+    sh = _scale_args(None if shared_scale is None else shared_scale[None], None if shared is None else shared.w2, out)
     _down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, down["block_h"]))](
-        *args, HIDDEN=hidden_size, INTER=inter, TOPK=top_k, BLOCK_H=down["block_h"], BLOCK_I=down["block_i"],
-        SHARED_INTER=shared_inter, ADD_NORM=norm is not None, BLOCK_HID=triton.next_power_of_2(hidden_size),
+        *args, *down_scale[:3], sh[0], sh[2], HIDDEN=hidden_size, INTER=inter, TOPK=top_k, BLOCK_H=down["block_h"],
+        BLOCK_I=down["block_i"], SHARED_INTER=shared_inter, ADD_NORM=norm is not None,
+        BLOCK_HID=triton.next_power_of_2(hidden_size), FP8=w2_scale is not None, SCALE_N=down_scale[3],
+        SCALE_K=down_scale[4], SHARED_FP8=shared_scale is not None, SHARED_SCALE_N=sh[3], SHARED_SCALE_K=sh[4],
         num_warps=down["num_warps"], num_stages=1, **pdl_launch(act, pdl),
     )  # fmt: skip
+
+
+def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
+    """(scale, expert stride, row-block stride, SCALE_N, SCALE_K) of [E, ., .] block scales of an
+    FP8 weight [E, rows, cols] (a [rows, cols] weight's scales as [1, ., .]); placeholders for none."""
+    if scale is None:
+        return dummy, 0, 0, 1, 1
+    rows, cols = weight.shape[-2:]
+    block = scale_block(rows, cols, tuple(scale.shape[-2:]))
+    return (scale, scale.stride(0), scale.stride(1), *block)
 
 
 def _shared_args(shared: SharedExpert | None, out: torch.Tensor) -> tuple:

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .. import linear as linear_kernels
+from ..fp8 import ACT_GROUP, quantize_act, scale_block
 from ..norm.triton_norm import add_rms_norm_row
 from ..pdl import pdl_launch, pdl_wait
 from .align import align_pairs
@@ -20,13 +22,18 @@ from .fused_norm import norm_kernel_args
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_pairs"])
 def _up_kernel(
-    hidden, w13, act, sorted_ids, block_expert, num_padded, num_pairs, s_ht, s_we, s_wn, s_at, delta, s_dp,
-    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, HAS_DELTA: tl.constexpr, USE_PDL: tl.constexpr,
+    hidden, w13, act, sorted_ids, block_expert, num_padded, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs,
+    w_scale, s_se, s_sn, delta, s_dp, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr, GROUP: tl.constexpr, HAS_DELTA: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n] = silu(x @ gate^T) * (x @ up^T) for one block of pairs of one expert and one
-    BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e]. HAS_DELTA: the
-    pair's delta [P, 2 * INTER] row (its adapters, PairDeltas) is added to gate and up first."""
+    BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e].
+    FP8: hidden is x quantized per row and GROUP columns (scales x_scale, row stride s_xs), w13
+    float8 with block scales w_scale [E, rows / SCALE_N, HIDDEN / SCALE_K]; each K step (one
+    scale group of both, BLOCK_K <= min(GROUP, SCALE_K)) multiplies its FP8 dot by the two.
+    HAS_DELTA: the pair's delta [P, 2 * INTER] row (its adapters, PairDeltas) is added to gate and
+    up before the activation."""
     pdl_wait(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -39,9 +46,14 @@ def _up_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
     k = tl.arange(0, BLOCK_K)
-    a_ptr = hidden + (pair // TOPK).to(tl.int64)[:, None] * s_ht + k[None, :]
+    token = (pair // TOPK).to(tl.int64)
+    a_ptr = hidden + token[:, None] * s_ht + k[None, :]
     g_ptr = w13 + e.to(tl.int64) * s_we + n[None, :] * s_wn + k[:, None]
     u_ptr = g_ptr + INTER * s_wn
+    n_sc = tl.minimum(n, INTER - 1)
+    xs_ptr = x_scale + tl.where(row_ok, token, 0) * s_xs
+    gs_ptr = w_scale + e.to(tl.int64) * s_se + (n_sc // SCALE_N) * s_sn
+    us_ptr = w_scale + e.to(tl.int64) * s_se + ((n_sc + INTER) // SCALE_N) * s_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
@@ -54,8 +66,13 @@ def _up_kernel(
             a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             u = tl.load(u_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
+        if FP8:
+            xs = tl.load(xs_ptr + k0 // GROUP)[:, None]
+            acc_g += tl.dot(a, g) * xs * tl.load(gs_ptr + k0 // SCALE_K)[None, :]
+            acc_u += tl.dot(a, u) * xs * tl.load(us_ptr + k0 // SCALE_K)[None, :]
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
         a_ptr += BLOCK_K
         g_ptr += BLOCK_K
         u_ptr += BLOCK_K
@@ -71,12 +88,14 @@ def _up_kernel(
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    act, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, s_at, s_we, s_wn, s_yp, delta, s_dp,
-    HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_DELTA: tl.constexpr, USE_PDL: tl.constexpr,
+    act, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, s_at, s_we, s_wn, s_yp, act_scale,
+    s_as, w_scale, s_se, s_sn, delta, s_dp, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    GROUP: tl.constexpr, HAS_DELTA: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """y[pair, n] = weight[pair] * (act[pair] @ w2[e, n]^T (+ the pair's delta [P, HIDDEN] row)) for one
-    block of sorted pairs."""
+    block of sorted pairs. FP8: act quantized per row and GROUP columns (act_scale), w2 float8 with
+    block scales, as _up_kernel (the delta is computed from the unquantized act)."""
     pdl_wait(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -90,6 +109,8 @@ def _down_kernel(
     k = tl.arange(0, BLOCK_K)
     a_ptr = act + pair.to(tl.int64)[:, None] * s_at + k[None, :]
     b_ptr = w2 + e.to(tl.int64) * s_we + n[None, :] * s_wn + k[:, None]
+    as_ptr = act_scale + tl.where(row_ok, pair, 0).to(tl.int64) * s_as
+    bs_ptr = w_scale + e.to(tl.int64) * s_se + (tl.minimum(n, HIDDEN - 1) // SCALE_N) * s_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         if INTER % BLOCK_K == 0:
@@ -99,7 +120,11 @@ def _down_kernel(
             k_ok = k0 + k < INTER
             a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc)
+        if FP8:
+            scale = tl.load(as_ptr + k0 // GROUP)[:, None] * tl.load(bs_ptr + k0 // SCALE_K)[None, :]
+            acc += tl.dot(a, b) * scale
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
     if HAS_DELTA:
@@ -160,10 +185,13 @@ def _silu_mul_kernel(gate_up, act, s_gt, s_at, INTER: tl.constexpr, BLOCK: tl.co
 
 
 def moe_sorted(
-    hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, deltas=None
+    hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=(None, None),
+    deltas=None,
 ) -> None:  # fmt: skip
     """The sorted path into `out` (or, with norm, into norm.out): group, up GEMM, down GEMM, sum.
-    deltas (PairDeltas): added to each pair's gate / up and down projections (adapters)."""
+    scales: (w13_scale, w2_scale) of FP8 experts: x and act are quantized per 1 x 128 group for
+    the FP8 dots (one launch each). deltas (PairDeltas): added to each pair's gate / up and down
+    projections (adapters), in full precision beside the FP8 dots."""
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -177,23 +205,37 @@ def moe_sorted(
     act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
     y = torch.empty((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
     up, down = cfg["up"], cfg["down"]
+    w13_scale, w2_scale = scales
+    fp8 = w13_scale is not None
+    x, x_scale = quantize_act(x=hidden, group=ACT_GROUP, pdl=pdl) if fp8 else (hidden, hidden)
+    up_sc = _scale_args(w13_scale, w13, hidden)
+    up_k = min(up["block_k"], up_sc[3], ACT_GROUP) if fp8 else up["block_k"]
     d13 = deltas.gate_up(topk_ids) if deltas is not None else act
     _up_kernel[(max_blocks, triton.cdiv(inter, up["block_n"]))](
-        hidden, w13, act, sorted_ids, block_expert, num_padded, num_pairs, hidden.stride(0), w13.stride(0),
-        w13.stride(1), act.stride(0), d13, d13.stride(0), HIDDEN=hidden_size, INTER=inter, TOPK=top_k,
-        BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], HAS_DELTA=deltas is not None,
-        num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl_launch(hidden, pdl),
+        x, w13, act, sorted_ids, block_expert, num_padded, num_pairs, x.stride(0), w13.stride(0), w13.stride(1),
+        act.stride(0), x_scale, x_scale.stride(0), *up_sc[:3], d13, d13.stride(0), HIDDEN=hidden_size, INTER=inter,
+        TOPK=top_k, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up_k, FP8=fp8, SCALE_N=up_sc[4],
+        SCALE_K=up_sc[3], GROUP=ACT_GROUP, HAS_DELTA=deltas is not None, num_warps=up["num_warps"],
+        num_stages=up["num_stages"], **pdl_launch(hidden, pdl),
     )  # fmt: skip
     d2 = deltas.down(act) if deltas is not None else act
+    a, a_scale = quantize_act(x=act, group=ACT_GROUP, pdl=pdl) if fp8 else (act, act)
+    down_sc = _scale_args(w2_scale, w2, hidden)
+    down_k = min(down["block_k"], down_sc[3], ACT_GROUP) if fp8 else down["block_k"]
     _down_kernel[(max_blocks, triton.cdiv(hidden_size, down["block_n"]))](
-        act, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, act.stride(0), w2.stride(0),
-        w2.stride(1), y.stride(0), d2, d2.stride(0), HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m,
-        BLOCK_N=down["block_n"], BLOCK_K=down["block_k"], HAS_DELTA=deltas is not None, num_warps=down["num_warps"],
+        a, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, a.stride(0), w2.stride(0),
+        w2.stride(1), y.stride(0), a_scale, a_scale.stride(0), *down_sc[:3], d2, d2.stride(0), HIDDEN=hidden_size,
+        INTER=inter, BLOCK_M=block_m, BLOCK_N=down["block_n"], BLOCK_K=down_k, FP8=fp8, SCALE_N=down_sc[4],
+        SCALE_K=down_sc[3], GROUP=ACT_GROUP, HAS_DELTA=deltas is not None, num_warps=down["num_warps"],
         num_stages=down["num_stages"], **pdl_launch(act, pdl),
     )  # fmt: skip
     shared_out = gate_logit = None
-    if shared is not None:  # its down projection on cuBLAS; the gate and the sum in the sum kernel
-        shared_out = F.linear(_silu_mul(shared.gate_up, shared.w2.shape[1], pdl), shared.w2)
+    if shared is not None:  # its down projection on cuBLAS (FP8: linear); the gate and the sum in the sum kernel
+        shared_act = _silu_mul(shared.gate_up, shared.w2.shape[1], pdl)
+        if shared.w2_scale is None:
+            shared_out = F.linear(shared_act, shared.w2)
+        else:
+            shared_out = linear_kernels.linear(x=shared_act, weight=shared.w2, weight_scale=shared.w2_scale, pdl=pdl)
         gate_logit = shared.gate_logit
     # with the norm a program takes a whole row (a norm needs all of it)
     block_h = (
@@ -217,3 +259,12 @@ def _silu_mul(gate_up: torch.Tensor, inter: int, pdl: bool) -> torch.Tensor:
         gate_up, act, gate_up.stride(0), act.stride(0), INTER=inter, BLOCK=block, num_warps=4, **pdl_launch(act, pdl)
     )
     return act
+
+
+def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor, dummy: torch.Tensor) -> tuple:
+    """(scale, expert stride, row-block stride, SCALE_K, SCALE_N) of FP8 experts' [E, ., .] block
+    scales; placeholders (SCALE_K large enough not to bound BLOCK_K) without."""
+    if scale is None:
+        return dummy, 0, 0, 1 << 30, 1
+    bn, bk = scale_block(*weight.shape[-2:], tuple(scale.shape[-2:]))
+    return scale, scale.stride(0), scale.stride(1), bk, bn

@@ -32,8 +32,10 @@ SORTED_TILES = {
 }
 
 
-def pairs_config(hidden_size: int, inter: int, info: DeviceInfo) -> dict:
-    """The pairs path's tiles for this device (other GPUs: the H200's)."""
+def pairs_config(hidden_size: int, inter: int, info: DeviceInfo, fp8: bool = False) -> dict:
+    """The pairs path's tiles for this device (other GPUs: the H200's). fp8 (unmeasured): the up
+    GEMVs' K chunk doubled (the same bytes a chunk as bf16); the down GEMV keeps its tile (4 rows
+    spilled in Triton 3.6's sm_90 build at 2 warps)."""
     if info.is_interpreter:
         block_k = min(64, triton.next_power_of_2(hidden_size))
         block_i = min(64, triton.next_power_of_2(inter))
@@ -41,28 +43,42 @@ def pairs_config(hidden_size: int, inter: int, info: DeviceInfo) -> dict:
         return dict(up=up, up_route=up, down=dict(block_h=8, block_i=block_i, num_warps=4))
     tiles = tuned_for(PAIRS_TILES, info) or PAIRS_TILES[H200]
     k, i = triton.next_power_of_2(hidden_size), triton.next_power_of_2(inter)
+    wide = 2 if fp8 else 1
     return dict(
-        up={**tiles["up"], "block_k": min(tiles["up"]["block_k"], k)},
-        up_route={**tiles["up_route"], "block_k": min(tiles["up_route"]["block_k"], k)},
+        up={**tiles["up"], "block_k": min(wide * tiles["up"]["block_k"], k)},
+        up_route={**tiles["up_route"], "block_k": min(wide * tiles["up_route"]["block_k"], k)},
         down={**tiles["down"], "block_i": min(tiles["down"]["block_i"], i)},
     )
 
 
-def sorted_config(num_pairs: int, num_experts: int, elem: int, info: DeviceInfo) -> dict:
+def sorted_config(
+    num_pairs: int, num_experts: int, elem: int, info: DeviceInfo, fp8: bool = False, block_m: int = 0
+) -> dict:
     """The sorted path's tiles for this device: block_m, and up / down block_n, block_k, num_warps,
-    num_stages. Other GPUs: the H200's, each pipeline as deep as their shared memory holds."""
+    num_stages. Other GPUs: the H200's, each pipeline as deep as their shared memory holds. fp8
+    (one-byte operands, unmeasured): the same tiles with twice the K step (the same bytes a
+    stage), at most one 128-column scale group. block_m: the entry with these tile rows (0: the
+    entry for the mean rows per expert)."""
     if info.is_interpreter:
         tiles = dict(block_n=16, block_k=16, num_warps=4, num_stages=1)
         return dict(block_m=16, up=tiles, down=dict(tiles))
     tuned = tuned_for(SORTED_TILES, info)
     rows = num_pairs / max(1, num_experts)
-    entry = next(cfg for most, cfg in (tuned or SORTED_TILES[H200]) if most is None or rows <= most)
+    table = tuned or SORTED_TILES[H200]
+    if block_m:
+        entry = next((cfg for _, cfg in table if cfg["block_m"] == block_m), None)
+        if entry is None:
+            raise ValueError(f"sorted_block_m: no tile entry with block_m {block_m}")
+    else:
+        entry = next(cfg for most, cfg in table if most is None or rows <= most)
     block_m = entry["block_m"]
     cfg = dict(block_m=block_m)
     for name, operands in (("up", 2), ("down", 1)):  # up reads the gate and the up tile
         block_n, block_k, warps, stages = entry[name]
+        if fp8:
+            block_k = min(128, 2 * block_k)
         if tuned is None:
-            per_stage = elem * block_k * (block_m + operands * block_n)
+            per_stage = (1 if fp8 else elem) * block_k * (block_m + operands * block_n)
             stages = stages_that_fit(stages, per_stage, SMEM_SCRATCH, info)
         cfg[name] = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
     return cfg

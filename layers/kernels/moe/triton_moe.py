@@ -10,36 +10,41 @@ import torch
 from ..device import device_info
 from ..options import KernelOptions
 from .fused_norm import fused_norm
-from .naive import apply_add_norm, check_shared
+from .naive import PAIRS_PATH_MAX, apply_add_norm, check_fp8, check_shared
 from .pairs import moe_pairs
 from .router import route_topk_softmax
 from .sorted import moe_sorted
 from .tiles import pairs_config, sorted_config
 
-# at or under this many routed pairs the pairs path wins (no sorting launches); above it repeated
-# experts cost it re-reads: at batch 16 (128 pairs) on the H200 the sorted path took 164 us a call
-# against 185 (moe/NOTES.md), so batch 8 at top-8 is the last on pairs
-PAIRS_PATH_MAX = 64
+# PAIRS_PATH_MAX (naive.py, where the reference follows it for FP8): at or under this many routed
+# pairs the pairs path wins (no sorting launches); above it repeated experts cost it re-reads: at
+# batch 16 (128 pairs) on the H200 the sorted path took 164 us a call against 185 (moe/NOTES.md),
+# so batch 8 at top-8 is the last on pairs
 # the up GEMV's programs hold a token's logits in registers to route
 MAX_ROUTED_EXPERTS = 1024
 ROUTE_IN_UP_MAX_TOKENS = KernelOptions().route_in_up_max_tokens
 
 
-def _check(hidden, w13, w2, shared) -> None:
+def _check(hidden, w13, w2, shared, w13_scale, w2_scale) -> None:
     num_experts, two_inter, hidden_size = w13.shape
     assert hidden.shape[1] == hidden_size and w2.shape == (num_experts, hidden_size, two_inter // 2), "weight shapes"
     assert hidden.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1, "contiguous last dims"
+    check_fp8(w13, w2, w13_scale, w2_scale)
+    for s in (w13_scale, w2_scale):
+        assert s is None or (s.dim() == 3 and s.shape[0] == num_experts and s.stride(-1) == 1), "[E, ., .] scales"
     if shared is not None:
         check_shared(shared, hidden.shape[0], hidden_size)
 
 
 def fused_moe(
     *, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, shared=None, add_norm=None, path=None, config=None,
-    pdl=True, deltas=None,
+    w13_scale=None, w2_scale=None, sorted_block_m=0, pdl=True, deltas=None,
 ):  # fmt: skip
     """moe.fused_moe. `path` ("pairs" or "sorted") and `config` override the choice made from the
-    shapes (tests and tuning sweeps); with `deltas` the sorted path runs (its GEMMs add them)."""
-    _check(hidden, w13, w2, shared)
+    shapes (tests and tuning sweeps); sorted_block_m: the sorted path's tile rows (0: by shape); with
+    `deltas` the sorted path runs (its GEMMs add them; FP8 experts: on quantized activations)."""
+    _check(hidden, w13, w2, shared, w13_scale, w2_scale)
+    scales = (w13_scale, w2_scale)
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
     out = torch.empty_like(hidden)
@@ -52,18 +57,25 @@ def fused_moe(
     path = "sorted" if deltas is not None else path or ("pairs" if num_pairs <= PAIRS_PATH_MAX else "sorted")
     info = device_info(hidden.device)
     if path == "pairs":
-        cfg = config or pairs_config(hidden_size, two_inter // 2, info)
-        moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl)
+        cfg = config or pairs_config(hidden_size, two_inter // 2, info, fp8=w13_scale is not None)
+        moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=scales)
     else:
         assert path == "sorted", f"unknown path {path!r}"
-        cfg = config or sorted_config(num_pairs, num_experts, hidden.element_size(), info)
-        moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, deltas)
+        fp8 = w13_scale is not None
+        cfg = config or sorted_config(
+            num_pairs, num_experts, hidden.element_size(), info, fp8=fp8, block_m=sorted_block_m
+        )
+        moe_sorted(
+            hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=scales,
+            deltas=deltas,
+        )  # fmt: skip
     return norm.out if norm is not None else apply_add_norm(out, add_norm, pdl)
 
 
 def routed_moe(
     *, hidden, w13, w2, router_logits, top_k, renormalize, expert_offset=0, shared=None, add_norm=None,
-    route_in_up_max_tokens=ROUTE_IN_UP_MAX_TOKENS, path=None, pdl=True, deltas=None,
+    route_in_up_max_tokens=ROUTE_IN_UP_MAX_TOKENS, path=None, w13_scale=None, w2_scale=None, sorted_block_m=0,
+    pdl=True, deltas=None,
 ):  # fmt: skip
     """moe.routed_moe: on the pairs path, up to route_in_up_max_tokens tokens, the up GEMV routes
     (one launch fewer); otherwise the router kernel, then fused_moe. `path` forces one ("pairs"
@@ -75,16 +87,20 @@ def routed_moe(
         weights, ids = route_topk_softmax(router_logits=router_logits, top_k=top_k, renormalize=renormalize, pdl=pdl)
         return fused_moe(
             hidden=hidden, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, expert_offset=expert_offset,
-            shared=shared, add_norm=add_norm, path=path, pdl=pdl, deltas=deltas,
+            shared=shared, add_norm=add_norm, path=path, w13_scale=w13_scale, w2_scale=w2_scale,
+            sorted_block_m=sorted_block_m, pdl=pdl, deltas=deltas,
         )  # fmt: skip
     assert 0 < top_k <= router_logits.shape[1], "top_k must be in 1..num_experts"
     assert router_logits.shape[0] == num_tokens, "router_logits: one row per token"
-    _check(hidden, w13, w2, shared)
+    _check(hidden, w13, w2, shared, w13_scale, w2_scale)
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=hidden.device)
     ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=hidden.device)
     out = torch.empty_like(hidden)
     norm = fused_norm(add_norm, hidden)
-    cfg = pairs_config(hidden.shape[1], w13.shape[1] // 2, device_info(hidden.device))
-    moe_pairs(hidden, w13, w2, weights, ids, expert_offset, out, cfg, shared, norm, pdl, route=(logits, renormalize))
+    cfg = pairs_config(hidden.shape[1], w13.shape[1] // 2, device_info(hidden.device), fp8=w13_scale is not None)
+    moe_pairs(
+        hidden, w13, w2, weights, ids, expert_offset, out, cfg, shared, norm, pdl, route=(logits, renormalize),
+        scales=(w13_scale, w2_scale),
+    )  # fmt: skip
     return norm.out if norm is not None else apply_add_norm(out, add_norm, pdl)

@@ -1,0 +1,170 @@
+"""FP8 kernel cases at Qwen3.5-35B-A3B shapes (hidden 2048; 256 experts of width 512, top-8), each
+against the bf16 kernel the model runs without FP8, timed in the same run:
+
+- fp8_linear[graph] at 1 and 16 rows: the FP8 row GEMV / skinny GEMM (weights dequantized in
+  registers) against our bf16 ones, CALLS calls on distinct weights in one CUDA graph (cold weights,
+  no launch gaps); the floor is the FP8 weights' bytes.
+- fp8_linear at 2,048 and 8,192 rows: activation quantization + the block-scaled FP8 GEMM against
+  cuBLAS bf16, TFLOP/s.
+- fp8_moe: the fused MoE with FP8 experts against bf16 experts (pairs path at 1 and 8 tokens in a
+  CUDA graph; sorted path at 2,048 and 8,192 tokens eager).
+- quantize_act: per-token 1 x 128 groups at prefill sizes.
+
+    python -m deltaserve.bench.kernels --only fp8
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from deltaserve.bench.kernel_cases import Case, graphed
+from deltaserve.layers.kernels import fp8 as fp8_kernels
+from deltaserve.layers.kernels import linear as linear_kernels
+from deltaserve.layers.kernels.linear import naive
+from deltaserve.layers.kernels.moe import naive as moe_naive
+from deltaserve.layers.kernels.moe import triton_moe as tm
+
+DTYPE = torch.bfloat16
+# (label, FP8 rows, unquantized tail rows, K)
+SHAPES = [
+    ("gdn_in_proj", 12288, 64, 2048),
+    ("attn_qkv", 9216, 0, 2048),
+    ("o_proj", 2048, 0, 4096),
+    ("moe_in", 1024, 264, 2048),
+]
+COLD_BYTES = 256 << 20
+H, E, TOP_K, INTER = 2048, 256, 8, 512
+TOLERANCE = 2e-2  # max |out - ref| / max |ref| against the float32 reference of the same quantization
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def _weights(n: int, tail: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+    """(FP8 values, scales, tail, the bf16 weight of the same rows) copies, COLD_BYTES of bf16 in all."""
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    out = []
+    for _ in range(max(2, math.ceil(COLD_BYTES / ((n + tail) * k * 2)))):
+        w = torch.randn(n + tail, k, device="cuda", dtype=DTYPE, generator=g) * k**-0.5
+        q, s = fp8_kernels.quantize_weight(w[:n])
+        out.append((q, s, w[n:] if tail else None, w))
+    return out
+
+
+def _linear_cases(label: str, n: int, tail: int, k: int) -> list[Case]:
+    copies = _weights(n, tail, k)
+    cases = []
+    for m in (1, 16):
+        g = torch.Generator(device="cuda").manual_seed(m)
+        x = torch.randn(m, k, device="cuda", dtype=DTYPE, generator=g)
+        calls = max(20, len(copies))
+        pick = [copies[i % len(copies)] for i in range(calls)]
+
+        def fp8(c, x=x):
+            return linear_kernels.linear(x=x, weight=c[0], weight_scale=c[1], weight_tail=c[2])
+
+        q, s, t, _ = copies[0]
+        cases.append(
+            Case(
+                op="fp8_linear[graph]",
+                shape=f"{label} M={m} N={n}+{tail} K={k} x{calls}",
+                ours=graphed([lambda c=c: fp8(c) for c in pick]),
+                reference=graphed([lambda c=c, x=x: linear_kernels.linear(x=x, weight=c[3]) for c in pick]),
+                reference_label="bf16 (ours)",
+                check=lambda x=x, q=q, s=s, t=t: _rel_err(
+                    linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t),
+                    naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t),
+                ),
+                tolerance=TOLERANCE,
+                bytes_moved=calls * (n * k + tail * k * 2 + m * k * 2 + m * (n + tail) * 2),
+                flops=calls * 2 * m * (n + tail) * k,
+                target="faster than bf16",
+            )
+        )
+    for m in (2048, 8192):
+        g = torch.Generator(device="cuda").manual_seed(m)
+        x = torch.randn(m, k, device="cuda", dtype=DTYPE, generator=g)
+        q, s, t, w = copies[0]
+        cases.append(
+            Case(
+                op="fp8_linear",
+                shape=f"{label} M={m} N={n}+{tail} K={k}",
+                ours=lambda x=x, q=q, s=s, t=t: linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t),
+                reference=lambda x=x, w=w: F.linear(x, w),
+                reference_label="cuBLAS bf16",
+                check=lambda x=x, q=q, s=s, t=t: _rel_err(
+                    linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t),
+                    naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, quantize_x=True),
+                ),
+                tolerance=TOLERANCE,
+                bytes_moved=n * k + tail * k * 2 + m * k * 2 + m * (n + tail) * 2,
+                flops=2 * m * (n + tail) * k,
+                target="faster than cuBLAS bf16",
+            )
+        )
+    return cases
+
+
+def _moe_cases() -> list[Case]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(E, 2 * INTER, H, device="cuda", dtype=DTYPE, generator=g) * H**-0.5
+    w2 = torch.randn(E, H, INTER, device="cuda", dtype=DTYPE, generator=g) * INTER**-0.5
+    q13, s13 = fp8_kernels.quantize_weight(w13)
+    q2, s2 = fp8_kernels.quantize_weight(w2)
+    cases = []
+    for tokens in (1, 8, 2048, 8192):
+        calls = 16 if tokens <= 8 else 1
+        routes = []
+        for i in range(calls):
+            gi = torch.Generator(device="cuda").manual_seed(100 * tokens + i)
+            hidden = torch.randn(tokens, H, device="cuda", dtype=DTYPE, generator=gi)
+            logits = torch.randn(tokens, E, device="cuda", generator=gi)
+            weights, ids = moe_naive.route_topk_softmax(router_logits=logits, top_k=TOP_K, renormalize=True)
+            routes.append(dict(hidden=hidden, topk_weights=weights, topk_ids=ids))
+        fp8 = [lambda r=r: tm.fused_moe(**r, w13=q13, w2=q2, w13_scale=s13, w2_scale=s2) for r in routes]
+        bf16 = [lambda r=r: tm.fused_moe(**r, w13=w13, w2=w2) for r in routes]
+        distinct = sum(torch.unique(r["topk_ids"]).numel() for r in routes)
+        r0 = routes[0]
+        cases.append(
+            Case(
+                op="fp8_moe[graph]" if calls > 1 else "fp8_moe",
+                shape=f"T={tokens} E={E} k={TOP_K} I={INTER}" + (f" x{calls}" if calls > 1 else ""),
+                ours=graphed(fp8) if calls > 1 else fp8[0],
+                reference=graphed(bf16) if calls > 1 else bf16[0],
+                reference_label="bf16 experts",
+                check=lambda r0=r0: _rel_err(
+                    tm.fused_moe(**r0, w13=q13, w2=q2, w13_scale=s13, w2_scale=s2),
+                    moe_naive.fused_moe(**r0, w13=q13, w2=q2, w13_scale=s13, w2_scale=s2),
+                ),
+                tolerance=TOLERANCE,
+                bytes_moved=distinct * 3 * INTER * H + calls * 4 * tokens * H,
+                flops=calls * tokens * TOP_K * 6 * INTER * H,
+                target="faster than bf16",
+            )
+        )
+    return cases
+
+
+def _quant_case(m: int) -> Case:
+    x = torch.randn(m, H, device="cuda", dtype=DTYPE)
+    return Case(
+        op="quantize_act",
+        shape=f"M={m} K={H} group=128",
+        ours=lambda: fp8_kernels.quantize_act(x=x),
+        reference=lambda: fp8_kernels.naive.quantize_act(x=x, group=128),
+        reference_label="torch",
+        check=lambda: float(
+            not torch.equal(fp8_kernels.quantize_act(x=x)[1], fp8_kernels.naive.quantize_act(x=x, group=128)[1])
+        ),
+        tolerance=0.0,
+        bytes_moved=m * H * 3 + m * (H // 128) * 4,
+    )
+
+
+def cases() -> list[Case]:
+    out = [c for label, n, tail, k in SHAPES for c in _linear_cases(label, n, tail, k)]
+    return out + _moe_cases() + [_quant_case(m) for m in (2048, 8192)]

@@ -1,0 +1,284 @@
+"""Block-FP8 checkpoints (CPU, float32 activations): an FP8 tiny checkpoint laid out like Qwen's FP8
+releases (tests/fp8_checkpoints.py) against its dequantized float32 twin; the scheme read from
+config.json (and what it cannot serve); the loader's errors; `quantization="fp8"` on a
+higher-precision checkpoint; random FP8 weights.
+
+What the FP8 model computes: the weights exactly as dequantized; passes of up to 16 rows take x as
+it is (the GPU's decode GEMVs), larger ones quantize the projections' inputs per row and 1 x 128
+group (the GPU's FP8 tensor-core path; the MoE experts above 64 routed pairs). So decode-sized
+passes match the twin to float32 rounding, prefill-sized ones within the activation quantization's
+error, measured here on a Qwen-shaped tiny model (trained-scale init 0.02, 128-wide blocks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fp8_checkpoints import make_fp8
+from passes import Sequences
+from safetensors.torch import load_file, save_file
+from tiny_models import VOCAB_SIZE, save_tiny
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.layers.config import ConfigError, Fp8Scheme, ModelConfig
+from deltaserve.layers.kernels import fp8 as fp8_kernels
+from deltaserve.layers.loader import CheckpointError, load_model
+from deltaserve.layers.parallel import ParallelLayout
+from deltaserve.layers.quant import layout
+
+EXACT = 1e-4  # decode-sized passes: max abs error relative to the largest twin logit
+# a Qwen3.5-MoE-shaped tiny model: projections a few 128-blocks wide, trained-scale init
+QWEN_LIKE = dict(
+    hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=128, shared_expert_intermediate_size=128, initializer_range=0.02,
+)  # fmt: skip
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist()
+
+
+def logits(model, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """Logits of a prompt in one pass, or in passes of `chunk` tokens."""
+    seqs = Sequences(model)
+    seqs.add("a")
+    chunk = chunk or len(ids)
+    return torch.cat([seqs.run([("a", ids[i : i + chunk])])[0] for i in range(0, len(ids), chunk)])
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def fp8_tiny(tiny_checkpoints, tmp_path_factory) -> dict:
+    """family -> (FP8 dir, twin dir) for the three tiny families (odd sizes: blocks smaller than 128
+    inside fused weights, experts per tensor)."""
+    out = {}
+    for family, (path, _) in tiny_checkpoints.items():
+        root = tmp_path_factory.mktemp(f"{family}-fp8")
+        make_fp8(path, root / "fp8", root / "twin")
+        out[family] = (root / "fp8", root / "twin")
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen_like(tmp_path_factory) -> tuple:
+    """(FP8 dir, twin dir, source dir) of the Qwen-shaped tiny MoE model."""
+    root = tmp_path_factory.mktemp("qwen-like")
+    save_tiny("qwen3_5_moe", root / "src", **QWEN_LIKE)
+    make_fp8(root / "src", root / "fp8", root / "twin")
+    return root / "fp8", root / "twin", root / "src"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next", "qwen3_5"])
+def test_decode_sized_passes_match_the_twin(fp8_tiny, family):
+    """Every FP8 projection holds the checkpoint's float8 values and scales: passes of up to 16
+    rows give the twin's logits to float32 rounding, prompt in chunks and token by token."""
+    fp8_dir, twin_dir = fp8_tiny[family]
+    model, twin = load_model(fp8_dir), load_model(twin_dir)
+    held = {p.dtype for p in model.parameters()}
+    assert fp8_kernels.FP8 in held and torch.float32 in held
+    ids = prompt(40, seed=1)
+    for chunk in (16, 1):
+        assert rel_err(logits(model, ids, chunk), logits(twin, ids, chunk)) < EXACT
+
+
+def test_what_stays_unquantized(fp8_tiny):
+    """The router and shared-expert gate rows (in_proj's tail), the GDN b / a rows, the embedding
+    and lm_head, norms and conv keep the model's dtype; the rest of each projection is FP8."""
+    model = load_model(fp8_tiny["qwen3_5_moe"][0])
+    layer = model.layers[0]
+    gdn, moe = layer.mixer, layer.mlp
+    assert layout(gdn.in_proj).tail.shape[0] == 2 * gdn.num_value_heads
+    assert layout(moe.in_proj).rows == 2 * moe.shared_expert.inter
+    assert moe.router.dtype == torch.float32 and moe.router.shape == (moe.num_experts, model.config.hidden_size)
+    for name in ("embed_tokens", "lm_head"):
+        assert getattr(model, name).dtype == torch.float32
+    for module in (gdn, moe, model.layers[1].mixer):
+        for name, p in module.named_parameters(recurse=False):
+            quantized = name in ("in_proj", "out_proj", "qkv_proj", "o_proj", "w13", "w2")
+            assert (p.dtype == fp8_kernels.FP8) == quantized, name
+
+
+def test_prefill_passes_within_activation_quantization(qwen_like):
+    """Prefill passes (> 16 rows) quantize the projections' inputs per 1 x 128 group: against the
+    twin, mean KL of the next-token distribution and top-1 agreement over 200 positions (measured
+    at commit time: KL ~6e-4, top-1 ~0.9; bf16-rounded inputs alone give KL ~1e-5)."""
+    fp8_dir, twin_dir, _ = qwen_like
+    model, twin = load_model(fp8_dir), load_model(twin_dir)
+    kls, agree = [], []
+    for seed in range(5):
+        ids = prompt(40, seed=10 + seed)
+        ours, ref = logits(model, ids), logits(twin, ids)
+        kl = torch.nn.functional.kl_div(ours.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none")
+        kls.append(kl.sum(-1))
+        agree.append(ours.argmax(-1) == ref.argmax(-1))
+    kl, top1 = torch.cat(kls).mean().item(), torch.cat(agree).float().mean().item()
+    assert kl < 5e-3 and top1 >= 0.8, (kl, top1)
+
+
+def test_greedy_tokens_against_the_twin(qwen_like):
+    """The engine's greedy tokens with the FP8 checkpoint against the twin's, 12 prompts of 6 new
+    tokens. Every pass up to 16 rows (a 16-token budget: chunked prefill): all equal. Prompts in one
+    pass, whose prefill quantizes activations: the first token equal on most prompts (measured at
+    commit time: 10/12 first tokens, 4/12 whole continuations; 19/24 and 5/24 of 8 tokens over 24
+    prompts: a random model's top two logits are often near-ties)."""
+    fp8_dir, twin_dir, _ = qwen_like
+    prompts = [prompt(24 + 3 * i, seed=100 + i) for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run(path, budget: int) -> list[list[int]]:
+        llm = LLM(str(path), max_num_batched_tokens=budget, max_num_seqs=4, enable_prefix_caching=False)
+        try:
+            return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        finally:
+            llm.shutdown()
+
+    assert run(fp8_dir, 16) == run(twin_dir, 16)
+    ours, ref = run(fp8_dir, 64), run(twin_dir, 64)
+    first = sum(a[0] == b[0] for a, b in zip(ours, ref, strict=True))
+    whole = sum(a == b for a, b in zip(ours, ref, strict=True))
+    print(f"quantized prefill: first tokens equal to the twin's {first}/12, whole continuations {whole}/12")
+    assert first >= 8
+
+
+def test_quantization_fp8_round_trips(qwen_like):
+    """quantization="fp8" on the higher-precision checkpoint holds exactly the FP8 checkpoint's
+    values and scales (the same 128 x 128 scheme), so the two give the same logits."""
+    fp8_dir, _, src = qwen_like
+    from_fp8, quantized = load_model(fp8_dir), load_model(src, quantization="fp8")
+    params = dict(from_fp8.named_parameters())
+    for name, p in quantized.named_parameters():
+        assert p.dtype == params[name].dtype, name
+        if p.dtype == fp8_kernels.FP8:
+            assert torch.equal(p.view(torch.uint8), params[name].view(torch.uint8)), name
+        else:
+            assert torch.equal(p, params[name]), name
+    ids = prompt(30, seed=3)
+    assert torch.equal(logits(quantized, ids), logits(from_fp8, ids))
+
+
+def test_random_fp8_weights(qwen_like):
+    """load_format="random" with quantization="fp8": the seeded random weights quantized, so the
+    model follows the random float32 model (decode-sized passes within the weights' FP8 rounding)."""
+    _, _, src = qwen_like
+    config = ModelConfig.from_pretrained(src)
+    fp8 = load_model(None, config=config, load_format="random", quantization="fp8", seed=3)
+    full = load_model(None, config=config, load_format="random", seed=3)
+    assert fp8.layers[0].mlp.w13.dtype == fp8_kernels.FP8
+    w = full.layers[0].mlp.w13[1]
+    q = fp8.layers[0].mlp.w13
+    deq = fp8_kernels.dequantize_weight(q[1], layout(q).scale[1])
+    assert ((deq - w).abs() <= w.abs().amax() / 16).all()  # e4m3: 3 mantissa bits per block's range
+    ids = prompt(12, seed=4)
+    ours, ref = logits(fp8, ids), logits(full, ids)
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+
+
+def test_ignored_module_stays_unquantized(qwen_like, tmp_path):
+    """A projection the checkpoint leaves in its dtype (modules_to_not_convert) keeps it: with layer
+    1's q_proj unquantized, that layer's fused q | k | v weight is not FP8 (its k and v
+    dequantized), layer 3's is; the logits still match the twin."""
+    _, _, src = qwen_like
+    make_fp8(src, tmp_path / "fp8", tmp_path / "twin", ignored=("model.layers.1.self_attn.q_proj",))
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert "model.layers.1.self_attn.q_proj" in config["quantization_config"]["modules_to_not_convert"]
+    model, twin = load_model(tmp_path / "fp8"), load_model(tmp_path / "twin")
+    assert model.layers[1].mixer.qkv_proj.dtype == torch.float32
+    assert model.layers[3].mixer.qkv_proj.dtype == fp8_kernels.FP8
+    ids = prompt(16, seed=5)
+    assert rel_err(logits(model, ids), logits(twin, ids)) < EXACT
+
+
+def _rewrite(src, dst, edit) -> None:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(dst / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+
+
+def test_wrong_scale_shape_names_the_tensor(fp8_tiny, tmp_path):
+    fp8_dir, _ = fp8_tiny["qwen3_5_moe"]
+    name = "model.layers.0.linear_attn.in_proj_qkv.weight_scale_inv"
+
+    def edit(t):
+        t[name] = torch.ones(t[name].shape[0] + 1, t[name].shape[1])
+
+    _rewrite(fp8_dir, tmp_path / "bad", edit)
+    with pytest.raises(CheckpointError, match=f"'{name}' has shape"):
+        load_model(tmp_path / "bad")
+
+
+def test_missing_scale_names_the_tensor(fp8_tiny, tmp_path):
+    fp8_dir, _ = fp8_tiny["qwen3_5_moe"]
+    name = "model.layers.2.mlp.experts.3.down_proj.weight"
+    _rewrite(fp8_dir, tmp_path / "bad", lambda t: t.pop(name + "_scale_inv"))
+    with pytest.raises(CheckpointError, match=f"'{name}' is float8 without"):
+        load_model(tmp_path / "bad")
+
+
+def test_quantization_config_fields():
+    """Qwen's FP8 config is read (composite configs hold it at the top level); what deltaserve
+    cannot serve is a ConfigError naming the field."""
+    qwen = {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head", "model.language_model.layers.0.linear_attn.in_proj_a", "mlp.gate"],
+    }  # fmt: skip
+    scheme = Fp8Scheme.from_hf(qwen)
+    assert scheme.block == (128, 128)
+    assert not scheme.quantizes("model.layers.0.linear_attn.in_proj_a")
+    assert not scheme.quantizes("model.layers.7.mlp.gate")
+    assert scheme.quantizes("model.layers.7.mlp.gate_proj") and scheme.quantizes("model.layers.1.linear_attn.in_proj_a")
+    pattern = Fp8Scheme(ignored=("re:.*experts\\.\\d+\\.down_proj",))
+    assert not pattern.quantizes("model.layers.0.mlp.experts.3.down_proj")
+    for field, value in (
+        ("quant_method", "awq"), ("activation_scheme", "static"), ("weight_block_size", None),
+        ("weight_block_size", [96, 128]), ("fmt", "e5m2"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match=f"quantization_config.{field}"):
+            edited = {k: v for k, v in qwen.items() if k != field}
+            Fp8Scheme.from_hf(edited if value is None else {**edited, field: value})
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_tensor_parallel_shards(qwen_like, expert_parallel):
+    """Rank 1 of 2: every FP8 weight's values times its scales are exactly the twin's shard of that
+    weight (experts split to 64 rows a rank: local scale blocks inside the checkpoint's 128-row
+    ones; or whole experts a rank), and its tail the twin's last rows."""
+    fp8_dir, twin_dir, _ = qwen_like
+    layout_ = ParallelLayout(tp_rank=1, tp_size=2, expert_parallel=expert_parallel)
+    model, twin = load_model(fp8_dir, layout=layout_), load_model(twin_dir, layout=layout_)
+    twin_params = dict(twin.named_parameters())
+    checked = 0
+    for name, p in model.named_parameters():
+        lay = layout(p)
+        if lay is None:
+            continue
+        ref = twin_params[name]
+        assert torch.equal(fp8_kernels.dequantize_weight(p, lay.scale), ref[..., : lay.rows, :]), name
+        if lay.tail is not None:
+            assert torch.equal(lay.tail, ref[..., lay.rows :, :]), name
+        checked += 1
+    assert checked == 4 * 6  # a layer: in_proj or qkv, out_proj or o_proj, w13, w2, the MoE in_proj, shared w2
+
+
+def test_fp8_accuracy_bench_harness(qwen_like):
+    """bench.fp8_accuracy's passes on the CPU: one prefill then one token a pass give the logits of
+    every position (the same model twice: KL 0, top-1 1); FP8 against full precision: measured."""
+    from deltaserve.bench.fp8_accuracy import compare, run_model
+
+    config = ModelConfig.from_pretrained(qwen_like[2])
+    ids = prompt(24, seed=6)
+    run = dict(ids=ids, decode=4, seed=1, device="cpu", dtype=torch.float32)
+    full, again, fp8 = run_model(config, None, **run), run_model(config, None, **run), run_model(config, "fp8", **run)
+    assert full["logits"].shape == (24, config.vocab_size)
+    same = compare(full["logits"], again["logits"])
+    assert same["top1_agreement"] == 1.0 and same["mean_kl"] < 1e-9
+    ours = compare(full["logits"], fp8["logits"])
+    assert ours["positions"] == 24 and ours["mean_kl"] < 5e-3 and fp8["weight_bytes"] < full["weight_bytes"] / 3

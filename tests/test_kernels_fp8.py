@@ -1,0 +1,320 @@
+"""FP8 kernels against their plain-torch references (which dequantize and run in float32): the
+per-token-group activation quantization (bit for bit), linear with an FP8 weight on each path
+(one-row GEMV with the fused norm and a tail of unquantized rows, skinny GEMM forms, the
+block-scaled W8A8 GEMM), and the fused MoE's FP8 pairs and sorted paths. Interpreted on CPU tensors
+without CUDA (Triton's interpreter runs float8 dots; its float32 -> float8 cast mis-rounds, so the
+kernels round by hand), compiled on the GPU with it; and (marked gpu) the model's real shapes,
+outputs NaN-prefilled so that an element never written fails."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from deltaserve.layers.kernels import fp8 as fp8_kernels
+from deltaserve.layers.kernels import linear as linear_kernels
+from deltaserve.layers.kernels.device import H200, DeviceInfo
+from deltaserve.layers.kernels.fp8 import naive as fp8_naive
+from deltaserve.layers.kernels.fp8.triton_quant import quantize_act
+from deltaserve.layers.kernels.linear import naive, triton_fp8, triton_linear, triton_row
+from deltaserve.layers.kernels.moe import naive as moe_naive
+from deltaserve.layers.kernels.moe import triton_moe
+from deltaserve.layers.kernels.moe.naive import AddNorm, SharedExpert
+from deltaserve.layers.kernels.norm import naive as norm_naive
+
+# conftest: TRITON_INTERPRET without CUDA, the `device` fixture, gpu-marked tests skipped on CPU
+pytestmark = pytest.mark.usefixtures("nan_fill")
+EPS = 1e-6
+
+
+@functools.cache
+def weight(n: int, k: int, block=(128, 128), lead=(), seed: int = 0, device="cpu"):
+    """(float8 values, block scales) of a random [*lead, n, k] weight (made once: tests only read it)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*lead, n, k, generator=g) * k**-0.5
+    q, s = fp8_naive.quantize_weight(w, block)
+    return q.to(device), s.to(device)
+
+
+def rand(*shape, dtype=torch.bfloat16, device="cpu", seed: int = 1, scale: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+def close(out: torch.Tensor, ref: torch.Tensor, roundings: float = 4) -> bool:
+    """Within a few roundings of the output dtype at the output's scale (accumulation orders
+    differ; on CPU the interpreter's float32 -> 16-bit casts truncate)."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype and not out.isnan().any()
+    eps = torch.finfo(out.dtype).eps if out.dtype != torch.float32 else 2.0**-20
+    return (out.float() - ref.float()).abs().max().item() <= roundings * eps * ref.float().abs().max().item()
+
+
+# ---- activation quantization -------------------------------------------------------------------
+@pytest.mark.parametrize(("m", "k", "group"), [(3, 200, 128), (5, 64, 128), (2, 1000, 32), (7, 256, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_act_bit_for_bit(device, m, k, group, dtype):
+    x = rand(m, k + 16, dtype=dtype, device=device, scale=3.0)[:, 8 : 8 + k]  # strided rows
+    x[0, :10] = 0  # an all-zero start: the scale floor, zeros out
+    x[-1, :5] = 1e-6  # subnormal e4m3 values
+    q, s = quantize_act(x=x, group=group)
+    q_ref, s_ref = fp8_naive.quantize_act(x=x.cpu(), group=group)
+    assert torch.equal(s.cpu(), s_ref)
+    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_quantize_act_rounds_every_e4m3_tie_to_even(device):
+    """Every e4m3 value, every midpoint between two and values just off them, as rows whose amax
+    is 448 (scale 1): the kernel's rounding is the cast's (round to nearest even)."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = torch.sort(grid[~grid.isnan()]).values
+    mids = (grid[1:] + grid[:-1]) / 2
+    values = torch.cat([grid, mids, mids * (1 + 2e-6), mids * (1 - 2e-6)])
+    values = values[values.abs() < 448]
+    rows = -(-values.numel() // 127)
+    x = torch.zeros(rows * 127)
+    x[: values.numel()] = values
+    x = torch.cat([x.view(rows, 127), torch.full((rows, 1), 448.0)], dim=1).to(device)
+    q, s = quantize_act(x=x, group=128)
+    assert torch.equal(s.cpu(), torch.ones(rows, 1))
+    assert torch.equal(q.cpu().float(), x.cpu().to(torch.float8_e4m3fn).float())
+
+
+# ---- linear ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("n", "k", "tail", "block"), [(130, 200, 0, (128, 128)), (64, 256, 6, (16, 32))])
+@pytest.mark.parametrize("cfg", [None, dict(block_n=8, num_warps=4), dict(block_n=8, num_warps=4, x_row=False)])
+def test_row_gemv_fp8(device, n, k, tail, block, cfg):
+    q, s = weight(n, k, block, device=device)
+    t = rand(tail, k, device=device, scale=k**-0.5) if tail else None
+    x, b = rand(1, k, device=device), rand(n + tail, device=device)
+    out, _, _ = triton_row.row_gemv(x=x, weight=q, weight_scale=s, weight_tail=t, bias=b, config=cfg)
+    assert close(out, naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, bias=b))
+
+
+@pytest.mark.parametrize("block_n", [2, 16])
+def test_row_gemv_fp8_fused_norm(device, block_n):
+    """The residual add + norm prologue feeds the FP8 dot the normed row, writes the residual and
+    the normed row; the tail's programs use the same row."""
+    n, k, tail = 32, 96, 3
+    q, s = weight(n, k, (8, 32), device=device)
+    t = rand(tail, k, device=device, scale=k**-0.5)
+    x, res, g = rand(1, k, device=device), rand(1, k, device=device, seed=2), rand(k, device=device, scale=0.1)
+    out, normed, summed = triton_row.row_gemv(
+        x=x, weight=q, weight_scale=s, weight_tail=t, residual=res, norm_weight=g, eps=EPS, write_normed=True,
+        config=dict(block_n=block_n, num_warps=2),
+    )  # fmt: skip
+    ref_sum = (x.float() + res.float()).to(x.dtype)
+    ref_normed = norm_naive.rms_norm(x=ref_sum, weight=g, eps=EPS)
+    assert close(summed, ref_sum, 1) and close(normed, ref_normed, 2)
+    assert close(out, naive.linear(x=ref_normed, weight=q, weight_scale=s, weight_tail=t))
+
+
+SKINNY = {
+    "default": None,
+    "gemv1": dict(block_m=1, block_n=16, block_k=32, split_k=1),
+    "gemv2_split3": dict(block_m=2, block_n=8, block_k=16, split_k=3),
+    "gemv4_split4_pass": dict(block_m=4, block_n=8, block_k=64, split_k=4, reduce="pass"),
+    "mma": dict(block_n=16, block_k=32, split_k=1, dot=True, num_stages=2),
+    "mma_split3": dict(block_n=32, block_k=128, split_k=3, dot=True, num_stages=2),
+}
+
+
+@pytest.mark.parametrize("name", list(SKINNY))
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block", "tail", "dtype"),
+    [
+        (3, 128, 200, (128, 128), 6, torch.float32),
+        (5, 64, 256, (16, 32), 5, torch.float16),
+        (16, 32, 520, (8, 128), 0, torch.float16),
+    ],
+)
+def test_skinny_fp8(device, name, m, n, k, block, tail, dtype):
+    q, s = weight(n, k, block, device=device)
+    t = rand(tail, k, dtype=dtype, device=device, scale=k**-0.5) if tail else None
+    x, b = rand(m, k, dtype=dtype, device=device), rand(n + tail, dtype=dtype, device=device)
+    out = triton_linear.linear(x=x, weight=q, weight_scale=s, weight_tail=t, bias=b, config=SKINNY[name])
+    assert close(out, naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, bias=b))
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block", "tail", "dtype"),
+    [
+        (33, 130, 200, (128, 128), 0, torch.float32),
+        (17, 64, 256, (128, 128), 5, torch.bfloat16),
+        (20, 48, 96, (16, 32), 3, torch.float32),
+    ],
+)
+def test_block_scaled_gemm(device, m, n, k, block, tail, dtype):
+    """x quantized per 1 x 128 group, FP8 dots scaled per K step: the W8A8 reference."""
+    q, s = weight(n, k, block, device=device)
+    t = rand(tail, k, dtype=dtype, device=device, scale=k**-0.5) if tail else None
+    x, b = rand(m, k + 8, dtype=dtype, device=device)[:, :k], rand(n + tail, dtype=dtype, device=device)
+    out = triton_fp8.fp8_linear(x=x, weight=q, weight_scale=s, bias=b, weight_tail=t)
+    ref = naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, bias=b, quantize_x=True)
+    assert close(out, ref, 8)
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 17])
+def test_linear_op_fp8_paths(device, m):
+    """The op: up to 16 rows x as it is (GEMV / skinny on CUDA), above quantized (the GEMM, and the
+    CPU reference alike)."""
+    q, s = weight(40, 128, device=device)
+    x = rand(m, 128, device=device)
+    out = linear_kernels.linear(x=x, weight=q, weight_scale=s)
+    assert close(out, naive.linear(x=x, weight=q, weight_scale=s, quantize_x=m > linear_kernels.MAX_TUNED_TOKENS), 8)
+
+
+# ---- fused MoE -----------------------------------------------------------------------------------
+def moe_case(t, e, h, i, top_k, b13, b2, shared_i, device, dtype=torch.float16):
+    q13, s13 = weight(2 * i, h, b13, lead=(e,), device=device)
+    q2, s2 = weight(h, i, b2, lead=(e,), seed=3, device=device)
+    hidden = rand(t, h, dtype=dtype, device=device)
+    logits = rand(t, e, dtype=torch.float32, device=device, seed=4)
+    weights, ids = moe_naive.route_topk_softmax(router_logits=logits.cpu(), top_k=top_k, renormalize=True)
+    shared = None
+    if shared_i:
+        qs, ss = weight(h, shared_i, device=device, seed=5)
+        gate_up, gate = (
+            rand(t, 2 * shared_i, dtype=dtype, device=device, seed=6),
+            rand(t, 1, dtype=dtype, device=device),
+        )
+        shared = SharedExpert(gate_up=gate_up, w2=qs, gate_logit=gate, w2_scale=ss)
+    return dict(hidden=hidden, w13=q13, w2=q2, w13_scale=s13, w2_scale=s2, shared=shared), weights, ids, logits
+
+
+MOE_CASES = [(3, 6, 200, 40, 2, (128, 128), (128, 128), 0), (5, 4, 256, 64, 3, (16, 64), (32, 32), 48)]
+
+
+@pytest.mark.parametrize("path", ["pairs", "sorted"])
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_fused_moe_fp8(device, path, case):
+    """Pairs path: FP8 weights dequantized in registers, x as it is; sorted path: FP8 dots on
+    quantized x and act (the reference told which)."""
+    args, weights, ids, _ = moe_case(*case, device=device)
+    out = triton_moe.fused_moe(**args, topk_weights=weights.to(device), topk_ids=ids.to(device), path=path)
+    cpu = {k: (v if not isinstance(v, torch.Tensor) else v.cpu()) for k, v in args.items()}
+    if args["shared"] is not None:
+        cpu["shared"] = SharedExpert(*(v.cpu() for v in args["shared"]))
+    ref = moe_naive.fused_moe(**cpu, topk_weights=weights, topk_ids=ids, quantize=path == "sorted")
+    assert close(out.cpu(), ref, 4)
+
+
+def test_routed_moe_fp8_with_next_norm(device):
+    """Routing in the up GEMV, the shared expert folded into the down GEMV, the next norm in its
+    last program: all with FP8 weights."""
+    args, _, _, logits = moe_case(2, 6, 200, 40, 2, (128, 128), (128, 128), 24, device=device)
+    residual, g = (
+        rand(2, 200, dtype=torch.float16, device=device, seed=7),
+        rand(200, dtype=torch.float16, device=device),
+    )
+    add_norm = AddNorm(residual, g, EPS)
+    normed, summed = triton_moe.routed_moe(**args, router_logits=logits, top_k=2, renormalize=True, add_norm=add_norm)
+    cpu = {k: (v if not isinstance(v, torch.Tensor) else v.cpu()) for k, v in args.items()}
+    cpu["shared"] = SharedExpert(*(v.cpu() for v in args["shared"]))
+    ref = moe_naive.routed_moe(
+        **cpu, router_logits=logits.cpu(), top_k=2, renormalize=True, add_norm=AddNorm(residual.cpu(), g.cpu(), EPS)
+    )
+    assert close(summed.cpu(), ref.residual, 4) and close(normed.cpu(), ref.normed, 8)
+
+
+# ---- the model's shapes on the GPU ---------------------------------------------------------------
+# (N8, tail, K): GDN in_proj, attention q_gate | k | v, o_proj / out_proj, MoE in_proj, shared down
+REAL_LINEAR = [(12288, 64, 2048), (9216, 0, 2048), (2048, 0, 4096), (1024, 264, 2048), (2048, 0, 512)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 2048])
+@pytest.mark.parametrize(("n", "tail", "k"), REAL_LINEAR)
+def test_gpu_linear_fp8_real_shapes(m, n, tail, k):
+    q, s = weight(n, k, device="cuda")
+    t = rand(tail, k, device="cuda", scale=k**-0.5) if tail else None
+    x = rand(m, k, device="cuda")
+    out = linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t)
+    ref = naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, quantize_x=m > linear_kernels.MAX_TUNED_TOKENS)
+    assert close(out, ref, 8)
+
+
+@pytest.mark.gpu
+def test_gpu_rms_norm_linear_fp8_moe_in_proj():
+    """The MoE input projection at batch 1: norm fused into the FP8 row GEMV with its 264-row tail."""
+    n, tail, k = 1024, 264, 2048
+    q, s = weight(n, k, device="cuda")
+    t = rand(tail, k, device="cuda", scale=k**-0.5)
+    x, res, g = rand(1, k, device="cuda"), rand(1, k, device="cuda", seed=2), rand(k, device="cuda", scale=0.1)
+    out = linear_kernels.rms_norm_linear(
+        x=x, residual=res, norm_weight=g, eps=EPS, weight=q, weight_scale=s, weight_tail=t, write_normed=True
+    )
+    ref_normed = norm_naive.rms_norm(x=(x.float() + res.float()).to(x.dtype), weight=g, eps=EPS)
+    assert torch.equal(out.normed, ref_normed)
+    assert close(out.out, naive.linear(x=ref_normed, weight=q, weight_scale=s, weight_tail=t))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4, 8, 16, 64, 2048])
+def test_gpu_fused_moe_fp8_real_shapes(t):
+    """256 experts of width 512 over hidden 2048, top-8, the shared expert (width 512) in FP8."""
+    args, weights, ids, logits = moe_case(
+        t, 256, 2048, 512, 8, (128, 128), (128, 128), 512, device="cuda", dtype=torch.bfloat16
+    )
+    out = triton_moe.routed_moe(**args, router_logits=logits, top_k=8, renormalize=True)
+    ref = moe_naive.routed_moe(**args, router_logits=logits, top_k=8, renormalize=True)
+    assert close(out, ref, 8)
+
+
+@pytest.mark.gpu
+def test_gpu_block_scaled_gemm_uses_wgmma():
+    """On sm_90 the prefill GEMM's dots are FP8 wgmma (QGMMA in the SASS's PTX form: wgmma ... e4m3)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("wgmma needs sm_90")
+    q, s = weight(2048, 2048, device="cuda")
+    x = rand(256, 2048, device="cuda")
+    triton_fp8.fp8_linear(x=x, weight=q, weight_scale=s)
+    caches = [part for entry in triton_fp8._fp8_gemm_kernel.device_caches.values() for part in entry]
+    kernels = [k for part in caches if isinstance(part, dict) for k in part.values() if hasattr(k, "asm")]
+    assert kernels and any("wgmma" in k.asm["ptx"] and "e4m3.e4m3" in k.asm["ptx"] for k in kernels)
+
+
+def test_scale_block_read_off_the_shapes():
+    assert fp8_kernels.scale_block(12288, 2048, (96, 16)) == (128, 128)
+    assert fp8_kernels.scale_block(48, 40, (1, 1)) == (64, 64)
+    assert fp8_kernels.scale_block(64, 512, (1, 4)) == (64, 128)
+    assert fp8_kernels.scale_block(100, 256, (2, 16)) == (64, 16)
+    with pytest.raises(ValueError, match="no power-of-two block"):
+        fp8_kernels.scale_block(1000, 256, (3, 2))
+
+
+def test_float8_without_scales_is_an_error():
+    """A float8 weight handed over without its scales (a weight that lost them) is an error, never
+    read as plain values."""
+    q, s = weight(16, 128)
+    x = rand(2, 128)
+    with pytest.raises(ValueError, match="weight_scale"):
+        linear_kernels.linear(x=x, weight=q)
+    with pytest.raises(ValueError, match="weight_tail"):
+        linear_kernels.linear(x=x, weight=x, weight_tail=x)
+    args, weights, ids, _ = moe_case(2, 4, 128, 32, 2, (128, 128), (128, 128), 0, device="cpu")
+    with pytest.raises(ValueError, match="w13_scale"):
+        moe_naive.fused_moe(**{**args, "w13_scale": None, "w2_scale": None}, topk_weights=weights, topk_ids=ids)
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_block_scaled_gemm_split_k(device, split_k):
+    """Decode-batch tiles: K split, the partials summed in split order (bias added once)."""
+    q, s = weight(96, 640, device=device)
+    t = rand(5, 640, device=device, scale=640**-0.5)
+    x, b = rand(20, 640, device=device), rand(101, device=device)
+    cfg = dict(block_m=16, block_n=32, block_k=128, group_m=2, num_warps=4, num_stages=1, split_k=split_k)
+    out = triton_fp8.fp8_linear(x=x, weight=q, weight_scale=s, bias=b, weight_tail=t, config=cfg)
+    again = triton_fp8.fp8_linear(x=x, weight=q, weight_scale=s, bias=b, weight_tail=t, config=cfg)
+    assert torch.equal(out, again)
+    assert close(out, naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, bias=b, quantize_x=True), 8)
+
+
+def test_block_scaled_gemm_tiles_stream_decode_batches():
+    """Up to 256 rows the weight bounds the time: K splits until ~2 programs per SM (o_proj at 64
+    rows: 32 column blocks x 16 splits of 256 columns); prefill sizes take whole-K 128 x 128 tiles."""
+    info = DeviceInfo(H200, 132, 227 * 1024, (9, 0))
+    cfg = triton_fp8.pick_config(64, 2048, 4096, info)
+    assert (cfg["block_m"], cfg["block_n"], cfg["split_k"]) == (64, 64, 16)
+    assert triton_fp8.pick_config(2048, 2048, 4096, info)["split_k"] == 1

@@ -1,0 +1,128 @@
+"""The prefill kernel choices (KernelOptions: prefill_attention, moe_sorted_block_m,
+gdn_chunk_variant) that `bench offline --variants` A/Bs on the GPU: each reaches its op, and the
+SDPA prefill attention gives the paged kernel's logits where it applies (one whole sequence) and
+stays out where it does not (a chunk after cached tokens, several sequences)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from passes import Sequences
+
+from deltaserve.layers.kernels import attention as attn_kernels
+from deltaserve.layers.kernels import gdn as gdn_kernels
+from deltaserve.layers.kernels import moe as moe_kernels
+from deltaserve.layers.kernels.attention import naive as attn_naive
+from deltaserve.layers.kernels.device import H200, DeviceInfo
+from deltaserve.layers.kernels.moe.tiles import sorted_config
+from deltaserve.layers.kernels.options import KernelOptions
+from deltaserve.layers.loader import load_model
+
+SDPA = KernelOptions(prefill_attention="sdpa")
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def moe_model(tiny_checkpoints):
+    return load_model(tiny_checkpoints["qwen3_5_moe"][0])
+
+
+def test_sdpa_prefill_attention_matches_paged(moe_model, monkeypatch):
+    """A whole prompt in one pass takes SDPA over its own keys (counted) and gives the paged
+    kernel's logits; a second chunk (cached tokens before it) and a two-sequence pass do not take it."""
+    taken = []
+    real = attn_naive.causal_sdpa
+    monkeypatch.setattr(attn_naive, "causal_sdpa", lambda **kw: taken.append(kw["q"].shape[0]) or real(**kw))
+    ids = _prompt(37, 1)
+    logits = {}
+    for name, opts in (("paged", KernelOptions()), ("sdpa", SDPA)):
+        seqs = Sequences(moe_model, kernels=opts)
+        seqs.add("a")
+        seqs.add("b")
+        whole = seqs.run([("a", ids)])[0]
+        both = seqs.run([("a", ids[:5]), ("b", ids[:20])])
+        logits[name] = (whole, *both)
+    assert taken == [37, 37]  # two attention layers, the whole prompt only
+    for got, want in zip(logits["sdpa"], logits["paged"], strict=True):
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_causal_sdpa_is_causal_grouped_attention():
+    """causal_sdpa against the paged reference over the same keys written to pages."""
+    g = torch.Generator().manual_seed(0)
+    t, hq, hkv, d, page = 21, 6, 2, 16, 4
+    q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+    pages = -(-t // page)
+    k_cache = torch.zeros(pages, page, hkv, d)
+    v_cache = torch.zeros(pages, page, hkv, d)
+    k_cache.view(-1, hkv, d)[:t], v_cache.view(-1, hkv, d)[:t] = k, v
+    ref = attn_naive.paged_attention(
+        q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=torch.tensor([0, t]), seq_lens=torch.tensor([t]),
+        block_tables=torch.arange(pages)[None], scale=d**-0.5,
+    )  # fmt: skip
+    out = attn_naive.causal_sdpa(q=q, k=k, v=v, scale=d**-0.5)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_prefill_options_reach_their_ops(moe_model, monkeypatch):
+    seen = {}
+    for module, name, key in (
+        (moe_kernels, "routed_moe", "sorted_block_m"),
+        (gdn_kernels, "chunk_gated_delta_rule", "variant"),
+        (attn_kernels, "paged_attention", "own_kv"),
+    ):
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, _key=key, **kwargs):
+            seen.setdefault(_key, []).append(kwargs.get(_key))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    opts = KernelOptions(prefill_attention="sdpa", moe_sorted_block_m=64, gdn_chunk_variant="split32")
+    seqs = Sequences(moe_model, kernels=opts)
+    seqs.add("a")
+    seqs.run([("a", _prompt(9, 2))])
+    assert set(seen["sorted_block_m"]) == {64} and set(seen["variant"]) == {"split32"}
+    assert all(kv is not None for kv in seen["own_kv"])
+
+
+def test_sorted_block_m_picks_the_tile_entry():
+    info = DeviceInfo(H200, 132, 227 * 1024, (9, 0))
+    assert sorted_config(16384, 256, 2, info)["block_m"] == 32  # 64 rows per expert
+    assert sorted_config(16384, 256, 2, info, block_m=64)["block_m"] == 64
+    fp8 = sorted_config(16384, 256, 2, info, fp8=True)
+    assert fp8["up"]["block_k"] == 128 and fp8["down"]["block_k"] == 128
+    with pytest.raises(ValueError, match="sorted_block_m"):
+        sorted_config(16384, 256, 2, info, block_m=48)
+
+
+def test_option_values_are_checked():
+    env = {"DELTASERVE_PREFILL_ATTENTION": "sdpa", "DELTASERVE_MOE_SORTED_BLOCK_M": "64"}
+    assert KernelOptions.from_env(env) == KernelOptions(prefill_attention="sdpa", moe_sorted_block_m=64)
+    assert KernelOptions().with_settings({"gdn_chunk_variant": "fused_pf"}).gdn_chunk_variant == "fused_pf"
+    for settings in ({"prefill_attention": "flash"}, {"moe_sorted_block_m": "48"}, {"gdn_chunk_variant": "x"}):
+        with pytest.raises(ValueError, match=next(iter(settings))):
+            KernelOptions().with_settings(settings)
+
+
+@pytest.mark.gpu
+def test_gpu_sdpa_prefill_matches_the_paged_kernel():
+    """The model's attention shape (16 q heads, 2 kv heads, head dim 256, bf16, pages of 16), one
+    2,048-token sequence: SDPA over its own keys against the paged kernel over the same keys in pages."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t, hq, hkv, d, page = 2048, 16, 2, 256, 16
+    q, k, v = (torch.randn(t, h, d, device="cuda", generator=g).bfloat16() for h in (hq, hkv, hkv))
+    pages = t // page
+    k_cache = k.view(pages, page, hkv, d).contiguous()
+    v_cache = v.view(pages, page, hkv, d).contiguous()
+    args = dict(
+        q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=torch.tensor([0, t], device="cuda", dtype=torch.int32),
+        seq_lens=torch.tensor([t], device="cuda", dtype=torch.int32),
+        block_tables=torch.arange(pages, device="cuda", dtype=torch.int32)[None], scale=d**-0.5,
+    )  # fmt: skip
+    paged = attn_kernels.paged_attention(**args)
+    sdpa = attn_kernels.paged_attention(**args, own_kv=(k, v))
+    assert (sdpa.float() - paged.float()).abs().max().item() < 2e-2
