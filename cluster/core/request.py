@@ -9,12 +9,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deltaserve.workers.plan import GrammarSpec, TokenLogprobs
 
-from .lora import Adapter
 from .prefix_cache import RequestHashes
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # only a field's type: the adapter registry imports torch, the gRPC client must not
+    from .lora import Adapter
 
 
 class RequestStatus(enum.Enum):
