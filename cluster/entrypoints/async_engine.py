@@ -33,6 +33,9 @@ from .metrics import RequestTimer, ServingMetrics
 
 log = logging.getLogger(__name__)
 
+# a healthy driver stops in seconds; one whose Ray cluster died under it never answers
+DRIVER_SHUTDOWN_TIMEOUT_S = 15.0
+
 __all__ = ["AdapterNotFoundError", "AsyncEngine", "EngineUnavailableError", "QueueFullError"]
 
 
@@ -333,9 +336,11 @@ class AsyncEngine:
             from ray.exceptions import RayError
 
             try:
-                await self._driver.shutdown.remote()
+                await asyncio.wait_for(self._driver.shutdown.remote(), DRIVER_SHUTDOWN_TIMEOUT_S)
             except RayError as e:  # the driver actor is gone already: nothing of it to stop
                 log.info("driver actor already gone at shutdown: %s", type(e).__name__)
+            except TimeoutError:  # e.g. a Ctrl-C that reached Ray's own processes: nothing reports the death
+                log.warning("the driver actor did not stop within %.0f s; killing it", DRIVER_SHUTDOWN_TIMEOUT_S)
             finally:
                 with contextlib.suppress(Exception):
                     ray.kill(self._driver)
