@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fp8_checkpoints import make_fp8
+from test_gpu_engine import prompt_logprob_errors
 from tiny_models import VOCAB_SIZE, save_tiny
 
 from deltaserve import LLM, SamplingParams
@@ -49,11 +50,7 @@ def test_fp8_prompt_logprobs_match_cpu(fp8_dir, monkeypatch):
     same = dict(max_num_batched_tokens=97, max_num_seqs=16)
     cpu = LLM(fp8_dir, device="cpu", **same).generate(prompts(), params, use_tqdm=False)
     gpu = LLM(fp8_dir, device="cuda", dtype="float32", **same, **POOL).generate(prompts(), params, use_tqdm=False)
-    errors = []
-    for c, g in zip(cpu, gpu, strict=True):
-        pairs = zip(c.prompt_logprobs[1:], g.prompt_logprobs[1:], strict=True)
-        errors += [abs(a.logprob - b.logprob) for a, b in pairs]
-    errors.sort()
+    errors = sorted(prompt_logprob_errors(cpu, gpu))
     print(f"FP8 GPU vs CPU prompt logprobs: median {errors[len(errors) // 2]:.2e}, max {errors[-1]:.2e}")
     assert errors[len(errors) // 2] < 1e-3 and errors[-1] < 5e-2
 
