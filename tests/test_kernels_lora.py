@@ -124,10 +124,14 @@ EXPERT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("path", ["pairs", "sorted"])
 @pytest.mark.parametrize("tokens,hidden,inter,local,total,top_k,offset,slots,slot_rows", EXPERT_CASES)
-def test_fused_moe_with_expert_deltas(device, tokens, hidden, inter, local, total, top_k, offset, slots, slot_rows):
-    """The sorted path's GEMMs add the grouped (slot, expert) deltas: equal to the reference, and
-    tokens without an adapter get exactly the base experts' output."""
+def test_fused_moe_with_expert_deltas(
+    device, path, tokens, hidden, inter, local, total, top_k, offset, slots, slot_rows
+):
+    """The sorted path's GEMMs add the grouped (slot, expert) deltas, the pairs path's GEMVs their
+    per-pair low-rank form: equal to the reference, and tokens without an adapter get exactly the
+    base experts' output (of the same path)."""
     args, lora, token_slots = expert_case(
         "cpu", tokens=tokens, hidden=hidden, inter=inter, local=local, total=total, top_k=top_k, offset=offset,
         slots=slots, rank=16, slot_rows=slot_rows,
@@ -147,12 +151,71 @@ def test_fused_moe_with_expert_deltas(device, tokens, hidden, inter, local, tota
     deltas = lora_kernels.ExpertDeltas(
         hidden=dev["hidden"], token_slots=token_slots.to(device), weights=dev_lora, expert_offset=offset, triton=True
     )
-    out = tm.fused_moe(**dev, deltas=deltas).cpu()
+    out = tm.fused_moe(**dev, deltas=deltas, path=path).cpu()
     assert not out.isnan().any()
     assert ((out - ref).norm() / ref.norm()).item() < tol(device)
     plain = (token_slots < 0).cpu()
-    base_out = tm.fused_moe(**dev, path="sorted").cpu()
-    assert torch.allclose(out[plain], base_out[plain], atol=1e-6)
+    base_out = tm.fused_moe(**dev, path=path).cpu()
+    assert torch.equal(out[plain], base_out[plain])
+
+
+def test_routed_moe_with_expert_deltas_on_pairs_path(device):
+    """A decode-sized batch with adapters keeps the pairs path: routed there, then the GEMVs with the
+    deltas; the shared expert and the next norm still fold into the down GEMV."""
+    tokens, hidden, inter, local, top_k = 3, 32, 16, 4, 2
+    args, lora, token_slots = expert_case(
+        "cpu", tokens=tokens, hidden=hidden, inter=inter, local=local, total=local, top_k=top_k, offset=0, slots=2,
+        rank=16, slot_rows=[1, -1, 0],
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(tokens, local, generator=g)
+    shared = moe_naive.SharedExpert(
+        gate_up=torch.randn(tokens, 2 * 8, generator=g), w2=torch.randn(hidden, 8, generator=g) * 8**-0.5,
+        gate_logit=torch.randn(tokens, 1, generator=g),
+    )  # fmt: skip
+    add_norm = moe_naive.AddNorm(torch.randn(tokens, hidden, generator=g), torch.randn(hidden, generator=g), 1e-6)
+    base = {k: v for k, v in args.items() if k not in ("topk_weights", "topk_ids")}
+    ref_deltas = lora_kernels.ExpertDeltas(
+        hidden=args["hidden"], token_slots=token_slots, weights=lora, expert_offset=0
+    )
+    ref = moe_naive.routed_moe(
+        **base, router_logits=logits, top_k=top_k, renormalize=True, shared=shared, add_norm=add_norm,
+        deltas=ref_deltas,
+    )  # fmt: skip
+
+    def on(t):
+        if t is None or isinstance(t, float):
+            return t
+        return t.to(device) if torch.is_tensor(t) else type(t)(*(on(x) for x in t))
+
+    dev = {k: on(v) for k, v in base.items() if torch.is_tensor(v)}
+    deltas = lora_kernels.ExpertDeltas(
+        hidden=dev["hidden"], token_slots=token_slots.to(device), weights=on(lora), expert_offset=0, triton=True
+    )
+    out = tm.routed_moe(
+        **dev, router_logits=logits.to(device), top_k=top_k, renormalize=True, shared=on(shared),
+        add_norm=on(add_norm), deltas=deltas,
+    )  # fmt: skip
+    for got, want in zip(out, ref, strict=True):
+        assert ((got.cpu() - want).norm() / want.norm()).item() < tol(device)
+
+
+def test_pair_keys_and_shrink_kernels(device):
+    """The pairs path's key and shrink launches against naive.pair_keys and naive.pair_shrink."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.tensor([[0, 5], [3, 4], [4, 1], [5, 3]])
+    token_slots = torch.tensor([1, -1, 0, 2], dtype=torch.int32)
+    want = naive.pair_keys(token_slots, ids, num_local=3, expert_offset=3)
+    keys = tl_lora.pair_keys(token_slots.to(device), ids.to(device), 3, 3).cpu()
+    assert torch.equal(keys, want)
+    x = torch.randn(4, 40, generator=g)
+    a = torch.randn(9, 32, 40, generator=g)
+    ref = naive.pair_shrink(x, a, want, row_div=2)
+    v = tl_lora.pair_shrink(x.to(device), a.to(device), keys.reshape(-1).to(device), row_div=2).cpu()
+    has = want.reshape(-1) >= 0
+    assert torch.allclose(v[has], ref[has], atol=tol(device), rtol=tol(device))
+    # the reference by hand: pair 1 (token 0, expert 5 -> local 2, slot 1) reads key 5
+    assert torch.allclose(ref[1], a[5] @ x[0], atol=1e-5)
 
 
 def _per_pair(args, lora, token_slots):

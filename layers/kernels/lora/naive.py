@@ -68,3 +68,14 @@ def expert_delta(*, x, a, b, bounds, keys, row_div):
         pairs = torch.nonzero(flat == k).flatten()
         out[pairs] = lora_delta(x[pairs // row_div], a[k], b[k], bounds)
     return out
+
+
+def pair_shrink(x: torch.Tensor, a: torch.Tensor, keys: torch.Tensor, row_div: int) -> torch.Tensor:
+    """The reference of the pairs path's shrink: v [P, RA] float32, pair p's row x[p // row_div]
+    times a[keys[p]] ([G, RA, K]); zero rows for pairs without a key (the GPU leaves them unset)."""
+    flat = keys.reshape(-1).to(torch.int64)
+    acc = acc_dtype(x, a)
+    has = flat >= 0
+    rows = x[torch.arange(flat.shape[0], device=x.device) // row_div].to(acc)
+    v = torch.einsum("pk,prk->pr", rows, a[flat.clamp(min=0)].to(acc))
+    return torch.where(has[:, None], v, torch.zeros_like(v))

@@ -173,3 +173,75 @@ def expert_delta(*, x, a, b, bounds, groups: RowGroups, row_div: int, pdl: bool 
     out = torch.zeros((groups.num_rows, bounds[-1]), dtype=torch.float32, device=x.device)
     expand(shrink(x, a, groups, row_div=row_div, pdl=pdl), b, out, groups, bounds, accumulate=False, pdl=pdl)
     return out
+
+
+@triton.jit
+def _pair_keys_kernel(
+    token_slots, topk_ids, keys, num_pairs, num_local, expert_offset, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """keys[p] = slot * num_local + local expert of routed pair p (token p // TOPK), -1 for a pair
+    without an adapter or routed to another rank's expert (naive.pair_keys)."""
+    pdl_wait(USE_PDL)
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < num_pairs
+    local = tl.load(topk_ids + p, mask=ok, other=0).to(tl.int32) - expert_offset
+    slot = tl.load(token_slots + p // TOPK, mask=ok, other=-1).to(tl.int32)
+    keep = (slot >= 0) & (local >= 0) & (local < num_local)
+    tl.store(keys + p, tl.where(keep, slot * num_local + local, -1), mask=ok)
+
+
+def pair_keys(token_slots: torch.Tensor, topk_ids: torch.Tensor, num_local: int, expert_offset: int, pdl=True):
+    """naive.pair_keys in one launch: [T, top_k] int32."""
+    ids = topk_ids.contiguous()
+    keys = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
+    num_pairs = ids.numel()
+    block = min(1024, max(16, triton.next_power_of_2(num_pairs)))
+    _pair_keys_kernel[(triton.cdiv(num_pairs, block),)](
+        token_slots, ids, keys, num_pairs, num_local, expert_offset, TOPK=ids.shape[1], BLOCK=block, num_warps=4,
+        **pdl_launch(ids, pdl),
+    )  # fmt: skip
+    return keys
+
+
+@triton.jit
+def _pair_shrink_kernel(
+    x, a, v, keys, s_xm, s_ag, s_ar, s_vm, K: tl.constexpr, RA: tl.constexpr, ROW_DIV: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """v[p, r] = x[p // ROW_DIV] . a[keys[p], r] for BLOCK_R of the RA rows of one pair, a GEMV (a
+    decode pass has a handful of pairs, one row each: no grouping); pairs without a key exit (their
+    v rows stay unset: the readers check the key)."""
+    pdl_wait(USE_PDL)
+    p = tl.program_id(0)
+    key = tl.load(keys + p)
+    if key < 0:
+        return
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < RA
+    k = tl.arange(0, BLOCK_K)
+    x_ptr = x + (p // ROW_DIV).to(tl.int64) * s_xm + k
+    a_ptr = a + key.to(tl.int64) * s_ag + r[:, None] * s_ar + k[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        k_ok = k0 + k < K
+        xt = tl.load(x_ptr + k0, mask=k_ok, other=0.0).to(tl.float32)
+        at = tl.load(a_ptr + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += at * xt[None, :]
+    tl.store(v + p.to(tl.int64) * s_vm + r, tl.sum(acc, 1), mask=r_ok)
+
+
+def pair_shrink(x: torch.Tensor, a: torch.Tensor, keys: torch.Tensor, row_div: int, pdl: bool = True) -> torch.Tensor:
+    """v [P, RA] float32 for the P = keys.numel() routed pairs: pair p's row of x (p // row_div)
+    times its key's a [G, RA, K]; rows of pairs without a key (-1) are left unset."""
+    ra, k = a.shape[1], a.shape[2]
+    assert x.shape[1] == k and x.stride(-1) == 1 and a.stride(-1) == 1, "pair_shrink: shapes / contiguous last dims"
+    num_pairs = keys.numel()
+    v = torch.empty((num_pairs, ra), dtype=torch.float32, device=x.device)
+    block_r = min(8, triton.next_power_of_2(ra))
+    block_k = max(16, min(256, triton.next_power_of_2(k)))
+    _pair_shrink_kernel[(num_pairs, triton.cdiv(ra, block_r))](
+        x, a, v, keys, x.stride(0), a.stride(0), a.stride(1), v.stride(0), K=k, RA=ra, ROW_DIV=row_div,
+        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4, **pdl_launch(x, pdl),
+    )  # fmt: skip
+    return v
