@@ -77,6 +77,36 @@ def test_add_lora(device, tokens, k, slot_rows, bounds, rank):
     assert torch.equal(y[:, n:], wide[:, n:]), "columns past the LoRA's rows are not touched"
 
 
+def test_add_lora_glu_gated(device):
+    """The shared expert's down adapter: x = [gate | up] read as silu(gate) * up, the delta under
+    sigmoid(row_gate) (one launch each for shrink and expand, no activation or gate launches)."""
+    g = torch.Generator().manual_seed(2)
+    k, n = 24, 40
+    a, b = slots_weights(g, 2, 16, k, n, 1, ranks=(16, 5))
+    gate_up = torch.randn(7, 2 * k + 3, generator=g)[:, : 2 * k]  # a column slice of a wider projection
+    row_gate = torch.randn(7, 9, generator=g)[:, 4:5]
+    y = torch.randn(7, n, generator=g)
+    slots = torch.tensor([1, -1, 0, 0, 1, -1, 1], dtype=torch.int32)
+    act = torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]
+    want = y.clone().double()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want[t] += torch.sigmoid(row_gate[t].double()) * (b[s].double() @ (a[s].double() @ act[t].double()))
+    ref = naive.add_lora(
+        y=y.clone(), x=gate_up, a=a, b=b, bounds=(0, n), token_slots=slots, glu=True, row_gate=row_gate
+    )
+    assert torch.allclose(ref.double(), want, atol=1e-5)
+    to = dict(device=device)
+    out = y.clone().to(**to)
+    d = slots.to(**to)
+    tl_lora.add_lora(
+        y=out, x=gate_up.to(**to), a=a.to(**to), b=b.to(**to), bounds=(0, n), groups=tl_lora.group_rows(d[:, None], 2),
+        glu=True, row_gate=row_gate.to(**to),
+    )  # fmt: skip
+    assert torch.allclose(out.cpu(), ref, atol=tol(device), rtol=tol(device))
+    assert torch.equal(out.cpu()[slots < 0], y[slots < 0])
+
+
 def test_add_lora_half_precision(device):
     """float16 activations and slots (bf16 stands in): one rounding of the float32 sum."""
     g = torch.Generator().manual_seed(1)

@@ -67,16 +67,21 @@ def add_lora(
     bounds: tuple[int, ...],
     rows: LoraRows,
     pdl: bool = True,
+    glu: bool = False,
+    row_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[t, :N] += b[s, n] . (a[s, slice(n)] @ x[t]) for each row t of slot s = rows.keys[t] >= 0, in place.
 
     Args:
         y: [T, >= N] the projection's output (its last dim contiguous), x's dtype.
-        x: [T, K] the projection's input (last dim contiguous).
+        x: [T, K] the projection's input (last dim contiguous); with glu [T, 2 K].
         a: [S, J * R, K], b: [S, N, R] in x's dtype; R a power of two >= 16.
         bounds: (0, b_1, .., N): output rows [bounds[j], bounds[j + 1]) read slice j (J <= 4).
         rows: lora_rows of the pass's tokens (keys [T], num_keys = S).
         pdl: as lora_rows.
+        glu: x is [gate | up] and the adapter reads silu(gate) * up (float32; a gated MLP's down
+            projection without its activation's launch).
+        row_gate: [T, 1]: row t's delta is scaled by sigmoid(row_gate[t]) (the shared expert's gate).
 
     Returns:
         y, with float32 accumulation and one rounding per element.
@@ -84,8 +89,8 @@ def add_lora(
     if y.is_cuda:
         from .triton_lora import add_lora as impl
 
-        return impl(y=y, x=x, a=a, b=b, bounds=bounds, groups=rows.groups, pdl=pdl)
-    return naive.add_lora(y=y, x=x, a=a, b=b, bounds=bounds, token_slots=rows.keys)
+        return impl(y=y, x=x, a=a, b=b, bounds=bounds, groups=rows.groups, pdl=pdl, glu=glu, row_gate=row_gate)
+    return naive.add_lora(y=y, x=x, a=a, b=b, bounds=bounds, token_slots=rows.keys, glu=glu, row_gate=row_gate)
 
 
 class ExpertDeltas:
