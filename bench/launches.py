@@ -56,12 +56,18 @@ class _TorchOps(TorchDispatchMode):
 @contextlib.contextmanager
 def count_launches(counts: collections.Counter):
     """Inside: Triton launches and kernel-launching torch ops add to counts (name -> launches)."""
+    import triton.runtime.interpreter as interpreter
     import triton.runtime.jit as jit
 
     def run(self, *args, grid, warmup=False, **kwargs):
         counts[f"triton.{self.fn.__name__}"] += 1
 
-    with mock.patch.object(jit.JITFunction, "run", run), _TorchOps(counts):
+    # compiled kernels, and interpreted ones (TRITON_INTERPRET=1, as the CPU tests run)
+    with (
+        mock.patch.object(jit.JITFunction, "run", run),
+        mock.patch.object(interpreter.InterpretedFunction, "run", run),
+        _TorchOps(counts),
+    ):
         yield
 
 
