@@ -124,14 +124,22 @@ def lora_wanted(ctx: ForwardContext | None, slots: LoraProjection | ExpertLoraSl
 
 
 def add_lora(
-    ctx: ForwardContext | None, slots: LoraProjection | None, y: torch.Tensor, x: torch.Tensor
+    ctx: ForwardContext | None,
+    slots: LoraProjection | None,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    glu: bool = False,
+    row_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y (the projection of x) plus each token's adapter delta, in place; y itself when none applies."""
+    """y (the projection of x) plus each token's adapter delta, in place; y itself when none applies.
+    glu / row_gate: as lora_kernels.add_lora (x = [gate | up], the delta under sigmoid(row_gate))."""
     if not lora_wanted(ctx, slots):
         return y
     return lora_kernels.add_lora(
-        y=y, x=x, a=slots.a, b=slots.b, bounds=slots.bounds, rows=ctx.lora.rows, pdl=ctx.kernels.pdl
-    )
+        y=y, x=x, a=slots.a, b=slots.b, bounds=slots.bounds, rows=ctx.lora.rows, pdl=ctx.kernels.pdl, glu=glu,
+        row_gate=row_gate,
+    )  # fmt: skip
 
 
 def expert_deltas(

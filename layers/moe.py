@@ -292,12 +292,10 @@ class SparseMoeBlock(nn.Module):
             pdl=ctx.kernels.pdl,
             deltas=deltas,
         )
-        if shared_lora is not None:  # the shared expert's down adapter, under its sigmoid gate
-            gate_up = proj[:, : self.router_row]
-            inter = self.shared_expert.inter
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            delta = add_lora(ctx, shared_lora, torch.zeros_like(out), act)
-            out = out + torch.sigmoid(proj[:, self.gate_row : self.gate_row + 1]) * delta
+        if shared_lora is not None:  # the shared expert's down adapter on its activation, under its sigmoid gate
+            gate_up = proj[:, : 2 * self.shared_expert.inter]
+            gate = proj[:, self.gate_row : self.gate_row + 1]
+            out = add_lora(ctx, shared_lora, out, gate_up, glu=True, row_gate=gate)
         if fused_norm is not None or add_norm is None and self.layout.tp_size == 1:
             return out
         return moe_kernels.apply_add_norm(all_reduce(out, self.layout), add_norm, ctx.kernels.pdl)

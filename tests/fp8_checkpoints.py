@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import VOCAB_SIZE
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -97,3 +98,20 @@ def make_fp8(src: Path, fp8_dir: Path, twin_dir: Path, ignored: tuple[str, ...] 
         (out_dir / "config.json").write_text(json.dumps(cfg))
         save_file(out, str(out_dir / "model.safetensors"))
     return quant
+
+
+# Engine runs with FP8 weights on the Qwen-shaped tiny MoE (test_fp8_model, test_gpu_fp8_engine).
+# Prefill passes (> 16 rows) quantize activations, and W8A8 is chaotic in the last float32 bits: an
+# activation near a float8 midpoint rounds either way on two correct implementations, which moves its
+# token's MoE output by ~1e-2 (a routing choice further on), and every later layer and token. Measured
+# on the CPU path with relative noise at every activation quantizer's input, median / max prompt-logprob
+# gap: 1e-7 (one ulp): 4e-4 / 4e-2; 1e-6: 4e-3 / 0.13; 1e-5: 1.2e-2 / 0.26; 1e-4: 1.5e-2 / 0.31 (the
+# twin, no activation quantization: 1.6e-2 / 0.32). Bugs in the MoE's quantization give medians of
+# 3.4e-2 (truncating instead of rounding), 7e-2 (scales one group off), 0.25 (scales off by 2).
+PREFILL_MEDIAN_GAP = 2.5e-2
+
+
+def engine_prompts() -> list[list[int]]:
+    """Prompts of 1 to 300 tokens: prefill passes of several sequences and chunks at a 97-token budget."""
+    g = torch.Generator().manual_seed(21)
+    return [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (1, 5, 17, 64, 65, 130, 300, 9)]

@@ -15,3 +15,15 @@ def assert_entries_close(got, want, atol: float = 1e-5, where="") -> None:
         for token in w:
             assert (g[token].rank, g[token].decoded_token) == (w[token].rank, w[token].decoded_token), (where, i)
             assert abs(g[token].logprob - w[token].logprob) <= atol, (where, i, token, g[token], w[token])
+
+
+def prompt_logprob_gaps(a, b) -> list[float]:
+    """|logprob difference| of each prompt token (the first has none) between two runs' outputs, sorted;
+    each position's entry holds the prompt token first."""
+    gaps = []
+    for x, y in zip(a, b, strict=True):
+        assert len(x.prompt_logprobs) == len(y.prompt_logprobs) == len(x.prompt_token_ids)
+        for p, q in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:], strict=True):
+            token, chosen = next(iter(p.items()))
+            gaps.append(abs(chosen.logprob - q[token].logprob))
+    return sorted(gaps)

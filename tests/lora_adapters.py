@@ -88,6 +88,6 @@ def greedy(hf_model, prompt: list[int], steps: int) -> list[int]:
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(steps):
-            logits = hf_model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+            logits = hf_model(torch.tensor([ids], device=hf_model.device), use_cache=False).logits[0, -1]
             ids.append(int(logits.argmax()))
     return ids[len(prompt) :]

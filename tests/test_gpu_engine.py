@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from logprob_checks import prompt_logprob_gaps
 from tiny_models import FAMILIES, VOCAB_SIZE
 
 from deltaserve import LLM, SamplingParams
@@ -57,16 +58,6 @@ def test_first_requests_compile_nothing(tiny_checkpoints):
     assert [r for r, _ in late.events] == []
 
 
-def prompt_logprob_errors(cpu, gpu) -> list[float]:
-    errors = []
-    for c, g in zip(cpu, gpu, strict=True):
-        assert len(c.prompt_logprobs) == len(g.prompt_logprobs) == len(c.prompt_token_ids)
-        for a, b in zip(c.prompt_logprobs[1:], g.prompt_logprobs[1:], strict=True):
-            token, value = next(iter(a.items()))  # the prompt token, scored on both devices
-            errors.append(abs(value.logprob - b[token].logprob))
-    return errors
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cuda_float32_matches_cpu_prompt_logprobs(tiny_checkpoints, family, monkeypatch):
     """Prompt logprobs of the whole GPU path (Triton kernels, chunked prefill, pools) against the CPU
@@ -79,7 +70,7 @@ def test_cuda_float32_matches_cpu_prompt_logprobs(tiny_checkpoints, family, monk
     gpu = LLM(path, device="cuda", dtype="float32", max_num_batched_tokens=97, **POOL).generate(
         prompts(), params, use_tqdm=False
     )
-    assert max(prompt_logprob_errors(cpu, gpu)) < 1e-3
+    assert max(prompt_logprob_gaps(cpu, gpu)) < 1e-3
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -90,7 +81,7 @@ def test_bf16_prompt_logprobs_track_float32(tiny_checkpoints, family):
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     cpu = LLM(path, device="cpu").generate(prompts(), params, use_tqdm=False)
     gpu = LLM(path, device="cuda", **POOL).generate(prompts(), params, use_tqdm=False)
-    errors = sorted(prompt_logprob_errors(cpu, gpu))
+    errors = prompt_logprob_gaps(cpu, gpu)
     median = errors[len(errors) // 2]
     print(f"{family}: bf16 vs float32 prompt logprobs: median {median:.4f}, max {errors[-1]:.4f}")
     # bf16 flips some MoE routing choices (errors up to ~2.4 at those positions): the median is the test

@@ -1,14 +1,15 @@
 """The engine with block-FP8 weights on a CUDA device (skipped on CPU): the FP8 kernels through the
 whole model against the CPU path (which dequantizes, and quantizes activations where the GPU
-does), CUDA-graph decode against eager, and no compile after start-up."""
+does: to float32 rounding where no pass does, within the quantization's last-bits noise where
+prefill passes do), CUDA-graph decode against eager, and no compile after start-up."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from fp8_checkpoints import make_fp8
-from test_gpu_engine import prompt_logprob_errors
-from tiny_models import VOCAB_SIZE, save_tiny
+from fp8_checkpoints import PREFILL_MEDIAN_GAP, engine_prompts, make_fp8
+from logprob_checks import prompt_logprob_gaps
+from tiny_models import save_tiny
 
 from deltaserve import LLM, SamplingParams
 
@@ -34,25 +35,37 @@ def fp8_dir(tmp_path_factory):
     return str(root / "fp8")
 
 
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(21)
-    return [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (1, 5, 17, 64, 65, 130, 300, 9)]
-
-
-def test_fp8_prompt_logprobs_match_cpu(fp8_dir, monkeypatch):
-    """Float32 activations with IEEE dots on both sides: prefill chunks of up to 97 tokens (the
-    W8A8 GEMMs and the sorted MoE) and the rows around them give the CPU path's prompt logprobs;
-    an activation rounded to the other float8 neighbour (their inputs differ in the last bits)
-    moves a logprob by ~1e-2 at most, a wrong scale or row by order one."""
-    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+def gpu_and_cpu(fp8_dir: str, budget: int) -> list[float]:
+    """Prompt-logprob gaps of the GPU (float32 activations, IEEE dots) against the CPU path, the same
+    passes on both sides: which rows quantize their activations is decided per pass."""
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    # the same passes on both sides: which rows quantize their activations is decided per pass
-    same = dict(max_num_batched_tokens=97, max_num_seqs=16)
-    cpu = LLM(fp8_dir, device="cpu", **same).generate(prompts(), params, use_tqdm=False)
-    gpu = LLM(fp8_dir, device="cuda", dtype="float32", **same, **POOL).generate(prompts(), params, use_tqdm=False)
-    errors = sorted(prompt_logprob_errors(cpu, gpu))
-    print(f"FP8 GPU vs CPU prompt logprobs: median {errors[len(errors) // 2]:.2e}, max {errors[-1]:.2e}")
-    assert errors[len(errors) // 2] < 1e-3 and errors[-1] < 5e-2
+    same = dict(max_num_batched_tokens=budget, max_num_seqs=16)
+    prompts = engine_prompts()
+    cpu = LLM(fp8_dir, device="cpu", **same).generate(prompts, params, use_tqdm=False)
+    gpu = LLM(fp8_dir, device="cuda", dtype="float32", **same, **POOL).generate(prompts, params, use_tqdm=False)
+    gaps = prompt_logprob_gaps(cpu, gpu)
+    median = gaps[len(gaps) // 2]
+    print(f"FP8 GPU vs CPU prompt logprobs, {budget}-token passes: median {median:.2e}, max {gaps[-1]:.2e}")
+    return gaps
+
+
+def test_fp8_unquantized_passes_match_cpu(fp8_dir, monkeypatch):
+    """Passes of up to 16 rows (32 routed pairs): every FP8 projection and the MoE's pairs path take
+    x as it is, weights dequantized in registers; float32 throughout, so the CPU path's logprobs to
+    float32 rounding (test_gpu_engine's bound for bf16 weights)."""
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    assert max(gpu_and_cpu(fp8_dir, 16)) < 1e-3
+
+
+def test_fp8_prefill_passes_within_quantization_noise_of_cpu(fp8_dir, monkeypatch):
+    """Passes of up to 97 rows: the W8A8 GEMMs and the sorted MoE quantize activations per 1 x 128
+    group, and activations near a float8 midpoint round either way on the two sides, so the gap is
+    the quantization's last-bits noise (PREFILL_MEDIAN_GAP: the CPU measures its own in
+    test_fp8_model), not float32 rounding; a wrong scale, group or rounding mode exceeds it. The
+    kernels themselves are held to float32 rounding in test_kernels_fp8."""
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    gaps = gpu_and_cpu(fp8_dir, 97)
+    assert gaps[len(gaps) // 2] < PREFILL_MEDIAN_GAP
 
 
 def test_fp8_cuda_graphs_give_the_eager_tokens(fp8_dir, monkeypatch):
@@ -62,8 +75,8 @@ def test_fp8_cuda_graphs_give_the_eager_tokens(fp8_dir, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     eager = LLM(fp8_dir, device="cuda", dtype="float32", enforce_eager=True, max_num_seqs=16, **POOL)
     graphs = LLM(fp8_dir, device="cuda", dtype="float32", max_num_seqs=16, **POOL)
-    a = [o.outputs[0].token_ids for o in eager.generate(prompts(), params, use_tqdm=False)]
-    b = [o.outputs[0].token_ids for o in graphs.generate(prompts(), params, use_tqdm=False)]
+    a = [o.outputs[0].token_ids for o in eager.generate(engine_prompts(), params, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in graphs.generate(engine_prompts(), params, use_tqdm=False)]
     assert a == b
 
 
@@ -72,6 +85,6 @@ def test_fp8_bf16_first_requests_compile_nothing(fp8_dir):
     requests take (decode GEMVs, the activation quantizer, the W8A8 GEMM, the sorted MoE)."""
     llm = LLM(fp8_dir, device="cuda", **POOL)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    outputs = llm.generate(prompts(), params, use_tqdm=False)
+    outputs = llm.generate(engine_prompts(), params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
     assert [r for r, _ in llm.engine.executor.runner.late_compiles.events] == []

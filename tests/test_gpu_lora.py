@@ -4,6 +4,8 @@ give the eager tokens and PEFT's merged model's greedy tokens, adapters and base
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from test_model_vs_transformers import prompt
@@ -36,7 +38,8 @@ def test_add_lora_real_shapes_bf16(tokens):
     x = torch.randn(tokens, h, generator=g, device="cuda").to(torch.bfloat16)
     a = (torch.randn(slots, 3 * rank, h, generator=g, device="cuda") * h**-0.5).to(**bf)
     b = (torch.randn(slots, bounds[-1], rank, generator=g, device="cuda") * 0.1).to(**bf)
-    token_slots = (torch.arange(tokens, device="cuda") % (slots + 4) - 4).clamp(min=-1).to(torch.int32)
+    # row 0 has an adapter (a lone row too); every twelfth row from the ninth has none
+    token_slots = ((torch.arange(tokens, device="cuda") + 4) % (slots + 4) - 4).clamp(min=-1).to(torch.int32)
     y = torch.randn(tokens, bounds[-1], generator=g, device="cuda").to(torch.bfloat16)
     ref = naive.add_lora(
         y=y.float().clone(), x=x.float(), a=a.float(), b=b.float(), bounds=bounds, token_slots=token_slots
@@ -96,4 +99,6 @@ def test_lora_graphs_give_eager_and_peft_tokens(tiny_checkpoints, tmp_path, monk
     a = [o.outputs[0].token_ids for o in eager.generate(rows, params, lora_request=loras, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in graphs.generate(rows, params, lora_request=loras, use_tqdm=False)]
     assert a == b
-    assert a == [greedy(merged if lo else hf, ids, 12) for ids, lo in zip(rows, loras, strict=True)]
+    # the references on the GPU too: the GPU machine has fla, which transformers' CPU forward would call
+    hf_gpu, merged_gpu = copy.deepcopy(hf).to("cuda"), merged.to("cuda")
+    assert a == [greedy(merged_gpu if lo else hf_gpu, ids, 12) for ids, lo in zip(rows, loras, strict=True)]

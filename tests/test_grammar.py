@@ -19,6 +19,7 @@ from deltaserve.cluster.core.sampling_params import SamplingParams, StructuredOu
 from deltaserve.cluster.core.tokenizer import Tokenizer
 from deltaserve.cluster.entrypoints.demo_model import VOCAB_SIZE, ensure_demo_model
 from deltaserve.layers.kernels.bitmask.naive import allowed_tokens
+from deltaserve.workers import grammar as grammar_module
 from deltaserve.workers.grammar import (
     GrammarCompiler,
     RequestGrammar,
@@ -285,3 +286,11 @@ def test_a_grammar_spec_from_msgpack_is_a_grammar_spec():
     point = spec(json=POINT)
     assert SamplingSpec(grammar={"kind": "json", "text": point.text, "any_whitespace": True}).grammar == point
     assert json.loads(point.text) == POINT
+
+
+def test_a_config_without_eos_ids_takes_the_tokenizers_own():
+    """A checkpoint whose config names no EOS id: grammars still compile, ending on the tokenizer's
+    EOS (xgrammar refuses an empty stop list)."""
+    path = ensure_demo_model()
+    info = grammar_module.tokenizer_info(str(path), VOCAB_SIZE, ())
+    assert info.stop_token_ids == [Tokenizer(path).token_to_id("<|endoftext|>")]

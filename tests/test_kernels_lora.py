@@ -77,6 +77,36 @@ def test_add_lora(device, tokens, k, slot_rows, bounds, rank):
     assert torch.equal(y[:, n:], wide[:, n:]), "columns past the LoRA's rows are not touched"
 
 
+def test_add_lora_glu_gated(device):
+    """The shared expert's down adapter: x = [gate | up] read as silu(gate) * up, the delta under
+    sigmoid(row_gate) (one launch each for shrink and expand, no activation or gate launches)."""
+    g = torch.Generator().manual_seed(2)
+    k, n = 24, 40
+    a, b = slots_weights(g, 2, 16, k, n, 1, ranks=(16, 5))
+    gate_up = torch.randn(7, 2 * k + 3, generator=g)[:, : 2 * k]  # a column slice of a wider projection
+    row_gate = torch.randn(7, 9, generator=g)[:, 4:5]
+    y = torch.randn(7, n, generator=g)
+    slots = torch.tensor([1, -1, 0, 0, 1, -1, 1], dtype=torch.int32)
+    act = torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]
+    want = y.clone().double()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want[t] += torch.sigmoid(row_gate[t].double()) * (b[s].double() @ (a[s].double() @ act[t].double()))
+    ref = naive.add_lora(
+        y=y.clone(), x=gate_up, a=a, b=b, bounds=(0, n), token_slots=slots, glu=True, row_gate=row_gate
+    )
+    assert torch.allclose(ref.double(), want, atol=1e-5)
+    to = dict(device=device)
+    out = y.clone().to(**to)
+    d = slots.to(**to)
+    tl_lora.add_lora(
+        y=out, x=gate_up.to(**to), a=a.to(**to), b=b.to(**to), bounds=(0, n), groups=tl_lora.group_rows(d[:, None], 2),
+        glu=True, row_gate=row_gate.to(**to),
+    )  # fmt: skip
+    assert torch.allclose(out.cpu(), ref, atol=tol(device), rtol=tol(device))
+    assert torch.equal(out.cpu()[slots < 0], y[slots < 0])
+
+
 def test_add_lora_half_precision(device):
     """float16 activations and slots (bf16 stands in): one rounding of the float32 sum."""
     g = torch.Generator().manual_seed(1)
@@ -124,10 +154,14 @@ EXPERT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("path", ["pairs", "sorted"])
 @pytest.mark.parametrize("tokens,hidden,inter,local,total,top_k,offset,slots,slot_rows", EXPERT_CASES)
-def test_fused_moe_with_expert_deltas(device, tokens, hidden, inter, local, total, top_k, offset, slots, slot_rows):
-    """The sorted path's GEMMs add the grouped (slot, expert) deltas: equal to the reference, and
-    tokens without an adapter get exactly the base experts' output."""
+def test_fused_moe_with_expert_deltas(
+    device, path, tokens, hidden, inter, local, total, top_k, offset, slots, slot_rows
+):
+    """The sorted path's GEMMs add the grouped (slot, expert) deltas, the pairs path's GEMVs their
+    per-pair low-rank form: equal to the reference, and tokens without an adapter get exactly the
+    base experts' output (of the same path)."""
     args, lora, token_slots = expert_case(
         "cpu", tokens=tokens, hidden=hidden, inter=inter, local=local, total=total, top_k=top_k, offset=offset,
         slots=slots, rank=16, slot_rows=slot_rows,
@@ -147,12 +181,71 @@ def test_fused_moe_with_expert_deltas(device, tokens, hidden, inter, local, tota
     deltas = lora_kernels.ExpertDeltas(
         hidden=dev["hidden"], token_slots=token_slots.to(device), weights=dev_lora, expert_offset=offset, triton=True
     )
-    out = tm.fused_moe(**dev, deltas=deltas).cpu()
+    out = tm.fused_moe(**dev, deltas=deltas, path=path).cpu()
     assert not out.isnan().any()
     assert ((out - ref).norm() / ref.norm()).item() < tol(device)
     plain = (token_slots < 0).cpu()
-    base_out = tm.fused_moe(**dev, path="sorted").cpu()
-    assert torch.allclose(out[plain], base_out[plain], atol=1e-6)
+    base_out = tm.fused_moe(**dev, path=path).cpu()
+    assert torch.equal(out[plain], base_out[plain])
+
+
+def test_routed_moe_with_expert_deltas_on_pairs_path(device):
+    """A decode-sized batch with adapters keeps the pairs path: routed there, then the GEMVs with the
+    deltas; the shared expert and the next norm still fold into the down GEMV."""
+    tokens, hidden, inter, local, top_k = 3, 32, 16, 4, 2
+    args, lora, token_slots = expert_case(
+        "cpu", tokens=tokens, hidden=hidden, inter=inter, local=local, total=local, top_k=top_k, offset=0, slots=2,
+        rank=16, slot_rows=[1, -1, 0],
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(tokens, local, generator=g)
+    shared = moe_naive.SharedExpert(
+        gate_up=torch.randn(tokens, 2 * 8, generator=g), w2=torch.randn(hidden, 8, generator=g) * 8**-0.5,
+        gate_logit=torch.randn(tokens, 1, generator=g),
+    )  # fmt: skip
+    add_norm = moe_naive.AddNorm(torch.randn(tokens, hidden, generator=g), torch.randn(hidden, generator=g), 1e-6)
+    base = {k: v for k, v in args.items() if k not in ("topk_weights", "topk_ids")}
+    ref_deltas = lora_kernels.ExpertDeltas(
+        hidden=args["hidden"], token_slots=token_slots, weights=lora, expert_offset=0
+    )
+    ref = moe_naive.routed_moe(
+        **base, router_logits=logits, top_k=top_k, renormalize=True, shared=shared, add_norm=add_norm,
+        deltas=ref_deltas,
+    )  # fmt: skip
+
+    def on(t):
+        if t is None or isinstance(t, float):
+            return t
+        return t.to(device) if torch.is_tensor(t) else type(t)(*(on(x) for x in t))
+
+    dev = {k: on(v) for k, v in base.items() if torch.is_tensor(v)}
+    deltas = lora_kernels.ExpertDeltas(
+        hidden=dev["hidden"], token_slots=token_slots.to(device), weights=on(lora), expert_offset=0, triton=True
+    )
+    out = tm.routed_moe(
+        **dev, router_logits=logits.to(device), top_k=top_k, renormalize=True, shared=on(shared),
+        add_norm=on(add_norm), deltas=deltas,
+    )  # fmt: skip
+    for got, want in zip(out, ref, strict=True):
+        assert ((got.cpu() - want).norm() / want.norm()).item() < tol(device)
+
+
+def test_pair_keys_and_shrink_kernels(device):
+    """The pairs path's key and shrink launches against naive.pair_keys and naive.pair_shrink."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.tensor([[0, 5], [3, 4], [4, 1], [5, 3]])
+    token_slots = torch.tensor([1, -1, 0, 2], dtype=torch.int32)
+    want = naive.pair_keys(token_slots, ids, num_local=3, expert_offset=3)
+    keys = tl_lora.pair_keys(token_slots.to(device), ids.to(device), 3, 3).cpu()
+    assert torch.equal(keys, want)
+    x = torch.randn(4, 40, generator=g)
+    a = torch.randn(9, 32, 40, generator=g)
+    ref = naive.pair_shrink(x, a, want, row_div=2)
+    v = tl_lora.pair_shrink(x.to(device), a.to(device), keys.reshape(-1).to(device), row_div=2).cpu()
+    has = want.reshape(-1) >= 0
+    assert torch.allclose(v[has], ref[has], atol=tol(device), rtol=tol(device))
+    # the reference by hand: pair 1 (token 0, expert 5 -> local 2, slot 1) reads key 5
+    assert torch.allclose(ref[1], a[5] @ x[0], atol=1e-5)
 
 
 def _per_pair(args, lora, token_slots):

@@ -106,7 +106,9 @@ def tokenizer_info(tokenizer_dir: str, vocab_size: int, stop_token_ids: tuple[in
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path))
-    return _xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+    # a config without EOS ids: xgrammar finds the tokenizer's own (it refuses an empty list)
+    stops = list(stop_token_ids) or None
+    return _xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
 
 
 class GrammarCompiler:

@@ -181,6 +181,9 @@ class ModelRunner:
                         dtype=np.int32,
                     )
                     self._forward(plan, pool)
+                    if new >= 80:  # replays of 16 tokens and of 1: Triton's other integer classes
+                        plan.captures[:, 1] = (65, 80)
+                        self._forward(plan, pool)
 
     def allocate(self, sizes: PoolSizes) -> None:
         """Allocate the pools (the same sizes on every rank); from here on a Triton compile is logged

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..moe.naive import PairLowRank
 from . import naive
 from .naive import pair_keys
 
@@ -66,16 +67,21 @@ def add_lora(
     bounds: tuple[int, ...],
     rows: LoraRows,
     pdl: bool = True,
+    glu: bool = False,
+    row_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[t, :N] += b[s, n] . (a[s, slice(n)] @ x[t]) for each row t of slot s = rows.keys[t] >= 0, in place.
 
     Args:
         y: [T, >= N] the projection's output (its last dim contiguous), x's dtype.
-        x: [T, K] the projection's input (last dim contiguous).
+        x: [T, K] the projection's input (last dim contiguous); with glu [T, 2 K].
         a: [S, J * R, K], b: [S, N, R] in x's dtype; R a power of two >= 16.
         bounds: (0, b_1, .., N): output rows [bounds[j], bounds[j + 1]) read slice j (J <= 4).
         rows: lora_rows of the pass's tokens (keys [T], num_keys = S).
         pdl: as lora_rows.
+        glu: x is [gate | up] and the adapter reads silu(gate) * up (float32; a gated MLP's down
+            projection without its activation's launch).
+        row_gate: [T, 1]: row t's delta is scaled by sigmoid(row_gate[t]) (the shared expert's gate).
 
     Returns:
         y, with float32 accumulation and one rounding per element.
@@ -83,8 +89,8 @@ def add_lora(
     if y.is_cuda:
         from .triton_lora import add_lora as impl
 
-        return impl(y=y, x=x, a=a, b=b, bounds=bounds, groups=rows.groups, pdl=pdl)
-    return naive.add_lora(y=y, x=x, a=a, b=b, bounds=bounds, token_slots=rows.keys)
+        return impl(y=y, x=x, a=a, b=b, bounds=bounds, groups=rows.groups, pdl=pdl, glu=glu, row_gate=row_gate)
+    return naive.add_lora(y=y, x=x, a=a, b=b, bounds=bounds, token_slots=rows.keys, glu=glu, row_gate=row_gate)
 
 
 class ExpertDeltas:
@@ -108,11 +114,19 @@ class ExpertDeltas:
         self.triton = hidden.is_cuda if triton is None else triton
         self.rows: LoraRows | None = None
 
+    def _keys(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        experts = self.weights.b13.shape[1]
+        if self.triton:
+            from .triton_lora import pair_keys as keys_impl
+
+            return keys_impl(self.token_slots, topk_ids, experts, self.expert_offset, self.pdl)
+        return pair_keys(self.token_slots, topk_ids, experts, self.expert_offset)
+
     def gate_up(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """[P, 2 * I_local] float32 (pair p = token * top_k + k; zero for pairs without an adapter)."""
         w = self.weights
         slots, experts, inter2, rank = w.b13.shape
-        keys = pair_keys(self.token_slots, topk_ids, experts, self.expert_offset)
+        keys = self._keys(topk_ids)
         groups = None
         if self.triton:
             from .triton_lora import group_rows
@@ -130,6 +144,32 @@ class ExpertDeltas:
         a = w.a2.reshape(slots * experts, rank, -1)
         b = w.b2.reshape(slots * experts, hidden, rank)
         return self._delta(act, a, b, (0, hidden), 1)
+
+    def low_rank_gate_up(self, topk_ids: torch.Tensor) -> PairLowRank:
+        """The gate / up deltas in low-rank form (the pairs path's GEMVs expand them): each pair's
+        key, its x row times its key's gate and up A ([P, 2R] float32), and the B [S * E, 2 * I_local, R]."""
+        w = self.weights
+        slots, experts, inter2, rank = w.b13.shape
+        keys = self._keys(topk_ids).reshape(-1)
+        self.rows = LoraRows(keys, slots * experts, None)
+        a = w.a13.reshape(slots * experts, 2 * rank, -1)
+        return PairLowRank(keys, self._pair_shrink(self.hidden, a, keys, topk_ids.shape[1]), w.b13.flatten(0, 1))
+
+    def low_rank_down(self, act: torch.Tensor) -> PairLowRank:
+        """The down deltas in low-rank form from the pairs' activations act [P, I_local] (after
+        low_rank_gate_up): [P, R] float32 and the B [S * E, H, R]."""
+        assert self.rows is not None, "ExpertDeltas.low_rank_gate_up runs before low_rank_down"
+        w = self.weights
+        keys = self.rows.keys
+        a = w.a2.flatten(0, 1)
+        return PairLowRank(keys, self._pair_shrink(act, a, keys, 1), w.b2.flatten(0, 1))
+
+    def _pair_shrink(self, x, a, keys, row_div) -> torch.Tensor:
+        if self.triton:
+            from .triton_lora import pair_shrink
+
+            return pair_shrink(x, a, keys, row_div, self.pdl)
+        return naive.pair_shrink(x, a, keys, row_div)
 
     def _delta(self, x, a, b, bounds, row_div) -> torch.Tensor:
         assert self.rows is not None, "ExpertDeltas.gate_up runs before down"

@@ -10,6 +10,7 @@ b[s, n] . (a[s, j * R : (j + 1) * R] @ x). Tokens of slot -1 have no adapter.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..precision import acc_dtype
 
@@ -35,14 +36,22 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[
     return out
 
 
-def add_lora(*, y, x, a, b, bounds, token_slots):
-    """The reference of lora.add_lora: y[:, :bounds[-1]] += each token's adapter delta, in place."""
+def add_lora(*, y, x, a, b, bounds, token_slots, glu=False, row_gate=None):
+    """The reference of lora.add_lora: y[:, :bounds[-1]] += each token's adapter delta, in place
+    (glu: of silu(gate) * up of x = [gate | up]; row_gate: times sigmoid(row_gate[t]))."""
     n = bounds[-1]
     for s in torch.unique(token_slots).tolist():
         if s < 0:
             continue
         rows = torch.nonzero(token_slots == s).flatten()
-        delta = lora_delta(x[rows], a[s], b[s], bounds)
+        xs = x[rows]
+        if glu:
+            acc = acc_dtype(x, a, b)
+            half = xs.shape[1] // 2
+            xs = F.silu(xs[:, :half].to(acc)) * xs[:, half:].to(acc)
+        delta = lora_delta(xs, a[s], b[s], bounds)
+        if row_gate is not None:
+            delta = delta * torch.sigmoid(row_gate[rows].to(delta.dtype))
         y[rows, :n] = (y[rows, :n].to(delta.dtype) + delta).to(y.dtype)
     return y
 
@@ -68,3 +77,14 @@ def expert_delta(*, x, a, b, bounds, keys, row_div):
         pairs = torch.nonzero(flat == k).flatten()
         out[pairs] = lora_delta(x[pairs // row_div], a[k], b[k], bounds)
     return out
+
+
+def pair_shrink(x: torch.Tensor, a: torch.Tensor, keys: torch.Tensor, row_div: int) -> torch.Tensor:
+    """The reference of the pairs path's shrink: v [P, RA] float32, pair p's row x[p // row_div]
+    times a[keys[p]] ([G, RA, K]); zero rows for pairs without a key (the GPU leaves them unset)."""
+    flat = keys.reshape(-1).to(torch.int64)
+    acc = acc_dtype(x, a)
+    has = flat >= 0
+    rows = x[torch.arange(flat.shape[0], device=x.device) // row_div].to(acc)
+    v = torch.einsum("pk,prk->pr", rows, a[flat.clamp(min=0)].to(acc))
+    return torch.where(has[:, None], v, torch.zeros_like(v))

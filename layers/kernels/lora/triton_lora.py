@@ -65,9 +65,11 @@ def _block_rows(sorted_ids, block_key, num_padded, num_rows, BLOCK_M: tl.constex
 def _shrink_kernel(
     x, a, v, sorted_ids, block_key, num_padded, num_rows, s_xm, s_ag, s_ar, s_vm, K: tl.constexpr,
     RA: tl.constexpr, ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    GLU: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """v[m, r] = x[m // ROW_DIV] . a[key, r] for one block of rows of one key and BLOCK_R of its RA rows."""
+    """v[m, r] = x[m // ROW_DIV] . a[key, r] for one block of rows of one key and BLOCK_R of its RA rows.
+    GLU: x's rows are [gate | up] (2 K wide) and the input is silu(gate) * up (float32, rounded to
+    x's dtype once, as a separate activation kernel would store it)."""
     pdl_wait(USE_PDL)
     used, key, m, m_ok = _block_rows(sorted_ids, block_key, num_padded, num_rows, BLOCK_M)
     if not used:
@@ -82,7 +84,12 @@ def _shrink_kernel(
         k_ok = k0 + k < K
         xt = tl.load(x_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         at = tl.load(a_ptr, mask=r_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(xt, at.to(xt.dtype), acc)
+        if GLU:
+            gt = xt.to(tl.float32)
+            ut = tl.load(x_ptr + K, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc = tl.dot((gt * tl.sigmoid(gt) * ut).to(xt.dtype), at.to(xt.dtype), acc)
+        else:
+            acc = tl.dot(xt, at.to(xt.dtype), acc)
         x_ptr += BLOCK_K
         a_ptr += BLOCK_K
     tl.store(v + m.to(tl.int64)[:, None] * s_vm + r[None, :], acc, mask=m_ok[:, None] & r_ok[None, :])
@@ -92,11 +99,12 @@ def _shrink_kernel(
 @triton.jit(do_not_specialize=["num_rows"])
 def _expand_kernel(
     v, b, y, sorted_ids, block_key, num_padded, num_rows, s_vm, s_bg, s_bn, s_ym, bound1, bound2, bound3,
-    N: tl.constexpr, R: tl.constexpr, NUM_SLICES: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    row_gate, s_gm, N: tl.constexpr, R: tl.constexpr, NUM_SLICES: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """y[m, n] (+)= b[key, n] . v[m, slice(n) * R : slice(n) * R + R] for one block of rows of one key
-    and BLOCK_N output rows; slice(n) counts the bounds at or below n."""
+    and BLOCK_N output rows; slice(n) counts the bounds at or below n. GATED: the delta of row m is
+    scaled by sigmoid(row_gate[m]) (rows of stride s_gm) first."""
     pdl_wait(USE_PDL)
     used, key, m, m_ok = _block_rows(sorted_ids, block_key, num_padded, num_rows, BLOCK_M)
     if not used:
@@ -114,6 +122,8 @@ def _expand_kernel(
         if NUM_SLICES > 1:
             part = tl.where((which == j)[None, :], part, 0.0)
         acc += part
+    if GATED:
+        acc *= tl.sigmoid(tl.load(row_gate + m.to(tl.int64) * s_gm, mask=m_ok, other=0.0).to(tl.float32))[:, None]
     dst = y + m.to(tl.int64)[:, None] * s_ym + n[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
     if ACCUMULATE:
@@ -121,10 +131,14 @@ def _expand_kernel(
     tl.store(dst, acc.to(y.dtype.element_ty), mask=ok)
 
 
-def shrink(x: torch.Tensor, a: torch.Tensor, groups: RowGroups, row_div: int = 1, pdl: bool = True) -> torch.Tensor:
-    """v [num_rows, RA] float32: each grouped row's x row (row // row_div) times its key's a [G, RA, K]."""
+def shrink(
+    x: torch.Tensor, a: torch.Tensor, groups: RowGroups, row_div: int = 1, pdl: bool = True, glu: bool = False
+) -> torch.Tensor:
+    """v [num_rows, RA] float32: each grouped row's x row (row // row_div) times its key's a [G, RA, K];
+    glu: x [T, 2 K] is [gate | up] and the row read is silu(gate) * up."""
     ra, k = a.shape[1], a.shape[2]
-    assert x.shape[1] == k and x.stride(-1) == 1 and a.stride(-1) == 1, "shrink: shapes / contiguous last dims"
+    assert x.shape[1] == k * (2 if glu else 1), "shrink: x's width"
+    assert x.stride(-1) == 1 and a.stride(-1) == 1, "shrink: contiguous last dims"
     v = torch.empty((groups.num_rows, ra), dtype=torch.float32, device=x.device)
     block_r = max(16, min(64, triton.next_power_of_2(ra)))
     block_k = max(16, min(128, triton.next_power_of_2(k)))
@@ -132,7 +146,7 @@ def shrink(x: torch.Tensor, a: torch.Tensor, groups: RowGroups, row_div: int = 1
     _shrink_kernel[grid](
         x, a, v, groups.sorted_ids, groups.block_key, groups.num_padded, groups.num_rows, x.stride(0), a.stride(0),
         a.stride(1), v.stride(0), K=k, RA=ra, ROW_DIV=row_div, BLOCK_M=groups.block_m, BLOCK_R=block_r,
-        BLOCK_K=block_k, num_warps=4, **pdl_launch(x, pdl),
+        BLOCK_K=block_k, GLU=glu, num_warps=4, **pdl_launch(x, pdl),
     )  # fmt: skip
     return v
 
@@ -145,8 +159,10 @@ def expand(
     bounds: tuple[int, ...],
     accumulate: bool,
     pdl: bool = True,
+    row_gate: torch.Tensor | None = None,
 ) -> None:
-    """y[row, :bounds[-1]] (+)= each grouped row's delta from v (shrink's output) and b [G, N, R]."""
+    """y[row, :bounds[-1]] (+)= each grouped row's delta from v (shrink's output) and b [G, N, R],
+    scaled by sigmoid(row_gate[row]) ([T, 1]) when given."""
     n, rank = bounds[-1], b.shape[2]
     slices = len(bounds) - 1
     assert 1 <= slices <= MAX_SLICES and b.shape[1] == n and v.shape[1] == slices * rank, "expand: shapes"
@@ -157,14 +173,16 @@ def expand(
     grid = (groups.block_key.shape[0], triton.cdiv(n, block_n))
     _expand_kernel[grid](
         v, b, y, groups.sorted_ids, groups.block_key, groups.num_padded, groups.num_rows, v.stride(0), b.stride(0),
-        b.stride(1), y.stride(0), *inner[:3], N=n, R=rank, NUM_SLICES=slices, ACCUMULATE=accumulate,
-        BLOCK_M=groups.block_m, BLOCK_N=block_n, num_warps=4, **pdl_launch(v, pdl),
+        b.stride(1), y.stride(0), *inner[:3], v if row_gate is None else row_gate,
+        0 if row_gate is None else row_gate.stride(0), N=n, R=rank, NUM_SLICES=slices, ACCUMULATE=accumulate,
+        BLOCK_M=groups.block_m, BLOCK_N=block_n, GATED=row_gate is not None, num_warps=4, **pdl_launch(v, pdl),
     )  # fmt: skip
 
 
-def add_lora(*, y, x, a, b, bounds, groups: RowGroups, pdl: bool = True):
+def add_lora(*, y, x, a, b, bounds, groups: RowGroups, pdl: bool = True, glu: bool = False, row_gate=None):
     """lora.add_lora on CUDA (and under the interpreter): shrink, then expand into y in place."""
-    expand(shrink(x, a, groups, pdl=pdl), b, y, groups, bounds, accumulate=True, pdl=pdl)
+    v = shrink(x, a, groups, pdl=pdl, glu=glu)
+    expand(v, b, y, groups, bounds, accumulate=True, pdl=pdl, row_gate=row_gate)
     return y
 
 
@@ -173,3 +191,75 @@ def expert_delta(*, x, a, b, bounds, groups: RowGroups, row_div: int, pdl: bool 
     out = torch.zeros((groups.num_rows, bounds[-1]), dtype=torch.float32, device=x.device)
     expand(shrink(x, a, groups, row_div=row_div, pdl=pdl), b, out, groups, bounds, accumulate=False, pdl=pdl)
     return out
+
+
+@triton.jit
+def _pair_keys_kernel(
+    token_slots, topk_ids, keys, num_pairs, num_local, expert_offset, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """keys[p] = slot * num_local + local expert of routed pair p (token p // TOPK), -1 for a pair
+    without an adapter or routed to another rank's expert (naive.pair_keys)."""
+    pdl_wait(USE_PDL)
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < num_pairs
+    local = tl.load(topk_ids + p, mask=ok, other=0).to(tl.int32) - expert_offset
+    slot = tl.load(token_slots + p // TOPK, mask=ok, other=-1).to(tl.int32)
+    keep = (slot >= 0) & (local >= 0) & (local < num_local)
+    tl.store(keys + p, tl.where(keep, slot * num_local + local, -1), mask=ok)
+
+
+def pair_keys(token_slots: torch.Tensor, topk_ids: torch.Tensor, num_local: int, expert_offset: int, pdl=True):
+    """naive.pair_keys in one launch: [T, top_k] int32."""
+    ids = topk_ids.contiguous()
+    keys = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
+    num_pairs = ids.numel()
+    block = min(1024, max(16, triton.next_power_of_2(num_pairs)))
+    _pair_keys_kernel[(triton.cdiv(num_pairs, block),)](
+        token_slots, ids, keys, num_pairs, num_local, expert_offset, TOPK=ids.shape[1], BLOCK=block, num_warps=4,
+        **pdl_launch(ids, pdl),
+    )  # fmt: skip
+    return keys
+
+
+@triton.jit
+def _pair_shrink_kernel(
+    x, a, v, keys, s_xm, s_ag, s_ar, s_vm, K: tl.constexpr, RA: tl.constexpr, ROW_DIV: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """v[p, r] = x[p // ROW_DIV] . a[keys[p], r] for BLOCK_R of the RA rows of one pair, a GEMV (a
+    decode pass has a handful of pairs, one row each: no grouping); pairs without a key exit (their
+    v rows stay unset: the readers check the key)."""
+    pdl_wait(USE_PDL)
+    p = tl.program_id(0)
+    key = tl.load(keys + p)
+    if key < 0:
+        return
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < RA
+    k = tl.arange(0, BLOCK_K)
+    x_ptr = x + (p // ROW_DIV).to(tl.int64) * s_xm + k
+    a_ptr = a + key.to(tl.int64) * s_ag + r[:, None] * s_ar + k[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        k_ok = k0 + k < K
+        xt = tl.load(x_ptr + k0, mask=k_ok, other=0.0).to(tl.float32)
+        at = tl.load(a_ptr + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += at * xt[None, :]
+    tl.store(v + p.to(tl.int64) * s_vm + r, tl.sum(acc, 1), mask=r_ok)
+
+
+def pair_shrink(x: torch.Tensor, a: torch.Tensor, keys: torch.Tensor, row_div: int, pdl: bool = True) -> torch.Tensor:
+    """v [P, RA] float32 for the P = keys.numel() routed pairs: pair p's row of x (p // row_div)
+    times its key's a [G, RA, K]; rows of pairs without a key (-1) are left unset."""
+    ra, k = a.shape[1], a.shape[2]
+    assert x.shape[1] == k and x.stride(-1) == 1 and a.stride(-1) == 1, "pair_shrink: shapes / contiguous last dims"
+    num_pairs = keys.numel()
+    v = torch.empty((num_pairs, ra), dtype=torch.float32, device=x.device)
+    block_r = min(8, triton.next_power_of_2(ra))
+    block_k = max(16, min(256, triton.next_power_of_2(k)))
+    _pair_shrink_kernel[(num_pairs, triton.cdiv(ra, block_r))](
+        x, a, v, keys, x.stride(0), a.stride(0), a.stride(1), v.stride(0), K=k, RA=ra, ROW_DIV=row_div,
+        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4, **pdl_launch(x, pdl),
+    )  # fmt: skip
+    return v

@@ -11,11 +11,11 @@ import torch
 
 from ..options import KernelOptions
 from . import naive
-from .naive import PAIRS_PATH_MAX, AddNorm, NormedOut, PairDeltas, SharedExpert, apply_add_norm
+from .naive import PAIRS_PATH_MAX, AddNorm, NormedOut, PairDeltas, PairLowRank, SharedExpert, apply_add_norm
 
 __all__ = [
-    "PAIRS_PATH_MAX", "AddNorm", "NormedOut", "PairDeltas", "SharedExpert", "apply_add_norm", "fused_moe",
-    "route_topk_softmax", "routed_moe",
+    "PAIRS_PATH_MAX", "AddNorm", "NormedOut", "PairDeltas", "PairLowRank", "SharedExpert", "apply_add_norm",
+    "fused_moe", "route_topk_softmax", "routed_moe",
 ]  # fmt: skip
 
 
@@ -70,7 +70,7 @@ def fused_moe(
             kernel on CUDA (rows up to fused_norm.MAX_NORM_HIDDEN wide; else the norm kernel).
         pdl: CUDA: launch under programmatic dependent launch (sm_90+).
         deltas: per-pair additions to the gate / up and down projections (the experts' LoRA
-            adapters, kernels/lora); CUDA: the sorted path runs.
+            adapters, kernels/lora); CUDA: the pairs path's GEMVs take them in low-rank form.
 
     Returns:
         [T, H] in hidden's dtype; with add_norm, NormedOut(normed, residual) of it.

@@ -47,15 +47,32 @@ class NormedOut(NamedTuple):
     residual: torch.Tensor
 
 
+class PairLowRank(NamedTuple):
+    """A low-rank addition per routed pair, for the pairs path's GEMVs: pair p with keys[p] >= 0 adds
+    b[keys[p], n] . v[p, j * R : j * R + R] to its output row n of slice j (gate_up: the gate rows
+    read slice 0, the up rows slice 1; down: one slice). keys [P] int32 (-1: none; v's row unset),
+    v [P, J * R] float32, b [G, N, R] with R a power of two."""
+
+    keys: torch.Tensor
+    v: torch.Tensor
+    b: torch.Tensor
+
+
 class PairDeltas(Protocol):
     """Additions to each routed pair's projections inside the experts (the experts' LoRA adapters,
     kernels/lora): `gate_up(topk_ids)` [P, 2 * I] is added to the pair's gate / up projection before
     the activation, then `down(act)` [P, H] (from the pairs' activations [P, I]) to its down projection
-    before the routing weight. Pair p = token * top_k + k; pairs routed to other ranks are never read."""
+    before the routing weight. Pair p = token * top_k + k; pairs routed to other ranks are never read.
+    The pairs path (CUDA, decode sizes) takes the same additions in low-rank form instead, which its
+    GEMVs expand: `low_rank_gate_up(topk_ids)`, then `low_rank_down(act)`."""
 
     def gate_up(self, topk_ids: torch.Tensor) -> torch.Tensor: ...
 
     def down(self, act: torch.Tensor) -> torch.Tensor: ...
+
+    def low_rank_gate_up(self, topk_ids: torch.Tensor) -> PairLowRank: ...
+
+    def low_rank_down(self, act: torch.Tensor) -> PairLowRank: ...
 
 
 def apply_add_norm(out: torch.Tensor, add_norm: AddNorm | None, pdl: bool = True) -> torch.Tensor | NormedOut:
@@ -106,16 +123,16 @@ def fused_moe(
     w2_scale=None, deltas=None, quantize: bool | None = None,
 ):  # fmt: skip
     """The reference of moe.fused_moe: float32 throughout, one rounding at the end. FP8 weights
-    (w13_scale / w2_scale: their block scales) are dequantized; above PAIRS_PATH_MAX routed pairs,
-    or with deltas (the GPU then takes the sorted path), the expert inputs (x, and silu(gate) * up)
-    are quantized per row and 1 x 128 group first and the shared expert's down projection takes
-    linear's path for its rows, as on the GPU (`quantize` forces the choice: the reference of a
-    path the test forced). The deltas read the unquantized activations."""
+    (w13_scale / w2_scale: their block scales) are dequantized; above PAIRS_PATH_MAX routed pairs
+    (the GPU's sorted path) the expert inputs (x, and silu(gate) * up) are quantized per row and
+    1 x 128 group first and the shared expert's down projection takes linear's path for its rows,
+    as on the GPU (`quantize` forces the choice: the reference of a path the test forced). The
+    deltas read the unquantized activations."""
     check_fp8(w13, w2, w13_scale, w2_scale)
     num_local, inter = w13.shape[0], w2.shape[2]
     acc = acc_dtype(hidden)
     if quantize is None:
-        quantize = deltas is not None or topk_ids.numel() > PAIRS_PATH_MAX
+        quantize = topk_ids.numel() > PAIRS_PATH_MAX
     quantize = quantize and w13_scale is not None
     out = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
     local_ids = topk_ids - expert_offset

@@ -18,17 +18,30 @@ from ..norm.triton_norm import add_rms_norm_row
 from ..pdl import pdl_launch, pdl_wait
 from ..tickets import last_to_arrive
 from .fused_norm import norm_kernel_args
-from .naive import SharedExpert
+from .naive import PairLowRank, SharedExpert
 from .router import _pair_expert, _topk_softmax
+
+
+@triton.jit
+def _low_rank(keys, v, b, s_v, s_bg, s_bn, pair, n, n_ok, V_OFFSET: tl.constexpr, R: tl.constexpr):
+    """[len(n)] float32: b[key, n] . v[pair, V_OFFSET : V_OFFSET + R] of the pair's key, zero
+    without one (an empty rank range rather than a scalar mask, which the interpreter mistypes)."""
+    key = tl.load(keys + pair)
+    r = tl.arange(0, R)
+    r_ok = r < tl.where(key >= 0, R, 0)
+    vr = tl.load(v + pair.to(tl.int64) * s_v + V_OFFSET + r, mask=r_ok, other=0.0)
+    b_ptr = b + tl.maximum(key, 0).to(tl.int64) * s_bg + n[:, None].to(tl.int64) * s_bn + r[None, :]
+    br = tl.load(b_ptr, mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+    return tl.sum(br * vr[None, :], 1)
 
 
 @triton.jit
 def _up_gemv_kernel(
     hidden, w13, act, topk_ids, expert_offset, num_experts, s_ht, s_we, s_wn, s_at, router_logits, topk_weights,
-    num_routed, s_lt, w13_scale, s_se, s_sn, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUTE: tl.constexpr, TOPK_P: tl.constexpr,
-    RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
-    SCALE_K: tl.constexpr, USE_PDL: tl.constexpr,
+    num_routed, s_lt, w13_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr,
+    INTER: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUTE: tl.constexpr,
+    TOPK_P: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, FP8: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n] = silu(x . gate[n]) * (x . up[n]) for BLOCK_N rows n of one pair's expert.
     ROUTE: the router's work too, so its launch goes. Each program finds its pair's expert from its
@@ -40,7 +53,10 @@ def _up_gemv_kernel(
     them). The K loop is unrolled and accumulates [BLOCK_N, BLOCK_K] partial products, reduced once
     at the end, so no barrier separates one chunk's loads from the next.
     FP8: w13 is float8 with block scales w13_scale [E, rows / SCALE_N, HIDDEN / SCALE_K] (strides
-    s_se, s_sn), widened and scaled in registers."""
+    s_se, s_sn), widened and scaled in registers.
+    LORA_RANK > 0: the pair's low-rank delta (moe.PairLowRank: lora_keys, lora_v rows of stride
+    s_lv, lora_b [G, 2 * INTER, LORA_RANK] of strides s_lg, s_ln) joins gate and up before the
+    activation."""
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
     if ROUTE:
@@ -109,7 +125,11 @@ def _up_gemv_kernel(
         acc_g += g * xg[None, :]
         acc_u += u * xu[None, :]
     gate = tl.sum(acc_g, 1)
-    h = gate * tl.sigmoid(gate) * tl.sum(acc_u, 1)
+    up = tl.sum(acc_u, 1)
+    if LORA_RANK > 0:
+        gate += _low_rank(lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pair, n, n_ok, 0, LORA_RANK)
+        up += _low_rank(lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pair, n + INTER, n_ok, LORA_RANK, LORA_RANK)
+    h = gate * tl.sigmoid(gate) * up
     tl.store(act + pair.to(tl.int64) * s_at + n, h.to(act.dtype.element_ty), mask=n_ok)
 
 
@@ -117,10 +137,11 @@ def _up_gemv_kernel(
 def _down_gemv_kernel(
     act, w2, out, topk_weights, topk_ids, expert_offset, num_experts, s_at, s_we, s_wn, s_ot, shared_gate_up, shared_w2,
     shared_gate_logit, s_sgu, s_sw2, s_sgl, residual, norm_weight, normed_out, res_out, tickets, s_rt, eps,
-    w2_scale, s_se, s_sn, shared_scale, s_ssn, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, SHARED_INTER: tl.constexpr, ADD_NORM: tl.constexpr,
-    BLOCK_HID: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
-    SHARED_FP8: tl.constexpr, SHARED_SCALE_N: tl.constexpr, SHARED_SCALE_K: tl.constexpr, USE_PDL: tl.constexpr,
+    w2_scale, s_se, s_sn, shared_scale, s_ssn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr,
+    INTER: tl.constexpr, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+    SHARED_INTER: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK_HID: tl.constexpr, FP8: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, SHARED_FP8: tl.constexpr, SHARED_SCALE_N: tl.constexpr,
+    SHARED_SCALE_K: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """out[t, h] = sum_j weight[t, j] * act[t, j] . w2[e_j, h] for BLOCK_H rows h, all top-k slots
     unrolled into one straight run of independent loads. A slot routed to another rank gets an
@@ -136,7 +157,9 @@ def _down_gemv_kernel(
     RMSNorm.
     FP8 / SHARED_FP8: w2 / shared_w2 are float8 with block scales (w2_scale [E, H / SCALE_N,
     INTER / SCALE_K], strides s_se, s_sn; shared_scale [H / .., SHARED_INTER / ..], row stride
-    s_ssn), widened and scaled in registers."""
+    s_ssn), widened and scaled in registers.
+    LORA_RANK > 0: each pair's low-rank delta (as _up_gemv_kernel's, lora_b [G, HIDDEN, LORA_RANK])
+    joins its down projection before the routing weight."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < HIDDEN
@@ -160,10 +183,13 @@ def _down_gemv_kernel(
             shared_b *= tl.load(shared_sc_ptr + (i // SHARED_SCALE_K)[None, :], mask=i_in, other=0.0)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_H, BLOCK_I], tl.float32)
+    low_rank = tl.zeros([BLOCK_H], tl.float32)
     for j in tl.static_range(TOPK):
         pair = t * TOPK + j
         e = tl.load(topk_ids + pair).to(tl.int32) - expert_offset
         w = tl.load(topk_weights + pair).to(tl.float32)
+        if LORA_RANK > 0:  # pairs routed elsewhere have no key
+            low_rank += w * _low_rank(lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pair, h, h_ok, 0, LORA_RANK)
         local = (e >= 0) & (e < num_experts)
         limit = tl.where(local, INTER, 0)
         a_ptr = act + pair.to(tl.int64) * s_at + i
@@ -203,7 +229,10 @@ def _down_gemv_kernel(
                     sc = tl.load(shared_sc_ptr + ((i0 + i) // SHARED_SCALE_K)[None, :], mask=i_ok[None, :], other=0.0)
                     b *= sc
             acc += b * shared_act[None, :]
-    tl.store(out + t.to(tl.int64) * s_ot + h, tl.sum(acc, 1).to(out.dtype.element_ty), mask=h_ok)
+    total = tl.sum(acc, 1)
+    if LORA_RANK > 0:
+        total += low_rank
+    tl.store(out + t.to(tl.int64) * s_ot + h, total.to(out.dtype.element_ty), mask=h_ok)
     if ADD_NORM:
         tl.debug_barrier()
         if last_to_arrive(tickets + t, tl.num_programs(1)):
@@ -216,11 +245,13 @@ def _down_gemv_kernel(
 
 def moe_pairs(
     hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, route=None,
-    scales=(None, None),
+    scales=(None, None), deltas=None,
 ) -> None:  # fmt: skip
     """The pairs path into `out` (or, with norm, into norm.out). route: (router_logits,
     renormalize) when the up GEMV routes, filling topk_ids / topk_weights. scales: (w13_scale,
-    w2_scale) of FP8 experts, else (None, None)."""
+    w2_scale) of FP8 experts, else (None, None). deltas (PairDeltas, not with route): their
+    low-rank form, expanded inside the GEMVs (two small shrink launches beside them)."""
+    assert deltas is None or route is None, "moe_pairs: the deltas need the routing first"
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -230,14 +261,16 @@ def moe_pairs(
     logits, renormalize = route if route is not None else (hidden, False)
     w13_scale, w2_scale = scales
     up_scale = _scale_args(w13_scale, w13, out)
+    up_lora = _low_rank_args(None if deltas is None else deltas.low_rank_gate_up(topk_ids), out)
     _up_gemv_kernel[(num_pairs, triton.cdiv(inter, up["block_n"]))](
         hidden, w13, act, topk_ids, expert_offset, num_experts, hidden.stride(0), w13.stride(0), w13.stride(1),
-        act.stride(0), logits, topk_weights, logits.shape[1], logits.stride(0), *up_scale[:3], HIDDEN=hidden_size,
-        INTER=inter, TOPK=top_k, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], ROUTE=route is not None,
-        TOPK_P=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(logits.shape[1]),
-        FP8=w13_scale is not None, SCALE_N=up_scale[3], SCALE_K=up_scale[4], num_warps=up["num_warps"], num_stages=1,
-        **pdl_launch(hidden, pdl),
+        act.stride(0), logits, topk_weights, logits.shape[1], logits.stride(0), *up_scale[:3], *up_lora[:6],
+        HIDDEN=hidden_size, INTER=inter, TOPK=top_k, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"],
+        ROUTE=route is not None, TOPK_P=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+        BLOCK_E=triton.next_power_of_2(logits.shape[1]), FP8=w13_scale is not None, SCALE_N=up_scale[3],
+        SCALE_K=up_scale[4], LORA_RANK=up_lora[6], num_warps=up["num_warps"], num_stages=1, **pdl_launch(hidden, pdl),
     )  # fmt: skip
+    down_lora = _low_rank_args(None if deltas is None else deltas.low_rank_down(act), out)
     shared_inter = 0 if shared is None else shared.w2.shape[1]
     args = (act, w2, out, topk_weights, topk_ids, expert_offset, num_experts)
     args += (act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *_shared_args(shared, out))
@@ -248,12 +281,22 @@ def moe_pairs(
     shared_scale = None if shared is None else shared.w2_scale
     sh = _scale_args(None if shared_scale is None else shared_scale[None], None if shared is None else shared.w2, out)
     _down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, down["block_h"]))](
-        *args, *down_scale[:3], sh[0], sh[2], HIDDEN=hidden_size, INTER=inter, TOPK=top_k, BLOCK_H=down["block_h"],
-        BLOCK_I=down["block_i"], SHARED_INTER=shared_inter, ADD_NORM=norm is not None,
+        *args, *down_scale[:3], sh[0], sh[2], *down_lora[:6], HIDDEN=hidden_size, INTER=inter, TOPK=top_k,
+        BLOCK_H=down["block_h"], BLOCK_I=down["block_i"], SHARED_INTER=shared_inter, ADD_NORM=norm is not None,
         BLOCK_HID=triton.next_power_of_2(hidden_size), FP8=w2_scale is not None, SCALE_N=down_scale[3],
         SCALE_K=down_scale[4], SHARED_FP8=shared_scale is not None, SHARED_SCALE_N=sh[3], SHARED_SCALE_K=sh[4],
-        num_warps=down["num_warps"], num_stages=1, **pdl_launch(act, pdl),
+        LORA_RANK=down_lora[6], num_warps=down["num_warps"], num_stages=1, **pdl_launch(act, pdl),
     )  # fmt: skip
+
+
+def _low_rank_args(low: PairLowRank | None, dummy: torch.Tensor) -> tuple:
+    """(keys, v, b, v's row stride, b's key and row strides, the rank; 0 without) for a GEMV."""
+    if low is None:
+        return dummy, dummy, dummy, 0, 0, 0, 0
+    keys, v, b = low
+    rank = b.shape[2]
+    assert rank & (rank - 1) == 0 and b.stride(2) == 1 and v.stride(1) == 1, "low rank: a power of two, contiguous"
+    return keys, v, b, v.stride(0), b.stride(0), b.stride(1), rank
 
 
 def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor | None, dummy: torch.Tensor) -> tuple:

@@ -41,8 +41,9 @@ def fused_moe(
     w13_scale=None, w2_scale=None, sorted_block_m=0, pdl=True, deltas=None,
 ):  # fmt: skip
     """moe.fused_moe. `path` ("pairs" or "sorted") and `config` override the choice made from the
-    shapes (tests and tuning sweeps); sorted_block_m: the sorted path's tile rows (0: by shape); with
-    `deltas` the sorted path runs (its GEMMs add them; FP8 experts: on quantized activations)."""
+    shapes (tests and tuning sweeps); sorted_block_m: the sorted path's tile rows (0: by shape);
+    `deltas`: the pairs path's GEMVs expand their low-rank form, the sorted path's GEMMs add them
+    (FP8 experts: on quantized activations)."""
     _check(hidden, w13, w2, shared, w13_scale, w2_scale)
     scales = (w13_scale, w2_scale)
     num_tokens, hidden_size = hidden.shape
@@ -54,11 +55,14 @@ def fused_moe(
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
     num_pairs = topk_ids.numel()
-    path = "sorted" if deltas is not None else path or ("pairs" if num_pairs <= PAIRS_PATH_MAX else "sorted")
+    path = path or ("pairs" if num_pairs <= PAIRS_PATH_MAX else "sorted")
     info = device_info(hidden.device)
     if path == "pairs":
         cfg = config or pairs_config(hidden_size, two_inter // 2, info, fp8=w13_scale is not None)
-        moe_pairs(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=scales)
+        moe_pairs(
+            hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=scales,
+            deltas=deltas,
+        )  # fmt: skip
     else:
         assert path == "sorted", f"unknown path {path!r}"
         fp8 = w13_scale is not None
@@ -78,8 +82,9 @@ def routed_moe(
     pdl=True, deltas=None,
 ):  # fmt: skip
     """moe.routed_moe: on the pairs path, up to route_in_up_max_tokens tokens, the up GEMV routes
-    (one launch fewer); otherwise the router kernel, then fused_moe. `path` forces one ("pairs"
-    routes in the up GEMV within the token limit; "sorted" routes first)."""
+    (one launch fewer); otherwise (and with deltas, whose shrink reads the routing) the router
+    kernel, then fused_moe. `path` forces one ("pairs" routes in the up GEMV within the token limit;
+    "sorted" routes first)."""
     num_tokens = hidden.shape[0]
     path = path or ("pairs" if num_tokens * top_k <= PAIRS_PATH_MAX else "sorted")
     route_in_up = 0 < num_tokens <= route_in_up_max_tokens and router_logits.shape[1] <= MAX_ROUTED_EXPERTS

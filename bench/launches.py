@@ -1,0 +1,167 @@
+"""Kernel launches of one eager decode step, counted without a GPU: the model at a real shape on fake
+tensors (torch's FakeTensorMode: shapes, no memory) that say they are CUDA tensors (`is_cuda`, which
+is what the ops dispatch on), each Triton launch counted instead of run, each torch op that would
+launch a kernel counted as one. Tiles come from the interpreter's table (the tensors' device is
+the CPU): they change grids, not the launches.
+
+    python -m deltaserve.bench.launches --preset qwen3_5_35b_a3b --batch 1 --adapters 0,1,8
+
+A CUDA graph replays exactly these launches, so the count is what a decode step's graph holds
+(torch ops: one launch an op, an estimate; Triton: exact). Per kernel name with --by-kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+from unittest import mock
+
+import numpy as np
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from deltaserve.layers import lora as lora_layers
+from deltaserve.layers.model import HybridModel
+from deltaserve.workers.context import build_forward_context, logits_rows
+from deltaserve.workers.plan import PassPlan, PoolSizes
+from deltaserve.workers.state_pool import StatePool
+
+from .presets import PRESETS, preset_config
+
+# aten ops that only make a tensor or a view (no kernel)
+_NO_LAUNCH = {
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "view", "_unsafe_view", "reshape",
+    "slice", "select", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "as_strided", "detach",
+    "alias", "unbind", "split", "split_with_sizes", "chunk", "narrow", "lift_fresh", "_to_copy_noop", "sym_size",
+    "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "lift_fresh_copy", "set_", "resolve_conj",
+    "resolve_neg", "_reshape_alias", "numpy_T", "view_as", "expand_as", "contiguous_noop",
+}  # fmt: skip
+
+
+class _TorchOps(TorchDispatchMode):
+    def __init__(self, counts: collections.Counter):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace == "aten" and name not in _NO_LAUNCH:
+            self.counts[f"torch.{name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def count_launches(counts: collections.Counter):
+    """Inside: Triton launches and kernel-launching torch ops add to counts (name -> launches)."""
+    import triton.runtime.interpreter as interpreter
+    import triton.runtime.jit as jit
+
+    def run(self, *args, grid, warmup=False, **kwargs):
+        counts[f"triton.{self.fn.__name__}"] += 1
+
+    # compiled kernels, and interpreted ones (TRITON_INTERPRET=1, as the CPU tests run)
+    with (
+        mock.patch.object(jit.JITFunction, "run", run),
+        mock.patch.object(interpreter.InterpretedFunction, "run", run),
+        _TorchOps(counts),
+    ):
+        yield
+
+
+_IS_CUDA = torch._C.TensorBase.is_cuda
+
+
+@contextlib.contextmanager
+def fake_cuda():
+    """Fake tensors (created inside) on the CPU that report is_cuda, so the ops take their CUDA
+    paths; yields the mode (mode.from_tensor makes a real tensor's fake twin)."""
+    torch.Tensor.is_cuda = property(lambda t: isinstance(t, FakeTensor) or _IS_CUDA.__get__(t))
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            yield mode
+    finally:
+        del torch.Tensor.is_cuda
+
+
+def _faked(obj, mode: FakeTensorMode):
+    """obj with every tensor in its dataclass fields (nested) replaced by its fake twin, in place."""
+    if torch.is_tensor(obj):
+        return mode.from_tensor(obj)
+    if dataclasses.is_dataclass(obj) and not obj.__dataclass_params__.frozen:
+        for f in dataclasses.fields(obj):
+            setattr(obj, f.name, _faked(getattr(obj, f.name), mode))
+    return obj
+
+
+def _decode_plan(batch: int, context: int, block_size: int, lora_slots) -> PassPlan:
+    pages = -(-(context + 1) // block_size)
+    n = batch
+    return PassPlan(
+        pass_id=0, req_ids=[f"s{i}" for i in range(n)], num_decode_rows=n,
+        input_ids=np.ones(n, np.int32), positions=np.full(n, context, np.int32),
+        slot_mapping=np.arange(n, dtype=np.int64) * pages * block_size + context,
+        query_start_loc=np.arange(n + 1, dtype=np.int32), seq_lens=np.full(n, context + 1, np.int32),
+        block_tables=np.arange(n * pages, dtype=np.int32).reshape(n, pages), state_slots=np.arange(n, dtype=np.int32),
+        has_initial_state=np.ones(n, bool), sample_rows=np.ones(n, bool), prompt_logprob_rows=np.zeros(n, bool),
+        lora_slots=lora_slots,
+    )  # fmt: skip
+
+
+def decode_launches(
+    preset: str, batch: int, adapters: int, *, rank: int = 16, context: int = 64
+) -> collections.Counter:
+    """Launches of one eager decode step of `batch` rows on `adapters` distinct adapters (0: none)
+    at the preset's shape (bfloat16, adapters on every projection and routed expert)."""
+    config = preset_config(preset)
+    counts: collections.Counter = collections.Counter()
+    block_size = 16
+    with fake_cuda() as mode:
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = HybridModel(config)
+            pool = StatePool(model, PoolSizes(batch * (context // block_size + 2), block_size, batch),
+                             dtype=torch.bfloat16, device="cpu")  # fmt: skip
+            lora = {}
+            slots = None
+            if adapters:
+                lora_layers.enable_lora(model, max_loras=adapters, max_lora_rank=rank)
+                for s in range(adapters):
+                    for owner_slots in lora_layers._all_slots(model):
+                        owner_slots.present[s] = True
+                slots = np.arange(batch, dtype=np.int32) % adapters
+                lora = dict(num_lora_slots=adapters, moe_lora_route=lora_layers.MoeLoraRoute.FOLD)
+            plan = _decode_plan(batch, context, block_size, slots)
+            indices, _ = logits_rows(plan)
+            with _disable_current_modes():  # made on the host, then faked
+                ctx = build_forward_context(plan, model.config, model.layout, "cpu", indices, **lora)
+            ctx = _faked(ctx, mode)
+            with torch.no_grad(), count_launches(counts):
+                hidden = model(ctx, pool.layer_states)
+                model.compute_logits(hidden[ctx.logits_indices])
+        finally:
+            torch.set_default_dtype(torch.float32)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3_5_35b_a3b", choices=sorted(PRESETS))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--adapters", default="0,1,8", help="distinct adapters (0: none), comma list")
+    p.add_argument("--by-kernel", action="store_true")
+    args = p.parse_args(argv)
+    for n in (int(a) for a in args.adapters.split(",")):
+        counts = decode_launches(args.preset, args.batch, n)
+        triton_n = sum(v for k, v in counts.items() if k.startswith("triton."))
+        print(f"batch {args.batch}, {n} adapter(s): {sum(counts.values())} launches ({triton_n} Triton)")
+        if args.by_kernel:
+            for name, v in sorted(counts.items(), key=lambda kv: -kv[1]):
+                print(f"  {v:6d} {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
