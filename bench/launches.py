@@ -24,6 +24,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from deltaserve.layers import lora as lora_layers
+from deltaserve.layers.kernels import device as kernel_device
+from deltaserve.layers.kernels.linear import triton_linear
+from deltaserve.layers.kernels.rotary import triton_rotary
 from deltaserve.layers.model import HybridModel
 from deltaserve.workers.context import build_forward_context, logits_rows
 from deltaserve.workers.plan import PassPlan, PoolSizes
@@ -74,16 +77,25 @@ def count_launches(counts: collections.Counter):
 _IS_CUDA = torch._C.TensorBase.is_cuda
 
 
+# the kernels' per-device buffers (keyed "cpu" here): what a fake run adds must not reach a real one
+_DEVICE_CACHES = (kernel_device._TICKETS, triton_linear._COUNTERS, triton_rotary._INV_FREQ)
+
+
 @contextlib.contextmanager
 def fake_cuda():
     """Fake tensors (created inside) on the CPU that report is_cuda, so the ops take their CUDA
-    paths; yields the mode (mode.from_tensor makes a real tensor's fake twin)."""
+    paths; yields the mode (mode.from_tensor makes a real tensor's fake twin). The kernels' device
+    caches are as they were afterwards."""
+    saved = [{key: list(v) if isinstance(v, list) else v for key, v in cache.items()} for cache in _DEVICE_CACHES]
     torch.Tensor.is_cuda = property(lambda t: isinstance(t, FakeTensor) or _IS_CUDA.__get__(t))
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             yield mode
     finally:
         del torch.Tensor.is_cuda
+        for cache, before in zip(_DEVICE_CACHES, saved, strict=True):
+            cache.clear()
+            cache.update(before)
 
 
 def _faked(obj, mode: FakeTensorMode):

@@ -1,8 +1,13 @@
 """The decode step's kernel launches, counted on the CPU (bench/launches.py), at the Qwen3.5-35B-A3B
 shape: with adapters at batch 1 the MoE layers keep the pairs path's GEMVs (no grouping or grouped
-GEMMs), and the adapters add a bounded number of launches a layer."""
+GEMMs), and the adapters add a bounded number of launches a layer; the count leaves no fake tensor
+in the kernels' device caches (a later real CPU launch would read it)."""
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from deltaserve.bench.launches import decode_launches
+from deltaserve.layers.kernels.device import ticket_counters
 
 
 def test_lora_decode_keeps_the_pairs_path():
@@ -15,3 +20,4 @@ def test_lora_decode_keeps_the_pairs_path():
     # per layer: 3 projections' shrink + expand, the shared expert's, router + keys + 2 pair shrinks, the norm
     added = sum(lora.values()) - sum(base.values())
     assert added <= 14 * layers, added
+    assert not isinstance(ticket_counters(torch.device("cpu"), 1, "moe_down_norm"), FakeTensor)
