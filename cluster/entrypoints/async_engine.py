@@ -1,113 +1,160 @@
-"""AsyncEngine: the asyncio face of the engine that the gateway uses.
+"""AsyncEngine: the asyncio face of the engine that every front door (gRPC gateway, HTTP server) uses.
 
-Two backends with one API: `local` runs an EngineLoop in this process; `ray` talks to a Driver actor
-(which owns the EngineLoop and, through the RayExecutor, the worker group), collecting outputs with
-one long-poll call per batch. Streams are asyncio queues keyed by request id; a stream whose
-consumer goes away aborts its request, which frees its pages and slot on the next loop turn.
+Behind it are one or more engine replicas (`replicas.py`) and a router (`router.py`): `local` runs one
+EngineLoop in this process; `ray` runs `data_parallel_size` Driver actors, each with its worker group
+on one node, spread over the Ray cluster, collecting outputs with one long-poll call per batch. Each
+request goes to the replica the router picks (least loaded, or prefix-aware) among those answering; a
+replica that cannot take the call passes the request to another. Streams are asyncio queues keyed by
+request id; a stream whose consumer goes away aborts its request, which frees its pages and slot on
+the next loop turn. When a replica goes down its requests in flight end with EngineUnavailableError
+(UNAVAILABLE) and the others keep serving while it is placed again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from deltaserve.cluster.config import EngineConfig
-from deltaserve.cluster.core.engine import ModelInfo
+from deltaserve.cluster.core.engine import ModelInfo, ReplicaInfo
 from deltaserve.cluster.core.request import RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
 
-from .driver import Driver, EngineLoop, EngineStartError, EngineUnavailableError, QueueFullError
+from .driver import EngineUnavailableError, QueueFullError
+from .replicas import LocalReplica, RayReplicas, Replica, ReplicaUnreachable
+from .router import make_router
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "EngineUnavailableError", "QueueFullError"]
 
+SERVING = ("up", "suspect")
+
 
 class AsyncEngine:
-    def __init__(self, backend: str, *, loop_engine: EngineLoop | None = None, driver=None):
+    def __init__(self, backend: str, config: EngineConfig):
         self.backend = backend
-        self._loop_engine = loop_engine
-        self._driver = driver
+        self.config = config
+        self._replicas: list[Replica] = []
+        self._ray: RayReplicas | None = None
+        self._router = None
         self._streams: dict[str, asyncio.Queue] = {}
-        self._aio = asyncio.get_running_loop()
-        self._poller: asyncio.Task | None = None
+        self._owner: dict[str, Replica] = {}  # request id -> the replica running it
+        self._tokenizer = None  # the prefix-aware router's, for text prompts (loaded on first use)
         self._closing = False
-        self.failure: str | None = None
-        if backend == "ray":
-            self._poller = asyncio.create_task(self._poll_driver())
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
     async def local(cls, config: EngineConfig) -> AsyncEngine:
         """The engine in this process (a thread runs its loop)."""
-        engine = cls.__new__(cls)
-        aio = asyncio.get_running_loop()
-        loop_engine = await asyncio.to_thread(
-            EngineLoop, config, lambda out: aio.call_soon_threadsafe(engine._dispatch, out)
-        )
-        cls.__init__(engine, "local", loop_engine=loop_engine)
+        if config.data_parallel.data_parallel_size > 1:
+            raise ValueError("data_parallel_size: the local backend runs one engine in this process; replicas need Ray")
+        engine = cls("local", config)
+        replica = await LocalReplica.start(config, engine._dispatch)
+        engine._replicas = [replica]
+        engine._router = make_router(config.data_parallel.routing, (await replica.model_info()).block_size)
         return engine
 
     @classmethod
     async def ray(cls, config: EngineConfig, *, name: str | None = None) -> AsyncEngine:
-        """A Driver actor on the current Ray cluster (ray.init must have run)."""
-        import ray
-
-        options = {"max_concurrency": 64, "num_cpus": 0}
-        if name:
-            options.update(name=name, get_if_exists=False)
-        driver = ray.remote(Driver).options(**options).remote(config)
-        error = await driver.start_error.remote()  # waits for the engine (workers, weights, pools) to be up
-        if error is not None:
-            ray.kill(driver)
-            raise EngineStartError(error)
-        return cls("ray", driver=driver)
+        """`data_parallel_size` Driver actors on the current Ray cluster (ray.init must have run), each
+        with its workers on one node; raises EngineStartError (the cause in one line) if one fails."""
+        engine = cls("ray", config)
+        engine._ray = RayReplicas(config, engine._dispatch, engine._replica_down, name)
+        await engine._ray.start()
+        engine._replicas = engine._ray.slots
+        try:
+            block_size = (await engine._replicas[0].model_info()).block_size
+        except BaseException:
+            await engine._ray.shutdown()
+            raise
+        engine._router = make_router(config.data_parallel.routing, block_size)
+        return engine
 
     # ---- outputs -------------------------------------------------------------------------------
-    def _dispatch(self, out: RequestOutput) -> None:
-        q = self._streams.get(out.request_id)
-        if q is not None:
-            q.put_nowait(out)
+    def _dispatch(self, replica: Replica, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if self._owner.get(out.request_id) is not replica:
+                continue  # aborted, or its replica was declared down meanwhile
+            if out.finished:
+                self._release(out.request_id)
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
 
-    async def _poll_driver(self) -> None:
-        from ray.exceptions import RayError
+    def _release(self, req_id: str) -> None:
+        replica = self._owner.pop(req_id, None)
+        if replica is not None:
+            replica.in_flight -= 1
 
-        while not self._closing:
-            try:
-                outputs = await self._driver.poll.remote(0.1)
-            except RayError as e:
-                self.failure = f"the driver actor failed: {type(e).__name__}"
-                log.error("%s: %s", self.failure, e)
-                for q in self._streams.values():
-                    q.put_nowait(EngineUnavailableError(self.failure))
-                return
-            for out in outputs:
-                self._dispatch(out)
+    def _replica_down(self, replica: Replica, reason: str) -> None:
+        """Its requests in flight end UNAVAILABLE; it is placed again (on a node with room)."""
+        error = EngineUnavailableError(f"{replica.where()} failed: {reason}")
+        lost = [req_id for req_id, owner in self._owner.items() if owner is replica]
+        for req_id in lost:
+            self._release(req_id)
+            q = self._streams.get(req_id)
+            if q is not None:
+                q.put_nowait(error)
+        if lost:
+            log.error("%d request(s) in flight on %s end UNAVAILABLE", len(lost), replica.where())
+        if self._ray is not None and not self._closing:
+            self._ray.replace(replica)
 
     # ---- requests ------------------------------------------------------------------------------
     async def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> int:
-        """Queue a request (ValueError / QueueFullError / EngineUnavailableError before queueing)."""
+        """Queue a request on the replica the router picks (ValueError / QueueFullError /
+        EngineUnavailableError before queueing)."""
         self._check_up()
         if req_id in self._streams:  # replacing the queue would cut the live request's stream off
             raise ValueError(f"request_id: {req_id!r} is already in use")
         self._streams[req_id] = asyncio.Queue()
+        tried: set[int] = set()
         try:
-            if self.backend == "local":
-                return self._loop_engine.submit(req_id, prompt, params)
-            submitted = asyncio.ensure_future(self._driver.submit.remote(req_id, prompt, params))
-            try:
-                return await asyncio.shield(submitted)
-            except asyncio.CancelledError:
-                # the caller left, but the driver may still take the request: abort it once it has
-                with contextlib.suppress(Exception):
-                    await submitted
-                    await self.abort(req_id)
-                raise
-        except BaseException as e:
+            while True:
+                replica = self._route(prompt, tried)
+                # owned before the call: its first outputs may come back before the call returns
+                self._owner[req_id] = replica
+                replica.in_flight += 1
+                try:
+                    num_prompt_tokens = await replica.submit(req_id, prompt, params)
+                except ReplicaUnreachable as e:
+                    self._release(req_id)
+                    tried.add(replica.index)
+                    replica.suspect(str(e))
+                    continue
+                except BaseException:
+                    self._release(req_id)
+                    raise
+                replica.routed += 1
+                return num_prompt_tokens
+        except BaseException:
             self._streams.pop(req_id, None)
-            raise _unwrap(e) from None
+            raise
+
+    def _route(self, prompt: str | list[int], tried: set[int]) -> Replica:
+        """The replica for a request: among those answering (suspect ones only when no other is)."""
+        for states in (("up",), ("suspect",)):
+            candidates = [r for r in self._replicas if r.state in states and r.index not in tried]
+            if candidates:
+                ids = self._token_ids(prompt) if self._router.needs_token_ids else None
+                return candidates[self._router.choose(candidates, ids)]
+        raise EngineUnavailableError(self._why_down())
+
+    def _token_ids(self, prompt: str | list[int]) -> list[int] | None:
+        if not isinstance(prompt, str):
+            return list(prompt) if isinstance(prompt, list | tuple) else None
+        if self._tokenizer is None:
+            from deltaserve.cluster.core.tokenizer import Tokenizer
+
+            model = self.config.load.model
+            if model is None or not (Path(model) / "tokenizer.json").is_file():
+                return None
+            self._tokenizer = Tokenizer(model)
+        return self._tokenizer.encode(prompt)
 
     async def stream(self, req_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of a submitted request until it finishes; leaving early aborts it."""
@@ -133,51 +180,61 @@ class AsyncEngine:
             yield out
 
     async def abort(self, req_id: str) -> None:
-        if self.failure is not None:
+        replica = self._owner.get(req_id)
+        if replica is None:
             return
-        if self.backend == "local":
-            self._loop_engine.abort(req_id)
-        else:
-            await self._driver.abort.remote(req_id)
+        self._release(req_id)
+        if replica.state in SERVING:
+            await replica.abort(req_id)
 
     # ---- queries -------------------------------------------------------------------------------
-    async def tokenize(self, text: str) -> list[int]:
+    def _serving(self) -> list[Replica]:
         self._check_up()
-        if self.backend == "local":
-            return self._loop_engine.engine.tokenize(text)
-        try:
-            return await self._driver.tokenize.remote(text)
-        except BaseException as e:
-            raise _unwrap(e) from None
+        up = [r for r in self._replicas if r.state == "up"]
+        return up or [r for r in self._replicas if r.state in SERVING]
+
+    async def tokenize(self, text: str) -> list[int]:
+        return await self._serving()[0].tokenize(text)
 
     async def info(self) -> ModelInfo:
-        self._check_up()
-        if self.backend == "local":
-            return self._loop_engine.engine.model_info()
-        return await self._driver.info.remote()
+        """The model (from a replica that answers), with every replica's place and load."""
+        info = await self._serving()[0].model_info()
+        return dataclasses.replace(
+            info, data_parallel_size=self.config.data_parallel.data_parallel_size, replicas=self.replica_infos()
+        )
+
+    def replica_infos(self) -> tuple[ReplicaInfo, ...]:
+        return tuple(r.info() for r in self._replicas)
 
     async def stats(self) -> dict:
-        self._check_up()
-        if self.backend == "local":
-            return self._loop_engine.stats()
-        return await self._driver.stats.remote()
+        """The serving replicas' counts added up, and each replica's own under `replicas`."""
+        serving = self._serving()
+        each = await asyncio.gather(*(r.stats() for r in serving), return_exceptions=True)
+        total: dict = {}
+        per_replica = []
+        for replica, stats in zip(serving, each, strict=True):
+            if isinstance(stats, BaseException):
+                continue
+            for key, value in stats.items():
+                total[key] = total.get(key, 0) + value
+            per_replica.append({"index": replica.index, **stats})
+        total["replicas"] = per_replica
+        return total
 
     async def healthy(self) -> bool:
-        if self.failure is not None or self._closing:
-            return False
-        if self.backend == "local":
-            return self._loop_engine.failure is None
-        try:
-            return await asyncio.wait_for(self._driver.healthy.remote(), 5)
-        except Exception:
-            return False
+        return not self._closing and any(r.state in SERVING for r in self._replicas)
 
     def _check_up(self) -> None:
         if self._closing:
             raise EngineUnavailableError("the engine is shutting down")
-        failure = self.failure or (self._loop_engine.failure if self._loop_engine else None)
-        if failure:
-            raise EngineUnavailableError(failure)
+        if not any(r.state in SERVING for r in self._replicas):
+            raise EngineUnavailableError(self._why_down())
+
+    def _why_down(self) -> str:
+        failures = [r.failure for r in self._replicas if r.failure]
+        placing = sum(r.state == "placing" for r in self._replicas)
+        why = failures[-1] if failures else "no replica is up"
+        return why + (f" ({placing} replica(s) being placed again)" if placing else "")
 
     @property
     def num_streams(self) -> int:
@@ -185,22 +242,7 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         self._closing = True
-        if self._poller is not None:
-            self._poller.cancel()
-        if self.backend == "local":
-            await asyncio.to_thread(self._loop_engine.stop)
+        if self._ray is not None:
+            await self._ray.shutdown()
         else:
-            import ray
-
-            try:
-                await self._driver.shutdown.remote()
-            finally:
-                ray.kill(self._driver)
-
-
-def _unwrap(e: BaseException) -> BaseException:
-    """A Ray task error carries the driver's exception as its cause: surface that one."""
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, ValueError | QueueFullError | EngineUnavailableError):
-        return cause
-    return e
+            await asyncio.gather(*(r.shutdown() for r in self._replicas))

@@ -52,6 +52,8 @@ def checked_config(args: argparse.Namespace, backend: str, ray_address: str | No
     tp, ep = getattr(args, "tensor_parallel_size", 1), getattr(args, "enable_expert_parallel", False)
     if backend == "local" and (tp > 1 or ep):
         raise ValueError("backend: 'local' runs one rank in this process; tensor or expert parallelism needs 'ray'")
+    if backend == "local" and getattr(args, "data_parallel_size", 1) > 1:
+        raise ValueError("backend: 'local' runs one engine in this process; data_parallel_size needs 'ray'")
     config = engine_config(args, executor="ray" if backend == "ray" else "local")
     check_startup(config, ray_address=ray_address if backend == "ray" else None)
     return config
@@ -91,12 +93,17 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
         return 1
     engine, gateway, port = started
     info = await engine.info()
+    dp = config.data_parallel
     print(
         f"deltaserve: serving {info.model_type} from {config.load.model} on {args.host}:{port} "
         f"(TP={config.parallel.tensor_parallel_size}{', EP' if config.parallel.enable_expert_parallel else ''}, "
-        f"{info.kv_tokens} KV tokens, {info.max_num_seqs} sequences)",
+        f"{info.kv_tokens} KV tokens, {info.max_num_seqs} sequences"
+        + (f" each; {dp.data_parallel_size} replicas, {dp.routing} routing)" if dp.data_parallel_size > 1 else ")"),
         flush=True,
     )
+    for r in info.replicas:
+        where = f"node {r.node_ip} (Ray node {r.node_id})" if r.node_id else "this process"
+        print(f"deltaserve: replica {r.index} on {where}, plans by {r.transport}", flush=True)
     if args.port_file:
         with open(args.port_file, "w") as f:
             f.write(str(port))
