@@ -43,6 +43,7 @@ class AsyncEngine:
         self._router = None
         self._streams: dict[str, asyncio.Queue] = {}
         self._owner: dict[str, Replica] = {}  # request id -> the replica running it
+        self._submitting: set[str] = set()  # handed to a replica that has not answered yet
         self._tokenizer = None  # the prefix-aware router's, for text prompts (loaded on first use)
         self._closing = False
 
@@ -93,7 +94,8 @@ class AsyncEngine:
     def _replica_down(self, replica: Replica, reason: str) -> None:
         """Its requests in flight end UNAVAILABLE; it is placed again (on a node with room)."""
         error = EngineUnavailableError(f"{replica.where()} failed: {reason}")
-        lost = [req_id for req_id, owner in self._owner.items() if owner is replica]
+        # a request still being handed over is not lost: its submit fails over to another replica
+        lost = [req_id for req_id, owner in self._owner.items() if owner is replica and req_id not in self._submitting]
         for req_id in lost:
             self._release(req_id)
             q = self._streams.get(req_id)
@@ -119,6 +121,7 @@ class AsyncEngine:
                 # owned before the call: its first outputs may come back before the call returns
                 self._owner[req_id] = replica
                 replica.in_flight += 1
+                self._submitting.add(req_id)
                 try:
                     num_prompt_tokens = await replica.submit(req_id, prompt, params)
                 except ReplicaUnreachable as e:
@@ -129,6 +132,11 @@ class AsyncEngine:
                 except BaseException:
                     self._release(req_id)
                     raise
+                finally:
+                    self._submitting.discard(req_id)
+                if replica.state not in SERVING:  # taken, then its replica went down: lost with it
+                    self._release(req_id)
+                    raise EngineUnavailableError(f"{replica.where()} failed: {replica.failure}")
                 replica.routed += 1
                 return num_prompt_tokens
         except BaseException:

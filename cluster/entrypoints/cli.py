@@ -59,6 +59,13 @@ def checked_config(args: argparse.Namespace, backend: str, ray_address: str | No
     return config
 
 
+def reserved_cpus(config: EngineConfig) -> int:
+    """The CPUs the replicas' placement groups reserve (a local Ray cluster must count at least these)."""
+    from .replicas import replica_bundles
+
+    return config.data_parallel.data_parallel_size * int(sum(b["CPU"] for b in replica_bundles(config)))
+
+
 async def start_or_report(command: str, config: EngineConfig, host: str, port: int, backend: str):
     """start_stack, or None after printing the failure's cause in one line (e.g. an actor that died
     starting: Ray carries its traceback as text)."""
@@ -83,7 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.backend == "ray":
         from deltaserve.cluster.executors.ray import connect_ray
 
-        connect_ray(args.ray_address)
+        connect_ray(args.ray_address, min_cpus=reserved_cpus(config))
     return asyncio.run(_serve(config, args))
 
 
@@ -154,7 +161,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         config = checked_config(args, "ray", None)
     except ValueError as e:
         return refuse("demo", e)
-    connect_ray()
+    connect_ray(min_cpus=reserved_cpus(config))
     return asyncio.run(_demo(config, args, started))
 
 

@@ -1,7 +1,7 @@
 """Engine replicas behind the front doors' AsyncEngine: how each is reached, and where it runs.
 
 `LocalReplica`: an EngineLoop in this process. `RayReplica`: a Driver actor in a placement group of
-its own (its driver in bundle 0, its TP/EP workers in the group's bundles: one node), long-polled for
+its own (`replica_bundles`: its driver in bundle 0, its TP/EP workers in the next ones: one node), long-polled for
 outputs. A RayReplica that has not answered a poll for SUSPECT_AFTER_S is suspect: it takes no new
 requests, and takes them again when it answers. It is down when Ray reports its actor dead (its node
 died), when its engine loop failed, or after `replica_down_after_s` of silence: its actor and group
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 POLL_WAIT_S = 0.1  # a poll returns after this long without outputs: the replica's heartbeat
 SUSPECT_AFTER_S = 0.8  # no answer for this long: no new requests (the gateway stops routing within a second)
-PLACE_TRY_S = 3.0  # a group pinned to a node with room is ready well within this
+PLACE_TRY_S = 2.0  # a group pinned to a node with room is ready well within this
 WAIT_FOR_ROOM_S = 10.0  # then the nodes are looked at again
 AVOID_DEAD_NODE_S = 60.0  # a node whose replica died is not chosen again for this long (Ray may not know yet)
 START_TIMEOUT_S = 300.0
@@ -73,6 +73,9 @@ class Replica:
 
     def where(self) -> str:
         return f"replica {self.index} on node {self.node_ip or '?'} ({self.node_id[:12] or 'in this process'})"
+
+    def suspect(self, why: str) -> None:
+        """A call to it failed: take no new requests until it answers again (no-op in this process)."""
 
     async def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> int:
         raise NotImplementedError
@@ -178,13 +181,11 @@ class RayReplica(Replica):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        # the model in the driver's own process (one rank): the driver takes the bundle's resources
-        in_driver = runs_in_process(config)
-        gpu = config.load.device.startswith("cuda")
+        driver_bundle = replica_bundles(config)[0]
         options = {
             "max_concurrency": 64,
-            "num_cpus": 1 if in_driver else 0,
-            "num_gpus": 1 if in_driver and gpu else 0,
+            "num_cpus": driver_bundle["CPU"],
+            "num_gpus": driver_bundle.get("GPU", 0),
             "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
         }
         if name:
@@ -316,6 +317,16 @@ def _unwrap(e: BaseException) -> BaseException:
 
 
 # ---- placement -------------------------------------------------------------------------------------
+def replica_bundles(config: EngineConfig) -> list[dict[str, float]]:
+    """One replica's placement group: bundle 0 the driver's (a CPU: its loop is the critical path; the
+    model's GPU too when the model runs in the driver), then one bundle per worker rank."""
+    from deltaserve.cluster.executors.ray import worker_bundles
+
+    if runs_in_process(config):
+        return [{"CPU": 1.0, "GPU": 1.0} if config.load.device.startswith("cuda") else {"CPU": 1.0}]
+    return [{"CPU": 1.0}, *worker_bundles(config)]
+
+
 @dataclass(frozen=True)
 class NodeView:
     node_id: str
@@ -356,9 +367,7 @@ async def place_group(
     import ray
     from ray.util.placement_group import placement_group, placement_group_table
 
-    from deltaserve.cluster.executors.ray import worker_bundles
-
-    bundles = worker_bundles(config)
+    bundles = replica_bundles(config)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         nodes = await asyncio.to_thread(alive_nodes)

@@ -4,9 +4,9 @@ Each pass's plan is encoded once (msgpack) and the same bytes go to every worker
 `shm` (a shared-memory ring polled by a thread in each worker, when the driver runs on the workers'
 node: tens of microseconds a round trip) and `compiled` (a Ray compiled graph, when it does not).
 A worker that dies fails the pass with `WorkerFailure`; `restart()` replaces the whole group.
-A driver that runs inside a placement group (a data-parallel replica: the router placed the group, the
-driver sits in its bundle 0) puts its workers in that group's bundles; otherwise the executor makes a
-group of its own.
+A driver that runs inside a replica's placement group (bundle 0 the driver's, then one per rank: the
+front doors' engine placed it) puts its workers in that group's bundles 1..N; otherwise the executor
+makes a group of its own.
 
 Over `shm` passes may overlap (async scheduling): `execute_async(plan)` writes the plan and returns
 a handle; `result()` reads the replies. Each worker keeps up to one pass in flight (it launches
@@ -82,8 +82,9 @@ class RayExecutor:
         started = time.perf_counter()
         bundles = worker_bundles(self.config)
         current = get_current_placement_group()
-        if current is not None and len(current.bundle_specs) == len(bundles):
-            self.placement_group, self._owns_group = current, False
+        first = 0  # the bundle of rank 0
+        if current is not None and len(current.bundle_specs) == len(bundles) + 1:
+            self.placement_group, self._owns_group, first = current, False, 1
         else:
             # STRICT_PACK keeps the whole TP group on one node (NCCL over NVLink, not the network)
             self.placement_group = placement_group(bundles, strategy="STRICT_PACK")
@@ -92,7 +93,7 @@ class RayExecutor:
         self.workers = [
             actor_cls.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=i
+                    self.placement_group, placement_group_bundle_index=first + i
                 ),
             ).remote(i, self.world_size)
             for i in range(self.world_size)
@@ -389,9 +390,10 @@ def worker_bundles(config: EngineConfig) -> list[dict[str, float]]:
     return [dict(bundle) for _ in range(config.parallel.tensor_parallel_size)]
 
 
-def connect_ray(address: str | None = None) -> None:
+def connect_ray(address: str | None = None, *, min_cpus: int = 0) -> None:
     """Join the Ray cluster at `address` (or RAY_ADDRESS: a `ray job submit` job; `auto` joins this
-    machine's `ray start` cluster); with neither, start a local cluster of our own, without the dashboard."""
+    machine's `ray start` cluster); with neither, start a local cluster of our own, without the dashboard,
+    counting at least `min_cpus` CPUs (what the engine's placement groups reserve)."""
     import ray
 
     if ray.is_initialized():
@@ -401,4 +403,5 @@ def connect_ray(address: str | None = None) -> None:
         ray.init(address=address, log_to_driver=True)
     else:
         # "local": never a stale cluster a past `ray start` left on the machine
-        ray.init(address="local", include_dashboard=False, log_to_driver=True)
+        cpus = max(os.cpu_count() or 1, min_cpus)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
