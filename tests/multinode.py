@@ -245,27 +245,41 @@ class LocalCluster:
     def __init__(self, num_nodes: int = 2, *, node_cpus: int = NODE_CPUS):
         from ray.cluster_utils import Cluster
 
-        for key, value in {**cluster_env(), **FAST_HEALTH_CHECKS}.items():
-            os.environ.setdefault(key, value)  # the nodes start from this process
         self.env = cluster_env()
         self.node_cpus = node_cpus
         self.dashboard_port = _free_port()
-        self._cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": node_cpus,
-                "include_dashboard": True,
-                "dashboard_host": "127.0.0.1",
-                "dashboard_port": self.dashboard_port,
-                "object_store_memory": OBJECT_STORE_BYTES,
-            },
-        )
+        health = {k.removeprefix("RAY_"): int(v) for k, v in FAST_HEALTH_CHECKS.items()}
+        with self._node_env():
+            self._cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "num_cpus": node_cpus,
+                    "include_dashboard": True,
+                    "dashboard_host": "127.0.0.1",
+                    "dashboard_port": self.dashboard_port,
+                    "object_store_memory": OBJECT_STORE_BYTES,
+                    "_system_config": health,
+                },
+            )
         self.nodes = [Node("head", "127.0.0.1", self._cluster.head_node)]
         for _ in range(num_nodes - 1):
             self.nodes.append(Node(f"node{len(self.nodes)}", "127.0.0.1", self._add()))
 
+    @contextlib.contextmanager
+    def _node_env(self):
+        """The nodes' processes start from this one: they see the cluster's environment meanwhile."""
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(self.env)
+        try:
+            yield
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
     def _add(self):
-        return self._cluster.add_node(num_cpus=self.node_cpus, object_store_memory=OBJECT_STORE_BYTES)
+        with self._node_env():
+            return self._cluster.add_node(num_cpus=self.node_cpus, object_store_memory=OBJECT_STORE_BYTES)
 
     @property
     def gcs_address(self) -> str:
@@ -295,7 +309,7 @@ def _free_port() -> int:
 
 def make_cluster(num_nodes: int = 2) -> NetnsCluster | LocalCluster:
     """A cluster in network namespaces where they can be made, else Ray's test cluster; says which."""
-    why_not = netns_available()
+    why_not = "MULTINODE_CLUSTER=local" if os.environ.get("MULTINODE_CLUSTER") == "local" else netns_available()
     if why_not is None:
         cluster = NetnsCluster(num_nodes)
         print(f"multi-node: {num_nodes} Ray nodes in network namespaces {[n.ip for n in cluster.nodes]}", flush=True)

@@ -19,6 +19,7 @@ import re
 import subprocess
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass
 
 import grpc
@@ -188,10 +189,11 @@ def test_bench_serve_with_a_client_on_each_node(cluster, served):
     assert re.search(r"Target / clients:\s+\S+ / 2\n", report), report
     assert re.search(r"Successful requests:\s+16\n", report) and re.search(r"Failed requests:\s+0\s*\n", report)
     assert re.search(r"Total generated tokens:\s+96\n", report), report
+    # one client on each node, as each client actor reports its node's address (one address for all the
+    # nodes of Ray's local test cluster)
     clients = re.search(r"Client nodes:\s+(.*)\n", report).group(1)
-    assert sorted(clients.split(", ")) == sorted(f"{ip} x1" for ip in alive_ray_nodes(cluster).values()) or (
-        cluster.kind == "local" and clients == "127.0.0.1 x2"
-    ), clients
+    per_address = Counter(alive_ray_nodes(cluster).values())
+    assert clients == ", ".join(f"{ip} x{n}" for ip, n in sorted(per_address.items())), clients
 
 
 def test_a_node_that_dies_fails_only_its_requests_and_its_replica_returns(cluster, served, reference):
@@ -220,15 +222,16 @@ def test_a_node_that_dies_fails_only_its_requests_and_its_replica_returns(cluste
             finishing = [asyncio.ensure_future(rest_of(f, s)) for f, s in zip(firsts, streams, strict=True)]
             killed = time.monotonic()
             await asyncio.to_thread(cluster.kill_node, 1)
-            # the gateway stops routing to the replica within a second; requests sent meanwhile succeed
+            # the gateway stops routing to the replica within a second; requests sent from then on succeed
             probes, stopped_routing = [], None
             while time.monotonic() - killed < 2.0:
-                probes.append(asyncio.ensure_future(collect_ok(client, [5, 6, 7])))
+                probes.append((time.monotonic() - killed, asyncio.ensure_future(collect_ok(client, [5, 6, 7]))))
                 state = {r.index: r.state for r in (await client.model_info()).replicas}
                 if stopped_routing is None and state[doomed] != "up":
                     stopped_routing = time.monotonic() - killed
                 await asyncio.sleep(0.1)
-            return in_flight, await asyncio.gather(*finishing), await asyncio.gather(*probes), stopped_routing
+            probed = [(sent, await probe) for sent, probe in probes]
+            return in_flight, await asyncio.gather(*finishing), probed, stopped_routing
 
     in_flight, finished, probes, stopped_routing = asyncio.run(run())
     assert in_flight[doomed] > 0 and in_flight[survivor] > 0, in_flight
@@ -240,7 +243,9 @@ def test_a_node_that_dies_fails_only_its_requests_and_its_replica_returns(cluste
         want = e.outputs[0].token_ids
         assert tokens == (want if status == "OK" else want[: len(tokens)])
     assert stopped_routing is not None and stopped_routing < 1.0, stopped_routing
-    assert all(probes), "a request sent after the node died failed"
+    # one the dying replica took before (its node's processes die one by one) is lost with it
+    assert all(status == "OK" or status.startswith(f"UNAVAILABLE: replica {doomed} ") for _, status in probes), probes
+    assert all(status == "OK" for sent, status in probes if sent >= stopped_routing), probes
 
     # the node comes back (a new Ray node on the same address): the replica is placed there again
     cluster.start_node(1)
@@ -284,12 +289,13 @@ def test_job_stop_leaves_nothing_behind(cluster, served):
         assert cluster.processes_matching("ray::Driver", "ray::Worker", "deltaserve serve") == []
 
 
-async def collect_ok(client: AsyncGenerationClient, prompt: list[int]) -> bool:
+async def collect_ok(client: AsyncGenerationClient, prompt: list[int]) -> str:
+    """ "OK" when the request gets its 4 tokens, else what went wrong."""
     try:
         items = [item async for item in client.generate(prompt, timeout_s=30, max_tokens=4, ignore_eos=True)]
-    except grpc.aio.AioRpcError:
-        return False
-    return isinstance(items[-1], Final) and items[-1].completion_tokens == 4
+    except grpc.aio.AioRpcError as e:
+        return f"{e.code().name}: {e.details()}"
+    return "OK" if isinstance(items[-1], Final) and items[-1].completion_tokens == 4 else f"{items[-1]}"
 
 
 def head_node_ids(cluster) -> set[str]:

@@ -9,7 +9,8 @@ go, its requests in flight end with UNAVAILABLE, and `RayReplicas` places it aga
 with room (waiting for one: a node that joins).
 
 Placement spreads the replicas: each group is pinned (a `ray.io/node-id` label selector) to the alive
-node with the fewest replicas that has room; when none has room now, an unpinned group waits for room.
+node with the fewest replicas that has room (a node where a replica just died last); when none has
+room now, an unpinned group waits for room.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ POLL_WAIT_S = 0.1  # a poll returns after this long without outputs: the replica
 SUSPECT_AFTER_S = 0.8  # no answer for this long: no new requests (the gateway stops routing within a second)
 PLACE_TRY_S = 2.0  # a group pinned to a node with room is ready well within this
 WAIT_FOR_ROOM_S = 10.0  # then the nodes are looked at again
-AVOID_DEAD_NODE_S = 60.0  # a node whose replica died is not chosen again for this long (Ray may not know yet)
+RECENTLY_FAILED_S = 60.0  # a node whose replica died is tried last for this long (Ray may not know it died)
 START_TIMEOUT_S = 300.0
 REPLACE_BACKOFF_S = (1.0, 30.0)
 NODE_ID_LABEL = "ray.io/node-id"
@@ -359,11 +360,12 @@ async def _ready(group, timeout_s: float) -> bool:
 
 
 async def place_group(
-    config: EngineConfig, *, spread: Counter, avoid: Collection[str] = (), timeout_s: float | None = None
+    config: EngineConfig, *, spread: Counter, last: Collection[str] = (), timeout_s: float | None = None
 ):
     """A ready STRICT_PACK placement group for one replica, and its node id: pinned to the alive node
-    with the fewest replicas (`spread`) that has room, not one of `avoid`; when none has room, a group
-    that waits for room anywhere but `avoid`. TimeoutError after timeout_s (None: wait on)."""
+    with the fewest replicas (`spread`) that has room, the nodes in `last` (where a replica just died:
+    Ray may not know yet that the node is gone) tried last; when none has room, a group that waits for
+    room anywhere. TimeoutError after timeout_s (None: wait on)."""
     import ray
     from ray.util.placement_group import placement_group, placement_group_table
 
@@ -371,8 +373,8 @@ async def place_group(
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         nodes = await asyncio.to_thread(alive_nodes)
-        candidates = [n for n in nodes if n.node_id not in avoid and fits(n.resources, bundles)]
-        candidates.sort(key=lambda n: (spread[n.node_id], n.ip, n.node_id))
+        candidates = [n for n in nodes if fits(n.resources, bundles)]
+        candidates.sort(key=lambda n: (n.node_id in last, spread[n.node_id], n.ip, n.node_id))
         for node in candidates:
             group = placement_group(
                 bundles, strategy="STRICT_PACK", bundle_label_selector=[{NODE_ID_LABEL: node.node_id}] * len(bundles)
@@ -380,8 +382,7 @@ async def place_group(
             if await _ready(group, PLACE_TRY_S):
                 return group, node.node_id
             ray.util.remove_placement_group(group)
-        selector = [{NODE_ID_LABEL: f"!in({','.join(sorted(avoid))})"}] * len(bundles) if avoid else None
-        group = placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=selector)
+        group = placement_group(bundles, strategy="STRICT_PACK")
         wait = WAIT_FOR_ROOM_S if deadline is None else min(WAIT_FOR_ROOM_S, max(0.0, deadline - time.monotonic()))
         if await _ready(group, wait):
             table = await asyncio.to_thread(placement_group_table, group)
@@ -403,7 +404,7 @@ class RayReplicas:
         self.slots: list[Replica] = []
         self._on_output, self._on_down = on_output, on_down
         self._name = name
-        self._avoid: dict[str, float] = {}  # node id -> when its replica died
+        self._failed: dict[str, float] = {}  # node id -> when a replica on it died
         self._tasks: set[asyncio.Task] = set()
         self._generation = Counter()
         self._closing = False
@@ -450,7 +451,7 @@ class RayReplicas:
         if self._closing:
             return
         if replica.node_id:
-            self._avoid[replica.node_id] = time.monotonic()
+            self._failed[replica.node_id] = time.monotonic()
         task = asyncio.create_task(self._replace(replica.index), name=f"replica-{replica.index}-place")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -461,11 +462,11 @@ class RayReplicas:
         delay = REPLACE_BACKOFF_S[0]
         while not self._closing:
             now = time.monotonic()
-            avoid = {node for node, when in self._avoid.items() if now - when < AVOID_DEAD_NODE_S}
+            failed = {node for node, when in self._failed.items() if now - when < RECENTLY_FAILED_S}
             spread = Counter(r.node_id for r in self.slots if r.state in ("up", "suspect"))
             group = None
             try:
-                group, _ = await place_group(self.config, spread=spread, avoid=avoid)
+                group, _ = await place_group(self.config, spread=spread, last=failed)
                 self._generation[index] += 1
                 replica = await RayReplica.start(
                     index, self.config, group, self._on_output, self._on_down, self._actor_name(index)
