@@ -67,12 +67,22 @@ def netns_available() -> str | None:
         return "not root"
     if shutil.which("ip") is None:
         return "no `ip` command"
-    probe = f"dsprobe{os.getpid()}"
-    made = _run("ip", "netns", "add", probe, check=False)
-    if made.returncode != 0:
-        return f"ip netns add failed: {made.stderr.strip()[:200]}"
-    _run("ip", "netns", "del", probe, check=False)
-    return None
+    probe = f"dsp{os.getpid() % 100000}"
+    steps = [
+        ("ip", "netns", "add", probe),
+        ("ip", "link", "add", f"{probe}a", "type", "veth", "peer", "name", f"{probe}b"),
+        ("ip", "link", "set", f"{probe}b", "netns", probe),
+        ("ip", "netns", "exec", probe, "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"),
+    ]
+    try:
+        for step in steps:
+            done = _run(*step, check=False)
+            if done.returncode != 0:
+                return f"{' '.join(step[:3])} failed: {done.stderr.strip()[:200]}"
+        return None
+    finally:
+        _run("ip", "link", "del", f"{probe}a", check=False)
+        _run("ip", "netns", "del", probe, check=False)
 
 
 class NetnsCluster:

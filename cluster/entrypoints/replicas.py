@@ -228,6 +228,9 @@ class RayReplica(Replica):
             except RayError as e:
                 self.down(f"its actor is gone ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
                 return
+            except Exception as e:  # an answer that cannot be read: its requests would hang otherwise
+                self.down(f"unreadable poll answer ({type(e).__name__}: {str(e)[:200]})")
+                return
             last_answer = now
             if self.state == "suspect":
                 log.warning("%s answers again", self.where())
