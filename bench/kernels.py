@@ -1,7 +1,7 @@
 """Kernel benchmark: each Triton kernel at Qwen3.5-35B-A3B shapes against its reference (and fla
 for GDN) in the same run, with an agreement check and the HBM floor.
 
-    python -m deltaserve.bench.kernels [--only gdn,attention,moe,conv1d,norm] [--match shared,graph] [--json out.json]
+    python -m deltaserve.bench.kernels [--only gdn,attention,moe,conv1d,norm,qsa] [--match graph] [--json out.json]
 
 GPU only. Cases come from bench/kernels_<op>.py modules, each exposing `cases() -> list[Case]`.
 """
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-OPS = ("gdn", "conv1d", "attention", "moe", "norm", "linear")
+OPS = ("gdn", "conv1d", "attention", "moe", "norm", "linear", "qsa")
 
 
 def measure_copy_bandwidth() -> float:

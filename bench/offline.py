@@ -22,6 +22,7 @@ import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.cluster.config import EngineConfig, add_engine_args, engine_kwargs
+from deltaserve.cluster.core.sampling_params import StructuredOutputsParams
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.moe import SparseMoeBlock
@@ -72,11 +73,20 @@ def weight_bytes(model_config: ModelConfig, dtype_bytes: int) -> tuple[int, int]
     h = c.hidden_size
     expert = 3 * h * c.moe_intermediate_size * dtype_bytes
     total = c.vocab_size * h  # lm_head (the embedding is read one row per token)
+    if c.hyper is not None:  # Qwen4-Exp: two stream mixers a layer and the final one
+        width = c.hyper.count * h
+        total += (2 * c.num_layers + 1) * (
+            2 * width * c.hyper.lowrank + width
+        ) + 2 * c.num_layers * c.hyper.count * width
+        if c.ple is not None:  # its projections and norms (the table is read a few rows per token)
+            total += len(c.ple.layer_ids) * ((width + h) * c.ple.embed_dim + (3 + c.ple.conv_kernel_size) * width)
     for i in range(c.num_layers):
         total += 2 * h  # norms
         if c.layer_types[i] == "full_attention":
             d = c.head_dim
             total += h * (2 * c.num_attention_heads * d + 2 * c.num_kv_heads * d) + c.num_attention_heads * d * h
+            if c.qsa is not None:
+                total += h * (c.qsa.num_heads + 1) * c.qsa.head_dim
         else:
             rows = 2 * c.gdn_key_dim + 2 * c.gdn_value_dim + 2 * c.linear_num_value_heads
             total += rows * h + c.gdn_conv_dim * c.conv_kernel_size + c.gdn_value_dim * h
@@ -94,6 +104,10 @@ def decode_floor_bytes(
     dense, expert = weight_bytes(model_config, dtype_bytes)
     experts = distinct_experts * expert
     kv = batch * context * len(c.attention_layer_ids) * 2 * c.num_kv_heads * c.head_dim * dtype_bytes
+    if c.qsa is not None:  # QSA: the selected tokens' KV and every block key the indexer scores
+        attended = min(context, c.qsa.budget + c.qsa.compress_ratio - 1) * 2 * c.num_kv_heads * c.head_dim
+        scored = (context // c.qsa.compress_ratio) * c.qsa.head_dim
+        kv = batch * len(c.attention_layer_ids) * (attended + scored) * dtype_bytes
     gdn = (
         batch
         * len(c.gdn_layer_ids)
@@ -114,18 +128,27 @@ def bench_decode(
     vocab: int,
     profile_steps: int = 0,
     tag: str = "",
+    loras: list | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> dict:
     """Decode timing of `batch` sequences of `context` prompt tokens; `tag` keeps request ids
-    distinct when a process times the same batch again (variants)."""
+    distinct when a process times the same batch again (variants); `loras`: the LoRARequest (or None)
+    of sequence i is loras[i % len(loras)]; `structured_outputs`: every row under this constraint (one
+    whose output outlasts the timed steps)."""
     engine = llm.engine
     rng = np.random.default_rng(batch)
     # the first prompts decode beside the later ones' prefill chunks: a token a pass from then on,
     # so the budget covers those passes too (a request that finished mid-timing would shrink the batch)
     prefill_passes = -(-batch * context // engine.scheduler.config.max_num_batched_tokens) + 1
     max_tokens = prefill_passes + 2 * steps + profile_steps + 6
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=structured_outputs
+    )
     for i in range(batch):
-        engine.add_request(f"d{tag}{batch}-{i}", rng.integers(10, vocab - 10, context).tolist(), params)
+        lora = loras[i % len(loras)] if loras else None
+        engine.add_request(
+            f"d{tag}{batch}-{i}", rng.integers(10, vocab - 10, context).tolist(), params, lora_request=lora
+        )
     # run until every request is decoding (prefill done, first token out)
     while (
         any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting
@@ -289,9 +312,10 @@ def bench_prefill(llm: LLM, length: int, vocab: int, profile: bool = False) -> f
 
 def bench_peer(model_config: ModelConfig, batches: list[int], context: int, steps: int) -> dict:
     """transformers on the same shapes with random bf16 weights: per-step decode time."""
-    from transformers import AutoModelForCausalLM, DynamicCache, Qwen3_5MoeTextConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-    hf_config = Qwen3_5MoeTextConfig()  # the preset is transformers' default shape
+    raw = dict(model_config.raw)
+    hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
     out = {}
@@ -339,7 +363,7 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(
         model_config=model_config,
         **settings.replace(
-            max_num_seqs=max(batches),
+            max_num_seqs=max([*batches, 1]),
             max_num_batched_tokens=max([*prefills, args.context * 4, 2048]),
             max_model_len=max([*prefills, 4096]) + 64,
             time_passes=True,  # GPU busy / idle per pass from CUDA events (two events a pass)
@@ -528,12 +552,17 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_main)
 
 
-def _main(args: argparse.Namespace) -> int:
+def run_on_cuda(name: str, run, args: argparse.Namespace) -> int:
+    """A benchmark's command: `run(args)` on a CUDA device, its report written to --json."""
     if not torch.cuda.is_available():
-        print("bench offline needs a CUDA device")
+        print(f"bench {name} needs a CUDA device")
         return 2
     report = run(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
     return 0
+
+
+def _main(args: argparse.Namespace) -> int:
+    return run_on_cuda("offline", run, args)

@@ -12,7 +12,6 @@ same miss with caching off is the baseline a cache must not slow down.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -22,7 +21,7 @@ import torch
 from deltaserve import LLM, SamplingParams
 from deltaserve.layers.config import ModelConfig
 
-from .offline import bench_decode
+from .offline import bench_decode, run_on_cuda
 from .presets import PRESETS, preset_config
 
 
@@ -144,11 +143,4 @@ def add_parser(sub) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("bench prefix needs a CUDA device")
-        return 2
-    report = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
-    return 0
+    return run_on_cuda("prefix", run, args)

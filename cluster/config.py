@@ -6,6 +6,7 @@
       cache      CacheConfig      block_size, gpu_memory_utilization, ...           (workers/config.py)
       scheduler  SchedulerConfig  max_num_seqs, max_num_batched_tokens, ...         (here)
       runner     RunnerConfig     enforce_eager, cuda_graph_max_batch, kernels, ... (workers/config.py)
+      lora       LoraConfig       enable_lora, max_loras, max_lora_rank, ...        (workers/config.py)
       serving    ServingConfig    max_waiting_requests                              (here)
       data_parallel DataParallelConfig data_parallel_size, routing, ...             (here)
       executor   "auto" | "local" | "ray"
@@ -28,6 +29,7 @@ from typing import Any
 from deltaserve.workers.config import (
     CacheConfig,
     LoadConfig,
+    LoraConfig,
     ParallelConfig,
     RunnerConfig,
     WorkerConfig,
@@ -105,6 +107,7 @@ class EngineConfig:
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     runner: RunnerConfig = dataclasses.field(default_factory=RunnerConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     serving: ServingConfig = dataclasses.field(default_factory=ServingConfig)
     data_parallel: DataParallelConfig = dataclasses.field(default_factory=DataParallelConfig)
     executor: str = setting(
@@ -159,6 +162,7 @@ class EngineConfig:
             runner=self.runner,
             max_num_seqs=self.scheduler.max_num_seqs,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+            lora=self.lora,
         )
 
 
@@ -221,10 +225,23 @@ def add_engine_args(
             plain_switch = default is False and type(None) not in kinds
             options["action"] = "store_true" if plain_switch else argparse.BooleanOptionalAction
         else:
-            options["type"] = kind
+            options["type"] = _flag_parser(f) if f.metadata.get("parse") else kind
             if f.metadata.get("choices"):
                 options["choices"] = f.metadata["choices"]
         group.add_argument("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()), **options)
+
+
+def _flag_parser(f: dataclasses.Field):
+    """The field's `parse`, its errors as argparse's (the flag and what is wrong, in one line)."""
+    parse = f.metadata["parse"]
+
+    def flag_value(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return flag_value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -238,6 +255,7 @@ __all__ = [
     "DataParallelConfig",
     "EngineConfig",
     "LoadConfig",
+    "LoraConfig",
     "ParallelConfig",
     "RunnerConfig",
     "SchedulerConfig",

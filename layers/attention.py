@@ -22,10 +22,13 @@ from .common import RMSNorm, col_range, empty_param, project, row_ranges
 from .config import ModelConfig
 from .kernels import attention as attn_kernels
 from .kernels import rotary as rotary_kernels
+from .lora import NO_SLOTS, LoraTarget, add_lora, column_target, row_target
 from .parallel import ParallelLayout, all_reduce
 
 
 class GatedAttention(nn.Module):
+    lora_slots = NO_SLOTS  # adapter slots of "in" (q | k | v) and "out" (o_proj), once enabled (layers/lora.py)
+
     def __init__(self, config: ModelConfig, layout: ParallelLayout):
         super().__init__()
         self.layout = layout
@@ -47,14 +50,18 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.rotary_dim, self.rope_theta, self.eps = config.rotary_dim, config.rope_theta, config.rms_norm_eps
 
-    def checkpoint_tensors(self, prefix: str) -> list[CheckpointTensor]:
-        d, h = self.head_dim, self.hidden_size
-        qs, kvs = self.q_size, self.kv_size
-        # (checkpoint row start, fused row start, rows) of this rank's q, k and v
+    def _qkv_rows(self) -> tuple[tuple, tuple, tuple, tuple, tuple]:
+        """(checkpoint row start, fused row start, rows) of this rank's q, k and v, and the checkpoint
+        shapes of q_proj and of k_proj / v_proj."""
+        d, h, qs, kvs = self.head_dim, self.hidden_size, self.q_size, self.kv_size
         q_rows = (self.head_start * 2 * d, 0, qs)
         k_rows = (self.kv_head_start * d, qs, kvs)
         v_rows = (self.kv_head_start * d, qs + kvs, kvs)
-        q_shape, kv_shape = (self.total_heads * 2 * d, h), (self.total_kv_heads * d, h)
+        return q_rows, k_rows, v_rows, (self.total_heads * 2 * d, h), (self.total_kv_heads * d, h)
+
+    def checkpoint_tensors(self, prefix: str) -> list[CheckpointTensor]:
+        d, h = self.head_dim, self.hidden_size
+        q_rows, k_rows, v_rows, q_shape, kv_shape = self._qkv_rows()
         out = [
             row_ranges(f"{prefix}q_proj.weight", self.qkv_proj, q_shape, [q_rows]),
             row_ranges(f"{prefix}k_proj.weight", self.qkv_proj, kv_shape, [k_rows]),
@@ -73,6 +80,17 @@ class GatedAttention(nn.Module):
             ]
         return out
 
+    def lora_targets(self, prefix: str) -> list[LoraTarget]:
+        q_rows, k_rows, v_rows, q_shape, kv_shape = self._qkv_rows()
+        d = self.head_dim
+        return [
+            column_target(f"{prefix}q_proj", self, "in", q_shape, [q_rows]),
+            column_target(f"{prefix}k_proj", self, "in", kv_shape, [k_rows]),
+            column_target(f"{prefix}v_proj", self, "in", kv_shape, [v_rows]),
+            row_target(f"{prefix}o_proj", self, "out", (self.hidden_size, self.total_heads * d),
+                       self.head_start * d, self.num_heads * d),
+        ]  # fmt: skip
+
     def state_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
         shape = (block_size, self.num_kv_heads, self.head_dim)
         return {"k_cache": shape, "v_cache": shape}
@@ -87,18 +105,20 @@ class GatedAttention(nn.Module):
         return self.qkv_bias if self.bias else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: AttnLayerState) -> torch.Tensor:
-        return self.mix(project(x, self.qkv_proj, ctx.kernels, self.in_proj_bias), ctx, state)
+        qkv = add_lora(ctx, self.lora_slots.get("in"), project(x, self.qkv_proj, ctx.kernels, self.in_proj_bias), x)
+        return self.mix(qkv, ctx, state)
 
-    def mix(self, qkv: torch.Tensor, ctx: ForwardContext, state: AttnLayerState) -> torch.Tensor:
-        """Everything after the input projection: qkv [T, q_gate | k | v] -> [T, hidden] (reduced
-        over TP ranks). The decoder layer calls it with qkv_proj fused into the input norm."""
+    def queries_and_cache(
+        self, qkv: torch.Tensor, ctx: ForwardContext, state: AttnLayerState
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """From qkv [T, q_gate | k | v]: the normed, rotated queries [T, H, D] and the output gate
+        [T, H, D] (a view); the finished k and v go into the paged cache."""
         num_tokens, d = qkv.shape[0], self.head_dim
         qs, kvs = self.q_size, self.kv_size
         q_gate = qkv[:, :qs].view(num_tokens, self.num_heads, 2 * d)
-        gate = q_gate[..., d:]  # the output gate [T, H, D], applied by the decode kernel / below
         k = qkv[:, qs : qs + kvs].view(num_tokens, self.num_kv_heads, d)
         v = qkv[:, qs + kvs :].view(num_tokens, self.num_kv_heads, d)
-        q, k = rotary_kernels.qk_norm_rope(
+        q, _ = rotary_kernels.qk_norm_rope(
             q=q_gate[..., :d],
             k=k,
             q_weight=self.q_norm.weight,
@@ -111,6 +131,13 @@ class GatedAttention(nn.Module):
             kv_cache=rotary_kernels.KvCacheWrite(v, state.k_cache, state.v_cache, ctx.slot_mapping),
             pdl=ctx.kernels.pdl,
         )
+        return q, q_gate[..., d:]
+
+    def mix(self, qkv: torch.Tensor, ctx: ForwardContext, state: AttnLayerState) -> torch.Tensor:
+        """Everything after the input projection: qkv [T, q_gate | k | v] -> [T, hidden] (reduced
+        over TP ranks). The decoder layer calls it with qkv_proj fused into the input norm."""
+        num_tokens, d = qkv.shape[0], self.head_dim
+        q, gate = self.queries_and_cache(qkv, ctx, state)  # gate: applied by the decode kernel / below
         num_decode = ctx.num_decode_tokens
         decode_out = prefill_out = None
         if ctx.decode is not None and ctx.decode.tokens_per_row > 1:
@@ -148,9 +175,9 @@ class GatedAttention(nn.Module):
                 scale=self.scale,
             )
             prefill_out = prefill_out * torch.sigmoid(gate[num_decode:])
-        out = join_rows(decode_out, prefill_out).reshape(num_tokens, self.num_heads * d)
-        out = project(out, self.o_proj, ctx.kernels, self.o_bias if self.bias else None)
-        return all_reduce(out, self.layout)
+        attn = join_rows(decode_out, prefill_out).reshape(num_tokens, self.num_heads * d)
+        out = project(attn, self.o_proj, ctx.kernels, self.o_bias if self.bias else None)
+        return all_reduce(add_lora(ctx, self.lora_slots.get("out"), out, attn), self.layout)
 
 
 def join_rows(decode: torch.Tensor | None, prefill: torch.Tensor | None) -> torch.Tensor:

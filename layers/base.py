@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .kernels.gdn.state import StateCaptures, VerifyTable
+from .kernels.lora import LoraRows
 from .kernels.options import KernelOptions
 
 if TYPE_CHECKING:
@@ -133,13 +134,28 @@ MidchunkCapture = StateCaptures
 
 
 class MoeLoraRoute(enum.Enum):
-    """MoE-LoRA fold decision for one pass. One MoE adapter is active at a time: FOLD applies it in
-    the routed experts, SKIP runs the base experts, REFUSE is an error (the batch mixes adapters the
-    kernel cannot fold). LoRA is a later issue; every pass is SKIP today."""
+    """MoE-LoRA fold decision for one pass, from the adapter slots its rows name (layers/lora.py's
+    resolve_moe_lora_route): FOLD applies the rows' expert adapters inside the routed experts (any
+    number of adapters per batch, grouped per slot and expert), SKIP runs the base experts (no row's
+    adapter touches them), REFUSE is an error naming the adapter (it cannot be served in this pass)."""
 
     FOLD = "fold"
     SKIP = "skip"
     REFUSE = "refuse"
+
+
+@dataclass
+class LoraBatch:
+    """The pass's adapters: token_slots [T] int32 on the device (each token's adapter slot, -1: none),
+    `active` the slots its rows name (host), `capture` True while a CUDA graph is captured (every
+    projection then runs its adapters: the replays read their slots from token_slots). `rows`: the
+    tokens grouped by slot, made at the start of the model's forward (inside a captured graph)."""
+
+    token_slots: torch.Tensor
+    num_slots: int
+    active: frozenset[int]
+    capture: bool = False
+    rows: LoraRows | None = None
 
 
 @dataclass
@@ -160,6 +176,7 @@ class ForwardContext:
     logits_indices: torch.Tensor
     midchunk_capture: MidchunkCapture | None = None
     moe_lora_route: MoeLoraRoute = MoeLoraRoute.SKIP
+    lora: LoraBatch | None = None  # None: no row of the pass has an adapter
     # the kernel choices the layers hand their ops (a captured graph keeps those of its capture)
     kernels: KernelOptions = field(default_factory=KernelOptions)
 
@@ -198,7 +215,7 @@ class CheckpointTensor:
     `experts.N.gate_proj.weight` and `experts.N.up_proj.weight`; such an `alternative` entry only
     covers targets, it never makes one required. Every target of a non-alternative entry this
     rank loads must be covered. `init` says how the random load format fills it: normal, zeros,
-    ones or a_log."""
+    ones, a_log, or computed (the parameter already holds its value, derived from the config)."""
 
     name: str
     shape: tuple[int, ...]

@@ -8,21 +8,27 @@ weights are renormalised); everything else is shared.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from .config_qwen4 import HyperConnectionConfig, PleConfig, QsaConfig, Qwen4ConfigError, parse_qwen4_exp
 
 # model_type -> family. Composite (vision + text) configs carry the text part in `text_config`.
 TEXT_FAMILIES = {
     "qwen3_next": "qwen3_next",
     "qwen3_5_text": "qwen3_5",
     "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen4_exp_text": "qwen4_exp",
 }
-COMPOSITE_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+COMPOSITE_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen4_exp": "qwen4_exp_text"}
 SUPPORTED_MODEL_TYPES = tuple(TEXT_FAMILIES) + tuple(COMPOSITE_TYPES)
 
 ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
+# qwen4_exp's name for its attention layers (all of them have a QSA indexer); the real checkpoint
+# writes "full_attention" for the same layers
+INDEXED_ATTENTION = "indexed_attention"
 
 
 class ConfigError(ValueError):
@@ -37,7 +43,7 @@ def _require(cfg: dict, key: str, model_type: str) -> Any:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # "qwen3_next" | "qwen3_5" | "qwen3_5_moe"
+    family: str  # "qwen3_next" | "qwen3_5" | "qwen3_5_moe" | "qwen4_exp"
     model_type: str  # the text model_type as written in the checkpoint
     vocab_size: int
     hidden_size: int
@@ -72,7 +78,14 @@ class ModelConfig:
     norm_topk_prob: bool
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # the checkpoint's multi-token-prediction head (mtp.*): its decoder layer count and FFN kind
     num_mtp_layers: int = 0
+    mtp_mlp_type: str = "dense"
+    # qwen4_exp: QSA sparse attention on every attention layer, hyper-connection residual streams,
+    # per-layer n-gram embeddings (config_qwen4.py); None for the other families
+    qsa: QsaConfig | None = None
+    hyper: HyperConnectionConfig | None = None
+    ple: PleConfig | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived sizes -------------------------------------------------------------------
@@ -99,6 +112,11 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return "moe" in self.mlp_types
+
+    def mtp_layer_config(self) -> ModelConfig:
+        """The config of the MTP head's decoder layer: one full-attention layer with the family's
+        FFN kind (the head's index 0 decides it, as for the stack's first layer)."""
+        return replace(self, num_layers=1, layer_types=(ATTENTION,), mlp_types=(self.mtp_mlp_type,))
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -141,6 +159,8 @@ class ModelConfig:
         if layer_types is None:
             interval = int(cfg.get("full_attention_interval", 4))
             layer_types = [LINEAR_ATTENTION if (i + 1) % interval else ATTENTION for i in range(num_layers)]
+        if family == "qwen4_exp" and isinstance(layer_types, list | tuple):
+            layer_types = [ATTENTION if t == INDEXED_ATTENTION else t for t in layer_types]
         layer_types = tuple(layer_types)
         if len(layer_types) != num_layers:
             raise ConfigError(
@@ -157,7 +177,10 @@ class ModelConfig:
         if rope_type != "default":
             raise ConfigError(f"config field 'rope_parameters.rope_type' is {rope_type!r}; only 'default' is supported")
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+        # Qwen4-Exp's config does not default the factor to 0.25 as Qwen3.5's does: its rotary
+        # embedding reads a missing one as 1.0
+        default_partial = 1.0 if family == "qwen4_exp" else 0.25
+        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_partial)))
         head_dim = int(cfg.get("head_dim") or req("hidden_size") // req("num_attention_heads"))
         rotary_dim = int(head_dim * partial)
         if rotary_dim % 2:
@@ -167,8 +190,12 @@ class ModelConfig:
         if family == "qwen3_5":
             mlp_types = ("dense",) * num_layers
             num_experts = 0
-        elif family == "qwen3_5_moe":
+            mtp_mlp = "dense"
+        elif family in ("qwen3_5_moe", "qwen4_exp"):
             mlp_types = ("moe",) * num_layers
+            mtp_mlp = "moe"
+            if num_experts <= 0:
+                raise ConfigError(f"config field 'num_experts' is {num_experts}; it must be > 0")
         else:  # qwen3_next
             step = int(cfg.get("decoder_sparse_step", 1))
             mlp_only = set(cfg.get("mlp_only_layers") or [])
@@ -176,6 +203,9 @@ class ModelConfig:
                 "moe" if (i not in mlp_only and num_experts > 0 and (i + 1) % step == 0) else "dense"
                 for i in range(num_layers)
             )
+            mtp_mlp = mlp_types[0] if num_layers else "dense"
+        num_mtp = int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0)) or 0)
+        ffn_kinds = set(mlp_types) | ({mtp_mlp} if num_mtp else set())
         if "moe" in mlp_types:
             top_k = int(req("num_experts_per_tok"))
             if not 0 < top_k <= num_experts:
@@ -183,7 +213,7 @@ class ModelConfig:
         else:
             top_k = 0
         # qwen3_5_moe always renormalises the top-k weights (its config has no such field)
-        norm_topk = bool(cfg.get("norm_topk_prob", True)) if family == "qwen3_next" else True
+        norm_topk = bool(cfg.get("norm_topk_prob", True)) if family in ("qwen3_next", "qwen4_exp") else True
 
         n_k = int(req("linear_num_key_heads"))
         n_v = int(req("linear_num_value_heads"))
@@ -197,6 +227,16 @@ class ModelConfig:
             raise ConfigError(
                 f"config field 'num_attention_heads' ({n_q}) must be a multiple of num_key_value_heads ({n_kv})"
             )
+
+        qsa = hyper = ple = None
+        if family == "qwen4_exp":
+            for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+                if not isinstance(cfg.get(key, 0), int) or int(cfg.get(key) or 0) <= 0:
+                    raise ConfigError(f"config field '{key}' must be > 0")
+            try:
+                qsa, hyper, ple = parse_qwen4_exp(cfg, layer_types, int(req("hidden_size")), rotary_dim)
+            except Qwen4ConfigError as e:
+                raise ConfigError(str(e)) from None
 
         gen = generation_config or {}
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
@@ -225,7 +265,7 @@ class ModelConfig:
             conv_kernel_size=int(cfg.get("linear_conv_kernel_dim", 4)),
             gdn_projection="fused_qkvz" if family == "qwen3_next" else "split",
             mlp_types=mlp_types,
-            intermediate_size=int(cfg.get("intermediate_size") or 0) if "dense" in mlp_types else 0,
+            intermediate_size=int(cfg.get("intermediate_size") or 0) if "dense" in ffn_kinds else 0,
             num_experts=num_experts,
             num_experts_per_tok=top_k,
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0) if "moe" in mlp_types else 0,
@@ -235,6 +275,10 @@ class ModelConfig:
             norm_topk_prob=norm_topk,
             eos_token_ids=eos_ids,
             bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
-            num_mtp_layers=int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0)) or 0),
+            num_mtp_layers=num_mtp,
+            mtp_mlp_type=mtp_mlp,
+            qsa=qsa,
+            hyper=hyper,
+            ple=ple,
             raw=cfg,
         )

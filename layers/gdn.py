@@ -29,10 +29,13 @@ from .kernels import conv1d as conv_kernels
 from .kernels import gdn as gdn_kernels
 from .kernels import norm as norm_kernels
 from .kernels.gdn import state as gdn_state
+from .lora import NO_SLOTS, LoraTarget, add_lora, column_target, row_target
 from .parallel import ParallelLayout, all_reduce
 
 
 class GatedDeltaNet(nn.Module):
+    lora_slots = NO_SLOTS  # adapter slots of "in" (the input projections) and "out", once enabled
+
     def __init__(self, config: ModelConfig, layout: ParallelLayout):
         super().__init__()
         self.layout = layout
@@ -63,57 +66,50 @@ class GatedDeltaNet(nn.Module):
         kd, vd, nv = self.key_dim, self.value_dim, self.num_value_heads
         return {"q": 0, "k": kd, "v": 2 * kd, "z": 2 * kd + vd, "b": 2 * kd + 2 * vd, "a": 2 * kd + 2 * vd + nv}
 
+    def _in_proj_parts(self) -> list[tuple[str, tuple[int, int], list[tuple[int, int, int]]]]:
+        """The checkpoint's input projections: (module, its weight's shape, the (checkpoint row, fused
+        row, rows) pieces this rank takes), in either layout."""
+        h, kdim, vdim = self.hidden_size, self.key_head_dim, self.value_head_dim
+        total_kd, total_vd = self.total_key_heads * kdim, self.total_value_heads * vdim
+        k0, v0, nv = self.key_head_start, self.value_head_start, self.total_value_heads
+        off = self._offsets()
+        if self.config.gdn_projection == "split":
+            qkv = [
+                (k0 * kdim, off["q"], self.key_dim),
+                (total_kd + k0 * kdim, off["k"], self.key_dim),
+                (2 * total_kd + v0 * vdim, off["v"], self.value_dim),
+            ]
+            return [
+                ("in_proj_qkv", (2 * total_kd + total_vd, h), qkv),
+                ("in_proj_z", (total_vd, h), [(v0 * vdim, off["z"], self.value_dim)]),
+                ("in_proj_b", (nv, h), [(v0, off["b"], self.num_value_heads)]),
+                ("in_proj_a", (nv, h), [(v0, off["a"], self.num_value_heads)]),
+            ]
+        r = self.group
+        per_head = 2 * kdim + 2 * r * vdim
+        qkvz, ba = [], []
+        for i in range(self.num_key_heads):
+            base = (k0 + i) * per_head
+            qkvz += [
+                (base, off["q"] + i * kdim, kdim),
+                (base + kdim, off["k"] + i * kdim, kdim),
+                (base + 2 * kdim, off["v"] + i * r * vdim, r * vdim),
+                (base + 2 * kdim + r * vdim, off["z"] + i * r * vdim, r * vdim),
+            ]
+            ba += [((k0 + i) * 2 * r, off["b"] + i * r, r), ((k0 + i) * 2 * r + r, off["a"] + i * r, r)]
+        return [
+            ("in_proj_qkvz", (self.total_key_heads * per_head, h), qkvz),
+            ("in_proj_ba", (self.total_key_heads * 2 * r, h), ba),
+        ]
+
     def checkpoint_tensors(self, prefix: str) -> list[CheckpointTensor]:
         h, kdim, vdim = self.hidden_size, self.key_head_dim, self.value_head_dim
         total_kd, total_vd = self.total_key_heads * kdim, self.total_value_heads * vdim
         k0, v0 = self.key_head_start, self.value_head_start
-        off = self._offsets()
-        out: list[CheckpointTensor] = []
-        if self.config.gdn_projection == "split":
-            out += [
-                row_ranges(
-                    f"{prefix}in_proj_qkv.weight",
-                    self.in_proj,
-                    (2 * total_kd + total_vd, h),
-                    [
-                        (k0 * kdim, off["q"], self.key_dim),
-                        (total_kd + k0 * kdim, off["k"], self.key_dim),
-                        (2 * total_kd + v0 * vdim, off["v"], self.value_dim),
-                    ],
-                ),
-                row_ranges(
-                    f"{prefix}in_proj_z.weight", self.in_proj, (total_vd, h), [(v0 * vdim, off["z"], self.value_dim)]
-                ),
-                row_ranges(
-                    f"{prefix}in_proj_b.weight",
-                    self.in_proj,
-                    (self.total_value_heads, h),
-                    [(v0, off["b"], self.num_value_heads)],
-                ),
-                row_ranges(
-                    f"{prefix}in_proj_a.weight",
-                    self.in_proj,
-                    (self.total_value_heads, h),
-                    [(v0, off["a"], self.num_value_heads)],
-                ),
-            ]
-        else:
-            r = self.group
-            per_head = 2 * kdim + 2 * r * vdim
-            qkvz, ba = [], []
-            for i in range(self.num_key_heads):
-                base = (k0 + i) * per_head
-                qkvz += [
-                    (base, off["q"] + i * kdim, kdim),
-                    (base + kdim, off["k"] + i * kdim, kdim),
-                    (base + 2 * kdim, off["v"] + i * r * vdim, r * vdim),
-                    (base + 2 * kdim + r * vdim, off["z"] + i * r * vdim, r * vdim),
-                ]
-                ba += [((k0 + i) * 2 * r, off["b"] + i * r, r), ((k0 + i) * 2 * r + r, off["a"] + i * r, r)]
-            out += [
-                row_ranges(f"{prefix}in_proj_qkvz.weight", self.in_proj, (self.total_key_heads * per_head, h), qkvz),
-                row_ranges(f"{prefix}in_proj_ba.weight", self.in_proj, (self.total_key_heads * 2 * r, h), ba),
-            ]
+        out = [
+            row_ranges(f"{prefix}{name}.weight", self.in_proj, shape, pieces)
+            for name, shape, pieces in self._in_proj_parts()
+        ]
         out += [
             row_ranges(
                 f"{prefix}conv1d.weight",
@@ -140,6 +136,16 @@ class GatedDeltaNet(nn.Module):
         ]
         return out
 
+    def lora_targets(self, prefix: str) -> list[LoraTarget]:
+        targets = [
+            column_target(f"{prefix}{name}", self, "in", shape, pieces) for name, shape, pieces in self._in_proj_parts()
+        ]
+        total_vd = self.total_value_heads * self.value_head_dim
+        start = self.value_head_start * self.value_head_dim
+        return targets + [
+            row_target(f"{prefix}out_proj", self, "out", (self.hidden_size, total_vd), start, self.value_dim)
+        ]
+
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         return {
             "recurrent": ((self.num_value_heads, self.key_head_dim, self.value_head_dim), torch.float32),
@@ -150,7 +156,7 @@ class GatedDeltaNet(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: SsmLayerState) -> torch.Tensor:
-        return self.mix(project(x, self.in_proj, ctx.kernels), ctx, state)
+        return self.mix(add_lora(ctx, self.lora_slots.get("in"), project(x, self.in_proj, ctx.kernels), x), ctx, state)
 
     def mix(self, proj: torch.Tensor, ctx: ForwardContext, state: SsmLayerState) -> torch.Tensor:
         """Everything after the input projection: proj [T, in_proj rows] -> [T, hidden] (reduced
@@ -189,7 +195,8 @@ class GatedDeltaNet(nn.Module):
             core = join_rows(core_decode, core_prefill)
         else:
             core = self._unfused(mixed, z, a, b, conv_weight, ctx.decode, ctx, state)
-        out = project(core.reshape(num_tokens, self.value_dim), self.out_proj, ctx.kernels)
+        core = core.reshape(num_tokens, self.value_dim)
+        out = add_lora(ctx, self.lora_slots.get("out"), project(core, self.out_proj, ctx.kernels), core)
         return all_reduce(out, self.layout)
 
     def _unfused(

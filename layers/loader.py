@@ -4,7 +4,8 @@ parameters, or a seeded random fill of the real shapes (`load_format="random"`).
 Every parameter is read through the layers' `checkpoint_tensors()` list, so a rank reads only the
 slices it owns, and a tensor that is missing or has the wrong shape is an error naming it. Composite
 checkpoints (`model.language_model.*`) map onto the text names; vision tensors are skipped; `mtp.*`
-tensors are kept whole on the model for speculative decoding.
+tensors load into the MTP head when the model is built with it (speculative decoding), and are
+skipped otherwise.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from safetensors import safe_open
 from .base import CheckpointTensor, LazyTensor
 from .config import ModelConfig
 from .model import HybridModel
+from .mtp import MtpHead
 from .parallel import ParallelLayout
+from .qwen4_exp import Qwen4ExpModel
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +82,21 @@ def build_model(
     layout: ParallelLayout | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    mtp: bool = False,
 ) -> HybridModel:
-    """The model with uninitialised parameters allocated directly in `dtype` on `device`."""
+    """The model with uninitialised parameters allocated directly in `dtype` on `device`; with `mtp`,
+    its MTP head too (an error naming the config field when the checkpoint declares none)."""
+    if mtp and (config.num_mtp_layers < 1 or config.family == "qwen4_exp"):
+        raise CheckpointError(
+            "speculative_config method 'mtp' needs a checkpoint with an MTP head of a qwen3_next / qwen3_5 family; "
+            f"this {config.family} config declares {config.num_mtp_layers} (mtp_num_hidden_layers / "
+            "num_nextn_predict_layers)"
+        )
+    cls = Qwen4ExpModel if config.family == "qwen4_exp" else HybridModel
     with torch.device(device), _default_dtype(dtype):
-        model = HybridModel(config, layout)
+        model = cls(config, layout)
+        if mtp:
+            model.mtp = MtpHead(config, model.layout)
     return model.eval()
 
 
@@ -95,8 +109,9 @@ def load_model(
     device: str | torch.device = "cpu",
     load_format: str = "auto",
     seed: int = 0,
+    mtp: bool = False,
 ) -> HybridModel:
-    """Build the model and fill this rank's shard of every parameter."""
+    """Build the model (with `mtp`: and its MTP head) and fill this rank's shard of every parameter."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     if config is None:
@@ -104,7 +119,7 @@ def load_model(
             raise ValueError("load_model needs model_dir or config")
         config = ModelConfig.from_pretrained(model_dir)
     started = time.perf_counter()
-    model = build_model(config, layout=layout, dtype=dtype, device=device)
+    model = build_model(config, layout=layout, dtype=dtype, device=device, mtp=mtp)
     entries = model.checkpoint_tensors()
     if load_format == "random":
         fill_random(entries, seed=seed, dtype=dtype, device=device)
@@ -137,9 +152,8 @@ def load_safetensors(
                 name = canonical_name(raw_name)
                 if name is None:
                     continue
-                if name.startswith("mtp."):
-                    model.mtp_weights[name] = f.get_tensor(raw_name).to(device=device, dtype=dtype)
-                    continue
+                if name.startswith("mtp.") and model.mtp is None:
+                    continue  # the MTP head is built only for speculative decoding
                 entry = by_name.get(name)
                 if entry is None:
                     unexpected.append(raw_name)
@@ -152,6 +166,10 @@ def load_safetensors(
                     raise CheckpointError(f"checkpoint tensor '{raw_name}' has shape {shape}, expected {entry.shape}")
                 entry.load(LazyTensor(raw_name, shape, _slice_reader(sliced)))
                 covered.update(entry.targets)
+    if model.mtp is not None and not any((canonical_name(n) or "").startswith("mtp.") for n in files):
+        raise CheckpointError(
+            f"speculative_config method 'mtp' needs MTP weights (mtp.*); checkpoint {model_dir} has none"
+        )
     missing = [name for target, name in _required_targets(entries).items() if target not in covered]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -174,8 +192,8 @@ def fill_random(entries: list[CheckpointTensor], *, seed: int, dtype: torch.dtyp
     """Fill every target from a per-tensor seed: the same weights whatever the rank layout."""
     covered: set[str] = set()
     for entry in entries:
-        if entry.load is None or covered.issuperset(entry.targets):
-            continue
+        if entry.load is None or entry.init == "computed" or covered.issuperset(entry.targets):
+            continue  # "computed": the parameter holds its value from the config already
         generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(entry.name.encode()))
         full = _random_tensor(entry.shape, entry.init, generator, dtype, device)
         entry.load(LazyTensor(entry.name, entry.shape, lambda index, full=full: full[index] if index else full))

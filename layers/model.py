@@ -27,9 +27,11 @@ from .common import RMSNorm, empty_param, project
 from .config import ATTENTION, ModelConfig
 from .gdn import GatedDeltaNet
 from .kernels import linear as linear_kernels
+from .kernels import lora as lora_kernels
 from .kernels import moe as moe_kernels
 from .kernels import norm as norm_kernels
 from .kernels.options import KernelOptions
+from .lora import LoraTarget, add_lora, lora_wanted
 from .moe import DenseMLP, SparseMoeBlock
 from .parallel import ParallelLayout, all_gather_last_dim, all_reduce, validate_layout
 
@@ -84,6 +86,10 @@ class DecoderLayer(TransformerLayer):
             *self.mlp.checkpoint_tensors(f"{prefix}mlp."),
         ]
 
+    def lora_targets(self, prefix: str) -> list[LoraTarget]:
+        mixer = "self_attn." if self.is_attention else "linear_attn."
+        return [*self.mixer.lora_targets(f"{prefix}{mixer}"), *self.mlp.lora_targets(f"{prefix}mlp.")]
+
     def state_shapes(self, block_size: int = 16) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         """Attention: K and V shapes of one page; GDN: recurrent and conv shapes of one slot."""
         if self.is_attention:
@@ -114,20 +120,24 @@ class DecoderLayer(TransformerLayer):
         else:
             assert isinstance(state, SsmLayerState)
         kernels = ctx.kernels
+        lora_in = self.mixer.lora_slots.get("in")
         if input_normed:
+            x = hidden
             proj = project(hidden, self.mixer.in_proj, kernels, self.mixer.in_proj_bias)
         else:
-            proj, _, residual = norm_project(
-                hidden, residual, self.input_layernorm, self.mixer.in_proj, kernels, self.mixer.in_proj_bias
-            )
-        mixed = self.mixer.mix(proj, ctx, state)
+            proj, x, residual = norm_project(
+                hidden, residual, self.input_layernorm, self.mixer.in_proj, kernels, self.mixer.in_proj_bias,
+                write_normed=lora_wanted(ctx, lora_in),  # the adapters read the normed input
+            )  # fmt: skip
+        mixed = self.mixer.mix(add_lora(ctx, lora_in, proj, x), ctx, state)
         if not self.is_moe:
             x, residual = add_rms_norm(mixed, residual, self.post_attention_layernorm, kernels)
-            return LayerOut(self.mlp(x, kernels), residual, normed=False)
+            return LayerOut(self.mlp(x, kernels, ctx=ctx), residual, normed=False)
         # the MoE block's experts read the normed input too: the fused kernel writes it
         proj, x, residual = norm_project(
             mixed, residual, self.post_attention_layernorm, self.mlp.in_proj, kernels, write_normed=True
         )
+        proj = add_lora(ctx, self.mlp.lora_slots.get("in"), proj, x)
         if next_norm is None:
             return LayerOut(self.mlp(x, ctx, proj), residual, normed=False)
         add_norm = moe_kernels.AddNorm(residual, next_norm.weight, next_norm.eps)
@@ -155,11 +165,15 @@ class HybridModel(nn.Module):
         self.vocab_start = layout.tp_rank * self.vocab_per_rank
         self.vocab_rows = max(0, min(self.vocab_per_rank, config.vocab_size - self.vocab_start))
         self.embed_tokens = empty_param(self.vocab_per_rank, config.hidden_size)
+        self._build_stack(config, layout)
+        self.lm_head = None if config.tie_word_embeddings else empty_param(self.vocab_per_rank, config.hidden_size)
+        # the MTP head (layers/mtp.py), attached by the loader when speculative decoding uses it
+        self.mtp: nn.Module | None = None
+
+    def _build_stack(self, config: ModelConfig, layout: ParallelLayout) -> None:
+        """The decoder layers and what follows them (a family with other layers builds its own)."""
         self.layers = nn.ModuleList(DecoderLayer(config, i, layout) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else empty_param(self.vocab_per_rank, config.hidden_size)
-        # mtp.* tensors, kept whole for speculative decoding (a later issue); name -> tensor
-        self.mtp_weights: dict[str, torch.Tensor] = {}
 
     # ---- weights -----------------------------------------------------------------------------
     def checkpoint_tensors(self) -> list[CheckpointTensor]:
@@ -169,7 +183,13 @@ class HybridModel(nn.Module):
         out += self.norm.checkpoint_tensors("model.norm.weight")
         if self.lm_head is not None:
             out.append(self._vocab_rows("lm_head.weight", self.lm_head))
+        if self.mtp is not None:
+            out += self.mtp.checkpoint_tensors("mtp.")
         return out
+
+    def lora_targets(self) -> list[LoraTarget]:
+        """Every module an adapter may target, with where its delta goes on this rank (layers/lora.py)."""
+        return [t for i, layer in enumerate(self.layers) for t in layer.lora_targets(f"model.layers.{i}.")]
 
     def _vocab_rows(self, name: str, param: torch.Tensor) -> CheckpointTensor:
         start, rows = self.vocab_start, self.vocab_rows
@@ -198,6 +218,10 @@ class HybridModel(nn.Module):
 
     def forward(self, ctx: ForwardContext, states: list[LayerState]) -> torch.Tensor:
         """Final hidden states [T, hidden] for every token of the pass."""
+        if ctx.lora is not None:  # the tokens grouped by adapter slot, for every projection's adapters
+            ctx.lora.rows = lora_kernels.lora_rows(
+                keys=ctx.lora.token_slots, num_keys=ctx.lora.num_slots, pdl=ctx.kernels.pdl
+            )
         if self.layout.tp_size == 1:
             # the lookup and the first layer's input norm in one launch
             first = self.layers[0].input_layernorm
@@ -212,6 +236,11 @@ class HybridModel(nn.Module):
             # each MoE block applies the norm after it in its last kernel: one launch fewer a layer
             hidden, residual, normed = layer(hidden, residual, ctx, state, input_normed=normed, next_norm=norm_after)
         return hidden if normed else add_rms_norm(hidden, residual, self.norm, ctx.kernels)[0]
+
+    def mtp_forward(self, ctx: ForwardContext, hidden: torch.Tensor, state: AttnLayerState) -> torch.Tensor:
+        """The MTP head over the pass's rows: ctx.input_ids holds each row's next token, hidden [T, H]
+        the target's final hidden state at the row (or the head's own output). Returns [T, H]."""
+        return self.mtp(self.embed(ctx.input_ids), hidden, ctx, state)
 
     def write_on_accept(self, states: list[LayerState], slots: torch.Tensor, last_accepted: torch.Tensor) -> None:
         """After a verify pass: every layer keeps its state after each row's last accepted token."""

@@ -27,11 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CheckpointTensor, ForwardContext, LazyTensor, MoeLoraRoute, copy_into
+from .base import CheckpointTensor, ForwardContext, LazyTensor, copy_into
 from .common import col_range, empty_param, project, row_ranges
 from .config import ModelConfig
 from .kernels import moe as moe_kernels
 from .kernels.options import KernelOptions
+from .lora import NO_SLOTS, LoraTarget, add_lora, column_target, expert_deltas, lora_wanted, row_target
 from .parallel import ParallelLayout, all_reduce
 
 
@@ -40,6 +41,8 @@ class DenseMLP(nn.Module):
     `reduce=False` leaves the partial sum for a caller that all-reduces once for several blocks.
     `own_gate_up=False`: the gate/up rows live in a caller's fused weight (the MoE block's in_proj);
     the caller passes it and their first row to checkpoint_tensors and runs `down` on its output."""
+
+    lora_slots = NO_SLOTS  # adapter slots of "in" (gate | up) and "down", once enabled (layers/lora.py)
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, layout: ParallelLayout, what: str, own_gate_up: bool = True
@@ -63,17 +66,35 @@ class DenseMLP(nn.Module):
             col_range(f"{prefix}down_proj.weight", self.w2, (self.hidden_size, self.total_inter), i0),
         ]
 
-    def down(self, gate_up: torch.Tensor, kernels: KernelOptions, reduce: bool = True) -> torch.Tensor:
+    def lora_targets(self, prefix: str, owner: nn.Module | None = None, first_row: int = 0) -> list[LoraTarget]:
+        """gate / up go to `owner`'s "in" slots (itself, or the MoE block whose in_proj holds them)."""
+        full, i0, inter = (self.total_inter, self.hidden_size), self.inter_start, self.inter
+        owner = self if owner is None else owner
+        return [
+            column_target(f"{prefix}gate_proj", owner, "in", full, [(i0, first_row, inter)]),
+            column_target(f"{prefix}up_proj", owner, "in", full, [(i0, first_row + inter, inter)]),
+            row_target(f"{prefix}down_proj", self, "down", (self.hidden_size, self.total_inter), i0, inter),
+        ]
+
+    def down(
+        self, gate_up: torch.Tensor, kernels: KernelOptions, reduce: bool = True, ctx: ForwardContext | None = None
+    ) -> torch.Tensor:
         """down(silu(gate) * up) from the gate/up projection's output [T, 2 * I_local]."""
         act = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
-        out = project(act, self.w2, kernels)
+        out = add_lora(ctx, self.lora_slots.get("down"), project(act, self.w2, kernels), act)
         return all_reduce(out, self.layout) if reduce else out
 
-    def forward(self, x: torch.Tensor, kernels: KernelOptions, reduce: bool = True) -> torch.Tensor:
-        return self.down(project(x, self.w13, kernels), kernels, reduce)
+    def forward(
+        self, x: torch.Tensor, kernels: KernelOptions, reduce: bool = True, ctx: ForwardContext | None = None
+    ) -> torch.Tensor:
+        gate_up = add_lora(ctx, self.lora_slots.get("in"), project(x, self.w13, kernels), x)
+        return self.down(gate_up, kernels, reduce, ctx)
 
 
 class SparseMoeBlock(nn.Module):
+    # adapter slots of "in" (router | shared gate_up | shared gate) and "experts", once enabled
+    lora_slots = NO_SLOTS
+
     def __init__(self, config: ModelConfig, layout: ParallelLayout):
         super().__init__()
         self.layout = layout
@@ -154,6 +175,26 @@ class SparseMoeBlock(nn.Module):
             out.append(row_ranges(f"{prefix}shared_expert_gate.weight", self.in_proj, (1, h), [(0, gate_row, 1)]))
         return out
 
+    def lora_targets(self, prefix: str) -> list[LoraTarget]:
+        h, num_experts = self.hidden_size, self.num_experts
+        out = [column_target(f"{prefix}gate", self, "in", (num_experts, h), [(0, 0, num_experts)])]
+        if self.shared_expert is not None:
+            out += self.shared_expert.lora_targets(f"{prefix}shared_expert.", self, num_experts)
+            out.append(column_target(f"{prefix}shared_expert_gate", self, "in", (1, h), [(0, self.gate_row, 1)]))
+        full_13, full_2 = (2 * self.total_inter, h), (h, self.total_inter)
+        # the fused 3-D layout (PEFT target_parameters), then per expert (-1: another rank's expert)
+        out += [
+            LoraTarget(f"{prefix}experts", self, "experts", full_13, h, expert="gate_up"),
+            LoraTarget(f"{prefix}experts", self, "experts", full_2, self.inter, expert="down"),
+        ]
+        e0, e1 = self.expert_start, self.expert_start + self.num_local_experts
+        for e in range(num_experts):
+            local = e - e0 if e0 <= e < e1 else -1
+            for proj, shape in (("gate", (self.total_inter, h)), ("up", (self.total_inter, h)), ("down", full_2)):
+                name = f"{prefix}experts.{e}.{proj}_proj"
+                out.append(LoraTarget(name, self, "experts", shape, h, expert=proj, expert_index=local))
+        return out
+
     def _load_router_and_zero_padding(self, load_router):
         def load(t: LazyTensor) -> None:
             load_router(t)
@@ -178,10 +219,13 @@ class SparseMoeBlock(nn.Module):
         decoder layer computes it fused into the post-attention norm), else computed here.
         add_norm: the residual add + norm that follows the block; then the result is NormedOut
         (the experts' last kernel does it on one rank; after the all-reduce under TP)."""
-        if ctx.moe_lora_route is not MoeLoraRoute.SKIP:
-            raise NotImplementedError("MoE LoRA is not built yet: only MoeLoraRoute.SKIP passes run")
         if proj is None:
-            proj = project(x, self.in_proj, ctx.kernels)
+            proj = add_lora(ctx, self.lora_slots.get("in"), project(x, self.in_proj, ctx.kernels), x)
+        deltas = expert_deltas(ctx, self.lora_slots.get("experts"), x, self.expert_start)
+        shared_lora = None if self.shared_expert is None else self.shared_expert.lora_slots.get("down")
+        shared_lora = shared_lora if lora_wanted(ctx, shared_lora) else None
+        # with adapters here, their deltas join the output before the norm after the block
+        fused_norm = add_norm if self.layout.tp_size == 1 and deltas is None and shared_lora is None else None
         num_experts = self.num_experts
         shared = None
         if self.shared_expert is not None:
@@ -199,11 +243,18 @@ class SparseMoeBlock(nn.Module):
             renormalize=self.renormalize,
             expert_offset=self.expert_start,
             shared=shared,  # summed in the same kernel at decode sizes
-            add_norm=add_norm if self.layout.tp_size == 1 else None,
+            add_norm=fused_norm,
             route_in_up_max_tokens=ctx.kernels.route_in_up_max_tokens,
             pdl=ctx.kernels.pdl,
+            deltas=deltas,
         )
-        if self.layout.tp_size == 1:
+        if shared_lora is not None:  # the shared expert's down adapter, under its sigmoid gate
+            gate_up = proj[:, num_experts : self.gate_row]
+            inter = self.shared_expert.inter
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            delta = add_lora(ctx, shared_lora, torch.zeros_like(out), act)
+            out = out + torch.sigmoid(proj[:, self.gate_row : self.gate_row + 1]) * delta
+        if fused_norm is not None or add_norm is None and self.layout.tp_size == 1:
             return out
         return moe_kernels.apply_add_norm(all_reduce(out, self.layout), add_norm, ctx.kernels.pdl)
 

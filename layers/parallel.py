@@ -75,6 +75,8 @@ def validate_layout(config, layout: ParallelLayout) -> None:
     layout.kv_heads(config.num_kv_heads, config.num_attention_heads)
     if config.gdn_layer_ids:
         layout.split(config.linear_num_key_heads, "linear_num_key_heads")
+    if getattr(config, "ple", None) is not None:  # each rank holds a column slice of every n-gram table
+        layout.split(config.ple.head_dim, "ple_embed_dim / n-gram heads")
     if "dense" in config.mlp_types:
         layout.split(config.intermediate_size, "intermediate_size")
     if config.is_moe:

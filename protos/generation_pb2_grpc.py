@@ -50,6 +50,21 @@ class GenerationStub:
                 request_serializer=generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/deltaserve.v1.Generation/LoadLoraAdapter',
+                request_serializer=generation__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=generation__pb2.LoraAdapter.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/deltaserve.v1.Generation/UnloadLoraAdapter',
+                request_serializer=generation__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=generation__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/deltaserve.v1.Generation/ListLoraAdapters',
+                request_serializer=generation__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=generation__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -58,9 +73,16 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """Streams GenerateResponse.chunk messages as tokens are produced, then one GenerateResponse.final.
-        Errors: INVALID_ARGUMENT (a bad field, named first in the message), RESOURCE_EXHAUSTED (the
-        waiting queue is full), UNAVAILABLE (the engine is down, or failed this request mid-stream).
+        Errors: INVALID_ARGUMENT (a bad field, named first in the message; also bytes that are not a
+        GenerateRequest), NOT_FOUND (lora_name names no loaded adapter), RESOURCE_EXHAUSTED (the waiting
+        queue is full, or a message over the size limit), UNAVAILABLE (the engine is down, or failed this
+        request mid-stream). No other status means bad input; INTERNAL is a server bug. Status messages
+        are at most 512 characters.
         Cancelling the call aborts the request and frees its cache at once.
+        When a worker dies, the requests in flight end UNAVAILABLE at once and the worker group is
+        replaced; health stays SERVING through the replacement: requests sent meanwhile are queued and
+        served once the new group is up (seconds: it loads the weights), so a client sees a slow first
+        token, not an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -73,6 +95,27 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters (PEFT format) beside the base model, on a server started with --enable-lora.
+        Load: INVALID_ARGUMENT for an adapter that cannot be served (the message names the file and the
+        field or tensor); Unload: NOT_FOUND for a name not loaded (requests running on it finish on it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -95,6 +138,21 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=generation__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=generation__pb2.LoraAdapter.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=generation__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=generation__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=generation__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=generation__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +237,87 @@ class Generation:
             '/deltaserve.v1.Generation/GetModelInfo',
             generation__pb2.GetModelInfoRequest.SerializeToString,
             generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Generation/LoadLoraAdapter',
+            generation__pb2.LoadLoraAdapterRequest.SerializeToString,
+            generation__pb2.LoraAdapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Generation/UnloadLoraAdapter',
+            generation__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            generation__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Generation/ListLoraAdapters',
+            generation__pb2.ListLoraAdaptersRequest.SerializeToString,
+            generation__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

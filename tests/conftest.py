@@ -23,6 +23,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tiny_models import FAMILIES, save_tiny  # noqa: E402
 
+_MEASURED: list[str] = []
+
+
+@pytest.fixture
+def report():
+    """report(line): a line for the run's summary (what a test measured: examples tried, requests
+    sent, memory), shown under -q too."""
+    return _MEASURED.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _MEASURED:
+        terminalreporter.section("measured")
+        for line in _MEASURED:
+            terminalreporter.write_line(line)
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked gpu are skipped, with the reason, where there is no CUDA device."""

@@ -3,6 +3,8 @@ serving."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tiny_models import VOCAB_SIZE
@@ -21,6 +23,19 @@ def llm(tiny_checkpoints):
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": 1e300}, "temperature"),  # finite in float64, inf in the sampler's float32
+        ({"temperature": "0.5"}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"min_p": float("inf")}, "min_p"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"repetition_penalty": 1e39}, "repetition_penalty"),
+        ({"presence_penalty": float("-inf")}, "presence_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"top_k": 2**31}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"stop": 5}, "stop"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
@@ -95,14 +110,79 @@ def test_sampling_params_of_the_wrong_type_name_the_field(llm):
         llm.generate([[5, 6]], {"max_tokens": 2}, use_tqdm=False)
 
 
-def test_long_values_are_not_echoed_back():
-    with pytest.raises(ValueError, match="^stop:") as e:
-        SamplingParams(stop=["x" * 20_000])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"stop": ["x" * 20_000]}, "stop"),
+        ({"stop": [["x"] * 20_000]}, "stop"),
+        ({"n": 10**5000}, "n"),  # str() of an int this long raises (4300 digits at most)
+        ({"min_tokens": 10**5000}, "min_tokens"),
+        ({"max_tokens": 10**5000, "min_tokens": 10**5001}, "min_tokens"),
+        ({"top_k": -(10**5000)}, "top_k"),
+        ({"seed": 10**5000}, "seed"),
+        ({"logprobs": "x" * 20_000}, "logprobs"),
+        ({"stop_token_ids": [10**5000]}, "stop_token_ids"),
+    ],
+)
+def test_long_values_are_not_echoed_back(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}:") as e:
+        SamplingParams(**kwargs)
     assert len(str(e.value)) < 200
 
 
+def test_huge_numbers_in_a_request_are_not_echoed_back(llm):
+    for params, field in [
+        (SamplingParams(max_tokens=10**5000), "max_tokens"),
+        (SamplingParams(min_tokens=10**5000, max_tokens=None), "min_tokens"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{field}:") as e:
+            llm.generate([[5, 6]], params, use_tqdm=False)
+        assert len(str(e.value)) < 200
+    with pytest.raises(ValueError, match="^prompt_token_ids:") as e:
+        llm.generate([[5, 10**5000]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(str(e.value)) < 200
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-6])
+def test_temperature_below_1e_5_is_greedy(llm, temperature):
+    """vLLM's greedy threshold: a tiny temperature gives the greedy tokens, not "every token id 0"."""
+    prompts = [[5, 6, 7], [40, 41, 42, 43]]
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(temperature=temperature, max_tokens=6, ignore_eos=True)
+    assert params.greedy
+    tiny = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in tiny] == [o.outputs[0].token_ids for o in greedy]
+    assert any(t != 0 for o in tiny for t in o.outputs[0].token_ids)
+
+
+def test_extreme_but_valid_values_generate(llm):
+    """Values at the edges of their ranges run (a top_k past the vocabulary keeps every token)."""
+    prompt = [[9, 10, 11]]
+    base = dict(temperature=0.9, seed=11, max_tokens=6, ignore_eos=True)
+    (unfiltered,) = llm.generate(prompt, SamplingParams(**base), use_tqdm=False)
+    (big_k,) = llm.generate(prompt, SamplingParams(**base, top_k=2**31 - 1), use_tqdm=False)
+    assert big_k.outputs[0].token_ids == unfiltered.outputs[0].token_ids
+    extremes = SamplingParams(
+        temperature=3e38,
+        top_p=1e-300,
+        min_p=1.0,
+        repetition_penalty=3e38,
+        presence_penalty=2.0,
+        frequency_penalty=-2.0,
+        max_tokens=6,
+        ignore_eos=True,
+        logprobs=20,
+        prompt_logprobs=20,
+        seed=2**63 - 1,
+    )
+    (out,) = llm.generate(prompt, extremes, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 6
+    for lp in out.outputs[0].logprobs + out.prompt_logprobs[1:]:
+        assert len(lp.top_ids) == 20 and all(math.isfinite(v) for v in [lp.logprob, *lp.top_logprobs])
+
+
 def test_stop_token_id_messages_state_the_range():
-    with pytest.raises(ValueError, match=r"^stop_token_ids: id -1 is outside the token ids \(>= 0\)$"):
+    with pytest.raises(ValueError, match=r"^stop_token_ids: id -1 is outside the token ids \[0, 2\*\*31\)$"):
         SamplingParams(stop_token_ids=[-1])
     with pytest.raises(ValueError, match="^max_tokens:"):
         SamplingParams(max_tokens=True)

@@ -151,6 +151,8 @@ def test_killed_worker_fails_requests_then_group_is_replaced(ray_session, tp_che
     assert all(o.outputs[0].finish_reason == "error" and "worker" in o.error for o in finished.values())
     assert engine.blocks.num_free == engine.blocks.capacity
     assert engine.slots.num_free == engine.slots.capacity
+    assert engine.has_unfinished()  # the failures are out before the group is replaced: the next step does it
+    assert engine.step() == []
     assert engine.executor.workers[1] is not old
     assert engine.async_scheduling is (transport == "shm")
     # the replaced group serves new requests with the same tokens

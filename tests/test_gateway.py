@@ -8,15 +8,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import threading
+import math
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 import pytest
 import torch
+from serving_harness import (
+    CALL_TIMEOUT_S,
+    LoopThread,
+    Served,
+    Streamed,
+    collect,
+    start_served,
+    stop_served,
+    wait_for_idle_pool,
+)
 from tiny_models import VOCAB_SIZE
 
 from deltaserve import LLM, SamplingParams
@@ -24,8 +33,6 @@ from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.entrypoints.async_engine import AsyncEngine
 from deltaserve.cluster.entrypoints.client import (
     AsyncGenerationClient,
-    Chunk,
-    Final,
     GenerationClient,
     generate_request,
     stream_to_terminal,
@@ -36,42 +43,7 @@ from deltaserve.protos import generation_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)  # a stream that hangs fails its test instead of stalling the suite
 
-CALL_TIMEOUT_S = 30
 LONG = dict(temperature=0, max_tokens=400, ignore_eos=True)  # runs for a second or more on CPU
-
-
-class LoopThread:
-    """An asyncio loop on a thread of its own, so that tests can use blocking gRPC clients."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="gateway-loop", daemon=True)
-        self._thread.start()
-
-    def submit(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro, timeout_s: float = CALL_TIMEOUT_S):
-        return self.submit(coro).result(timeout_s)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()
-
-
-@dataclass
-class Served:
-    aio: LoopThread
-    engine: AsyncEngine
-    gateway: Gateway
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.gateway.port}"
-
-    def stats(self) -> dict:
-        return self.aio.run(self.engine.stats())
 
 
 @pytest.fixture(scope="module")
@@ -91,24 +63,6 @@ def aio():
     thread = LoopThread()
     yield thread
     thread.close()
-
-
-def start_served(aio: LoopThread, engine_config: EngineConfig) -> Served:
-    engine = aio.run(AsyncEngine.local(engine_config))
-    gateway = Gateway(engine)
-    try:
-        aio.run(gateway.start())
-    except BaseException:
-        aio.run(engine.shutdown())
-        raise
-    return Served(aio, engine, gateway)
-
-
-def stop_served(served: Served) -> None:
-    try:
-        served.aio.run(served.gateway.stop(0))
-    finally:
-        served.aio.run(served.engine.shutdown())
 
 
 @pytest.fixture(scope="module")
@@ -140,26 +94,6 @@ def extra_gateway(served):
         served.aio.run(gateway.stop(0))
 
 
-@dataclass
-class Streamed:
-    chunks: list[Chunk]
-    final: Final
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [t for c in self.chunks for t in c.token_ids]
-
-    @property
-    def text(self) -> str:
-        return "".join(c.text for c in self.chunks)
-
-
-def collect(items) -> Streamed:
-    items = list(items)
-    assert isinstance(items[-1], Final) and all(isinstance(i, Chunk) for i in items[:-1])
-    return Streamed(items[:-1], items[-1])
-
-
 def assert_same_as_llm(streamed: Streamed, reference: LLM, prompt, sampling: dict) -> None:
     (expected,) = reference.generate([prompt], SamplingParams(**sampling), use_tqdm=False)
     completion = expected.outputs[0]
@@ -185,18 +119,6 @@ def assert_logprobs_equal(got, expected) -> None:
         # float32 sums in another process (the Ray driver, other thread counts) differ in the last bits
         assert g.logprob == pytest.approx(e.logprob, abs=1e-5)
         assert g.top_logprobs == pytest.approx(e.top_logprobs, abs=1e-5)
-
-
-def wait_for_idle_pool(served: Served, within_s: float = 1.0) -> None:
-    """Every page and state slot free again, nothing running or waiting, within `within_s`."""
-    deadline = time.monotonic() + within_s
-    while True:
-        stats = served.stats()
-        idle = stats["running"] == 0 and stats["waiting"] == 0 and served.engine.num_streams == 0
-        if idle and stats["free_pages"] == stats["total_pages"] and stats["free_slots"] == stats["total_slots"]:
-            return
-        assert time.monotonic() < deadline, f"the pool is not free {within_s} s later: {stats}"
-        time.sleep(0.01)
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -291,6 +213,15 @@ def test_32_concurrent_streams(served, reference):
         ("hi", {"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ("hi", {"temperature": -0.1}, "temperature"),
         ("hi", {"temperature": float("nan")}, "temperature"),
+        ("hi", {"temperature": float("inf")}, "temperature"),
+        ("hi", {"temperature": 1e300}, "temperature"),  # a finite double, inf in the sampler's float32
+        ("hi", {"top_p": float("nan")}, "top_p"),
+        ("hi", {"min_p": float("-inf")}, "min_p"),
+        ("hi", {"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ("hi", {"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ("hi", {"stop": ["x" * 20_000]}, "stop"),  # echoed whole, the status outgrew gRPC's header limit
+        ("hi", {"stop": ["x"] * 20_000}, "stop"),
+        ("hi", {"stop_token_ids": [2**31 - 1] * 20_000}, "stop_token_ids"),
         ("hi", {"top_p": 0.0}, "top_p"),
         ("hi", {"top_p": 1.5}, "top_p"),
         ("hi", {"top_k": -2}, "top_k"),
@@ -308,6 +239,7 @@ def test_32_concurrent_streams(served, reference):
         ("hi", {"prompt_logprobs": -1}, "prompt_logprobs"),
         ("hi", {"n": 2}, "n"),
         ("hi", {"request_id": "r" * 300}, "request_id"),
+        ("hi", {"request_id": "r" * 20_000}, "request_id"),
     ],
 )
 def test_bad_input_is_invalid_argument_naming_the_field(served, client, prompt, kwargs, field):
@@ -319,10 +251,35 @@ def test_bad_input_is_invalid_argument_naming_the_field(served, client, prompt, 
         list(stub.Generate(request, timeout=CALL_TIMEOUT_S))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.value.details().startswith(f"{field}:"), error.value.details()
+    assert len(error.value.details().encode()) < 1024
     stats = served.stats()
     assert stats["waiting"] == stats["running"] == 0 and served.engine.num_streams == 0  # nothing was queued
     streamed = collect(client.generate([5, 6], temperature=0, max_tokens=2, ignore_eos=True))
     assert streamed.final.completion_tokens == 2  # and the server keeps serving
+
+
+@pytest.mark.parametrize("method", ["Generate", "Tokenize", "GetModelInfo"])
+def test_bytes_that_are_not_the_message_are_invalid_argument(served, client, method):
+    """grpc answers INTERNAL (a server fault) when a request does not parse; the client sent it."""
+    path = f"/deltaserve.v1.Generation/{method}"
+    call = client.channel.unary_stream(path) if method == "Generate" else client.channel.unary_unary(path)
+    text_field = {"Generate": b"\x12", "Tokenize": b"\x0a"}.get(method)
+    invalid_utf8 = [text_field + b"\x02\xc3\x28"] if text_field else []  # the text field, not UTF-8
+    for garbage in [b"\xff\xff\xff", *invalid_utf8]:  # a truncated tag
+        with pytest.raises(grpc.RpcError) as error:
+            result = call(garbage, timeout=CALL_TIMEOUT_S)
+            list(result) if method == "Generate" else None
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+        assert error.value.details().startswith("request: not a valid ")
+    assert collect(client.generate([5, 6], max_tokens=2, ignore_eos=True)).final.completion_tokens == 2
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 9e-6])
+def test_temperature_below_1e_5_streams_the_greedy_tokens(client, reference, temperature):
+    sampling = dict(temperature=temperature, max_tokens=12, ignore_eos=True)
+    prompt = [61 + int(-math.log10(temperature)) % 200, 17, 42]  # a prompt of its own: no prefix-cache hit
+    streamed = collect(client.generate(prompt, timeout_s=CALL_TIMEOUT_S, **sampling))
+    assert_same_as_llm(streamed, reference, prompt, dict(sampling, temperature=0))
 
 
 def test_duplicate_live_request_id(client, reference):
@@ -555,3 +512,20 @@ def test_ray_backend_streams_end_to_end(ray_session, aio, model_path, reference)
             aio.run(gateway.stop(0))
         finally:
             aio.run(engine.shutdown())
+
+
+def test_model_info_reports_speculative_decoding(aio, model_path, client):
+    """GetModelInfo carries the speculative setting and its acceptance counters; without it, none."""
+    assert not client.model_info().HasField("speculative")
+    setting = {"method": "mtp", "num_speculative_tokens": 2}
+    spec = start_served(aio, EngineConfig.from_kwargs(model=model_path, speculative_config=setting))
+    try:
+        with GenerationClient(spec.target) as spec_client:
+            assert len(list(spec_client.generate([5, 6, 7], max_tokens=6, temperature=0))) > 0
+            info = spec_client.model_info().speculative
+            assert (info.method, info.num_speculative_tokens) == ("mtp", 2)
+            assert info.num_drafts > 0 and info.num_draft_tokens == 2 * info.num_drafts
+            assert len(info.accepted_per_position) == 2
+            assert info.mean_acceptance_length == 1 + info.num_accepted_tokens / info.num_drafts
+    finally:
+        stop_served(spec)

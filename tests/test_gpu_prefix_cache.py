@@ -68,4 +68,5 @@ def test_bf16_hits_diverge_only_at_near_ties(tiny_checkpoints):
         diverged.append((first, top[0] - top[1]))
     print(f"bf16: {hits} of {len(prompts)} requests hit; {len(diverged)} diverged (position, top-2 gap): {diverged}")
     assert hits >= 48
-    assert all(gap < 0.05 for _, gap in diverged), diverged
+    # 0.1: a few bf16 steps at these logits (|logit| < 8: steps of 1/32 to 1/16); the H200 saw gaps of 0 to 1/16
+    assert all(gap < 0.1 for _, gap in diverged), diverged

@@ -107,14 +107,27 @@ def test_fused_expert_layout(tmp_path, tiny_checkpoints):
     assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
-def test_mtp_weights_are_kept(tmp_path, tiny_checkpoints):
+def test_mtp_head_loads_its_shard(tiny_checkpoints):
+    """With the MTP head, mtp.* load through checkpoint_tensors like any layer: fc and norms whole, the
+    decoder layer's attention rows of this rank (here TP = 1: all of them)."""
+    from safetensors.torch import load_file
+
     src, _ = tiny_checkpoints["qwen3_5"]
-    extra = {"mtp.fc.weight": torch.randn(48, 96), "mtp.norm.weight": torch.randn(48)}
-    path = rewrite(src, tmp_path / "mtp", lambda t: {**t, **extra})
-    model = load_model(path)
-    assert set(model.mtp_weights) == set(extra)
-    for name, value in extra.items():
-        assert torch.equal(model.mtp_weights[name], value)
+    saved = load_file(str(src / "model.safetensors"))
+    model = load_model(src, mtp=True)
+    assert torch.equal(model.mtp.fc, saved["mtp.fc.weight"])
+    assert torch.equal(model.mtp.norm.weight, saved["mtp.norm.weight"])
+    q_rows = saved["mtp.layers.0.self_attn.q_proj.weight"].shape[0]
+    assert torch.equal(model.mtp.layer.mixer.qkv_proj[:q_rows], saved["mtp.layers.0.self_attn.q_proj.weight"])
+
+
+def test_missing_mtp_tensor_is_named(tmp_path, tiny_checkpoints):
+    src, _ = tiny_checkpoints["qwen3_next"]
+    gone = "mtp.layers.0.mlp.experts.3.down_proj.weight"
+    path = rewrite(src, tmp_path / "missing_mtp", lambda t: {k: v for k, v in t.items() if k != gone})
+    load_model(path)  # without speculation the head's tensors are not needed
+    with pytest.raises(CheckpointError, match=gone.replace(".", r"\.")):
+        load_model(path, mtp=True)
 
 
 def test_missing_tensor_is_named(tmp_path, tiny_checkpoints):

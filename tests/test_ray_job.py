@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from serving_harness import free_port, own_head_ports
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.cluster.entrypoints.client import Final, GenerationClient
@@ -21,30 +21,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 BIN = Path(sys.executable).parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def ray_head(tmp_path):
     """A blocking `ray start --head` of its own ports; terminating it stops that cluster only."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     gcs, dashboard = free_port(), free_port()
-    # every port its own: the test session's other Ray instance holds the defaults (its agent: 52365)
-    own_ports = [
-        f"--{flag}={free_port()}"
-        for flag in (
-            "dashboard-agent-listen-port",
-            "dashboard-agent-grpc-port",
-            "runtime-env-agent-port",
-            "metrics-export-port",
-            "ray-client-server-port",
-            "node-manager-port",
-            "object-manager-port",
-        )
-    ]
+    own_ports = own_head_ports()  # every port its own
     head = subprocess.Popen(
         [
             str(BIN / "ray"),

@@ -9,7 +9,7 @@ from tiny_models import VOCAB_SIZE
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.workers.plan import NewRequestData, SamplingSpec
-from deltaserve.workers.sampler import Sampler, _filter, seeded_exponentials
+from deltaserve.workers.sampler import Sampler, _filter, logprob_tensors, seeded_exponentials
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +199,74 @@ def test_seeded_draws_follow_the_distribution():
         (tok,), _ = sampler.sample([f"r{seed}"], logits)
         counts[tok] += 1
     assert torch.allclose(counts / counts.sum(), torch.tensor([0.5, 0.25, 0.15, 0.10]), atol=0.03)
+
+
+# ---- numeric extremes ----------------------------------------------------------------------------
+# Token 0 is never the right answer below: a softmax of infinities is NaN, and argmax over NaN rows
+# picks token 0, which is what these bugs looked like.
+EXTREME_LOGITS = torch.tensor([[-1.0, 50.0, 40.0, 0.5, -2.0, 0.0]])
+
+
+def draw(logits: torch.Tensor, seeds=range(8), prompt=(0,), **kw) -> list[int]:
+    """One token per seed from a fresh sampler (each seed is its own request)."""
+    sampler = Sampler(vocab_size=logits.shape[1])
+    out = []
+    for seed in seeds:
+        sampler.add(NewRequestData(f"r{seed}", list(prompt), [], spec(seed=seed, **kw)))
+        (token,), _ = sampler.sample([f"r{seed}"], logits.clone())
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-46, 5e-324, 1e-6, 9.99e-6])
+def test_temperature_below_the_greedy_threshold_is_greedy(temperature):
+    assert draw(EXTREME_LOGITS, temperature=temperature) == [1] * 8
+    # a batch mixing it with greedy and random rows, with penalties (the float32 copy's path)
+    sampler = Sampler(vocab_size=6)
+    sampler.add(NewRequestData("tiny", [4], [], spec(temperature=temperature, presence_penalty=0.1)))
+    sampler.add(NewRequestData("zero", [4], [], spec(temperature=0)))
+    sampler.add(NewRequestData("warm", [4], [], spec(temperature=1.0, seed=3)))
+    tokens, _ = sampler.sample(["tiny", "zero", "warm"], EXTREME_LOGITS.repeat(3, 1))
+    assert tokens[:2] == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "penalty, allowed",
+    [
+        (1e300, {1, 2, 3, 5}),  # beyond float32: positive logits -> 0, negative ones -> -inf
+        (float("inf"), {1, 2, 3, 5}),  # 0 * inf is NaN: that token drops out
+        (1e-38, {1, 2}),  # 50 / 1e-38 and 40 / 1e-38 overflow to inf: a tie between them, not NaN
+    ],
+)
+def test_repetition_penalty_overflow_draws_a_real_token(penalty, allowed):
+    seen = list(range(6))
+    for temperature in (0.0, 1.0):
+        tokens = draw(EXTREME_LOGITS, prompt=seen, temperature=temperature, repetition_penalty=penalty)
+        assert set(tokens) <= allowed, (temperature, tokens)
+
+
+def test_huge_temperature_is_uniform_not_nan():
+    tokens = draw(EXTREME_LOGITS, seeds=range(300), temperature=3e38)
+    assert set(tokens) == set(range(6))
+
+
+@pytest.mark.parametrize("top_k", [6, 7, 10**6, 2**70])
+def test_top_k_beyond_the_vocabulary_keeps_every_token(top_k):
+    logits = torch.log(torch.tensor([[0.3, 0.25, 0.2, 0.1, 0.1, 0.05]]))
+    assert draw(logits, seeds=range(40), temperature=1.0, top_k=top_k) == draw(logits, seeds=range(40), temperature=1.0)
+
+
+def test_logprobs_beyond_the_vocabulary_return_the_whole_vocabulary():
+    sampler = Sampler(vocab_size=6)
+    sampler.add(NewRequestData("r", [0], [], spec(temperature=0, logprobs=20)))
+    (token,), logprobs = sampler.sample(["r"], EXTREME_LOGITS)
+    assert token == 1 and logprobs["r"].top_ids == [1, 2, 3, 5, 0, 4] and logprobs["r"].rank == 1
+
+
+def test_logprobs_of_infinite_logits_are_finite():
+    logits = torch.tensor([[float("inf"), 1.0, float("-inf"), 0.0], [0.0, float("-inf"), 2.0, 1.0]])
+    chosen, rank, top = logprob_tensors(logits, torch.tensor([0, 2]), 4)
+    assert torch.isfinite(chosen).all() and torch.isfinite(top.values).all()
+    assert chosen.tolist()[0] == 0.0 and rank.tolist() == [1, 1]
+    assert top.indices.tolist()[1] == [2, 3, 0, 1] and top.indices.tolist()[0][0] == 0
+    assert chosen[1].item() == pytest.approx(torch.log_softmax(torch.tensor([0.0, 2.0, 1.0]), 0)[1].item())

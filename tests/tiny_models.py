@@ -8,6 +8,7 @@ among the MoE ones.
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -22,6 +23,9 @@ TP2_OVERRIDES = {
     "qwen3_5_moe": dict(linear_num_key_heads=2, linear_num_value_heads=6),
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2; EOS is 2
+# the config field that declares the MTP head, as each family's released checkpoints name it
+MTP_CONFIG_FIELD = {"qwen3_next": "num_nextn_predict_layers", "qwen3_5": "mtp_num_hidden_layers"}
+MTP_CONFIG_FIELD["qwen3_5_moe"] = MTP_CONFIG_FIELD["qwen3_5"]
 
 _COMMON = dict(
     vocab_size=VOCAB_SIZE,
@@ -67,6 +71,7 @@ def hf_config(family: str, **overrides):
         cls = Qwen3_5MoeTextConfig
     else:
         raise ValueError(family)
+    kw[MTP_CONFIG_FIELD[family]] = 1
     kw.update(overrides)
     return cls(**kw)
 
@@ -113,11 +118,44 @@ def tiny_tokenizer():
     return tok
 
 
-def save_tiny(family: str, path: Path, seed: int = 0, **overrides):
-    """save_pretrained a tiny model of `family` (with a tokenizer) into `path`; returns the
+def mtp_donor(family: str, seed: int = 0, **overrides):
+    """A one-layer transformers model of `family` whose layer (full attention, the family's FFN of a
+    first layer) is the MTP head's decoder layer: the tensors save_tiny writes as mtp.layers.0.*,
+    and the reference's decoder layer (transformers itself drops mtp.* weights)."""
+    extra = {"mlp_only_layers": []} if family == "qwen3_next" else {}
+    config = hf_config(family, **{**overrides, **extra, "num_hidden_layers": 1, "layer_types": ["full_attention"]})
+    return hf_model(config, seed=seed + 7919)
+
+
+def mtp_tensors(family: str, seed: int = 0, **overrides) -> dict[str, torch.Tensor]:
+    """The random mtp.* tensors of a tiny checkpoint, by their checkpoint names: fc, the two pre-fc
+    norms, the final norm and the decoder layer (as transformers saves a layer: experts per expert)."""
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mtp_donor(family, seed, **overrides).save_pretrained(tmp)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+    out = {"mtp." + k[len("model.") :]: v for k, v in saved.items() if k.startswith("model.layers.0.")}
+    hidden = hf_config(family, **overrides).hidden_size
+    g = torch.Generator().manual_seed(seed + 104729)
+    out["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.1
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{name}.weight"] = torch.randn(hidden, generator=g) * 0.3
+    return out
+
+
+def save_tiny(family: str, path: Path, seed: int = 0, mtp: bool = True, **overrides):
+    """save_pretrained a tiny model of `family` (with a tokenizer, and with `mtp` random mtp.*
+    tensors beside the model's, as released checkpoints ship them) into `path`; returns the
     transformers model."""
+    from safetensors.torch import load_file, save_file
+
     model = hf_model(hf_config(family, **overrides), seed=seed)
     model.save_pretrained(path)
+    if mtp:
+        weights = Path(path) / "model.safetensors"
+        tensors = {**load_file(str(weights)), **mtp_tensors(family, seed, **overrides)}
+        save_file(tensors, str(weights), metadata={"format": "pt"})
     (Path(path) / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     tiny_tokenizer().save(str(Path(path) / "tokenizer.json"))
     return model

@@ -10,6 +10,7 @@ imports torch.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -31,11 +32,15 @@ def setting(
     check: Callable[[Any], str | None] | None = None,
     default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
     cli: bool = True,
+    parse: Callable[[str], Any] | None = None,
 ) -> Any:
     """A configuration field: its default, its help, extra flag spellings (`aliases`, e.g. "--tp"),
     the allowed values (`choices`), a `check` returning what is wrong with a value (None: fine),
-    and whether it becomes a command-line flag (`cli`)."""
+    whether it becomes a command-line flag (`cli`), and how that flag's text becomes a value
+    (`parse`; default: the field's type)."""
     metadata = {"help": help, "aliases": tuple(aliases), "choices": choices, "check": check, "cli": cli}
+    if parse is not None:
+        metadata["parse"] = parse
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -90,6 +95,9 @@ def validate_fields(obj: Any) -> None:
 
 
 def short(value: Any, limit: int = 40) -> str:
+    """repr(value) cut to `limit` characters: an error message never echoes a long value back."""
+    if isinstance(value, int) and value.bit_length() > 64:  # repr of a huge int is long, or raises past 4300 digits
+        return f"{'-' if value < 0 else ''}<a {value.bit_length()}-bit integer>"
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -203,6 +211,63 @@ class CacheConfig:
             )
 
 
+SPEC_METHODS = ("mtp",)
+MAX_SPEC_TOKENS = 15  # the GDN verify tables keep k + 1 <= 16 steps
+
+
+def _speculative_problem(value: dict | None) -> str | None:
+    """vLLM's form, {"method": "mtp", "num_speculative_tokens": k}, k in 1..MAX_SPEC_TOKENS."""
+    if value is None:
+        return None
+    unknown = sorted(set(value) - {"method", "num_speculative_tokens"}, key=str)
+    if unknown:
+        return f"unknown key {short(unknown[0])}; known: method, num_speculative_tokens"
+    method = value.get("method", "mtp")
+    if method not in SPEC_METHODS:
+        return f"method {short(method)} is not supported (supported: {', '.join(SPEC_METHODS)})"
+    k = value.get("num_speculative_tokens")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPEC_TOKENS:
+        return f"num_speculative_tokens must be an integer in 1..{MAX_SPEC_TOKENS}, got {short(k)}"
+    return None
+
+
+def json_object(text: str) -> dict:
+    """A command-line flag's JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not a JSON object ({e.msg}): {short(text)}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object: {short(text)}")
+    return value
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters served beside the base model (PEFT's adapter_config.json + safetensors)."""
+
+    enable_lora: bool = setting(False, help="serve LoRA adapters beside the base model")
+    max_loras: int = setting(1, check=at_least(1), help="adapters on the device at once (slots, evicted LRU)")
+    max_lora_rank: int = setting(16, check=at_least(1), help="largest adapter rank served (each slot holds this rank)")
+    max_cpu_loras: int | None = setting(
+        None, check=at_least(1), help="adapters each rank keeps loaded in host memory (LRU); default: max_loras"
+    )
+    enable_expert_lora: bool = setting(
+        True,
+        help="slots for adapters on the routed experts too (MoE models; memory: max_loras x rank x experts x "
+        "3 (hidden + expert width) a layer); off: such adapters are refused",
+    )
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras: must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     """How each rank runs its passes."""
@@ -217,9 +282,21 @@ class RunnerConfig:
         cli=False,
         help="kernel choices; default: the DELTASERVE_* environment, read when the config is built",
     )
+    speculative_config: dict | None = setting(
+        None,
+        check=_speculative_problem,
+        parse=json_object,
+        help='speculative decoding with the checkpoint\'s MTP head, e.g. {"method": "mtp", '
+        '"num_speculative_tokens": 3} (1..15 drafts verified per step; docs/SPEC_DECODE.md)',
+    )
 
     def __post_init__(self) -> None:
         validate_fields(self)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Drafts verified per step (0: no speculative decoding)."""
+        return self.speculative_config["num_speculative_tokens"] if self.speculative_config else 0
 
 
 @dataclass(frozen=True)
@@ -233,3 +310,4 @@ class WorkerConfig:
     runner: RunnerConfig
     max_num_seqs: int
     max_num_batched_tokens: int
+    lora: LoraConfig = field(default_factory=LoraConfig)

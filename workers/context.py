@@ -5,12 +5,13 @@ memory, non-blocking, with one CUDA event that is waited for only when the resul
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from deltaserve.layers.base import AttnMetadata, BatchedAttnMetadata, ForwardContext
+from deltaserve.layers.base import AttnMetadata, BatchedAttnMetadata, ForwardContext, LoraBatch, MoeLoraRoute
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.kernels.gdn.state import StateCapture, StateCaptures
 from deltaserve.layers.kernels.options import KernelOptions
@@ -80,8 +81,12 @@ class HostCopy:
 def logits_rows(plan: PassPlan) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
     """Token rows whose logits the pass computes, and per plan row (first, count, sampled_at):
     the span of its entries in that list and the entry of its sampled position (-1: none).
-    A sampling row contributes its last token; a prompt-logprobs row contributes all its tokens."""
+    A sampling row contributes its last token; a prompt-logprobs row contributes all its tokens; a
+    verify row (speculative decoding) all its tokens, first in the list, with sampled_at -1 (the
+    runner samples verify rows apart)."""
     starts = plan.query_start_loc
+    if plan.num_spec_tokens:
+        return _with_verify_rows(plan)
     if not plan.prompt_logprob_rows.any():  # the common case, without a Python loop over rows
         sampled = plan.sample_rows
         order = np.cumsum(sampled) - 1
@@ -106,6 +111,26 @@ def logits_rows(plan: PassPlan) -> tuple[np.ndarray, list[tuple[int, int, int]]]
     return flat.astype(np.int64), spans
 
 
+def _with_verify_rows(plan: PassPlan) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """logits_rows of a plan whose decode rows are verify rows of k + 1 tokens."""
+    nv, length = plan.num_decode_rows, plan.num_spec_tokens + 1
+    rest = dataclasses.replace(
+        plan,
+        num_spec_tokens=0,
+        num_decode_rows=0,
+        query_start_loc=plan.query_start_loc[nv:] - plan.query_start_loc[nv],
+        sample_rows=plan.sample_rows[nv:],
+        prompt_logprob_rows=plan.prompt_logprob_rows[nv:],
+        req_ids=plan.req_ids[nv:],
+    )
+    indices, spans = logits_rows(rest)
+    offset = nv * length
+    spans = [(n * length, length, -1) for n in range(nv)] + [
+        (first + offset, count, -1 if at < 0 else at + offset) for first, count, at in spans
+    ]
+    return np.concatenate([np.arange(offset), indices + offset]).astype(np.int64), spans
+
+
 def build_forward_context(
     plan: PassPlan,
     config: ModelConfig,
@@ -114,9 +139,12 @@ def build_forward_context(
     logits_indices: np.ndarray,
     prev_tokens: torch.Tensor | None = None,
     kernels: KernelOptions | None = None,
+    num_lora_slots: int = 0,
+    moe_lora_route: MoeLoraRoute = MoeLoraRoute.SKIP,
 ) -> ForwardContext:
     """`prev_tokens`: the previous pass's sampled ids on the device; rows the plan marks in
-    `input_from_prev` take their input id from it (a device-side scatter, no host round trip)."""
+    `input_from_prev` take their input id from it (a device-side scatter, no host round trip).
+    `num_lora_slots`: the adapter slots there are; the plan's `lora_slots` become each token's slot."""
     nd = plan.num_decode_rows
     starts = plan.query_start_loc
     num_decode_tokens = int(starts[nd])
@@ -137,7 +165,14 @@ def build_forward_context(
     if scatter:
         rows = np.flatnonzero(from_prev >= 0)
         arrays += [starts[rows], from_prev[rows]]
+    lora_rows = plan.lora_slots if plan.lora_slots is not None and (plan.lora_slots >= 0).any() else None
+    if lora_rows is not None:
+        arrays.append(np.repeat(lora_rows, np.diff(starts)))
     up = upload(arrays, device)
+    lora = None
+    if lora_rows is not None:
+        active = frozenset(int(s) for s in np.unique(lora_rows) if s >= 0)
+        lora = LoraBatch(up.pop().to(torch.int32), num_lora_slots, active)
     input_ids, positions, slot_mapping, block_tables, seq_lens, state_slots, logits_idx = up[:7]
     block_tables = block_tables.to(torch.int32)
     seq_lens = seq_lens.to(torch.int32)
@@ -180,7 +215,45 @@ def build_forward_context(
         prefill=prefill,
         logits_indices=logits_idx,
         midchunk_capture=midchunk_captures(plan),
+        moe_lora_route=moe_lora_route if lora is not None else MoeLoraRoute.SKIP,
+        lora=lora,
         kernels=kernels or KernelOptions(),
+    )
+
+
+def decode_context(
+    *,
+    config: ModelConfig,
+    layout: ParallelLayout,
+    kernels: KernelOptions,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    state_slots: torch.Tensor,
+    tokens_per_row: int = 1,
+) -> ForwardContext:
+    """A pass of decode rows only (`tokens_per_row` tokens each) over device tensors that are already
+    there (CUDA-graph buffers, the MTP head's draft steps); logits for every token."""
+    decode = AttnMetadata(
+        positions=positions,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        state_slots=state_slots,
+        tokens_per_row=tokens_per_row,
+    )
+    return ForwardContext(
+        config=config,
+        layout=layout,
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        decode=decode,
+        prefill=None,
+        logits_indices=torch.arange(input_ids.shape[0], device=input_ids.device),
+        kernels=kernels,
     )
 
 

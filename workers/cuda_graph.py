@@ -9,17 +9,25 @@ Nothing waits for the device: the small fields go through pinned staging buffers
 turn, each reused only after the event recorded behind its copies has passed, so a pass can be
 staged while the previous one still runs), and rows whose input id the previous pass sampled
 (`input_from_prev`) take it from that pass's ids on the device before the replay.
+
+With LoRA adapters a second set of graphs is captured with every projection's adapters in it: a
+pass whose rows name adapter slots replays it, each row's slot staged like its other fields (the
+graph groups the rows by slot on the device); padding rows and base-model rows have slot -1.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from deltaserve.layers.base import AttnMetadata, ForwardContext
+from deltaserve.layers.base import ForwardContext, LoraBatch, MoeLoraRoute
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.model import HybridModel
+from deltaserve.workers.context import decode_context
+from deltaserve.workers.lora import AdapterSlots
 from deltaserve.workers.plan import PassPlan
 
 log = logging.getLogger(__name__)
@@ -28,8 +36,8 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 2
 
 
 # rows of the small-field staging buffer
-_IDS, _POS, _SLOT, _LEN, _STATE, _PREV = range(6)
-_NUM_FIELDS = 6
+_IDS, _POS, _SLOT, _LEN, _STATE, _PREV, _LORA = range(7)
+_NUM_FIELDS = 7
 
 
 class DecodeGraphs:
@@ -44,8 +52,10 @@ class DecodeGraphs:
         batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
         device: torch.device,
         kernels: KernelOptions,
+        lora: AdapterSlots | None = None,
     ):
         self.model, self.layer_states, self.device = model, layer_states, device
+        self.lora = lora
         self.kernels = kernels  # the kernel choices every graph was captured with
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.max_batch = n = self.batch_sizes[-1]
@@ -60,30 +70,29 @@ class DecodeGraphs:
         self._staged = [torch.cuda.Event(), torch.cuda.Event()]  # recorded after each buffer's copies
         self._turn = 0
         self.block_tables = torch.full((n, max_pages), scratch_page, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # (batch size, with adapters) -> graph and its logits
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         self._capture_all()
 
-    def _context(self, bs: int) -> ForwardContext:
+    def _context(self, bs: int, with_lora: bool = False) -> ForwardContext:
         f = self.fields
-        decode = AttnMetadata(
+        ctx = decode_context(
+            config=self.model.config,
+            layout=self.model.layout,
+            kernels=self.kernels,
+            input_ids=f[_IDS, :bs],
             positions=f[_POS, :bs],
             slot_mapping=f[_SLOT, :bs],
             block_tables=self.block_tables[:bs],
             seq_lens=self.seq_lens[:bs],
             state_slots=f[_STATE, :bs],
         )
-        return ForwardContext(
-            config=self.model.config,
-            layout=self.model.layout,
-            input_ids=f[_IDS, :bs],
-            positions=decode.positions,
-            slot_mapping=decode.slot_mapping,
-            decode=decode,
-            prefill=None,
-            logits_indices=torch.arange(bs, device=self.device),
-            kernels=self.kernels,
-        )
+        if with_lora:  # every slot may be named at replay: the capture runs every adapter op
+            slots = self.lora.num_slots
+            ctx.lora = LoraBatch(f[_LORA, :bs], slots, frozenset(range(slots)), capture=True)
+            ctx.moe_lora_route = MoeLoraRoute.FOLD
+        return ctx
 
     def _stage_padding(self, h: torch.Tensor, start: int) -> None:
         """Rows from `start` on: no KV write, the scratch slot, one cached token on the scratch page."""
@@ -93,6 +102,7 @@ class DecodeGraphs:
         h[_LEN, start:] = 1
         h[_STATE, start:] = self.scratch_slot
         h[_PREV, start:] = -1
+        h[_LORA, start:] = -1
 
     def _staging_buffers(self, bs: int, pages: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The next pinned staging pair as [fields, bs] and [bs * pages]; waits (in practice never)
@@ -112,21 +122,15 @@ class DecodeGraphs:
         h, _, _ = self._staging_buffers(self.max_batch, 0)
         self._stage_padding(h, 0)
         self._upload(h, self.max_batch)
-        torch.cuda.synchronize(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory
-                ctx = self._context(bs)
-                for _ in range(2):  # warm up: Triton compiles (and autotunes) outside the capture
-                    self.model.compute_logits(self.model(ctx, self.layer_states))
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[bs] = self.model.compute_logits(self.model(ctx, self.layer_states))
-                self.graphs[bs] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        for with_lora in (False, True) if self.lora is not None else (False,):
+            contexts = {bs: self._context(bs, with_lora) for bs in self.batch_sizes}
+            graphs, logits = capture_per_batch(
+                self.device,
+                self.batch_sizes,
+                lambda bs, contexts=contexts: self.model.compute_logits(self.model(contexts[bs], self.layer_states)),
+            )
+            self.graphs.update({(bs, with_lora): g for bs, g in graphs.items()})
+            self.logits.update({(bs, with_lora): out for bs, out in logits.items()})
         log.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
 
     def can_run(self, plan: PassPlan) -> bool:
@@ -155,6 +159,7 @@ class DecodeGraphs:
             (_LEN, plan.seq_lens),
             (_STATE, plan.state_slots),
             (_PREV, from_prev if from_prev is not None else -1),
+            (_LORA, plan.lora_slots if plan.lora_slots is not None else -1),
         ):
             host[row, :n] = values
         self._stage_padding(h, n)
@@ -168,5 +173,30 @@ class DecodeGraphs:
         if from_prev is not None:
             ids, src = self.fields[_IDS, :bs], self.fields[_PREV, :bs]
             ids.copy_(torch.where(src >= 0, prev_tokens.index_select(0, src.clamp(min=0)), ids))
-        self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        key = (bs, plan.lora_slots is not None and bool((plan.lora_slots >= 0).any()))
+        self.graphs[key].replay()
+        return self.logits[key][:n]
+
+
+def capture_per_batch(
+    device: torch.device, batch_sizes: tuple[int, ...], step: Callable[[int], Any]
+) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, Any]]:
+    """A CUDA graph of `step(bs)` for each batch size, and the outputs each capture left (a replay
+    rewrites them): largest first, so that later graphs reuse its memory pool; two runs before each
+    capture, so that Triton compiles (and autotunes) outside it."""
+    graphs, outputs = {}, {}
+    torch.cuda.synchronize(device)
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.inference_mode(), torch.cuda.stream(stream):
+        for bs in sorted(batch_sizes, reverse=True):
+            for _ in range(2):
+                step(bs)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs[bs] = step(bs)
+            graphs[bs] = graph
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    return graphs, outputs

@@ -13,9 +13,35 @@ and cached length; the scheduler has no phases.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
+
+# Temperatures below this sample greedily (vLLM's threshold): dividing logits by a smaller one overflows
+# float32, and a softmax of infinities is NaN, which would pick token 0 every time.
+GREEDY_TEMPERATURE = 1e-5
+# The sampler computes in float32: a larger finite float64 parameter would become inf there.
+FLOAT32_MAX = 3.4028234663852886e38
+
+GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A structured-output constraint in canonical text (`workers/grammar.py` compiles it with
+    xgrammar): `json` a JSON schema (compact, keys in the user's order), `json_object` any JSON object (text
+    empty), `regex`, `choice` a JSON list of the strings, `grammar` EBNF. Equal texts share one
+    compile on each worker, through `key`."""
+
+    kind: str
+    text: str
+    any_whitespace: bool = True
+
+    @property
+    def key(self) -> str:
+        raw = f"{self.kind}\0{int(self.any_whitespace)}\0{self.text}".encode()
+        return hashlib.sha256(raw).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -54,6 +80,16 @@ class SamplingSpec:
     # until min_tokens outputs exist these ids (EOS, stop ids) cannot be sampled
     min_tokens: int = 0
     min_tokens_banned_ids: list[int] = field(default_factory=list)
+    # structured output: the worker masks the logits to what the grammar allows next
+    grammar: GrammarSpec | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.grammar, dict):  # as msgpack brings it
+            self.grammar = GrammarSpec(**self.grammar)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass
@@ -65,6 +101,18 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling: SamplingSpec
+
+
+@dataclass
+class LoraLoad:
+    """An adapter to place in a device slot before the pass runs (the driver picks slots, LRU):
+    `key` names this registration of the adapter (a rank's host cache of loaded adapters is keyed by
+    it), `name` and `path` the adapter folder (PEFT: adapter_config.json + adapter_model.safetensors)."""
+
+    slot: int
+    key: int
+    name: str
+    path: str
 
 
 @dataclass
@@ -82,8 +130,9 @@ class PassPlan:
     has_initial_state: np.ndarray  # [N] bool: cached tokens exist before this pass
     sample_rows: np.ndarray  # [N] bool: the row's last token yields a sampled token
     prompt_logprob_rows: np.ndarray  # [N] bool: return prompt logprobs for this row's tokens
-    # [N] int32: the prompt token right after the row's chunk (-1: none), so that the chunk's last
-    # position gets a prompt logprob too
+    # [N] int32: the token right after the row's chunk (-1: none or not known yet), so that the chunk's
+    # last position gets a prompt logprob too and the MTP head its next token (a preempted request's
+    # recomputed chunk may end before one of its output tokens)
     next_prompt_token: np.ndarray | None = None
     # [N] int32 (async scheduling): -1, or j: the row is one decode token whose id is not known on
     # the driver yet (input_ids holds a placeholder); the runner takes it on the device from entry j
@@ -99,8 +148,20 @@ class PassPlan:
     # [M, 3] int32 (row, tokens of the row's chunk before the captured point, snapshot slot): GDN
     # state captured inside a prefill row's chunk (the seed's MidchunkCapture)
     captures: np.ndarray | None = None
+    # Speculative decoding (MTP): k > 0 when the decode rows are verify rows of k + 1 tokens each (the
+    # request's last token, then its k drafts); [N] bool: the rows after which the MTP head drafts k
+    # tokens for the request's next verify (with k > 0 every verify row is one)
+    num_spec_tokens: int = 0
+    draft_rows: np.ndarray | None = None
+    # LoRA: [N] int32, each row's adapter slot (-1: the base model); None: no row has an adapter.
+    # lora_loads: adapters placed in slots before the forward (a slot a row names holds its adapter)
+    lora_slots: np.ndarray | None = None
+    lora_loads: list[LoraLoad] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
+    # grammars the workers start compiling now, in the background (requests that will need them
+    # wait on the driver until a RunnerOutput reports them in `grammars_ready`)
+    grammars: list[GrammarSpec] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -136,3 +197,13 @@ class RunnerOutput:
     # operation, and the device's idle time between the previous pass's last operation and its first
     device_busy_s: float = -1.0
     device_gap_s: float = -1.0
+    # structured output: grammar key -> None (compiled on this rank since its last output) or the
+    # compile error; req_id -> why its grammar failed it (its token of this pass is not valid)
+    grammars_ready: dict[str, str | None] = field(default_factory=dict)
+    grammar_errors: dict[str, str] = field(default_factory=dict)
+    # speculative decoding: req_id -> the tokens a verify row emitted after the first (its accepted
+    # drafts are those it emitted but the last) and their logprobs; req_id -> the drafts of its next
+    # verify
+    extra_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    extra_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

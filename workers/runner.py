@@ -9,6 +9,11 @@ from it), their copy to pinned host memory is non-blocking behind one CUDA event
 samples, every pass but the one just before it is resolved (its ids feed the penalties). Every TP
 rank samples (same logits, seeds and counters: the same ids), so that a plan's `input_from_prev`
 rows find their ids on every rank; only TP rank 0 computes logprobs and returns the RunnerOutput.
+
+Structured output: every rank holds the grammar matchers of its requests (`workers/grammar.py`). A
+constrained row's mask needs its latest token on the host: when that token comes from the pass
+still unresolved, the runner resolves it after launching the new pass's forward (the device runs
+the forward while the host advances the matchers and fills the masks), never before.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from deltaserve.layers.base import MoeLoraRoute
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.loader import load_model
@@ -29,10 +36,13 @@ from deltaserve.layers.parallel import ParallelLayout
 from deltaserve.workers.compile_watch import LateCompileLog
 from deltaserve.workers.config import WorkerConfig
 from deltaserve.workers.context import HostCopy, build_forward_context, logits_rows, upload
+from deltaserve.workers.grammar import GrammarCompiler
+from deltaserve.workers.lora import AdapterSlots
 from deltaserve.workers.plan import PassPlan, PoolSizes, RunnerOutput
 from deltaserve.workers.sampler import LogprobParts, SampledBatch, Sampler
+from deltaserve.workers.spec_decode import SpecDecoder
 from deltaserve.workers.state_pool import StatePool, size_pools
-from deltaserve.workers.wire import check_plan_ranges, check_prev_ids
+from deltaserve.workers.wire import check_plan_ranges, check_prev_ids, check_spec_engine
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +74,19 @@ class ModelRunner:
             device=self.device,
             load_format=load.load_format,
             seed=load.seed,
+            mtp=config.runner.num_speculative_tokens > 0,
         )
+        # LoRA adapter slots (allocated with the weights, before the pools are sized)
+        self.lora = AdapterSlots(self.model, config.lora) if config.lora.enable_lora else None
         self.pool: StatePool | None = None
+        self.spec: SpecDecoder | None = None
+        self.verify_graphs = None
         self.graphs = None
         self.late_compiles: LateCompileLog | None = None  # set once start-up is over (allocate)
         self.kernels = config.runner.kernels
-        self.sampler = Sampler(model_config.vocab_size, seed=load.seed, pdl=self.kernels.pdl)
+        tokenizer_dir = load.model if load.model and (Path(load.model) / "tokenizer.json").is_file() else None
+        grammars = GrammarCompiler(tokenizer_dir, model_config.vocab_size, model_config.eos_token_ids)
+        self.sampler = Sampler(model_config.vocab_size, seed=load.seed, pdl=self.kernels.pdl, grammars=grammars)
         self._unresolved: deque[PassOutput] = deque()  # launched passes whose output is not read yet
         self._last_pass_end = None  # with runner.time_passes: the last launched pass's end event
         self._prev: PrevPass | None = None  # the last launched pass's sampled ids, on the device
@@ -121,7 +138,9 @@ class ModelRunner:
         pages = -(-tokens // block_size)
         # slots for the warm-up batches' rows too (a few GiB at most, freed below)
         slots = 1 + max(len(batch) for batch in WARMUP_BATCHES)
-        sizes = PoolSizes(num_blocks=pages + 1, block_size=block_size, num_slots=slots)
+        # two snapshot slots: the warm-up also runs the prefix-cache capture kernels
+        snapshots = 2 if self.config.cache.enable_prefix_caching else 0
+        sizes = PoolSizes(num_blocks=pages + 1, block_size=block_size, num_slots=slots, num_snapshots=snapshots)
         pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
         plan = _profile_plan(tokens, block_size)
         torch.cuda.synchronize(self.device)
@@ -134,6 +153,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         del pool
         torch.cuda.empty_cache()
+        k = self.config.runner.num_speculative_tokens
+        if k:  # a verify pass's logits: k + 1 rows a sequence, widened to float32 and drawn from (~4 copies)
+            peak = max(peak, self.config.max_num_seqs * (k + 1) * self.model_config.vocab_size * 4 * 4)
         return int(peak * 1.1)
 
     def compile_warmup(self, pool: StatePool) -> None:
@@ -141,27 +163,46 @@ class ModelRunner:
         logits' kernels, outputs dropped."""
         for streams in WARMUP_BATCHES:
             if warmup_fits(streams, self.config.max_num_batched_tokens, pool.sizes):
-                logits, _ = self._forward(_warmup_plan(streams, pool.sizes.block_size), pool)
+                plan = _warmup_plan(streams, pool.sizes.block_size)
+                logits, _, _ = self._forward(plan, pool)
                 if logits is not None:
                     self.sampler.compile_warmup(logits)
+                if pool.sizes.num_snapshots >= 2 and len(streams) in CAPTURE_WARMUP_ROWS:
+                    # again with prefix-cache captures: a chunk-boundary store and a replayed remainder
+                    # (the chunk kernel variant this batch picks, compiled with its capture store)
+                    first = plan.num_decode_rows
+                    new = int(plan.query_start_loc[first + 1] - plan.query_start_loc[first])
+                    plan.captures = np.array(
+                        [
+                            [first, min(64, new), pool.sizes.num_slots],
+                            [first, max(1, new - 5), pool.sizes.num_slots + 1],
+                        ],
+                        dtype=np.int32,
+                    )
+                    self._forward(plan, pool)
 
     def allocate(self, sizes: PoolSizes) -> None:
         """Allocate the pools (the same sizes on every rank); from here on a Triton compile is logged
         (`compile_watch`): start-up compiled what it could."""
         self.sizes = sizes
         self.pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
+        k = self.config.runner.num_speculative_tokens
+        if k:
+            self.pool.enable_verify(self.model, rows=self.config.max_num_seqs, length=k + 1)
+            self.spec = SpecDecoder(self.model, self.pool, k)
         if self.device.type == "cuda" and self.config.cache.num_kv_blocks is not None:
             # given sizes skip the profiling pass, which runs the warm-up: run it on the empty pool
             self.compile_warmup(self.pool)
         self.graphs = self._capture_graphs()
+        self.verify_graphs = self._capture_verify_graphs()
         if self.device.type == "cuda":  # after the graph captures, which compile the decode kernels
             self.late_compiles = LateCompileLog()
             self.late_compiles.install()
 
     def _capture_graphs(self):
         """The decode CUDA graphs over the pools (None on CPU or with graphs off)."""
-        if self.device.type != "cuda" or self.config.runner.enforce_eager:
-            return None
+        if self.device.type != "cuda" or self.config.runner.enforce_eager or self.spec is not None:
+            return None  # speculative passes need the hidden states the graphs do not return
         from deltaserve.workers.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs
 
         sizes = self.sizes
@@ -175,7 +216,36 @@ class ModelRunner:
             scratch_page=sizes.num_blocks - 1,
             batch_sizes=tuple(b for b in DEFAULT_BATCH_SIZES if b <= self.config.runner.cuda_graph_max_batch),
             kernels=self.kernels,
+            lora=self.lora,
         )
+
+    def _capture_verify_graphs(self):
+        """The speculative verify CUDA graphs (None on CPU, with graphs off or without speculation)."""
+        if self.device.type != "cuda" or self.config.runner.enforce_eager or self.spec is None:
+            return None
+        from deltaserve.workers.cuda_graph import DEFAULT_BATCH_SIZES
+        from deltaserve.workers.spec_graphs import VerifyGraphs
+
+        sizes, k = self.sizes, self.spec.k
+        max_len = self.model_config.max_position_embeddings + 2 * k
+        largest = min(self.config.max_num_seqs, self.config.runner.cuda_graph_max_batch)
+        batch_sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b <= largest)
+        try:
+            graphs = VerifyGraphs(
+                self.model,
+                self.spec,
+                max_pages=min(sizes.num_blocks, -(-max_len // sizes.block_size)),
+                scratch_slot=sizes.num_slots - 1,
+                scratch_page=sizes.num_blocks - 1,
+                batch_sizes=batch_sizes,
+                device=self.device,
+                kernels=self.kernels,
+            )
+        except Exception:  # serving goes on eagerly; tests/test_gpu_spec_decode.py asserts the graphs exist
+            log.exception("capturing the speculative verify CUDA graphs failed: verify passes run eagerly")
+            torch.cuda.synchronize(self.device)
+            return None
+        return graphs if graphs.batch_sizes else None
 
     def set_kernel_options(self, kernels: KernelOptions) -> None:
         """Run later passes with these kernel choices (the benchmark's variants); the decode graphs,
@@ -183,25 +253,35 @@ class ModelRunner:
         in flight."""
         self.kernels = kernels
         self.sampler.pdl = kernels.pdl
-        if self.graphs is None or self.graphs.kernels == kernels:
+        held = self.graphs or self.verify_graphs
+        if held is None or held.kernels == kernels:
             return
         torch.cuda.synchronize(self.device)
-        self.graphs = None
+        self.graphs = self.verify_graphs = None
         torch.cuda.empty_cache()
         self.graphs = self._capture_graphs()
+        self.verify_graphs = self._capture_verify_graphs()
 
     # ---- one pass ----------------------------------------------------------------------------
     def _forward(self, plan: PassPlan, pool: StatePool, prev_tokens: torch.Tensor | None = None):
+        """(logits of the plan's logits rows, their spans, (context, final hidden states) or None when
+        a graph ran)."""
         indices, spans = logits_rows(plan)
+        route = self.lora.route(plan.lora_slots) if self.lora is not None else None
         if self.graphs is not None and pool is self.pool and self.graphs.can_run(plan):
-            return self.graphs.run(plan, prev_tokens), spans
+            return self.graphs.run(plan, prev_tokens), spans, None
         ctx = build_forward_context(
-            plan, self.model_config, self.layout, self.device, indices, prev_tokens, kernels=self.kernels
-        )
+            plan, self.model_config, self.layout, self.device, indices, prev_tokens, kernels=self.kernels,
+            num_lora_slots=self.num_lora_slots, moe_lora_route=route or MoeLoraRoute.SKIP,
+        )  # fmt: skip
         with torch.inference_mode():
             hidden = self.model(ctx, pool.layer_states)
             logits = self.model.compute_logits(hidden[ctx.logits_indices]) if len(indices) else None
-        return logits, spans
+        return logits, spans, (ctx, hidden)
+
+    @property
+    def num_lora_slots(self) -> int:
+        return 0 if self.lora is None else self.lora.num_slots
 
     def execute(self, plan: PassPlan) -> RunnerOutput | None:
         """Run one pass and wait for its output (None on ranks other than TP rank 0)."""
@@ -210,19 +290,32 @@ class ModelRunner:
     def execute_async(self, plan: PassPlan) -> PassOutput:
         """Launch one pass; nothing here waits for the device (on CPU the pass simply runs)."""
         started = time.perf_counter()
-        check_plan_ranges(plan, self.sizes, self.model_config.vocab_size)
+        check_plan_ranges(plan, self.sizes, self.model_config.vocab_size, self.num_lora_slots)
+        for spec in plan.grammars:  # compiles start now, in the background
+            self.sampler.prepare_grammar(spec)
         prev = self._prev
         held = (None, 0) if prev is None else (prev.pass_id, prev.tokens.shape[0])
         prev_tokens = prev.tokens if check_prev_ids(plan, *held) else None
-        while len(self._unresolved) > 1:  # only the previous pass may still be unread when this one samples
+        check_spec_engine(plan, self.config.runner.num_speculative_tokens)
+        # only the previous pass may still be unread when this one samples; with speculation none (a
+        # verify's accepted count moves its requests' draw counters)
+        while len(self._unresolved) > (0 if self.spec is not None else 1):
             self._resolve_oldest()
         for req_id in plan.finished_req_ids:
             self.sampler.remove(req_id)
         for data in plan.new_requests:
             self.sampler.add(data)
+        if plan.lora_loads:
+            self.lora.place(plan.lora_loads)
         events = self._start_events()
         self._copy_state(plan)
-        logits, spans = self._forward(plan, self.pool, prev_tokens)
+        if (
+            self.verify_graphs is not None
+            and self.verify_graphs.can_run(plan)
+            and self.sampler.is_plain_greedy(plan.req_ids)
+        ):
+            return self._graphed_verify(plan, started, events)
+        logits, spans, forward = self._forward(plan, self.pool, prev_tokens)
         # every TP rank samples (its logits are the full vocabulary after the all-gather, and its
         # sampler sees the same plans, seeds and counters): the next plan may read its decode input
         # ids from these sampled ids on any rank. Only rank 0 computes logprobs and returns outputs.
@@ -241,6 +334,11 @@ class ModelRunner:
             if driver and plan.prompt_logprob_rows[n] and count:
                 prompt_parts.append(self._prompt_logprobs(plan, n, logits[first : first + count], copy))
         batch = None
+        if sample_ids and self._unresolved and self.sampler.needs_known_history(sample_ids):
+            # a constrained row's latest token is in the previous pass's output: read it now, the
+            # forward just launched keeps the device busy while the matchers advance
+            while self._unresolved:
+                self._resolve_oldest()
         if sample_ids:
             if sample_rows == list(range(logits.shape[0])):
                 sampled_logits = logits
@@ -255,6 +353,9 @@ class ModelRunner:
             batch = self.sampler.sample_async(
                 sample_ids, sampled_logits, copy, pending_rows, pending_tokens, logprobs=driver
             )
+        verify = drafts = None
+        if self.spec is not None:
+            verify, drafts = self._speculate(plan, forward, logits, batch, spans, copy)
         if events is not None:  # before the copies' event, so the pass's own wait covers it
             events[2].record()
             self._last_pass_end = events[2]
@@ -262,8 +363,54 @@ class ModelRunner:
         tokens = batch.tokens if batch is not None else torch.zeros(0, dtype=torch.long, device=self.device)
         self._prev = PrevPass(plan.pass_id, tokens)
         handle = PassOutput(self, plan.pass_id, batch, copy, prompt_parts, started, events=events)
+        handle.set_spec(verify, drafts, plan)
         self._unresolved.append(handle)
         return handle
+
+    def _graphed_verify(self, plan: PassPlan, started: float, events) -> PassOutput:
+        """A pass of greedy verify rows, the whole speculative step replayed from a CUDA graph."""
+        copy = HostCopy(self.device)
+        sampled, accepted, drafts = self.verify_graphs.run(plan)
+        verify = self.sampler.verified(plan.req_ids, sampled, accepted, copy)
+        drafts_slot = copy.add(drafts)
+        if events is not None:
+            events[2].record()
+            self._last_pass_end = events[2]
+        copy.record()
+        self._prev = PrevPass(plan.pass_id, torch.zeros(0, dtype=torch.long, device=self.device))
+        handle = PassOutput(self, plan.pass_id, None, copy, [], started, events=events)
+        handle.set_spec(verify, drafts_slot, plan)
+        self._unresolved.append(handle)
+        return handle
+
+    def _speculate(self, plan: PassPlan, forward, logits, batch: SampledBatch | None, spans, copy: HostCopy):
+        """The verify rows' sampling and accepted counts, then write-on-accept, the MTP head's
+        catch-up and the next drafts (workers/spec_decode.py). Returns (the VerifyBatch or None, the
+        drafts' host-copy slot or None)."""
+        ctx, hidden = forward
+        nv = plan.num_decode_rows if plan.num_spec_tokens else 0
+        verify = None
+        with torch.inference_mode():
+            if nv:
+                tokens = nv * (plan.num_spec_tokens + 1)
+                drafts = ctx.input_ids[:tokens].view(nv, -1)[:, 1:]
+                verify = self.sampler.sample_verify(
+                    plan.req_ids[:nv], logits[:tokens], drafts, copy, logprobs=self.is_driver_rank
+                )
+            index, j = [], 0
+            for _, _, sampled_at in spans:
+                index.append(j if sampled_at >= 0 else -1)
+                j += sampled_at >= 0
+            drafts = self.spec.after_sampling(
+                plan,
+                ctx,
+                hidden,
+                None if verify is None else verify.sampled,
+                None if verify is None else verify.num_accepted,
+                None if batch is None else batch.tokens,
+                index,
+            )
+        return verify, (None if drafts is None else copy.add(drafts))
 
     def _copy_state(self, plan: PassPlan) -> None:
         """The plan's prefix-cache copies, before its forward: snapshot saves, then restores (a slot
@@ -330,6 +477,12 @@ class PassOutput:
         self._events = events
         self._resolved = resolved
         self._output: RunnerOutput | None = None
+        self._verify = self._drafts = self._plan = None
+
+    def set_spec(self, verify, drafts: int | None, plan: PassPlan) -> None:
+        """A speculative pass's verify batch and the host-copy slot of its drafts."""
+        if verify is not None or drafts is not None:
+            self._verify, self._drafts, self._plan = verify, drafts, plan
 
     def done(self) -> bool:
         return self._resolved or self._copy is None or self._copy.ready()
@@ -346,9 +499,25 @@ class PassOutput:
         out = RunnerOutput(pass_id=self.pass_id, req_ids=[], sampled_token_ids=[])
         for req_id, parts, ks in self._prompt_parts:
             out.prompt_logprobs[req_id] = parts.result(ks)
+        if self._verify is not None:
+            emitted, verify_logprobs = self._verify.result()
+            out.req_ids = list(self._verify.req_ids)
+            out.sampled_token_ids = [tokens[0] for tokens in emitted]
+            out.extra_token_ids = {r: t[1:] for r, t in zip(out.req_ids, emitted, strict=True) if len(t) > 1}
+            for req_id, entries in verify_logprobs.items():
+                out.logprobs[req_id] = entries[0]
+                if len(entries) > 1:
+                    out.extra_logprobs[req_id] = entries[1:]
         if self._batch is not None:
             tokens, logprobs = self._batch.result()
-            out.req_ids, out.sampled_token_ids, out.logprobs = list(self._batch.req_ids), tokens, logprobs
+            out.req_ids += list(self._batch.req_ids)
+            out.sampled_token_ids += tokens
+            out.logprobs.update(logprobs)
+            out.grammar_errors = self._batch.grammar_errors
+        out.grammars_ready = self._runner.sampler.grammars.take_ready() if self._runner.is_driver_rank else {}
+        if self._drafts is not None:
+            drafting = [self._plan.req_ids[n] for n in np.flatnonzero(self._plan.draft_rows)]
+            out.draft_token_ids = dict(zip(drafting, self._copy.get(self._drafts).tolist(), strict=True))
         if self._events is not None:
             previous, start, end = self._events
             end.synchronize()  # done already when the pass had host copies (recorded before their event)
@@ -358,6 +527,7 @@ class PassOutput:
         self._output = out if self._runner.is_driver_rank else None
         self._resolved = True
         self._batch = self._copy = self._prompt_parts = self._events = None
+        self._verify = self._drafts = self._plan = None
 
 
 # Batches run once at start-up, besides the profiling pass (one prompt of max_num_batched_tokens), so
@@ -374,9 +544,14 @@ WARMUP_BATCHES = (
     tuple((0, 61) for _ in range(17)),  # 17 prompts, 1,037 tokens
     tuple((0, 64) for _ in range(16)),  # 16 prompts, 1,024 tokens
     ((40, 1), (17, 1), (300, 200), (0, 99)),  # decode rows, a continued chunk, a new prompt
+    ((30, 1), (0, 50)),  # one decode row: the prefill rows' inputs start at an odd row offset
     tuple((20 + i, 1) for i in range(16)) + ((0, 77),),  # 16 decode rows and a short prompt
     ((0, 2100), (0, 2100), (0, 2100)),  # several long prompts: the GDN chunk kernels' third variant
 )
+
+
+# warm-up batches (by row count) that also run with captures: one per chunk-kernel variant they pick
+CAPTURE_WARMUP_ROWS = (1, 3)
 
 
 def _warmup_plan(streams: tuple[tuple[int, int], ...], block_size: int) -> PassPlan:

@@ -12,6 +12,12 @@ once copied and only then records the ids in each request's history. Under async
 request's latest token may still be on its way when the next pass samples it: the output counter
 (`num_sampled`, the seeded draw's index) counts it already, and penalties take its id from the
 device (`pending_rows` / `pending_tokens`).
+
+Structured output (`workers/grammar.py`): a constrained row's logits are masked, in place and before
+anything else (so its logprobs are those of the constrained distribution, as vLLM's), to the tokens
+its grammar allows next, for greedy and sampled rows alike; the mask needs the row's latest token
+known on the host (the runner waits for the previous pass's ids first), and `SampledBatch.result()`
+advances each grammar with its token.
 """
 
 from __future__ import annotations
@@ -22,8 +28,11 @@ import numpy as np
 import torch
 
 from deltaserve.layers.kernels import argmax as argmax_kernels
+from deltaserve.layers.kernels import bitmask as bitmask_kernels
 from deltaserve.workers.context import HostCopy, upload
-from deltaserve.workers.plan import NewRequestData, SamplingSpec, TokenLogprobs
+from deltaserve.workers.grammar import GrammarCompiler, RequestGrammar, fill_bitmasks
+from deltaserve.workers.plan import FLOAT32_MAX, GrammarSpec, NewRequestData, SamplingSpec, TokenLogprobs
+from deltaserve.workers.rejection import accept_drafts
 
 _M32 = 0xFFFFFFFF
 
@@ -55,21 +64,25 @@ def seeded_exponentials(seed: int, step: int, vocab_size: int, device) -> torch.
 
 
 class RequestSamplingState:
-    def __init__(self, data: NewRequestData):
+    def __init__(self, data: NewRequestData, grammar: RequestGrammar | None = None):
         self.spec: SamplingSpec = data.sampling
         self.prompt_token_ids = list(data.prompt_token_ids)
         # the output ids known on the host (a token whose pass is not resolved yet is missing)
         self.output_token_ids = list(data.output_token_ids)
         # outputs sampled so far, known or still on the device: the index of the next draw
         self.num_sampled = len(self.output_token_ids)
+        self.grammar = grammar  # structured output: what the next token may be
 
 
 def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, k: int):
     """On the device: log-softmax of logits [R, V], then per row the logprob of tokens[r], its rank
-    (1 = most likely) and the top-k (values, ids) (None when k = 0)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    (1 = most likely) and the top-k (values, ids) (None when k = 0; at most V of them). Every logprob
+    is finite: an infinite logit counts as the largest finite float32 (a log-softmax over +inf is NaN),
+    and a token ruled out gets the lowest one, not -inf (which JSON cannot carry)."""
+    lp = torch.log_softmax(logits.float().clamp(-FLOAT32_MAX, FLOAT32_MAX), dim=-1).clamp_(min=-FLOAT32_MAX)
     chosen = lp.gather(1, tokens.view(-1, 1))
     rank = (lp > chosen).sum(dim=1) + 1
+    k = min(k, lp.shape[-1])
     top = torch.topk(lp, k, dim=-1) if k else None
     return chosen.view(-1), rank, top
 
@@ -99,9 +112,10 @@ class LogprobParts:
 class SampledBatch:
     """One `sample_async` call: `tokens` [R] (int64) stays on the device (the next pass may read its
     input ids from it); `result()` waits for the host copies, records the ids in the request
-    histories and returns (ids, logprobs by request id)."""
+    histories (and grammars) and returns (ids, logprobs by request id). `grammar_errors`: req_id ->
+    why its grammar failed it (its token here is not constrained), complete once `result()` ran."""
 
-    def __init__(self, req_ids, states, tokens, copy, logprob_rows, logprobs: LogprobParts | None):
+    def __init__(self, req_ids, states, tokens, copy, logprob_rows, logprobs: LogprobParts | None, grammar_errors=None):
         self.req_ids = req_ids
         self.states = states  # the state objects sampled: a request id re-added later is another state
         self.tokens = tokens
@@ -109,13 +123,16 @@ class SampledBatch:
         self._tokens_slot = copy.add(tokens)
         self._logprob_rows = logprob_rows
         self._logprobs = logprobs
+        self.grammar_errors: dict[str, str] = grammar_errors or {}
         self._result = None
 
     def result(self) -> tuple[list[int], dict[str, TokenLogprobs]]:
         if self._result is None:
             token_list = self._copy.get(self._tokens_slot).tolist()
-            for state, token in zip(self.states, token_list, strict=True):
+            for req_id, state, token in zip(self.req_ids, self.states, token_list, strict=True):
                 state.output_token_ids.append(token)
+                if state.grammar is not None and state.grammar.accept(token) is not None:
+                    self.grammar_errors.setdefault(req_id, state.grammar.error)
             logprobs = {}
             if self._logprobs is not None:
                 ks = [self.states[i].spec.logprobs for i in self._logprob_rows]
@@ -125,11 +142,47 @@ class SampledBatch:
         return self._result
 
 
+class VerifyBatch:
+    """One `sample_verify` call: `sampled` [N, L] and `num_accepted` [N] stay on the device (write-on-
+    accept and the MTP head read them); `result()` waits for their host copies, records each row's
+    emitted tokens (sampled[n, : num_accepted[n] + 1]) in its request's history and returns (the
+    emitted ids per row, their logprobs by request id)."""
+
+    def __init__(self, req_ids, states, sampled, num_accepted, copy, logprob_rows, logprobs: LogprobParts | None):
+        self.req_ids, self.states = req_ids, states
+        self.sampled, self.num_accepted = sampled, num_accepted
+        self._copy = copy
+        self._slots = (copy.add(sampled), copy.add(num_accepted))
+        self._logprob_rows, self._logprobs = logprob_rows, logprobs
+        self._result = None
+
+    def result(self) -> tuple[list[list[int]], dict[str, list[TokenLogprobs]]]:
+        if self._result is None:
+            sampled, accepted = (self._copy.get(s).tolist() for s in self._slots)
+            length = len(sampled[0]) if sampled else 0
+            emitted = [row[: a + 1] for row, a in zip(sampled, accepted, strict=True)]
+            for state, tokens in zip(self.states, emitted, strict=True):
+                state.output_token_ids.extend(tokens)
+                state.num_sampled += len(tokens)
+            logprobs: dict[str, list[TokenLogprobs]] = {}
+            if self._logprobs is not None:
+                rows = self._logprob_rows  # expanded rows: request n's position i is n * length + i
+                ks = [self.states[i // length].spec.logprobs for i in rows]
+                for i, entry in zip(rows, self._logprobs.result(ks), strict=True):
+                    n, position = divmod(i, length)
+                    if position <= accepted[n]:
+                        logprobs.setdefault(self.req_ids[n], []).append(entry)
+            self._result = emitted, logprobs
+        return self._result
+
+
 class Sampler:
-    def __init__(self, vocab_size: int, seed: int = 0, pdl: bool = True):
+    def __init__(self, vocab_size: int, seed: int = 0, pdl: bool = True, grammars: GrammarCompiler | None = None):
         self.vocab_size = vocab_size
         self.pdl = pdl  # the argmax kernel's launch (KernelOptions.pdl)
         self.states: dict[str, RequestSamplingState] = {}
+        # structured output's compiles (no tokenizer: a constrained request fails with that error)
+        self.grammars = grammars or GrammarCompiler(None, vocab_size, ())
         self.generator_seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
@@ -140,7 +193,24 @@ class Sampler:
 
     # ---- request bookkeeping ------------------------------------------------------------------
     def add(self, data: NewRequestData) -> None:
-        self.states[data.req_id] = RequestSamplingState(data)
+        spec = data.sampling.grammar
+        grammar = None
+        if spec is not None:
+            grammar = RequestGrammar(spec.key, self.grammars.prepare(spec), data.output_token_ids)
+        self.states[data.req_id] = RequestSamplingState(data, grammar)
+
+    def prepare_grammar(self, spec: GrammarSpec) -> None:
+        """Start compiling a grammar that requests will need (in the background)."""
+        self.grammars.prepare(spec)
+
+    def needs_known_history(self, req_ids: Sequence[str]) -> bool:
+        """Whether one of these requests is constrained and its latest sampled token is not known on
+        the host yet (its grammar cannot say what may follow until it is)."""
+        for r in req_ids:
+            state = self.states[r]
+            if state.grammar is not None and state.num_sampled > len(state.output_token_ids):
+                return True
+        return False
 
     def remove(self, req_id: str) -> None:
         self.states.pop(req_id, None)
@@ -152,6 +222,11 @@ class Sampler:
         server's first greedy request (a stall for every running request)."""
         for rows in (logits, logits.float()):
             argmax_kernels.row_argmax(logits=rows, pdl=self.pdl)
+        if logits.is_cuda:  # structured output's mask kernel, every row or some, on a copy (all allowed)
+            words = -(-logits.shape[1] // 32)
+            mask = torch.full((1, words), -1, dtype=torch.int32, device=logits.device)
+            for rows in (None, torch.zeros(1, dtype=torch.long, device=logits.device)):
+                bitmask_kernels.apply_token_bitmask(logits=logits[:1].clone(), bitmask=mask, rows=rows)
 
     def sample(self, req_ids: list[str], logits: torch.Tensor) -> tuple[list[int], dict[str, TokenLogprobs]]:
         """One token for each row of logits [R, V] (any float dtype), waited for; records it in the history."""
@@ -177,36 +252,124 @@ class Sampler:
         (TP ranks other than 0) skips the requests' logprobs."""
         states = [self.states[r] for r in req_ids]
         steps = [s.num_sampled for s in states]
+        grammar_errors = {}
+        if any(s.grammar is not None for s in states):
+            logits = self._apply_grammars(req_ids, states, logits, grammar_errors)
         raw = logits
         if any(_needs_penalties(s) for s in states):
             logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             self._apply_penalties(logits, states, pending_rows, pending_tokens)
-        greedy = [s.spec.temperature == 0 for s in states]
-        if all(greedy):  # one argmax, no gathers
-            tokens = argmax_kernels.row_argmax(logits=logits, pdl=self.pdl)
-        else:
-            random_rows = [i for i, g in enumerate(greedy) if not g]
-            if len(random_rows) == len(states):
-                tokens = self._draw(logits, states, steps)
-            else:
-                tokens = argmax_kernels.row_argmax(logits=logits, pdl=self.pdl)
-                (rows,) = upload([np.asarray(random_rows)], logits.device)
-                drawn = self._draw(
-                    logits.index_select(0, rows), [states[i] for i in random_rows], [steps[i] for i in random_rows]
-                )
-                tokens.index_copy_(0, rows, drawn)
+        tokens = self._tokens(logits, states, steps)
         for s in states:
             s.num_sampled += 1
-        want = [i for i, s in enumerate(states) if s.spec.logprobs is not None] if logprobs else []
-        parts = None
-        if want:
-            kmax = max(states[i].spec.logprobs for i in want)
-            if len(want) == len(states):
-                parts = LogprobParts(copy, tokens, raw, kmax)
-            else:
-                (rows,) = upload([np.asarray(want)], logits.device)
-                parts = LogprobParts(copy, tokens.index_select(0, rows), raw.index_select(0, rows), kmax)
-        return SampledBatch(req_ids, states, tokens, copy, want, parts)
+        want, parts = self._logprob_parts(states, tokens, raw, copy, logprobs)
+        return SampledBatch(req_ids, states, tokens, copy, want, parts, grammar_errors)
+
+    def _apply_grammars(self, req_ids, states, logits: torch.Tensor, errors: dict[str, str]) -> torch.Tensor:
+        """Mask each constrained row of logits [R, V] to what its grammar allows next (in place; the
+        logits returned are those masked). The masks are filled on the host into fresh pinned memory
+        and copied without blocking: a buffer is never reused while a copy may still read it."""
+        rows, grammars = [], []
+        for i, state in enumerate(states):
+            grammar = state.grammar
+            if grammar is None:
+                continue
+            if grammar.start() is not None:
+                errors[req_ids[i]] = grammar.error  # sampled unconstrained; the driver fails the request
+            elif not grammar.terminated:  # past the end, the token is dropped on the driver
+                rows.append(i)
+                grammars.append(grammar)
+        if not rows:
+            return logits
+        device = logits.device
+        words = -(-logits.shape[1] // 32)
+        host = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=device.type == "cuda")
+        fill_bitmasks(grammars, host)
+        mask = host.to(device, non_blocking=True)
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        ids = None
+        if len(rows) < len(states):
+            (ids,) = upload([np.asarray(rows)], device)
+        with torch.inference_mode():  # the forward's logits are inference tensors
+            bitmask_kernels.apply_token_bitmask(logits=logits, bitmask=mask, rows=ids)
+        return logits
+
+    def sample_verify(
+        self,
+        req_ids: list[str],
+        logits: torch.Tensor,
+        drafts: torch.Tensor,
+        copy: HostCopy,
+        logprobs: bool = True,
+    ) -> VerifyBatch:
+        """Speculative verify rows: logits [N * L, V] (each row's L = k + 1 positions in order), drafts
+        [N, k] on the device. Position i of a row is sampled as decoding would sample the request's
+        output number num_sampled + i (its seeded draw included); `accept_drafts` keeps the drafts up
+        to the first mismatch (workers/rejection.py says why that is the rejection scheme for greedy
+        drafts). Nothing waits for the device; the requests' counters move when the result is read.
+        Penalties need each position's history: such requests are never planned as verify rows."""
+        states = [self.states[r] for r in req_ids]
+        if any(_needs_penalties(s) for s in states):
+            raise ValueError("verify rows cannot apply penalties or min_tokens bans")
+        if any(s.grammar is not None for s in states):  # see grammar.fill_draft_bitmasks
+            raise ValueError("verify rows cannot follow a grammar yet")
+        length = logits.shape[0] // max(1, len(states))
+        expanded = [s for s in states for _ in range(length)]
+        tokens = self._tokens(logits, expanded, [s.num_sampled + i for s in states for i in range(length)])
+        sampled = tokens.view(len(states), length)
+        num_accepted = accept_drafts(sampled, drafts)
+        want, parts = self._logprob_parts(expanded, tokens, logits, copy, logprobs)
+        return VerifyBatch(req_ids, states, sampled, num_accepted, copy, want, parts)
+
+    def is_plain_greedy(self, req_ids: Sequence[str]) -> bool:
+        """Whether every request samples by argmax alone, without logprobs or penalties: their verify
+        rows can run inside a CUDA graph."""
+        for r in req_ids:
+            state = self.states[r]
+            if not state.spec.greedy or state.spec.logprobs is not None or _needs_penalties(state):
+                return False
+            if state.grammar is not None:  # its mask is applied here, not inside a graph
+                return False
+        return True
+
+    def verified(
+        self, req_ids: list[str], sampled: torch.Tensor, num_accepted: torch.Tensor, copy: HostCopy
+    ) -> VerifyBatch:
+        """A VerifyBatch of greedy verify rows sampled elsewhere (a CUDA graph's argmax and acceptance)."""
+        if not self.is_plain_greedy(req_ids):
+            raise ValueError("only greedy verify rows without logprobs run outside the sampler")
+        return VerifyBatch(req_ids, [self.states[r] for r in req_ids], sampled, num_accepted, copy, [], None)
+
+    def _tokens(self, logits: torch.Tensor, states: list[RequestSamplingState], steps: list[int]) -> torch.Tensor:
+        """One token per row of logits [R, V]: the argmax for greedy requests, a draw (seeded at
+        `steps[i]` for a request with a seed) for the others."""
+        greedy = [s.spec.greedy for s in states]
+        if all(greedy):  # one argmax, no gathers
+            return argmax_kernels.row_argmax(logits=logits, pdl=self.pdl)
+        random_rows = [i for i, g in enumerate(greedy) if not g]
+        if len(random_rows) == len(states):
+            return self._draw(logits, states, steps)
+        tokens = argmax_kernels.row_argmax(logits=logits, pdl=self.pdl)
+        (rows,) = upload([np.asarray(random_rows)], logits.device)
+        drawn = self._draw(
+            logits.index_select(0, rows), [states[i] for i in random_rows], [steps[i] for i in random_rows]
+        )
+        tokens.index_copy_(0, rows, drawn)
+        return tokens
+
+    def _logprob_parts(
+        self, states: list[RequestSamplingState], tokens: torch.Tensor, raw: torch.Tensor, copy: HostCopy, on: bool
+    ) -> tuple[list[int], LogprobParts | None]:
+        """The rows whose request wants logprobs, and their logprob tensors (None: no such row)."""
+        want = [i for i, s in enumerate(states) if s.spec.logprobs is not None] if on else []
+        if not want:
+            return want, None
+        kmax = max(states[i].spec.logprobs for i in want)
+        if len(want) == len(states):
+            return want, LogprobParts(copy, tokens, raw, kmax)
+        (rows,) = upload([np.asarray(want)], raw.device)
+        return want, LogprobParts(copy, tokens.index_select(0, rows), raw.index_select(0, rows), kmax)
 
     def _apply_penalties(
         self,
@@ -215,9 +378,10 @@ class Sampler:
         pending_rows: Sequence[int] = (),
         pending_tokens: Callable[[], torch.Tensor] | None = None,
     ) -> None:
-        """In place on logits [R, V] (contiguous), row i for states[i]: min_tokens bans, then the
-        repetition penalty, then presence and frequency penalties; built as flat index lists on the
-        host and applied with device-side fills (no host sync)."""
+        """In place on logits [R, V] (contiguous), row i for states[i]: the repetition penalty, then
+        presence and frequency penalties, then min_tokens bans; built as flat index lists on the host
+        and applied with device-side fills (no host sync). A penalty that overflows float32 leaves the
+        largest finite value (an infinite logit would make the draw's softmax NaN)."""
         device, vocab = logits.device, logits.shape[1]
         flat_logits = logits.view(-1)
         pending = {row: j for j, row in enumerate(pending_rows)}
@@ -234,16 +398,6 @@ class Sampler:
             at, offsets = upload([np.asarray([pending[r] for r in mine]), np.asarray(mine) * vocab], device)
             return offsets, pending_ids.index_select(0, at)
 
-        banned = [
-            i * vocab + t
-            for i, s in enumerate(states)
-            if s.num_sampled < s.spec.min_tokens
-            for t in s.spec.min_tokens_banned_ids
-        ]
-        if banned:
-            (flat,) = upload([np.asarray(banned)], device)
-            flat_logits.index_fill_(0, flat, float("-inf"))
-
         rep = [i for i, s in enumerate(states) if s.spec.repetition_penalty != 1.0]
         if rep:
             seen_ids = [
@@ -251,7 +405,7 @@ class Sampler:
                 for i in rep
             ]
             penalty = np.ones((len(states), 1), np.float32)
-            penalty[rep, 0] = [states[i].spec.repetition_penalty for i in rep]
+            penalty[rep, 0] = np.minimum([states[i].spec.repetition_penalty for i in rep], FLOAT32_MAX)
             flat, penalty = upload([np.concatenate(seen_ids)], device) + upload([penalty], device, torch.float32)
             seen = torch.zeros(logits.numel(), dtype=torch.bool, device=device)
             seen.index_fill_(0, flat, True)
@@ -280,10 +434,25 @@ class Sampler:
             counts = counts.view_as(logits)
             logits -= scale[0] * counts + scale[1] * (counts > 0).to(logits.dtype)
 
+        if rep or pf:  # a zero logit times an infinite penalty is NaN: that token is as unlikely as can be
+            torch.nan_to_num_(logits, nan=-FLOAT32_MAX, posinf=FLOAT32_MAX, neginf=-FLOAT32_MAX)
+        banned = [
+            i * vocab + t
+            for i, s in enumerate(states)
+            if s.num_sampled < s.spec.min_tokens
+            for t in s.spec.min_tokens_banned_ids
+        ]
+        if banned:
+            (flat,) = upload([np.asarray(banned)], device)
+            flat_logits.index_fill_(0, flat, float("-inf"))
+
     def _draw(self, logits: torch.Tensor, states: list[RequestSamplingState], steps: list[int]) -> torch.Tensor:
         device = logits.device
         (temps,) = upload([np.asarray([s.spec.temperature for s in states], np.float32)], device, torch.float32)
-        logits = logits.float() / temps[:, None]
+        logits = logits.float()
+        # shifted by the row's largest logit first: logits / a small temperature overflow, shifted ones
+        # only reach -inf (probability 0), never inf - inf = NaN
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temps[:, None]
         if any(s.spec.top_k > 0 or s.spec.top_p < 1.0 or s.spec.min_p > 0 for s in states):
             logits = _filter(logits, states)
         probs = torch.softmax(logits, dim=-1)
@@ -322,7 +491,7 @@ def _needs_penalties(state: RequestSamplingState) -> bool:
 def _filter(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
     """top-k, then top-p, then min-p, per row (-inf for removed tokens)."""
     device, vocab = logits.device, logits.shape[1]
-    (top_k,) = upload([np.asarray([s.spec.top_k if s.spec.top_k > 0 else vocab for s in states])], device)
+    (top_k,) = upload([np.asarray([s.spec.top_k if 0 < s.spec.top_k < vocab else vocab for s in states])], device)
     top_p, min_p = upload(
         [np.asarray([s.spec.top_p for s in states]), np.asarray([s.spec.min_p for s in states])], device, torch.float32
     )

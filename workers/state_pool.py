@@ -6,7 +6,12 @@ Each kind is one tensor across its layers ([layers, pages, ...] for K and V, [la
 for the recurrent state and the conv window), so that copying a page or a slot for every layer at
 once (prefix-cache snapshots and hits) is one indexed copy. GDN slots come in three ranges:
 [0, num_slots - 1) running requests, num_slots - 1 scratch for padded rows, then `num_snapshots`
-prefix-cache snapshots."""
+prefix-cache snapshots.
+
+A layer may keep more per page or per slot than K/V or the GDN state (Qwen4-Exp: the QSA indexer's
+key caches per page, PLE's state per slot): any other name in its `state_shapes` gets a pool of its
+own, across the layers that have it, copied with the pages or slots; the layer's `make_state(base,
+extra)` builds its LayerState from the default view and its views of those pools."""
 
 from __future__ import annotations
 
@@ -28,11 +33,17 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return n * torch.empty((), dtype=dtype).element_size()
 
 
+def kv_layers(model: HybridModel) -> list:
+    """The layers that keep paged KV: the stack's attention layers, then the MTP head's layer (it
+    shares the request's block table)."""
+    out = [layer for layer in model.layers if layer.state_kind == "attention"]
+    return out + ([model.mtp.layer] if model.mtp is not None else [])
+
+
 def bytes_per_block(model: HybridModel, block_size: int, dtype: torch.dtype) -> int:
     total = 0
-    for layer in model.layers:
-        if layer.state_kind == "attention":
-            total += sum(_nbytes(shape, dt or dtype) for shape, dt in layer.state_shapes(block_size).values())
+    for layer in kv_layers(model):
+        total += sum(_nbytes(shape, dt or dtype) for shape, dt in layer.state_shapes(block_size).values())
     return total
 
 
@@ -85,15 +96,22 @@ def size_pools(
     return PoolSizes(int(num_blocks), block_size, int(num_slots), int(num_snapshots))
 
 
+_PAGE_STATE, _SLOT_STATE = ("k_cache", "v_cache"), ("recurrent", "conv")
+
+
 class StatePool:
-    """Zero-initialised pools; `layer_states[i]` is layer i's view."""
+    """Zero-initialised pools; `layer_states[i]` is layer i's view, `mtp_state` the MTP head's KV (None
+    without the head)."""
 
     def __init__(self, model: HybridModel, sizes: PoolSizes, *, dtype: torch.dtype, device: torch.device | str):
         self.sizes = sizes
         self.layer_states: list[LayerState] = []
-        attn = [layer for layer in model.layers if layer.state_kind == "attention"]
+        attn = kv_layers(model)
         ssm = [layer for layer in model.layers if layer.state_kind != "attention"]
         self.k_pages = self.v_pages = self.recurrent = self.conv = None
+        # the layers' other per-page / per-slot state: name -> [layers that have it, pages or slots, ...]
+        self.extra_pages = self._extra_pools(attn, _PAGE_STATE, sizes.num_blocks, sizes.block_size, dtype, device)
+        self.extra_slots = self._extra_pools(ssm, _SLOT_STATE, sizes.total_slots, None, dtype, device)
         if attn:
             shapes = attn[0].state_shapes(sizes.block_size)
             self.k_pages = torch.zeros((len(attn), sizes.num_blocks, *shapes["k_cache"][0]), dtype=dtype, device=device)
@@ -107,13 +125,27 @@ class StatePool:
             self.recurrent = torch.zeros((len(ssm), slots, *rec_shape), dtype=rec_dtype or dtype, device=device)
             self.conv = torch.zeros((len(ssm), slots, *conv_shape), dtype=conv_dtype or dtype, device=device)
         i_attn = i_ssm = 0
+        seen: dict[str, int] = {}
         for layer in model.layers:
             if layer.state_kind == "attention":
-                self.layer_states.append(AttnLayerState(k_cache=self.k_pages[i_attn], v_cache=self.v_pages[i_attn]))
+                state = AttnLayerState(k_cache=self.k_pages[i_attn], v_cache=self.v_pages[i_attn])
+                names, pools = layer.state_shapes(sizes.block_size), self.extra_pages
                 i_attn += 1
             else:
-                self.layer_states.append(SsmLayerState(recurrent=self.recurrent[i_ssm], conv=self.conv[i_ssm]))
+                state = SsmLayerState(recurrent=self.recurrent[i_ssm], conv=self.conv[i_ssm])
+                names, pools = layer.state_shapes(), self.extra_slots
                 i_ssm += 1
+            extra = {}
+            for name in names:
+                if name in pools:
+                    extra[name] = pools[name][seen.get(name, 0)]
+                    seen[name] = seen.get(name, 0) + 1
+            if hasattr(layer, "make_state"):
+                state = layer.make_state(state, extra)
+            self.layer_states.append(state)
+        self.mtp_state = None
+        if model.mtp is not None:
+            self.mtp_state = AttnLayerState(k_cache=self.k_pages[i_attn], v_cache=self.v_pages[i_attn])
         log.info(
             "state pool: %d pages x %d tokens (%d tokens of KV), %d GDN state slots, %d prefix-cache snapshots "
             "(%.1f MiB)",
@@ -125,31 +157,50 @@ class StatePool:
             sizes.num_snapshots * self.bytes_per_slot() / 2**20,
         )
 
+    @staticmethod
+    def _extra_pools(layers, standard, count, block_size, dtype, device) -> dict[str, torch.Tensor]:
+        shapes: dict[str, list] = {}
+        for layer in layers:
+            entries = layer.state_shapes(block_size) if block_size is not None else layer.state_shapes()
+            for name, (shape, dt) in entries.items():
+                if name not in standard:
+                    shapes.setdefault(name, []).append((shape, dt))
+        pools = {}
+        for name, entries in shapes.items():
+            shape, dt = entries[0]
+            if dt is None or (dtype == torch.float64 and dt.is_floating_point):
+                dt = dtype  # a float64 reference run keeps every float state at its own precision
+            pools[name] = torch.zeros((len(entries), count, *shape), dtype=dt, device=device)
+        return pools
+
     def bytes_per_slot(self) -> int:
         if self.recurrent is None:
             return 0
-        return (self.recurrent[:, 0].numel() * self.recurrent.element_size()) + (
-            self.conv[:, 0].numel() * self.conv.element_size()
-        )
+        pools = [self.recurrent, self.conv, *self.extra_slots.values()]
+        return sum(p[:, 0].numel() * p.element_size() for p in pools)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """GDN state (recurrent and conv, every layer) of slots src[i] -> dst[i]: snapshot saves and
-        restores. src, dst: [M] int64 on the pool's device; a dst must not also be a src."""
+        """Per-slot state (GDN recurrent and conv, and the layers' other per-slot state, every layer) of
+        slots src[i] -> dst[i]: snapshot saves and restores. src, dst: [M] int64 on the pool's device;
+        a dst must not also be a src."""
         if self.recurrent is not None and src.numel():
-            self.recurrent.index_copy_(1, dst, self.recurrent.index_select(1, src))
-            self.conv.index_copy_(1, dst, self.conv.index_select(1, src))
+            for pool in (self.recurrent, self.conv, *self.extra_slots.values()):
+                pool.index_copy_(1, dst, pool.index_select(1, src))
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """KV pages (every attention layer) src[i] -> dst[i]: the partly filled page of a snapshot's
-        prefix, copied for a request that resumes from it."""
+        """KV pages (and the layers' other per-page state, every attention layer) src[i] -> dst[i]: the
+        partly filled page of a snapshot's prefix, copied for a request that resumes from it."""
         if self.k_pages is not None and src.numel():
-            self.k_pages.index_copy_(1, dst, self.k_pages.index_select(1, src))
-            self.v_pages.index_copy_(1, dst, self.v_pages.index_select(1, src))
+            for pool in (self.k_pages, self.v_pages, *self.extra_pages.values()):
+                pool.index_copy_(1, dst, pool.index_select(1, src))
 
     def enable_verify(self, model: HybridModel, rows: int, length: int) -> None:
         """Give every GDN layer its speculative-decoding verify buffers (write-on-accept)."""
         for layer, state in zip(model.layers, self.layer_states, strict=True):
             if isinstance(state, SsmLayerState):
-                dtype, device = state.conv.dtype, state.conv.device
-                for name, value in layer.mixer.verify_buffers(rows, length, device, dtype).items():
+                if hasattr(layer, "verify_buffers"):  # a layer with more per-slot state than its GDN mixer's
+                    buffers = layer.verify_buffers(state, rows, length)
+                else:
+                    buffers = layer.mixer.verify_buffers(rows, length, state.conv.device, state.conv.dtype)
+                for name, value in buffers.items():
                     setattr(state, name, value)

@@ -14,9 +14,21 @@ from dataclasses import asdict
 import msgpack
 import numpy as np
 
-from .plan import NewRequestData, PassPlan, PoolSizes, RunnerOutput, SamplingSpec, TokenLogprobs
+from .config import MAX_SPEC_TOKENS
+from .plan import (
+    GrammarSpec,
+    LoraLoad,
+    NewRequestData,
+    PassPlan,
+    PoolSizes,
+    RunnerOutput,
+    SamplingSpec,
+    TokenLogprobs,
+)
 
-WIRE_VERSION = 4  # 4: prefix-cache copies and captures
+# 5: speculative decoding (verify rows, drafts); 6: LoRA slots and loads; 7: structured output
+# (grammars to compile, grammars ready, grammar errors)
+WIRE_VERSION = 7
 
 # A plan's arrays, in buffer order, with their lengths in terms of T tokens, N rows and P pages per
 # block table. One buffer per dtype keeps decoding to three `frombuffer` calls and some slicing
@@ -30,13 +42,14 @@ _INT32_FIELDS = (
     ("block_tables", "N*P"),
     ("next_prompt_token", "N"),  # optional
     ("input_from_prev", "N"),  # optional
+    ("lora_slots", "N"),  # optional
 )
 _INT64_FIELDS = (("slot_mapping", "T"),)
-_BOOL_FIELDS = (("has_initial_state", "N"), ("sample_rows", "N"), ("prompt_logprob_rows", "N"))
-_OPTIONAL = ("next_prompt_token", "input_from_prev")
+_BOOL_FIELDS = (("has_initial_state", "N"), ("sample_rows", "N"), ("prompt_logprob_rows", "N"), ("draft_rows", "N"))
+_OPTIONAL = ("next_prompt_token", "input_from_prev", "lora_slots", "draft_rows")
 _BUFFERS = (("int32", np.dtype("<i4"), _INT32_FIELDS), ("int64", np.dtype("<i8"), _INT64_FIELDS),
             ("bool", np.dtype("|b1"), _BOOL_FIELDS))  # fmt: skip
-_PLAN_SCALARS = ("pass_id", "req_ids", "num_decode_rows", "num_tokens", "max_pages")
+_PLAN_SCALARS = ("pass_id", "req_ids", "num_decode_rows", "num_tokens", "max_pages", "num_spec_tokens")
 # optional [M, width] int32 tables, each sent as (M, raw bytes)
 _TABLES = (("slot_saves", 2), ("slot_restores", 2), ("page_copies", 2), ("captures", 3))
 _I32 = np.dtype("<i4")
@@ -52,7 +65,7 @@ def encode_plan(plan: PassPlan) -> bytes:
         raise WireError(f"plan field 'block_tables' has shape {plan.block_tables.shape}, expected ({n}, pages)")
     p = plan.block_tables.shape[1]
     body = {"pass_id": plan.pass_id, "req_ids": plan.req_ids, "num_decode_rows": plan.num_decode_rows,
-            "num_tokens": t, "max_pages": p}  # fmt: skip
+            "num_tokens": t, "max_pages": p, "num_spec_tokens": plan.num_spec_tokens}  # fmt: skip
     present = []
     shapes = {"T": (t,), "N": (n,), "N+1": (n + 1,), "N*P": (n, p)}
     for key, dtype, layout in _BUFFERS:
@@ -78,8 +91,12 @@ def encode_plan(plan: PassPlan) -> bytes:
         tables[name] = [int(a.shape[0]), a.astype(_I32, copy=False).tobytes()]
     if tables:
         body["tables"] = tables
+    if plan.lora_loads:
+        body["lora_loads"] = [[x.slot, x.key, x.name, x.path] for x in plan.lora_loads]
     body["new_requests"] = [asdict(r) for r in plan.new_requests]
     body["finished_req_ids"] = plan.finished_req_ids
+    if plan.grammars:
+        body["grammars"] = [asdict(g) for g in plan.grammars]
     return msgpack.packb({"v": WIRE_VERSION, "kind": "plan", "body": body}, use_bin_type=True)
 
 
@@ -95,7 +112,8 @@ def decode_plan(blob: bytes) -> PassPlan:
         n = len(req_ids)
         present = body.get("optional", ())
         lengths = {"T": t, "N": n, "N+1": n + 1, "N*P": n * p}
-        kwargs = {"pass_id": body["pass_id"], "req_ids": req_ids, "num_decode_rows": body["num_decode_rows"]}
+        kwargs = {"pass_id": body["pass_id"], "req_ids": req_ids, "num_decode_rows": body["num_decode_rows"],
+                  "num_spec_tokens": body["num_spec_tokens"]}  # fmt: skip
         for key, dtype, layout in _BUFFERS:
             data = body[key]
             flat = np.frombuffer(data, dtype=dtype) if isinstance(data, bytes) else None
@@ -117,6 +135,7 @@ def decode_plan(blob: bytes) -> PassPlan:
             if not (isinstance(rows, int) and isinstance(data, bytes) and len(data) == rows * width * 4):
                 raise WireError(f"plan field '{name}' is not {rows!r} rows of {width} int32")
             kwargs[name] = np.frombuffer(data, dtype=_I32).reshape(rows, width)
+        kwargs["lora_loads"] = [LoraLoad(int(a), int(b), str(c), str(d)) for a, b, c, d in body.get("lora_loads", ())]
         kwargs["new_requests"] = [
             NewRequestData(
                 r["req_id"], list(r["prompt_token_ids"]), list(r["output_token_ids"]), SamplingSpec(**r["sampling"])
@@ -124,6 +143,7 @@ def decode_plan(blob: bytes) -> PassPlan:
             for r in body.get("new_requests", ())
         ]
         kwargs["finished_req_ids"] = list(body.get("finished_req_ids", ()))
+        kwargs["grammars"] = [GrammarSpec(**g) for g in body.get("grammars", ())]
         plan = PassPlan(**kwargs)
     except WireError:
         raise
@@ -158,6 +178,7 @@ def check_plan_values(plan: PassPlan) -> None:
         raise WireError("plan field 'query_start_loc' must rise from 0 to the token count in steps >= 1")
     if plan.input_from_prev is not None and n:
         _check_prev_rows(plan)
+    check_spec_rows(plan)
 
 
 def _check_prev_rows(plan: PassPlan) -> None:
@@ -169,9 +190,37 @@ def _check_prev_rows(plan: PassPlan) -> None:
         raise WireError("plan field 'input_from_prev' names a row that is not a one-token decode row")
 
 
-def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int) -> None:
-    """Indices that would address memory outside the pools (or the vocabulary) are rejected before
-    any kernel runs."""
+def check_spec_rows(plan: PassPlan) -> None:
+    """Verify rows (num_spec_tokens = k > 0): the decode rows, k + 1 tokens each, all sampling and
+    drafting; k within what the verify tables hold."""
+    k, nd = plan.num_spec_tokens, plan.num_decode_rows
+    if not isinstance(k, int) or not 0 <= k <= MAX_SPEC_TOKENS:
+        raise WireError(f"plan field 'num_spec_tokens' is {k!r}; it must be in 0..{MAX_SPEC_TOKENS}")
+    if not k:
+        return
+    if plan.draft_rows is None or plan.next_prompt_token is None:
+        raise WireError("a plan with verify rows needs the fields 'draft_rows' and 'next_prompt_token'")
+    if nd < 1 or (np.diff(plan.query_start_loc)[:nd] != k + 1).any():
+        raise WireError(f"plan field 'num_spec_tokens' is {k}: its decode rows must hold {k + 1} tokens each")
+    if not (plan.sample_rows[:nd].all() and plan.draft_rows[:nd].all()):
+        raise WireError("a verify row must sample and draft")
+    if plan.input_from_prev is not None and (plan.input_from_prev >= 0).any():
+        raise WireError("plan field 'input_from_prev' cannot be used with verify rows")
+
+
+def check_spec_engine(plan: PassPlan, num_speculative_tokens: int) -> None:
+    """A plan's verify rows and drafting rows against the rank's speculative decoding (k drafts, or 0:
+    none)."""
+    k = num_speculative_tokens
+    if plan.num_spec_tokens and plan.num_spec_tokens != k:
+        raise WireError(f"plan field 'num_spec_tokens' is {plan.num_spec_tokens}; this engine verifies {k}")
+    if not k and plan.draft_rows is not None and plan.draft_rows.any():
+        raise WireError("plan field 'draft_rows' names rows, but this engine has no speculative decoding")
+
+
+def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int, num_lora_slots: int = 0) -> None:
+    """Indices that would address memory outside the pools (or the vocabulary, or the adapter slots)
+    are rejected before any kernel runs."""
 
     def out_of(name: str, a: np.ndarray, hi: int, lo: int = 0) -> None:
         if a.size and (a.min() < lo or a.max() >= hi):
@@ -192,6 +241,11 @@ def check_plan_ranges(plan: PassPlan, sizes: PoolSizes, vocab_size: int) -> None
                 raise WireError(f"plan field '{name}' names a destination twice")
     if plan.page_copies is not None and len(plan.page_copies):
         out_of("page_copies", plan.page_copies, sizes.num_blocks)
+    if plan.lora_slots is not None:
+        out_of("lora_slots", plan.lora_slots, num_lora_slots, lo=-1)
+    for load in plan.lora_loads:
+        if not 0 <= load.slot < num_lora_slots:
+            raise WireError(f"plan field 'lora_loads' names slot {load.slot} outside [0, {num_lora_slots})")
     if plan.captures is not None and len(plan.captures):
         rows = plan.captures[:, 0]
         out_of("captures", rows, plan.num_rows, lo=plan.num_decode_rows)
@@ -237,26 +291,37 @@ def encode_output(out: RunnerOutput) -> bytes:
         "sampled_token_ids": out.sampled_token_ids,
         "logprobs": {k: _logprobs_record(v) for k, v in out.logprobs.items()},
         "prompt_logprobs": {k: [_logprobs_record(e) for e in v] for k, v in out.prompt_logprobs.items()},
+        "extra_token_ids": out.extra_token_ids,
+        "extra_logprobs": {k: [_logprobs_record(e) for e in v] for k, v in out.extra_logprobs.items()},
+        "draft_token_ids": out.draft_token_ids,
         "forward_time_s": out.forward_time_s,
         "device_s": [out.device_busy_s, out.device_gap_s],
     }
+    if out.grammars_ready or out.grammar_errors:
+        body["grammars"] = [out.grammars_ready, out.grammar_errors]
     return msgpack.packb({"v": WIRE_VERSION, "kind": "output", "body": body}, use_bin_type=True)
 
 
 def decode_output(blob: bytes) -> RunnerOutput:
     body = _open(blob, "output")
     try:
+        ready, errors = body.get("grammars", ({}, {}))
         return RunnerOutput(
             pass_id=body["pass_id"],
             req_ids=list(body["req_ids"]),
             sampled_token_ids=list(body["sampled_token_ids"]),
             logprobs={k: TokenLogprobs(**v) for k, v in body["logprobs"].items()},
             prompt_logprobs={k: [TokenLogprobs(**e) for e in v] for k, v in body["prompt_logprobs"].items()},
+            extra_token_ids={k: list(v) for k, v in body["extra_token_ids"].items()},
+            extra_logprobs={k: [TokenLogprobs(**e) for e in v] for k, v in body["extra_logprobs"].items()},
+            draft_token_ids={k: list(v) for k, v in body["draft_token_ids"].items()},
             forward_time_s=body["forward_time_s"],
             device_busy_s=body["device_s"][0],
             device_gap_s=body["device_s"][1],
+            grammars_ready=dict(ready),
+            grammar_errors=dict(errors),
         )
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, ValueError) as e:
         raise WireError(f"malformed runner output: {e}") from e
 
 

@@ -45,8 +45,7 @@ class BlockAllocator:
         """Start an empty block table with cached pages (a prefix-cache hit)."""
         if req.block_table:
             raise RuntimeError(f"{req.req_id} already holds pages")
-        for page in pages:
-            self.cache.hold(page)
+        self.cache.hold_all(pages)
         req.block_table = list(pages)
 
     def free(self, req: Request) -> None:

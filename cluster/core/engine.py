@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,18 +26,23 @@ from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.executors.base import Executor, PassHandle, WorkerFailure, overlaps_passes
 from deltaserve.layers.config import ModelConfig
 from deltaserve.workers.config import short
-from deltaserve.workers.plan import PassPlan, RunnerOutput
+from deltaserve.workers.grammar import parse_grammar
+from deltaserve.workers.plan import GrammarSpec, PassPlan, RunnerOutput
 
 from .allocator import BlockAllocator, StateSlotAllocator
+from .lora import AdapterRegistry, LoRARequest
 from .prefix_cache import CapturePolicy, PrefixCache, SnapshotCache
 from .request import CompletionOutput, FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .speculative import SpeculativeInfo
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
 OUTPUT_MODES = ("cumulative", "delta", "final")
+CHECKED_GRAMMARS = 1024  # grammar keys known to parse, so that a repeated schema is not parsed again
+SPEC_LOG_INTERVAL_S = 30.0  # how often the acceptance counters are logged while verifying
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class ModelInfo:
     max_num_seqs: int
     dtype: str  # in use ("auto" resolved for the device)
     device: str
+    speculative: SpeculativeInfo | None = None  # None: no speculative decoding
     data_parallel_size: int = 1
     replicas: tuple[ReplicaInfo, ...] = ()  # filled in by the front doors' engine (one entry per replica)
 
@@ -93,6 +100,7 @@ class EngineCore:
         if output_mode not in OUTPUT_MODES:
             raise ValueError(f"output_mode must be one of {OUTPUT_MODES}, got {output_mode!r}")
         self.output_mode = output_mode
+        self.num_speculative_tokens = config.runner.num_speculative_tokens
         self.model_config = model_config
         model = config.load.model
         self.tokenizer = Tokenizer(model) if model is not None and (Path(model) / "tokenizer.json").is_file() else None
@@ -123,11 +131,22 @@ class EngineCore:
         scheduling = dataclasses.replace(
             self.config.scheduler, max_num_seqs=min(config.scheduler.max_num_seqs, self.slots.capacity)
         )
-        self.scheduler = Scheduler(scheduling, self.blocks, self.slots, self.prefix_cache)
+        self.loras = AdapterRegistry(config.lora, model_config)
+        self.scheduler = Scheduler(
+            scheduling, self.blocks, self.slots, self.prefix_cache, self.loras,
+            num_speculative_tokens=self.num_speculative_tokens,
+        )  # fmt: skip
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
-        self.async_scheduling = overlaps_passes(self.executor, config.scheduler.async_scheduling)
+        self._checked_grammars: OrderedDict[str, None] = OrderedDict()
+        self._grammar_lock = threading.Lock()  # make_request runs on the callers' threads too
+        # speculative passes run synchronously: a verify's accepted count decides the next plan
+        self.async_scheduling = not self.num_speculative_tokens and overlaps_passes(
+            self.executor, config.scheduler.async_scheduling
+        )
         self._in_flight: InFlightPass | None = None  # the launched pass not yet applied
+        self._restart_pending = False  # a worker died: the next step replaces the group first
+        self._spec_logged = time.monotonic()
         # with runner.time_passes on a GPU: (device busy s, device idle before it s) of recent passes
         self.pass_device_times: deque[tuple[float, float]] = deque(maxlen=4096)
         log.info(
@@ -147,10 +166,16 @@ class EngineCore:
         return self.tokenizer.encode(text)
 
     def make_request(
-        self, req_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        req_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate and build a request (raises ValueError naming the bad field); queues nothing.
-        cache_salt: requests share prefix-cache entries only with requests of the same salt."""
+        cache_salt: requests share prefix-cache entries only with requests of the same salt.
+        lora_request: the adapter it runs on (registered and checked on first use)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.model_config.vocab_size)
@@ -176,21 +201,59 @@ class EngineCore:
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
             raise ValueError(
-                f"max_tokens: {max_tokens} after a {len(ids)}-token prompt exceeds max_model_len={self.max_model_len}"
+                f"max_tokens: {short(max_tokens)} after a {len(ids)}-token prompt exceeds"
+                f" max_model_len={self.max_model_len}"
                 f" (at most {room} fit; None asks for as many as fit)"
             )
         if params.min_tokens > room:
-            raise ValueError(f"min_tokens: {params.min_tokens} after a {len(ids)}-token prompt exceeds {room}")
+            raise ValueError(f"min_tokens: {short(params.min_tokens)} after a {len(ids)}-token prompt exceeds {room}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 256):
             raise ValueError("cache_salt: must be a string of at most 256 characters")
-        req = Request(req_id, ids, params, max_tokens, eos_token_ids=self.model_config.eos_token_ids)
-        req.cache_key = "salt:" + cache_salt if cache_salt else ""
+        grammar = self._check_grammar(params)
+        adapter = self.loras.resolve(lora_request)
+        req = Request(
+            req_id,
+            ids,
+            params,
+            max_tokens,
+            eos_token_ids=self.model_config.eos_token_ids,
+            lora=adapter,
+            grammar=grammar,
+        )
+        # requests on different adapters (or none) never share cached blocks or GDN snapshots
+        keys = [adapter.cache_key] if adapter is not None else []
+        keys += ["salt:" + cache_salt] if cache_salt else []
+        req.cache_key = "|".join(keys)
         return req
 
+    def _check_grammar(self, params: SamplingParams) -> GrammarSpec | None:
+        """The request's constraint, checked to compile (xgrammar parses it: milliseconds; the
+        compile against the vocabulary runs on the workers); ValueError naming the field."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs: needs the model's tokenizer.json, and this model has none")
+        spec = params.structured_outputs.to_grammar_spec()
+        with self._grammar_lock:
+            if spec.key in self._checked_grammars:
+                self._checked_grammars.move_to_end(spec.key)
+                return spec
+        parse_grammar(spec)
+        with self._grammar_lock:
+            self._checked_grammars[spec.key] = None
+            while len(self._checked_grammars) > CHECKED_GRAMMARS:
+                self._checked_grammars.popitem(last=False)
+        return spec
+
     def add_request(
-        self, req_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        req_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
-        req = self.make_request(req_id, prompt, params, cache_salt)
+        req = self.make_request(req_id, prompt, params, cache_salt, lora_request)
         self.scheduler.add(req)
         self._prompts[req_id] = prompt if isinstance(prompt, str) else None
         if self.tokenizer is not None:
@@ -203,17 +266,36 @@ class EngineCore:
             )
         return req
 
+    # ---- adapters ------------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter (checked against the model: ValueError naming the file and field)."""
+        self.loras.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter; requests running on it finish on it."""
+        return self.loras.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.loras.list()
+
+    def lora_request(self, name: str) -> LoRARequest | None:
+        """The registered adapter of this name, or None (front doors answer NOT_FOUND)."""
+        return self.loras.lookup(name)
+
     def abort(self, req_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(req_id)
         return None if req is None else self._output(req, [], "")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        return self.scheduler.has_work() or self._in_flight is not None or self._restart_pending
 
     # ---- one pass ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one pass: synchronously, or (async scheduling) launch the next pass and then apply the
         one launched by the previous step."""
+        if self._restart_pending:
+            self._replace_workers()
         if self.async_scheduling:
             return self._step_async()
         plan = self.scheduler.schedule()
@@ -256,28 +338,39 @@ class EngineCore:
                 outputs = self._apply(previous.plan, previous.handle.result())
             except WorkerFailure as e:
                 outputs = self._on_worker_failure(e)
-        self.async_scheduling = enabled and overlaps_passes(self.executor)
+        self.async_scheduling = enabled and not self.num_speculative_tokens and overlaps_passes(self.executor)
         return outputs
 
     def _apply(self, plan: PassPlan, result: RunnerOutput) -> list[RequestOutput]:
         if result.device_gap_s >= 0:
             self.pass_device_times.append((result.device_busy_s, result.device_gap_s))
         outputs = []
-        for req in self.scheduler.apply_output(plan, result):
-            out = self._on_token(req)
+        for req, count in self.scheduler.apply_output(plan, result):
+            out = self._on_tokens(req, count)
             if out is not None:
                 outputs.append(out)
+        # requests the output failed (a grammar that did not compile on the workers)
+        outputs += [self._output(req, [], self._flush(req)) for req in self.scheduler.pop_failed()]
+        self._log_spec_stats()
         return outputs
 
     def _on_worker_failure(self, e: WorkerFailure) -> list[RequestOutput]:
+        """Fail every request now (their clients hear of it at once, not after the restart); the next
+        step replaces the worker group, and requests added meanwhile wait for it."""
         log.error("%s; failing %d requests and restarting the workers", e, len(self.scheduler.requests))
-        outputs = self.fail_all(str(e))
+        self._restart_pending = True
+        return self.fail_all(str(e))
+
+    def _replace_workers(self) -> None:
+        self._restart_pending = False
         self.executor.restart()
-        # the new workers' pools hold none of the cached pages and snapshots the index names
+        # the new workers' pools hold none of the cached pages and snapshots the index names, nor
+        # adapters, and they have compiled no grammar
         self.scheduler.reset_prefix_cache()
+        self.scheduler.reset_grammars()
+        self.loras.reset_device()
         # a restarted group may use another transport (no overlap over a compiled graph)
         self.async_scheduling = self.async_scheduling and overlaps_passes(self.executor)
-        return outputs
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every queued and running request with an error (a worker died); the passes in flight
@@ -290,22 +383,34 @@ class EngineCore:
             outputs.append(self._output(req, [], self._flush(req)))
         return outputs
 
-    def _on_token(self, req: Request) -> RequestOutput | None:
-        token = req.output_token_ids[-1]
+    def _on_tokens(self, req: Request, count: int) -> RequestOutput | None:
+        """The request's last `count` tokens (several from a speculative verify) into text; a stop
+        string ends the request at the token that completed it (later ones are dropped)."""
+        new = req.output_token_ids[len(req.output_token_ids) - count :]
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         delta = ""
         detok = self._detok.get(req.req_id)
         if detok is not None:
-            delta = detok.add([token])
-            if detok.stopped_by is not None and not req.is_finished:
-                req.stop_reason = detok.stopped_by
-                self.scheduler.finish(req, FinishReason.STOP)
+            for i, token in enumerate(new):
+                delta += detok.add([token])
+                if detok.stopped_by is not None:
+                    later = len(new) - i - 1
+                    if later:  # the scheduler may have ended it on one of them: the string came first
+                        del req.output_token_ids[-later:]
+                        del req.logprobs[len(req.logprobs) - min(later, len(req.logprobs)) :]
+                        new = new[: i + 1]
+                        req.finish_reason = FinishReason.STOP if req.is_finished else req.finish_reason
+                    if not req.is_finished or later:
+                        req.stop_reason = detok.stopped_by
+                    if not req.is_finished:
+                        self.scheduler.finish(req, FinishReason.STOP)
+                    break
         if req.is_finished:
             delta += self._flush(req)
         elif self.output_mode == "final":
             return None
-        return self._output(req, [token], delta)
+        return self._output(req, new, delta)
 
     def _flush(self, req: Request) -> str:
         detok = self._detok.get(req.req_id)
@@ -366,6 +471,7 @@ class EngineCore:
             max_num_seqs=self.scheduler.config.max_num_seqs,
             dtype=cfg.load.dtype_in_use,
             device=cfg.load.device,
+            speculative=None if self.scheduler.spec_stats is None else self.scheduler.spec_stats.info(),
         )
 
     def prefix_events(self) -> deque[tuple[bool, bytes]] | None:
@@ -389,6 +495,30 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block and GDN snapshot; requests in flight keep what they hold."""
         return self.scheduler.reset_prefix_cache()
+
+    def speculative_stats(self) -> dict:
+        """Drafts proposed and accepted (per position too) and the mean acceptance length."""
+        stats = self.scheduler.spec_stats
+        if stats is None:
+            return {"enabled": False}
+        return {"enabled": True, "method": "mtp", **stats.as_dict()}
+
+    def _log_spec_stats(self) -> None:
+        stats = self.scheduler.spec_stats
+        now = time.monotonic()
+        if stats is None or not stats.num_drafts or now - self._spec_logged < SPEC_LOG_INTERVAL_S:
+            return
+        self._spec_logged = now
+        rates = ", ".join(f"{r:.2f}" for r in stats.as_dict()["acceptance_rate_per_position"])
+        log.info(
+            "speculative decoding: %d verify rows, %d of %d drafts accepted, mean acceptance length %.2f, "
+            "acceptance by position [%s]",
+            stats.num_drafts,
+            stats.num_accepted_tokens,
+            stats.num_draft_tokens,
+            stats.mean_acceptance_length,
+            rates,
+        )
 
     def prefix_cache_stats(self) -> dict:
         if self.prefix_cache is None:

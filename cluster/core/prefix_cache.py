@@ -26,6 +26,8 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 _HASH_BYTES = 16
 
 
@@ -35,8 +37,7 @@ def root_hash(cache_key: str = "") -> bytes:
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    data = parent + b"".join(int(t).to_bytes(4, "little", signed=False) for t in tokens)
-    return hashlib.sha256(data).digest()[:_HASH_BYTES]
+    return hashlib.sha256(parent + np.asarray(tokens, dtype="<u4").tobytes()).digest()[:_HASH_BYTES]
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,15 @@ class PageCache:
         if by_snapshot:
             self._snap_ref[page] += 1
         self._update_only_snapshots(page)
+
+    def hold_all(self, pages: Sequence[int]) -> None:
+        """hold() for each page (a hit's shared pages: hundreds at once)."""
+        ref, evictable, only = self._ref, self._evictable, self._only_snapshots
+        for page in pages:
+            if ref[page] == 0:
+                evictable.pop(page, None)
+            ref[page] += 1
+            only.discard(page)  # a request holds it now
 
     def release(self, page: int, by_snapshot: bool = False) -> None:
         self._ref[page] -= 1
@@ -341,11 +351,16 @@ class RequestHashes:
     registered: int = 0  # leading blocks already offered to the page index
 
     def extend(self, tokens: Sequence[int], block_size: int, upto: int) -> None:
-        """Hash the full blocks among the first `upto` tokens."""
-        while (len(self.hashes) + 1) * block_size <= upto:
-            j = len(self.hashes)
-            parent = self.hashes[-1] if self.hashes else self.root
-            self.hashes.append(block_hash(parent, tokens[j * block_size : (j + 1) * block_size]))
+        """Hash the full blocks among the first `upto` tokens (block_hash's bytes, one conversion)."""
+        first, last = len(self.hashes), upto // block_size
+        if last <= first:
+            return
+        data = np.asarray(tokens[first * block_size : last * block_size], dtype="<u4").tobytes()
+        step = 4 * block_size
+        parent = self.hashes[-1] if self.hashes else self.root
+        for j in range(last - first):
+            parent = hashlib.sha256(parent + data[j * step : (j + 1) * step]).digest()[:_HASH_BYTES]
+            self.hashes.append(parent)
 
     def chain(self, blocks: int) -> bytes:
         """The hash of the first `blocks` blocks (the root for none)."""

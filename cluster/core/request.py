@@ -10,8 +10,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from deltaserve.workers.plan import TokenLogprobs
+from deltaserve.workers.plan import GrammarSpec, TokenLogprobs
 
+from .lora import Adapter
 from .prefix_cache import RequestHashes
 from .sampling_params import SamplingParams
 
@@ -70,10 +71,17 @@ class Request:
     # pages it shares (its recomputed KV there is not written), and where its tokens stopped
     # matching cached ones (a snapshot is captured there)
     cache_key: str = ""
+    # LoRA: the adapter it runs on (None: the base model) and the device slot it pins while running
+    lora: Adapter | None = None
+    lora_slot: int | None = None
     prefix_hashes: RequestHashes | None = None
     num_cached_tokens: int | None = None
     kv_shared_until: int = 0
     divergence: int = 0
+    # structured output: the constraint its outputs follow (checked to compile when it was made)
+    grammar: GrammarSpec | None = None
+    # speculative decoding: the MTP head's drafts after the latest token, for its next verify row
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,24 +1,140 @@
-"""SamplingParams: what a user asks of one generation, checked when it is made."""
+"""SamplingParams: what a user asks of one generation, checked when it is made; and
+StructuredOutputsParams, its constraint on the output's form (JSON schema, regex, choice, grammar)."""
 
 from __future__ import annotations
 
+import json as json_module
+import math
+import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 from deltaserve.workers.config import short
-from deltaserve.workers.plan import SamplingSpec
+from deltaserve.workers.plan import FLOAT32_MAX, GREEDY_TEMPERATURE, GrammarSpec, SamplingSpec
 
 MAX_STOP_SEQUENCES = 32
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1  # what the gRPC field holds; the sampler keeps every token from the vocabulary size up
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+MAX_GRAMMAR_CHARS = 512 * 1024  # a schema, regex, grammar or the choices together
+MAX_CHOICES = 1024
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+_SCHEMA_FIELD = "response_format.json_schema.schema"
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrained decoding, vLLM's names: exactly one of `json` (a JSON schema, as a dict or its JSON
+    text), `regex`, `choice` (the output is one of these strings), `grammar` (EBNF in xgrammar's
+    dialect) or `json_object=True` (any JSON object). `disable_any_whitespace`: JSON with fixed
+    separators and no free whitespace (a weak model may otherwise spend its tokens on whitespace).
+    The output ends where the grammar does: its end allows only EOS, which then ends the request
+    (even with ignore_eos)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        self.to_grammar_spec()
+
+    def to_grammar_spec(self) -> GrammarSpec:
+        """The constraint in canonical text (a schema's text without its spacing: one compile); raises
+        ValueError naming `structured_outputs.<field>` when the fields are not one valid constraint."""
+
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"structured_outputs.{name}: {why}")
+
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if not given:
+            raise ValueError(f"structured_outputs: give one of {', '.join(_CONSTRAINTS)}")
+        if len(given) > 1:
+            raise ValueError(f"structured_outputs: give only one constraint, got {' and '.join(given)}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            bad("disable_any_whitespace", f"must be a bool, got {short(self.disable_any_whitespace)}")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json":
+            schema = value
+            if isinstance(value, str):
+                try:
+                    schema = json_module.loads(value)
+                except ValueError as e:
+                    bad("json", f"is not valid JSON ({e})")
+            if not isinstance(schema, dict):
+                bad("json", f"must be a JSON schema object, got {short(value)}")
+            # keys keep their order: the output's properties come in the schema's order
+            text = json_module.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        elif kind == "json_object":
+            if value is not True:
+                bad("json_object", f"must be true or unset, got {short(value)}")
+            text = ""
+        elif kind == "choice":
+            if not isinstance(value, list | tuple):
+                bad("choice", f"must be a list of strings, got {short(value)}")
+            if not value:
+                bad("choice", "must not be empty")
+            if len(value) > MAX_CHOICES:
+                bad("choice", f"at most {MAX_CHOICES} choices, got {len(value)}")
+            for c in value:
+                if not isinstance(c, str) or not c:
+                    bad("choice", f"each choice must be a non-empty string, got {short(c)}")
+            text = json_module.dumps(list(value), ensure_ascii=False)
+        else:
+            if not isinstance(value, str) or not value:
+                bad(kind, f"must be a non-empty string, got {short(value)}")
+            text = value
+        if len(text) > MAX_GRAMMAR_CHARS:
+            bad(kind, f"at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
+        json_like = kind in ("json", "json_object")
+        return GrammarSpec(kind, text, any_whitespace=not (json_like and self.disable_any_whitespace))
+
+    @classmethod
+    def from_response_format(cls, response_format: dict[str, Any] | None) -> StructuredOutputsParams | None:
+        """OpenAI's `response_format` -> the constraint (None for `{"type": "text"}` or None):
+        `{"type": "json_object"}`, or `{"type": "json_schema", "json_schema": {"name": ..., "schema":
+        {...}, "strict": ...}}` (no schema: any JSON object). Errors name the `response_format` field."""
+        if response_format is None:
+            return None
+        if not isinstance(response_format, dict):
+            raise ValueError(f"response_format: must be an object, got {short(response_format)}")
+        kind = response_format.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls(json_object=True)
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict):
+                raise ValueError("response_format.json_schema: must be an object with a 'schema'")
+            name = spec.get("name")
+            if name is not None and not isinstance(name, str):
+                raise ValueError(f"response_format.json_schema.name: must be a string, got {short(name)}")
+            schema = spec.get("schema")
+            if schema is None:
+                return cls(json_object=True)
+            if not isinstance(schema, dict):
+                raise ValueError(f"{_SCHEMA_FIELD}: must be a JSON schema object, got {short(schema)}")
+            try:
+                return cls(json=schema)
+            except ValueError as e:
+                raise ValueError(str(e).replace("structured_outputs.json", _SCHEMA_FIELD)) from None
+        raise ValueError(f"response_format.type: must be text, json_object or json_schema, got {short(kind)}")
 
 
 @dataclass
 class SamplingParams:
     """The parameters of one generation (the names vLLM users know).
 
-    temperature 0 is greedy. top_k -1 (or 0) keeps every token, top_p 1 and min_p 0 disable
-    nucleus and min-p filtering. A seed makes the request's samples reproducible whatever else
-    runs in the batch. Penalties: repetition (over prompt and output, >1 discourages), presence and
+    temperature 0 (or anything below 1e-5, as in vLLM) is greedy. top_k -1 (or 0) keeps every token,
+    top_p 1 and min_p 0 disable nucleus and min-p filtering. Every float is finite (NaN and inf are
+    refused, as is anything beyond float32, what the sampler computes in). top_k may exceed the
+    vocabulary. A seed makes the request's samples reproducible whatever else runs in the batch.
+    Penalties: repetition (over prompt and output, >1 discourages), presence and
     frequency (over the output, OpenAI semantics). `stop` strings end the text and are not included
     in it; `stop_token_ids` and the checkpoint's EOS end the output (EOS unless `ignore_eos`).
     `logprobs` / `prompt_logprobs`: how many top alternatives to return per position (0: only the
@@ -43,12 +159,18 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, str | bytes | dict) or not hasattr(value, "__iter__"):
+                raise ValueError(f"{name}: must be a list, got {type(value).__name__}")
+            setattr(self, name, list(value))
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -57,22 +179,29 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name}: {why}")
 
+        for name in FLOAT_FIELDS:  # NaN and inf first: every range check below assumes a finite number
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                bad(name, f"must be a number, got {type(value).__name__}")
+            if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+                bad(name, f"must be a finite float32 number, got {short(value)}")
+            setattr(self, name, float(value))
         if self.n != 1:
-            bad("n", f"must be 1 (got {self.n}); several completions per request are not supported yet")
+            bad("n", f"must be 1 (got {short(self.n)}); several completions per request are not supported yet")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1
         ):
             bad("max_tokens", f"must be an integer >= 1 or None, got {short(self.max_tokens)}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             bad("min_tokens", f"must be an integer >= 0, got {short(self.min_tokens)}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if not self.temperature >= 0:  # also rejects NaN
+            bad("min_tokens", f"must be in [0, max_tokens={short(self.max_tokens)}], got {short(self.min_tokens)}")
+        if not self.temperature >= 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", f"must be -1 (disabled), 0 (disabled) or >= 1, got {short(self.top_k)}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not -1 <= self.top_k <= MAX_TOP_K:
+            bad("top_k", f"must be -1 (disabled), 0 (disabled) or in [1, 2**31), got {short(self.top_k)}")
         if not 0 <= self.min_p <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if not self.repetition_penalty > 0:
@@ -91,17 +220,22 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_SEQUENCES:
             bad("stop_token_ids", f"at most {MAX_STOP_SEQUENCES} stop token ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                vocab = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "the token ids (>= 0)"
+            if not isinstance(t, int) or not 0 <= t < (vocab_size or 2**31):
+                vocab = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "the token ids [0, 2**31)"
                 bad("stop_token_ids", f"id {short(t)} is outside {vocab}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
                 bad(name, f"must be in [0, {MAX_LOGPROBS}] or None, got {short(value)}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", f"must be a StructuredOutputsParams, got {short(self.structured_outputs)}")
+            if self.min_tokens:  # the grammar's end allows only EOS, which min_tokens forbids
+                bad("min_tokens", "must be 0 with structured_outputs (the grammar decides where the output ends)")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def to_spec(self) -> SamplingSpec:
         """The part the worker's sampler needs."""
@@ -116,4 +250,5 @@ class SamplingParams:
             frequency_penalty=self.frequency_penalty,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            grammar=self.structured_outputs.to_grammar_spec() if self.structured_outputs is not None else None,
         )

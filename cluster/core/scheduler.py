@@ -6,29 +6,46 @@ cached requests first (decode rows), then the prefill streams batched into one c
 When pages run out, the newest running request is preempted: its pages and slot are freed and it
 is recomputed later from its prompt and the tokens it already produced.
 
+Speculative decoding (`num_speculative_tokens` k > 0, cluster/core/speculative.py): a decoding request
+with k drafts runs a verify row of k + 1 tokens; those rows become the pass's decode rows and the
+other one-token rows join the prefill streams. A row after which the MTP head drafts holds pages
+for k - 1 more positions (the head's draft steps write their KV there). A verify row counts one
+computed token when planned and its accepted drafts when its output arrives.
+
 Async scheduling: the engine may plan pass N+1 before pass N's sampled tokens are known. A request
 whose token from the previous pass is still in flight (`num_pending_outputs`) gets a one-token decode
 row whose input the worker takes on the device from that pass's sampled ids (`input_from_prev`).
 When the output arrives, a token for a request that finished in the meantime is discarded.
+
+Structured output: a constrained request's grammar travels to the workers in the next plan
+(`PassPlan.grammars`), which compile it in the background; the request waits, while the requests
+behind it are admitted, until a RunnerOutput reports its grammar ready, so that no pass waits for a
+compile. When nothing else would run it is admitted at once (its pass waits, stalling no one).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from deltaserve.cluster.config import SchedulerConfig
-from deltaserve.workers.plan import NewRequestData, PassPlan, RunnerOutput
+from deltaserve.workers.config import short
+from deltaserve.workers.grammar import MAX_CACHED_GRAMMARS
+from deltaserve.workers.plan import GrammarSpec, NewRequestData, PassPlan, RunnerOutput
 
 from .allocator import BlockAllocator, StateSlotAllocator
+from .lora import AdapterRegistry
 from .prefix_cache import Hit, PrefixCache, RequestHashes, Snapshot, root_hash
 from .request import FinishReason, Request, RequestStatus, SampleRef
+from .speculative import SpecStats, speculates
 
 log = logging.getLogger(__name__)
+
+READY_GRAMMARS = MAX_CACHED_GRAMMARS // 2
 
 
 @dataclass
@@ -46,11 +63,16 @@ class Scheduler:
         blocks: BlockAllocator,
         slots: StateSlotAllocator,
         prefix: PrefixCache | None = None,
+        loras: AdapterRegistry | None = None,
+        num_speculative_tokens: int = 0,
     ):
-        """`config.max_model_len` is the engine's effective limit (an int)."""
+        """`config.max_model_len` is the engine's effective limit (an int); `loras`: the adapter
+        registry whose device slots requests on adapters pin while they run; num_speculative_tokens: the
+        drafts of a verify row (0: no speculative decoding)."""
         self.config = config
         self.blocks = blocks
         self.slots = slots
+        self.loras = loras
         # prefix caching (None: off): the index, snapshot saves waiting for the next plan, and this
         # plan's restores and page copies
         self.prefix = prefix if prefix is not None and prefix.enabled else None
@@ -66,13 +88,56 @@ class Scheduler:
         self._pass_id = 0
         # pass id -> the requests of its rows, from planning until its output is applied
         self._rows_in_flight: dict[int, list[Request]] = {}
+        # structured output: grammar keys the workers reported compiled (the most recently used,
+        # fewer than a worker keeps: one forgotten here is sent and waited for again, never assumed
+        # compiled), keys sent to them, and grammars for the next plan
+        self._grammars_ready: OrderedDict[str, None] = OrderedDict()
+        self._grammars_sent: set[str] = set()
+        self._grammars_to_send: dict[str, GrammarSpec] = {}
+        self.k = num_speculative_tokens
+        self.spec_stats = SpecStats(self.k) if self.k else None
+        # this plan's rows by request id: verify rows, and rows after which the head drafts
+        self._verify: set[str] = set()
+        self._drafting: set[str] = set()
+        # tests and benchmarks: an object whose propose(req, k, head_drafts) replaces the head's
+        # drafts (drafts of known quality); the head still runs
+        self.drafter = None
 
     # ---- queue -----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         if req.req_id in self.requests:
-            raise ValueError(f"request_id: {req.req_id!r} is already in use")
+            raise ValueError(f"request_id: {short(req.req_id, 80)} is already in use")
         self.requests[req.req_id] = req
         self.waiting.append(req)
+        if req.grammar is not None and req.grammar.key not in self._grammars_sent:
+            self._grammars_to_send[req.grammar.key] = req.grammar
+
+    def _grammar_ready(self, req: Request) -> bool:
+        if req.grammar is None:
+            return True
+        if req.grammar.key not in self._grammars_ready:
+            return False
+        self._grammars_ready.move_to_end(req.grammar.key)
+        return True
+
+    def reset_grammars(self) -> None:
+        """The workers were replaced: they hold no compiled grammar; send the waiting ones again."""
+        self._grammars_ready.clear()
+        self._grammars_sent.clear()
+        self._grammars_to_send = {r.grammar.key: r.grammar for r in self.waiting if r.grammar is not None}
+
+    def _grammars_reported(self, output: RunnerOutput) -> None:
+        """Grammars compiled (their requests may run) or not (their waiting requests fail)."""
+        for key, error in output.grammars_ready.items():
+            if error is None:
+                self._grammars_ready[key] = None
+                while len(self._grammars_ready) > READY_GRAMMARS:
+                    self._grammars_sent.discard(self._grammars_ready.popitem(last=False)[0])
+                continue
+            self._grammars_sent.discard(key)  # a later request with it asks again
+            for req in [r for r in self.waiting if r.grammar is not None and r.grammar.key == key]:
+                self.finish(req, FinishReason.ERROR, f"structured_outputs: the grammar did not compile: {error}")
+                self._failed.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -201,6 +266,8 @@ class Scheduler:
         bs = self.blocks.block_size
         for i, (req, n) in enumerate(rows[first_prefill:], start=first_prefill):
             start = req.num_computed_tokens
+            if n == 1 and start > 0 and start >= req.num_prompt_tokens:
+                continue  # a decode row among the prefill streams (a speculative pass): as any decode row
             points = self._capture_points(req, start, start + n)
             if not points:
                 continue
@@ -254,6 +321,9 @@ class Scheduler:
         # after it in stream order (one CUDA stream per worker, passes executed in plan order)
         self.blocks.free(req)
         self.slots.free(req)
+        if req.lora_slot is not None:
+            self.loras.release(req.lora_slot)
+            req.lora_slot = None
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -263,6 +333,7 @@ class Scheduler:
             victim.prefix_hashes.registered = 0  # its new pages are offered to the index again
         victim.kv_shared_until = 0
         victim.num_computed_tokens = 0
+        victim.draft_token_ids = []
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         victim.needs_worker_state = True
@@ -278,6 +349,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         self._restores, self._page_copies = [], []
+        self._verify, self._drafting = set(), set()
 
         # running requests first, oldest first; preempt the newest when pages run out
         i = 0
@@ -287,44 +359,49 @@ class Scheduler:
             if want <= 0:
                 i += 1
                 continue
-            if self.blocks.pages_needed(req, req.num_computed_tokens + want):  # most decode steps need none
-                while not self.blocks.can_grow(req, req.num_computed_tokens + want):
+            if self._verifies(req, want, budget):
+                want = self.k + 1
+                self._verify.add(req.req_id)
+            # a verify row's pages also hold the head's k - 1 draft steps after it
+            need = req.num_computed_tokens + want + (self.k - 1 if req.req_id in self._verify else 0)
+            if self.blocks.pages_needed(req, need):  # most decode steps need none
+                while not self.blocks.can_grow(req, need):
                     victim = self.running[-1]
                     self._preempt(victim)
                     if victim is req:
                         break
                 if req.status is not RequestStatus.RUNNING:
+                    self._verify.discard(req.req_id)
                     break  # req itself was the newest and got preempted
-                self.blocks.grow(req, req.num_computed_tokens + want)
+                self.blocks.grow(req, need)
+            self._plan_drafting(req, want)
             scheduled.append((req, want))
             budget -= want
             i += 1
 
-        # then waiting requests, in arrival order (preempted ones were put back in front)
+        # then waiting requests, in arrival order (preempted ones were put back in front); those
+        # whose grammar the workers still compile are passed over
+        compiling: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self.slots.num_free:
             req = self.waiting[0]
             if req.num_pending_outputs:
                 break  # preempted with a token in flight: it resumes once that token is known
-            if self.prefix is not None:
-                want = self._admit_from_cache(req, budget)
-                if want is None:
-                    break
-                self.waiting.popleft()
-            else:
-                want = req.num_tokens - req.num_computed_tokens
-                if want > budget:
-                    if not cfg.enable_chunked_prefill:
-                        break
-                    want = budget
-                if not self.blocks.can_grow(req, want):
-                    break
-                self.waiting.popleft()
-                self.slots.allocate(req)
-                self.blocks.grow(req, want)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            if not self._grammar_ready(req):
+                compiling.append(self.waiting.popleft())
+                continue
+            want = self._admit(req, budget)
+            if want is None:
+                break
+            self.waiting.popleft()
             scheduled.append((req, want))
             budget -= want
+        if compiling and not scheduled and not self.running:
+            # nothing else would run: its pass waits for the compile, and stalls no one
+            want = self._admit(compiling[0], budget)
+            if want is not None:
+                scheduled.append((compiling.pop(0), want))
+                budget -= want
+        self.waiting.extendleft(reversed(compiling))
 
         if not scheduled:
             if self.prefix is not None:
@@ -333,6 +410,39 @@ class Scheduler:
                 self._check_progress()
             return None
         return self._build_plan(scheduled)
+
+    def _admit(self, req: Request, budget: int) -> int | None:
+        """Take an adapter slot, pages and a state slot for a waiting request and make it running;
+        returns the tokens it runs in this pass, or None when it does not fit (nothing is taken then)."""
+        if req.lora is not None and req.lora_slot is None:
+            req.lora_slot = self.loras.acquire(req.lora)
+            if req.lora_slot is None:
+                return None  # every adapter slot is pinned by running requests on other adapters
+        if self.prefix is not None:
+            want = self._admit_from_cache(req, budget)
+            if want is None:
+                self._unpin_adapter(req)
+                return None
+        else:
+            want = req.num_tokens - req.num_computed_tokens
+            cfg = self.config
+            if want > budget and not cfg.enable_chunked_prefill or not self.blocks.can_grow(req, min(want, budget)):
+                self._unpin_adapter(req)
+                return None
+            want = min(want, budget)
+            self.slots.allocate(req)
+            self.blocks.grow(req, want)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._plan_drafting(req, want)
+        return want
+
+    def _unpin_adapter(self, req: Request) -> None:
+        """A waiting request that was not admitted gives its adapter slot back (the load, if the slot
+        was just assigned, still reaches the next plan: harmless)."""
+        if req.lora_slot is not None:
+            self.loras.release(req.lora_slot)
+            req.lora_slot = None
 
     def _tokens_wanted(self, req: Request) -> int:
         """Tokens `req` could run in the next pass: its uncomputed tokens, or (async scheduling) one
@@ -350,6 +460,33 @@ class Scheduler:
         ):
             return 0  # that token is its last: no pass for a token that would be discarded
         return pending
+
+    def _verifies(self, req: Request, want: int, budget: int) -> bool:
+        """Whether a decoding request runs a verify row of its k drafts in this pass."""
+        return (
+            self.k > 0
+            and want == 1
+            and req.num_computed_tokens == req.num_tokens - 1
+            and len(req.draft_token_ids) == self.k
+            and budget >= self.k + 1
+            and req.num_tokens + self.k <= self.config.max_model_len
+            and speculates(req)
+        )
+
+    def _plan_drafting(self, req: Request, want: int) -> None:
+        """A speculating request's sampling row drafts when its pages hold the head's draft steps
+        (verify rows got them with their own); without room it decodes plainly next pass."""
+        if not self.k or not speculates(req):
+            return
+        if req.req_id in self._verify:
+            self._drafting.add(req.req_id)
+            return
+        end = req.num_computed_tokens + want
+        if end != req.num_tokens + req.num_pending_outputs:
+            return  # the row does not sample
+        if self.blocks.can_grow(req, end + self.k - 1):
+            self.blocks.grow(req, end + self.k - 1)
+            self._drafting.add(req.req_id)
 
     def _check_progress(self) -> None:
         """A request that can never fit the page pool would wait forever: fail it instead."""
@@ -374,9 +511,18 @@ class Scheduler:
         return failed
 
     def _build_plan(self, scheduled: list[tuple[Request, int]]) -> PassPlan:
+        if self._verify:  # verify rows are the decode rows; one-token rows join the prefill streams
+            verify = [(r, n) for r, n in scheduled if r.req_id in self._verify]
+            prefill = [(r, n) for r, n in scheduled if r.req_id not in self._verify]
+            return self._finish_plan(verify, [], prefill)
         decode = [(r, n) for r, n in scheduled if n == 1 and r.num_computed_tokens > 0]
         prefill = [(r, n) for r, n in scheduled if not (n == 1 and r.num_computed_tokens > 0)]
-        rows = decode + prefill
+        return self._finish_plan([], decode, prefill)
+
+    def _finish_plan(
+        self, verify: list[tuple[Request, int]], decode: list[tuple[Request, int]], prefill: list[tuple[Request, int]]
+    ) -> PassPlan:
+        rows = verify + decode + prefill
         bs = self.blocks.block_size
         # decode rows: one token each, in plain Python (numpy per row costs more than it saves);
         # a token still in flight is a placeholder the worker replaces from the previous pass's ids
@@ -392,9 +538,13 @@ class Scheduler:
         slot_mapping = [r.block_table[p // bs] * bs + p % bs for (r, _), p in zip(decode, positions, strict=True)]
         position_parts = [np.asarray(positions, dtype=np.int64)]
         slot_parts = [np.asarray(slot_mapping, dtype=np.int64)]
-        for req, n in prefill:
+        for req, _ in verify:  # the last token, then the drafts
+            ids.append(req.token_at(req.num_computed_tokens))
+            ids.extend(req.draft_token_ids)
+        for req, n in verify + prefill:
             start = req.num_computed_tokens
-            ids.extend(req.token_slice(start, start + n))
+            if req.req_id not in self._verify:
+                ids.extend(req.token_slice(start, start + n))
             pos = np.arange(start, start + n)
             position_parts.append(pos)
             slots = np.asarray(req.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
@@ -415,7 +565,7 @@ class Scheduler:
         copies = {}
         if self.prefix is not None:
             saves = self._take_saves()
-            captures = self._plan_captures(rows, len(decode))
+            captures = self._plan_captures(rows, len(verify) + len(decode))
             for name, pairs, width in (
                 ("slot_saves", saves, 2),
                 ("slot_restores", self._restores, 2),
@@ -424,10 +574,14 @@ class Scheduler:
             ):
                 if pairs:
                     copies[name] = np.asarray(pairs, dtype=np.int32).reshape(-1, width)
+        spec = {}
+        if self.k:
+            spec["draft_rows"] = np.asarray([r.req_id in self._drafting for r, _ in rows], dtype=bool)
+            spec["num_spec_tokens"] = self.k if verify else 0
         plan = PassPlan(
             pass_id=self._pass_id,
             req_ids=[r.req_id for r, _ in rows],
-            num_decode_rows=len(decode),
+            num_decode_rows=len(verify) + len(decode),
             input_ids=np.asarray(ids, dtype=np.int32),
             positions=np.concatenate(position_parts).astype(np.int32),
             slot_mapping=np.concatenate(slot_parts),
@@ -437,16 +591,18 @@ class Scheduler:
             state_slots=np.asarray([r.state_slot for r, _ in rows], dtype=np.int32),
             has_initial_state=np.asarray([r.num_computed_tokens > 0 for r, _ in rows], dtype=bool),
             sample_rows=np.asarray(
-                [r.num_computed_tokens + n == r.num_tokens + r.num_pending_outputs for r, n in rows], dtype=bool
+                [
+                    r.req_id in self._verify or r.num_computed_tokens + n == r.num_tokens + r.num_pending_outputs
+                    for r, n in rows
+                ],
+                dtype=bool,
             ),
             prompt_logprob_rows=np.asarray(
                 [r.wants_prompt_logprobs and r.num_computed_tokens < r.num_prompt_tokens for r, _ in rows], dtype=bool
             ),
             next_prompt_token=np.asarray(
                 [
-                    r.prompt_token_ids[r.num_computed_tokens + n]
-                    if r.num_computed_tokens + n < r.num_prompt_tokens
-                    else -1
+                    r.token_at(r.num_computed_tokens + n) if r.num_computed_tokens + n < r.num_tokens else -1
                     for r, n in rows
                 ],
                 dtype=np.int32,
@@ -454,16 +610,27 @@ class Scheduler:
             input_from_prev=(
                 np.asarray(from_prev + [-1] * len(prefill), dtype=np.int32) if any(j >= 0 for j in from_prev) else None
             ),
+            lora_slots=(
+                np.asarray([-1 if r.lora_slot is None else r.lora_slot for r, _ in rows], dtype=np.int32)
+                if any(r.lora_slot is not None for r, _ in rows)
+                else None
+            ),
+            lora_loads=self.loras.take_loads() if self.loras is not None else [],
             new_requests=new_requests,
             finished_req_ids=self._finished_since_last_plan,
+            grammars=list(self._grammars_to_send.values()),
             **copies,
+            **spec,
         )
+        self._grammars_sent.update(self._grammars_to_send)
+        self._grammars_to_send = {}
         self._finished_since_last_plan = []
         self._pass_id += 1
         self.stats.num_passes += 1
         j = 0
         for (req, n), sampled in zip(rows, plan.sample_rows.tolist(), strict=True):
-            req.num_computed_tokens += n
+            # a verify row has computed its last token; its accepted drafts count when known
+            req.num_computed_tokens += 1 if req.req_id in self._verify else n
             if sampled:
                 req.num_pending_outputs += 1
                 req.last_sample = SampleRef(plan.pass_id, j)
@@ -487,18 +654,22 @@ class Scheduler:
         return spec
 
     # ---- results -----------------------------------------------------------------------------
-    def apply_output(self, plan: PassPlan, output: RunnerOutput) -> list[Request]:
-        """Append sampled tokens; finish requests on EOS, stop ids, max_tokens or the length limit.
-        Returns the requests that got a token this pass (finished ones included)."""
+    def apply_output(self, plan: PassPlan, output: RunnerOutput) -> list[tuple[Request, int]]:
+        """Append sampled tokens; finish requests on EOS, stop ids, max_tokens or the length limit
+        (a verify row's tokens after the one that ends it are dropped). Returns the requests that got
+        tokens this pass (finished ones included), each with how many."""
         # the plan's own request objects: an id may be reused by a new request while the pass ran
         rows = self._rows_in_flight.pop(plan.pass_id, None)
         by_id = {r.req_id: r for r in rows} if rows is not None else self.requests
+        if output.grammars_ready:
+            self._grammars_reported(output)
         # prompt logprobs first: a request that finishes on this pass's token leaves self.requests
         for req_id, entries in output.prompt_logprobs.items():
             req = by_id.get(req_id)
             if req is not None and not req.is_finished:
                 _extend_prompt_logprobs(req, entries, plan)
         touched = []
+        verified = set(plan.req_ids[: plan.num_decode_rows]) if plan.num_spec_tokens else set()
         for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
             req = by_id.get(req_id)
             if req is None:
@@ -507,18 +678,40 @@ class Scheduler:
             if req.is_finished:
                 self.stats.num_discarded_tokens += 1  # aborted or stopped while the pass ran
                 continue
-            req.output_token_ids.append(int(token))
+            if req_id in output.grammar_errors:  # its token was not constrained: not an output
+                self.finish(req, FinishReason.ERROR, output.grammar_errors[req_id])
+                self._failed.append(req)
+                continue
+            extra = output.extra_token_ids.get(req_id, ())
+            if req_id in verified:
+                req.num_computed_tokens += len(extra)  # the accepted drafts were computed correctly
+                self.spec_stats.record(len(extra))
+            tokens = [int(token), *extra]
+            entries = []
             if req_id in output.logprobs:
-                req.logprobs.append(output.logprobs[req_id])
-            touched.append(req)
-            self._check_stop(req, int(token))
+                entries = [output.logprobs[req_id], *output.extra_logprobs.get(req_id, ())]
+            for i, t in enumerate(tokens):
+                req.output_token_ids.append(t)
+                if entries:
+                    req.logprobs.append(entries[i])
+                self._check_stop(req, t)
+                if req.is_finished:
+                    tokens = tokens[: i + 1]
+                    break
+            if not req.is_finished and self.k:
+                drafts = output.draft_token_ids.get(req_id, ())
+                if drafts and self.drafter is not None:
+                    drafts = self.drafter.propose(req, self.k, drafts)
+                req.draft_token_ids = list(drafts)
+            touched.append((req, len(tokens)))
         return touched
 
     def _check_stop(self, req: Request, token: int) -> None:
         params = req.sampling_params
         num_out = len(req.output_token_ids)
         if num_out >= params.min_tokens:
-            if not params.ignore_eos and token in req.eos_token_ids:
+            # a grammar allows EOS only at its end, where nothing else may follow: it ends the output
+            if (not params.ignore_eos or req.grammar is not None) and token in req.eos_token_ids:
                 req.stop_reason = None
                 self.finish(req, FinishReason.STOP)
                 return

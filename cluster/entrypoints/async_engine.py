@@ -8,6 +8,10 @@ replica that cannot take the call passes the request to another. Streams are asy
 request id; a stream whose consumer goes away aborts its request, which frees its pages and slot on
 the next loop turn. When a replica goes down its requests in flight end with EngineUnavailableError
 (UNAVAILABLE) and the others keep serving while it is placed again.
+
+LoRA adapters live in each replica's engine: a load or unload goes to every replica (a load that one
+replica refuses is undone on the others), a replica placed again loads the adapters the others hold,
+and a request naming an adapter goes only to a replica that holds it.
 """
 
 from __future__ import annotations
@@ -20,16 +24,19 @@ from pathlib import Path
 
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.core.engine import ModelInfo, ReplicaInfo
+from deltaserve.cluster.core.lora import LoRARequest
 from deltaserve.cluster.core.request import RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
+from deltaserve.cluster.core.speculative import SpeculativeInfo
+from deltaserve.workers.config import short
 
-from .driver import EngineUnavailableError, QueueFullError
+from .driver import AdapterNotFoundError, EngineUnavailableError, QueueFullError
 from .replicas import LocalReplica, RayReplicas, Replica, ReplicaUnreachable
 from .router import make_router
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineUnavailableError", "QueueFullError"]
+__all__ = ["AdapterNotFoundError", "AsyncEngine", "EngineUnavailableError", "QueueFullError"]
 
 SERVING = ("up", "suspect")
 
@@ -45,6 +52,9 @@ class AsyncEngine:
         self._owner: dict[str, Replica] = {}  # request id -> the replica running it
         self._submitting: set[str] = set()  # handed to a replica that has not answered yet
         self._tokenizer = None  # the prefix-aware router's, for text prompts (loaded on first use)
+        self._adapters: dict[str, LoRARequest] = {}  # loaded adapters by name, each with one id on every replica
+        self._adapter_lock = asyncio.Lock()  # loads, unloads and a new replica's catch-up run one at a time
+        self._last_failure: str | None = None  # the last replica that went down, and why
         self._closing = False
 
     # ---- construction --------------------------------------------------------------------------
@@ -64,7 +74,7 @@ class AsyncEngine:
         """`data_parallel_size` Driver actors on the current Ray cluster (ray.init must have run), each
         with its workers on one node; raises EngineStartError (the cause in one line) if one fails."""
         engine = cls("ray", config)
-        engine._ray = RayReplicas(config, engine._dispatch, engine._replica_down, name)
+        engine._ray = RayReplicas(config, engine._dispatch, engine._replica_down, name, on_ready=engine._catch_up)
         await engine._ray.start()
         engine._replicas = engine._ray.slots
         try:
@@ -94,6 +104,7 @@ class AsyncEngine:
     def _replica_down(self, replica: Replica, reason: str) -> None:
         """Its requests in flight end UNAVAILABLE; it is placed again (on a node with room)."""
         error = EngineUnavailableError(f"{replica.where()} failed: {reason}")
+        self._last_failure = str(error)
         # a request still being handed over is not lost: its submit fails over to another replica
         lost = [req_id for req_id, owner in self._owner.items() if owner is replica and req_id not in self._submitting]
         for req_id in lost:
@@ -107,23 +118,26 @@ class AsyncEngine:
             self._ray.replace(replica)
 
     # ---- requests ------------------------------------------------------------------------------
-    async def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> int:
-        """Queue a request on the replica the router picks (ValueError / QueueFullError /
-        EngineUnavailableError before queueing)."""
+    async def submit(
+        self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None
+    ) -> int:
+        """Queue a request on the replica the router picks (ValueError / AdapterNotFoundError /
+        QueueFullError / EngineUnavailableError before queueing). lora_name: the loaded adapter it runs
+        on (None: the base model)."""
         self._check_up()
         if req_id in self._streams:  # replacing the queue would cut the live request's stream off
-            raise ValueError(f"request_id: {req_id!r} is already in use")
+            raise ValueError(f"request_id: {short(req_id, 80)} is already in use")
         self._streams[req_id] = asyncio.Queue()
         tried: set[int] = set()
         try:
             while True:
-                replica = self._route(prompt, tried)
+                replica = self._route(prompt, tried, lora_name)
                 # owned before the call: its first outputs may come back before the call returns
                 self._owner[req_id] = replica
                 replica.in_flight += 1
                 self._submitting.add(req_id)
                 try:
-                    num_prompt_tokens = await replica.submit(req_id, prompt, params)
+                    num_prompt_tokens = await replica.submit(req_id, prompt, params, lora_name)
                 except ReplicaUnreachable as e:
                     self._release(req_id)
                     tried.add(replica.index)
@@ -143,13 +157,22 @@ class AsyncEngine:
             self._streams.pop(req_id, None)
             raise
 
-    def _route(self, prompt: str | list[int], tried: set[int]) -> Replica:
-        """The replica for a request: among those answering (suspect ones only when no other is)."""
+    def _route(self, prompt: str | list[int], tried: set[int], lora_name: str | None = None) -> Replica:
+        """The replica for a request: among those answering (suspect ones only when no other is) that
+        hold its adapter."""
+        lacking = False
         for states in (("up",), ("suspect",)):
             candidates = [r for r in self._replicas if r.state in states and r.index not in tried]
+            if lora_name is not None:
+                holding = [r for r in candidates if lora_name in r.adapters]
+                lacking |= len(holding) < len(candidates)
+                candidates = holding
             if candidates:
-                ids = self._token_ids(prompt) if self._router.needs_token_ids else None
+                # a request on an adapter has other block hashes than the mirrors know (its key is per engine)
+                ids = self._token_ids(prompt) if self._router.needs_token_ids and lora_name is None else None
                 return candidates[self._router.choose(candidates, ids)]
+        if lacking:
+            raise AdapterNotFoundError(f"lora_name: no adapter named {short(lora_name, 80)} is loaded")
         raise EngineUnavailableError(self._why_down())
 
     def _token_ids(self, prompt: str | list[int]) -> list[int] | None:
@@ -182,8 +205,10 @@ class AsyncEngine:
             if not finished:
                 await self.abort(req_id)
 
-    async def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams):
-        await self.submit(req_id, prompt, params)
+    async def generate(
+        self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None
+    ):
+        await self.submit(req_id, prompt, params, lora_name)
         async for out in self.stream(req_id):
             yield out
 
@@ -195,6 +220,74 @@ class AsyncEngine:
         if replica.state in SERVING:
             await replica.abort(req_id)
 
+    # ---- adapters ------------------------------------------------------------------------------
+    async def lora_request(self, name: str) -> LoRARequest | None:
+        """The loaded adapter of this name, or None (the HTTP `model` field's lookup)."""
+        self._check_up()
+        return self._adapters.get(name)
+
+    async def list_loras(self) -> list[LoRARequest]:
+        self._check_up()
+        return list(self._adapters.values())
+
+    async def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Load an adapter under `name` on every serving replica, with one id (ValueError naming the file
+        and field when it cannot be served; a replica that refuses it has it unloaded from the others)."""
+        self._check_up()
+        async with self._adapter_lock:
+            if name in self._adapters:
+                raise ValueError(f"lora_name: {short(name, 80)} is already loaded")
+            lora_int_id = 1 + max((r.lora_int_id for r in self._adapters.values()), default=0)
+            replicas = [r for r in self._replicas if r.state in SERVING]
+            results = await asyncio.gather(
+                *(r.load_lora(name, path, lora_int_id) for r in replicas), return_exceptions=True
+            )
+            loaded = [(r, lora) for r, lora in zip(replicas, results, strict=True) if isinstance(lora, LoRARequest)]
+            refused = [(r, e) for r, e in zip(replicas, results, strict=True) if not isinstance(e, LoRARequest)]
+            for replica, error in refused:
+                if isinstance(error, ReplicaUnreachable):  # it missed the load: no requests on it for this adapter
+                    replica.suspect(str(error))
+                    continue
+                if loaded:  # refused by this one only (e.g. the file is missing on its node): undone everywhere
+                    await asyncio.gather(*(r.unload_lora(name) for r, _ in loaded), return_exceptions=True)
+                    if isinstance(error, ValueError):
+                        raise ValueError(f"{error} (on {replica.where()}; loaded on no replica)") from None
+                raise error
+            if not loaded:
+                raise EngineUnavailableError(self._why_down())
+            for replica, _ in loaded:
+                replica.adapters.add(name)
+            self._adapters[name] = loaded[0][1]
+            return loaded[0][1]
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload an adapter from every replica (AdapterNotFoundError for a name not loaded); requests
+        running on it finish on it."""
+        self._check_up()
+        async with self._adapter_lock:
+            if name not in self._adapters:
+                raise AdapterNotFoundError(f"lora_name: no adapter named {short(name, 80)} is loaded")
+            del self._adapters[name]
+            holding = [r for r in self._replicas if name in r.adapters]
+            for replica in holding:
+                replica.adapters.discard(name)  # new requests naming it go nowhere from now on
+            results = await asyncio.gather(*(r.unload_lora(name) for r in holding), return_exceptions=True)
+            for replica, error in zip(holding, results, strict=True):
+                if isinstance(error, BaseException) and not isinstance(error, AdapterNotFoundError):
+                    log.error("%s could not unload adapter %s: %s", replica.where(), short(name, 80), error)
+
+    async def _catch_up(self, replica: Replica) -> None:
+        """Load the adapters the others hold onto a replica placed again, before it takes requests; one
+        it cannot load is left out there (requests naming it go to the other replicas)."""
+        async with self._adapter_lock:
+            for lora in self._adapters.values():
+                try:
+                    await replica.load_lora(lora.lora_name, lora.path, lora.lora_int_id)
+                except Exception as e:
+                    log.error("%s could not load adapter %s again: %s", replica.where(), lora.lora_name, e)
+                    continue
+                replica.adapters.add(lora.lora_name)
+
     # ---- queries -------------------------------------------------------------------------------
     def _serving(self) -> list[Replica]:
         self._check_up()
@@ -205,10 +298,19 @@ class AsyncEngine:
         return await self._serving()[0].tokenize(text)
 
     async def info(self) -> ModelInfo:
-        """The model (from a replica that answers), with every replica's place and load."""
-        info = await self._serving()[0].model_info()
+        """The model (from a replica that answers), with every replica's place and load, and the serving
+        replicas' speculative decoding counters added up."""
+        serving = self._serving()
+        infos = [await serving[0].model_info()]
+        if infos[0].speculative is not None and len(serving) > 1:
+            others = await asyncio.gather(*(r.model_info() for r in serving[1:]), return_exceptions=True)
+            infos += [i for i in others if isinstance(i, ModelInfo)]
+        speculative = None if infos[0].speculative is None else SpeculativeInfo.total([i.speculative for i in infos])
         return dataclasses.replace(
-            info, data_parallel_size=self.config.data_parallel.data_parallel_size, replicas=self.replica_infos()
+            infos[0],
+            speculative=speculative,
+            data_parallel_size=self.config.data_parallel.data_parallel_size,
+            replicas=self.replica_infos(),
         )
 
     def replica_infos(self) -> tuple[ReplicaInfo, ...]:
@@ -231,6 +333,12 @@ class AsyncEngine:
 
     async def healthy(self) -> bool:
         return not self._closing and any(r.state in SERVING for r in self._replicas)
+
+    @property
+    def failed(self) -> str | None:
+        """Why a replica went down last (its driver actor died, its engine loop failed: even one placed
+        again since), else None."""
+        return self._last_failure or next((r.failure for r in self._replicas if r.failure), None)
 
     def _check_up(self) -> None:
         if self._closing:

@@ -80,10 +80,11 @@ async def start_or_report(command: str, config: EngineConfig, host: str, port: i
 
 # ---- serve ---------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .startup import check_port
+    from .startup import check_lora_modules, check_port
 
     try:
         config = checked_config(args, args.backend, args.ray_address)
+        args.lora_modules = check_lora_modules(config, args.lora_modules)
         check_port(args.host, args.port)
     except ValueError as e:
         return refuse("serve", e)
@@ -99,6 +100,14 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
     if started is None:
         return 1
     engine, gateway, port = started
+    for name, path in args.lora_modules:  # checked before start-up; loading reads them again
+        try:
+            await engine.load_lora(name, path)
+        except Exception as e:
+            print(f"deltaserve serve: --lora-modules {name}: {str(e)[:300]}", file=sys.stderr, flush=True)
+            await gateway.stop(0)
+            await engine.shutdown()
+            return 2
     info = await engine.info()
     dp = config.data_parallel
     print(
@@ -121,7 +130,12 @@ async def _serve(config: EngineConfig, args: argparse.Namespace) -> int:
     await stop.wait()
     print("deltaserve: draining in-flight requests", flush=True)
     await gateway.stop(args.grace)
+    failed = engine.failed  # read before shutdown, which marks the engine closing
     await engine.shutdown()
+    if failed:  # e.g. the driver actor died: a stop, not a crash, but a supervisor should hear of it
+        print(f"deltaserve: stopped; the engine had failed before: {failed}", file=sys.stderr, flush=True)
+        return 1
+    print("deltaserve: stopped", flush=True)
     return 0
 
 
@@ -231,6 +245,14 @@ def add_parsers(sub) -> None:
         default="ray",
         choices=["ray", "local"],
         help="ray: driver actor + worker actors; local: the engine in this process",
+    )
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) to load at start-up, each served under its name (needs --enable-lora)",
     )
     serve.add_argument("--ray-address", default=None, help="join this Ray cluster (default: RAY_ADDRESS or local)")
     serve.add_argument("--port-file", default=None, help="write the bound port here once serving")

@@ -74,10 +74,14 @@ class GenerationClient:
         *,
         request_id: str = "",
         timeout_s: float | None = None,
+        lora_name: str = "",
         **sampling,
     ) -> Iterator[Chunk | Final]:
-        """Chunks as they arrive, then the Final; `timeout_s` bounds the whole stream."""
-        call = self._stub.Generate(generate_request(prompt, request_id, **sampling), timeout=timeout_s)
+        """Chunks as they arrive, then the Final; `timeout_s` bounds the whole stream; `lora_name`: a
+        loaded adapter to run on."""
+        request = generate_request(prompt, request_id, **sampling)
+        request.lora_name = lora_name
+        call = self._stub.Generate(request, timeout=timeout_s)
         try:
             for response in call:
                 yield from_response(response)
@@ -89,6 +93,16 @@ class GenerationClient:
 
     def model_info(self, *, timeout_s: float | None = None) -> pb.ModelInfo:
         return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s)
+
+    def load_lora_adapter(self, name: str, path: str, *, timeout_s: float | None = None) -> pb.LoraAdapter:
+        request = pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        return self._stub.LoadLoraAdapter(request, timeout=timeout_s)
+
+    def unload_lora_adapter(self, name: str, *, timeout_s: float | None = None) -> None:
+        self._stub.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(lora_name=name), timeout=timeout_s)
+
+    def list_lora_adapters(self, *, timeout_s: float | None = None) -> list[pb.LoraAdapter]:
+        return list(self._stub.ListLoraAdapters(pb.ListLoraAdaptersRequest(), timeout=timeout_s).adapters)
 
     def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
         """SERVING or NOT_SERVING (grpc.health.v1); "" is the whole server."""

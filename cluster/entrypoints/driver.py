@@ -15,12 +15,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.core.engine import EngineCore, ModelInfo
+from deltaserve.cluster.core.lora import LoRARequest
 from deltaserve.cluster.core.request import RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
+from deltaserve.workers.config import short
 
 from .startup import build_engine, one_line
 
@@ -39,6 +42,10 @@ class EngineUnavailableError(RuntimeError):
     """The engine is stopped, starting or failed."""
 
 
+class AdapterNotFoundError(LookupError):
+    """A request or call names an adapter that is not loaded (gRPC NOT_FOUND)."""
+
+
 @dataclass(frozen=True)
 class AddRequest:
     """Inbox message: a request that `submit` validated, to add to the scheduler."""
@@ -46,6 +53,16 @@ class AddRequest:
     req_id: str
     prompt: str | list[int]
     params: SamplingParams
+    lora_request: LoRARequest | None = None
+
+
+@dataclass(frozen=True)
+class AdapterCall:
+    """Inbox message: load or unload an adapter on the loop's thread (the scheduler's slots are
+    the loop's), the result or error into `future`."""
+
+    call: Callable[[], object]
+    future: Future
 
 
 @dataclass(frozen=True)
@@ -71,23 +88,64 @@ class EngineLoop:
         self._thread.start()
 
     # ---- called from other threads -----------------------------------------------------------
-    def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> int:
+    def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None) -> int:
         """Validate and queue a request; returns its prompt length. Raises ValueError naming a bad
-        field, QueueFullError when the waiting queue is full, EngineUnavailableError when stopped."""
+        field, AdapterNotFoundError for an adapter not loaded, QueueFullError when the waiting queue is
+        full, EngineUnavailableError when stopped."""
         if self._stop.is_set() or self.failure is not None:
             raise EngineUnavailableError(self.failure or "the engine is shutting down")
-        req = self.engine.make_request(req_id, prompt, params)
+        lora = self.lora_request(lora_name) if lora_name else None
+        req = self.engine.make_request(req_id, prompt, params, lora_request=lora)
         with self._lock:
             if req_id in self._live:
-                raise ValueError(f"request_id: {req_id!r} is already in use")
+                raise ValueError(f"request_id: {short(req_id, 80)} is already in use")
             limit = self.config.serving.max_waiting_requests
             if self.engine.scheduler.num_waiting + self._pending >= limit:
                 raise QueueFullError(f"the waiting queue is full ({limit} requests)")
             self._pending += 1
             self._live.add(req_id)
-        self._inbox.put(AddRequest(req_id, prompt, params))
+        self._inbox.put(AddRequest(req_id, prompt, params, lora))
         self._wake.set()
         return req.num_prompt_tokens
+
+    # ---- adapters (any thread) -----------------------------------------------------------------
+    def lora_request(self, name: str) -> LoRARequest:
+        """The loaded adapter of this name (what the HTTP `model` field and gRPC `lora_name` select)."""
+        lora = self.engine.lora_request(name)
+        if lora is None:
+            raise AdapterNotFoundError(f"lora_name: no adapter named {name[:80]!r} is loaded")
+        return lora
+
+    def load_lora(self, name: str, path: str, lora_int_id: int | None = None, timeout: float = 120.0) -> LoRARequest:
+        """Load an adapter under `name` (id `lora_int_id`, else a new one: replicas load an adapter under
+        one id); ValueError naming the file and field when it cannot be served. Runs on the loop's
+        thread between passes."""
+
+        def call() -> LoRARequest:
+            if self.engine.lora_request(name) is not None:
+                raise ValueError(f"lora_name: {name[:80]!r} is already loaded")
+            new_id = 1 + max((r.lora_int_id for r in self.engine.list_loras()), default=0)
+            lora = LoRARequest(name, new_id if lora_int_id is None else lora_int_id, path)
+            self.engine.add_lora(lora)
+            return lora
+
+        return self._adapter_call(call, timeout)
+
+    def unload_lora(self, name: str, timeout: float = 120.0) -> None:
+        """Unload an adapter; requests running on it finish on it."""
+        lora = self.lora_request(name)
+        self._adapter_call(lambda: self.engine.remove_lora(lora.lora_int_id), timeout)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
+
+    def _adapter_call(self, call: Callable[[], object], timeout: float):
+        if self._stop.is_set() or self.failure is not None:
+            raise EngineUnavailableError(self.failure or "the engine is shutting down")
+        future: Future = Future()
+        self._inbox.put(AdapterCall(call, future))
+        self._wake.set()
+        return future.result(timeout)
 
     def abort(self, req_id: str) -> None:
         self._inbox.put(AbortRequest(req_id))
@@ -129,10 +187,17 @@ class EngineLoop:
                 with self._lock:
                     self._pending -= 1
                 try:
-                    self.engine.add_request(message.req_id, message.prompt, message.params)
+                    self.engine.add_request(
+                        message.req_id, message.prompt, message.params, lora_request=message.lora_request
+                    )
                 except ValueError as e:  # e.g. a request id reused while the first is running
                     log.warning("rejected %s: %s", message.req_id, e)
                     continue
+            elif isinstance(message, AdapterCall):
+                try:
+                    message.future.set_result(message.call())
+                except Exception as e:
+                    message.future.set_exception(e)
             else:
                 out = self.engine.abort(message.req_id)
                 if out is not None:
@@ -214,8 +279,17 @@ class Driver:
         """None once the engine is up (workers, weights, pools), else why it failed to start."""
         return self._start_error
 
-    def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> int:
-        return self.loop.submit(req_id, prompt, params)
+    def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None) -> int:
+        return self.loop.submit(req_id, prompt, params, lora_name)
+
+    def load_lora(self, name: str, path: str, lora_int_id: int | None = None) -> LoRARequest:
+        return self.loop.load_lora(name, path, lora_int_id)
+
+    def unload_lora(self, name: str) -> None:
+        self.loop.unload_lora(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.loop.list_loras()
 
     def abort(self, req_id: str) -> None:
         self.loop.abort(req_id)

@@ -1,8 +1,11 @@
 """The gRPC gateway: `deltaserve.v1.Generation` and `grpc.health.v1.Health` in front of an AsyncEngine.
 
 Every field is checked before anything is queued (SamplingParams and AsyncEngine.submit raise a
-ValueError naming the field), and engine errors map to gRPC status codes: INVALID_ARGUMENT,
-RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (engine down, or the request failed mid-stream).
+ValueError naming the field), and engine errors map to gRPC status codes: INVALID_ARGUMENT (also for
+bytes that do not parse as the request message), NOT_FOUND (an adapter not loaded), RESOURCE_EXHAUSTED
+(queue full, or a message over the size limit), UNAVAILABLE (engine down, or the request failed
+mid-stream). Every status message is cut to MAX_STATUS_MESSAGE characters: gRPC carries it in a
+header, and one past the peer's header limit turns the status into RESOURCE_EXHAUSTED "Stream removed".
 A Generate handler owns its request's output stream: when the client cancels or disconnects, grpc
 cancels the handler, which closes the stream, which aborts the request (its pages and slot free).
 """
@@ -16,22 +19,24 @@ import signal
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deltaserve.cluster.core.request import RequestOutput
-from deltaserve.cluster.core.sampling_params import SamplingParams
+from deltaserve.cluster.core.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.protos import generation_pb2 as pb
 from deltaserve.protos import generation_pb2_grpc
 from deltaserve.workers.plan import TokenLogprobs
 
-from .async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
+from .async_engine import AdapterNotFoundError, AsyncEngine, EngineUnavailableError, QueueFullError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
 MAX_REQUEST_ID_LEN = 256
+MAX_STATUS_MESSAGE = 512
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 _FINISH_REASONS = {
@@ -70,7 +75,7 @@ class Gateway:
             ("grpc.so_reuseport", 0),  # a port another server holds is an error, not a shared port
         ]
         server = grpc.aio.server(options=options)
-        generation_pb2_grpc.add_GenerationServicer_to_server(_GenerationServicer(self.engine), server)
+        _add_generation_servicer(_GenerationServicer(self.engine), server)
         self._health = _EngineHealth(self.engine)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
@@ -147,16 +152,62 @@ class _EngineHealth(health.aio.HealthServicer):
         return await super().Check(request, context)
 
 
+class Undecodable:
+    """What the request deserializer returns for bytes that are not the method's message (grpc itself
+    would answer INTERNAL, a server fault, for the client's bad bytes)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _lenient(message_type):
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except Exception as e:  # DecodeError, or invalid UTF-8 in a string field
+            return Undecodable(f"request: not a valid {message_type.DESCRIPTOR.name} message ({type(e).__name__})")
+
+    return parse
+
+
+def _add_generation_servicer(servicer: generation_pb2_grpc.GenerationServicer, server: grpc.aio.Server) -> None:
+    """generation_pb2_grpc's registration, with request parsers that never raise."""
+    methods = pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name
+    handlers = {}
+    for name, method in methods.items():
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[name] = make(
+            getattr(servicer, name),
+            request_deserializer=_lenient(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def status_message(text: str) -> str:
+    """`text` cut to MAX_STATUS_MESSAGE characters (its field name, first, is kept)."""
+    return text if len(text) <= MAX_STATUS_MESSAGE else text[: MAX_STATUS_MESSAGE - 3] + "..."
+
+
+async def _abort(context, code: grpc.StatusCode, text: str) -> None:
+    await context.abort(code, status_message(text))
+
+
 class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, engine: AsyncEngine):
         self._engine = engine
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        if isinstance(request, Undecodable):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
         req_id = request.request_id or uuid.uuid4().hex
         try:
             if len(req_id) > MAX_REQUEST_ID_LEN:
                 raise ValueError(f"request_id: at most {MAX_REQUEST_ID_LEN} characters, got {len(req_id)}")
-            await self._engine.submit(req_id, _prompt(request), _sampling_params(request.sampling_params))
+            await self._engine.submit(
+                req_id, _prompt(request), _sampling_params(request.sampling_params), request.lora_name or None
+            )
         except Exception as e:
             await self._abort_with(context, e)
         try:
@@ -164,21 +215,25 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 async for out in outputs:
                     completion = out.outputs[0]
                     if completion.finish_reason == "error":
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, out.error or "the engine failed the request")
+                        await _abort(context, grpc.StatusCode.UNAVAILABLE, out.error or "the engine failed the request")
                     if out.delta_token_ids or out.delta_text:
                         yield pb.GenerateResponse(request_id=req_id, chunk=_chunk(out))
                     if out.finished:
                         yield pb.GenerateResponse(request_id=req_id, final=_final(out))
         except EngineUnavailableError as e:  # the Ray driver died under the stream
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        if isinstance(request, Undecodable):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             return pb.TokenizeResponse(token_ids=await self._engine.tokenize(request.text))
         except Exception as e:
             await self._abort_with(context, e)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
+        if isinstance(request, Undecodable):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             info = await self._engine.info()
         except Exception as e:
@@ -203,6 +258,7 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ),
             dtype=info.dtype,
             device=info.device,
+            speculative=None if info.speculative is None else pb.SpeculativeDecoding(**asdict(info.speculative)),
             replicas=[
                 pb.Replica(
                     index=r.index,
@@ -217,17 +273,51 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ],
         )
 
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context) -> pb.LoraAdapter:
+        if isinstance(request, Undecodable):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        try:
+            if not request.lora_name or not request.lora_path:
+                raise ValueError("lora_name and lora_path: both are required")
+            return _adapter(await self._engine.load_lora(request.lora_name, request.lora_path))
+        except Exception as e:
+            await self._abort_with(context, e)
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context) -> pb.UnloadLoraAdapterResponse:
+        if isinstance(request, Undecodable):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        try:
+            await self._engine.unload_lora(request.lora_name)
+            return pb.UnloadLoraAdapterResponse()
+        except Exception as e:
+            await self._abort_with(context, e)
+
+    async def ListLoraAdapters(self, request: pb.ListLoraAdaptersRequest, context) -> pb.ListLoraAdaptersResponse:
+        if isinstance(request, Undecodable):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        try:
+            return pb.ListLoraAdaptersResponse(adapters=[_adapter(r) for r in await self._engine.list_loras()])
+        except Exception as e:
+            await self._abort_with(context, e)
+
     async def _abort_with(self, context, error: Exception) -> None:
         """End the RPC with the status that `error` (raised before anything was queued) calls for."""
+        if isinstance(error, AdapterNotFoundError):
+            await _abort(context, grpc.StatusCode.NOT_FOUND, str(error))
         if isinstance(error, ValueError):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         if isinstance(error, QueueFullError):
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         if isinstance(error, EngineUnavailableError):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(error))
         if not await self._engine.healthy():  # e.g. the Ray driver actor is gone
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is down: {type(error).__name__}: {error}")
-        raise error
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, f"the engine is down: {type(error).__name__}: {error}")
+        log.error("unexpected error in a request", exc_info=error)  # a server bug: INTERNAL, its cause logged
+        await _abort(context, grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+
+
+def _adapter(lora) -> pb.LoraAdapter:
+    return pb.LoraAdapter(lora_name=lora.lora_name, lora_int_id=lora.lora_int_id, lora_path=lora.path)
 
 
 def _prompt(request: pb.GenerateRequest) -> str | list[int]:
@@ -243,6 +333,11 @@ def _sampling_params(message: pb.SamplingParams) -> SamplingParams:
     for name in ("stop", "stop_token_ids"):
         if name in fields:
             fields[name] = list(fields[name])
+    if "structured_outputs" in fields:
+        constraint = {descriptor.name: value for descriptor, value in fields["structured_outputs"].ListFields()}
+        if "choice" in constraint:
+            constraint["choice"] = list(constraint["choice"])
+        fields["structured_outputs"] = StructuredOutputsParams(**constraint)
     return SamplingParams(**fields)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.core.lora import LoRARequest
 from deltaserve.cluster.core.request import RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
 from deltaserve.cluster.executors.base import WorkerFailure
@@ -49,10 +50,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}); returns
-        the final outputs in prompt order. Bad input raises ValueError naming the field before
-        anything runs."""
+        the final outputs in prompt order. `lora_request`: the adapter of every prompt, or one per
+        prompt (None: the base model); an adapter not registered yet is registered (add_lora). Bad
+        input raises ValueError naming the field before anything runs."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -62,11 +65,17 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        for i, (p, salt), sp in zip(ids, prompts, params, strict=True):
-            self.engine.make_request(i, p, sp, salt)  # validate all before queueing any
-        for req_id, (prompt, salt), sp in zip(ids, prompts, params, strict=True):
-            self.engine.add_request(req_id, prompt, sp, salt)
+        for i, (p, salt), sp, lora in zip(ids, prompts, params, loras, strict=True):
+            self.engine.make_request(i, p, sp, salt, lora)  # validate all before queueing any
+        for req_id, (prompt, salt), sp, lora in zip(ids, prompts, params, loras, strict=True):
+            self.engine.add_request(req_id, prompt, sp, salt, lora)
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2, unit="req") as bar:
             while len(final) < len(ids):
@@ -78,6 +87,17 @@ class LLM:
         if failed:
             raise WorkerFailure(f"{len(failed)} of {len(ids)} requests failed: {failed[0].error}")
         return [final[i] for i in ids]
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter, checked against the model (ValueError naming the file and field)."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter; requests running on it finish on it."""
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (KV blocks and GDN snapshots); safe while requests run."""

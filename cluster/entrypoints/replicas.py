@@ -1,12 +1,14 @@
 """Engine replicas behind the front doors' AsyncEngine: how each is reached, and where it runs.
 
 `LocalReplica`: an EngineLoop in this process. `RayReplica`: a Driver actor in a placement group of
-its own (`replica_bundles`: its driver in bundle 0, its TP/EP workers in the next ones: one node), long-polled for
-outputs. A RayReplica that has not answered a poll for SUSPECT_AFTER_S is suspect: it takes no new
-requests, and takes them again when it answers. It is down when Ray reports its actor dead (its node
+its own (`replica_bundles`: its driver in bundle 0, its TP/EP workers in the next ones: one node; on
+a node without a spare CPU the driver shares rank 0's bundle), long-polled for outputs. A RayReplica
+that has not answered a poll for SUSPECT_AFTER_S is suspect: it takes no new requests, and takes
+them again when it answers. It is down when Ray reports its actor dead (its node
 died), when its engine loop failed, or after `replica_down_after_s` of silence: its actor and group
 go, its requests in flight end with UNAVAILABLE, and `RayReplicas` places it again, on an alive node
-with room (waiting for one: a node that joins).
+with room (waiting for one: a node that joins), and takes requests once `on_ready` (the AsyncEngine's
+adapter catch-up) has run.
 
 Placement spreads the replicas: each group is pinned (a `ray.io/node-id` label selector) to the alive
 node with the fewest replicas that has room (a node where a replica just died last); when none has
@@ -18,19 +20,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.core.engine import ModelInfo, ReplicaInfo
+from deltaserve.cluster.core.lora import LoRARequest
 from deltaserve.cluster.core.prefix_cache import PrefixMirror
 from deltaserve.cluster.core.request import RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
 from deltaserve.cluster.executors import runs_in_process
 
-from .driver import Driver, DriverPlace, EngineLoop, EngineStartError, EngineUnavailableError, QueueFullError
+from .driver import (
+    AdapterNotFoundError,
+    Driver,
+    DriverPlace,
+    EngineLoop,
+    EngineStartError,
+    EngineUnavailableError,
+    QueueFullError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +53,12 @@ WAIT_FOR_ROOM_S = 10.0  # then the nodes are looked at again
 RECENTLY_FAILED_S = 60.0  # a node whose replica died is tried last for this long (Ray may not know it died)
 START_TIMEOUT_S = 300.0
 REPLACE_BACKOFF_S = (1.0, 30.0)
+GROUP_REMOVAL_WAIT_S = 5.0  # a shutdown waits this long for its group's removal (the GCS may be gone)
 NODE_ID_LABEL = "ray.io/node-id"
 
 OutputSink = Callable[["Replica", list[RequestOutput]], None]
 DownSink = Callable[["Replica", str], None]
+ReadySink = Callable[["Replica"], Awaitable[None]]
 
 
 class ReplicaUnreachable(RuntimeError):
@@ -52,7 +66,8 @@ class ReplicaUnreachable(RuntimeError):
 
 
 class Replica:
-    """What the AsyncEngine routes to. `in_flight` and `routed` are the AsyncEngine's counts."""
+    """What the AsyncEngine routes to. `in_flight`, `routed` and `adapters` (the names of the LoRA
+    adapters loaded there) are the AsyncEngine's records."""
 
     index: int
     state: str
@@ -66,6 +81,7 @@ class Replica:
         self.index = index
         self.in_flight = 0
         self.routed = 0
+        self.adapters: set[str] = set()
 
     def info(self) -> ReplicaInfo:
         return ReplicaInfo(
@@ -78,10 +94,18 @@ class Replica:
     def suspect(self, why: str) -> None:
         """A call to it failed: take no new requests until it answers again (no-op in this process)."""
 
-    async def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> int:
+    async def submit(
+        self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None
+    ) -> int:
         raise NotImplementedError
 
     async def abort(self, req_id: str) -> None:
+        raise NotImplementedError
+
+    async def load_lora(self, name: str, path: str, lora_int_id: int) -> LoRARequest:
+        raise NotImplementedError
+
+    async def unload_lora(self, name: str) -> None:
         raise NotImplementedError
 
     async def tokenize(self, text: str) -> list[int]:
@@ -126,11 +150,19 @@ class LocalReplica(Replica):
     def failure(self) -> str | None:
         return self.loop_engine.failure
 
-    async def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> int:
-        return self.loop_engine.submit(req_id, prompt, params)
+    async def submit(
+        self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None
+    ) -> int:
+        return self.loop_engine.submit(req_id, prompt, params, lora_name)
 
     async def abort(self, req_id: str) -> None:
         self.loop_engine.abort(req_id)
+
+    async def load_lora(self, name: str, path: str, lora_int_id: int) -> LoRARequest:
+        return await asyncio.to_thread(self.loop_engine.load_lora, name, path, lora_int_id)
+
+    async def unload_lora(self, name: str) -> None:
+        await asyncio.to_thread(self.loop_engine.unload_lora, name)
 
     async def tokenize(self, text: str) -> list[int]:
         return self.loop_engine.engine.tokenize(text)
@@ -182,10 +214,12 @@ class RayReplica(Replica):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        driver_bundle = replica_bundles(config)[0]
+        # a bundle of its own when the group has one more than the lean layout (it shares rank 0's otherwise)
+        own = len(group.bundle_specs) > len(replica_bundles(config, driver_cpu=False)) or runs_in_process(config)
+        driver_bundle = group.bundle_specs[0] if own else {}
         options = {
             "max_concurrency": 64,
-            "num_cpus": driver_bundle["CPU"],
+            "num_cpus": driver_bundle.get("CPU", 0),
             "num_gpus": driver_bundle.get("GPU", 0),
             "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
         }
@@ -209,38 +243,42 @@ class RayReplica(Replica):
 
         pending = None
         last_answer = time.monotonic()
-        while self.state in ("up", "suspect"):
-            if pending is None:
-                pending = asyncio.ensure_future(self._driver.poll.remote(POLL_WAIT_S))
-            done, _ = await asyncio.wait({pending}, timeout=POLL_WAIT_S)
-            now = time.monotonic()
-            if not done:
-                silent = now - last_answer
-                if silent >= self._down_after_s:
-                    self.down(f"no answer for {silent:.0f} s")
-                elif silent >= SUSPECT_AFTER_S and self.state == "up":
-                    self.state = "suspect"
-                    log.warning("%s has not answered for %.1f s: it takes no new requests", self.where(), silent)
-                continue
-            answered, pending = pending, None
-            try:
-                answer = answered.result()
-            except RayError as e:
-                self.down(f"its actor is gone ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-                return
-            except Exception as e:  # an answer that cannot be read: its requests would hang otherwise
-                self.down(f"unreadable poll answer ({type(e).__name__}: {str(e)[:200]})")
-                return
-            last_answer = now
-            if self.state == "suspect":
-                log.warning("%s answers again", self.where())
-                self.state = "up"
-            if answer.cache_events and self.mirror is not None:
-                self.mirror.apply(answer.cache_events)
-            if answer.outputs:
-                self._on_output(self, answer.outputs)
-            if answer.failure is not None:
-                self.down(answer.failure)
+        try:
+            while self.state in ("up", "suspect"):
+                if pending is None:
+                    pending = asyncio.ensure_future(self._driver.poll.remote(POLL_WAIT_S))
+                done, _ = await asyncio.wait({pending}, timeout=POLL_WAIT_S)
+                now = time.monotonic()
+                if not done:
+                    silent = now - last_answer
+                    if silent >= self._down_after_s:
+                        self.down(f"no answer for {silent:.0f} s")
+                    elif silent >= SUSPECT_AFTER_S and self.state == "up":
+                        self.state = "suspect"
+                        log.warning("%s has not answered for %.1f s: it takes no new requests", self.where(), silent)
+                    continue
+                answered, pending = pending, None
+                try:
+                    answer = answered.result()
+                except RayError as e:
+                    self.down(f"its actor is gone ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+                    return
+                except Exception as e:  # an answer that cannot be read: its requests would hang otherwise
+                    self.down(f"unreadable poll answer ({type(e).__name__}: {str(e)[:200]})")
+                    return
+                last_answer = now
+                if self.state == "suspect":
+                    log.warning("%s answers again", self.where())
+                    self.state = "up"
+                if answer.cache_events and self.mirror is not None:
+                    self.mirror.apply(answer.cache_events)
+                if answer.outputs:
+                    self._on_output(self, answer.outputs)
+                if answer.failure is not None:
+                    self.down(answer.failure)
+        finally:
+            if pending is not None:  # a poll left behind (shut down, or declared down): its end is nobody's news
+                pending.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def suspect(self, why: str) -> None:
         if self.state == "up":
@@ -256,16 +294,16 @@ class RayReplica(Replica):
         self._release()
         self._on_down(self, reason)
 
-    def _release(self) -> None:
+    def _release(self) -> threading.Thread | None:
+        """Kill its actor and remove its group (on a thread: see `_remove_groups`); None if done before."""
         import ray
 
         if self._released:
-            return
+            return None
         self._released = True
         with contextlib.suppress(Exception):
             ray.kill(self._driver)
-        with contextlib.suppress(Exception):
-            ray.util.remove_placement_group(self._group)
+        return _remove_groups([self._group])
 
     # ---- calls ---------------------------------------------------------------------------------
     async def _call(self, method, *args):
@@ -278,8 +316,10 @@ class RayReplica(Replica):
         except RayError as e:
             raise ReplicaUnreachable(f"{self.where()}: {type(e).__name__}") from e
 
-    async def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> int:
-        submitted = asyncio.ensure_future(self._call(self._driver.submit, req_id, prompt, params))
+    async def submit(
+        self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None
+    ) -> int:
+        submitted = asyncio.ensure_future(self._call(self._driver.submit, req_id, prompt, params, lora_name))
         try:
             return await asyncio.shield(submitted)
         except asyncio.CancelledError:
@@ -293,6 +333,12 @@ class RayReplica(Replica):
         if self.state in ("up", "suspect"):
             with contextlib.suppress(ReplicaUnreachable):
                 await self._call(self._driver.abort, req_id)
+
+    async def load_lora(self, name: str, path: str, lora_int_id: int) -> LoRARequest:
+        return await self._call(self._driver.load_lora, name, path, lora_int_id)
+
+    async def unload_lora(self, name: str) -> None:
+        await self._call(self._driver.unload_lora, name)
 
     async def tokenize(self, text: str) -> list[int]:
         return await self._call(self._driver.tokenize, text)
@@ -309,26 +355,29 @@ class RayReplica(Replica):
         if not self._released:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._call(self._driver.shutdown), 10)
-        self._release()
+        removing = self._release()
+        if removing is not None:
+            await asyncio.to_thread(removing.join, GROUP_REMOVAL_WAIT_S)
 
 
 def _unwrap(e: BaseException) -> BaseException:
     """A Ray task error carries the driver's exception as its cause: surface that one."""
     cause = getattr(e, "cause", None)
-    if isinstance(cause, ValueError | QueueFullError | EngineUnavailableError):
+    if isinstance(cause, ValueError | QueueFullError | EngineUnavailableError | AdapterNotFoundError):
         return cause
     return e
 
 
 # ---- placement -------------------------------------------------------------------------------------
-def replica_bundles(config: EngineConfig) -> list[dict[str, float]]:
+def replica_bundles(config: EngineConfig, *, driver_cpu: bool = True) -> list[dict[str, float]]:
     """One replica's placement group: bundle 0 the driver's (a CPU: its loop is the critical path; the
-    model's GPU too when the model runs in the driver), then one bundle per worker rank."""
+    model's GPU too when the model runs in the driver), then one bundle per worker rank. Without
+    `driver_cpu` (a node with no CPU to spare) a driver that runs no model shares rank 0's bundle."""
     from deltaserve.cluster.executors.ray import worker_bundles
 
     if runs_in_process(config):
         return [{"CPU": 1.0, "GPU": 1.0} if config.load.device.startswith("cuda") else {"CPU": 1.0}]
-    return [{"CPU": 1.0}, *worker_bundles(config)]
+    return [{"CPU": 1.0}, *worker_bundles(config)] if driver_cpu else worker_bundles(config)
 
 
 @dataclass(frozen=True)
@@ -346,12 +395,16 @@ def alive_nodes() -> list[NodeView]:
     ]
 
 
-def fits(resources: dict[str, float], bundles: list[dict[str, float]]) -> bool:
-    """Whether a node of these total resources can hold every bundle (what it has free is tried)."""
+def _total(bundles: list[dict[str, float]]) -> Counter:
     need = Counter()
     for bundle in bundles:
         need.update(bundle)
-    return all(resources.get(name, 0.0) >= amount for name, amount in need.items())
+    return need
+
+
+def fits(resources: dict[str, float], bundles: list[dict[str, float]]) -> bool:
+    """Whether a node of these total resources can hold every bundle (what it has free is tried)."""
+    return all(resources.get(name, 0.0) >= amount for name, amount in _total(bundles).items())
 
 
 async def _ready(group, timeout_s: float) -> bool:
@@ -368,23 +421,25 @@ async def place_group(
     """A ready STRICT_PACK placement group for one replica, and its node id: pinned to the alive node
     with the fewest replicas (`spread`) that has room, the nodes in `last` (where a replica just died:
     Ray may not know yet that the node is gone) tried last; when none has room, a group that waits for
-    room anywhere. TimeoutError after timeout_s (None: wait on)."""
+    room anywhere. The driver's own CPU is left out on a node too small for it. TimeoutError after
+    timeout_s (None: wait on)."""
     import ray
     from ray.util.placement_group import placement_group, placement_group_table
 
-    bundles = replica_bundles(config)
+    full, lean = replica_bundles(config), replica_bundles(config, driver_cpu=False)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         nodes = await asyncio.to_thread(alive_nodes)
-        candidates = [n for n in nodes if fits(n.resources, bundles)]
-        candidates.sort(key=lambda n: (n.node_id in last, spread[n.node_id], n.ip, n.node_id))
-        for node in candidates:
+        candidates = [(n, full if fits(n.resources, full) else lean) for n in nodes if fits(n.resources, lean)]
+        candidates.sort(key=lambda c: (c[0].node_id in last, spread[c[0].node_id], c[0].ip, c[0].node_id))
+        for node, bundles in candidates:
             group = placement_group(
                 bundles, strategy="STRICT_PACK", bundle_label_selector=[{NODE_ID_LABEL: node.node_id}] * len(bundles)
             )
             if await _ready(group, PLACE_TRY_S):
                 return group, node.node_id
             ray.util.remove_placement_group(group)
+        bundles = full if any(fits(n.resources, full) for n in nodes) or not candidates else lean
         group = placement_group(bundles, strategy="STRICT_PACK")
         wait = WAIT_FOR_ROOM_S if deadline is None else min(WAIT_FOR_ROOM_S, max(0.0, deadline - time.monotonic()))
         if await _ready(group, wait):
@@ -392,20 +447,24 @@ async def place_group(
             return group, table["bundles_to_node_id"][0]
         ray.util.remove_placement_group(group)
         if deadline is not None and time.monotonic() >= deadline:
-            need = ", ".join(f"{k}: {v:g}" for k, v in bundles[0].items())
-            raise TimeoutError(
-                f"no node has room for a replica ({len(bundles)} bundle(s) of {{{need}}} on one node) "
-                f"after {timeout_s:.0f} s"
-            )
+            need = ", ".join(f"{k}: {v:g}" for k, v in sorted(_total(lean).items()))
+            raise TimeoutError(f"no node has room for a replica ({{{need}}} on one node) after {timeout_s:.0f} s")
 
 
 class RayReplicas:
     """`data_parallel_size` RayReplicas spread over the cluster's nodes; one that goes down is placed again."""
 
-    def __init__(self, config: EngineConfig, on_output: OutputSink, on_down: DownSink, name: str | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_output: OutputSink,
+        on_down: DownSink,
+        name: str | None = None,
+        on_ready: ReadySink | None = None,
+    ):
         self.config = config
         self.slots: list[Replica] = []
-        self._on_output, self._on_down = on_output, on_down
+        self._on_output, self._on_down, self._on_ready = on_output, on_down, on_ready
         self._name = name
         self._failed: dict[str, float] = {}  # node id -> when a replica on it died
         self._tasks: set[asyncio.Task] = set()
@@ -448,6 +507,8 @@ class RayReplicas:
         self.slots = list(started)
         for replica in self.slots:
             log.info("%s is up (plans by %s)", replica.where(), replica.transport)
+            if replica.state == "down":  # went down before it was in service
+                self.replace(replica)
 
     def replace(self, replica: Replica) -> None:
         """Place a replica again in the slot of one that went down."""
@@ -455,6 +516,8 @@ class RayReplicas:
             return
         if replica.node_id:
             self._failed[replica.node_id] = time.monotonic()
+        if replica.index >= len(self.slots) or self.slots[replica.index] is not replica:
+            return  # not in service yet: whoever is starting it retries
         task = asyncio.create_task(self._replace(replica.index), name=f"replica-{replica.index}-place")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -485,10 +548,21 @@ class RayReplicas:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, REPLACE_BACKOFF_S[1])
                 continue
+            try:
+                if self._on_ready is not None and not self._closing:
+                    await self._on_ready(replica)
+            except BaseException:
+                await replica.shutdown()
+                raise
             if self._closing:
                 await replica.shutdown()
                 return
-            self.slots[index] = replica
+            if replica.state not in ("up", "suspect"):  # went down while catching up: not in service yet
+                log.error("replica %d went down before it took requests; retrying in %.0f s", index, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, REPLACE_BACKOFF_S[1])
+                continue
+            self.slots[index] = replica  # no await since on_ready: nothing it caught up on can change first
             log.warning("%s is up again (plans by %s)", replica.where(), replica.transport)
             return
 
@@ -500,9 +574,18 @@ class RayReplicas:
         await asyncio.gather(*(r.shutdown() for r in self.slots if isinstance(r, RayReplica)), return_exceptions=True)
 
 
-def _remove_groups(groups) -> None:
+def _remove_groups(groups) -> threading.Thread:
+    """Remove placement groups on a daemon thread: the call blocks for as long as the cluster's GCS does
+    not answer (a stop that takes the local cluster down with it), and nothing may wait on that."""
     import ray
 
-    for group in groups:
-        with contextlib.suppress(Exception):
-            ray.util.remove_placement_group(group)
+    groups = list(groups)
+
+    def remove() -> None:
+        for group in groups:
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(group)
+
+    thread = threading.Thread(target=remove, name="remove-placement-groups", daemon=True)
+    thread.start()
+    return thread

@@ -59,6 +59,32 @@ def check_layout(config: EngineConfig, model_config: ModelConfig) -> None:
         raise type(e)(f"{setting}: the model cannot be split so: {e}") from None
 
 
+def check_lora(config: EngineConfig, model_config: ModelConfig) -> None:
+    """LoRA adapters run on the qwen3_next / qwen3_5 families' layers, without speculative decoding
+    (the MTP head and the verify graphs do not apply adapters yet)."""
+    if not config.lora.enable_lora:
+        return
+    if model_config.family == "qwen4_exp":
+        raise ValueError("enable_lora: LoRA adapters are not served for qwen4_exp checkpoints yet")
+    if config.runner.num_speculative_tokens:
+        raise ValueError("enable_lora: not served together with speculative_config yet")
+
+
+def check_speculative(config: EngineConfig, model_config: ModelConfig) -> None:
+    """Speculative decoding with the MTP head needs a checkpoint that declares exactly one MTP layer
+    (its weights are checked when they load)."""
+    if not config.runner.num_speculative_tokens:
+        return
+    if model_config.family == "qwen4_exp":
+        raise ValueError("speculative_config: the MTP head of qwen4_exp checkpoints is not supported")
+    if model_config.num_mtp_layers != 1:
+        declared = "none" if model_config.num_mtp_layers < 1 else f"{model_config.num_mtp_layers} layers"
+        raise ValueError(
+            f"speculative_config: method 'mtp' needs a checkpoint with one MTP layer; {short(config.load.model, 80)} "
+            f"declares {declared} (config mtp_num_hidden_layers / num_nextn_predict_layers)"
+        )
+
+
 def runs_on_this_machine(config: EngineConfig, ray_address: str | None = None) -> bool:
     """Whether the ranks run on this machine: in this process, or in a Ray cluster started here (not
     one joined through `ray_address` / RAY_ADDRESS or an earlier `ray.init`)."""
@@ -109,8 +135,33 @@ def check_startup(config: EngineConfig, ray_address: str | None = None) -> Model
     """Everything about `config` that can be checked before anything starts; returns the model's config."""
     model_config = load_model_config(config.load.model)
     check_layout(config, model_config)
+    check_lora(config, model_config)
+    check_speculative(config, model_config)
     check_device(config, ray_address)
     return model_config
+
+
+def check_lora_modules(config: EngineConfig, modules: list[str]) -> list[tuple[str, str]]:
+    """`--lora-modules NAME=PATH ...` parsed, each adapter checked against the model (a ValueError
+    naming the flag, the adapter and its file or field); returns [(name, path)]."""
+    if not modules:
+        return []
+    if not config.lora.enable_lora:
+        raise ValueError("--lora-modules: needs --enable-lora")
+    from deltaserve.cluster.core.lora import AdapterRegistry, LoRARequest
+
+    registry = AdapterRegistry(config.lora, load_model_config(config.load.model))
+    out = []
+    for i, item in enumerate(modules):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: {short(item)} is not NAME=PATH")
+        try:
+            registry.add(LoRARequest(name, i + 1, path))
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {short(name)}: {e}") from None
+        out.append((name, path))
+    return out
 
 
 def build_engine(
@@ -125,6 +176,8 @@ def build_engine(
     if model_config is None:
         model_config = load_model_config(config.load.model)
     check_layout(config, model_config)
+    check_lora(config, model_config)
+    check_speculative(config, model_config)
     if executor is None:
         check_device(config)
         executor = make_executor(config, model_config)

@@ -4,9 +4,9 @@ Each pass's plan is encoded once (msgpack) and the same bytes go to every worker
 `shm` (a shared-memory ring polled by a thread in each worker, when the driver runs on the workers'
 node: tens of microseconds a round trip) and `compiled` (a Ray compiled graph, when it does not).
 A worker that dies fails the pass with `WorkerFailure`; `restart()` replaces the whole group.
-A driver that runs inside a replica's placement group (bundle 0 the driver's, then one per rank: the
-front doors' engine placed it) puts its workers in that group's bundles 1..N; otherwise the executor
-makes a group of its own.
+A driver that runs inside a replica's placement group (bundle 0 the driver's, then one per rank; or
+one per rank, the driver in rank 0's: the front doors' engine placed it) puts its workers in that
+group's last N bundles; otherwise the executor makes a group of its own.
 
 Over `shm` passes may overlap (async scheduling): `execute_async(plan)` writes the plan and returns
 a handle; `result()` reads the replies. Each worker keeps up to one pass in flight (it launches
@@ -83,8 +83,10 @@ class RayExecutor:
         bundles = worker_bundles(self.config)
         current = get_current_placement_group()
         first = 0  # the bundle of rank 0
-        if current is not None and len(current.bundle_specs) == len(bundles) + 1:
-            self.placement_group, self._owns_group, first = current, False, 1
+        if current is not None and len(current.bundle_specs) in (len(bundles), len(bundles) + 1):
+            # a replica's group: ranks in its last bundles (bundle 0 the driver's own, or shared with rank 0)
+            self.placement_group, self._owns_group = current, False
+            first = len(current.bundle_specs) - len(bundles)
         else:
             # STRICT_PACK keeps the whole TP group on one node (NCCL over NVLink, not the network)
             self.placement_group = placement_group(bundles, strategy="STRICT_PACK")

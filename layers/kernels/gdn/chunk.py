@@ -38,7 +38,7 @@ import triton
 from ..device import DeviceInfo, device_info, stages_that_fit
 from .chunk_prepare import _intra_kernel, _solve_kernel
 from .chunk_state import _output_kernel, _recur_kernel, _state_kernel
-from .state import StateCaptures, plan_captures
+from .state import StateCaptures
 
 CHUNK = 64  # tokens per chunk (BT)
 SUB = 16  # rows per block of the triangular solve (BC); CHUNK == 4 * SUB
@@ -148,14 +148,11 @@ def chunk_gated_delta_rule(
         chunk_states = torch.empty((max_chunks, num_v_heads, key_dim, value_dim), dtype=torch.float32, device=device)
     if num_seqs == 0:
         return out
-    plan = capture_arg = None
+    prepared = capture_arg = None
     if captures is not None and captures.items:
-        plan = plan_captures(captures, CHUNK)
-        _store_initial_states(plan.initial_stores, state_pool, state_slots, has_initial_state)
-        capture_arg = torch.full((max_chunks,), -1, dtype=torch.int32)
-        for index, slot in plan.chunk_stores.items():
-            capture_arg[index] = slot
-        capture_arg = capture_arg.to(device, non_blocking=True)
+        prepared = captures.prepared(CHUNK, device)
+        _store_initial_states(prepared.plan.initial_stores, state_pool, state_slots, has_initial_state)
+        capture_arg = prepared.chunk_slots
 
     group = num_v_heads // num_k_heads
     bk = max(16, triton.next_power_of_2(key_dim))
@@ -212,8 +209,8 @@ def chunk_gated_delta_rule(
             num_warps=seq_warps, num_stages=stages,
         )  # fmt: skip
 
-    if plan is not None:
-        _finish_captures(plan, captures, q, k, v, g, beta, state_pool, scale, use_qk_l2norm)
+    if prepared is not None:
+        _finish_captures(prepared, captures, q, k, v, g, beta, state_pool, scale, use_qk_l2norm)
     if chunk_states_out is not None:
         counts = ((cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK).tolist()
         start = 0
@@ -231,19 +228,19 @@ def _store_initial_states(stores, state_pool, state_slots, has_initial_state) ->
         state_pool[dst] = torch.where(has_initial_state[seq].bool(), src, torch.zeros_like(src))
 
 
-def _finish_captures(plan, captures, q, k, v, g, beta, state_pool, scale, use_qk_l2norm) -> None:
+def _finish_captures(prepared, captures, q, k, v, g, beta, state_pool, scale, use_qk_l2norm) -> None:
     """After the kernels: copies for captures that share a stored state, then the tokens between each
     capture's chunk boundary and its offset, replayed on its slot by the recurrent kernel."""
     from .recurrent import fused_recurrent_gated_delta_rule
 
-    for src, dst in plan.copies:
+    for src, dst in prepared.plan.copies:
         state_pool[dst] = state_pool[src]
     starts = captures.starts()
-    for seq, first, count, dst in plan.replays:
+    for i, (seq, first, count, _) in enumerate(prepared.plan.replays):
         rows = slice(starts[seq] + first, starts[seq] + first + count)
         fused_recurrent_gated_delta_rule(
             q=q[rows].unsqueeze(0), k=k[rows].unsqueeze(0), v=v[rows].unsqueeze(0), g=g[rows].unsqueeze(0),
             beta=beta[rows].unsqueeze(0), state_pool=state_pool,
-            state_slots=torch.full((1,), dst, dtype=torch.int32, device=state_pool.device), scale=scale,
+            state_slots=prepared.replay_slots[i : i + 1], scale=scale,
             use_qk_l2norm=use_qk_l2norm, pdl=False,
         )  # fmt: skip

@@ -19,7 +19,7 @@ write-on-accept): no recomputation, and no table of full [K, V] states (L x K x 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,8 @@ class StateCaptures:
 
     items: tuple[StateCapture, ...]
     seq_lens: tuple[int, ...]
+    # the chunked kernels' device-side plan, built once per pass and shared by every GDN layer
+    _prepared: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for c in self.items:
@@ -51,6 +53,25 @@ class StateCaptures:
                 raise ValueError(f"capture sequence {c.seq} is outside the pass's {len(self.seq_lens)} sequences")
             if not 0 <= c.offset <= self.seq_lens[c.seq]:
                 raise ValueError(f"capture offset {c.offset} is outside [0, {self.seq_lens[c.seq]}]")
+
+    def prepared(self, chunk: int, device: torch.device) -> PreparedCaptures:
+        """plan_captures(self, chunk) with its chunk stores as a device array (one int per chunk: the
+        slot to store the state after that chunk in, or -1) and the replays' slots as device
+        tensors: uploaded once (pinned, non-blocking), then reused by every layer of the pass."""
+        key = (chunk, str(device))
+        if key not in self._prepared:
+            plan = plan_captures(self, chunk)
+            num_chunks = max(1, sum(-(-n // chunk) for n in self.seq_lens))
+            host = torch.full((num_chunks + len(plan.replays),), -1, dtype=torch.int32)
+            for index, slot in plan.chunk_stores.items():
+                host[index] = slot
+            for i, (_, _, _, slot) in enumerate(plan.replays):
+                host[num_chunks + i] = slot
+            if torch.device(device).type == "cuda":
+                host = host.pin_memory()
+            dev = host.to(device, non_blocking=True)
+            self._prepared[key] = PreparedCaptures(plan, dev[:num_chunks], dev[num_chunks:])
+        return self._prepared[key]
 
     def starts(self) -> list[int]:
         """Each sequence's first token row in the op's inputs."""
@@ -175,6 +196,16 @@ def conv_accept(
     idx = last_accepted.long()[:, None, None] + 1 + torch.arange(width_1, device=x.device)[None, None, :]
     window = seq.gather(2, idx.expand(-1, seq.shape[1], -1))
     conv_state_pool[state_slots.long()] = window.to(conv_state_pool.dtype)
+
+
+@dataclass(frozen=True)
+class PreparedCaptures:
+    """A CapturePlan with what the kernels read on the device: chunk_slots [num_chunks] int32 (the
+    slot to store the state after each chunk in, -1: none) and replay_slots [num replays] int32."""
+
+    plan: CapturePlan
+    chunk_slots: torch.Tensor
+    replay_slots: torch.Tensor
 
 
 @dataclass(frozen=True)

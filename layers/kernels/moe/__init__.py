@@ -11,9 +11,12 @@ import torch
 
 from ..options import KernelOptions
 from . import naive
-from .naive import AddNorm, NormedOut, SharedExpert, apply_add_norm
+from .naive import AddNorm, NormedOut, PairDeltas, SharedExpert, apply_add_norm
 
-__all__ = ["AddNorm", "NormedOut", "SharedExpert", "apply_add_norm", "fused_moe", "route_topk_softmax", "routed_moe"]
+__all__ = [
+    "AddNorm", "NormedOut", "PairDeltas", "SharedExpert", "apply_add_norm", "fused_moe", "route_topk_softmax",
+    "routed_moe",
+]  # fmt: skip
 
 
 def route_topk_softmax(
@@ -47,6 +50,7 @@ def fused_moe(
     shared: SharedExpert | None = None,
     add_norm: AddNorm | None = None,
     pdl: bool = True,
+    deltas: PairDeltas | None = None,
 ) -> torch.Tensor | NormedOut:
     """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) over the experts this rank holds
     (e = topk_ids[t, k]), float32 accumulation, one rounding.
@@ -58,13 +62,15 @@ def fused_moe(
         add_norm: the residual add + zero-centred RMSNorm after the block, in the block's last
             kernel on CUDA (rows up to fused_norm.MAX_NORM_HIDDEN wide; else the norm kernel).
         pdl: CUDA: launch under programmatic dependent launch (sm_90+).
+        deltas: per-pair additions to the gate / up and down projections (the experts' LoRA
+            adapters, kernels/lora); CUDA: the sorted path runs.
 
     Returns:
         [T, H] in hidden's dtype; with add_norm, NormedOut(normed, residual) of it.
     """
     args = dict(
         hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, expert_offset=expert_offset,
-        shared=shared, add_norm=add_norm,
+        shared=shared, add_norm=add_norm, deltas=deltas,
     )  # fmt: skip
     if hidden.is_cuda:
         from .triton_moe import fused_moe as impl
@@ -86,6 +92,7 @@ def routed_moe(
     add_norm: AddNorm | None = None,
     route_in_up_max_tokens: int = KernelOptions.route_in_up_max_tokens,
     pdl: bool = True,
+    deltas: PairDeltas | None = None,
 ) -> torch.Tensor | NormedOut:
     """The MoE block's expert part from its router logits: route_topk_softmax, then fused_moe.
 
@@ -100,7 +107,7 @@ def routed_moe(
     """
     args = dict(
         hidden=hidden, w13=w13, w2=w2, router_logits=router_logits, top_k=top_k, renormalize=renormalize,
-        expert_offset=expert_offset, shared=shared, add_norm=add_norm,
+        expert_offset=expert_offset, shared=shared, add_norm=add_norm, deltas=deltas,
     )  # fmt: skip
     if hidden.is_cuda:
         from .triton_moe import routed_moe as impl

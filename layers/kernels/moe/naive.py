@@ -7,7 +7,7 @@ experts [expert_offset, expert_offset + E) and skips tokens routed elsewhere.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,17 @@ class NormedOut(NamedTuple):
     residual: torch.Tensor
 
 
+class PairDeltas(Protocol):
+    """Additions to each routed pair's projections inside the experts (the experts' LoRA adapters,
+    kernels/lora): `gate_up(topk_ids)` [P, 2 * I] is added to the pair's gate / up projection before
+    the activation, then `down(act)` [P, H] (from the pairs' activations [P, I]) to its down projection
+    before the routing weight. Pair p = token * top_k + k; pairs routed to other ranks are never read."""
+
+    def gate_up(self, topk_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def down(self, act: torch.Tensor) -> torch.Tensor: ...
+
+
 def apply_add_norm(out: torch.Tensor, add_norm: AddNorm | None, pdl: bool = True) -> torch.Tensor | NormedOut:
     """out itself, or NormedOut of out under add_norm (the norm op: its own kernel on CUDA)."""
     if add_norm is None:
@@ -77,20 +88,32 @@ def route_topk_softmax(*, router_logits, top_k, renormalize):
     return weights, ids
 
 
-def fused_moe(*, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, shared=None, add_norm=None):
+def fused_moe(*, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, shared=None, add_norm=None, deltas=None):
     """The reference of moe.fused_moe: float32 throughout, one rounding at the end."""
     num_local, inter = w13.shape[0], w2.shape[2]
     acc = acc_dtype(hidden)
     out = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
     local_ids = topk_ids - expert_offset
-    for e in torch.unique(local_ids).tolist():
-        if not 0 <= e < num_local:
-            continue
-        token_idx, k_idx = torch.where(local_ids == e)
-        x = hidden[token_idx].to(acc)
-        gate_up = x @ w13[e].to(acc).t()
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = act @ w2[e].to(acc).t()
+    top_k = topk_ids.shape[1]
+    experts = [e for e in torch.unique(local_ids).tolist() if 0 <= e < num_local]
+    members = {e: torch.where(local_ids == e) for e in experts}
+    d13 = deltas.gate_up(topk_ids) if deltas is not None else None
+    acts = {}
+    for e, (token_idx, k_idx) in members.items():
+        gate_up = hidden[token_idx].to(acc) @ w13[e].to(acc).t()
+        if d13 is not None:
+            gate_up = gate_up + d13[token_idx * top_k + k_idx].to(acc)
+        acts[e] = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    d2 = None
+    if deltas is not None:  # the down deltas read every pair's activation
+        act_all = torch.zeros((topk_ids.numel(), inter), dtype=acc, device=hidden.device)
+        for e, (token_idx, k_idx) in members.items():
+            act_all[token_idx * top_k + k_idx] = acts[e]
+        d2 = deltas.down(act_all.to(hidden.dtype))
+    for e, (token_idx, k_idx) in members.items():
+        y = acts[e] @ w2[e].to(acc).t()
+        if d2 is not None:
+            y = y + d2[token_idx * top_k + k_idx].to(acc)
         out.index_add_(0, token_idx, y * topk_weights[token_idx, k_idx, None].to(acc))
     if shared is not None:
         check_shared(shared, hidden.shape[0], hidden.shape[1])
@@ -99,13 +122,13 @@ def fused_moe(*, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, share
 
 
 def routed_moe(
-    *, hidden, w13, w2, router_logits, top_k, renormalize, expert_offset=0, shared=None, add_norm=None
+    *, hidden, w13, w2, router_logits, top_k, renormalize, expert_offset=0, shared=None, add_norm=None, deltas=None
 ):  # fmt: skip
     """The reference of moe.routed_moe: route_topk_softmax, then fused_moe."""
     weights, ids = route_topk_softmax(router_logits=router_logits, top_k=top_k, renormalize=renormalize)
     return fused_moe(
         hidden=hidden, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, expert_offset=expert_offset,
-        shared=shared, add_norm=add_norm,
+        shared=shared, add_norm=add_norm, deltas=deltas,
     )  # fmt: skip
 
 

@@ -20,12 +20,13 @@ from .fused_norm import norm_kernel_args
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_pairs"])
 def _up_kernel(
-    hidden, w13, act, sorted_ids, block_expert, num_padded, num_pairs, s_ht, s_we, s_wn, s_at, HIDDEN: tl.constexpr,
-    INTER: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    hidden, w13, act, sorted_ids, block_expert, num_padded, num_pairs, s_ht, s_we, s_wn, s_at, delta, s_dp,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_DELTA: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n] = silu(x @ gate^T) * (x @ up^T) for one block of pairs of one expert and one
-    BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e]."""
+    BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e]. HAS_DELTA: the
+    pair's delta [P, 2 * INTER] row (its adapters, PairDeltas) is added to gate and up first."""
     pdl_wait(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -58,6 +59,10 @@ def _up_kernel(
         a_ptr += BLOCK_K
         g_ptr += BLOCK_K
         u_ptr += BLOCK_K
+    if HAS_DELTA:
+        d_ptr = delta + pair.to(tl.int64)[:, None] * s_dp + n[None, :]
+        acc_g += tl.load(d_ptr, mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        acc_u += tl.load(d_ptr + INTER, mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     dst = act + pair.to(tl.int64)[:, None] * s_at + n[None, :]
     tl.store(dst, h.to(act.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -66,11 +71,12 @@ def _up_kernel(
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    act, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, s_at, s_we, s_wn, s_yp,
+    act, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, s_at, s_we, s_wn, s_yp, delta, s_dp,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_DELTA: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """y[pair, n] = weight[pair] * act[pair] @ w2[e, n]^T for one block of sorted pairs."""
+    """y[pair, n] = weight[pair] * (act[pair] @ w2[e, n]^T (+ the pair's delta [P, HIDDEN] row)) for one
+    block of sorted pairs."""
     pdl_wait(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -96,6 +102,9 @@ def _down_kernel(
         acc = tl.dot(a, b, acc)
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
+    if HAS_DELTA:
+        d_ptr = delta + pair.to(tl.int64)[:, None] * s_dp + n[None, :]
+        acc += tl.load(d_ptr, mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
     acc *= tl.load(topk_weights + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     dst = y + pair.to(tl.int64)[:, None] * s_yp + n[None, :]
     tl.store(dst, acc.to(y.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -150,8 +159,11 @@ def _silu_mul_kernel(gate_up, act, s_gt, s_at, INTER: tl.constexpr, BLOCK: tl.co
     tl.store(act + t * s_at + i, (g * tl.sigmoid(g) * u).to(act.dtype.element_ty), mask=ok)
 
 
-def moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl) -> None:
-    """The sorted path into `out` (or, with norm, into norm.out): group, up GEMM, down GEMM, sum."""
+def moe_sorted(
+    hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, deltas=None
+) -> None:  # fmt: skip
+    """The sorted path into `out` (or, with norm, into norm.out): group, up GEMM, down GEMM, sum.
+    deltas (PairDeltas): added to each pair's gate / up and down projections (adapters)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -165,16 +177,19 @@ def moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg,
     act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
     y = torch.empty((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
     up, down = cfg["up"], cfg["down"]
+    d13 = deltas.gate_up(topk_ids) if deltas is not None else act
     _up_kernel[(max_blocks, triton.cdiv(inter, up["block_n"]))](
         hidden, w13, act, sorted_ids, block_expert, num_padded, num_pairs, hidden.stride(0), w13.stride(0),
-        w13.stride(1), act.stride(0), HIDDEN=hidden_size, INTER=inter, TOPK=top_k, BLOCK_M=block_m,
-        BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], num_warps=up["num_warps"], num_stages=up["num_stages"],
-        **pdl_launch(hidden, pdl),
+        w13.stride(1), act.stride(0), d13, d13.stride(0), HIDDEN=hidden_size, INTER=inter, TOPK=top_k,
+        BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], HAS_DELTA=deltas is not None,
+        num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl_launch(hidden, pdl),
     )  # fmt: skip
+    d2 = deltas.down(act) if deltas is not None else act
     _down_kernel[(max_blocks, triton.cdiv(hidden_size, down["block_n"]))](
         act, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, act.stride(0), w2.stride(0),
-        w2.stride(1), y.stride(0), HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m, BLOCK_N=down["block_n"],
-        BLOCK_K=down["block_k"], num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl_launch(act, pdl),
+        w2.stride(1), y.stride(0), d2, d2.stride(0), HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m,
+        BLOCK_N=down["block_n"], BLOCK_K=down["block_k"], HAS_DELTA=deltas is not None, num_warps=down["num_warps"],
+        num_stages=down["num_stages"], **pdl_launch(act, pdl),
     )  # fmt: skip
     shared_out = gate_logit = None
     if shared is not None:  # its down projection on cuBLAS; the gate and the sum in the sum kernel

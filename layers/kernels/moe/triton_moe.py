@@ -35,10 +35,10 @@ def _check(hidden, w13, w2, shared) -> None:
 
 def fused_moe(
     *, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, shared=None, add_norm=None, path=None, config=None,
-    pdl=True,
+    pdl=True, deltas=None,
 ):  # fmt: skip
     """moe.fused_moe. `path` ("pairs" or "sorted") and `config` override the choice made from the
-    shapes (tests and tuning sweeps)."""
+    shapes (tests and tuning sweeps); with `deltas` the sorted path runs (its GEMMs add them)."""
     _check(hidden, w13, w2, shared)
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
@@ -49,7 +49,7 @@ def fused_moe(
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
     num_pairs = topk_ids.numel()
-    path = path or ("pairs" if num_pairs <= PAIRS_PATH_MAX else "sorted")
+    path = "sorted" if deltas is not None else path or ("pairs" if num_pairs <= PAIRS_PATH_MAX else "sorted")
     info = device_info(hidden.device)
     if path == "pairs":
         cfg = config or pairs_config(hidden_size, two_inter // 2, info)
@@ -57,13 +57,13 @@ def fused_moe(
     else:
         assert path == "sorted", f"unknown path {path!r}"
         cfg = config or sorted_config(num_pairs, num_experts, hidden.element_size(), info)
-        moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl)
+        moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, deltas)
     return norm.out if norm is not None else apply_add_norm(out, add_norm, pdl)
 
 
 def routed_moe(
     *, hidden, w13, w2, router_logits, top_k, renormalize, expert_offset=0, shared=None, add_norm=None,
-    route_in_up_max_tokens=ROUTE_IN_UP_MAX_TOKENS, path=None, pdl=True,
+    route_in_up_max_tokens=ROUTE_IN_UP_MAX_TOKENS, path=None, pdl=True, deltas=None,
 ):  # fmt: skip
     """moe.routed_moe: on the pairs path, up to route_in_up_max_tokens tokens, the up GEMV routes
     (one launch fewer); otherwise the router kernel, then fused_moe. `path` forces one ("pairs"
@@ -71,11 +71,11 @@ def routed_moe(
     num_tokens = hidden.shape[0]
     path = path or ("pairs" if num_tokens * top_k <= PAIRS_PATH_MAX else "sorted")
     route_in_up = 0 < num_tokens <= route_in_up_max_tokens and router_logits.shape[1] <= MAX_ROUTED_EXPERTS
-    if not route_in_up or path != "pairs":
+    if not route_in_up or path != "pairs" or deltas is not None:
         weights, ids = route_topk_softmax(router_logits=router_logits, top_k=top_k, renormalize=renormalize, pdl=pdl)
         return fused_moe(
             hidden=hidden, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, expert_offset=expert_offset,
-            shared=shared, add_norm=add_norm, path=path, pdl=pdl,
+            shared=shared, add_norm=add_norm, path=path, pdl=pdl, deltas=deltas,
         )  # fmt: skip
     assert 0 < top_k <= router_logits.shape[1], "top_k must be in 1..num_experts"
     assert router_logits.shape[0] == num_tokens, "router_logits: one row per token"

@@ -1,0 +1,143 @@
+"""LoRA adapters on the projections and on the routed experts, several adapters in one batch.
+
+Adapter weights sit in slots: per projection a [S, J * R, K] (slice j's A in rows j * R ..) and
+b [S, N, R] (the adapter's scaling folded in; rows and columns past an adapter's rank are zero),
+per MoE layer the experts' ExpertLoraWeights. Each row of a pass (token) names its slot, -1 for
+none. On CUDA the rows are grouped by slot on the device (triton_lora.py: punica / S-LoRA style
+segments; no host sync, so a decode pass's grouping runs inside its CUDA graph) and two grouped
+GEMMs apply the adapters; on CPU the plain-torch reference (naive.py) runs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import naive
+from .naive import pair_keys
+
+
+class LoraRows(NamedTuple):
+    """The rows of a pass and their adapter keys: keys [M] or [M, W] int32 (-1: no adapter; flat row
+    = m * W + w), num_keys (keys are < it); groups: the rows grouped by key on CUDA (None on CPU)."""
+
+    keys: torch.Tensor
+    num_keys: int
+    groups: object | None
+
+
+class ExpertLoraWeights(NamedTuple):
+    """One MoE layer's expert adapter slots (S slots, E local experts, rank R, I_local = the local
+    expert width): a13 [S, E, 2R, H] (the gate's A in rows 0..R, the up projection's in R..2R),
+    b13 [S, E, 2 * I_local, R] (gate rows, then up rows), a2 [S, E, R, I_local], b2 [S, E, H, R]."""
+
+    a13: torch.Tensor
+    b13: torch.Tensor
+    a2: torch.Tensor
+    b2: torch.Tensor
+
+
+def lora_rows(*, keys: torch.Tensor, num_keys: int, pdl: bool = True) -> LoraRows:
+    """Group rows by adapter key once, for every op of a pass that reads the same rows.
+
+    Args:
+        keys: [M] or [M, W] integer (-1 or any value outside [0, num_keys): no adapter).
+        num_keys: how many keys there are (slots, or slots x local experts).
+        pdl: CUDA: launch under programmatic dependent launch (sm_90+).
+
+    Returns:
+        LoraRows; on CUDA the grouping is device work only (no host sync).
+    """
+    groups = None
+    if keys.is_cuda:
+        from .triton_lora import group_rows
+
+        groups = group_rows(keys if keys.dim() == 2 else keys[:, None], num_keys, pdl)
+    return LoraRows(keys, num_keys, groups)
+
+
+def add_lora(
+    *,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bounds: tuple[int, ...],
+    rows: LoraRows,
+    pdl: bool = True,
+) -> torch.Tensor:
+    """y[t, :N] += b[s, n] . (a[s, slice(n)] @ x[t]) for each row t of slot s = rows.keys[t] >= 0, in place.
+
+    Args:
+        y: [T, >= N] the projection's output (its last dim contiguous), x's dtype.
+        x: [T, K] the projection's input (last dim contiguous).
+        a: [S, J * R, K], b: [S, N, R] in x's dtype; R a power of two >= 16.
+        bounds: (0, b_1, .., N): output rows [bounds[j], bounds[j + 1]) read slice j (J <= 4).
+        rows: lora_rows of the pass's tokens (keys [T], num_keys = S).
+        pdl: as lora_rows.
+
+    Returns:
+        y, with float32 accumulation and one rounding per element.
+    """
+    if y.is_cuda:
+        from .triton_lora import add_lora as impl
+
+        return impl(y=y, x=x, a=a, b=b, bounds=bounds, groups=rows.groups, pdl=pdl)
+    return naive.add_lora(y=y, x=x, a=a, b=b, bounds=bounds, token_slots=rows.keys)
+
+
+class ExpertDeltas:
+    """The experts' adapters as per-pair additions inside the MoE (moe.PairDeltas): `gate_up(topk_ids)`
+    is added to each routed pair's gate / up projection before the activation, `down(act)` to its down
+    projection before the routing weight. Built per MoE layer and pass from the rows' slots."""
+
+    def __init__(
+        self,
+        *,
+        hidden: torch.Tensor,
+        token_slots: torch.Tensor,
+        weights: ExpertLoraWeights,
+        expert_offset: int,
+        pdl: bool = True,
+        triton: bool | None = None,
+    ):
+        """triton: the Triton kernels (default: on CUDA tensors; tests run them interpreted)."""
+        self.hidden, self.token_slots, self.weights = hidden, token_slots, weights
+        self.expert_offset, self.pdl = expert_offset, pdl
+        self.triton = hidden.is_cuda if triton is None else triton
+        self.rows: LoraRows | None = None
+
+    def gate_up(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """[P, 2 * I_local] float32 (pair p = token * top_k + k; zero for pairs without an adapter)."""
+        w = self.weights
+        slots, experts, inter2, rank = w.b13.shape
+        keys = pair_keys(self.token_slots, topk_ids, experts, self.expert_offset)
+        groups = None
+        if self.triton:
+            from .triton_lora import group_rows
+
+            groups = group_rows(keys, slots * experts, self.pdl)
+        self.rows = LoraRows(keys, slots * experts, groups)
+        a = w.a13.reshape(slots * experts, 2 * rank, -1)
+        b = w.b13.reshape(slots * experts, inter2, rank)
+        return self._delta(self.hidden, a, b, (0, inter2 // 2, inter2), topk_ids.shape[1])
+
+    def down(self, act: torch.Tensor) -> torch.Tensor:
+        """[P, H] float32 from the pairs' activations act [P, I_local] (after gate_up)."""
+        w = self.weights
+        slots, experts, hidden, rank = w.b2.shape
+        a = w.a2.reshape(slots * experts, rank, -1)
+        b = w.b2.reshape(slots * experts, hidden, rank)
+        return self._delta(act, a, b, (0, hidden), 1)
+
+    def _delta(self, x, a, b, bounds, row_div) -> torch.Tensor:
+        assert self.rows is not None, "ExpertDeltas.gate_up runs before down"
+        if self.triton:
+            from .triton_lora import expert_delta
+
+            return expert_delta(x=x, a=a, b=b, bounds=bounds, groups=self.rows.groups, row_div=row_div, pdl=self.pdl)
+        return naive.expert_delta(x=x, a=a, b=b, bounds=bounds, keys=self.rows.keys, row_div=row_div)
+
+
+__all__ = ["ExpertDeltas", "ExpertLoraWeights", "LoraRows", "add_lora", "lora_rows", "pair_keys"]

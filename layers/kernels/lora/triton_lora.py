@@ -1,0 +1,175 @@
+"""Segmented LoRA in Triton (punica / S-LoRA style): rows grouped by adapter, then two grouped GEMMs.
+
+Rows (a pass's tokens, or the experts' routed pairs) are grouped by a key: the token's adapter slot,
+or slot * local experts + expert for a routed pair. The grouping is the MoE's own (moe/align.py:
+BLOCK_M-row blocks, one key per block, no host sync), so a decode pass's grouping runs inside a
+CUDA graph and reads the adapter slot of each row from a device tensor. Then
+
+  shrink: v[m, :] = a[key] @ x[row(m)]            v [M, RA] float32, RA = slices x rank
+  expand: y[m, n] (+)= b[key, n] . v[m, slice(n)]  one slice per contiguous range of output rows
+
+The expand's row n reads the rank columns of its slice (the fused q | k | v projection has one A
+per slice); the slices are at most MAX_SLICES contiguous row ranges.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..moe.align import align_pairs
+from ..pdl import pdl_launch, pdl_wait
+
+MAX_SLICES = 4
+# rows per block: small batches (decode) have a handful of rows per adapter; prefill chunks many
+SMALL_BLOCK_M, LARGE_BLOCK_M, LARGE_ROWS = 16, 64, 512
+
+
+class RowGroups(NamedTuple):
+    """Rows grouped by key (align_pairs' layout): sorted_ids [blocks * block_m] (row per position,
+    num_rows = padding), block_key [blocks] (-1: unused block), num_padded [1] (rows in use)."""
+
+    sorted_ids: torch.Tensor
+    block_key: torch.Tensor
+    num_padded: torch.Tensor
+    block_m: int
+    num_rows: int
+
+
+def group_rows(keys: torch.Tensor, num_keys: int, pdl: bool = True) -> RowGroups:
+    """Group the rows of keys [M, W] (flat row = m * W + w) by key in [0, num_keys); other keys skip."""
+    num_rows = keys.numel()
+    block_m = SMALL_BLOCK_M if num_rows <= LARGE_ROWS else LARGE_BLOCK_M
+    sorted_ids, block_key, offsets = align_pairs(
+        topk_ids=keys, num_experts=num_keys, expert_offset=0, block_m=block_m, pdl=pdl
+    )
+    return RowGroups(sorted_ids, block_key, offsets[num_keys:], block_m, num_rows)
+
+
+@triton.jit
+def _block_rows(sorted_ids, block_key, num_padded, num_rows, BLOCK_M: tl.constexpr):
+    """This program's block of grouped rows: (whether it is in use, its key, its rows, which of them
+    are real rows rather than padding). An unused block reads unset (allocated) entries, then exits."""
+    pid_m = tl.program_id(0)
+    used = pid_m * BLOCK_M < tl.load(num_padded)
+    key = tl.load(block_key + pid_m)
+    m = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return used, key, m, m < num_rows
+
+
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_rows"])
+def _shrink_kernel(
+    x, a, v, sorted_ids, block_key, num_padded, num_rows, s_xm, s_ag, s_ar, s_vm, K: tl.constexpr,
+    RA: tl.constexpr, ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """v[m, r] = x[m // ROW_DIV] . a[key, r] for one block of rows of one key and BLOCK_R of its RA rows."""
+    pdl_wait(USE_PDL)
+    used, key, m, m_ok = _block_rows(sorted_ids, block_key, num_padded, num_rows, BLOCK_M)
+    if not used:
+        return
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < RA
+    k = tl.arange(0, BLOCK_K)
+    x_ptr = x + (m // ROW_DIV).to(tl.int64)[:, None] * s_xm + k[None, :]
+    a_ptr = a + key.to(tl.int64) * s_ag + r[None, :] * s_ar + k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + k < K
+        xt = tl.load(x_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        at = tl.load(a_ptr, mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(xt, at.to(xt.dtype), acc)
+        x_ptr += BLOCK_K
+        a_ptr += BLOCK_K
+    tl.store(v + m.to(tl.int64)[:, None] * s_vm + r[None, :], acc, mask=m_ok[:, None] & r_ok[None, :])
+
+
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_rows"])
+def _expand_kernel(
+    v, b, y, sorted_ids, block_key, num_padded, num_rows, s_vm, s_bg, s_bn, s_ym, bound1, bound2, bound3,
+    N: tl.constexpr, R: tl.constexpr, NUM_SLICES: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """y[m, n] (+)= b[key, n] . v[m, slice(n) * R : slice(n) * R + R] for one block of rows of one key
+    and BLOCK_N output rows; slice(n) counts the bounds at or below n."""
+    pdl_wait(USE_PDL)
+    used, key, m, m_ok = _block_rows(sorted_ids, block_key, num_padded, num_rows, BLOCK_M)
+    if not used:
+        return
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    r = tl.arange(0, R)
+    bt = tl.load(b + key.to(tl.int64) * s_bg + n[None, :] * s_bn + r[:, None], mask=n_ok[None, :], other=0.0)
+    which = (n >= bound1).to(tl.int32) + (n >= bound2).to(tl.int32) + (n >= bound3).to(tl.int32)
+    v_rows = v + m.to(tl.int64)[:, None] * s_vm + r[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for j in tl.static_range(NUM_SLICES):
+        vj = tl.load(v_rows + j * R, mask=m_ok[:, None], other=0.0).to(bt.dtype)
+        part = tl.dot(vj, bt)
+        if NUM_SLICES > 1:
+            part = tl.where((which == j)[None, :], part, 0.0)
+        acc += part
+    dst = y + m.to(tl.int64)[:, None] * s_ym + n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(dst, mask=ok, other=0.0).to(tl.float32)
+    tl.store(dst, acc.to(y.dtype.element_ty), mask=ok)
+
+
+def shrink(x: torch.Tensor, a: torch.Tensor, groups: RowGroups, row_div: int = 1, pdl: bool = True) -> torch.Tensor:
+    """v [num_rows, RA] float32: each grouped row's x row (row // row_div) times its key's a [G, RA, K]."""
+    ra, k = a.shape[1], a.shape[2]
+    assert x.shape[1] == k and x.stride(-1) == 1 and a.stride(-1) == 1, "shrink: shapes / contiguous last dims"
+    v = torch.empty((groups.num_rows, ra), dtype=torch.float32, device=x.device)
+    block_r = max(16, min(64, triton.next_power_of_2(ra)))
+    block_k = max(16, min(128, triton.next_power_of_2(k)))
+    grid = (groups.block_key.shape[0], triton.cdiv(ra, block_r))
+    _shrink_kernel[grid](
+        x, a, v, groups.sorted_ids, groups.block_key, groups.num_padded, groups.num_rows, x.stride(0), a.stride(0),
+        a.stride(1), v.stride(0), K=k, RA=ra, ROW_DIV=row_div, BLOCK_M=groups.block_m, BLOCK_R=block_r,
+        BLOCK_K=block_k, num_warps=4, **pdl_launch(x, pdl),
+    )  # fmt: skip
+    return v
+
+
+def expand(
+    v: torch.Tensor,
+    b: torch.Tensor,
+    y: torch.Tensor,
+    groups: RowGroups,
+    bounds: tuple[int, ...],
+    accumulate: bool,
+    pdl: bool = True,
+) -> None:
+    """y[row, :bounds[-1]] (+)= each grouped row's delta from v (shrink's output) and b [G, N, R]."""
+    n, rank = bounds[-1], b.shape[2]
+    slices = len(bounds) - 1
+    assert 1 <= slices <= MAX_SLICES and b.shape[1] == n and v.shape[1] == slices * rank, "expand: shapes"
+    assert rank >= 16 and rank & (rank - 1) == 0, "expand: the slot rank is a power of two >= 16"
+    assert y.stride(-1) == 1 and b.stride(-1) == 1, "expand: contiguous last dims"
+    inner = list(bounds[1:-1]) + [n] * (MAX_SLICES - slices)
+    block_n = max(16, min(64, triton.next_power_of_2(n)))
+    grid = (groups.block_key.shape[0], triton.cdiv(n, block_n))
+    _expand_kernel[grid](
+        v, b, y, groups.sorted_ids, groups.block_key, groups.num_padded, groups.num_rows, v.stride(0), b.stride(0),
+        b.stride(1), y.stride(0), *inner[:3], N=n, R=rank, NUM_SLICES=slices, ACCUMULATE=accumulate,
+        BLOCK_M=groups.block_m, BLOCK_N=block_n, num_warps=4, **pdl_launch(v, pdl),
+    )  # fmt: skip
+
+
+def add_lora(*, y, x, a, b, bounds, groups: RowGroups, pdl: bool = True):
+    """lora.add_lora on CUDA (and under the interpreter): shrink, then expand into y in place."""
+    expand(shrink(x, a, groups, pdl=pdl), b, y, groups, bounds, accumulate=True, pdl=pdl)
+    return y
+
+
+def expert_delta(*, x, a, b, bounds, groups: RowGroups, row_div: int, pdl: bool = True) -> torch.Tensor:
+    """Per routed pair: its group's delta on x[pair // row_div]; zero rows for ungrouped pairs."""
+    out = torch.zeros((groups.num_rows, bounds[-1]), dtype=torch.float32, device=x.device)
+    expand(shrink(x, a, groups, row_div=row_div, pdl=pdl), b, out, groups, bounds, accumulate=False, pdl=pdl)
+    return out

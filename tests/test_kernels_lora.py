@@ -1,0 +1,185 @@
+"""Segmented LoRA (Triton, grouped by adapter slot on the device) against the plain-torch reference
+at tiny shapes: several adapters and base-only rows in one batch, fused projections with several
+slices, and the experts' per-pair deltas inside the fused MoE; interpreted on CPU tensors without
+CUDA, compiled on the GPU with it. Outputs the kernels allocate are NaN-filled first (nan_fill)."""
+
+import pytest
+import torch
+
+from deltaserve.layers.kernels import lora as lora_kernels
+from deltaserve.layers.kernels.lora import naive
+from deltaserve.layers.kernels.lora import triton_lora as tl_lora
+from deltaserve.layers.kernels.moe import naive as moe_naive
+from deltaserve.layers.kernels.moe import triton_moe as tm
+
+pytestmark = pytest.mark.usefixtures("nan_fill")
+
+
+def tol(device: torch.device) -> float:
+    return 1e-5 if device.type == "cpu" else 5e-3
+
+
+def slots_weights(g, slots, rank, k, n, slices, ranks):
+    """a [S, J * R, K], b [S, N, R] with each slot's own rank (zero past it), like loaded adapters."""
+    a = torch.zeros(slots, slices * rank, k)
+    b = torch.zeros(slots, n, rank)
+    for s, r in enumerate(ranks):
+        for j in range(slices):
+            a[s, j * rank : j * rank + r] = torch.randn(r, k, generator=g) * k**-0.5
+        b[s, :, :r] = torch.randn(n, r, generator=g)
+    return a, b
+
+
+def explicit(y, x, a, b, bounds, token_slots):
+    """Each token's delta written out row by row (the definition the reference must meet)."""
+    out = y.clone().double()
+    rank = b.shape[2]
+    for t, s in enumerate(token_slots.tolist()):
+        if s < 0:
+            continue
+        for j in range(len(bounds) - 1):
+            lo, hi = bounds[j], bounds[j + 1]
+            v = a[s, j * rank : (j + 1) * rank].double() @ x[t].double()
+            out[t, lo:hi] += b[s, lo:hi].double() @ v
+    return out
+
+
+CASES = [
+    # tokens, K, slot rows (-1: none), bounds, rank
+    (5, 40, [0, -1, 2, 0, 1], (0, 24), 16),
+    (9, 48, [1, 1, -1, 0, 2, 2, 2, -1, 0], (0, 20, 28, 36), 16),  # q | k | v: three slices, odd widths
+    (4, 24, [-1, -1, -1, -1], (0, 10, 18, 19, 40), 32),  # no adapter in the batch; four slices
+    (40, 33, [i % 4 - 1 for i in range(40)], (0, 17, 70), 16),  # several row blocks per slot
+]
+
+
+@pytest.mark.parametrize("tokens,k,slot_rows,bounds,rank", CASES)
+def test_add_lora(device, tokens, k, slot_rows, bounds, rank):
+    g = torch.Generator().manual_seed(tokens)
+    slices, n = len(bounds) - 1, bounds[-1]
+    a, b = slots_weights(g, 3, rank, k, n, slices, ranks=(rank, 3, 8))
+    x = torch.randn(tokens, k, generator=g)
+    wide = torch.randn(tokens, n + 6, generator=g)  # the projection's output, with rows past the LoRA's
+    slots = torch.tensor(slot_rows, dtype=torch.int32)
+    want = explicit(wide[:, :n], x, a, b, bounds, slots)
+    ref = naive.add_lora(y=wide.clone(), x=x, a=a, b=b, bounds=bounds, token_slots=slots)
+    assert torch.allclose(ref[:, :n].double(), want, atol=1e-5)
+    assert torch.equal(ref[:, n:], wide[:, n:])
+
+    to = dict(device=device)
+    y = wide.clone().to(**to)
+    rows = lora_kernels.LoraRows(slots.to(**to), 3, tl_lora.group_rows(slots.to(**to)[:, None], 3))
+    tl_lora.add_lora(y=y, x=x.to(**to), a=a.to(**to), b=b.to(**to), bounds=bounds, groups=rows.groups)
+    y = y.cpu()
+    assert torch.allclose(y, ref, atol=tol(device), rtol=tol(device))
+    base_rows = slots < 0
+    assert torch.equal(y[base_rows], wide[base_rows]), "rows without an adapter are not touched"
+    assert torch.equal(y[:, n:], wide[:, n:]), "columns past the LoRA's rows are not touched"
+
+
+def test_add_lora_half_precision(device):
+    """float16 activations and slots (bf16 stands in): one rounding of the float32 sum."""
+    g = torch.Generator().manual_seed(1)
+    bounds = (0, 32, 48)
+    a, b = slots_weights(g, 2, 16, 64, 48, 2, ranks=(16, 4))
+    x = torch.randn(6, 64, generator=g)
+    y = torch.randn(6, 48, generator=g)
+    slots = torch.tensor([1, 0, -1, 1, 1, 0], dtype=torch.int32)
+    ref = naive.add_lora(y=y.clone(), x=x, a=a, b=b, bounds=bounds, token_slots=slots)
+    half = dict(device=device, dtype=torch.float16)
+    out = y.to(**half)
+    d = slots.to(device)
+    tl_lora.add_lora(y=out, x=x.to(**half), a=a.to(**half), b=b.to(**half), bounds=bounds,
+                     groups=tl_lora.group_rows(d[:, None], 2))  # fmt: skip
+    assert (out.float().cpu() - ref).abs().max() < 2e-2
+
+
+def expert_case(device, *, tokens, hidden, inter, local, total, top_k, offset, slots, rank, slot_rows, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(local, 2 * inter, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(local, hidden, inter, generator=g) * inter**-0.5
+    logits = torch.randn(tokens, total, generator=g)
+    weights, ids = moe_naive.route_topk_softmax(router_logits=logits, top_k=top_k, renormalize=True)
+    lora = lora_kernels.ExpertLoraWeights(
+        a13=torch.randn(slots, local, 2 * rank, hidden, generator=g) * hidden**-0.5,
+        b13=torch.randn(slots, local, 2 * inter, rank, generator=g),
+        a2=torch.randn(slots, local, rank, inter, generator=g) * inter**-0.5,
+        b2=torch.randn(slots, local, hidden, rank, generator=g),
+    )
+    to = dict(device=device)
+    args = dict(
+        hidden=x.to(**to), w13=w13.to(**to), w2=w2.to(**to), topk_weights=weights.to(**to), topk_ids=ids.to(**to),
+        expert_offset=offset,
+    )  # fmt: skip
+    lora = lora_kernels.ExpertLoraWeights(*(t.to(**to) for t in lora))
+    return args, lora, torch.tensor(slot_rows, dtype=torch.int32, device=device)
+
+
+EXPERT_CASES = [
+    # tokens, hidden, inter, local, total, top_k, offset, slots, slot rows
+    (4, 32, 16, 4, 4, 2, 0, 2, [0, 1, -1, 1]),
+    (6, 40, 24, 3, 9, 3, 3, 3, [2, -1, 0, 0, 1, 2]),  # expert parallel: experts 3..5 of 9 are local
+    (20, 32, 16, 4, 4, 2, 0, 2, [i % 3 - 1 for i in range(20)]),  # several pairs per (slot, expert)
+]
+
+
+@pytest.mark.parametrize("tokens,hidden,inter,local,total,top_k,offset,slots,slot_rows", EXPERT_CASES)
+def test_fused_moe_with_expert_deltas(device, tokens, hidden, inter, local, total, top_k, offset, slots, slot_rows):
+    """The sorted path's GEMMs add the grouped (slot, expert) deltas: equal to the reference, and
+    tokens without an adapter get exactly the base experts' output."""
+    args, lora, token_slots = expert_case(
+        "cpu", tokens=tokens, hidden=hidden, inter=inter, local=local, total=total, top_k=top_k, offset=offset,
+        slots=slots, rank=16, slot_rows=slot_rows,
+    )  # fmt: skip
+    base = moe_naive.fused_moe(**args)
+    deltas = lora_kernels.ExpertDeltas(
+        hidden=args["hidden"], token_slots=token_slots, weights=lora, expert_offset=offset
+    )
+    ref = moe_naive.fused_moe(**args, deltas=deltas)
+    # the reference against a direct per-pair computation
+    want = _per_pair(args, lora, token_slots)
+    assert torch.allclose(ref, want, atol=1e-5)
+    assert not torch.allclose(ref, base, atol=1e-3), "the adapters change the output"
+
+    dev = {k: v.to(device) if torch.is_tensor(v) else v for k, v in args.items()}
+    dev_lora = lora_kernels.ExpertLoraWeights(*(t.to(device) for t in lora))
+    deltas = lora_kernels.ExpertDeltas(
+        hidden=dev["hidden"], token_slots=token_slots.to(device), weights=dev_lora, expert_offset=offset, triton=True
+    )
+    out = tm.fused_moe(**dev, deltas=deltas).cpu()
+    assert not out.isnan().any()
+    assert ((out - ref).norm() / ref.norm()).item() < tol(device)
+    plain = (token_slots < 0).cpu()
+    base_out = tm.fused_moe(**dev, path="sorted").cpu()
+    assert torch.allclose(out[plain], base_out[plain], atol=1e-6)
+
+
+def _per_pair(args, lora, token_slots):
+    x, w13, w2 = args["hidden"].double(), args["w13"].double(), args["w2"].double()
+    inter, rank = w2.shape[2], lora.a2.shape[2]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        s = int(token_slots[t])
+        for k in range(args["topk_ids"].shape[1]):
+            e = int(args["topk_ids"][t, k]) - args["expert_offset"]
+            if not 0 <= e < w13.shape[0]:
+                continue
+            gu = w13[e] @ x[t]
+            if s >= 0:
+                a13, b13 = lora.a13[s, e].double(), lora.b13[s, e].double()
+                gu[:inter] += b13[:inter] @ (a13[:rank] @ x[t])
+                gu[inter:] += b13[inter:] @ (a13[rank:] @ x[t])
+            act = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+            y = w2[e] @ act
+            if s >= 0:
+                y += lora.b2[s, e].double() @ (lora.a2[s, e].double() @ act)
+            out[t] += float(args["topk_weights"][t, k]) * y
+    return out.float()
+
+
+def test_pair_keys():
+    ids = torch.tensor([[0, 5], [3, 4], [4, 1]])
+    keys = naive.pair_keys(torch.tensor([1, -1, 0], dtype=torch.int32), ids, num_local=3, expert_offset=3)
+    # slot 1: expert 0 is another rank's, expert 5 is local 2 -> 1 * 3 + 2; row 1: no adapter
+    assert keys.tolist() == [[-1, 5], [-1, -1], [1, -1]]
