@@ -53,7 +53,7 @@ WAIT_FOR_ROOM_S = 10.0  # then the nodes are looked at again
 RECENTLY_FAILED_S = 60.0  # a node whose replica died is tried last for this long (Ray may not know it died)
 START_TIMEOUT_S = 300.0
 REPLACE_BACKOFF_S = (1.0, 30.0)
-GROUP_REMOVAL_WAIT_S = 5.0  # a shutdown waits this long for its group's removal (the GCS may be gone)
+GROUP_REMOVAL_WAIT_S = 2.0  # a shutdown waits this long for its group's removal (milliseconds unless the GCS is gone)
 NODE_ID_LABEL = "ray.io/node-id"
 
 OutputSink = Callable[["Replica", list[RequestOutput]], None]
