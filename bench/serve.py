@@ -162,6 +162,7 @@ class BenchResult:
     num_clients: int
     records: list[RequestRecord]  # sorted by index
     summary: dict
+    client_nodes: list[str] = field(default_factory=list)  # Ray clients: each client's node address
 
 
 # ---- the workload ------------------------------------------------------------------------------------
@@ -338,6 +339,12 @@ class LoadClient:
         if self._client is not None:
             await self._client.close()
 
+    def node(self) -> str:
+        """The address of the Ray node this client actor runs on."""
+        import ray
+
+        return ray.util.get_node_ip_address()
+
     async def _send_in_slot(
         self, request: PlannedRequest, run_start: float, slots: asyncio.Semaphore | None
     ) -> list[RequestRecord]:
@@ -435,8 +442,8 @@ def client_nodes(settings: BenchSettings) -> list[str]:
 
 def _run_on_ray(
     settings: BenchSettings, workload: list[PlannedRequest], address: str | None
-) -> tuple[list[RequestRecord], int]:
-    """The merged records of all client actors, and how many there were."""
+) -> tuple[list[RequestRecord], list[str]]:
+    """The merged records of all client actors, and the node address of each (as the actor reports it)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -453,13 +460,14 @@ def _run_on_ray(
         for i, node_id in enumerate(placements)
     ]
     try:
+        where = ray.get([c.node.remote() for c in clients])
         ray.get([c.warmup.remote() for c in clients])
         start_at = time.time() + RAY_START_DELAY_S
         per_client = ray.get([c.run.remote(start_at) for c in clients])
     finally:
         for c in clients:
             ray.kill(c)
-    return [record for records in per_client for record in records], len(clients)
+    return [record for records in per_client for record in records], where
 
 
 def run_benchmark(settings: BenchSettings, *, ray_address: str | None = None) -> BenchResult:
@@ -471,13 +479,13 @@ def run_benchmark(settings: BenchSettings, *, ray_address: str | None = None) ->
             return await plan_workload(settings, client)
 
     model, workload = asyncio.run(plan())
+    nodes: list[str] = []
     if settings.uses_ray:
-        records, num_clients = _run_on_ray(settings, workload, ray_address)
+        records, nodes = _run_on_ray(settings, workload, ray_address)
     else:
         records = asyncio.run(_run_in_process(settings, workload))
-        num_clients = 1
     records.sort(key=lambda r: r.index)
-    return BenchResult(settings, model, num_clients, records, summarize(records))
+    return BenchResult(settings, model, max(1, len(nodes)), records, summarize(records), nodes)
 
 
 # ---- the report ------------------------------------------------------------------------------------------
@@ -525,6 +533,7 @@ def format_report(result: BenchResult) -> str:
         "=" * 20 + " Serving Benchmark Result " + "=" * 20,
         f"{'Model:':<40}{result.model}",
         f"{'Target / backend / clients:':<40}{settings.target} / {settings.backend} / {result.num_clients}",
+        *([f"{'Client nodes:':<40}{_node_counts(result.client_nodes)}"] if result.client_nodes else []),
         f"{'Request rate / max concurrency:':<40}{rate} / {result.settings.max_concurrency or 'unlimited'}",
         f"{'Successful requests:':<40}{s['completed']}",
         f"{'Failed requests:':<40}{s['failed']}"
@@ -547,11 +556,16 @@ def format_report(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
+def _node_counts(nodes: list[str]) -> str:
+    return ", ".join(f"{ip} x{n}" for ip, n in sorted(Counter(nodes).items()))
+
+
 def report_json(result: BenchResult, *, with_requests: bool) -> dict:
     settings = asdict(result.settings)
     if math.isinf(settings["request_rate"]):
         settings["request_rate"] = "inf"  # strict JSON has no Infinity
-    report = {"settings": settings, "model": result.model, "num_clients": result.num_clients, **result.summary}
+    report = {"settings": settings, "model": result.model, "num_clients": result.num_clients}
+    report.update(client_nodes=result.client_nodes, **result.summary)
     if with_requests:
         report["requests"] = [asdict(r) for r in result.records]
     return report

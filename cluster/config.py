@@ -8,6 +8,7 @@
       runner     RunnerConfig     enforce_eager, cuda_graph_max_batch, kernels, ... (workers/config.py)
       lora       LoraConfig       enable_lora, max_loras, max_lora_rank, ...        (workers/config.py)
       serving    ServingConfig    max_waiting_requests, served_model_name, ...      (here)
+      data_parallel DataParallelConfig data_parallel_size, routing, ...             (here)
       executor   "auto" | "local" | "ray"
 
 Each field's default and help are written once, in its section (`setting`). Field names are vLLM's
@@ -39,6 +40,7 @@ from deltaserve.workers.config import (
 )
 
 EXECUTORS = ("auto", "local", "ray")
+ROUTING = ("least_loaded", "prefix_aware")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,31 @@ class ServingConfig:
 
 
 @dataclass(frozen=True)
+class DataParallelConfig:
+    """Engine replicas behind one router (served engines): each replica is a driver and its TP/EP worker
+    group, packed on one node; the replicas spread over the Ray cluster's nodes."""
+
+    data_parallel_size: int = setting(
+        1, aliases=("--dp",), check=at_least(1), help="engine replicas, each with its own TP/EP worker group"
+    )
+    routing: str = setting(
+        "least_loaded",
+        choices=ROUTING,
+        help="which replica takes a request: the one with the fewest in flight, or the one whose prefix cache "
+        "holds the longest prefix of the prompt (among those not far busier than the least loaded)",
+    )
+    replica_down_after_s: float = setting(
+        10.0,
+        check=at_least(1.0),
+        help="a replica that has not answered for this long is declared down (its requests end UNAVAILABLE) and "
+        "placed again; it takes no new requests after a second of silence",
+    )
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     load: LoadConfig = dataclasses.field(default_factory=LoadConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -88,6 +115,7 @@ class EngineConfig:
     runner: RunnerConfig = dataclasses.field(default_factory=RunnerConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     serving: ServingConfig = dataclasses.field(default_factory=ServingConfig)
+    data_parallel: DataParallelConfig = dataclasses.field(default_factory=DataParallelConfig)
     executor: str = setting(
         "auto", choices=EXECUTORS, cli=False, help="local: the model in this process (one rank); ray: worker actors"
     )
@@ -97,6 +125,8 @@ class EngineConfig:
         single = self.parallel.tensor_parallel_size == 1 and not self.parallel.enable_expert_parallel
         if self.executor == "local" and not single:
             raise ValueError("executor: 'local' runs one rank; tensor or expert parallelism needs 'ray'")
+        if self.executor == "local" and self.data_parallel.data_parallel_size > 1:
+            raise ValueError("executor: 'local' runs one engine in this process; data_parallel_size needs 'ray'")
 
     # ---- flat views ------------------------------------------------------------------------------
     @classmethod
@@ -228,6 +258,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 __all__ = [
     "CacheConfig",
+    "DataParallelConfig",
     "EngineConfig",
     "LoadConfig",
     "LoraConfig",

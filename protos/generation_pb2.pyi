@@ -220,12 +220,32 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ParallelLayout(_message.Message):
-    __slots__ = ("tensor_parallel_size", "expert_parallel")
+    __slots__ = ("tensor_parallel_size", "expert_parallel", "data_parallel_size")
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     EXPERT_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     tensor_parallel_size: int
     expert_parallel: bool
-    def __init__(self, tensor_parallel_size: _Optional[int] = ..., expert_parallel: _Optional[bool] = ...) -> None: ...
+    data_parallel_size: int
+    def __init__(self, tensor_parallel_size: _Optional[int] = ..., expert_parallel: _Optional[bool] = ..., data_parallel_size: _Optional[int] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("index", "state", "node_id", "node_ip", "transport", "in_flight", "routed")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_IP_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    state: str
+    node_id: str
+    node_ip: str
+    transport: str
+    in_flight: int
+    routed: int
+    def __init__(self, index: _Optional[int] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., node_ip: _Optional[str] = ..., transport: _Optional[str] = ..., in_flight: _Optional[int] = ..., routed: _Optional[int] = ...) -> None: ...
 
 class PoolCapacity(_message.Message):
     __slots__ = ("kv_tokens", "kv_pages", "block_size", "max_num_seqs")
@@ -240,7 +260,7 @@ class PoolCapacity(_message.Message):
     def __init__(self, kv_tokens: _Optional[int] = ..., kv_pages: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "model_type", "family", "max_model_len", "vocab_size", "eos_token_ids", "parallel", "pool", "dtype", "device", "speculative")
+    __slots__ = ("model", "model_type", "family", "max_model_len", "vocab_size", "eos_token_ids", "parallel", "pool", "dtype", "device", "speculative", "replicas")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +272,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_type: str
     family: str
@@ -263,7 +284,8 @@ class ModelInfo(_message.Message):
     dtype: str
     device: str
     speculative: SpeculativeDecoding
-    def __init__(self, model: _Optional[str] = ..., model_type: _Optional[str] = ..., family: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., pool: _Optional[_Union[PoolCapacity, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., speculative: _Optional[_Union[SpeculativeDecoding, _Mapping]] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, model: _Optional[str] = ..., model_type: _Optional[str] = ..., family: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., pool: _Optional[_Union[PoolCapacity, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., speculative: _Optional[_Union[SpeculativeDecoding, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class SpeculativeDecoding(_message.Message):
     __slots__ = ("method", "num_speculative_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "mean_acceptance_length")

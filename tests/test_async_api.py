@@ -16,7 +16,7 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.core.request import Logprob, top_logprobs
 from deltaserve.cluster.core.sampling_params import RequestOutputKind
-from deltaserve.cluster.entrypoints.async_engine import AsyncEngine
+from deltaserve.cluster.entrypoints.async_engine import AsyncEngine, _added_up
 from deltaserve.cluster.entrypoints.metrics import ServingMetrics
 
 pytestmark = pytest.mark.timeout(120)
@@ -139,6 +139,28 @@ def test_engine_metrics_use_vllm_names_and_take_spec_decode_counters():
     assert values["vllm:spec_decode_num_drafts_total"] == 10
     assert values["vllm:spec_decode_num_draft_tokens_total"] == 30
     assert values["vllm:spec_decode_num_accepted_tokens_total"] == 21
+
+
+def test_replica_stats_add_up_for_the_metrics():
+    """Two replicas' stats as one: counts (nested ones, per-position lists) summed, ratios left out."""
+    one = {
+        "running": 2,
+        "free_pages": 10,
+        "prefix_cache": {"enabled": True, "hit_tokens": 5, "query_tokens": 20, "hit_rate": 0.25},
+        "spec_decode": {"enabled": True, "method": "mtp", "num_drafts": 4, "accepted_per_position": [3, 1]},
+    }
+    two = {
+        "running": 1,
+        "free_pages": 30,
+        "prefix_cache": {"enabled": False},
+        "spec_decode": {"enabled": True, "method": "mtp", "num_drafts": 6, "accepted_per_position": [5, 2]},
+    }
+    assert _added_up([one, two]) == {
+        "running": 3,
+        "free_pages": 40,
+        "prefix_cache": {"enabled": True},
+        "spec_decode": {"enabled": True, "method": "mtp", "num_drafts": 10, "accepted_per_position": [8, 3]},
+    }
 
 
 def test_a_speculating_engine_exports_its_acceptance_counters(tiny_chat_model):

@@ -48,12 +48,13 @@ def test_flags_give_the_same_tree_as_kwargs(tmp_path):
     argv = ["--model", str(tmp_path), "--tp", "2", "--ep", "--max-num-seqs", "8", "--block-size", "32",
             "--dtype", "float32", "--no-async-scheduling", "--no-enable-chunked-prefill", "--max-model-len", "512",
             "--gpu-memory-utilization", "0.5", "--max-waiting-requests", "3",
-            "--cuda-graph-max-batch", "64"]  # fmt: skip
+            "--cuda-graph-max-batch", "64", "--dp", "2", "--routing", "prefix_aware"]  # fmt: skip
     from_flags = engine_config(parse(*argv), "ray")
     from_kwargs = EngineConfig.from_kwargs(
         model=str(tmp_path), tensor_parallel_size=2, enable_expert_parallel=True, max_num_seqs=8, block_size=32,
         dtype="float32", async_scheduling=False, enable_chunked_prefill=False, max_model_len=512,
         gpu_memory_utilization=0.5, max_waiting_requests=3, cuda_graph_max_batch=64, executor="ray",
+        data_parallel_size=2, routing="prefix_aware",
     )  # fmt: skip
     assert from_flags == from_kwargs
     # flags not given keep the fields' defaults (the namespace holds only what was given)
@@ -78,6 +79,10 @@ def test_flags_give_the_same_tree_as_kwargs(tmp_path):
         ({"max_waiting_requests": 0}, "max_waiting_requests"),
         ({"executor": "slurm"}, "executor"),
         ({"executor": "local", "tensor_parallel_size": 2}, "executor"),
+        ({"data_parallel_size": 0}, "data_parallel_size"),
+        ({"routing": "random"}, "routing"),
+        ({"replica_down_after_s": 0.1}, "replica_down_after_s"),
+        ({"executor": "local", "data_parallel_size": 2}, "executor"),
         ({"kernels": "fast"}, "kernels"),
         ({"max_num_sequences": 8}, "max_num_sequences"),
     ],
@@ -96,6 +101,8 @@ def test_wrong_values_name_the_field_from_every_door(tmp_path):
         LLM(str(tmp_path), max_num_seqs=0)  # before anything loads
     with pytest.raises(ValueError, match="^max_num_sequences:"):
         LLM(str(tmp_path), max_num_sequences=8)
+    with pytest.raises(ValueError, match="^data_parallel_size: LLM runs one engine"):
+        LLM(str(tmp_path), data_parallel_size=2)
     with pytest.raises(ValueError, match="^max_num_seqs:"):
         EngineConfig().replace(max_num_seqs=-1)
     with pytest.raises(ValueError, match="^max_num_sequences:"):

@@ -378,7 +378,7 @@ def test_engine_down_is_unavailable_and_not_serving(aio, model_path):
 
 
 def test_request_failed_by_the_engine_ends_unavailable(served, client, monkeypatch):
-    executor = served.engine._loop_engine.engine.executor
+    executor = served.engine._replicas[0].loop_engine.engine.executor
 
     def worker_dies(plan):
         raise WorkerFailure("worker 1 died")

@@ -138,7 +138,7 @@ def test_soak(ray_session, tiny_checkpoints, report):
     stopped = False
     try:
         aio.run(served.gateway.start())
-        driver_pid = ray.get(engine._driver.__ray_call__.remote(lambda self: os.getpid()))
+        driver_pid = ray.get(engine._replicas[0]._driver.__ray_call__.remote(lambda self: os.getpid()))
         ours = descendant_pids() | {os.getpid()}
         assert shm_segments_of(ours), "the Ray executor runs over a shared-memory ring"
         tally: Counter = Counter()

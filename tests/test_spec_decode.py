@@ -301,3 +301,18 @@ def test_flag_and_kwarg_give_the_same_config(tmp_path):
             parser.parse_args(["serve", "--model", str(tmp_path), "--speculative-config", text])
     with pytest.raises(ValueError, match="^speculative_config: num_speculative_tokens"):
         engine_config(parser.parse_args(["serve", "--speculative-config", '{"num_speculative_tokens": 99}']), "local")
+
+
+def test_replicas_counters_add_up():
+    """GetModelInfo with data-parallel replicas: the counters of one stats object that recorded every
+    replica's verify rows are the replicas' counters added up."""
+    from deltaserve.cluster.core.speculative import SpecStats, SpeculativeInfo
+
+    accepted = [[0, 2, 3], [1, 1], [3, 0, 0, 2]]  # each replica's verify rows
+    replicas, together = [SpecStats(3) for _ in accepted], SpecStats(3)
+    for stats, rows in zip(replicas, accepted, strict=True):
+        for n in rows:
+            stats.record(n)
+            together.record(n)
+    assert SpeculativeInfo.total([s.info() for s in replicas]) == together.info()
+    assert SpeculativeInfo.total([SpecStats(2).info()]).mean_acceptance_length == 0.0

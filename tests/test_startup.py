@@ -93,6 +93,10 @@ def test_settings_that_cannot_work_are_refused_naming_them(capsys, tmp_path, tin
     assert line == "deltaserve serve: max_num_seqs: must be >= 1, got 0"
     line = serve_error(capsys, "--model", model, "--backend", "local", "--tp", "2")
     assert line.startswith("deltaserve serve: backend: 'local' runs one rank")
+    line = serve_error(capsys, "--model", model, "--backend", "local", "--dp", "2")
+    assert line == "deltaserve serve: backend: 'local' runs one engine in this process; data_parallel_size needs 'ray'"
+    line = serve_error(capsys, "--model", model, "--data-parallel-size", "0")
+    assert line == "deltaserve serve: data_parallel_size: must be >= 1, got 0"
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -55,6 +55,19 @@ SPEC_LOG_INTERVAL_S = 30.0  # how often the acceptance counters are logged while
 
 
 @dataclass(frozen=True)
+class ReplicaInfo:
+    """Where one engine replica runs and how busy the router sees it."""
+
+    index: int
+    state: str  # up, suspect (not answering: takes no new requests), down, placing
+    node_id: str  # the Ray node of its driver and workers ("" while placing; the process's own for local)
+    node_ip: str
+    transport: str  # how plans reach its workers: local (in the driver), shm, compiled
+    in_flight: int
+    routed: int  # requests routed to it since it started
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What is served: the model, its limits, how it is split and the pools' capacity."""
 
@@ -73,6 +86,8 @@ class ModelInfo:
     dtype: str  # in use ("auto" resolved for the device)
     device: str
     speculative: SpeculativeInfo | None = None  # None: no speculative decoding
+    data_parallel_size: int = 1
+    replicas: tuple[ReplicaInfo, ...] = ()  # filled in by the front doors' engine (one entry per replica)
 
 
 @dataclass(frozen=True)
@@ -503,6 +518,16 @@ class EngineCore:
             device=cfg.load.device,
             speculative=None if self.scheduler.spec_stats is None else self.scheduler.spec_stats.info(),
         )
+
+    def prefix_events(self) -> deque[tuple[bool, bytes]] | None:
+        """Record the page index's changes from now on, for a router's PrefixMirror (the reader drains
+        the deque); None without a prefix cache."""
+        if self.prefix_cache is None:
+            return None
+        pages = self.prefix_cache.pages
+        if pages.events is None:
+            pages.events = deque()
+        return pages.events
 
     def set_prefix_caching(self, enabled: bool) -> None:
         """Use the prefix cache or not (benchmarks compare both in one process); the index is kept."""

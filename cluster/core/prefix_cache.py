@@ -21,8 +21,9 @@ and save, and a pass's plan carries the copies and captures the workers perform.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
-from collections.abc import Sequence
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,6 +124,9 @@ class PageCache:
         self._children: dict[bytes, dict[int, tuple[int, ...]]] = {}
         self._parent_of: dict[int, bytes] = {}
         self.reclaim = None  # () -> bool: release a page that only snapshots hold
+        # (True, hash) when a block becomes findable, (False, hash) when it is forgotten: for a router's
+        # PrefixMirror in another process (None: nobody reads them)
+        self.events: deque[tuple[bool, bytes]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -195,6 +199,8 @@ class PageCache:
         h = self._hash_of.pop(page, None)
         if h is not None:
             self._page_of.pop(h, None)
+            if self.events is not None:
+                self.events.append((False, h))
             parent = self._parent_of.pop(page)
             children = self._children.get(parent)
             if children is not None:
@@ -210,6 +216,8 @@ class PageCache:
         self._hash_of[page] = h
         self._parent_of[page] = parent
         self._children.setdefault(parent, {})[page] = tokens
+        if self.events is not None:
+            self.events.append((True, h))
 
     def lookup(self, h: bytes) -> int | None:
         return self._page_of.get(h)
@@ -431,3 +439,54 @@ class PrefixCache:
 
     def reset(self) -> tuple[int, int]:
         return self.pages.reset(), self.snapshots.reset()
+
+
+def prompt_block_hashes(tokens: Sequence[int], block_size: int, cache_key: str = "") -> list[bytes]:
+    """The chained hashes of the full blocks a lookup of this prompt can reuse (every full block before
+    its last token: the last token is always computed)."""
+    hashes = RequestHashes(root_hash(cache_key))
+    hashes.extend(tokens, block_size, len(tokens) - 1)
+    return hashes.hashes
+
+
+class PrefixMirror:
+    """Another process's copy of the block hashes one engine's page index holds, kept from that engine's
+    events (`PageCache.events`), plus the blocks of prompts sent there since (`expect`: they are cached
+    once prefilled, before their events arrive). `matched_blocks` says how many leading blocks of a prompt
+    that engine holds. The GDN snapshot a hit also needs is taken on the same engine at those blocks'
+    boundaries (prompt end, last block, divergence), so the page match is the router's measure."""
+
+    def __init__(self, expect_s: float = 30.0):
+        self.cached: set[bytes] = set()
+        self.expected: OrderedDict[bytes, float] = OrderedDict()  # hash -> when it was routed here
+        self.expect_s = expect_s
+
+    def __len__(self) -> int:
+        return len(self.cached)
+
+    def apply(self, events: Iterable[tuple[bool, bytes]]) -> None:
+        for added, h in events:
+            if added:
+                self.cached.add(h)
+            else:
+                self.cached.discard(h)
+            self.expected.pop(h, None)
+
+    def expect(self, hashes: Sequence[bytes], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for h in hashes:
+            if h not in self.cached:
+                self.expected[h] = now
+                self.expected.move_to_end(h)
+
+    def matched_blocks(self, hashes: Sequence[bytes], now: float | None = None) -> int:
+        """Leading blocks of the chain `hashes` held (or expected) here."""
+        now = time.monotonic() if now is None else now
+        while self.expected and next(iter(self.expected.values())) < now - self.expect_s:
+            self.expected.popitem(last=False)
+        n = 0
+        for h in hashes:
+            if h not in self.cached and h not in self.expected:
+                break
+            n += 1
+        return n

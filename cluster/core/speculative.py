@@ -10,6 +10,7 @@ grammar (structured output) decode one token at a time in the same passes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .request import Request
@@ -39,6 +40,23 @@ class SpeculativeInfo:
     num_accepted_tokens: int
     accepted_per_position: tuple[int, ...]
     mean_acceptance_length: float
+
+    @classmethod
+    def total(cls, infos: Sequence[SpeculativeInfo]) -> SpeculativeInfo:
+        """Several engines' counters added up (data-parallel replicas serving one model)."""
+        first = infos[0]
+        drafts = sum(i.num_drafts for i in infos)
+        accepted = sum(i.num_accepted_tokens for i in infos)
+        per_position = zip(*(i.accepted_per_position for i in infos), strict=True)
+        return cls(
+            method=first.method,
+            num_speculative_tokens=first.num_speculative_tokens,
+            num_drafts=drafts,
+            num_draft_tokens=sum(i.num_draft_tokens for i in infos),
+            num_accepted_tokens=accepted,
+            accepted_per_position=tuple(sum(col) for col in per_position),
+            mean_acceptance_length=1 + accepted / drafts if drafts else 0.0,
+        )
 
 
 @dataclass

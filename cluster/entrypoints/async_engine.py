@@ -1,14 +1,23 @@
-"""AsyncEngine: the asyncio face of the engine, behind both front doors (gRPC and HTTP) and for Python.
+"""AsyncEngine: the asyncio face of the engine, behind every front door (gRPC gateway, HTTP server) and
+for Python.
 
     engine = await AsyncEngine.local(EngineConfig.from_kwargs(model=path))
     async for out in engine.generate("Hello", SamplingParams(max_tokens=16), "request-1"):
         print(out.outputs[0].text)   # vLLM's AsyncLLM shapes: cumulative unless output_kind says
 
-Two backends with one API: `local` runs an EngineLoop in this process; `ray` talks to a Driver actor
-(which owns the EngineLoop and, through the RayExecutor, the worker group), collecting outputs with
-one long-poll call per batch. Streams are asyncio queues keyed by request id; a stream whose
-consumer goes away aborts its request, which frees its pages and slot on the next loop turn. The
-front doors use `submit` + `stream` (deltas); every output passes the server's metrics on the way.
+Behind it are one or more engine replicas (`replicas.py`) and a router (`router.py`): `local` runs one
+EngineLoop in this process; `ray` runs `data_parallel_size` Driver actors, each with its worker group
+on one node, spread over the Ray cluster, collecting outputs with one long-poll call per batch. Each
+request goes to the replica the router picks (least loaded, or prefix-aware) among those answering; a
+replica that cannot take the call passes the request to another. Streams are asyncio queues keyed by
+request id; a stream whose consumer goes away aborts its request, which frees its pages and slot on
+the next loop turn. When a replica goes down its requests in flight end with EngineUnavailableError
+(UNAVAILABLE) and the others keep serving while it is placed again. The front doors use `submit` +
+`stream` (deltas); every output passes the server's metrics on the way.
+
+LoRA adapters live in each replica's engine: a load or unload goes to every replica (a load that one
+replica refuses is undone on the others), a replica placed again loads the adapters the others hold,
+and a request naming an adapter goes only to a replica that holds it.
 """
 
 from __future__ import annotations
@@ -18,107 +27,117 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from deltaserve.cluster.config import EngineConfig
-from deltaserve.cluster.core.engine import ModelInfo
+from deltaserve.cluster.core.engine import ModelInfo, ReplicaInfo
 from deltaserve.cluster.core.lora import LoRARequest
 from deltaserve.cluster.core.request import CompletionOutput, RequestOutput
 from deltaserve.cluster.core.sampling_params import RequestOutputKind, SamplingParams
+from deltaserve.cluster.core.speculative import SpeculativeInfo
 from deltaserve.workers.config import short
 
 from . import validation
 from .chat_template import ChatTemplate
-from .driver import AdapterNotFoundError, Driver, EngineLoop, EngineStartError, EngineUnavailableError, QueueFullError
+from .driver import AdapterNotFoundError, EngineUnavailableError, QueueFullError
 from .metrics import RequestTimer, ServingMetrics
+from .replicas import LocalReplica, RayReplicas, Replica, ReplicaUnreachable
+from .router import make_router
 
 log = logging.getLogger(__name__)
 
-# a healthy driver stops in seconds; one whose Ray cluster died under it never answers
-DRIVER_SHUTDOWN_TIMEOUT_S = 15.0
-
 __all__ = ["AdapterNotFoundError", "AsyncEngine", "EngineUnavailableError", "QueueFullError"]
+
+SERVING = ("up", "suspect")
 
 
 class AsyncEngine:
-    def __init__(self, backend: str, config: EngineConfig, *, loop_engine: EngineLoop | None = None, driver=None):
+    def __init__(self, backend: str, config: EngineConfig):
         self.backend = backend
         self.config = config
         self.model_name = served_model_name(config)
         self.chat_template = ChatTemplate.for_model(config.load.model, config.serving.chat_template)
         self.metrics = ServingMetrics(self.model_name)
-        self._loop_engine = loop_engine
-        self._driver = driver
-        self._streams: dict[str, asyncio.Queue] = {}
         self._timers: dict[str, RequestTimer] = {}
-        self._aio = asyncio.get_running_loop()
-        self._poller: asyncio.Task | None = None
+        self._replicas: list[Replica] = []
+        self._ray: RayReplicas | None = None
+        self._router = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._owner: dict[str, Replica] = {}  # request id -> the replica running it
+        self._submitting: set[str] = set()  # handed to a replica that has not answered yet
+        self._tokenizer = None  # the prefix-aware router's, for text prompts (loaded on first use)
+        self._adapters: dict[str, LoRARequest] = {}  # loaded adapters by name, each with one id on every replica
+        self._adapter_lock = asyncio.Lock()  # loads, unloads and a new replica's catch-up run one at a time
+        self._last_failure: str | None = None  # the last replica that went down, and why
         self._closing = False
-        self.failure: str | None = None
-        if backend == "ray":
-            self._poller = asyncio.create_task(self._poll_driver())
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
     async def local(cls, config: EngineConfig) -> AsyncEngine:
         """The engine in this process (a thread runs its loop)."""
-        engine = cls.__new__(cls)
-        aio = asyncio.get_running_loop()
-        loop_engine = await asyncio.to_thread(
-            EngineLoop, config, lambda out: aio.call_soon_threadsafe(engine._dispatch, out)
-        )
-        try:
-            cls.__init__(engine, "local", config, loop_engine=loop_engine)
-        except BaseException:
-            await asyncio.to_thread(loop_engine.stop)
-            raise
+        if config.data_parallel.data_parallel_size > 1:
+            raise ValueError("data_parallel_size: the local backend runs one engine in this process; replicas need Ray")
+        engine = cls("local", config)
+        replica = await LocalReplica.start(config, engine._dispatch)
+        engine._replicas = [replica]
+        engine._router = make_router(config.data_parallel.routing, (await replica.model_info()).block_size)
         return engine
 
     @classmethod
     async def ray(cls, config: EngineConfig, *, name: str | None = None) -> AsyncEngine:
-        """A Driver actor on the current Ray cluster (ray.init must have run)."""
-        import ray
-
-        options = {"max_concurrency": 64, "num_cpus": 0}
-        if name:
-            options.update(name=name, get_if_exists=False)
-        driver = ray.remote(Driver).options(**options).remote(config)
-        error = await driver.start_error.remote()  # waits for the engine (workers, weights, pools) to be up
-        if error is not None:
-            ray.kill(driver)
-            raise EngineStartError(error)
+        """`data_parallel_size` Driver actors on the current Ray cluster (ray.init must have run), each
+        with its workers on one node; raises EngineStartError (the cause in one line) if one fails."""
+        engine = cls("ray", config)
+        engine._ray = RayReplicas(config, engine._dispatch, engine._replica_down, name, on_ready=engine._catch_up)
+        await engine._ray.start()
+        engine._replicas = engine._ray.slots
         try:
-            return cls("ray", config, driver=driver)
+            block_size = (await engine._replicas[0].model_info()).block_size
         except BaseException:
-            ray.kill(driver)
+            await engine._ray.shutdown()
             raise
+        engine._router = make_router(config.data_parallel.routing, block_size)
+        return engine
 
     # ---- outputs -------------------------------------------------------------------------------
-    def _dispatch(self, out: RequestOutput) -> None:
-        q = self._streams.get(out.request_id)
-        if q is not None:
-            q.put_nowait(out)
+    def _dispatch(self, replica: Replica, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if self._owner.get(out.request_id) is not replica:
+                continue  # aborted, or its replica was declared down meanwhile
+            if out.finished:
+                self._release(out.request_id)
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
 
-    async def _poll_driver(self) -> None:
-        from ray.exceptions import RayError
+    def _release(self, req_id: str) -> None:
+        replica = self._owner.pop(req_id, None)
+        if replica is not None:
+            replica.in_flight -= 1
 
-        while not self._closing:
-            try:
-                outputs = await self._driver.poll.remote(0.1)
-            except RayError as e:
-                self.failure = f"the driver actor failed: {type(e).__name__}"
-                log.error("%s: %s", self.failure, e)
-                for q in self._streams.values():
-                    q.put_nowait(EngineUnavailableError(self.failure))
-                return
-            for out in outputs:
-                self._dispatch(out)
+    def _replica_down(self, replica: Replica, reason: str) -> None:
+        """Its requests in flight end UNAVAILABLE; it is placed again (on a node with room)."""
+        error = EngineUnavailableError(f"{replica.where()} failed: {reason}")
+        self._last_failure = str(error)
+        # a request still being handed over is not lost: its submit fails over to another replica
+        lost = [req_id for req_id, owner in self._owner.items() if owner is replica and req_id not in self._submitting]
+        for req_id in lost:
+            self._release(req_id)
+            q = self._streams.get(req_id)
+            if q is not None:
+                q.put_nowait(error)
+        if lost:
+            log.error("%d request(s) in flight on %s end UNAVAILABLE", len(lost), replica.where())
+        if self._ray is not None and not self._closing:
+            self._ray.replace(replica)
 
     # ---- requests ------------------------------------------------------------------------------
     async def submit(
         self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None
     ) -> int:
-        """Queue a request (ValueError / AdapterNotFoundError / QueueFullError / EngineUnavailableError
-        before queueing). lora_name: the loaded adapter it runs on (None: the base model)."""
+        """Queue a request on the replica the router picks (ValueError / AdapterNotFoundError /
+        QueueFullError / EngineUnavailableError before queueing). lora_name: the loaded adapter it runs
+        on (None: the base model)."""
         try:
             self._check_up()
             if req_id in self._streams:  # replacing the queue would cut the live request's stream off
@@ -128,29 +147,71 @@ class AsyncEngine:
             raise
         self._streams[req_id] = asyncio.Queue()
         self._timers[req_id] = self.metrics.start()
+        tried: set[int] = set()
         try:
-            if self.backend == "local":
-                return self._loop_engine.submit(req_id, prompt, params, lora_name)
-            submitted = asyncio.ensure_future(self._driver.submit.remote(req_id, prompt, params, lora_name))
-            try:
-                return await asyncio.shield(submitted)
-            except asyncio.CancelledError:
-                # the caller left, but the driver may still take the request: abort it once it has
-                with contextlib.suppress(Exception):
-                    await submitted
-                    await self.abort(req_id)
-                raise
+            while True:
+                replica = self._route(prompt, tried, lora_name)
+                # owned before the call: its first outputs may come back before the call returns
+                self._owner[req_id] = replica
+                replica.in_flight += 1
+                self._submitting.add(req_id)
+                try:
+                    num_prompt_tokens = await replica.submit(req_id, prompt, params, lora_name)
+                except ReplicaUnreachable as e:
+                    self._release(req_id)
+                    tried.add(replica.index)
+                    replica.suspect(str(e))
+                    continue
+                except BaseException:
+                    self._release(req_id)
+                    raise
+                finally:
+                    self._submitting.discard(req_id)
+                if replica.state not in SERVING:  # taken, then its replica went down: lost with it
+                    self._release(req_id)
+                    raise EngineUnavailableError(f"{replica.where()} failed: {replica.failure}")
+                replica.routed += 1
+                return num_prompt_tokens
         except BaseException as e:
             self._streams.pop(req_id, None)
             self._timers.pop(req_id, None)
-            error = _unwrap(e)
-            self._refused(error)
-            raise error from None
+            self._refused(e)
+            raise
 
     def _refused(self, error: BaseException) -> None:
         kind = validation.classify(error)
         if kind is not None:
             self.metrics.refused(kind.value)
+
+    def _route(self, prompt: str | list[int], tried: set[int], lora_name: str | None = None) -> Replica:
+        """The replica for a request: among those answering (suspect ones only when no other is) that
+        hold its adapter."""
+        lacking = False
+        for states in (("up",), ("suspect",)):
+            candidates = [r for r in self._replicas if r.state in states and r.index not in tried]
+            if lora_name is not None:
+                holding = [r for r in candidates if lora_name in r.adapters]
+                lacking |= len(holding) < len(candidates)
+                candidates = holding
+            if candidates:
+                # a request on an adapter has other block hashes than the mirrors know (its key is per engine)
+                ids = self._token_ids(prompt) if self._router.needs_token_ids and lora_name is None else None
+                return candidates[self._router.choose(candidates, ids)]
+        if lacking:
+            raise AdapterNotFoundError(f"lora_name: no adapter named {short(lora_name, 80)} is loaded")
+        raise EngineUnavailableError(self._why_down())
+
+    def _token_ids(self, prompt: str | list[int]) -> list[int] | None:
+        if not isinstance(prompt, str):
+            return list(prompt) if isinstance(prompt, list | tuple) else None
+        if self._tokenizer is None:
+            from deltaserve.cluster.core.tokenizer import Tokenizer
+
+            model = self.config.load.model
+            if model is None or not (Path(model) / "tokenizer.json").is_file():
+                return None
+            self._tokenizer = Tokenizer(model)
+        return self._tokenizer.encode(prompt)
 
     async def stream(self, req_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of a submitted request until it finishes (each carries what its step added in the
@@ -235,62 +296,118 @@ class AsyncEngine:
         await self.abort(req_id)
 
     async def abort(self, req_id: str) -> None:
-        if self.failure is not None:
+        replica = self._owner.get(req_id)
+        if replica is None:
             return
-        if self.backend == "local":
-            self._loop_engine.abort(req_id)
-        else:
-            await self._driver.abort.remote(req_id)
+        self._release(req_id)
+        if replica.state in SERVING:
+            await replica.abort(req_id)
 
     # ---- adapters ------------------------------------------------------------------------------
     async def lora_request(self, name: str) -> LoRARequest | None:
         """The loaded adapter of this name, or None (the HTTP `model` field's lookup)."""
-        return next((r for r in await self.list_loras() if r.lora_name == name), None)
+        self._check_up()
+        return self._adapters.get(name)
 
     async def list_loras(self) -> list[LoRARequest]:
         self._check_up()
-        if self.backend == "local":
-            return self._loop_engine.list_loras()
-        return await self._driver.list_loras.remote()
+        return list(self._adapters.values())
 
     async def load_lora(self, name: str, path: str) -> LoRARequest:
-        """Load an adapter under `name` (ValueError naming the file and field when it cannot be served)."""
-        return await self._adapter_call("load_lora", name, path)
+        """Load an adapter under `name` on every serving replica, with one id (ValueError naming the file
+        and field when it cannot be served; a replica that refuses it has it unloaded from the others)."""
+        self._check_up()
+        async with self._adapter_lock:
+            if name in self._adapters:
+                raise ValueError(f"lora_name: {short(name, 80)} is already loaded")
+            lora_int_id = 1 + max((r.lora_int_id for r in self._adapters.values()), default=0)
+            replicas = [r for r in self._replicas if r.state in SERVING]
+            results = await asyncio.gather(
+                *(r.load_lora(name, path, lora_int_id) for r in replicas), return_exceptions=True
+            )
+            loaded = [(r, lora) for r, lora in zip(replicas, results, strict=True) if isinstance(lora, LoRARequest)]
+            refused = [(r, e) for r, e in zip(replicas, results, strict=True) if not isinstance(e, LoRARequest)]
+            for replica, error in refused:
+                if isinstance(error, ReplicaUnreachable):  # it missed the load: no requests on it for this adapter
+                    replica.suspect(str(error))
+                    continue
+                if loaded:  # refused by this one only (e.g. the file is missing on its node): undone everywhere
+                    await asyncio.gather(*(r.unload_lora(name) for r, _ in loaded), return_exceptions=True)
+                    if isinstance(error, ValueError):
+                        raise ValueError(f"{error} (on {replica.where()}; loaded on no replica)") from None
+                raise error
+            if not loaded:
+                raise EngineUnavailableError(self._why_down())
+            for replica, _ in loaded:
+                replica.adapters.add(name)
+            self._adapters[name] = loaded[0][1]
+            return loaded[0][1]
 
     async def unload_lora(self, name: str) -> None:
-        """Unload an adapter (AdapterNotFoundError for a name not loaded)."""
-        await self._adapter_call("unload_lora", name)
-
-    async def _adapter_call(self, method: str, *args):
+        """Unload an adapter from every replica (AdapterNotFoundError for a name not loaded); requests
+        running on it finish on it."""
         self._check_up()
-        try:
-            if self.backend == "local":
-                return await asyncio.to_thread(getattr(self._loop_engine, method), *args)
-            return await getattr(self._driver, method).remote(*args)
-        except BaseException as e:
-            raise _unwrap(e) from None
+        async with self._adapter_lock:
+            if name not in self._adapters:
+                raise AdapterNotFoundError(f"lora_name: no adapter named {short(name, 80)} is loaded")
+            del self._adapters[name]
+            holding = [r for r in self._replicas if name in r.adapters]
+            for replica in holding:
+                replica.adapters.discard(name)  # new requests naming it go nowhere from now on
+            results = await asyncio.gather(*(r.unload_lora(name) for r in holding), return_exceptions=True)
+            for replica, error in zip(holding, results, strict=True):
+                if isinstance(error, BaseException) and not isinstance(error, AdapterNotFoundError):
+                    log.error("%s could not unload adapter %s: %s", replica.where(), short(name, 80), error)
+
+    async def _catch_up(self, replica: Replica) -> None:
+        """Load the adapters the others hold onto a replica placed again, before it takes requests; one
+        it cannot load is left out there (requests naming it go to the other replicas)."""
+        async with self._adapter_lock:
+            for lora in self._adapters.values():
+                try:
+                    await replica.load_lora(lora.lora_name, lora.path, lora.lora_int_id)
+                except Exception as e:
+                    log.error("%s could not load adapter %s again: %s", replica.where(), lora.lora_name, e)
+                    continue
+                replica.adapters.add(lora.lora_name)
 
     # ---- queries -------------------------------------------------------------------------------
-    async def tokenize(self, text: str) -> list[int]:
+    def _serving(self) -> list[Replica]:
         self._check_up()
-        if self.backend == "local":
-            return self._loop_engine.engine.tokenize(text)
-        try:
-            return await self._driver.tokenize.remote(text)
-        except BaseException as e:
-            raise _unwrap(e) from None
+        up = [r for r in self._replicas if r.state == "up"]
+        return up or [r for r in self._replicas if r.state in SERVING]
+
+    async def tokenize(self, text: str) -> list[int]:
+        return await self._serving()[0].tokenize(text)
 
     async def info(self) -> ModelInfo:
-        self._check_up()
-        if self.backend == "local":
-            return self._loop_engine.engine.model_info()
-        return await self._driver.info.remote()
+        """The model (from a replica that answers), with every replica's place and load, and the serving
+        replicas' speculative decoding counters added up."""
+        serving = self._serving()
+        infos = [await serving[0].model_info()]
+        if infos[0].speculative is not None and len(serving) > 1:
+            others = await asyncio.gather(*(r.model_info() for r in serving[1:]), return_exceptions=True)
+            infos += [i for i in others if isinstance(i, ModelInfo)]
+        speculative = None if infos[0].speculative is None else SpeculativeInfo.total([i.speculative for i in infos])
+        return dataclasses.replace(
+            infos[0],
+            speculative=speculative,
+            data_parallel_size=self.config.data_parallel.data_parallel_size,
+            replicas=self.replica_infos(),
+        )
+
+    def replica_infos(self) -> tuple[ReplicaInfo, ...]:
+        return tuple(r.info() for r in self._replicas)
 
     async def stats(self) -> dict:
-        self._check_up()
-        if self.backend == "local":
-            return self._loop_engine.stats()
-        return await self._driver.stats.remote()
+        """The serving replicas' counts added up (nested ones too; ratios only per replica), and each
+        replica's own under `replicas`."""
+        serving = self._serving()
+        each = await asyncio.gather(*(r.stats() for r in serving), return_exceptions=True)
+        answered = [(r, s) for r, s in zip(serving, each, strict=True) if not isinstance(s, BaseException)]
+        total = _added_up([stats for _, stats in answered]) if answered else {}
+        total["replicas"] = [{"index": replica.index, **stats} for replica, stats in answered]
+        return total
 
     async def render_metrics(self) -> bytes:
         """The Prometheus exposition: the front doors' metrics and the engine's current stats."""
@@ -301,25 +418,25 @@ class AsyncEngine:
         return self.metrics.render()
 
     async def healthy(self) -> bool:
-        if self.failure is not None or self._closing:
-            return False
-        if self.backend == "local":
-            return self._loop_engine.failure is None
-        try:
-            return await asyncio.wait_for(self._driver.healthy.remote(), 5)
-        except Exception:
-            return False
+        return not self._closing and any(r.state in SERVING for r in self._replicas)
 
     @property
     def failed(self) -> str | None:
-        """Why the engine went down (the driver actor died, the engine loop failed), else None."""
-        return self.failure or (self._loop_engine.failure if self._loop_engine else None)
+        """Why a replica went down last (its driver actor died, its engine loop failed: even one placed
+        again since), else None."""
+        return self._last_failure or next((r.failure for r in self._replicas if r.failure), None)
 
     def _check_up(self) -> None:
         if self._closing:
             raise EngineUnavailableError("the engine is shutting down")
-        if self.failed:
-            raise EngineUnavailableError(self.failed)
+        if not any(r.state in SERVING for r in self._replicas):
+            raise EngineUnavailableError(self._why_down())
+
+    def _why_down(self) -> str:
+        failures = [r.failure for r in self._replicas if r.failure]
+        placing = sum(r.state == "placing" for r in self._replicas)
+        why = failures[-1] if failures else "no replica is up"
+        return why + (f" ({placing} replica(s) being placed again)" if placing else "")
 
     @property
     def num_streams(self) -> int:
@@ -327,23 +444,10 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         self._closing = True
-        if self._poller is not None:
-            self._poller.cancel()
-        if self.backend == "local":
-            await asyncio.to_thread(self._loop_engine.stop)
+        if self._ray is not None:
+            await self._ray.shutdown()
         else:
-            import ray
-            from ray.exceptions import RayError
-
-            try:
-                await asyncio.wait_for(self._driver.shutdown.remote(), DRIVER_SHUTDOWN_TIMEOUT_S)
-            except RayError as e:  # the driver actor is gone already: nothing of it to stop
-                log.info("driver actor already gone at shutdown: %s", type(e).__name__)
-            except TimeoutError:  # e.g. a Ctrl-C that reached Ray's own processes: nothing reports the death
-                log.warning("the driver actor did not stop within %.0f s; killing it", DRIVER_SHUTDOWN_TIMEOUT_S)
-            finally:
-                with contextlib.suppress(Exception):
-                    ray.kill(self._driver)
+            await asyncio.gather(*(r.shutdown() for r in self._replicas))
 
 
 def served_model_name(config: EngineConfig) -> str:
@@ -367,9 +471,24 @@ def _with_completion(out: RequestOutput, text: str, token_ids: list[int], logpro
     return dataclasses.replace(out, outputs=[completion])
 
 
-def _unwrap(e: BaseException) -> BaseException:
-    """A Ray task error carries the driver's exception as its cause: surface that one."""
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, ValueError | QueueFullError | EngineUnavailableError | AdapterNotFoundError):
-        return cause
-    return e
+def _added_up(values: list):
+    """One stats value from each replica, added up: counts (and per-position lists of counts) summed,
+    flags true when any is, dicts key by key, names when all agree; None for what does not add up
+    (a ratio, a name that differs), which the total leaves out."""
+    first = values[0]
+    if isinstance(first, bool):
+        return any(values)
+    if isinstance(first, int):
+        return sum(values) if all(isinstance(v, int) for v in values) else None
+    if isinstance(first, list):
+        if any(not isinstance(v, list) or len(v) != len(first) for v in values):
+            return None
+        items = [_added_up(list(column)) for column in zip(*values, strict=True)]
+        return None if None in items else items
+    if isinstance(first, dict):
+        keys = [k for k in first if all(isinstance(v, dict) and k in v for v in values)]
+        added = {k: _added_up([v[k] for v in values]) for k in keys}
+        return {k: v for k, v in added.items() if v is not None}
+    if isinstance(first, str):
+        return first if all(v == first for v in values) else None
+    return None

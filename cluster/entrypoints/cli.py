@@ -40,12 +40,21 @@ def checked_config(args: argparse.Namespace, backend: str, ray_address: str | No
     tp, ep = getattr(args, "tensor_parallel_size", 1), getattr(args, "enable_expert_parallel", False)
     if backend == "local" and (tp > 1 or ep):
         raise ValueError("backend: 'local' runs one rank in this process; tensor or expert parallelism needs 'ray'")
+    if backend == "local" and getattr(args, "data_parallel_size", 1) > 1:
+        raise ValueError("backend: 'local' runs one engine in this process; data_parallel_size needs 'ray'")
     config = engine_config(args, executor="ray" if backend == "ray" else "local")
     check_startup(config, ray_address=ray_address if backend == "ray" else None)
     from .chat_template import ChatTemplate
 
     ChatTemplate.for_model(config.load.model, config.serving.chat_template)  # a bad --chat-template, now
     return config
+
+
+def reserved_cpus(config: EngineConfig) -> int:
+    """The CPUs the replicas' placement groups reserve (a local Ray cluster must count at least these)."""
+    from .replicas import replica_bundles
+
+    return config.data_parallel.data_parallel_size * int(sum(b["CPU"] for b in replica_bundles(config)))
 
 
 async def start_or_report(command: str, config: EngineConfig, doors, backend: str):
@@ -117,7 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.backend == "ray":
         from deltaserve.cluster.executors.ray import connect_ray
 
-        connect_ray(args.ray_address)
+        connect_ray(args.ray_address, min_cpus=reserved_cpus(config))
     return asyncio.run(_serve(config, doors, args))
 
 
@@ -134,12 +143,17 @@ async def _serve(config: EngineConfig, doors, args: argparse.Namespace) -> int:
             return 2
     info = await stack.engine.info()
     where = ", ".join(f"{name} {doors.host}:{port}" for name, port in stack.ports.items())
+    dp = config.data_parallel
     print(
         f"deltaserve: serving {info.model_type} from {config.load.model} as {stack.engine.model_name!r} on {where} "
         f"(TP={config.parallel.tensor_parallel_size}{', EP' if config.parallel.enable_expert_parallel else ''}, "
-        f"{info.kv_tokens} KV tokens, {info.max_num_seqs} sequences)",
+        f"{info.kv_tokens} KV tokens, {info.max_num_seqs} sequences"
+        + (f" each; {dp.data_parallel_size} replicas, {dp.routing} routing)" if dp.data_parallel_size > 1 else ")"),
         flush=True,
     )
+    for r in info.replicas:
+        place = f"node {r.node_ip} (Ray node {r.node_id})" if r.node_id else "this process"
+        print(f"deltaserve: replica {r.index} on {place}, plans by {r.transport}", flush=True)
     for path, name in ((args.port_file, "grpc"), (args.http_port_file, "http")):
         if path and name in stack.ports:
             with open(path, "w") as f:
@@ -204,7 +218,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         config = checked_config(args, "ray", None)
     except ValueError as e:
         return refuse("demo", e)
-    connect_ray()
+    connect_ray(min_cpus=reserved_cpus(config))
     return asyncio.run(_demo(config, args, started))
 
 

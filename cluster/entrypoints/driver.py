@@ -3,8 +3,9 @@
 `EngineLoop` runs an EngineCore on a thread of its own: `submit` validates a request at once (so a
 bad field is reported before anything is queued) and hands it to the loop through an inbox; the
 loop steps while there is work and passes every RequestOutput to a sink. `Driver` is the Ray actor
-that hosts an EngineLoop for the gateway: it buffers outputs, which the gateway long-polls in
-batches (one actor call per batch, not per token).
+that hosts an EngineLoop for the front doors (one per data-parallel replica): it buffers outputs,
+which the front doors' engine long-polls in batches (one actor call per batch, not per token), with
+the prefix cache's changes when a prefix-aware router mirrors them.
 """
 
 from __future__ import annotations
@@ -115,14 +116,16 @@ class EngineLoop:
             raise AdapterNotFoundError(f"lora_name: no adapter named {name[:80]!r} is loaded")
         return lora
 
-    def load_lora(self, name: str, path: str, timeout: float = 120.0) -> LoRARequest:
-        """Load an adapter under `name` (a new id); ValueError naming the file and field when it
-        cannot be served. Runs on the loop's thread between passes."""
+    def load_lora(self, name: str, path: str, lora_int_id: int | None = None, timeout: float = 120.0) -> LoRARequest:
+        """Load an adapter under `name` (id `lora_int_id`, else a new one: replicas load an adapter under
+        one id); ValueError naming the file and field when it cannot be served. Runs on the loop's
+        thread between passes."""
 
         def call() -> LoRARequest:
             if self.engine.lora_request(name) is not None:
                 raise ValueError(f"lora_name: {name[:80]!r} is already loaded")
-            lora = LoRARequest(name, 1 + max((r.lora_int_id for r in self.engine.list_loras()), default=0), path)
+            new_id = 1 + max((r.lora_int_id for r in self.engine.list_loras()), default=0)
+            lora = LoRARequest(name, new_id if lora_int_id is None else lora_int_id, path)
             self.engine.add_lora(lora)
             return lora
 
@@ -236,6 +239,25 @@ class EngineStartError(RuntimeError):
     """The engine failed to start inside the driver actor; the message is the cause in one line."""
 
 
+@dataclass(frozen=True)
+class DriverPlace:
+    """Where a driver actor runs, and how its plans reach its workers."""
+
+    node_id: str
+    node_ip: str
+    transport: str
+
+
+@dataclass(frozen=True)
+class DriverPoll:
+    """One long-poll's answer: outputs since the last poll, the page index's changes (for a router's
+    PrefixMirror; empty unless asked for), and the engine loop's failure (None while it runs)."""
+
+    outputs: list[RequestOutput]
+    cache_events: list[tuple[bool, bytes]]
+    failure: str | None
+
+
 class Driver:
     """Ray actor body (created with `ray.remote(max_concurrency=...)` by the serve entry point). A
     failure to start is kept (`start_error`) rather than raised: an actor that dies in its constructor
@@ -251,6 +273,9 @@ class Driver:
             self._start_error = one_line(e)
             return
         self.config = self.loop.engine.config
+        # the page index's changes, when a prefix-aware router keeps a mirror of it
+        mirrored = config.data_parallel.routing == "prefix_aware"
+        self._cache_events = self.loop.engine.prefix_events() if mirrored else None
 
     def start_error(self) -> str | None:
         """None once the engine is up (workers, weights, pools), else why it failed to start."""
@@ -259,8 +284,8 @@ class Driver:
     def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None) -> int:
         return self.loop.submit(req_id, prompt, params, lora_name)
 
-    def load_lora(self, name: str, path: str) -> LoRARequest:
-        return self.loop.load_lora(name, path)
+    def load_lora(self, name: str, path: str, lora_int_id: int | None = None) -> LoRARequest:
+        return self.loop.load_lora(name, path, lora_int_id)
 
     def unload_lora(self, name: str) -> None:
         self.loop.unload_lora(name)
@@ -271,8 +296,23 @@ class Driver:
     def abort(self, req_id: str) -> None:
         self.loop.abort(req_id)
 
-    def poll(self, timeout_s: float = 0.1) -> list[RequestOutput]:
-        """Every output produced since the last poll; waits up to timeout_s for the first."""
+    def where(self) -> DriverPlace:
+        import ray
+
+        context = ray.get_runtime_context()
+        return DriverPlace(context.get_node_id(), ray.util.get_node_ip_address(), self.loop.engine.executor.transport)
+
+    def poll(self, timeout_s: float = 0.1) -> DriverPoll:
+        """Every output produced since the last poll (waiting up to timeout_s for the first), the page
+        index's changes since then, and the loop's failure."""
+        outputs = self._outputs(timeout_s)
+        events = []
+        if self._cache_events is not None:
+            for _ in range(len(self._cache_events)):  # appended by the loop thread meanwhile: next poll
+                events.append(self._cache_events.popleft())
+        return DriverPoll(outputs, events, self.loop.failure)
+
+    def _outputs(self, timeout_s: float) -> list[RequestOutput]:
         out = []
         try:
             out.append(self._outbox.get(timeout=timeout_s))

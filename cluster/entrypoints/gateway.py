@@ -255,7 +255,9 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
             vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids,
             parallel=pb.ParallelLayout(
-                tensor_parallel_size=info.tensor_parallel_size, expert_parallel=info.expert_parallel
+                tensor_parallel_size=info.tensor_parallel_size,
+                expert_parallel=info.expert_parallel,
+                data_parallel_size=info.data_parallel_size,
             ),
             pool=pb.PoolCapacity(
                 kv_tokens=info.kv_tokens,
@@ -266,6 +268,18 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
             dtype=info.dtype,
             device=info.device,
             speculative=None if info.speculative is None else pb.SpeculativeDecoding(**asdict(info.speculative)),
+            replicas=[
+                pb.Replica(
+                    index=r.index,
+                    state=r.state,
+                    node_id=r.node_id,
+                    node_ip=r.node_ip,
+                    transport=r.transport,
+                    in_flight=r.in_flight,
+                    routed=r.routed,
+                )
+                for r in info.replicas
+            ],
         )
 
     async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context) -> pb.LoraAdapter:

@@ -36,6 +36,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, model_config: ModelConfig | None = None, **settings: Any):
         self.config = EngineConfig.from_kwargs(model=model, **settings)
+        if self.config.data_parallel.data_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size: LLM runs one engine; serve replicas with `deltaserve serve --data-parallel-size`"
+            )
         self.engine = build_engine(self.config, model_config=model_config, output_mode="final")
         self.chat_template = ChatTemplate.for_model(self.config.load.model, self.config.serving.chat_template)
         self._ids = itertools.count()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.core.engine import EngineCore
-from deltaserve.cluster.executors import make_executor
+from deltaserve.cluster.executors import make_executor, runs_in_process
 from deltaserve.cluster.executors.base import Executor
 from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.parallel import ParallelLayout, validate_layout
@@ -88,9 +88,7 @@ def check_speculative(config: EngineConfig, model_config: ModelConfig) -> None:
 def runs_on_this_machine(config: EngineConfig, ray_address: str | None = None) -> bool:
     """Whether the ranks run on this machine: in this process, or in a Ray cluster started here (not
     one joined through `ray_address` / RAY_ADDRESS or an earlier `ray.init`)."""
-    parallel = config.parallel
-    single = parallel.tensor_parallel_size == 1 and not parallel.enable_expert_parallel
-    if config.executor == "local" or (config.executor == "auto" and single):
+    if runs_in_process(config) and config.data_parallel.data_parallel_size == 1:
         return True
     ray = sys.modules.get("ray")
     joined = ray is not None and ray.is_initialized()
@@ -107,10 +105,12 @@ def check_device(config: EngineConfig, ray_address: str | None = None) -> None:
     if not torch.cuda.is_available():
         build = "a CPU build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
         raise ValueError(f"device: {device!r} needs a GPU, and this torch ({torch.__version__}, {build}) sees none")
-    need = config.parallel.tensor_parallel_size
-    if torch.cuda.device_count() < need:
+    tp, dp = config.parallel.tensor_parallel_size, config.data_parallel.data_parallel_size
+    if torch.cuda.device_count() < tp * dp:
+        setting = "tensor_parallel_size" if dp == 1 else "data_parallel_size"
         raise ValueError(
-            f"tensor_parallel_size: {need} ranks need {need} GPUs; this machine has {torch.cuda.device_count()}"
+            f"{setting}: {dp} replica(s) of {tp} rank(s) need {tp * dp} GPUs; this machine has "
+            f"{torch.cuda.device_count()}"
         )
 
 

@@ -9,10 +9,15 @@ from deltaserve.layers.config import ModelConfig
 from .base import Executor
 
 
+def runs_in_process(config: EngineConfig) -> bool:
+    """Whether the model runs in the engine's own process ("auto": for one rank) rather than on Ray workers."""
+    single = config.parallel.tensor_parallel_size == 1 and not config.parallel.enable_expert_parallel
+    return config.executor == "local" or (config.executor == "auto" and single)
+
+
 def make_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
     """The executor `config.executor` asks for ("auto": in-process for one rank, else Ray)."""
-    single = config.parallel.tensor_parallel_size == 1 and not config.parallel.enable_expert_parallel
-    if config.executor == "local" or (config.executor == "auto" and single):
+    if runs_in_process(config):
         from .local import LocalExecutor  # imports torch and the model: only when used
 
         return LocalExecutor(config, model_config)

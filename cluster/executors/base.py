@@ -25,9 +25,11 @@ class PassHandle(Protocol):
 class Executor(Protocol):
     """Runs pass plans on the model's ranks. `pool_sizes`: what every rank allocated.
     `execute_async` launches a pass and returns its handle; it overlaps passes (async scheduling)
-    only where `supports_async` is true, and otherwise runs the pass before it returns."""
+    only where `supports_async` is true, and otherwise runs the pass before it returns. `transport`:
+    how plans reach the ranks (local: in this process; shm; compiled), as reported to users."""
 
     pool_sizes: PoolSizes
+    transport: str
 
     @property
     def supports_async(self) -> bool: ...

@@ -11,6 +11,8 @@ from deltaserve.workers.runner import ModelRunner, PassOutput
 class LocalExecutor:
     """The whole model in this process (TP = 1)."""
 
+    transport = "local"
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
         self.runner = ModelRunner(config.worker_config(), model_config)
         self.runner.allocate(self.runner.sizes)

@@ -4,6 +4,9 @@ Each pass's plan is encoded once (msgpack) and the same bytes go to every worker
 `shm` (a shared-memory ring polled by a thread in each worker, when the driver runs on the workers'
 node: tens of microseconds a round trip) and `compiled` (a Ray compiled graph, when it does not).
 A worker that dies fails the pass with `WorkerFailure`; `restart()` replaces the whole group.
+A driver that runs inside a replica's placement group (bundle 0 the driver's, then one per rank; or
+one per rank, the driver in rank 0's: the front doors' engine placed it) puts its workers in that
+group's last N bundles; otherwise the executor makes a group of its own.
 
 Over `shm` passes may overlap (async scheduling): `execute_async(plan)` writes the plan and returns
 a handle; `result()` reads the replies. Each worker keeps up to one pass in flight (it launches
@@ -49,6 +52,7 @@ class RayExecutor:
         self.transport = "shm"  # what the running group uses (set by _start)
         self.workers = []
         self.placement_group = None
+        self._owns_group = True  # False: the group is the replica's, and outlives this executor
         self._dag = None
         self._plans: ShmBroadcast | None = None
         self._replies: list[ShmBroadcast] = []
@@ -70,21 +74,28 @@ class RayExecutor:
     # ---- lifecycle -----------------------------------------------------------------------------
     def _start(self) -> None:
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import get_current_placement_group, placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from deltaserve.workers.worker import Worker
 
         started = time.perf_counter()
-        bundle = {"GPU": 1, "CPU": 1} if self.use_gpu else {"CPU": 1}
-        # STRICT_PACK keeps the whole TP group on one node (NCCL over NVLink, not the network)
-        self.placement_group = placement_group([bundle] * self.world_size, strategy="STRICT_PACK")
+        bundles = worker_bundles(self.config)
+        current = get_current_placement_group()
+        first = 0  # the bundle of rank 0
+        if current is not None and len(current.bundle_specs) in (len(bundles), len(bundles) + 1):
+            # a replica's group: ranks in its last bundles (bundle 0 the driver's own, or shared with rank 0)
+            self.placement_group, self._owns_group = current, False
+            first = len(current.bundle_specs) - len(bundles)
+        else:
+            # STRICT_PACK keeps the whole TP group on one node (NCCL over NVLink, not the network)
+            self.placement_group = placement_group(bundles, strategy="STRICT_PACK")
         ray.get(self.placement_group.ready(), timeout=300)
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0)(Worker)
         self.workers = [
             actor_cls.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=i
+                    self.placement_group, placement_group_bundle_index=first + i
                 ),
             ).remote(i, self.world_size)
             for i in range(self.world_size)
@@ -176,12 +187,12 @@ class RayExecutor:
             except Exception as e:
                 log.debug("kill worker: %s", e)
         self.workers = []
-        if self.placement_group is not None:
+        if self.placement_group is not None and self._owns_group:
             try:
                 ray.util.remove_placement_group(self.placement_group)
             except Exception as e:
                 log.debug("remove placement group: %s", e)
-            self.placement_group = None
+        self.placement_group = None
 
     def restart(self) -> None:
         """Replace the whole worker group (after a failure)."""
@@ -375,9 +386,16 @@ class ShmPass:
         return self._output
 
 
-def connect_ray(address: str | None = None) -> None:
+def worker_bundles(config: EngineConfig) -> list[dict[str, float]]:
+    """The placement group bundles of one worker group: one per rank, packed on one node."""
+    bundle = {"GPU": 1.0, "CPU": 1.0} if config.load.device.startswith("cuda") else {"CPU": 1.0}
+    return [dict(bundle) for _ in range(config.parallel.tensor_parallel_size)]
+
+
+def connect_ray(address: str | None = None, *, min_cpus: int = 0) -> None:
     """Join the Ray cluster at `address` (or RAY_ADDRESS: a `ray job submit` job; `auto` joins this
-    machine's `ray start` cluster); with neither, start a local cluster of our own, without the dashboard."""
+    machine's `ray start` cluster); with neither, start a local cluster of our own, without the dashboard,
+    counting at least `min_cpus` CPUs (what the engine's placement groups reserve)."""
     import ray
 
     if ray.is_initialized():
@@ -387,4 +405,5 @@ def connect_ray(address: str | None = None) -> None:
         ray.init(address=address, log_to_driver=True)
     else:
         # "local": never a stale cluster a past `ray start` left on the machine
-        ray.init(address="local", include_dashboard=False, log_to_driver=True)
+        cpus = max(os.cpu_count() or 1, min_cpus)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
