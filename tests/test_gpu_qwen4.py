@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_gpu_engine import POOL, prompt_logprob_errors
+from logprob_checks import prompt_logprob_gaps
+from test_gpu_engine import POOL
 from tiny_models import VOCAB_SIZE
 from tiny_qwen4 import EOS, save_tiny_qwen4
 
@@ -56,14 +57,14 @@ def test_cuda_float32_matches_cpu_prompt_logprobs(qwen4_path, monkeypatch, budge
     gpu = LLM(qwen4_path, device="cuda", dtype="float32", max_num_batched_tokens=budget, **POOL).generate(
         prompts(), params, use_tqdm=False
     )
-    assert max(prompt_logprob_errors(cpu, gpu)) < 1e-3
+    assert max(prompt_logprob_gaps(cpu, gpu)) < 1e-3
 
 
 def test_bf16_prompt_logprobs_track_float32(qwen4_path):
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     cpu = LLM(qwen4_path, device="cpu").generate(prompts(), params, use_tqdm=False)
     gpu = LLM(qwen4_path, device="cuda", **POOL).generate(prompts(), params, use_tqdm=False)
-    errors = sorted(prompt_logprob_errors(cpu, gpu))
+    errors = prompt_logprob_gaps(cpu, gpu)
     median = errors[len(errors) // 2]
     print(f"qwen4_exp: bf16 vs float32 prompt logprobs: median {median:.4f}, max {errors[-1]:.4f}")
     assert median < 0.05
