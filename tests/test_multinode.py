@@ -113,11 +113,11 @@ class Served:
 def served(cluster, model):
     job = f"dp2-{int(time.time())}"
     command = [str(BIN / "deltaserve"), "serve", "--model", model, "--device", "cpu", "--data-parallel-size", "2"]
-    command += ["--host", "0.0.0.0", "--port", "0", "--grace", "1", "--replica-down-after-s", "5"]
+    command += ["--host", "0.0.0.0", "--port", "0", "--http-port", "0", "--grace", "1", "--replica-down-after-s", "5"]
     done = submit(cluster, job, *command, wait=False)
     assert done.returncode == 0, done.stderr
     deadline = time.monotonic() + SERVE_TIMEOUT_S
-    while not (found := re.search(r"serving \S+ from .* on [\d.]+:(\d+)", job_logs(cluster, job))):
+    while not (found := re.search(r"serving \S+ from .* on grpc [\d.]+:(\d+)", job_logs(cluster, job))):
         status = job_status(cluster, job)
         assert status in ("PENDING", "RUNNING"), f"{status}: {job_logs(cluster, job)[-3000:]}"
         assert time.monotonic() < deadline, f"not serving after {SERVE_TIMEOUT_S} s: {job_logs(cluster, job)[-3000:]}"

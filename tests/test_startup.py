@@ -151,7 +151,9 @@ def test_failure_inside_an_actor_at_start_up_is_its_cause_in_one_line(tmp_path, 
     """A checkpoint with a config but no weights passes the checks before Ray; the driver actor then
     fails loading it, and serve reports that cause in one line (exit status 1)."""
     (tmp_path / "config.json").write_text((Path(tiny_checkpoints["qwen3_next"][0]) / "config.json").read_text())
-    done = run("serve", "--model", str(tmp_path), "--port", "0", timeout=240, RAY_USAGE_STATS_ENABLED="0")
+    done = run(
+        "serve", "--model", str(tmp_path), "--port", "0", "--http-port", "0", timeout=240, RAY_USAGE_STATS_ENABLED="0"
+    )
     assert done.returncode == 1, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("deltaserve serve: start-up failed: ") and "no *.safetensors files in" in last, last
