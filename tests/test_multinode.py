@@ -186,7 +186,7 @@ def test_bench_serve_with_a_client_on_each_node(cluster, served):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = done.stdout
     assert report.count("Serving Benchmark Result") == 1  # one merged report
-    assert re.search(r"Target / clients:\s+\S+ / 2\n", report), report
+    assert re.search(r"Target / backend / clients:\s+\S+ / grpc / 2\n", report), report
     assert re.search(r"Successful requests:\s+16\n", report) and re.search(r"Failed requests:\s+0\s*\n", report)
     assert re.search(r"Total generated tokens:\s+96\n", report), report
     # one client on each node, as each client actor reports its node's address (one address for all the
