@@ -260,7 +260,7 @@ class PoolCapacity(_message.Message):
     def __init__(self, kv_tokens: _Optional[int] = ..., kv_pages: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "model_type", "family", "max_model_len", "vocab_size", "eos_token_ids", "parallel", "pool", "dtype", "device", "speculative", "replicas")
+    __slots__ = ("model", "model_type", "family", "max_model_len", "vocab_size", "eos_token_ids", "parallel", "pool", "dtype", "device", "speculative", "replicas", "prefix_cache")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +273,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_type: str
     family: str
@@ -285,7 +286,34 @@ class ModelInfo(_message.Message):
     device: str
     speculative: SpeculativeDecoding
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
-    def __init__(self, model: _Optional[str] = ..., model_type: _Optional[str] = ..., family: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., pool: _Optional[_Union[PoolCapacity, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., speculative: _Optional[_Union[SpeculativeDecoding, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+    prefix_cache: PrefixCache
+    def __init__(self, model: _Optional[str] = ..., model_type: _Optional[str] = ..., family: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., pool: _Optional[_Union[PoolCapacity, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., speculative: _Optional[_Union[SpeculativeDecoding, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCache, _Mapping]] = ...) -> None: ...
+
+class PrefixCache(_message.Message):
+    __slots__ = ("enabled", "blocks_cached", "snapshots_held", "snapshot_slots", "queries", "hits", "query_tokens", "hit_tokens", "hit_rate", "snapshots_taken", "snapshots_evicted")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_HELD_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_TAKEN_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    blocks_cached: int
+    snapshots_held: int
+    snapshot_slots: int
+    queries: int
+    hits: int
+    query_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    snapshots_taken: int
+    snapshots_evicted: int
+    def __init__(self, enabled: _Optional[bool] = ..., blocks_cached: _Optional[int] = ..., snapshots_held: _Optional[int] = ..., snapshot_slots: _Optional[int] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., snapshots_taken: _Optional[int] = ..., snapshots_evicted: _Optional[int] = ...) -> None: ...
 
 class SpeculativeDecoding(_message.Message):
     __slots__ = ("method", "num_speculative_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "mean_acceptance_length")

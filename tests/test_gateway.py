@@ -361,6 +361,20 @@ def test_health_model_info_and_tokenize(served, client, reference):
     assert client.tokenize("") == []
 
 
+def test_model_info_reports_the_prefix_cache(client):
+    """GetModelInfo's prefix cache: a prompt sent again reuses its cached blocks, and the counts move
+    by exactly what the two requests' usage says."""
+    prompt = torch.randint(3, VOCAB_SIZE, (53,), generator=torch.Generator().manual_seed(53)).tolist()
+    before = client.model_info().prefix_cache
+    finals = [collect(client.generate(prompt, max_tokens=2, temperature=0)).final for _ in range(2)]
+    after = client.model_info().prefix_cache
+    assert after.enabled and after.snapshot_slots > 0 and after.blocks_cached >= 53 // 16
+    assert finals[0].cached_tokens == 0 and finals[1].cached_tokens > 0
+    assert (after.queries - before.queries, after.query_tokens - before.query_tokens) == (2, 2 * 53)
+    assert (after.hits - before.hits, after.hit_tokens - before.hit_tokens) == (1, finals[1].cached_tokens)
+    assert after.hit_rate == pytest.approx(after.hit_tokens / after.query_tokens)
+
+
 def test_engine_down_is_unavailable_and_not_serving(aio, model_path):
     doomed = start_served(aio, EngineConfig.from_kwargs(model=model_path))
     try:

@@ -245,6 +245,7 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             info = await self._engine.info()
+            stats = await self._engine.stats()
         except Exception as e:
             await self._abort_with(context, e)
         return pb.ModelInfo(
@@ -280,6 +281,7 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 )
                 for r in info.replicas
             ],
+            prefix_cache=_prefix_cache_info(stats.get("prefix_cache") or {}),
         )
 
     async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context) -> pb.LoraAdapter:
@@ -408,3 +410,17 @@ def _final(out: RequestOutput, k: int | None) -> pb.GenerateFinal:
     if out.prompt_logprobs is not None and k is not None:  # entry 0 is None: the first token has no logprob
         final.prompt_logprobs.extend(_token_logprob(entry, k) for entry in out.prompt_logprobs[1:])
     return final
+
+
+_PREFIX_CACHE_COUNTS = (
+    "blocks_cached", "snapshots_held", "snapshot_slots", "queries", "hits", "query_tokens", "hit_tokens",
+    "snapshots_taken", "snapshots_evicted",
+)  # fmt: skip
+
+
+def _prefix_cache_info(stats: dict) -> pb.PrefixCache:
+    """The replicas' prefix-cache counts (added up by AsyncEngine.stats) as GetModelInfo reports them;
+    the hit rate from the totals."""
+    counts = {k: int(stats.get(k, 0)) for k in _PREFIX_CACHE_COUNTS}
+    rate = counts["hit_tokens"] / counts["query_tokens"] if counts["query_tokens"] else 0.0
+    return pb.PrefixCache(enabled=bool(stats.get("enabled", False)), hit_rate=rate, **counts)
