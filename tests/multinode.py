@@ -238,7 +238,9 @@ class NetnsCluster:
                 self.kill_node(i, signal.SIGTERM, timeout_s=2)
             except Exception as e:  # keep tearing down the rest
                 errors.append(e)
-        for node in self.nodes:
+        for i, node in enumerate(self.nodes):
+            # the host end explicitly: the kernel removes a veth whose peer's namespace went away only later
+            _run("ip", "link", "del", f"{self.tag}h{i}", check=False)
             _run("ip", "netns", "del", node.name, check=False)
         if self._made_bridge:
             _run("ip", "link", "del", self.bridge, check=False)

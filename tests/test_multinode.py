@@ -222,9 +222,10 @@ def test_a_node_that_dies_fails_only_its_requests_and_its_replica_returns(cluste
             finishing = [asyncio.ensure_future(rest_of(f, s)) for f, s in zip(firsts, streams, strict=True)]
             killed = time.monotonic()
             await asyncio.to_thread(cluster.kill_node, 1)
-            # the gateway stops routing to the replica within a second; requests sent from then on succeed
+            # the gateway stops routing to the replica after a second of silence (replica_down_after_s's
+            # help), within two with the poll's interval on a loaded machine; requests sent from then on succeed
             probes, stopped_routing = [], None
-            while time.monotonic() - killed < 2.0:
+            while time.monotonic() - killed < 3.0:
                 probes.append((time.monotonic() - killed, asyncio.ensure_future(collect_ok(client, [5, 6, 7]))))
                 state = {r.index: r.state for r in (await client.model_info()).replicas}
                 if stopped_routing is None and state[doomed] != "up":
@@ -242,7 +243,7 @@ def test_a_node_that_dies_fails_only_its_requests_and_its_replica_returns(cluste
     for (tokens, status), e in zip(finished, expected, strict=True):
         want = e.outputs[0].token_ids
         assert tokens == (want if status == "OK" else want[: len(tokens)])
-    assert stopped_routing is not None and stopped_routing < 1.0, stopped_routing
+    assert stopped_routing is not None and stopped_routing < 2.0, stopped_routing
     # one the dying replica took before (its node's processes die one by one) is lost with it
     assert all(status == "OK" or status.startswith(f"UNAVAILABLE: replica {doomed} ") for _, status in probes), probes
     assert all(status == "OK" for sent, status in probes if sent >= stopped_routing), probes
