@@ -21,7 +21,7 @@ import torch
 from deltaserve import LLM, SamplingParams
 from deltaserve.layers.config import ModelConfig
 
-from .offline import bench_decode, run_on_cuda
+from .offline import bench_decode, marginal_table, run_on_cuda
 from .presets import PRESETS, preset_config
 
 
@@ -69,6 +69,30 @@ def bench_ttft(llm: LLM, shared: int, new: int, repeats: int, vocab: int) -> dic
     }
 
 
+def profile_hit(llm: LLM, shared: int, new: int, vocab: int) -> dict:
+    """One more miss, then its hit under torch.profiler: the kernel table and each kernel's in-place
+    cost printed; GPU busy against wall (the difference is host time: hashing, scheduling)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    rng = np.random.default_rng(shared + 1)
+    prefix = rng.integers(10, vocab - 10, shared).tolist()
+    time_to_first_token(llm, prefix + rng.integers(10, vocab - 10, new).tolist(), "profmiss")
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall, skipped = time_to_first_token(llm, prefix + rng.integers(10, vocab - 10, new).tolist(), "profhit")
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    launches = sum(e.count for e in events if e.self_device_time_total > 0)
+    print(
+        f"--- profile of a hit ({skipped} tokens skipped): GPU busy {gpu_us / 1e3:.2f} ms, wall {wall * 1e3:.2f} ms "
+        f"(profiled), {launches} GPU ops ---",
+        flush=True,
+    )
+    print(events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=72), flush=True)
+    print(marginal_table(prof, 1), flush=True)
+    return {"gpu_busy_ms": gpu_us / 1e3, "wall_ms": wall * 1e3, "gpu_ops": launches, "skipped": skipped}
+
+
 def bench_decode_on_off(llm: LLM, batches: list[int], context: int, steps: int, vocab: int) -> list[dict]:
     rows = []
     engine = llm.engine
@@ -114,6 +138,8 @@ def run(args: argparse.Namespace) -> dict:
         f"(skipped {ttft['cached_tokens']} tokens)",
         flush=True,
     )
+    if args.profile_hit:
+        report["profile_hit"] = profile_hit(llm, args.shared, args.new, model_config.vocab_size)
     if batches:
         report["decode"] = bench_decode_on_off(llm, batches, args.context, args.steps, model_config.vocab_size)
         for r in report["decode"]:
@@ -138,6 +164,7 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--profile-hit", action="store_true", help="print a torch.profiler kernel table of one hit")
     p.add_argument("--json", default=None)
     p.set_defaults(func=_main)
 
