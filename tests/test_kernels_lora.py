@@ -151,6 +151,7 @@ EXPERT_CASES = [
     (4, 32, 16, 4, 4, 2, 0, 2, [0, 1, -1, 1]),
     (6, 40, 24, 3, 9, 3, 3, 3, [2, -1, 0, 0, 1, 2]),  # expert parallel: experts 3..5 of 9 are local
     (20, 32, 16, 4, 4, 2, 0, 2, [i % 3 - 1 for i in range(20)]),  # several pairs per (slot, expert)
+    (17, 24, 20, 2, 2, 2, 0, 16, [i - 1 for i in range(17)]),  # a sorted block of 16 keys, one row past it
 ]
 
 
@@ -231,21 +232,26 @@ def test_routed_moe_with_expert_deltas_on_pairs_path(device):
 
 
 def test_pair_keys_and_shrink_kernels(device):
-    """The pairs path's key and shrink launches against naive.pair_keys and naive.pair_shrink."""
+    """The gate / up shrink's one launch (the pairs' keys written by it too) and the down shrink
+    against naive.pair_keys and naive.pair_shrink; keys and v NaN-filled first (nan_fill)."""
     g = torch.Generator().manual_seed(3)
     ids = torch.tensor([[0, 5], [3, 4], [4, 1], [5, 3]])
     token_slots = torch.tensor([1, -1, 0, 2], dtype=torch.int32)
     want = naive.pair_keys(token_slots, ids, num_local=3, expert_offset=3)
-    keys = tl_lora.pair_keys(token_slots.to(device), ids.to(device), 3, 3).cpu()
-    assert torch.equal(keys, want)
     x = torch.randn(4, 40, generator=g)
     a = torch.randn(9, 32, 40, generator=g)
     ref = naive.pair_shrink(x, a, want, row_div=2)
-    v = tl_lora.pair_shrink(x.to(device), a.to(device), keys.reshape(-1).to(device), row_div=2).cpu()
+    to = dict(device=device)
+    keys, v = tl_lora.pair_shrink_keys(x.to(**to), a.to(**to), token_slots.to(**to), ids.to(**to), 3, 3)
+    assert torch.equal(keys.cpu(), want.reshape(-1))
     has = want.reshape(-1) >= 0
-    assert torch.allclose(v[has], ref[has], atol=tol(device), rtol=tol(device))
+    assert torch.allclose(v.cpu()[has], ref[has], atol=tol(device), rtol=tol(device))
     # the reference by hand: pair 1 (token 0, expert 5 -> local 2, slot 1) reads key 5
     assert torch.allclose(ref[1], a[5] @ x[0], atol=1e-5)
+    act = torch.randn(8, 24, generator=g)[:, :20]  # strided rows
+    a2 = torch.randn(9, 16, 20, generator=g)
+    v2 = tl_lora.pair_shrink(act.to(**to), a2.to(**to), keys, row_div=1).cpu()
+    assert torch.allclose(v2[has], naive.pair_shrink(act, a2, want, row_div=1)[has], atol=tol(device), rtol=tol(device))
 
 
 def _per_pair(args, lora, token_slots):

@@ -94,9 +94,11 @@ def add_lora(
 
 
 class ExpertDeltas:
-    """The experts' adapters as per-pair additions inside the MoE (moe.PairDeltas): `gate_up(topk_ids)`
-    is added to each routed pair's gate / up projection before the activation, `down(act)` to its down
-    projection before the routing weight. Built per MoE layer and pass from the rows' slots."""
+    """The experts' adapters as per-pair additions inside the MoE (moe.PairDeltas). On CUDA (both
+    paths) the kernels take the low-rank form: `low_rank_gate_up(topk_ids)`, one launch for the
+    pairs' keys and gate / up shrink, then `low_rank_down(act)`, one for the down shrink; the GEMVs
+    and GEMMs expand them. The reference (naive.fused_moe) reads the dense `gate_up` / `down`.
+    Built per MoE layer and pass from the rows' slots."""
 
     def __init__(
         self,
@@ -108,76 +110,63 @@ class ExpertDeltas:
         pdl: bool = True,
         triton: bool | None = None,
     ):
-        """triton: the Triton kernels (default: on CUDA tensors; tests run them interpreted)."""
+        """triton: the Triton kernels for the low-rank form (default: on CUDA tensors; tests run
+        them interpreted)."""
         self.hidden, self.token_slots, self.weights = hidden, token_slots, weights
         self.expert_offset, self.pdl = expert_offset, pdl
         self.triton = hidden.is_cuda if triton is None else triton
-        self.rows: LoraRows | None = None
-
-    def _keys(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        experts = self.weights.b13.shape[1]
-        if self.triton:
-            from .triton_lora import pair_keys as keys_impl
-
-            return keys_impl(self.token_slots, topk_ids, experts, self.expert_offset, self.pdl)
-        return pair_keys(self.token_slots, topk_ids, experts, self.expert_offset)
+        self.keys: torch.Tensor | None = None  # [P] int32, from the gate / up step
 
     def gate_up(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """[P, 2 * I_local] float32 (pair p = token * top_k + k; zero for pairs without an adapter)."""
         w = self.weights
         slots, experts, inter2, rank = w.b13.shape
-        keys = self._keys(topk_ids)
-        groups = None
-        if self.triton:
-            from .triton_lora import group_rows
-
-            groups = group_rows(keys, slots * experts, self.pdl)
-        self.rows = LoraRows(keys, slots * experts, groups)
+        self.keys = pair_keys(self.token_slots, topk_ids, experts, self.expert_offset).reshape(-1)
         a = w.a13.reshape(slots * experts, 2 * rank, -1)
         b = w.b13.reshape(slots * experts, inter2, rank)
-        return self._delta(self.hidden, a, b, (0, inter2 // 2, inter2), topk_ids.shape[1])
+        return naive.expert_delta(
+            x=self.hidden, a=a, b=b, bounds=(0, inter2 // 2, inter2), keys=self.keys, row_div=topk_ids.shape[1]
+        )
 
     def down(self, act: torch.Tensor) -> torch.Tensor:
         """[P, H] float32 from the pairs' activations act [P, I_local] (after gate_up)."""
+        assert self.keys is not None, "ExpertDeltas.gate_up runs before down"
         w = self.weights
         slots, experts, hidden, rank = w.b2.shape
         a = w.a2.reshape(slots * experts, rank, -1)
         b = w.b2.reshape(slots * experts, hidden, rank)
-        return self._delta(act, a, b, (0, hidden), 1)
+        return naive.expert_delta(x=act, a=a, b=b, bounds=(0, hidden), keys=self.keys, row_div=1)
 
     def low_rank_gate_up(self, topk_ids: torch.Tensor) -> PairLowRank:
-        """The gate / up deltas in low-rank form (the pairs path's GEMVs expand them): each pair's
-        key, its x row times its key's gate and up A ([P, 2R] float32), and the B [S * E, 2 * I_local, R]."""
+        """The gate / up deltas in low-rank form: each pair's key, its x row times its key's gate and
+        up A ([P, 2R] float32), and the B [S * E, 2 * I_local, R]."""
         w = self.weights
-        slots, experts, inter2, rank = w.b13.shape
-        keys = self._keys(topk_ids).reshape(-1)
-        self.rows = LoraRows(keys, slots * experts, None)
-        a = w.a13.reshape(slots * experts, 2 * rank, -1)
-        return PairLowRank(keys, self._pair_shrink(self.hidden, a, keys, topk_ids.shape[1]), w.b13.flatten(0, 1))
+        experts = w.b13.shape[1]
+        a = w.a13.flatten(0, 1)
+        if self.triton:
+            from .triton_lora import pair_shrink_keys
+
+            self.keys, v = pair_shrink_keys(
+                self.hidden, a, self.token_slots, topk_ids, experts, self.expert_offset, self.pdl
+            )
+        else:
+            self.keys = pair_keys(self.token_slots, topk_ids, experts, self.expert_offset).reshape(-1)
+            v = naive.pair_shrink(self.hidden, a, self.keys, topk_ids.shape[1])
+        return PairLowRank(self.keys, v, w.b13.flatten(0, 1))
 
     def low_rank_down(self, act: torch.Tensor) -> PairLowRank:
         """The down deltas in low-rank form from the pairs' activations act [P, I_local] (after
         low_rank_gate_up): [P, R] float32 and the B [S * E, H, R]."""
-        assert self.rows is not None, "ExpertDeltas.low_rank_gate_up runs before low_rank_down"
+        assert self.keys is not None, "ExpertDeltas.low_rank_gate_up runs before low_rank_down"
         w = self.weights
-        keys = self.rows.keys
         a = w.a2.flatten(0, 1)
-        return PairLowRank(keys, self._pair_shrink(act, a, keys, 1), w.b2.flatten(0, 1))
-
-    def _pair_shrink(self, x, a, keys, row_div) -> torch.Tensor:
         if self.triton:
             from .triton_lora import pair_shrink
 
-            return pair_shrink(x, a, keys, row_div, self.pdl)
-        return naive.pair_shrink(x, a, keys, row_div)
-
-    def _delta(self, x, a, b, bounds, row_div) -> torch.Tensor:
-        assert self.rows is not None, "ExpertDeltas.gate_up runs before down"
-        if self.triton:
-            from .triton_lora import expert_delta
-
-            return expert_delta(x=x, a=a, b=b, bounds=bounds, groups=self.rows.groups, row_div=row_div, pdl=self.pdl)
-        return naive.expert_delta(x=x, a=a, b=b, bounds=bounds, keys=self.rows.keys, row_div=row_div)
+            v = pair_shrink(act, a, self.keys, 1, self.pdl)
+        else:
+            v = naive.pair_shrink(act, a, self.keys, 1)
+        return PairLowRank(self.keys, v, w.b2.flatten(0, 1))
 
 
 __all__ = ["ExpertDeltas", "ExpertLoraWeights", "LoraRows", "add_lora", "lora_rows", "pair_keys"]

@@ -186,53 +186,27 @@ def add_lora(*, y, x, a, b, bounds, groups: RowGroups, pdl: bool = True, glu: bo
     return y
 
 
-def expert_delta(*, x, a, b, bounds, groups: RowGroups, row_div: int, pdl: bool = True) -> torch.Tensor:
-    """Per routed pair: its group's delta on x[pair // row_div]; zero rows for ungrouped pairs."""
-    out = torch.zeros((groups.num_rows, bounds[-1]), dtype=torch.float32, device=x.device)
-    expand(shrink(x, a, groups, row_div=row_div, pdl=pdl), b, out, groups, bounds, accumulate=False, pdl=pdl)
-    return out
-
-
-@triton.jit
-def _pair_keys_kernel(
-    token_slots, topk_ids, keys, num_pairs, num_local, expert_offset, TOPK: tl.constexpr, BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """keys[p] = slot * num_local + local expert of routed pair p (token p // TOPK), -1 for a pair
-    without an adapter or routed to another rank's expert (naive.pair_keys)."""
-    pdl_wait(USE_PDL)
-    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = p < num_pairs
-    local = tl.load(topk_ids + p, mask=ok, other=0).to(tl.int32) - expert_offset
-    slot = tl.load(token_slots + p // TOPK, mask=ok, other=-1).to(tl.int32)
-    keep = (slot >= 0) & (local >= 0) & (local < num_local)
-    tl.store(keys + p, tl.where(keep, slot * num_local + local, -1), mask=ok)
-
-
-def pair_keys(token_slots: torch.Tensor, topk_ids: torch.Tensor, num_local: int, expert_offset: int, pdl=True):
-    """naive.pair_keys in one launch: [T, top_k] int32."""
-    ids = topk_ids.contiguous()
-    keys = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
-    num_pairs = ids.numel()
-    block = min(1024, max(16, triton.next_power_of_2(num_pairs)))
-    _pair_keys_kernel[(triton.cdiv(num_pairs, block),)](
-        token_slots, ids, keys, num_pairs, num_local, expert_offset, TOPK=ids.shape[1], BLOCK=block, num_warps=4,
-        **pdl_launch(ids, pdl),
-    )  # fmt: skip
-    return keys
-
-
 @triton.jit
 def _pair_shrink_kernel(
-    x, a, v, keys, s_xm, s_ag, s_ar, s_vm, K: tl.constexpr, RA: tl.constexpr, ROW_DIV: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    x, a, v, keys, token_slots, topk_ids, num_local, expert_offset, s_xm, s_ag, s_ar, s_vm, K: tl.constexpr,
+    RA: tl.constexpr, ROW_DIV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, KEYS_FROM_IDS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """v[p, r] = x[p // ROW_DIV] . a[keys[p], r] for BLOCK_R of the RA rows of one pair, a GEMV (a
-    decode pass has a handful of pairs, one row each: no grouping); pairs without a key exit (their
-    v rows stay unset: the readers check the key)."""
+    """v[p, r] = x[p // ROW_DIV] . a[keys[p], r] for BLOCK_R of the RA rows of one pair, a GEMV (each
+    pair one row: no grouping); pairs without a key exit (their v rows stay unset: the readers check
+    the key). KEYS_FROM_IDS: the key is slot * num_local + local expert of pair p (token p // ROW_DIV,
+    naive.pair_keys), -1 without an adapter or for another rank's expert, and the pair's first
+    program writes it to keys (no launch of its own)."""
     pdl_wait(USE_PDL)
     p = tl.program_id(0)
-    key = tl.load(keys + p)
+    if KEYS_FROM_IDS:
+        local = tl.load(topk_ids + p).to(tl.int32) - expert_offset
+        slot = tl.load(token_slots + p // ROW_DIV).to(tl.int32)
+        key = tl.where((slot >= 0) & (local >= 0) & (local < num_local), slot * num_local + local, -1)
+        if tl.program_id(1) == 0:
+            tl.store(keys + p, key)
+    else:
+        key = tl.load(keys + p)
     if key < 0:
         return
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -249,17 +223,39 @@ def _pair_shrink_kernel(
     tl.store(v + p.to(tl.int64) * s_vm + r, tl.sum(acc, 1), mask=r_ok)
 
 
-def pair_shrink(x: torch.Tensor, a: torch.Tensor, keys: torch.Tensor, row_div: int, pdl: bool = True) -> torch.Tensor:
-    """v [P, RA] float32 for the P = keys.numel() routed pairs: pair p's row of x (p // row_div)
-    times its key's a [G, RA, K]; rows of pairs without a key (-1) are left unset."""
+def _pair_shrink(x, a, keys, num_pairs, row_div, pdl, ids=None) -> torch.Tensor:
     ra, k = a.shape[1], a.shape[2]
     assert x.shape[1] == k and x.stride(-1) == 1 and a.stride(-1) == 1, "pair_shrink: shapes / contiguous last dims"
-    num_pairs = keys.numel()
     v = torch.empty((num_pairs, ra), dtype=torch.float32, device=x.device)
     block_r = min(8, triton.next_power_of_2(ra))
     block_k = max(16, min(256, triton.next_power_of_2(k)))
+    token_slots, topk_ids, num_local, expert_offset = ids if ids is not None else (keys, keys, 0, 0)
     _pair_shrink_kernel[(num_pairs, triton.cdiv(ra, block_r))](
-        x, a, v, keys, x.stride(0), a.stride(0), a.stride(1), v.stride(0), K=k, RA=ra, ROW_DIV=row_div,
-        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4, **pdl_launch(x, pdl),
+        x, a, v, keys, token_slots, topk_ids, num_local, expert_offset, x.stride(0), a.stride(0), a.stride(1),
+        v.stride(0), K=k, RA=ra, ROW_DIV=row_div, BLOCK_R=block_r, BLOCK_K=block_k, KEYS_FROM_IDS=ids is not None,
+        num_warps=4, **pdl_launch(x, pdl),
     )  # fmt: skip
     return v
+
+
+def pair_shrink(x: torch.Tensor, a: torch.Tensor, keys: torch.Tensor, row_div: int, pdl: bool = True) -> torch.Tensor:
+    """v [P, RA] float32 for the P = keys.numel() routed pairs: pair p's row of x (p // row_div)
+    times its key's a [G, RA, K]; rows of pairs without a key (-1) are left unset."""
+    return _pair_shrink(x, a, keys, keys.numel(), row_div, pdl)
+
+
+def pair_shrink_keys(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    token_slots: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_local: int,
+    expert_offset: int,
+    pdl: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys [P] int32, v [P, RA] float32) of the routed pairs of topk_ids [T, top_k] in one launch:
+    keys as naive.pair_keys (flattened), v as pair_shrink (row_div = top_k) with those keys."""
+    ids = topk_ids.contiguous()
+    keys = torch.empty(ids.numel(), dtype=torch.int32, device=ids.device)
+    v = _pair_shrink(x, a, keys, ids.numel(), ids.shape[1], pdl, ids=(token_slots, ids, num_local, expert_offset))
+    return keys, v

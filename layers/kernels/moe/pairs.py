@@ -261,7 +261,7 @@ def moe_pairs(
     logits, renormalize = route if route is not None else (hidden, False)
     w13_scale, w2_scale = scales
     up_scale = _scale_args(w13_scale, w13, out)
-    up_lora = _low_rank_args(None if deltas is None else deltas.low_rank_gate_up(topk_ids), out)
+    up_lora = low_rank_args(None if deltas is None else deltas.low_rank_gate_up(topk_ids), out)
     _up_gemv_kernel[(num_pairs, triton.cdiv(inter, up["block_n"]))](
         hidden, w13, act, topk_ids, expert_offset, num_experts, hidden.stride(0), w13.stride(0), w13.stride(1),
         act.stride(0), logits, topk_weights, logits.shape[1], logits.stride(0), *up_scale[:3], *up_lora[:6],
@@ -270,7 +270,7 @@ def moe_pairs(
         BLOCK_E=triton.next_power_of_2(logits.shape[1]), FP8=w13_scale is not None, SCALE_N=up_scale[3],
         SCALE_K=up_scale[4], LORA_RANK=up_lora[6], num_warps=up["num_warps"], num_stages=1, **pdl_launch(hidden, pdl),
     )  # fmt: skip
-    down_lora = _low_rank_args(None if deltas is None else deltas.low_rank_down(act), out)
+    down_lora = low_rank_args(None if deltas is None else deltas.low_rank_down(act), out)
     shared_inter = 0 if shared is None else shared.w2.shape[1]
     args = (act, w2, out, topk_weights, topk_ids, expert_offset, num_experts)
     args += (act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *_shared_args(shared, out))
@@ -289,8 +289,9 @@ def moe_pairs(
     )  # fmt: skip
 
 
-def _low_rank_args(low: PairLowRank | None, dummy: torch.Tensor) -> tuple:
-    """(keys, v, b, v's row stride, b's key and row strides, the rank; 0 without) for a GEMV."""
+def low_rank_args(low: PairLowRank | None, dummy: torch.Tensor) -> tuple:
+    """(keys, v, b, v's row stride, b's key and row strides, the rank; 0 without) for a kernel's
+    LORA_RANK arguments (placeholders without)."""
     if low is None:
         return dummy, dummy, dummy, 0, 0, 0, 0
     keys, v, b = low

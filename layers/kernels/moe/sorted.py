@@ -17,23 +17,53 @@ from ..norm.triton_norm import add_rms_norm_row
 from ..pdl import pdl_launch, pdl_wait
 from .align import align_pairs
 from .fused_norm import norm_kernel_args
+from .pairs import low_rank_args
+
+_NO_KEY = 2147483647  # past every key: a row without a low-rank addition, or one already added
+
+
+@triton.jit
+def _block_low_rank(
+    keys, v, b, s_v, s_bg, s_bn, pair, row_ok, n, n_ok, V_OFFSET: tl.constexpr, R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_M, BLOCK_N] float32: row m's b[key, n] . v[pair[m], V_OFFSET : V_OFFSET + R] for the
+    block's pairs (moe.PairLowRank), zero for rows without a key: one [BLOCK_M, R] x [R, BLOCK_N]
+    dot per distinct key of the block (a block holds one expert, so its keys are its rows' slots;
+    each key's B rows are read once). v is rounded to b's dtype for the dot, as lora's expand."""
+    key = tl.load(keys + pair, mask=row_ok, other=-1)
+    rest = tl.where(key >= 0, key, _NO_KEY)
+    r = tl.arange(0, R)
+    v_ptr = v + pair.to(tl.int64)[:, None] * s_v + V_OFFSET + r[None, :]
+    b_ptr = b + n[None, :].to(tl.int64) * s_bn + r[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k = tl.min(rest, 0)
+    while k < _NO_KEY:
+        mine = rest == k
+        bt = tl.load(b_ptr + k.to(tl.int64) * s_bg, mask=n_ok[None, :], other=0.0)
+        vt = tl.load(v_ptr, mask=mine[:, None], other=0.0).to(bt.dtype)
+        acc = tl.dot(vt, bt, acc)
+        rest = tl.where(mine, _NO_KEY, rest)
+        k = tl.min(rest, 0)
+    return acc
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_pairs"])
 def _up_kernel(
     hidden, w13, act, sorted_ids, block_expert, num_padded, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs,
-    w_scale, s_se, s_sn, delta, s_dp, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
-    SCALE_K: tl.constexpr, GROUP: tl.constexpr, HAS_DELTA: tl.constexpr, USE_PDL: tl.constexpr,
+    w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n] = silu(x @ gate^T) * (x @ up^T) for one block of pairs of one expert and one
     BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e].
     FP8: hidden is x quantized per row and GROUP columns (scales x_scale, row stride s_xs), w13
     float8 with block scales w_scale [E, rows / SCALE_N, HIDDEN / SCALE_K]; each K step (one
     scale group of both, BLOCK_K <= min(GROUP, SCALE_K)) multiplies its FP8 dot by the two.
-    HAS_DELTA: the pair's delta [P, 2 * INTER] row (its adapters, PairDeltas) is added to gate and
-    up before the activation."""
+    LORA_RANK > 0: the pair's low-rank delta (moe.PairLowRank: lora_keys, lora_v rows of stride
+    s_lv, lora_b [G, 2 * INTER, LORA_RANK] of strides s_lg, s_ln: its adapters) joins gate and up
+    before the activation (_block_low_rank: no expand launch, no delta buffer)."""
     pdl_wait(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -76,10 +106,10 @@ def _up_kernel(
         a_ptr += BLOCK_K
         g_ptr += BLOCK_K
         u_ptr += BLOCK_K
-    if HAS_DELTA:
-        d_ptr = delta + pair.to(tl.int64)[:, None] * s_dp + n[None, :]
-        acc_g += tl.load(d_ptr, mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        acc_u += tl.load(d_ptr + INTER, mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+    if LORA_RANK > 0:
+        low = (lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pair, row_ok)
+        acc_g += _block_low_rank(*low, n, n_ok, 0, LORA_RANK, BLOCK_M, BLOCK_N)
+        acc_u += _block_low_rank(*low, n + INTER, n_ok, LORA_RANK, LORA_RANK, BLOCK_M, BLOCK_N)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     dst = act + pair.to(tl.int64)[:, None] * s_at + n[None, :]
     tl.store(dst, h.to(act.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -89,13 +119,14 @@ def _up_kernel(
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     act, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, s_at, s_we, s_wn, s_yp, act_scale,
-    s_as, w_scale, s_se, s_sn, delta, s_dp, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
-    GROUP: tl.constexpr, HAS_DELTA: tl.constexpr, USE_PDL: tl.constexpr,
+    s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr,
+    INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """y[pair, n] = weight[pair] * (act[pair] @ w2[e, n]^T (+ the pair's delta [P, HIDDEN] row)) for one
-    block of sorted pairs. FP8: act quantized per row and GROUP columns (act_scale), w2 float8 with
-    block scales, as _up_kernel (the delta is computed from the unquantized act)."""
+    """y[pair, n] = weight[pair] * (act[pair] @ w2[e, n]^T (+ the pair's low-rank delta, lora_b
+    [G, HIDDEN, LORA_RANK], as _up_kernel's)) for one block of sorted pairs. FP8: act quantized per
+    row and GROUP columns (act_scale), w2 float8 with block scales, as _up_kernel (the delta's
+    shrink read the unquantized act)."""
     pdl_wait(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -127,9 +158,9 @@ def _down_kernel(
             acc = tl.dot(a, b, acc)
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
-    if HAS_DELTA:
-        d_ptr = delta + pair.to(tl.int64)[:, None] * s_dp + n[None, :]
-        acc += tl.load(d_ptr, mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+    if LORA_RANK > 0:
+        low = (lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pair, row_ok)
+        acc += _block_low_rank(*low, n, n_ok, 0, LORA_RANK, BLOCK_M, BLOCK_N)
     acc *= tl.load(topk_weights + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     dst = y + pair.to(tl.int64)[:, None] * s_yp + n[None, :]
     tl.store(dst, acc.to(y.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -191,7 +222,8 @@ def moe_sorted(
     """The sorted path into `out` (or, with norm, into norm.out): group, up GEMM, down GEMM, sum.
     scales: (w13_scale, w2_scale) of FP8 experts: x and act are quantized per 1 x 128 group for
     the FP8 dots (one launch each). deltas (PairDeltas): added to each pair's gate / up and down
-    projections (adapters), in full precision beside the FP8 dots."""
+    projections (adapters) in their low-rank form, expanded inside the two GEMMs (in full precision
+    beside the FP8 dots; their two shrinks are the only launches they add)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -210,23 +242,23 @@ def moe_sorted(
     x, x_scale = quantize_act(x=hidden, group=ACT_GROUP, pdl=pdl) if fp8 else (hidden, hidden)
     up_sc = _scale_args(w13_scale, w13, hidden)
     up_k = min(up["block_k"], up_sc[3], ACT_GROUP) if fp8 else up["block_k"]
-    d13 = deltas.gate_up(topk_ids) if deltas is not None else act
+    up_lora = low_rank_args(None if deltas is None else deltas.low_rank_gate_up(topk_ids), act)
     _up_kernel[(max_blocks, triton.cdiv(inter, up["block_n"]))](
         x, w13, act, sorted_ids, block_expert, num_padded, num_pairs, x.stride(0), w13.stride(0), w13.stride(1),
-        act.stride(0), x_scale, x_scale.stride(0), *up_sc[:3], d13, d13.stride(0), HIDDEN=hidden_size, INTER=inter,
+        act.stride(0), x_scale, x_scale.stride(0), *up_sc[:3], *up_lora[:6], HIDDEN=hidden_size, INTER=inter,
         TOPK=top_k, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up_k, FP8=fp8, SCALE_N=up_sc[4],
-        SCALE_K=up_sc[3], GROUP=ACT_GROUP, HAS_DELTA=deltas is not None, num_warps=up["num_warps"],
+        SCALE_K=up_sc[3], GROUP=ACT_GROUP, LORA_RANK=up_lora[6], num_warps=up["num_warps"],
         num_stages=up["num_stages"], **pdl_launch(hidden, pdl),
     )  # fmt: skip
-    d2 = deltas.down(act) if deltas is not None else act
+    down_lora = low_rank_args(None if deltas is None else deltas.low_rank_down(act), act)
     a, a_scale = quantize_act(x=act, group=ACT_GROUP, pdl=pdl) if fp8 else (act, act)
     down_sc = _scale_args(w2_scale, w2, hidden)
     down_k = min(down["block_k"], down_sc[3], ACT_GROUP) if fp8 else down["block_k"]
     _down_kernel[(max_blocks, triton.cdiv(hidden_size, down["block_n"]))](
         a, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, a.stride(0), w2.stride(0),
-        w2.stride(1), y.stride(0), a_scale, a_scale.stride(0), *down_sc[:3], d2, d2.stride(0), HIDDEN=hidden_size,
+        w2.stride(1), y.stride(0), a_scale, a_scale.stride(0), *down_sc[:3], *down_lora[:6], HIDDEN=hidden_size,
         INTER=inter, BLOCK_M=block_m, BLOCK_N=down["block_n"], BLOCK_K=down_k, FP8=fp8, SCALE_N=down_sc[4],
-        SCALE_K=down_sc[3], GROUP=ACT_GROUP, HAS_DELTA=deltas is not None, num_warps=down["num_warps"],
+        SCALE_K=down_sc[3], GROUP=ACT_GROUP, LORA_RANK=down_lora[6], num_warps=down["num_warps"],
         num_stages=down["num_stages"], **pdl_launch(act, pdl),
     )  # fmt: skip
     shared_out = gate_logit = None
