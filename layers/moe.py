@@ -32,7 +32,7 @@ from .common import col_range, empty_param, project, row_ranges
 from .config import ModelConfig
 from .kernels import moe as moe_kernels
 from .kernels.options import KernelOptions
-from .lora import NO_SLOTS, LoraTarget, add_lora, column_target, expert_deltas, lora_wanted, row_target
+from .lora import NO_SLOTS, LoraTarget, add_lora, column_target, expert_deltas, low_rank_lora, row_target
 from .parallel import ParallelLayout, all_reduce
 from .quant import Fp8Projection, assign, rows_of, scale_of, tail_of
 
@@ -262,18 +262,19 @@ class SparseMoeBlock(nn.Module):
         if proj is None:
             proj = add_lora(ctx, self.lora_slots.get("in"), project(x, self.in_proj, ctx.kernels), x)
         deltas = expert_deltas(ctx, self.lora_slots.get("experts"), x, self.expert_start)
-        shared_lora = None if self.shared_expert is None else self.shared_expert.lora_slots.get("down")
-        shared_lora = shared_lora if lora_wanted(ctx, shared_lora) else None
-        # with adapters here, their deltas join the output before the norm after the block
-        fused_norm = add_norm if self.layout.tp_size == 1 and deltas is None and shared_lora is None else None
+        # the adapters' deltas join inside the experts' kernels, so the next norm stays in the last one
+        fused_norm = add_norm if self.layout.tp_size == 1 else None
         num_experts = self.num_experts
         shared = None
         if self.shared_expert is not None:
+            gate_up = proj[:, : self.router_row]
             shared = moe_kernels.SharedExpert(
-                gate_up=proj[:, : self.router_row],
+                gate_up=gate_up,
                 w2=self.shared_expert.w2,
                 gate_logit=proj[:, self.gate_row : self.gate_row + 1],
                 w2_scale=scale_of(self.shared_expert.w2),
+                # its down adapter on its activation, under its sigmoid gate
+                lora=low_rank_lora(ctx, self.shared_expert.lora_slots.get("down"), gate_up, glu=True),
             )
         out = moe_kernels.routed_moe(  # at decode sizes the routing runs inside the experts' up GEMV
             hidden=x,
@@ -292,10 +293,6 @@ class SparseMoeBlock(nn.Module):
             pdl=ctx.kernels.pdl,
             deltas=deltas,
         )
-        if shared_lora is not None:  # the shared expert's down adapter on its activation, under its sigmoid gate
-            gate_up = proj[:, : 2 * self.shared_expert.inter]
-            gate = proj[:, self.gate_row : self.gate_row + 1]
-            out = add_lora(ctx, shared_lora, out, gate_up, glu=True, row_gate=gate)
         if fused_norm is not None or add_norm is None and self.layout.tp_size == 1:
             return out
         return moe_kernels.apply_add_norm(all_reduce(out, self.layout), add_norm, ctx.kernels.pdl)

@@ -207,7 +207,7 @@ MOE_CASES = [(3, 6, 200, 40, 2, (128, 128), (128, 128), 0), (5, 4, 256, 64, 3, (
 def on_cpu(args: dict) -> dict:
     cpu = {k: (v if not isinstance(v, torch.Tensor) else v.cpu()) for k, v in args.items()}
     if args["shared"] is not None:
-        cpu["shared"] = SharedExpert(*(v.cpu() for v in args["shared"]))
+        cpu["shared"] = SharedExpert(*(v if v is None else v.cpu() for v in args["shared"]))
     return cpu
 
 

@@ -231,6 +231,56 @@ def test_routed_moe_with_expert_deltas_on_pairs_path(device):
         assert ((got.cpu() - want).norm() / want.norm()).item() < tol(device)
 
 
+@pytest.mark.parametrize("path", ["pairs", "sorted"])
+def test_shared_expert_adapter_in_the_last_kernel(device, path):
+    """The shared expert's down adapter (SharedExpert.lora: the glu shrink's v, expanded by the block's
+    last kernel: the pairs path's down GEMV, the sorted path's sum kernel) under its sigmoid gate,
+    beside the experts' adapters, with the next norm still in that kernel; v's rows of tokens without
+    an adapter stay NaN (nan_fill) and are never read. Odd widths, a slot of smaller rank."""
+    tokens, hidden, inter, local, top_k, shared_inter, rank = 5, 40, 24, 4, 2, 12, 16
+    slot_rows = [2, -1, 0, 1, 2]
+    args, lora, token_slots = expert_case(
+        "cpu", tokens=tokens, hidden=hidden, inter=inter, local=local, total=local, top_k=top_k, offset=0, slots=3,
+        rank=rank, slot_rows=slot_rows, seed=4,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    a, b = slots_weights(g, 3, rank, shared_inter, hidden, 1, ranks=(16, 5, 16))
+    gate_up = torch.randn(tokens, 2 * shared_inter + 3, generator=g)[:, : 2 * shared_inter]
+    gate_logit = torch.randn(tokens, 1, generator=g)
+    w2 = torch.randn(hidden, shared_inter, generator=g) * shared_inter**-0.5
+    add_norm = moe_naive.AddNorm(torch.randn(tokens, hidden, generator=g), torch.randn(hidden, generator=g), 1e-6)
+    v = naive.shrink(x=gate_up, a=a, keys=token_slots, glu=True)
+    shared = moe_naive.SharedExpert(gate_up, w2, gate_logit, lora=moe_naive.PairLowRank(token_slots, v, b))
+
+    def ref_deltas():
+        return lora_kernels.ExpertDeltas(hidden=args["hidden"], token_slots=token_slots, weights=lora, expert_offset=0)
+
+    ref = moe_naive.fused_moe(**args, shared=shared, deltas=ref_deltas())
+    base = moe_naive.fused_moe(**args, shared=shared._replace(lora=None), deltas=ref_deltas())
+    act = torch.nn.functional.silu(gate_up[:, :shared_inter]) * gate_up[:, shared_inter:]
+    for t, s in enumerate(slot_rows):  # the reference against the adapter written out per token
+        want = 0 if s < 0 else torch.sigmoid(gate_logit[t]) * (b[s] @ (a[s] @ act[t]))
+        assert torch.allclose(ref[t] - base[t], torch.as_tensor(want, dtype=ref.dtype), atol=1e-5)
+    ref_normed = moe_naive.fused_moe(**args, shared=shared, add_norm=add_norm, deltas=ref_deltas())
+
+    to = dict(device=device)
+    dev = {k: v.to(**to) if torch.is_tensor(v) else v for k, v in args.items()}
+    slots_dev = token_slots.to(**to)
+    v_dev = tl_lora.shrink(gate_up.to(**to), a.to(**to), tl_lora.group_rows(slots_dev[:, None], 3), glu=True)
+    low = moe_naive.PairLowRank(slots_dev, v_dev, b.to(**to))
+    shared_dev = moe_naive.SharedExpert(gate_up.to(**to), w2.to(**to), gate_logit.to(**to), lora=low)
+    lora_dev = lora_kernels.ExpertLoraWeights(*(t.to(**to) for t in lora))
+    deltas = lora_kernels.ExpertDeltas(
+        hidden=dev["hidden"], token_slots=slots_dev, weights=lora_dev, expert_offset=0, triton=True
+    )
+    norm_dev = moe_naive.AddNorm(*(t.to(**to) for t in add_norm[:2]), add_norm.eps)
+    normed, residual = tm.fused_moe(**dev, shared=shared_dev, add_norm=norm_dev, deltas=deltas, path=path)
+    assert not normed.isnan().any() and not residual.isnan().any()
+    for got, want in zip((normed, residual), ref_normed, strict=True):
+        assert ((got.cpu() - want).norm() / want.norm()).item() < tol(device)
+    assert torch.allclose(residual.cpu() - add_norm.residual, ref, atol=tol(device), rtol=tol(device))
+
+
 def test_pair_keys_and_shrink_kernels(device):
     """The gate / up shrink's one launch (the pairs' keys written by it too) and the down shrink
     against naive.pair_keys and naive.pair_shrink; keys and v NaN-filled first (nan_fill)."""

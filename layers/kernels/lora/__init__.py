@@ -93,6 +93,25 @@ def add_lora(
     return naive.add_lora(y=y, x=x, a=a, b=b, bounds=bounds, token_slots=rows.keys, glu=glu, row_gate=row_gate)
 
 
+def shrink(*, x: torch.Tensor, a: torch.Tensor, rows: LoraRows, glu: bool = False, pdl: bool = True) -> torch.Tensor:
+    """The first half of add_lora, for a kernel that expands the adapters itself (moe.PairLowRank).
+
+    Args:
+        x: [T, K] (last dim contiguous); with glu [T, 2 K], read as silu(gate) * up.
+        a: [S, RA, K] in x's dtype. rows: lora_rows of the pass's tokens (keys [T], num_keys = S).
+        pdl: as lora_rows.
+
+    Returns:
+        v [T, RA] float32: row t's input times a[keys[t]]; rows without a key are unset on CUDA
+        (their readers check the key) and zero on CPU.
+    """
+    if x.is_cuda:
+        from .triton_lora import shrink as impl
+
+        return impl(x, a, rows.groups, pdl=pdl, glu=glu)
+    return naive.shrink(x=x, a=a, keys=rows.keys, glu=glu)
+
+
 class ExpertDeltas:
     """The experts' adapters as per-pair additions inside the MoE (moe.PairDeltas). On CUDA (both
     paths) the kernels take the low-rank form: `low_rank_gate_up(topk_ids)`, one launch for the
@@ -169,4 +188,6 @@ class ExpertDeltas:
         return PairLowRank(self.keys, v, w.b2.flatten(0, 1))
 
 
-__all__ = ["ExpertDeltas", "ExpertLoraWeights", "LoraRows", "add_lora", "lora_rows", "pair_keys"]
+__all__ = [
+    "ExpertDeltas", "ExpertLoraWeights", "LoraRows", "PairLowRank", "add_lora", "lora_rows", "pair_keys", "shrink",
+]  # fmt: skip

@@ -36,6 +36,25 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: tuple[
     return out
 
 
+def _glu(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    half = x.shape[1] // 2
+    return F.silu(x[:, :half].to(acc)) * x[:, half:].to(acc)
+
+
+def shrink(*, x, a, keys, glu=False):
+    """The reference of lora.shrink: v [T, RA] (float32, float64 when an input is), row t's x (glu:
+    silu(gate) * up of x = [gate | up]) times a[keys[t]]; zero rows without a key."""
+    acc = acc_dtype(x, a)
+    flat = keys.reshape(-1)
+    v = torch.zeros((x.shape[0], a.shape[1]), dtype=acc, device=x.device)
+    for s in torch.unique(flat).tolist():
+        if s >= 0:
+            rows = torch.nonzero(flat == s).flatten()
+            xs = _glu(x[rows], acc) if glu else x[rows].to(acc)
+            v[rows] = xs @ a[s].to(acc).t()
+    return v
+
+
 def add_lora(*, y, x, a, b, bounds, token_slots, glu=False, row_gate=None):
     """The reference of lora.add_lora: y[:, :bounds[-1]] += each token's adapter delta, in place
     (glu: of silu(gate) * up of x = [gate | up]; row_gate: times sigmoid(row_gate[t]))."""
@@ -46,9 +65,7 @@ def add_lora(*, y, x, a, b, bounds, token_slots, glu=False, row_gate=None):
         rows = torch.nonzero(token_slots == s).flatten()
         xs = x[rows]
         if glu:
-            acc = acc_dtype(x, a, b)
-            half = xs.shape[1] // 2
-            xs = F.silu(xs[:, :half].to(acc)) * xs[:, half:].to(acc)
+            xs = _glu(xs, acc_dtype(x, a, b))
         delta = lora_delta(xs, a[s], b[s], bounds)
         if row_gate is not None:
             delta = delta * torch.sigmoid(row_gate[rows].to(delta.dtype))

@@ -17,16 +17,30 @@ from ..fp8.naive import ACT_GROUP, dequantize_weight, expand_scale, quantize_act
 from ..precision import acc_dtype
 
 
+class PairLowRank(NamedTuple):
+    """A low-rank addition per routed pair, for the pairs path's GEMVs: pair p with keys[p] >= 0 adds
+    b[keys[p], n] . v[p, j * R : j * R + R] to its output row n of slice j (gate_up: the gate rows
+    read slice 0, the up rows slice 1; down: one slice). keys [P] int32 (-1: none; v's row unset),
+    v [P, J * R] float32, b [G, N, R] with R a power of two."""
+
+    keys: torch.Tensor
+    v: torch.Tensor
+    b: torch.Tensor
+
+
 class SharedExpert(NamedTuple):
     """The shared expert's part of an MoE block, for fused_moe: gate_up [T, 2 * I] (the gate then
     the up projection of the block's input, rows may be strided column slices of a fused
     projection), w2 [H, I] (its down projection) and gate_logit [T, 1] (its sigmoid gate's logit);
-    w2_scale: w2 is FP8 with these block scales (kernels.fp8)."""
+    w2_scale: w2 is FP8 with these block scales (kernels.fp8). lora: a low-rank addition to its down
+    projection's output, under the sigmoid gate (its adapters: keys [T], each token's slot, v [T, R]
+    and b [S, H, R]), so that the block's last kernel still applies the next norm."""
 
     gate_up: torch.Tensor
     w2: torch.Tensor
     gate_logit: torch.Tensor
     w2_scale: torch.Tensor | None = None
+    lora: PairLowRank | None = None
 
 
 class AddNorm(NamedTuple):
@@ -45,17 +59,6 @@ class NormedOut(NamedTuple):
 
     normed: torch.Tensor
     residual: torch.Tensor
-
-
-class PairLowRank(NamedTuple):
-    """A low-rank addition per routed pair, for the pairs path's GEMVs: pair p with keys[p] >= 0 adds
-    b[keys[p], n] . v[p, j * R : j * R + R] to its output row n of slice j (gate_up: the gate rows
-    read slice 0, the up rows slice 1; down: one slice). keys [P] int32 (-1: none; v's row unset),
-    v [P, J * R] float32, b [G, N, R] with R a power of two."""
-
-    keys: torch.Tensor
-    v: torch.Tensor
-    b: torch.Tensor
 
 
 class PairDeltas(Protocol):
@@ -107,6 +110,13 @@ def check_shared(shared: SharedExpert, num_tokens: int, hidden_size: int) -> Non
     for name in ("gate_up", "w2"):
         if getattr(shared, name).stride(-1) != 1:
             raise ValueError(f"shared.{name}: the last dim must be contiguous")
+    if shared.lora is not None:
+        keys, v, b = shared.lora
+        if keys.shape != (num_tokens,) or v.shape[0] != num_tokens or b.shape[1] != hidden_size:
+            raise ValueError(
+                f"shared.lora: keys [{num_tokens}], v [{num_tokens}, R], b [S, {hidden_size}, R] expected, got "
+                f"{list(keys.shape)}, {list(v.shape)}, {list(b.shape)}"
+            )
 
 
 def route_topk_softmax(*, router_logits, top_k, renormalize):
@@ -198,14 +208,26 @@ def routed_moe(
     )  # fmt: skip
 
 
+def low_rank_rows(low: PairLowRank, acc: torch.dtype) -> torch.Tensor:
+    """[P, N] in acc: row p's b[keys[p]] @ v[p, :R] (zero without a key), one matmul per key."""
+    keys = low.keys.reshape(-1)
+    rank = low.b.shape[2]
+    out = torch.zeros((keys.shape[0], low.b.shape[1]), dtype=acc, device=low.v.device)
+    for k in torch.unique(keys).tolist():
+        if k >= 0:
+            rows = torch.nonzero(keys == k).flatten()
+            out[rows] = low.v[rows, :rank].to(acc) @ low.b[k].to(acc).t()
+    return out
+
+
 def shared_expert_combine(
     *, routed: torch.Tensor, gate_up: torch.Tensor, w2: torch.Tensor, gate_logit: torch.Tensor,
-    w2_scale: torch.Tensor | None = None, quantize_x: bool = False,
+    w2_scale: torch.Tensor | None = None, lora: PairLowRank | None = None, quantize_x: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """routed + sigmoid(gate_logit) * down(silu(gate) * up): the shared expert's down projection,
     its sigmoid gate and the sum with the routed experts' output, in float32.
     routed: [T, H]; gate_up: [T, 2 * I] (gate columns then up); w2: [H, I]; gate_logit: [T, 1];
-    w2_scale: w2 is FP8 with these block scales. quantize_x (FP8): the activation is quantized
+    w2_scale: w2 is FP8 with these block scales. lora: SharedExpert.lora. quantize_x (FP8): the activation is quantized
     per 1 x 128 group first (the sorted path's down projection through linear, above
     linear.MAX_TUNED_TOKENS rows). Returns [T, H] in routed's dtype."""
     inter = w2.shape[1]
@@ -214,6 +236,8 @@ def shared_expert_combine(
     if w2_scale is not None and quantize_x:  # the GPU stores act in the activations' dtype, then quantizes it
         act = _fake_quant(act.to(gate_up.dtype), acc)
     shared = act @ _weight(w2, w2_scale, acc).t()
+    if lora is not None:
+        shared = shared + low_rank_rows(lora, acc)
     return (routed.to(acc) + torch.sigmoid(gate_logit.to(acc)) * shared).to(routed.dtype)
 
 

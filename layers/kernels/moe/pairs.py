@@ -137,11 +137,12 @@ def _up_gemv_kernel(
 def _down_gemv_kernel(
     act, w2, out, topk_weights, topk_ids, expert_offset, num_experts, s_at, s_we, s_wn, s_ot, shared_gate_up, shared_w2,
     shared_gate_logit, s_sgu, s_sw2, s_sgl, residual, norm_weight, normed_out, res_out, tickets, s_rt, eps,
-    w2_scale, s_se, s_sn, shared_scale, s_ssn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr,
-    INTER: tl.constexpr, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
-    SHARED_INTER: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK_HID: tl.constexpr, FP8: tl.constexpr,
-    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, SHARED_FP8: tl.constexpr, SHARED_SCALE_N: tl.constexpr,
-    SHARED_SCALE_K: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
+    w2_scale, s_se, s_sn, shared_scale, s_ssn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, slora_keys, slora_v,
+    slora_b, s_shv, s_shg, s_shn, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, SHARED_INTER: tl.constexpr, ADD_NORM: tl.constexpr,
+    BLOCK_HID: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    SHARED_FP8: tl.constexpr, SHARED_SCALE_N: tl.constexpr, SHARED_SCALE_K: tl.constexpr, LORA_RANK: tl.constexpr,
+    SHARED_LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """out[t, h] = sum_j weight[t, j] * act[t, j] . w2[e_j, h] for BLOCK_H rows h, all top-k slots
     unrolled into one straight run of independent loads. A slot routed to another rank gets an
@@ -159,7 +160,9 @@ def _down_gemv_kernel(
     INTER / SCALE_K], strides s_se, s_sn; shared_scale [H / .., SHARED_INTER / ..], row stride
     s_ssn), widened and scaled in registers.
     LORA_RANK > 0: each pair's low-rank delta (as _up_gemv_kernel's, lora_b [G, HIDDEN, LORA_RANK])
-    joins its down projection before the routing weight."""
+    joins its down projection before the routing weight. SHARED_LORA_RANK > 0: the token's
+    low-rank delta (SharedExpert.lora: slora_keys, slora_v rows of stride s_shv, slora_b
+    [S, HIDDEN, SHARED_LORA_RANK]) joins the shared expert's output under its gate."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < HIDDEN
@@ -183,7 +186,7 @@ def _down_gemv_kernel(
             shared_b *= tl.load(shared_sc_ptr + (i // SHARED_SCALE_K)[None, :], mask=i_in, other=0.0)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_H, BLOCK_I], tl.float32)
-    low_rank = tl.zeros([BLOCK_H], tl.float32)
+    low_rank = tl.zeros([BLOCK_H], tl.float32)  # the routed pairs' and the shared expert's adapters
     for j in tl.static_range(TOPK):
         pair = t * TOPK + j
         e = tl.load(topk_ids + pair).to(tl.int32) - expert_offset
@@ -212,6 +215,9 @@ def _down_gemv_kernel(
             acc += b * a[None, :]
     if SHARED_INTER > 0:
         scale = tl.sigmoid(tl.load(shared_gate_logit + t.to(tl.int64) * s_sgl).to(tl.float32))
+        if SHARED_LORA_RANK > 0:
+            shared_low = (slora_keys, slora_v, slora_b, s_shv, s_shg, s_shn, t, h, h_ok, 0, SHARED_LORA_RANK)
+            low_rank += scale * _low_rank(*shared_low)
         g_ptr = shared_gate_up + t.to(tl.int64) * s_sgu + i
         for i0 in tl.static_range(0, SHARED_INTER, BLOCK_I):
             i_ok = i0 + i < SHARED_INTER
@@ -230,7 +236,7 @@ def _down_gemv_kernel(
                     b *= sc
             acc += b * shared_act[None, :]
     total = tl.sum(acc, 1)
-    if LORA_RANK > 0:
+    if LORA_RANK > 0 or SHARED_LORA_RANK > 0:
         total += low_rank
     tl.store(out + t.to(tl.int64) * s_ot + h, total.to(out.dtype.element_ty), mask=h_ok)
     if ADD_NORM:
@@ -271,6 +277,7 @@ def moe_pairs(
         SCALE_K=up_scale[4], LORA_RANK=up_lora[6], num_warps=up["num_warps"], num_stages=1, **pdl_launch(hidden, pdl),
     )  # fmt: skip
     down_lora = low_rank_args(None if deltas is None else deltas.low_rank_down(act), out)
+    shared_lora = low_rank_args(None if shared is None else shared.lora, out)
     shared_inter = 0 if shared is None else shared.w2.shape[1]
     args = (act, w2, out, topk_weights, topk_ids, expert_offset, num_experts)
     args += (act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *_shared_args(shared, out))
@@ -281,11 +288,12 @@ def moe_pairs(
     shared_scale = None if shared is None else shared.w2_scale
     sh = _scale_args(None if shared_scale is None else shared_scale[None], None if shared is None else shared.w2, out)
     _down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, down["block_h"]))](
-        *args, *down_scale[:3], sh[0], sh[2], *down_lora[:6], HIDDEN=hidden_size, INTER=inter, TOPK=top_k,
-        BLOCK_H=down["block_h"], BLOCK_I=down["block_i"], SHARED_INTER=shared_inter, ADD_NORM=norm is not None,
-        BLOCK_HID=triton.next_power_of_2(hidden_size), FP8=w2_scale is not None, SCALE_N=down_scale[3],
-        SCALE_K=down_scale[4], SHARED_FP8=shared_scale is not None, SHARED_SCALE_N=sh[3], SHARED_SCALE_K=sh[4],
-        LORA_RANK=down_lora[6], num_warps=down["num_warps"], num_stages=1, **pdl_launch(act, pdl),
+        *args, *down_scale[:3], sh[0], sh[2], *down_lora[:6], *shared_lora[:6], HIDDEN=hidden_size, INTER=inter,
+        TOPK=top_k, BLOCK_H=down["block_h"], BLOCK_I=down["block_i"], SHARED_INTER=shared_inter,
+        ADD_NORM=norm is not None, BLOCK_HID=triton.next_power_of_2(hidden_size), FP8=w2_scale is not None,
+        SCALE_N=down_scale[3], SCALE_K=down_scale[4], SHARED_FP8=shared_scale is not None, SHARED_SCALE_N=sh[3],
+        SHARED_SCALE_K=sh[4], LORA_RANK=down_lora[6], SHARED_LORA_RANK=shared_lora[6], num_warps=down["num_warps"],
+        num_stages=1, **pdl_launch(act, pdl),
     )  # fmt: skip
 
 

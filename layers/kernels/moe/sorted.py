@@ -169,8 +169,9 @@ def _down_kernel(
 @triton.jit
 def _sum_kernel(
     y, topk_ids, out, shared, gate_logit, expert_offset, num_experts, s_yp, s_ot, s_st, s_gl, residual, norm_weight,
-    normed_out, res_out, s_rt, eps, HIDDEN: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
-    HAS_SHARED: tl.constexpr, ADD_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    normed_out, res_out, s_rt, eps, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr, HAS_SHARED: tl.constexpr, ADD_NORM: tl.constexpr,
+    LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """out[t] = sum of its local slots' rows of y (non-local slots were never written), plus
     sigmoid(gate_logit[t]) * shared[t] (the shared expert's down projection) when HAS_SHARED; one
@@ -178,7 +179,11 @@ def _sum_kernel(
     out[t] + residual[t] and normed_out[t] = its zero-centred RMSNorm (rows of stride s_rt).
     With the shared expert, its two launches run between the routed down GEMM and this kernel, so
     the routed rows (and the ids and gate logits, older still) load before the PDL wait
-    (kernels/pdl.py) and only the shared expert's output after it."""
+    (kernels/pdl.py) and only the shared expert's output after it.
+    LORA_RANK > 0 (with HAS_SHARED): the shared expert's low-rank delta (SharedExpert.lora:
+    lora_keys [T], lora_v rows of stride s_lv, lora_b [S, HIDDEN, LORA_RANK] of strides s_lg, s_ln)
+    joins its output under the gate, one rank column at a time (the row stays BLOCK wide in
+    registers for the norm)."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     if not HAS_SHARED:  # the routed down GEMM is the kernel just before
@@ -193,7 +198,16 @@ def _sum_kernel(
     if HAS_SHARED:
         scale = tl.sigmoid(tl.load(gate_logit + t.to(tl.int64) * s_gl).to(tl.float32))
         pdl_wait(USE_PDL)
-        acc += scale * tl.load(shared + t.to(tl.int64) * s_st + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
+        shared_row = tl.load(shared + t.to(tl.int64) * s_st + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
+        if LORA_RANK > 0:
+            key = tl.load(lora_keys + t)
+            b_row = lora_b + tl.maximum(key, 0).to(tl.int64) * s_lg + h.to(tl.int64) * s_ln
+            b_ok = h < tl.where(key >= 0, HIDDEN, 0)  # an empty range, not a scalar mask (the interpreter)
+            for j in tl.static_range(LORA_RANK):
+                vj = tl.load(lora_v + t.to(tl.int64) * s_lv + j)
+                vj = tl.where(key >= 0, vj, 0.0)  # a row without an adapter has no v (unset)
+                shared_row += vj * tl.load(b_row + j, mask=b_ok, other=0.0).to(tl.float32)
+        acc += scale * shared_row
     if ADD_NORM:
         row = t.to(tl.int64) * s_rt
         xv = acc.to(out.dtype.element_ty).to(tl.float32)
@@ -274,11 +288,13 @@ def moe_sorted(
         triton.next_power_of_2(hidden_size) if norm is not None else min(1024, triton.next_power_of_2(hidden_size))
     )
     norm_args = norm_kernel_args(norm, out)
+    shared_lora = low_rank_args(None if shared is None else shared.lora, out)
     _sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
         y, topk_ids, out, out if shared_out is None else shared_out, out if gate_logit is None else gate_logit,
         expert_offset, num_experts, y.stride(0), out.stride(0), 0 if shared_out is None else shared_out.stride(0),
-        0 if gate_logit is None else gate_logit.stride(0), *norm_args, HIDDEN=hidden_size, TOPK=top_k, BLOCK=block_h,
-        HAS_SHARED=shared is not None, ADD_NORM=norm is not None, num_warps=4, **pdl_launch(y, pdl),
+        0 if gate_logit is None else gate_logit.stride(0), *norm_args, *shared_lora[:6], HIDDEN=hidden_size,
+        TOPK=top_k, BLOCK=block_h, HAS_SHARED=shared is not None, ADD_NORM=norm is not None,
+        LORA_RANK=shared_lora[6], num_warps=4, **pdl_launch(y, pdl),
     )  # fmt: skip
 
 
