@@ -67,12 +67,15 @@ def run(args: argparse.Namespace) -> dict:
     adapters = install_random_adapters(llm, max(counts), args.rank)
     rows = []
     for b in batches:
-        base = bench_decode(llm, b, args.context, args.steps, None, model_config.vocab_size, tag="base")["step_s"]
+        base = bench_decode(
+            llm, b, args.context, args.steps, None, model_config.vocab_size, args.profile_steps, tag="base"
+        )["step_s"]
         row = {"batch": b, "no_lora_ms": base * 1e3}
         for n in counts:
             step = bench_decode(
-                llm, b, args.context, args.steps, None, model_config.vocab_size, tag=f"lora{n}", loras=adapters[:n]
-            )["step_s"]
+                llm, b, args.context, args.steps, None, model_config.vocab_size, args.profile_steps, tag=f"lora{n}",
+                loras=adapters[:n],
+            )["step_s"]  # fmt: skip
             row[f"lora{n}_ms"], row[f"lora{n}_x"] = step * 1e3, step / base
         rows.append(row)
         print(
@@ -99,6 +102,10 @@ def add_parser(sub) -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--context", type=int, default=512, help="prompt tokens per decoding sequence")
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument(
+        "--profile-steps", type=int, default=0,
+        help="after the timing, this many decode steps under torch.profiler: kernel table and in-place costs",
+    )  # fmt: skip
     add_engine_args(
         p,
         exclude=(
