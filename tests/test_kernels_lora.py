@@ -53,8 +53,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("gemv", [False, True], ids=["grouped", "gemv"])
 @pytest.mark.parametrize("tokens,k,slot_rows,bounds,rank", CASES)
-def test_add_lora(device, tokens, k, slot_rows, bounds, rank):
+def test_add_lora(device, tokens, k, slot_rows, bounds, rank, gemv):
+    """Grouped shrink, or (gemv: given the rows' keys, at decode sizes) the per-row GEMV shrink."""
     g = torch.Generator().manual_seed(tokens)
     slices, n = len(bounds) - 1, bounds[-1]
     a, b = slots_weights(g, 3, rank, k, n, slices, ranks=(rank, 3, 8))
@@ -69,7 +71,8 @@ def test_add_lora(device, tokens, k, slot_rows, bounds, rank):
     to = dict(device=device)
     y = wide.clone().to(**to)
     rows = lora_kernels.LoraRows(slots.to(**to), 3, tl_lora.group_rows(slots.to(**to)[:, None], 3))
-    tl_lora.add_lora(y=y, x=x.to(**to), a=a.to(**to), b=b.to(**to), bounds=bounds, groups=rows.groups)
+    keys = rows.keys if gemv else None
+    tl_lora.add_lora(y=y, x=x.to(**to), a=a.to(**to), b=b.to(**to), bounds=bounds, groups=rows.groups, keys=keys)
     y = y.cpu()
     assert torch.allclose(y, ref, atol=tol(device), rtol=tol(device))
     base_rows = slots < 0
@@ -77,8 +80,9 @@ def test_add_lora(device, tokens, k, slot_rows, bounds, rank):
     assert torch.equal(y[:, n:], wide[:, n:]), "columns past the LoRA's rows are not touched"
 
 
-def test_add_lora_glu_gated(device):
-    """The shared expert's down adapter: x = [gate | up] read as silu(gate) * up, the delta under
+@pytest.mark.parametrize("gemv", [False, True], ids=["grouped", "gemv"])
+def test_add_lora_glu_gated(device, gemv):
+    """A gated MLP's down adapter: x = [gate | up] read as silu(gate) * up, the delta under
     sigmoid(row_gate) (one launch each for shrink and expand, no activation or gate launches)."""
     g = torch.Generator().manual_seed(2)
     k, n = 24, 40
@@ -101,13 +105,14 @@ def test_add_lora_glu_gated(device):
     d = slots.to(**to)
     tl_lora.add_lora(
         y=out, x=gate_up.to(**to), a=a.to(**to), b=b.to(**to), bounds=(0, n), groups=tl_lora.group_rows(d[:, None], 2),
-        glu=True, row_gate=row_gate.to(**to),
+        glu=True, row_gate=row_gate.to(**to), keys=d if gemv else None,
     )  # fmt: skip
     assert torch.allclose(out.cpu(), ref, atol=tol(device), rtol=tol(device))
     assert torch.equal(out.cpu()[slots < 0], y[slots < 0])
 
 
-def test_add_lora_half_precision(device):
+@pytest.mark.parametrize("gemv", [False, True], ids=["grouped", "gemv"])
+def test_add_lora_half_precision(device, gemv):
     """float16 activations and slots (bf16 stands in): one rounding of the float32 sum."""
     g = torch.Generator().manual_seed(1)
     bounds = (0, 32, 48)
@@ -120,7 +125,7 @@ def test_add_lora_half_precision(device):
     out = y.to(**half)
     d = slots.to(device)
     tl_lora.add_lora(y=out, x=x.to(**half), a=a.to(**half), b=b.to(**half), bounds=bounds,
-                     groups=tl_lora.group_rows(d[:, None], 2))  # fmt: skip
+                     groups=tl_lora.group_rows(d[:, None], 2), keys=d if gemv else None)  # fmt: skip
     assert (out.float().cpu() - ref).abs().max() < 2e-2
 
 

@@ -89,7 +89,9 @@ def add_lora(
     if y.is_cuda:
         from .triton_lora import add_lora as impl
 
-        return impl(y=y, x=x, a=a, b=b, bounds=bounds, groups=rows.groups, pdl=pdl, glu=glu, row_gate=row_gate)
+        return impl(
+            y=y, x=x, a=a, b=b, bounds=bounds, groups=rows.groups, pdl=pdl, glu=glu, row_gate=row_gate, keys=rows.keys
+        )
     return naive.add_lora(y=y, x=x, a=a, b=b, bounds=bounds, token_slots=rows.keys, glu=glu, row_gate=row_gate)
 
 
@@ -108,7 +110,7 @@ def shrink(*, x: torch.Tensor, a: torch.Tensor, rows: LoraRows, glu: bool = Fals
     if x.is_cuda:
         from .triton_lora import shrink as impl
 
-        return impl(x, a, rows.groups, pdl=pdl, glu=glu)
+        return impl(x, a, rows.groups, pdl=pdl, glu=glu, keys=rows.keys)
     return naive.shrink(x=x, a=a, keys=rows.keys, glu=glu)
 
 

@@ -24,6 +24,10 @@ from ..moe.align import align_pairs
 from ..pdl import pdl_launch, pdl_wait
 
 MAX_SLICES = 4
+# at or under this many rows (decode) a shrink is one GEMV program per (row, 8 of its A rows): the
+# grouped dot kernel runs one program per slot's row block, a serial walk over K at a handful of
+# programs; the GEMV reads a slot's A once per row instead (from L2 after the first)
+SHRINK_GEMV_MAX_ROWS = 64
 # rows per block: small batches (decode) have a handful of rows per adapter; prefill chunks many
 SMALL_BLOCK_M, LARGE_BLOCK_M, LARGE_ROWS = 16, 64, 512
 
@@ -132,10 +136,20 @@ def _expand_kernel(
 
 
 def shrink(
-    x: torch.Tensor, a: torch.Tensor, groups: RowGroups, row_div: int = 1, pdl: bool = True, glu: bool = False
+    x: torch.Tensor,
+    a: torch.Tensor,
+    groups: RowGroups,
+    row_div: int = 1,
+    pdl: bool = True,
+    glu: bool = False,
+    keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """v [num_rows, RA] float32: each grouped row's x row (row // row_div) times its key's a [G, RA, K];
-    glu: x [T, 2 K] is [gate | up] and the row read is silu(gate) * up."""
+    glu: x [T, 2 K] is [gate | up] and the row read is silu(gate) * up. keys: the rows' keys (row_div
+    1): up to SHRINK_GEMV_MAX_ROWS rows the GEMV kernel runs instead (rows without a key: unset)."""
+    if keys is not None and row_div == 1 and keys.numel() <= SHRINK_GEMV_MAX_ROWS:
+        assert keys.numel() == x.shape[0], "shrink: a key per row of x"
+        return _pair_shrink(x, a, keys.reshape(-1), keys.numel(), 1, pdl, glu=glu)
     ra, k = a.shape[1], a.shape[2]
     assert x.shape[1] == k * (2 if glu else 1), "shrink: x's width"
     assert x.stride(-1) == 1 and a.stride(-1) == 1, "shrink: contiguous last dims"
@@ -179,9 +193,12 @@ def expand(
     )  # fmt: skip
 
 
-def add_lora(*, y, x, a, b, bounds, groups: RowGroups, pdl: bool = True, glu: bool = False, row_gate=None):
-    """lora.add_lora on CUDA (and under the interpreter): shrink, then expand into y in place."""
-    v = shrink(x, a, groups, pdl=pdl, glu=glu)
+def add_lora(
+    *, y, x, a, b, bounds, groups: RowGroups, pdl: bool = True, glu: bool = False, row_gate=None, keys=None
+):  # fmt: skip
+    """lora.add_lora on CUDA (and under the interpreter): shrink (keys: as shrink's), then expand into
+    y in place."""
+    v = shrink(x, a, groups, pdl=pdl, glu=glu, keys=keys)
     expand(v, b, y, groups, bounds, accumulate=True, pdl=pdl, row_gate=row_gate)
     return y
 
@@ -190,13 +207,13 @@ def add_lora(*, y, x, a, b, bounds, groups: RowGroups, pdl: bool = True, glu: bo
 def _pair_shrink_kernel(
     x, a, v, keys, token_slots, topk_ids, num_local, expert_offset, s_xm, s_ag, s_ar, s_vm, K: tl.constexpr,
     RA: tl.constexpr, ROW_DIV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, KEYS_FROM_IDS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    GLU: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """v[p, r] = x[p // ROW_DIV] . a[keys[p], r] for BLOCK_R of the RA rows of one pair, a GEMV (each
     pair one row: no grouping); pairs without a key exit (their v rows stay unset: the readers check
     the key). KEYS_FROM_IDS: the key is slot * num_local + local expert of pair p (token p // ROW_DIV,
     naive.pair_keys), -1 without an adapter or for another rank's expert, and the pair's first
-    program writes it to keys (no launch of its own)."""
+    program writes it to keys (no launch of its own). GLU: as _shrink_kernel's (x rows 2 K wide)."""
     pdl_wait(USE_PDL)
     p = tl.program_id(0)
     if KEYS_FROM_IDS:
@@ -217,15 +234,20 @@ def _pair_shrink_kernel(
     acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
         k_ok = k0 + k < K
-        xt = tl.load(x_ptr + k0, mask=k_ok, other=0.0).to(tl.float32)
+        xt = tl.load(x_ptr + k0, mask=k_ok, other=0.0)
+        if GLU:  # rounded to x's dtype once, as _shrink_kernel's
+            ut = tl.load(x_ptr + K + k0, mask=k_ok, other=0.0).to(tl.float32)
+            gt = xt.to(tl.float32)
+            xt = (gt * tl.sigmoid(gt) * ut).to(xt.dtype)
         at = tl.load(a_ptr + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += at * xt[None, :]
+        acc += at * xt.to(tl.float32)[None, :]
     tl.store(v + p.to(tl.int64) * s_vm + r, tl.sum(acc, 1), mask=r_ok)
 
 
-def _pair_shrink(x, a, keys, num_pairs, row_div, pdl, ids=None) -> torch.Tensor:
+def _pair_shrink(x, a, keys, num_pairs, row_div, pdl, ids=None, glu=False) -> torch.Tensor:
     ra, k = a.shape[1], a.shape[2]
-    assert x.shape[1] == k and x.stride(-1) == 1 and a.stride(-1) == 1, "pair_shrink: shapes / contiguous last dims"
+    assert x.shape[1] == k * (2 if glu else 1), "pair_shrink: x's width"
+    assert x.stride(-1) == 1 and a.stride(-1) == 1, "pair_shrink: contiguous last dims"
     v = torch.empty((num_pairs, ra), dtype=torch.float32, device=x.device)
     block_r = min(8, triton.next_power_of_2(ra))
     block_k = max(16, min(256, triton.next_power_of_2(k)))
@@ -233,7 +255,7 @@ def _pair_shrink(x, a, keys, num_pairs, row_div, pdl, ids=None) -> torch.Tensor:
     _pair_shrink_kernel[(num_pairs, triton.cdiv(ra, block_r))](
         x, a, v, keys, token_slots, topk_ids, num_local, expert_offset, x.stride(0), a.stride(0), a.stride(1),
         v.stride(0), K=k, RA=ra, ROW_DIV=row_div, BLOCK_R=block_r, BLOCK_K=block_k, KEYS_FROM_IDS=ids is not None,
-        num_warps=4, **pdl_launch(x, pdl),
+        GLU=glu, num_warps=4, **pdl_launch(x, pdl),
     )  # fmt: skip
     return v
 
