@@ -143,16 +143,26 @@ def add_lora(
 
 
 def low_rank_lora(
-    ctx: ForwardContext | None, slots: LoraProjection | None, x: torch.Tensor, *, glu: bool = False
+    ctx: ForwardContext | None,
+    slots: LoraProjection | None,
+    x: torch.Tensor,
+    *,
+    glu: bool = False,
+    fold_into: lora_kernels.ExpertDeltas | None = None,
 ) -> lora_kernels.PairLowRank | None:
     """A one-slice projection's adapters in low-rank form, for a kernel that adds them to its output
     itself (the MoE's last kernel: the shared expert's down adapter, the next norm kept fused): each
-    token's slot, x's shrink [T, R] float32 (glu: as add_lora) and b; None when none applies."""
+    token's slot, x's shrink [T, R] float32 (glu: as add_lora) and b; None when none applies.
+    fold_into: the layer's expert adapters, whose down shrink launch then runs this shrink too."""
     if not lora_wanted(ctx, slots):
         return None
     assert len(slots.bounds) == 2, "low_rank_lora: one slice"
-    v = lora_kernels.shrink(x=x, a=slots.a, rows=ctx.lora.rows, glu=glu, pdl=ctx.kernels.pdl)
-    return lora_kernels.PairLowRank(ctx.lora.rows.keys, v, slots.b)
+    keys = ctx.lora.rows.keys
+    if fold_into is not None:
+        v = fold_into.fold_shrink(x=x, a=slots.a, keys=keys, glu=glu)
+    else:
+        v = lora_kernels.shrink(x=x, a=slots.a, rows=ctx.lora.rows, glu=glu, pdl=ctx.kernels.pdl)
+    return lora_kernels.PairLowRank(keys, v, slots.b)
 
 
 def expert_deltas(

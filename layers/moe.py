@@ -274,7 +274,7 @@ class SparseMoeBlock(nn.Module):
                 gate_logit=proj[:, self.gate_row : self.gate_row + 1],
                 w2_scale=scale_of(self.shared_expert.w2),
                 # its down adapter on its activation, under its sigmoid gate
-                lora=low_rank_lora(ctx, self.shared_expert.lora_slots.get("down"), gate_up, glu=True),
+                lora=low_rank_lora(ctx, self.shared_expert.lora_slots.get("down"), gate_up, glu=True, fold_into=deltas),
             )
         out = moe_kernels.routed_moe(  # at decode sizes the routing runs inside the experts' up GEMV
             hidden=x,

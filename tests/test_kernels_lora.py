@@ -236,12 +236,14 @@ def test_routed_moe_with_expert_deltas_on_pairs_path(device):
         assert ((got.cpu() - want).norm() / want.norm()).item() < tol(device)
 
 
+@pytest.mark.parametrize("folded", [False, True], ids=["own-shrink", "folded-shrink"])
 @pytest.mark.parametrize("path", ["pairs", "sorted"])
-def test_shared_expert_adapter_in_the_last_kernel(device, path):
+def test_shared_expert_adapter_in_the_last_kernel(device, path, folded):
     """The shared expert's down adapter (SharedExpert.lora: the glu shrink's v, expanded by the block's
     last kernel: the pairs path's down GEMV, the sorted path's sum kernel) under its sigmoid gate,
     beside the experts' adapters, with the next norm still in that kernel; v's rows of tokens without
-    an adapter stay NaN (nan_fill) and are never read. Odd widths, a slot of smaller rank."""
+    an adapter stay NaN (nan_fill) and are never read. Odd widths, a slot of smaller rank. folded:
+    the shrink runs inside the experts' down shrink launch (ExpertDeltas.fold_shrink)."""
     tokens, hidden, inter, local, top_k, shared_inter, rank = 5, 40, 24, 4, 2, 12, 16
     slot_rows = [2, -1, 0, 1, 2]
     args, lora, token_slots = expert_case(
@@ -271,19 +273,25 @@ def test_shared_expert_adapter_in_the_last_kernel(device, path):
     to = dict(device=device)
     dev = {k: v.to(**to) if torch.is_tensor(v) else v for k, v in args.items()}
     slots_dev = token_slots.to(**to)
-    v_dev = tl_lora.shrink(gate_up.to(**to), a.to(**to), tl_lora.group_rows(slots_dev[:, None], 3), glu=True)
-    low = moe_naive.PairLowRank(slots_dev, v_dev, b.to(**to))
-    shared_dev = moe_naive.SharedExpert(gate_up.to(**to), w2.to(**to), gate_logit.to(**to), lora=low)
     lora_dev = lora_kernels.ExpertLoraWeights(*(t.to(**to) for t in lora))
     deltas = lora_kernels.ExpertDeltas(
         hidden=dev["hidden"], token_slots=slots_dev, weights=lora_dev, expert_offset=0, triton=True
     )
+    if folded:
+        v_dev = deltas.fold_shrink(x=gate_up.to(**to), a=a.to(**to), keys=slots_dev, glu=True)
+        assert v_dev.isnan().all(), "written by the experts' down shrink launch, not before"
+    else:
+        v_dev = tl_lora.shrink(gate_up.to(**to), a.to(**to), tl_lora.group_rows(slots_dev[:, None], 3), glu=True)
+    low = moe_naive.PairLowRank(slots_dev, v_dev, b.to(**to))
+    shared_dev = moe_naive.SharedExpert(gate_up.to(**to), w2.to(**to), gate_logit.to(**to), lora=low)
     norm_dev = moe_naive.AddNorm(*(t.to(**to) for t in add_norm[:2]), add_norm.eps)
     normed, residual = tm.fused_moe(**dev, shared=shared_dev, add_norm=norm_dev, deltas=deltas, path=path)
     assert not normed.isnan().any() and not residual.isnan().any()
     for got, want in zip((normed, residual), ref_normed, strict=True):
         assert ((got.cpu() - want).norm() / want.norm()).item() < tol(device)
     assert torch.allclose(residual.cpu() - add_norm.residual, ref, atol=tol(device), rtol=tol(device))
+    has = token_slots >= 0
+    assert torch.allclose(v_dev.cpu()[has], v[has], atol=tol(device), rtol=tol(device))
 
 
 def test_pair_keys_and_shrink_kernels(device):

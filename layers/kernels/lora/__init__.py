@@ -137,6 +137,21 @@ class ExpertDeltas:
         self.expert_offset, self.pdl = expert_offset, pdl
         self.triton = hidden.is_cuda if triton is None else triton
         self.keys: torch.Tensor | None = None  # [P] int32, from the gate / up step
+        self.extra = None  # a ShrinkJob for low_rank_down's launch (fold_shrink)
+
+    def fold_shrink(self, *, x: torch.Tensor, a: torch.Tensor, keys: torch.Tensor, glu: bool = False) -> torch.Tensor:
+        """Another shrink (as `shrink`: v [M, RA] float32, row m's x times a[keys[m]], rows without a
+        key unset) run inside low_rank_down's launch with the Triton kernels: one launch fewer for a
+        reader after the experts' down projection (the shared expert's adapter); computed now
+        otherwise. Returns v (on CUDA written by that launch)."""
+        if not self.triton:
+            return naive.shrink(x=x, a=a, keys=keys, glu=glu)
+        from .triton_lora import ShrinkJob
+
+        assert self.extra is None, "ExpertDeltas.fold_shrink: one shrink a layer"
+        v = torch.empty((keys.numel(), a.shape[1]), dtype=torch.float32, device=x.device)
+        self.extra = ShrinkJob(x, a, keys.reshape(-1), v, glu)
+        return v
 
     def gate_up(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """[P, 2 * I_local] float32 (pair p = token * top_k + k; zero for pairs without an adapter)."""
@@ -184,7 +199,7 @@ class ExpertDeltas:
         if self.triton:
             from .triton_lora import pair_shrink
 
-            v = pair_shrink(act, a, self.keys, 1, self.pdl)
+            v = pair_shrink(act, a, self.keys, 1, self.pdl, extra=self.extra)
         else:
             v = naive.pair_shrink(act, a, self.keys, 1)
         return PairLowRank(self.keys, v, w.b2.flatten(0, 1))

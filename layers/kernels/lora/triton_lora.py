@@ -204,66 +204,118 @@ def add_lora(
 
 
 @triton.jit
-def _pair_shrink_kernel(
-    x, a, v, keys, token_slots, topk_ids, num_local, expert_offset, s_xm, s_ag, s_ar, s_vm, K: tl.constexpr,
-    RA: tl.constexpr, ROW_DIV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, KEYS_FROM_IDS: tl.constexpr,
-    GLU: tl.constexpr, USE_PDL: tl.constexpr,
+def _shrink_row(
+    x, a, v, key, row, x_row, s_xm, s_ag, s_ar, s_vm, K: tl.constexpr, RA: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, GLU: tl.constexpr,
 ):  # fmt: skip
-    """v[p, r] = x[p // ROW_DIV] . a[keys[p], r] for BLOCK_R of the RA rows of one pair, a GEMV (each
-    pair one row: no grouping); pairs without a key exit (their v rows stay unset: the readers check
-    the key). KEYS_FROM_IDS: the key is slot * num_local + local expert of pair p (token p // ROW_DIV,
-    naive.pair_keys), -1 without an adapter or for another rank's expert, and the pair's first
-    program writes it to keys (no launch of its own). GLU: as _shrink_kernel's (x rows 2 K wide)."""
-    pdl_wait(USE_PDL)
-    p = tl.program_id(0)
-    if KEYS_FROM_IDS:
-        local = tl.load(topk_ids + p).to(tl.int32) - expert_offset
-        slot = tl.load(token_slots + p // ROW_DIV).to(tl.int32)
-        key = tl.where((slot >= 0) & (local >= 0) & (local < num_local), slot * num_local + local, -1)
-        if tl.program_id(1) == 0:
-            tl.store(keys + p, key)
-    else:
-        key = tl.load(keys + p)
-    if key < 0:
-        return
+    """v[row, r] = x[x_row] . a[key, r] for this program's BLOCK_R of the RA rows (key >= 0). GLU: x's
+    rows are [gate | up] (2 K wide), read as silu(gate) * up rounded to x's dtype once (as
+    _shrink_kernel's)."""
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < RA
     k = tl.arange(0, BLOCK_K)
-    x_ptr = x + (p // ROW_DIV).to(tl.int64) * s_xm + k
+    x_ptr = x + x_row.to(tl.int64) * s_xm + k
     a_ptr = a + key.to(tl.int64) * s_ag + r[:, None] * s_ar + k[None, :]
     acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
         k_ok = k0 + k < K
         xt = tl.load(x_ptr + k0, mask=k_ok, other=0.0)
-        if GLU:  # rounded to x's dtype once, as _shrink_kernel's
+        if GLU:
             ut = tl.load(x_ptr + K + k0, mask=k_ok, other=0.0).to(tl.float32)
             gt = xt.to(tl.float32)
             xt = (gt * tl.sigmoid(gt) * ut).to(xt.dtype)
         at = tl.load(a_ptr + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += at * xt.to(tl.float32)[None, :]
-    tl.store(v + p.to(tl.int64) * s_vm + r, tl.sum(acc, 1), mask=r_ok)
+    tl.store(v + row.to(tl.int64) * s_vm + r, tl.sum(acc, 1), mask=r_ok)
 
 
-def _pair_shrink(x, a, keys, num_pairs, row_div, pdl, ids=None, glu=False) -> torch.Tensor:
+@triton.jit
+def _pair_shrink_kernel(
+    x, a, v, keys, token_slots, topk_ids, num_pairs, num_local, expert_offset, s_xm, s_ag, s_ar, s_vm, x2, a2, v2,
+    keys2, s_xm2, s_ag2, s_ar2, s_vm2, K: tl.constexpr, RA: tl.constexpr, ROW_DIV: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, KEYS_FROM_IDS: tl.constexpr, GLU: tl.constexpr,
+    K2: tl.constexpr, RA2: tl.constexpr, BLOCK_K2: tl.constexpr, GLU2: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """v[p, r] = x[p // ROW_DIV] . a[keys[p], r] for BLOCK_R of the RA rows of one pair, a GEMV (each
+    pair one row: no grouping); pairs without a key skip (their v rows stay unset: the readers check
+    the key). KEYS_FROM_IDS: the key is slot * num_local + local expert of pair p (token p // ROW_DIV,
+    naive.pair_keys), -1 without an adapter or for another rank's expert, and the pair's first
+    program writes it to keys (no launch of its own). GLU: as _shrink_row's.
+    Programs past num_pairs (K2 > 0) run a second shrink in the same launch: row q = p - num_pairs,
+    v2[q] = x2[q] . a2[keys2[q]] (GLU2), RA2 rows of it."""
+    pdl_wait(USE_PDL)
+    p = tl.program_id(0)
+    first_r = tl.program_id(1) * BLOCK_R
+    if p < num_pairs:
+        if KEYS_FROM_IDS:
+            local = tl.load(topk_ids + p).to(tl.int32) - expert_offset
+            slot = tl.load(token_slots + p // ROW_DIV).to(tl.int32)
+            key = tl.where((slot >= 0) & (local >= 0) & (local < num_local), slot * num_local + local, -1)
+            if tl.program_id(1) == 0:
+                tl.store(keys + p, key)
+        else:
+            key = tl.load(keys + p)
+        if (key >= 0) & (first_r < RA):
+            _shrink_row(x, a, v, key, p, p // ROW_DIV, s_xm, s_ag, s_ar, s_vm, K, RA, BLOCK_R, BLOCK_K, GLU)
+    elif K2 > 0:
+        q = p - num_pairs
+        key2 = tl.load(keys2 + q)
+        if (key2 >= 0) & (first_r < RA2):
+            _shrink_row(x2, a2, v2, key2, q, q, s_xm2, s_ag2, s_ar2, s_vm2, K2, RA2, BLOCK_R, BLOCK_K2, GLU2)
+
+
+class ShrinkJob(NamedTuple):
+    """A second shrink to run in a pair shrink's launch: v [M, RA] float32 (filled) = each row's x
+    (glu: as shrink's) times a[keys[row]] ([G, RA, K]); rows without a key (-1) are left unset."""
+
+    x: torch.Tensor
+    a: torch.Tensor
+    keys: torch.Tensor
+    v: torch.Tensor
+    glu: bool = False
+
+
+def _block_k(k: int) -> int:
+    return max(16, min(256, triton.next_power_of_2(k)))
+
+
+def _pair_shrink(x, a, keys, num_pairs, row_div, pdl, ids=None, glu=False, extra: ShrinkJob | None = None):
     ra, k = a.shape[1], a.shape[2]
     assert x.shape[1] == k * (2 if glu else 1), "pair_shrink: x's width"
     assert x.stride(-1) == 1 and a.stride(-1) == 1, "pair_shrink: contiguous last dims"
     v = torch.empty((num_pairs, ra), dtype=torch.float32, device=x.device)
-    block_r = min(8, triton.next_power_of_2(ra))
-    block_k = max(16, min(256, triton.next_power_of_2(k)))
     token_slots, topk_ids, num_local, expert_offset = ids if ids is not None else (keys, keys, 0, 0)
-    _pair_shrink_kernel[(num_pairs, triton.cdiv(ra, block_r))](
-        x, a, v, keys, token_slots, topk_ids, num_local, expert_offset, x.stride(0), a.stride(0), a.stride(1),
-        v.stride(0), K=k, RA=ra, ROW_DIV=row_div, BLOCK_R=block_r, BLOCK_K=block_k, KEYS_FROM_IDS=ids is not None,
-        GLU=glu, num_warps=4, **pdl_launch(x, pdl),
+    ra2, rows2, job2 = 0, 0, (x, a, v, keys, 0, 0, 0, 0)
+    k2, glu2 = 0, False
+    if extra is not None:
+        ra2, k2, rows2, glu2 = extra.a.shape[1], extra.a.shape[2], extra.keys.numel(), extra.glu
+        assert extra.x.shape == (rows2, k2 * (2 if glu2 else 1)) and extra.v.shape == (rows2, ra2), "extra: shapes"
+        assert extra.x.stride(-1) == 1 and extra.a.stride(-1) == 1 and extra.v.stride(-1) == 1, "extra: last dims"
+        job2 = (extra.x, extra.a, extra.v, extra.keys, extra.x.stride(0), extra.a.stride(0), extra.a.stride(1))
+        job2 += (extra.v.stride(0),)
+    block_r = min(8, triton.next_power_of_2(ra))
+    grid = (num_pairs + rows2, triton.cdiv(max(ra, ra2), block_r))
+    _pair_shrink_kernel[grid](
+        x, a, v, keys, token_slots, topk_ids, num_pairs, num_local, expert_offset, x.stride(0), a.stride(0),
+        a.stride(1), v.stride(0), *job2, K=k, RA=ra, ROW_DIV=row_div, BLOCK_R=block_r, BLOCK_K=_block_k(k),
+        KEYS_FROM_IDS=ids is not None, GLU=glu, K2=k2, RA2=ra2, BLOCK_K2=_block_k(max(k2, 1)), GLU2=glu2,
+        num_warps=4, **pdl_launch(x, pdl),
     )  # fmt: skip
     return v
 
 
-def pair_shrink(x: torch.Tensor, a: torch.Tensor, keys: torch.Tensor, row_div: int, pdl: bool = True) -> torch.Tensor:
+def pair_shrink(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    keys: torch.Tensor,
+    row_div: int,
+    pdl: bool = True,
+    extra: ShrinkJob | None = None,
+) -> torch.Tensor:
     """v [P, RA] float32 for the P = keys.numel() routed pairs: pair p's row of x (p // row_div)
-    times its key's a [G, RA, K]; rows of pairs without a key (-1) are left unset."""
-    return _pair_shrink(x, a, keys, keys.numel(), row_div, pdl)
+    times its key's a [G, RA, K]; rows of pairs without a key (-1) are left unset. extra: a second
+    shrink (ShrinkJob) in the same launch, into its own v."""
+    return _pair_shrink(x, a, keys, keys.numel(), row_div, pdl, extra=extra)
 
 
 def pair_shrink_keys(
