@@ -22,8 +22,9 @@ from .common import RMSNorm, col_range, empty_param, project, row_ranges
 from .config import ModelConfig
 from .kernels import attention as attn_kernels
 from .kernels import rotary as rotary_kernels
-from .lora import NO_SLOTS, LoraTarget, add_lora, column_target, row_target
-from .parallel import ParallelLayout, all_reduce
+from .kernels.low_rank import PairLowRank
+from .lora import NO_SLOTS, LoraTarget, add_lora, column_target, out_lora, row_target
+from .parallel import ParallelLayout
 from .quant import Fp8Projection
 
 
@@ -142,9 +143,13 @@ class GatedAttention(nn.Module):
         )
         return q, q_gate[..., d:], (k, v)
 
-    def mix(self, qkv: torch.Tensor, ctx: ForwardContext, state: AttnLayerState) -> torch.Tensor:
+    def mix(
+        self, qkv: torch.Tensor, ctx: ForwardContext, state: AttnLayerState, defer_out_lora: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, PairLowRank | None]:
         """Everything after the input projection: qkv [T, q_gate | k | v] -> [T, hidden] (reduced
-        over TP ranks). The decoder layer calls it with qkv_proj fused into the input norm."""
+        over TP ranks). The decoder layer calls it with qkv_proj fused into the input norm.
+        defer_out_lora: (that, None), or on one rank (the output projection without its adapters,
+        them in low-rank form) for the norm after it (lora.out_lora)."""
         num_tokens, d = qkv.shape[0], self.head_dim
         q, gate, kv = self.queries_and_cache(qkv, ctx, state)  # gate: applied by the decode kernel / below
         num_decode = ctx.num_decode_tokens
@@ -193,7 +198,7 @@ class GatedAttention(nn.Module):
             prefill_out = prefill_out * torch.sigmoid(gate[num_decode:])
         attn = join_rows(decode_out, prefill_out).reshape(num_tokens, self.num_heads * d)
         out = project(attn, self.o_proj, ctx.kernels, self.o_bias if self.bias else None)
-        return all_reduce(add_lora(ctx, self.lora_slots.get("out"), out, attn), self.layout)
+        return out_lora(ctx, self.lora_slots.get("out"), out, attn, self.layout, defer=defer_out_lora)
 
 
 def join_rows(decode: torch.Tensor | None, prefill: torch.Tensor | None) -> torch.Tensor:

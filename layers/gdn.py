@@ -31,8 +31,9 @@ from .kernels import conv1d as conv_kernels
 from .kernels import gdn as gdn_kernels
 from .kernels import norm as norm_kernels
 from .kernels.gdn import state as gdn_state
-from .lora import NO_SLOTS, LoraTarget, add_lora, column_target, row_target
-from .parallel import ParallelLayout, all_reduce
+from .kernels.low_rank import PairLowRank
+from .lora import NO_SLOTS, LoraTarget, add_lora, column_target, out_lora, row_target
+from .parallel import ParallelLayout
 from .quant import Fp8Projection
 
 
@@ -174,9 +175,13 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: SsmLayerState) -> torch.Tensor:
         return self.mix(add_lora(ctx, self.lora_slots.get("in"), project(x, self.in_proj, ctx.kernels), x), ctx, state)
 
-    def mix(self, proj: torch.Tensor, ctx: ForwardContext, state: SsmLayerState) -> torch.Tensor:
+    def mix(
+        self, proj: torch.Tensor, ctx: ForwardContext, state: SsmLayerState, defer_out_lora: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, PairLowRank | None]:
         """Everything after the input projection: proj [T, in_proj rows] -> [T, hidden] (reduced
-        over TP ranks). The decoder layer calls it with in_proj fused into the input norm."""
+        over TP ranks). The decoder layer calls it with in_proj fused into the input norm.
+        defer_out_lora: (that, None), or on one rank (the output projection without its adapters,
+        them in low-rank form) for the norm after it (lora.out_lora)."""
         num_tokens = proj.shape[0]
         off = self._offsets()
         mixed = proj[:, : self.conv_dim]
@@ -212,8 +217,8 @@ class GatedDeltaNet(nn.Module):
         else:
             core = self._unfused(mixed, z, a, b, conv_weight, ctx.decode, ctx, state)
         core = core.reshape(num_tokens, self.value_dim)
-        out = add_lora(ctx, self.lora_slots.get("out"), project(core, self.out_proj, ctx.kernels), core)
-        return all_reduce(out, self.layout)
+        out = project(core, self.out_proj, ctx.kernels)
+        return out_lora(ctx, self.lora_slots.get("out"), out, core, self.layout, defer=defer_out_lora)
 
     def _unfused(
         self,

@@ -34,6 +34,7 @@ from safetensors import safe_open
 from .base import ForwardContext, MoeLoraRoute
 from .kernels import lora as lora_kernels
 from .kernels.lora import ExpertLoraWeights
+from .parallel import ParallelLayout, all_reduce
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +164,24 @@ def low_rank_lora(
     else:
         v = lora_kernels.shrink(x=x, a=slots.a, rows=ctx.lora.rows, glu=glu, pdl=ctx.kernels.pdl)
     return lora_kernels.PairLowRank(keys, v, slots.b)
+
+
+def out_lora(
+    ctx: ForwardContext | None,
+    slots: LoraProjection | None,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    layout: ParallelLayout,
+    *,
+    defer: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, lora_kernels.PairLowRank | None]:
+    """A row-parallel output projection's adapters, then the all-reduce of the partial sums: y (the
+    projection of x) reduced with its deltas in. defer: (that, None), or on one rank (y, its adapters
+    in low-rank form) for the norm after it to add (norm.fused_add_rms_norm's low_rank)."""
+    if defer and layout.tp_size == 1:
+        return y, low_rank_lora(ctx, slots, x)
+    out = all_reduce(add_lora(ctx, slots, y, x), layout)
+    return (out, None) if defer else out
 
 
 def expert_deltas(

@@ -30,6 +30,7 @@ from .kernels import linear as linear_kernels
 from .kernels import lora as lora_kernels
 from .kernels import moe as moe_kernels
 from .kernels import norm as norm_kernels
+from .kernels.low_rank import PairLowRank
 from .kernels.options import KernelOptions
 from .lora import LoraTarget, add_lora, lora_wanted
 from .moe import DenseMLP, SparseMoeBlock
@@ -52,12 +53,14 @@ def norm_project(
     kernels: KernelOptions,
     bias: torch.Tensor | None = None,
     write_normed: bool = False,
+    low_rank: PairLowRank | None = None,
 ) -> linear_kernels.NormLinearOut:
-    """The residual add, `norm` and the projection after it (linear_kernels.rms_norm_linear)."""
+    """The residual add, `norm` and the projection after it (linear_kernels.rms_norm_linear); low_rank:
+    x's pending adapters (the projection before, its expand left to the norm)."""
     return linear_kernels.rms_norm_linear(
         x=x, residual=residual, norm_weight=norm.weight, eps=norm.eps, weight=weight, bias=bias,
         write_normed=write_normed, weight_scale=scale_of(weight), weight_tail=tail_of(weight), pdl=kernels.pdl,
-        row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles,
+        row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles, low_rank=low_rank,
     )  # fmt: skip
 
 
@@ -136,14 +139,17 @@ class DecoderLayer(TransformerLayer):
                 hidden, residual, self.input_layernorm, self.mixer.in_proj, kernels, self.mixer.in_proj_bias,
                 write_normed=lora_wanted(ctx, lora_in),  # the adapters read the normed input
             )  # fmt: skip
-        mixed = self.mixer.mix(add_lora(ctx, lora_in, proj, x), ctx, state)
         if not self.is_moe:
+            mixed = self.mixer.mix(add_lora(ctx, lora_in, proj, x), ctx, state)
             x, residual = add_rms_norm(mixed, residual, self.post_attention_layernorm, kernels)
             return LayerOut(self.mlp(x, kernels, ctx=ctx), residual, normed=False)
+        # the output projection's adapters join in the norm after it (one launch fewer)
+        mixed, out_lora = self.mixer.mix(add_lora(ctx, lora_in, proj, x), ctx, state, defer_out_lora=True)
         # the MoE block's experts read the normed input too: the fused kernel writes it
         proj, x, residual = norm_project(
-            mixed, residual, self.post_attention_layernorm, self.mlp.in_proj, kernels, write_normed=True
-        )
+            mixed, residual, self.post_attention_layernorm, self.mlp.in_proj, kernels, write_normed=True,
+            low_rank=out_lora,
+        )  # fmt: skip
         proj = add_lora(ctx, self.mlp.lora_slots.get("in"), proj, x)
         if next_norm is None:
             return LayerOut(self.mlp(x, ctx, proj), residual, normed=False)

@@ -17,7 +17,24 @@ def test_lora_decode_keeps_the_pairs_path():
     assert layers == 40 and lora["triton._up_gemv_kernel"] == layers and lora["triton._down_gemv_kernel"] == layers
     assert lora["triton._up_kernel"] == 0 and lora["triton._sum_kernel"] == 0, "no sorted path at decode sizes"
     assert lora["triton._align_kernel"] == 1, "the pass's rows are grouped once, for every projection"
-    # per layer: 3 projections' shrink + expand, the shared expert's, router + keys + 2 pair shrinks, the norm
+    # per layer: the input projections' shrink + expand (mixer, MoE block), the output projection's
+    # shrink (its expand in the norm after it, which leaves the one-row GEMV), the router (not in the
+    # up GEMV with expert adapters), the experts' two pair shrinks (the shared expert's in the second)
     added = sum(lora.values()) - sum(base.values())
-    assert added <= 14 * layers, added
+    assert lora["triton._expand_kernel"] == 2 * layers
+    assert added <= 9 * layers + 1, added
     assert not isinstance(ticket_counters(torch.device("cpu"), 1, "moe_down_norm"), FakeTensor)
+
+
+def test_lora_batch_64_expands_inside_the_experts():
+    """The sorted path with adapters: the experts' deltas expand inside the grouped GEMMs (no (slot,
+    expert) grouping, expand or zero fill), the shared expert's in the sum kernel with the next norm
+    still fused, the output projection's in the norm: 7 launches a layer over the base."""
+    base = decode_launches("qwen3_5_35b_a3b", 64, 0)
+    lora = decode_launches("qwen3_5_35b_a3b", 64, 8)
+    layers = base["triton._up_kernel"]
+    assert layers == 40 and lora["triton._up_kernel"] == layers and lora["triton._sum_kernel"] == layers
+    assert lora["triton._align_kernel"] == base["triton._align_kernel"] + 1, "the tokens grouped once a pass"
+    assert lora["torch.zeros"] == 0 and lora["triton._rms_norm_kernel"] == base["triton._rms_norm_kernel"]
+    assert lora["triton._expand_kernel"] == 2 * layers, "only the mixer's and the MoE block's input projections"
+    assert sum(lora.values()) - sum(base.values()) == 7 * layers + 1

@@ -294,6 +294,38 @@ def test_shared_expert_adapter_in_the_last_kernel(device, path, folded):
     assert torch.allclose(v_dev.cpu()[has], v[has], atol=tol(device), rtol=tol(device))
 
 
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_norm_adds_the_output_projections_adapters(device, tokens):
+    """The residual add + norm after an output projection adds the projection's adapters (low_rank:
+    its shrink's v, b [S, D, R]) in float32 before the add: equal to the reference, which equals
+    add_lora's output then the plain add + norm; rows without an adapter NaN in v, never read."""
+    from deltaserve.layers.kernels.norm import naive as norm_naive
+    from deltaserve.layers.kernels.norm import triton_norm
+
+    g = torch.Generator().manual_seed(tokens)
+    d, k = 40, 24
+    a, b = slots_weights(g, 3, 16, k, d, 1, ranks=(16, 7, 16))
+    x_in = torch.randn(tokens, k, generator=g)
+    y = torch.randn(tokens, d, generator=g)
+    residual = torch.randn(tokens, d, generator=g)
+    weight = torch.randn(d, generator=g)
+    slots = torch.tensor([2, -1, 0, 1, -1, 2][:tokens], dtype=torch.int32)
+    v = naive.shrink(x=x_in, a=a, keys=slots)
+    low = moe_naive.PairLowRank(slots, v, b)
+    ref_normed, ref_sum = norm_naive.fused_add_rms_norm(x=y, residual=residual, weight=weight, eps=1e-6, low_rank=low)
+    added = naive.add_lora(y=y.clone(), x=x_in, a=a, b=b, bounds=(0, d), token_slots=slots)
+    want_normed, want_sum = norm_naive.fused_add_rms_norm(x=added, residual=residual, weight=weight, eps=1e-6)
+    assert torch.allclose(ref_sum, want_sum, atol=1e-5) and torch.allclose(ref_normed, want_normed, atol=1e-5)
+    to = dict(device=device)
+    v_dev = torch.where((slots >= 0)[:, None], v, torch.full_like(v, float("nan"))).to(**to)
+    low_dev = moe_naive.PairLowRank(slots.to(**to), v_dev, b.to(**to))
+    normed, summed = triton_norm.fused_add_rms_norm(
+        x=y.to(**to), residual=residual.to(**to), weight=weight.to(**to), eps=1e-6, low_rank=low_dev
+    )
+    assert torch.allclose(summed.cpu(), ref_sum, atol=tol(device), rtol=tol(device))
+    assert torch.allclose(normed.cpu(), ref_normed, atol=tol(device), rtol=tol(device))
+
+
 def test_pair_keys_and_shrink_kernels(device):
     """The gate / up shrink's one launch (the pairs' keys written by it too) and the down shrink
     against naive.pair_keys and naive.pair_shrink; keys and v NaN-filled first (nan_fill)."""

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from .. import norm as norm_kernels
 from ..device import DeviceInfo, device_info, tuned_for
+from ..low_rank import PairLowRank
 from ..options import RowTile
 from . import naive
 from .tuned import TUNED, tuned_key
@@ -141,6 +142,7 @@ def rms_norm_linear(
     pdl: bool = True,
     row_gemv: bool = True,
     row_tiles: tuple[RowTile, ...] = (),
+    low_rank: PairLowRank | None = None,
 ) -> NormLinearOut:
     """The residual add, the zero-centred input norm and the projection after it:
     s = x + residual (x itself when residual is None), y = rms_norm(s) * (1 + norm_weight),
@@ -149,6 +151,8 @@ def rms_norm_linear(
     Args:
         x, residual: [M, K], one dtype. norm_weight: [K]. weight: [N, K]. bias: [N] or None.
         write_normed: also return y. weight_scale, weight_tail, pdl, row_gemv, row_tiles: as `linear`.
+        low_rank: x's adapters (norm.fused_add_rms_norm's low_rank: s = x + delta + residual; needs
+            the residual); the norm kernel then runs, not the one-row GEMV's norm.
 
     Returns:
         NormLinearOut(out [M, N], y [M, K] or None, s [M, K]), in x's dtype. A CUDA row whose
@@ -157,7 +161,8 @@ def rms_norm_linear(
     """
     if weight_scale is None:
         _check_plain(weight, weight_tail)
-    if _path(x, weight.shape[0], row_gemv) == "row" and _fuses_norm(weight.shape[0]):
+    assert low_rank is None or residual is not None, "rms_norm_linear: low_rank needs the residual"
+    if low_rank is None and _path(x, weight.shape[0], row_gemv) == "row" and _fuses_norm(weight.shape[0]):
         from .triton_row import row_gemv as impl
 
         out, normed, summed = impl(
@@ -168,7 +173,9 @@ def rms_norm_linear(
     if residual is None:
         summed, normed = x, norm_kernels.rms_norm(x=x, weight=norm_weight, eps=eps, pdl=pdl)
     else:
-        normed, summed = norm_kernels.fused_add_rms_norm(x=x, residual=residual, weight=norm_weight, eps=eps, pdl=pdl)
+        normed, summed = norm_kernels.fused_add_rms_norm(
+            x=x, residual=residual, weight=norm_weight, eps=eps, pdl=pdl, low_rank=low_rank
+        )
     out = linear(
         x=normed, weight=weight, bias=bias, weight_scale=weight_scale, weight_tail=weight_tail, pdl=pdl,
         row_gemv=row_gemv, row_tiles=row_tiles,

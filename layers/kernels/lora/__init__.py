@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..moe.naive import PairLowRank
+from ..low_rank import PairLowRank
 from . import naive
 from .naive import pair_keys
 
@@ -96,7 +96,7 @@ def add_lora(
 
 
 def shrink(*, x: torch.Tensor, a: torch.Tensor, rows: LoraRows, glu: bool = False, pdl: bool = True) -> torch.Tensor:
-    """The first half of add_lora, for a kernel that expands the adapters itself (moe.PairLowRank).
+    """The first half of add_lora, for a kernel that expands the adapters itself (low_rank.PairLowRank).
 
     Args:
         x: [T, K] (last dim contiguous); with glu [T, 2 K], read as silu(gate) * up.

@@ -14,18 +14,8 @@ import torch.nn.functional as F
 
 from .. import norm
 from ..fp8.naive import ACT_GROUP, dequantize_weight, expand_scale, quantize_act
+from ..low_rank import PairLowRank, low_rank_rows
 from ..precision import acc_dtype
-
-
-class PairLowRank(NamedTuple):
-    """A low-rank addition per routed pair, for the pairs path's GEMVs: pair p with keys[p] >= 0 adds
-    b[keys[p], n] . v[p, j * R : j * R + R] to its output row n of slice j (gate_up: the gate rows
-    read slice 0, the up rows slice 1; down: one slice). keys [P] int32 (-1: none; v's row unset),
-    v [P, J * R] float32, b [G, N, R] with R a power of two."""
-
-    keys: torch.Tensor
-    v: torch.Tensor
-    b: torch.Tensor
 
 
 class SharedExpert(NamedTuple):
@@ -206,18 +196,6 @@ def routed_moe(
         hidden=hidden, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, expert_offset=expert_offset,
         shared=shared, add_norm=add_norm, w13_scale=w13_scale, w2_scale=w2_scale, deltas=deltas,
     )  # fmt: skip
-
-
-def low_rank_rows(low: PairLowRank, acc: torch.dtype) -> torch.Tensor:
-    """[P, N] in acc: row p's b[keys[p]] @ v[p, :R] (zero without a key), one matmul per key."""
-    keys = low.keys.reshape(-1)
-    rank = low.b.shape[2]
-    out = torch.zeros((keys.shape[0], low.b.shape[1]), dtype=acc, device=low.v.device)
-    for k in torch.unique(keys).tolist():
-        if k >= 0:
-            rows = torch.nonzero(keys == k).flatten()
-            out[rows] = low.v[rows, :rank].to(acc) @ low.b[k].to(acc).t()
-    return out
 
 
 def shared_expert_combine(

@@ -54,7 +54,7 @@ def _up_gemv_kernel(
     at the end, so no barrier separates one chunk's loads from the next.
     FP8: w13 is float8 with block scales w13_scale [E, rows / SCALE_N, HIDDEN / SCALE_K] (strides
     s_se, s_sn), widened and scaled in registers.
-    LORA_RANK > 0: the pair's low-rank delta (moe.PairLowRank: lora_keys, lora_v rows of stride
+    LORA_RANK > 0: the pair's low-rank delta (low_rank.PairLowRank: lora_keys, lora_v rows of stride
     s_lv, lora_b [G, 2 * INTER, LORA_RANK] of strides s_lg, s_ln) joins gate and up before the
     activation."""
     pdl_wait(USE_PDL)

@@ -28,7 +28,7 @@ def _block_low_rank(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_M, BLOCK_N] float32: row m's b[key, n] . v[pair[m], V_OFFSET : V_OFFSET + R] for the
-    block's pairs (moe.PairLowRank), zero for rows without a key: one [BLOCK_M, R] x [R, BLOCK_N]
+    block's pairs (low_rank.PairLowRank), zero for rows without a key: one [BLOCK_M, R] x [R, BLOCK_N]
     dot per distinct key of the block (a block holds one expert, so its keys are its rows' slots;
     each key's B rows are read once). v is rounded to b's dtype for the dot, as lora's expand."""
     key = tl.load(keys + pair, mask=row_ok, other=-1)
@@ -61,7 +61,7 @@ def _up_kernel(
     FP8: hidden is x quantized per row and GROUP columns (scales x_scale, row stride s_xs), w13
     float8 with block scales w_scale [E, rows / SCALE_N, HIDDEN / SCALE_K]; each K step (one
     scale group of both, BLOCK_K <= min(GROUP, SCALE_K)) multiplies its FP8 dot by the two.
-    LORA_RANK > 0: the pair's low-rank delta (moe.PairLowRank: lora_keys, lora_v rows of stride
+    LORA_RANK > 0: the pair's low-rank delta (low_rank.PairLowRank: lora_keys, lora_v rows of stride
     s_lv, lora_b [G, 2 * INTER, LORA_RANK] of strides s_lg, s_ln: its adapters) joins gate and up
     before the activation (_block_low_rank: no expand launch, no delta buffer)."""
     pdl_wait(USE_PDL)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..low_rank import PairLowRank
 from . import naive
 
 
@@ -31,13 +32,21 @@ def rms_norm(
 
 
 def fused_add_rms_norm(
-    *, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = True
+    *,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    pdl: bool = True,
+    low_rank: PairLowRank | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the zero-centred norm after it: s = x + residual (rounded to x's dtype).
 
     Args:
         x, residual: [..., D], one dtype. weight: [D].
         pdl: CUDA: launch under programmatic dependent launch (sm_90+).
+        low_rank: x [T, D]'s adapters (one slice, b [S, D, R]): s = x + delta + residual, float32,
+            one rounding (the projection before the norm without its expand launch).
 
     Returns:
         (rms_norm(s), s), both [..., D] in x's dtype.
@@ -45,8 +54,8 @@ def fused_add_rms_norm(
     if x.is_cuda:
         from .triton_norm import fused_add_rms_norm as impl
 
-        return impl(x=x, residual=residual, weight=weight, eps=eps, pdl=pdl)
-    return naive.fused_add_rms_norm(x=x, residual=residual, weight=weight, eps=eps)
+        return impl(x=x, residual=residual, weight=weight, eps=eps, pdl=pdl, low_rank=low_rank)
+    return naive.fused_add_rms_norm(x=x, residual=residual, weight=weight, eps=eps, low_rank=low_rank)
 
 
 def gated_rms_norm(

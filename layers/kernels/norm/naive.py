@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..low_rank import low_rank_rows
 from ..precision import acc_dtype
 
 
@@ -17,9 +18,13 @@ def rms_norm(*, x, weight, eps, zero_centered=True):
     return (y * scale).to(x.dtype)
 
 
-def fused_add_rms_norm(*, x, residual, weight, eps):
+def fused_add_rms_norm(*, x, residual, weight, eps, low_rank=None):
     """The reference of norm.fused_add_rms_norm."""
-    summed = x + residual
+    if low_rank is None:
+        summed = x + residual
+    else:
+        acc = acc_dtype(x, low_rank.v)
+        summed = (x.to(acc) + low_rank_rows(low_rank, acc) + residual.to(acc)).to(x.dtype)
     return rms_norm(x=summed, weight=weight, eps=eps), summed
 
 

@@ -15,9 +15,13 @@ from ..pdl import pdl_launch, pdl_wait
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x, gate, residual, weight, out, res_out, ids, num_rows, s_x, s_g, gate_heads, s_gh, s_r, s_o, s_ro, eps,
-    DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_GATE: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, GATHER: tl.constexpr, USE_PDL: tl.constexpr,
+    lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATHER: tl.constexpr,
+    LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """LORA_RANK > 0: x's rows get their low-rank delta (low_rank.PairLowRank: lora_keys, lora_v rows
+    of stride s_lv, lora_b [S, DIM, LORA_RANK] of strides s_lg, s_ln) in float32 before the residual
+    add, one rank column at a time."""
     pdl_wait(USE_PDL)
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -29,6 +33,13 @@ def _rms_norm_kernel(
         xv = xg.to(tl.float32)
     else:
         xv = tl.load(x + r[:, None] * s_x + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if LORA_RANK > 0:
+        key = tl.load(lora_keys + r, mask=r < num_rows, other=-1)
+        has = (r < num_rows) & (key >= 0)
+        b_rows = lora_b + tl.maximum(key, 0).to(tl.int64)[:, None] * s_lg + d[None, :] * s_ln
+        for j in tl.static_range(LORA_RANK):
+            vj = tl.load(lora_v + r * s_lv + j, mask=has, other=0.0)
+            xv += vj[:, None] * tl.load(b_rows + j, mask=mask & has[:, None], other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         xv += tl.load(residual + r[:, None] * s_r + d[None, :], mask=mask, other=0.0).to(tl.float32)
         # the sum is rounded to the stream's dtype before it is normed, as the unfused ops do
@@ -80,8 +91,9 @@ def _head_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return _rows(t), 1, 0
 
 
-def _launch(x, weight, eps, *, gate=None, residual=None, zero_centered=False, ids=None, pdl=True):
-    """ids: x is a [V, D] table and the rows are x[ids] (res_out holds them)."""
+def _launch(x, weight, eps, *, gate=None, residual=None, zero_centered=False, ids=None, pdl=True, low_rank=None):
+    """ids: x is a [V, D] table and the rows are x[ids] (res_out holds them). low_rank: x [T, D]'s
+    rows' adapters (PairLowRank, one slice)."""
     dim = x.shape[-1]
     x2 = _rows(x)
     shape = x.shape if ids is None else (ids.shape[0], dim)
@@ -99,11 +111,18 @@ def _launch(x, weight, eps, *, gate=None, residual=None, zero_centered=False, id
     r2 = _rows(residual) if residual is not None else x2
     o2 = out.view(-1, dim)
     ro2 = res_out.view(-1, dim) if res_out is not None else o2
+    lora = (x2, x2, x2, 0, 0, 0, 0)
+    if low_rank is not None:
+        keys, v, b = low_rank
+        assert ids is None and keys.shape == (num_rows,) and b.shape[1] == dim, "low_rank: a key per row of x"
+        assert v.shape[1] == b.shape[2] and v.stride(1) == 1 and b.stride(2) == 1, "low_rank: one slice"
+        lora = (keys, v, b, v.stride(0), b.stride(0), b.stride(1), b.shape[2])
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x2, g2, r2, weight, o2, ro2, ids if ids is not None else x2, num_rows, x2.stride(0), g2.stride(0), gate_heads,
-        s_gh, r2.stride(0), o2.stride(0), ro2.stride(0), eps, DIM=dim, ROWS=rows, BLOCK_D=block_d,
+        s_gh, r2.stride(0), o2.stride(0), ro2.stride(0), eps, *lora[:6], DIM=dim, ROWS=rows, BLOCK_D=block_d,
         ZERO_CENTERED=zero_centered, HAS_GATE=gate is not None, HAS_RESIDUAL=residual is not None,
-        GATHER=ids is not None, num_warps=8 if rows * block_d >= 4096 else 4, **pdl_launch(x2, pdl),
+        GATHER=ids is not None, LORA_RANK=lora[6], num_warps=8 if rows * block_d >= 4096 else 4,
+        **pdl_launch(x2, pdl),
     )  # fmt: skip
     return out, res_out
 
@@ -113,8 +132,8 @@ def rms_norm(*, x, weight, eps, zero_centered=True, pdl=True):
     return _launch(x, weight, eps, zero_centered=zero_centered, pdl=pdl)[0]
 
 
-def fused_add_rms_norm(*, x, residual, weight, eps, pdl=True):
-    return _launch(x, weight, eps, residual=residual, zero_centered=True, pdl=pdl)
+def fused_add_rms_norm(*, x, residual, weight, eps, pdl=True, low_rank=None):
+    return _launch(x, weight, eps, residual=residual, zero_centered=True, pdl=pdl, low_rank=low_rank)
 
 
 def gated_rms_norm(*, x, gate, weight, eps, pdl=True):
