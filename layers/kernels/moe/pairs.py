@@ -216,8 +216,8 @@ def _down_gemv_kernel(
     if SHARED_INTER > 0:
         scale = tl.sigmoid(tl.load(shared_gate_logit + t.to(tl.int64) * s_sgl).to(tl.float32))
         if SHARED_LORA_RANK > 0:
-            shared_low = (slora_keys, slora_v, slora_b, s_shv, s_shg, s_shn, t, h, h_ok, 0, SHARED_LORA_RANK)
-            low_rank += scale * _low_rank(*shared_low)
+            shared_low = _low_rank(slora_keys, slora_v, slora_b, s_shv, s_shg, s_shn, t, h, h_ok, 0, SHARED_LORA_RANK)
+            low_rank += scale * shared_low
         g_ptr = shared_gate_up + t.to(tl.int64) * s_sgu + i
         for i0 in tl.static_range(0, SHARED_INTER, BLOCK_I):
             i_ok = i0 + i < SHARED_INTER

@@ -19,7 +19,7 @@ from .align import align_pairs
 from .fused_norm import norm_kernel_args
 from .pairs import low_rank_args
 
-_NO_KEY = 2147483647  # past every key: a row without a low-rank addition, or one already added
+_NO_KEY = tl.constexpr(2147483647)  # past every key: a row without a low-rank addition, or one already added
 
 
 @triton.jit
@@ -283,7 +283,8 @@ def moe_sorted(
         else:
             shared_out = linear_kernels.linear(x=shared_act, weight=shared.w2, weight_scale=shared.w2_scale, pdl=pdl)
         gate_logit = shared.gate_logit
-    # with the norm a program takes a whole row (a norm needs all of it)
+    # with the norm a program takes a whole row (a norm needs all of it); the shared expert's adapter
+    # (a rank column at a time over the row) spills at 4 warps (ptxas, sm_90: 528 bytes)
     block_h = (
         triton.next_power_of_2(hidden_size) if norm is not None else min(1024, triton.next_power_of_2(hidden_size))
     )
@@ -294,7 +295,7 @@ def moe_sorted(
         expert_offset, num_experts, y.stride(0), out.stride(0), 0 if shared_out is None else shared_out.stride(0),
         0 if gate_logit is None else gate_logit.stride(0), *norm_args, *shared_lora[:6], HIDDEN=hidden_size,
         TOPK=top_k, BLOCK=block_h, HAS_SHARED=shared is not None, ADD_NORM=norm is not None,
-        LORA_RANK=shared_lora[6], num_warps=4, **pdl_launch(y, pdl),
+        LORA_RANK=shared_lora[6], num_warps=8 if shared_lora[6] else 4, **pdl_launch(y, pdl),
     )  # fmt: skip
 
 

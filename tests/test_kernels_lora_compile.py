@@ -1,0 +1,109 @@
+"""The kernels that carry LoRA adapters, compiled for sm_90 on this machine (Triton's front end, then
+ptxas from the Triton wheel; no GPU): the interpreter runs what the compiler refuses (a constexpr lost
+through a tuple, a global that is not a constexpr), so each LoRA variant is compiled here too, in a
+child process without TRITON_INTERPRET (the tests' conftest sets it, and the jitted kernels follow)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import triton
+
+from deltaserve.layers.kernels.lora import triton_lora
+from deltaserve.layers.kernels.moe import pairs
+from deltaserve.layers.kernels.moe import sorted as sorted_path
+from deltaserve.layers.kernels.norm import triton_norm
+
+BF16 = "*bf16"
+
+
+def test_lora_kernels_compile_for_sm90():
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA back end")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["compiled", str(len(CASES))], done.stdout[-500:]
+
+
+def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 1):
+    """fn compiled to a cubin: the named pointer arguments of the given types, other arguments i32
+    (eps fp32), the constexprs as given."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = pointers.get(name, "fp32" if name == "eps" else "i32")
+    src = triton.compiler.ASTSource(fn, sig, constexprs)
+    target = triton.backends.compiler.GPUTarget("cuda", 90, 32)
+    kernel = triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+    assert kernel.asm["cubin"], fn.__name__
+
+
+LOW_RANK = {"lora_keys": "*i32", "lora_v": "*fp32", "lora_b": BF16}
+
+
+def sorted_path_kernels(rank):
+
+    up_ptrs = {n: BF16 for n in ("hidden", "w13", "act", "x_scale", "w_scale")}
+    ids = {"sorted_ids": "*i32", "block_expert": "*i32", "num_padded": "*i32"}
+    tiles = dict(INTER=512, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FP8=False, SCALE_N=1, SCALE_K=1 << 30, GROUP=128)
+    common = dict(HIDDEN=2048, LORA_RANK=rank, USE_PDL=True, **tiles)
+    compile_sm90(sorted_path._up_kernel, {**up_ptrs, **ids, **LOW_RANK}, dict(TOPK=8, **common), num_stages=4)
+    down_ptrs = {n: BF16 for n in ("act", "w2", "y", "act_scale", "w_scale")}
+    compile_sm90(
+        sorted_path._down_kernel, {**down_ptrs, **ids, **LOW_RANK, "topk_weights": "*fp32"}, common, num_stages=4
+    )
+    sum_ptrs = {n: BF16 for n in ("y", "out", "shared", "gate_logit", "residual", "norm_weight", "normed_out")}
+    sum_ptrs |= {"res_out": BF16, "topk_ids": "*i64", **LOW_RANK}
+    sum_consts = dict(HIDDEN=2048, TOPK=8, BLOCK=2048, HAS_SHARED=True, ADD_NORM=True, LORA_RANK=rank, USE_PDL=True)
+    compile_sm90(sorted_path._sum_kernel, sum_ptrs, sum_consts, num_warps=8 if rank else 4)
+
+
+def pairs_down_gemv(rank, shared_rank):
+
+    names = ("act", "w2", "out", "shared_gate_up", "shared_w2", "shared_gate_logit", "residual", "norm_weight")
+    ptrs = {n: BF16 for n in (*names, "normed_out", "res_out", "w2_scale", "shared_scale", "slora_b")}
+    ptrs |= {"topk_weights": "*fp32", "topk_ids": "*i64", "tickets": "*i32", "slora_keys": "*i32"}
+    ptrs |= {"slora_v": "*fp32", **LOW_RANK}
+    consts = dict(
+        HIDDEN=2048, INTER=512, TOPK=8, BLOCK_H=2, BLOCK_I=512, SHARED_INTER=512, ADD_NORM=True, BLOCK_HID=2048,
+        FP8=False, SCALE_N=1, SCALE_K=1, SHARED_FP8=False, SHARED_SCALE_N=1, SHARED_SCALE_K=1, LORA_RANK=rank,
+        SHARED_LORA_RANK=shared_rank, USE_PDL=True,
+    )  # fmt: skip
+    compile_sm90(pairs._down_gemv_kernel, ptrs, consts, num_warps=2)
+
+
+def pair_shrink(keys_from_ids, second):
+
+    ptrs = {"x": BF16, "a": BF16, "x2": BF16, "a2": BF16, "v": "*fp32", "v2": "*fp32", "keys": "*i32"}
+    ptrs |= {"keys2": "*i32", "token_slots": "*i32", "topk_ids": "*i64"}
+    consts = dict(
+        K=2048, RA=32, ROW_DIV=8, BLOCK_R=8, BLOCK_K=256, KEYS_FROM_IDS=keys_from_ids, GLU=not keys_from_ids,
+        K2=512 if second else 0, RA2=16 if second else 0, BLOCK_K2=256, GLU2=second, USE_PDL=True,
+    )  # fmt: skip
+    compile_sm90(triton_lora._pair_shrink_kernel, ptrs, consts)
+
+
+def norm_with_low_rank():
+
+    ptrs = {n: BF16 for n in ("x", "gate", "residual", "weight", "out", "res_out")} | {"ids": "*i64", **LOW_RANK}
+    consts = dict(
+        DIM=2048, ROWS=1, BLOCK_D=2048, ZERO_CENTERED=True, HAS_GATE=False, HAS_RESIDUAL=True, GATHER=False,
+        LORA_RANK=16, USE_PDL=True,
+    )  # fmt: skip
+    compile_sm90(triton_norm._rms_norm_kernel, ptrs, consts, num_warps=8)
+
+
+CASES = [
+    (sorted_path_kernels, 0), (sorted_path_kernels, 16), (pairs_down_gemv, 16, 0), (pairs_down_gemv, 16, 16),
+    (pairs_down_gemv, 0, 16), (pair_shrink, True, False), (pair_shrink, False, True), (norm_with_low_rank,),
+]  # fmt: skip
+
+if __name__ == "__main__":
+    for fn, *args in CASES:
+        fn(*args)
+    print("compiled", len(CASES))
