@@ -82,6 +82,53 @@ def test_expert_deltas_real_shapes_bf16(tokens):
     assert rel(out, ref) < 2e-2
 
 
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_moe_block_adapters_with_shared_expert_and_norm_bf16(tokens):
+    """The MoE block's last kernel with every adapter at the 35B shape in bf16: the experts' deltas in
+    the GEMVs (1 token) or the grouped GEMMs (64), the shared expert's down adapter (its shrink folded
+    into the experts' down shrink launch) under its gate, and the next norm, against float32."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    h, inter, shared_inter, experts, top_k, slots, rank = 2048, 512, 512, 256, 8, 8, 16
+    x, w13, w2 = rand(tokens, h), rand(experts, 2 * inter, h, scale=h**-0.5), rand(experts, h, inter, scale=inter**-0.5)
+    logits = torch.randn(tokens, experts, generator=g, device="cuda")
+    lora = lora_kernels.ExpertLoraWeights(
+        a13=rand(slots, experts, 2 * rank, h, scale=h**-0.5), b13=rand(slots, experts, 2 * inter, rank, scale=0.1),
+        a2=rand(slots, experts, rank, inter, scale=inter**-0.5), b2=rand(slots, experts, h, rank, scale=0.1),
+    )  # fmt: skip
+    gate_up, gate = rand(tokens, 2 * shared_inter + 8)[:, : 2 * shared_inter], rand(tokens, 1)
+    shared_w2 = rand(h, shared_inter, scale=shared_inter**-0.5)
+    a_s, b_s = rand(slots, rank, shared_inter, scale=shared_inter**-0.5), rand(slots, h, rank, scale=0.1)
+    add_norm = moe_naive.AddNorm(rand(tokens, h), rand(h, scale=0.1), 1e-6)
+    token_slots = (torch.arange(tokens, device="cuda") % (slots + 1) - 1).to(torch.int32)
+    deltas = lora_kernels.ExpertDeltas(hidden=x, token_slots=token_slots, weights=lora, expert_offset=0)
+    v = deltas.fold_shrink(x=gate_up, a=a_s, keys=token_slots, glu=True)
+    shared = moe_naive.SharedExpert(gate_up, shared_w2, gate, lora=moe_naive.PairLowRank(token_slots, v, b_s))
+    out = tm.routed_moe(
+        hidden=x, w13=w13, w2=w2, router_logits=logits, top_k=top_k, renormalize=True, shared=shared,
+        add_norm=add_norm, deltas=deltas,
+    )  # fmt: skip
+    f = lambda t: t.float()  # noqa: E731
+    ref_deltas = lora_kernels.ExpertDeltas(
+        hidden=f(x), token_slots=token_slots, weights=lora_kernels.ExpertLoraWeights(*map(f, lora)), expert_offset=0,
+        triton=False,
+    )  # fmt: skip
+    v_ref = naive.shrink(x=f(gate_up), a=f(a_s), keys=token_slots, glu=True)
+    ref_shared = moe_naive.SharedExpert(
+        f(gate_up), f(shared_w2), f(gate), lora=moe_naive.PairLowRank(token_slots, v_ref, f(b_s))
+    )
+    ref = moe_naive.routed_moe(
+        hidden=f(x), w13=f(w13), w2=f(w2), router_logits=logits, top_k=top_k, renormalize=True, shared=ref_shared,
+        add_norm=moe_naive.AddNorm(f(add_norm.residual), f(add_norm.weight), 1e-6), deltas=ref_deltas,
+    )  # fmt: skip
+    for got, want in zip(out, ref, strict=True):
+        assert not got.isnan().any()
+        assert rel(got, want) < 2e-2
+
+
 def test_lora_graphs_give_eager_and_peft_tokens(tiny_checkpoints, tmp_path, monkeypatch):
     from lora_adapters import greedy, peft_adapter  # PEFT: only this test needs it on the GPU machine
 
