@@ -1,15 +1,17 @@
-"""Segmented LoRA in Triton (punica / S-LoRA style): rows grouped by adapter, then two grouped GEMMs.
+"""Segmented LoRA in Triton (punica / S-LoRA style): a pass's tokens grouped by adapter slot, then
+a shrink and a grouped expand.
 
-Rows (a pass's tokens, or the experts' routed pairs) are grouped by a key: the token's adapter slot,
-or slot * local experts + expert for a routed pair. The grouping is the MoE's own (moe/align.py:
-BLOCK_M-row blocks, one key per block, no host sync), so a decode pass's grouping runs inside a
-CUDA graph and reads the adapter slot of each row from a device tensor. Then
+The grouping is the MoE's own (moe/align.py: BLOCK_M-row blocks, one key per block, no host sync), so
+a decode pass's grouping runs inside a CUDA graph and reads each token's slot from a device tensor.
 
-  shrink: v[m, :] = a[key] @ x[row(m)]            v [M, RA] float32, RA = slices x rank
-  expand: y[m, n] (+)= b[key, n] . v[m, slice(n)]  one slice per contiguous range of output rows
+  shrink: v[m, :] = a[key] @ x[m]                v [M, RA] float32, RA = slices x rank
+  expand: y[m, n] += b[key, n] . v[m, slice(n)]  one slice per contiguous range of output rows
 
 The expand's row n reads the rank columns of its slice (the fused q | k | v projection has one A
-per slice); the slices are at most MAX_SLICES contiguous row ranges.
+per slice); the slices are at most MAX_SLICES contiguous row ranges. At decode sizes the shrink is
+a GEMV per row (no grouping needed). The routed experts' adapters have no grouping of their own:
+per-pair GEMV shrinks here (the pair's key, slot * local experts + expert, computed in the first),
+expanded inside the MoE's GEMVs and grouped GEMMs (moe/pairs.py, moe/sorted.py).
 """
 
 from __future__ import annotations
@@ -103,10 +105,10 @@ def _shrink_kernel(
 @triton.jit(do_not_specialize=["num_rows"])
 def _expand_kernel(
     v, b, y, sorted_ids, block_key, num_padded, num_rows, s_vm, s_bg, s_bn, s_ym, bound1, bound2, bound3,
-    row_gate, s_gm, N: tl.constexpr, R: tl.constexpr, NUM_SLICES: tl.constexpr, ACCUMULATE: tl.constexpr,
+    row_gate, s_gm, N: tl.constexpr, R: tl.constexpr, NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """y[m, n] (+)= b[key, n] . v[m, slice(n) * R : slice(n) * R + R] for one block of rows of one key
+    """y[m, n] += b[key, n] . v[m, slice(n) * R : slice(n) * R + R] for one block of rows of one key
     and BLOCK_N output rows; slice(n) counts the bounds at or below n. GATED: the delta of row m is
     scaled by sigmoid(row_gate[m]) (rows of stride s_gm) first."""
     pdl_wait(USE_PDL)
@@ -130,8 +132,7 @@ def _expand_kernel(
         acc *= tl.sigmoid(tl.load(row_gate + m.to(tl.int64) * s_gm, mask=m_ok, other=0.0).to(tl.float32))[:, None]
     dst = y + m.to(tl.int64)[:, None] * s_ym + n[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
-    if ACCUMULATE:
-        acc += tl.load(dst, mask=ok, other=0.0).to(tl.float32)
+    acc += tl.load(dst, mask=ok, other=0.0).to(tl.float32)
     tl.store(dst, acc.to(y.dtype.element_ty), mask=ok)
 
 
@@ -171,11 +172,10 @@ def expand(
     y: torch.Tensor,
     groups: RowGroups,
     bounds: tuple[int, ...],
-    accumulate: bool,
     pdl: bool = True,
     row_gate: torch.Tensor | None = None,
 ) -> None:
-    """y[row, :bounds[-1]] (+)= each grouped row's delta from v (shrink's output) and b [G, N, R],
+    """y[row, :bounds[-1]] += each grouped row's delta from v (shrink's output) and b [G, N, R],
     scaled by sigmoid(row_gate[row]) ([T, 1]) when given."""
     n, rank = bounds[-1], b.shape[2]
     slices = len(bounds) - 1
@@ -188,7 +188,7 @@ def expand(
     _expand_kernel[grid](
         v, b, y, groups.sorted_ids, groups.block_key, groups.num_padded, groups.num_rows, v.stride(0), b.stride(0),
         b.stride(1), y.stride(0), *inner[:3], v if row_gate is None else row_gate,
-        0 if row_gate is None else row_gate.stride(0), N=n, R=rank, NUM_SLICES=slices, ACCUMULATE=accumulate,
+        0 if row_gate is None else row_gate.stride(0), N=n, R=rank, NUM_SLICES=slices,
         BLOCK_M=groups.block_m, BLOCK_N=block_n, GATED=row_gate is not None, num_warps=4, **pdl_launch(v, pdl),
     )  # fmt: skip
 
@@ -199,7 +199,7 @@ def add_lora(
     """lora.add_lora on CUDA (and under the interpreter): shrink (keys: as shrink's), then expand into
     y in place."""
     v = shrink(x, a, groups, pdl=pdl, glu=glu, keys=keys)
-    expand(v, b, y, groups, bounds, accumulate=True, pdl=pdl, row_gate=row_gate)
+    expand(v, b, y, groups, bounds, pdl=pdl, row_gate=row_gate)
     return y
 
 
