@@ -51,7 +51,7 @@ def test_add_lora_real_shapes_bf16(tokens):
     assert torch.equal(out[base], y[base])
 
 
-@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("tokens", [1, 64, 512])  # 512: the shrinks' grouped (prefill) form
 def test_expert_deltas_real_shapes_bf16(tokens):
     g = torch.Generator(device="cuda").manual_seed(7)
     bf = dict(device="cuda", dtype=torch.bfloat16)

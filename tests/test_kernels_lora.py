@@ -160,14 +160,18 @@ EXPERT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("path", ["pairs", "sorted"])
+@pytest.mark.parametrize("path", ["pairs", "sorted", "sorted-grouped-shrinks"])
 @pytest.mark.parametrize("tokens,hidden,inter,local,total,top_k,offset,slots,slot_rows", EXPERT_CASES)
 def test_fused_moe_with_expert_deltas(
-    device, path, tokens, hidden, inter, local, total, top_k, offset, slots, slot_rows
+    device, path, tokens, hidden, inter, local, total, top_k, offset, slots, slot_rows, monkeypatch
 ):
-    """The sorted path's GEMMs add the grouped (slot, expert) deltas, the pairs path's GEMVs their
-    per-pair low-rank form: equal to the reference, and tokens without an adapter get exactly the
-    base experts' output (of the same path)."""
+    """The experts' deltas in low-rank form, expanded by the pairs path's GEMVs and the sorted path's
+    GEMMs: equal to the reference, and tokens without an adapter get exactly the base experts'
+    output (of the same path). sorted-grouped-shrinks: the prefill form of the shrinks (the pairs
+    grouped by key first), forced here at a small size."""
+    if path == "sorted-grouped-shrinks":
+        monkeypatch.setattr(tl_lora, "PAIR_GEMV_MAX_PAIRS", 0)
+        path = "sorted"
     args, lora, token_slots = expert_case(
         "cpu", tokens=tokens, hidden=hidden, inter=inter, local=local, total=total, top_k=top_k, offset=offset,
         slots=slots, rank=16, slot_rows=slot_rows,
@@ -237,13 +241,17 @@ def test_routed_moe_with_expert_deltas_on_pairs_path(device):
 
 
 @pytest.mark.parametrize("folded", [False, True], ids=["own-shrink", "folded-shrink"])
-@pytest.mark.parametrize("path", ["pairs", "sorted"])
-def test_shared_expert_adapter_in_the_last_kernel(device, path, folded):
+@pytest.mark.parametrize("path", ["pairs", "sorted", "sorted-grouped-shrinks"])
+def test_shared_expert_adapter_in_the_last_kernel(device, path, folded, monkeypatch):
     """The shared expert's down adapter (SharedExpert.lora: the glu shrink's v, expanded by the block's
     last kernel: the pairs path's down GEMV, the sorted path's sum kernel) under its sigmoid gate,
     beside the experts' adapters, with the next norm still in that kernel; v's rows of tokens without
     an adapter stay NaN (nan_fill) and are never read. Odd widths, a slot of smaller rank. folded:
-    the shrink runs inside the experts' down shrink launch (ExpertDeltas.fold_shrink)."""
+    the shrink runs inside the experts' down shrink launch (ExpertDeltas.fold_shrink); with the
+    grouped (prefill) expert shrinks it runs in its own launch first."""
+    if path == "sorted-grouped-shrinks":
+        monkeypatch.setattr(tl_lora, "PAIR_GEMV_MAX_PAIRS", 0)
+        path = "sorted"
     tokens, hidden, inter, local, top_k, shared_inter, rank = 5, 40, 24, 4, 2, 12, 16
     slot_rows = [2, -1, 0, 1, 2]
     args, lora, token_slots = expert_case(

@@ -137,6 +137,7 @@ class ExpertDeltas:
         self.expert_offset, self.pdl = expert_offset, pdl
         self.triton = hidden.is_cuda if triton is None else triton
         self.keys: torch.Tensor | None = None  # [P] int32, from the gate / up step
+        self.groups = None  # the pairs grouped by key (Triton, prefill sizes), from the gate / up step
         self.extra = None  # a ShrinkJob for low_rank_down's launch (fold_shrink)
 
     def fold_shrink(self, *, x: torch.Tensor, a: torch.Tensor, keys: torch.Tensor, glu: bool = False) -> torch.Tensor:
@@ -180,9 +181,9 @@ class ExpertDeltas:
         experts = w.b13.shape[1]
         a = w.a13.flatten(0, 1)
         if self.triton:
-            from .triton_lora import pair_shrink_keys
+            from .triton_lora import expert_shrink_gate_up
 
-            self.keys, v = pair_shrink_keys(
+            self.keys, v, self.groups = expert_shrink_gate_up(
                 self.hidden, a, self.token_slots, topk_ids, experts, self.expert_offset, self.pdl
             )
         else:
@@ -197,9 +198,9 @@ class ExpertDeltas:
         w = self.weights
         a = w.a2.flatten(0, 1)
         if self.triton:
-            from .triton_lora import pair_shrink
+            from .triton_lora import expert_shrink_down
 
-            v = pair_shrink(act, a, self.keys, 1, self.pdl, extra=self.extra)
+            v = expert_shrink_down(act, a, self.keys, self.groups, self.pdl, extra=self.extra)
         else:
             v = naive.pair_shrink(act, a, self.keys, 1)
         return PairLowRank(self.keys, v, w.b2.flatten(0, 1))

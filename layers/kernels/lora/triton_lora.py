@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ..moe.align import align_pairs
 from ..pdl import pdl_launch, pdl_wait
+from .naive import pair_keys as naive_pair_keys
 
 MAX_SLICES = 4
 # at or under this many rows (decode) a shrink is one GEMV program per (row, 8 of its A rows): the
@@ -279,11 +280,13 @@ def _block_k(k: int) -> int:
     return max(16, min(256, triton.next_power_of_2(k)))
 
 
-def _pair_shrink(x, a, keys, num_pairs, row_div, pdl, ids=None, glu=False, extra: ShrinkJob | None = None):
+def _pair_shrink(x, a, keys, num_pairs, row_div, pdl, ids=None, glu=False, extra: ShrinkJob | None = None, v=None):
     ra, k = a.shape[1], a.shape[2]
     assert x.shape[1] == k * (2 if glu else 1), "pair_shrink: x's width"
     assert x.stride(-1) == 1 and a.stride(-1) == 1, "pair_shrink: contiguous last dims"
-    v = torch.empty((num_pairs, ra), dtype=torch.float32, device=x.device)
+    if v is None:
+        v = torch.empty((num_pairs, ra), dtype=torch.float32, device=x.device)
+    assert v.shape == (num_pairs, ra) and v.stride(1) == 1, "pair_shrink: v"
     token_slots, topk_ids, num_local, expert_offset = ids if ids is not None else (keys, keys, 0, 0)
     ra2, rows2, job2 = 0, 0, (x, a, v, keys, 0, 0, 0, 0)
     k2, glu2 = 0, False
@@ -333,3 +336,44 @@ def pair_shrink_keys(
     keys = torch.empty(ids.numel(), dtype=torch.int32, device=ids.device)
     v = _pair_shrink(x, a, keys, ids.numel(), ids.shape[1], pdl, ids=(token_slots, ids, num_local, expert_offset))
     return keys, v
+
+
+# above this many routed pairs (prefill) the experts' shrinks group the pairs by key first (the
+# pair keys' torch ops and a grouping launch), each key's A read once a block; at or under it
+# (decode: 64 tokens at top-8 is 512) one GEMV program per pair, no grouping
+PAIR_GEMV_MAX_PAIRS = 2048
+
+
+def expert_shrink_gate_up(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    token_slots: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_local: int,
+    expert_offset: int,
+    pdl: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, RowGroups | None]:
+    """(keys [P], v [P, RA], the grouping or None) of the routed pairs' gate / up shrink: pair_shrink_keys
+    up to PAIR_GEMV_MAX_PAIRS pairs, else the pairs grouped by key and the grouped shrink."""
+    if topk_ids.numel() <= PAIR_GEMV_MAX_PAIRS:
+        return (*pair_shrink_keys(x, a, token_slots, topk_ids, num_local, expert_offset, pdl), None)
+    keys = naive_pair_keys(token_slots, topk_ids, num_local, expert_offset).reshape(-1)
+    groups = group_rows(keys[:, None], a.shape[0], pdl)
+    return keys, shrink(x, a, groups, row_div=topk_ids.shape[1], pdl=pdl), groups
+
+
+def expert_shrink_down(
+    act: torch.Tensor,
+    a: torch.Tensor,
+    keys: torch.Tensor,
+    groups: RowGroups | None,
+    pdl: bool = True,
+    extra: ShrinkJob | None = None,
+) -> torch.Tensor:
+    """The routed pairs' down shrink v [P, RA] with expert_shrink_gate_up's keys and grouping; extra
+    (ShrinkJob) runs in the same launch on the GEMV form, in its own before it otherwise."""
+    if groups is None:
+        return pair_shrink(act, a, keys, 1, pdl, extra=extra)
+    if extra is not None:
+        _pair_shrink(extra.x, extra.a, extra.keys, extra.keys.numel(), 1, pdl, glu=extra.glu, v=extra.v)
+    return shrink(act, a, groups, row_div=1, pdl=pdl)
