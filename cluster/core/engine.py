@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 OUTPUT_MODES = ("cumulative", "delta", "final")
 CHECKED_GRAMMARS = 1024  # grammar keys known to parse, so that a repeated schema is not parsed again
 SPEC_LOG_INTERVAL_S = 30.0  # how often the acceptance counters are logged while verifying
+PREFIX_LOG_INTERVAL_S = 30.0  # how often the prefix cache's counters are logged while prompts arrive
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ class EngineCore:
         self._in_flight: InFlightPass | None = None  # the launched pass not yet applied
         self._restart_pending = False  # a worker died: the next step replaces the group first
         self._spec_logged = time.monotonic()
+        self._prefix_logged = (time.monotonic(), 0)  # when, and the lookups counted then
         # with runner.time_passes on a GPU: (device busy s, device idle before it s) of recent passes
         self.pass_device_times: deque[tuple[float, float]] = deque(maxlen=4096)
         log.info(
@@ -358,6 +360,7 @@ class EngineCore:
         # requests the output failed (a grammar that did not compile on the workers)
         outputs += [self._output(req, [], self._flush(req)) for req in self.scheduler.pop_failed()]
         self._log_spec_stats()
+        self._log_prefix_stats()
         return outputs
 
     def _on_worker_failure(self, e: WorkerFailure) -> list[RequestOutput]:
@@ -560,6 +563,30 @@ class EngineCore:
             stats.num_draft_tokens,
             stats.mean_acceptance_length,
             rates,
+        )
+
+    def _log_prefix_stats(self, now: float | None = None) -> None:
+        """Every PREFIX_LOG_INTERVAL_S while new prompts were looked up: the cache's counters."""
+        if self.prefix_cache is None:
+            return
+        now = time.monotonic() if now is None else now
+        stats = self.prefix_cache.stats
+        last, queries = self._prefix_logged
+        if stats.queries == queries or now - last < PREFIX_LOG_INTERVAL_S:
+            return
+        self._prefix_logged = (now, stats.queries)
+        info = self.prefix_cache_stats()
+        log.info(
+            "prefix cache: %d blocks cached, %d of %d snapshots held, %d of %d prompts hit, %.1f%% of prompt "
+            "tokens skipped, %d snapshots taken, %d evicted",
+            info["blocks_cached"],
+            info["snapshots_held"],
+            info["snapshot_slots"],
+            info["hits"],
+            info["queries"],
+            100 * info["hit_rate"],
+            info["snapshots_taken"],
+            info["snapshots_evicted"],
         )
 
     def prefix_cache_stats(self) -> dict:
