@@ -145,6 +145,21 @@ def test_paged_attention_split_k(device, q_lens, ctx_lens, num_splits):
     assert rel_err(out, ref) < tol(device)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_output_gate(device, num_splits):
+    """The gate (a strided view, as the layer's q|gate projection gives it) applied before the one
+    rounding, by the single kernel and by the split's merge; the reference is the ungated result times
+    sigmoid(gate)."""
+    batch = make_batch(q_lens=[5, 1, 9], ctx_lens=[37, 0, 70], hq=6, hkv=2, d=24, block_size=4, device=device)
+    qg = torch.randn(batch["q"].shape[0], 6, 48, device=device)
+    gate = qg[..., 24:]
+    ref = naive.paged_attention(**batch, scale=0.3) * torch.sigmoid(gate)
+    assert rel_err(naive.paged_attention(**batch, scale=0.3, output_gate=gate), ref) < 1e-6
+    cfg = dict(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=num_splits)
+    out = ta.paged_attention(**batch, scale=0.3, output_gate=gate, config=cfg)
+    assert rel_err(out, ref) < tol(device)
+
+
 def test_paged_attention_splits_long_context_by_itself(device):
     """Without a config: a few queries over a context of several SPLIT_MIN_KEYS split on their own
     (the interpreter's 4 "SMs"), and match the reference."""
@@ -326,6 +341,11 @@ def test_gpu_split_prefill_few_queries_over_long_context():
     )  # fmt: skip
     ref = naive.paged_attention(**varlen, scale=256**-0.5)
     assert rel_err(ta.paged_attention(**varlen, scale=256**-0.5), ref) < 1e-2
+    gate = torch.randn(150, 16, 512, device="cuda", dtype=torch.bfloat16)[..., 256:]  # the layer's q|gate view
+    ref = naive.paged_attention(**varlen, scale=256**-0.5, output_gate=gate)
+    for splits in (1, 4):
+        cfg_s = dict(cfg, num_splits=splits)
+        assert rel_err(ta.paged_attention(**varlen, scale=256**-0.5, output_gate=gate, config=cfg_s), ref) < 1e-2
 
 
 def real_decode_batch(ctx_lens: list[int]) -> dict:

@@ -131,9 +131,9 @@ def _merge_spans(
 @triton.jit(do_not_specialize=["cu_seqlens_q", "seq_lens", "block_tables", "num_seqs", "s_btn", "num_splits"])
 def _prefill_kernel(
     q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, part_o, part_lse, qk_scale, num_seqs, num_splits,
-    s_qt, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_btn, s_btp, s_ot, s_oh, GROUP: tl.constexpr,
+    s_qt, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_btn, s_btp, s_ot, s_oh, gate, s_gt, s_gh, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_SEQ: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SEQ: tl.constexpr, HAS_GATE: tl.constexpr,
 ):  # fmt: skip
     # the last q blocks attend to the most keys: launch them first to shorten the tail
     b = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -202,7 +202,11 @@ def _prefill_kernel(
         )  # fmt: skip
     o = acc / l_i[:, None]
     if num_splits == 1:
-        o_rows = (q_start + tok).to(tl.int64) * s_ot + head * s_oh
+        rows = (q_start + tok).to(tl.int64)
+        if HAS_GATE:  # the gated attention's output gate, before the one rounding
+            g_rows = rows * s_gt + head * s_gh
+            o *= tl.sigmoid(tl.load(gate + g_rows[:, None] + d[None, :], mask=q_mask).to(tl.float32))
+        o_rows = rows * s_ot + head * s_oh
         tl.store(out + o_rows[:, None] + d[None, :], o.to(out.dtype.element_ty), mask=q_mask)
     else:
         tl.store(part_o + part_row[:, None] * HEAD_DIM + d[None, :], o, mask=q_mask)
@@ -212,16 +216,21 @@ def _prefill_kernel(
 # values that change from pass to pass: one compile serves them all
 @triton.jit(do_not_specialize=["num_splits"])
 def _prefill_reduce_kernel(
-    part_o, part_lse, out, s_ot, s_oh, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-    CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_o, part_lse, out, s_ot, s_oh, num_splits, gate, s_gt, s_gh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
 ):  # fmt: skip
-    """Grid (T, Hq): one token's head, its num_splits span partials merged (empty spans weigh 0)."""
-    t = tl.program_id(0)
+    """Grid (T, Hq): one token's head, its num_splits span partials merged (empty spans weigh 0),
+    times sigmoid(gate) with HAS_GATE."""
+    t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) + tl.zeros([1], tl.int32)
-    row0 = (t.to(tl.int64) * tl.num_programs(1) + head) * num_splits
+    row0 = (t * tl.num_programs(1) + head) * num_splits
+    gate_tile = gate
+    if HAS_GATE:
+        d = tl.arange(0, BLOCK_D)
+        gate_tile = tl.load(gate + t * s_gt + head[:, None] * s_gh + d[None, :], mask=(d < HEAD_DIM)[None, :])
     _merge_spans(
-        part_o, part_lse, out, out, t.to(tl.int64), head, head >= 0, row0, num_splits, s_ot, s_oh, HEAD_DIM, BLOCK_S,
-        CHUNK_S, BLOCK_D, False,
+        part_o, part_lse, out, gate_tile, t, head, head >= 0, row0, num_splits, s_ot, s_oh, HEAD_DIM, BLOCK_S, CHUNK_S,
+        BLOCK_D, HAS_GATE,
     )  # fmt: skip
 
 
@@ -292,18 +301,24 @@ def _prefill_splits(programs: int, max_context: int, info: DeviceInfo) -> int:
     return best
 
 
-def paged_attention(*, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, config=None):
+def paged_attention(
+    *, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, output_gate=None, config=None
+):  # fmt: skip
     """attention.paged_attention. Grid (T // BLOCK_Q + N, Hkv, S): a program takes BLOCK_Q tokens x
     all q heads of one kv head over one of S spans of their keys; the bound needs no host sync and
     programs past their sequence's end return at once. S > 1 (few programs, a long context: the
     block-table width bounds it) writes float32 partials that a second kernel (T, Hq) merges.
-    `config` overrides the tiles (block_m, block_n, num_warps, num_stages) and num_splits."""
+    output_gate: the result times sigmoid(output_gate) before its one rounding. `config` overrides
+    the tiles (block_m, block_n, num_warps, num_stages) and num_splits."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = cu_seqlens_q.shape[0] - 1
     assert num_q_heads % num_kv_heads == 0, "q heads must be a multiple of kv heads"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "contiguous head dim"
     group = num_q_heads // num_kv_heads
+    if output_gate is not None:
+        assert output_gate.shape == q.shape and output_gate.stride(-1) == 1, "output_gate: [T, Hq, D], contiguous D"
+    gate_args = (q, 0, 0) if output_gate is None else (output_gate, output_gate.stride(0), output_gate.stride(1))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -326,13 +341,14 @@ def paged_attention(*, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, part_o, part_lse, scale * LOG2E, num_seqs,
         num_splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), block_tables.stride(1),
-        out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=cfg["block_m"],
-        BLOCK_Q=block_q, BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_SEQ=PREFILL_SEQ_BLOCK,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        out.stride(0), out.stride(1), *gate_args, GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
+        BLOCK_M=cfg["block_m"], BLOCK_Q=block_q, BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_SEQ=PREFILL_SEQ_BLOCK,
+        HAS_GATE=output_gate is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if num_splits > 1:
         _prefill_reduce_kernel[(num_tokens, num_q_heads)](
-            part_o, part_lse, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=head_dim,
-            BLOCK_S=PREFILL_MAX_SPLITS, CHUNK_S=PREFILL_MERGE_CHUNK, BLOCK_D=block_d, num_warps=4,
+            part_o, part_lse, out, out.stride(0), out.stride(1), num_splits, *gate_args, HEAD_DIM=head_dim,
+            BLOCK_S=PREFILL_MAX_SPLITS, CHUNK_S=PREFILL_MERGE_CHUNK, BLOCK_D=block_d,
+            HAS_GATE=output_gate is not None, num_warps=4,
         )  # fmt: skip
     return out
