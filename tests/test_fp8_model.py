@@ -302,16 +302,57 @@ def test_tensor_parallel_shards(qwen_like, expert_parallel):
 
 
 def test_fp8_accuracy_bench_harness(qwen_like):
-    """bench.fp8_accuracy's passes on the CPU: one prefill then one token a pass give the logits of
-    every position (the same model twice: KL 0, top-1 1); FP8 against full precision: measured."""
-    from deltaserve.bench.fp8_accuracy import compare, run_model
+    """bench.fp8_accuracy on the CPU (float32): bf16 (here float32), FP8 and the dequantized twin
+    over one prefill then one token a pass. With the prefill in passes of 16 rows no activation is
+    quantized and the CPU path dequantizes, so FP8 and the twin agree to float32 rounding in the
+    logits and in every layer, run free or fed the reference's stream (the hooks replace each
+    layer's input and record its output); in one prefill pass the activation quantization shows,
+    as in test_prefill_passes_within_activation_quantization, and each layer's local error stays
+    near the weight rounding's (a few percent)."""
+    from deltaserve.bench.fp8_accuracy import format_report, measure
 
     config = ModelConfig.from_pretrained(qwen_like[2])
-    ids = prompt(24, seed=6)
-    run = dict(ids=ids, decode=4, seed=1, device="cpu", dtype=torch.float32)
-    full, again, fp8 = run_model(config, None, **run), run_model(config, None, **run), run_model(config, "fp8", **run)
-    assert full["logits"].shape == (24, config.vocab_size)
-    same = compare(full["logits"], again["logits"])
-    assert same["top1_agreement"] == 1.0 and same["mean_kl"] < 1e-9
-    ours = compare(full["logits"], fp8["logits"])
-    assert ours["positions"] == 24 and ours["mean_kl"] < 5e-3 and fp8["weight_bytes"] < full["weight_bytes"] / 3
+    ids = prompt(40, seed=6)
+    run = dict(ids=ids, decode=6, seed=1, device="cpu", dtype=torch.float32, log=lambda _: None)
+    exact, quantized = measure(config, chunk=16, **run), measure(config, **run)
+    assert exact["models"]["twin"]["converted"] == 4 * 6  # as test_tensor_parallel_shards counts
+    assert exact["models"]["fp8"]["weight_bytes"] < exact["models"]["bf16"]["weight_bytes"] / 3
+    for part in ("prefill", "decode"):
+        same = exact[part]["twin~fp8"]
+        assert same["top1_agreement"] == 1.0 and abs(same["mean_kl"]) < 1e-6 and same["logit_corr"] > 1 - 1e-6
+        for kind, errs in exact["layers"][part].items():
+            assert max(errs["twin~fp8"]) < 1e-5, (part, kind)
+            assert min(errs["bf16~twin"] if kind == "local" else errs["bf16~twin"][:1]) > 1e-3
+        fp8, twin = exact[part]["bf16~fp8"], exact[part]["bf16~twin"]
+        assert fp8["top1_agreement"] == twin["top1_agreement"]
+        assert fp8["mean_kl"] == pytest.approx(twin["mean_kl"], 1e-3)
+        assert exact[part]["unrelated"]["top1_agreement"] < 0.5
+    prefill = quantized["layers"]["prefill"]
+    assert 1e-3 < max(prefill["local"]["twin~fp8"]) < 3 * max(prefill["local"]["bf16~twin"]) < 0.3
+    assert quantized["prefill"]["twin~fp8"]["mean_kl"] < 5e-3
+    lines = format_report(quantized)
+    assert any(line.startswith("per-layer relative error") for line in lines) and len(lines) > 12
+
+
+def test_dequantized_twin_in_place(fp8_tiny):
+    """bench.fp8_accuracy's twin: an FP8 model dequantized in place holds exactly the twin
+    checkpoint's parameters (blocks smaller than 128 inside fused weights, tails), and nothing FP8."""
+    from deltaserve.bench.fp8_accuracy import dequantize_in_place
+
+    for family, (fp8_dir, twin_dir) in fp8_tiny.items():
+        model, twin = load_model(fp8_dir), load_model(twin_dir)
+        assert dequantize_in_place(model, torch.float32) > 0
+        ours, ref = dict(model.named_parameters()), dict(twin.named_parameters())
+        assert ours.keys() == ref.keys(), family
+        for name, p in ours.items():
+            assert layout(p) is None and torch.equal(p, ref[name]), (family, name)
+
+
+def test_fp8_accuracy_truncated_preset():
+    """--layers N: the preset with its first N layers (their types kept)."""
+    from deltaserve.bench.fp8_accuracy import truncated
+    from deltaserve.bench.presets import preset_config
+
+    full, short = preset_config("qwen3_5_35b_a3b"), truncated("qwen3_5_35b_a3b", 6)
+    assert short.num_layers == 6 and short.layer_types == full.layer_types[:6]
+    assert short.hidden_size == full.hidden_size and short.num_experts == full.num_experts
