@@ -364,8 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="of the random weights and the prompt")
     p.add_argument(
         "--prefill-chunk", type=int, default=0,
-        help="the prefill part in passes of this many tokens (16 or fewer: every FP8 pass on the decode GEMVs, "
-        "activations never quantized); 0: one pass",
+        help="the prefill part in passes of this many tokens (8 or fewer at top-8 routing: at most 16 rows and 64 "
+        "routed pairs a pass, so every FP8 pass takes the GEMVs and no activation is quantized); 0: one pass",
     )  # fmt: skip
     p.add_argument("--layers", type=int, default=None, help="only the first N decoder layers (a shorter model)")
     p.add_argument("--json", default=None)
