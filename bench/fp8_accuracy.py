@@ -343,6 +343,17 @@ def format_report(report: dict) -> list[str]:
         shown = sorted({*range(min(SHOWN_LAYERS, layers)), *range(0, layers, STEP), layers - 1})
         for i in shown:
             lines.append(f"  {i:5d} " + "".join(f"{errs[kind][pair][i]:17.3e}" for kind, pair in cols))
+    if report["layers"]:
+        parts = list(report["layers"])
+        local = [
+            f"{pair} " + " / ".join(f"{100 * max(report['layers'][p]['local'][pair]):.2f}%" for p in parts)
+            for pair in ("twin~fp8", "bf16~twin")
+        ]  # fmt: skip
+        last = " / ".join(f"{100 * report['layers'][p]['free']['bf16~fp8'][-1]:.1f}%" for p in parts)
+        lines.append(
+            f"summary ({' / '.join(parts)}): largest local error of a layer {', '.join(local)}; "
+            f"free error after the last layer bf16~fp8 {last}"
+        )
     return lines
 
 

@@ -348,6 +348,45 @@ def test_dequantized_twin_in_place(fp8_tiny):
             assert layout(p) is None and torch.equal(p, ref[name]), (family, name)
 
 
+def test_real_shape_fp8_layout():
+    """Qwen3.5-35B-A3B's shapes under the FP8 scheme (built on the meta device: no memory): per layer
+    the GDN in_proj (q | k | v | z FP8, its 64 b / a rows a bf16 tail) or the attention q_gate | k | v,
+    out_proj / o_proj, the 256 experts' w13 and w2, the MoE in_proj's shared gate_up (router, shared
+    gate and padding: a 264-row bf16 tail) and the shared expert's down projection are FP8 in 128 x 128
+    blocks; the 248,320-row embedding and lm_head, norms and conv stay bf16; 35.7 GB in all."""
+    from deltaserve.bench.presets import preset_config
+    from deltaserve.layers.loader import build_model
+    from deltaserve.layers.quant import apply_scheme
+
+    config = preset_config("qwen3_5_35b_a3b")
+    model = build_model(config, dtype=torch.bfloat16, device="meta")
+    apply_scheme(model.fp8_projections(), Fp8Scheme(), "meta", torch.bfloat16)
+    fp8 = {}
+    for name, p in model.named_parameters():
+        lay = layout(p)
+        if lay is None:
+            assert p.dtype in (torch.bfloat16, torch.float32), name  # float32: the block scales
+            continue
+        tail = None if lay.tail is None else tuple(lay.tail.shape)
+        fp8[name] = (tuple(p.shape), lay.block, tuple(lay.scale.shape), tail)
+    assert model.lm_head.dtype == model.embed_tokens.dtype == torch.bfloat16
+    assert model.lm_head.shape == (248320, 2048)
+    gdn, attn = config.gdn_layer_ids[0], config.attention_layer_ids[0]
+    block = (128, 128)
+    assert fp8[f"layers.{gdn}.mixer.in_proj"] == ((12288, 2048), block, (96, 16), (64, 2048))
+    assert fp8[f"layers.{gdn}.mixer.out_proj"] == ((2048, 4096), block, (16, 32), None)
+    assert fp8[f"layers.{attn}.mixer.qkv_proj"] == ((9216, 2048), block, (72, 16), None)
+    assert fp8[f"layers.{attn}.mixer.o_proj"] == ((2048, 4096), block, (16, 32), None)
+    for i in (gdn, attn):
+        assert fp8[f"layers.{i}.mlp.w13"] == ((256, 1024, 2048), block, (256, 8, 16), None)
+        assert fp8[f"layers.{i}.mlp.w2"] == ((256, 2048, 512), block, (256, 16, 4), None)
+        assert fp8[f"layers.{i}.mlp.in_proj"] == ((1024, 2048), block, (8, 16), (264, 2048))
+        assert fp8[f"layers.{i}.mlp.shared_expert.w2"] == ((2048, 512), block, (16, 4), None)
+    assert len(fp8) == 6 * config.num_layers
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 35.5e9 < total < 36e9
+
+
 def test_fp8_accuracy_truncated_preset():
     """--layers N: the preset with its first N layers (their types kept)."""
     from deltaserve.bench.fp8_accuracy import truncated
