@@ -388,10 +388,34 @@ def test_real_shape_fp8_layout():
 
 
 def test_fp8_accuracy_truncated_preset():
-    """--layers N: the preset with its first N layers (their types kept)."""
+    """--layers N: the preset with its first N layers (their types kept); --set: its fields."""
     from deltaserve.bench.fp8_accuracy import truncated
     from deltaserve.bench.presets import preset_config
 
-    full, short = preset_config("qwen3_5_35b_a3b"), truncated("qwen3_5_35b_a3b", 6)
+    full, short = preset_config("qwen3_5_35b_a3b"), truncated("qwen3_5_35b_a3b", 6, {"num_experts": 16})
     assert short.num_layers == 6 and short.layer_types == full.layer_types[:6]
-    assert short.hidden_size == full.hidden_size and short.num_experts == full.num_experts
+    assert short.hidden_size == full.hidden_size and (full.num_experts, short.num_experts) == (256, 16)
+
+
+def test_fp8_accuracy_cli_on_cpu(tmp_path, capsys):
+    """The bench's command on the CPU reference path: a narrow 4-layer model of the preset's family,
+    the report printed and written; a malformed --set is an error naming the option."""
+    from deltaserve.bench.fp8_accuracy import main
+
+    narrow = {
+        "hidden_size": 128, "num_attention_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2, "linear_key_head_dim": 64, "linear_value_head_dim": 64, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
+        "vocab_size": 512,
+    }  # fmt: skip
+    sets = [arg for k, v in narrow.items() for arg in ("--set", f"{k}={v}")]
+    out = tmp_path / "acc.json"
+    argv = ["--device", "cpu", "--layers", "4", "--tokens", "24", "--decode", "4", "--json", str(out), *sets]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["num_layers"] == 4 and report["overrides"]["hidden_size"] == 128
+    assert report["prefill"]["twin~fp8"]["positions"] == 20 and len(report["layers"]["decode"]["free"]["bf16~fp8"]) == 4
+    assert "summary (prefill / decode)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--set", "hidden_size"])
+    assert "--set takes FIELD=VALUE" in capsys.readouterr().err
