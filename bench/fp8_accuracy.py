@@ -108,7 +108,9 @@ class LayerTap:
     def _post(self, i: int):
         def hook(module, args, kwargs, out):
             hidden, residual, normed = out
-            self.passes[-1].append((hidden.cpu(), None if residual is None else residual.cpu(), bool(normed)))
+            # a copy even on the CPU, where later in-place kernels could otherwise reach the record
+            host = (None if t is None else t.to("cpu", copy=True) for t in (hidden, residual))
+            self.passes[-1].append((*host, bool(normed)))
 
         return hook
 
@@ -280,7 +282,7 @@ class EmbedTap:
     def attach(self, model: nn.Module):
         def hook(module, args, kwargs):
             hidden, residual = args[0], args[1]
-            self.streams.append((hidden if residual is None else residual).float().cpu())
+            self.streams.append((hidden if residual is None else residual).to("cpu", torch.float32, copy=True))
 
         return model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
 
