@@ -1,5 +1,6 @@
 """Paged attention cases (16 q heads, 2 kv heads, head dim 256, pages of 16, bf16): decode at
-batch 1 / 64 / 256 x 4096 context, prefill of 8192 new tokens, and the KV write.
+batch 1 / 64 / 256 x 4096 context, prefill of 8192 new tokens, 256 new tokens after 16,384 cached
+(a prefix-cache hit: split-K), and the KV write.
 
     python -m deltaserve.bench.kernels --only attention
     python -m deltaserve.bench.kernels_attention --sweep   # decode tile / split sweep at batch 64
@@ -129,37 +130,54 @@ def _decode_case(batch: int, ctx: int) -> Case:
     )
 
 
-def _prefill_case(num_tokens: int) -> Case:
-    k_cache, v_cache, block_tables = _pool(1, num_tokens, seed=7)
+def _prefill_case(num_tokens: int, cached: int = 0) -> Case:
+    """num_tokens new tokens after `cached` ones (a prefix-cache hit: few queries, a long context; the
+    split-K path, timed against its own unsplit path as the peer)."""
+    seq_len = cached + num_tokens
+    k_cache, v_cache, block_tables = _pool(1, seq_len, seed=7)
     q = torch.randn(num_tokens, HQ, D, device="cuda", dtype=DTYPE)
     args = dict(
         q=q,
         k_cache=k_cache,
         v_cache=v_cache,
         cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device="cuda"),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device="cuda"),
         block_tables=block_tables,
         scale=SCALE,
     )
-    k_seq, v_seq = _gather(k_cache, block_tables, num_tokens), _gather(v_cache, block_tables, num_tokens)
+    k_seq, v_seq = _gather(k_cache, block_tables, seq_len), _gather(v_cache, block_tables, seq_len)
     q_seq = q.transpose(0, 1).unsqueeze(0).contiguous()
+    # causal, aligned to the end: query i sees keys [0, cached + i]
+    mask = None
+    if cached:
+        q_pos = cached + torch.arange(num_tokens, device="cuda")
+        mask = torch.arange(seq_len, device="cuda")[None, :] <= q_pos[:, None]
 
     def reference():
-        return F.scaled_dot_product_attention(q_seq, k_seq, v_seq, is_causal=True, scale=SCALE, enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q_seq, k_seq, v_seq, attn_mask=mask, is_causal=not cached, scale=SCALE, enable_gqa=True
+        )
 
     def check():
         return _max_err(ta.paged_attention(**args), naive.paged_attention(**args))
 
+    info = device_info(q.device)
+    cfg = ta._prefill_config(D, HQ // HKV, 2, info)
+    programs = (num_tokens // (cfg["block_m"] // (HQ // HKV)) + 1) * HKV
+    splits = ta._prefill_splits(programs, block_tables.shape[1] * PAGE, info)
+    unsplit = dict(cfg, num_splits=1)
     return Case(
         op="attn_prefill",
-        shape=f"T={num_tokens} cached=0 Hq={HQ} Hkv={HKV} D={D}",
+        shape=f"T={num_tokens} cached={cached} Hq={HQ} Hkv={HKV} D={D}" + (f" splits={splits}" if splits > 1 else ""),
         ours=lambda: ta.paged_attention(**args),
         reference=reference,
         reference_label="sdpa causal(contiguous)",
         check=check,
         tolerance=2e-2,
-        bytes_moved=2 * q.numel() * 2 + 2 * num_tokens * HKV * D * 2,
-        flops=2 * HQ * num_tokens * num_tokens * D,
+        bytes_moved=2 * q.numel() * 2 + 2 * seq_len * HKV * D * 2,
+        flops=2 * HQ * num_tokens * (2 * cached + num_tokens + 1) * D,
+        peer=(lambda: ta.paged_attention(**args, config=unsplit)) if splits > 1 else None,
+        peer_label="unsplit (1 span)",
     )
 
 
@@ -195,6 +213,7 @@ def cases() -> list[Case]:
         _decode_case(256, 4096),
         _decode_graph_case(1, 512),
         _prefill_case(8192),
+        _prefill_case(256, cached=16384),
         _write_case(8192),
     ]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from deltaserve.bench.kernel_cases import Case, graphed
-from deltaserve.layers.kernels.attention import triton_attention as ta
+from deltaserve.layers.kernels import attention as attention_ops
 from deltaserve.layers.kernels.qsa import naive
 from deltaserve.layers.kernels.qsa import triton_qsa as tq
 
@@ -63,11 +63,10 @@ def _attend(x: dict, selected: torch.Tensor, impl):
 
 
 def _dense(x: dict, new: int):
+    kv = dict(q=x["q"], k_cache=x["k_cache"], v_cache=x["v_cache"], seq_lens=x["seq_lens"], block_tables=x["tables"])
     if new == 1:
-        return ta.paged_decode_attention(q=x["q"], k_cache=x["k_cache"], v_cache=x["v_cache"], seq_lens=x["seq_lens"],
-                                         block_tables=x["tables"], scale=D**-0.5)  # fmt: skip
-    return ta.paged_attention(q=x["q"], k_cache=x["k_cache"], v_cache=x["v_cache"], cu_seqlens_q=x["cu"],
-                              seq_lens=x["seq_lens"], block_tables=x["tables"], scale=D**-0.5)  # fmt: skip
+        return attention_ops.paged_decode_attention(**kv, scale=D**-0.5)
+    return attention_ops.paged_attention(**kv, cu_seqlens_q=x["cu"], scale=D**-0.5)
 
 
 def _check(x: dict, rows: int = 256) -> float:

@@ -93,6 +93,80 @@ def profile_hit(llm: LLM, shared: int, new: int, vocab: int) -> dict:
     return {"gpu_busy_ms": gpu_us / 1e3, "wall_ms": wall * 1e3, "gpu_ops": launches, "skipped": skipped}
 
 
+class _Timed:
+    """Wraps methods of some objects (instance attributes, removed on exit) to sum their wall time
+    per label; `sync_after` labels also time how long the GPU runs on after them."""
+
+    def __init__(self, targets: list[tuple[str, object, str]], sync_after: tuple[str, ...] = ()):
+        self.targets, self.sync_after = targets, sync_after
+        self.ms: dict[str, float] = {}
+        for label, _, _ in targets:
+            self.ms[label] = 0.0
+        for label in sync_after:
+            self.ms[f"{label} drain"] = 0.0
+
+    def __enter__(self) -> _Timed:
+        for label, obj, name in self.targets:
+            setattr(obj, name, self._wrap(label, getattr(obj, name)))
+        return self
+
+    def _wrap(self, label: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            t1 = time.perf_counter()
+            self.ms[label] += (t1 - t0) * 1e3
+            if label in self.sync_after:  # how long the GPU still runs after the host has queued it all
+                torch.cuda.synchronize()
+                self.ms[f"{label} drain"] += (time.perf_counter() - t1) * 1e3
+            return out
+
+        return timed
+
+    def __exit__(self, *exc) -> None:
+        for _, obj, name in self.targets:
+            delattr(obj, name)
+
+
+def host_timeline(llm: LLM, shared: int, new: int, vocab: int) -> dict:
+    """One more miss, then its hit with the host's stages timed: the request's checks, scheduling
+    (lookup included), the forward's launches (host) and how long the GPU runs after the last of them
+    (drain: near 0 means the GPU waited on the launches), sampling and outputs. In-process runner only."""
+    runner = getattr(llm.engine.executor, "runner", None)
+    if runner is None:
+        return {}
+    engine = llm.engine
+    rng = np.random.default_rng(shared + 2)
+    prefix = rng.integers(10, vocab - 10, shared).tolist()
+    time_to_first_token(llm, prefix + rng.integers(10, vocab - 10, new).tolist(), "tlmiss")
+    targets = [
+        ("add_request", engine, "make_request"),
+        ("schedule", engine.scheduler, "schedule"),
+        ("lookup", engine.scheduler.prefix, "lookup"),
+        ("execute_async", runner, "execute_async"),
+        ("forward launches", runner, "_forward"),
+        ("apply", engine, "_apply"),
+    ]
+    # the forward's launches by part (host time: nothing in them waits for the GPU)
+    for layer in getattr(runner.model, "layers", []):
+        mixer, mlp = getattr(layer, "mixer", None), getattr(layer, "mlp", None)
+        if mixer is not None:
+            targets.append(("attention mix" if getattr(layer, "is_attention", False) else "gdn mix", mixer, "mix"))
+        if mlp is not None:
+            targets.append(("mlp", mlp, "forward"))
+    with _Timed(targets, sync_after=("forward launches",)) as timed:
+        wall, skipped = time_to_first_token(llm, prefix + rng.integers(10, vocab - 10, new).tolist(), "tlhit")
+    ms = {k: round(v, 3) for k, v in timed.ms.items()}
+    ms["wall"] = round(wall * 1e3, 3)
+    print(
+        f"--- host timeline of a hit ({skipped} tokens skipped), ms: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in ms.items())
+        + " (execute_async includes the forward's launches and drain) ---",
+        flush=True,
+    )
+    return ms
+
+
 def bench_decode_on_off(llm: LLM, batches: list[int], context: int, steps: int, vocab: int) -> list[dict]:
     rows = []
     engine = llm.engine
@@ -139,6 +213,7 @@ def run(args: argparse.Namespace) -> dict:
         flush=True,
     )
     if args.profile_hit:
+        report["host_timeline"] = host_timeline(llm, args.shared, args.new, model_config.vocab_size)
         report["profile_hit"] = profile_hit(llm, args.shared, args.new, model_config.vocab_size)
     if batches:
         report["decode"] = bench_decode_on_off(llm, batches, args.context, args.steps, model_config.vocab_size)
@@ -164,7 +239,12 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--profile-hit", action="store_true", help="print a torch.profiler kernel table of one hit")
+    p.add_argument(
+        "--profile-hit",
+        action="store_true",
+        help="print a hit's host timeline (checks, scheduling, the forward's launches and the GPU's drain after"
+        " them) and a torch.profiler kernel table of one hit",
+    )
     p.add_argument("--json", default=None)
     p.set_defaults(func=_main)
 

@@ -165,8 +165,8 @@ class GatedAttention(nn.Module):
                 seq_lens=ctx.decode.seq_lens,
                 block_tables=ctx.decode.block_tables,
                 scale=self.scale,
+                output_gate=gate[:num_decode],
             )
-            decode_out = decode_out * torch.sigmoid(gate[:num_decode])
         elif ctx.decode is not None:
             decode_out = attn_kernels.paged_decode_attention(
                 q=q[:num_decode],
@@ -194,8 +194,8 @@ class GatedAttention(nn.Module):
                 block_tables=prefill.block_tables,
                 scale=self.scale,
                 own_kv=own_kv,
+                output_gate=gate[num_decode:],
             )
-            prefill_out = prefill_out * torch.sigmoid(gate[num_decode:])
         attn = join_rows(decode_out, prefill_out).reshape(num_tokens, self.num_heads * d)
         out = project(attn, self.o_proj, ctx.kernels, self.o_bias if self.bias else None)
         return out_lora(ctx, self.lora_slots.get("out"), out, attn, self.layout, defer=defer_out_lora)

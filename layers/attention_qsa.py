@@ -195,7 +195,7 @@ class QsaAttention(GatedAttention):
                     output_gate=gate,
                     pdl=kernels.pdl,
                 )
-            out = attn_kernels.paged_attention(
+            return attn_kernels.paged_attention(
                 q=q,
                 k_cache=state.k_cache,
                 v_cache=state.v_cache,
@@ -203,8 +203,8 @@ class QsaAttention(GatedAttention):
                 seq_lens=group.seq_lens,
                 block_tables=group.block_tables,
                 scale=self.scale,
+                output_gate=gate,
             )
-            return out * torch.sigmoid(gate)
         scores = qsa_kernels.index_scores(
             q=iq,
             block_cache=carry.blocks,

@@ -28,9 +28,9 @@ SUPPORTED_MODEL_TYPES = tuple(TEXT_FAMILIES) + tuple(COMPOSITE_TYPES)
 
 ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
-# qwen4_exp's name for its attention layers (all of them have a QSA indexer); the real checkpoint
-# writes "full_attention" for the same layers
-INDEXED_ATTENTION = "indexed_attention"
+# qwen4_exp's names for its attention layers (all of them have a QSA indexer): transformers' config
+# writes one of these (the name changed across its releases), the real checkpoint "full_attention"
+INDEXED_ATTENTION = ("indexed_attention", "qwen_sparse_attention")
 
 
 class ConfigError(ValueError):
@@ -239,7 +239,7 @@ class ModelConfig:
             interval = int(cfg.get("full_attention_interval", 4))
             layer_types = [LINEAR_ATTENTION if (i + 1) % interval else ATTENTION for i in range(num_layers)]
         if family == "qwen4_exp" and isinstance(layer_types, list | tuple):
-            layer_types = [ATTENTION if t == INDEXED_ATTENTION else t for t in layer_types]
+            layer_types = [ATTENTION if t in INDEXED_ATTENTION else t for t in layer_types]
         layer_types = tuple(layer_types)
         if len(layer_types) != num_layers:
             raise ConfigError(

@@ -107,6 +107,25 @@ def test_warmup_reaches_every_gdn_chunk_variant():
     assert picked == {"fused", "split32", "fused_pf"}
 
 
+def test_warmup_reaches_the_split_prefill_attention():
+    """At the serving default budget, on an H200's 132 SMs and Qwen3.5-35B-A3B's attention (16 q
+    heads, 2 kv heads, head dim 256), a warm-up batch takes the split-K prefill and its merge kernel
+    (a prefix-cache hit's first use would compile it mid-serving otherwise)."""
+    from deltaserve.layers.kernels.attention import triton_attention as ta
+
+    h200 = ta.DeviceInfo("NVIDIA H200", 132, 227 * 1024, (9, 0))
+    block_q = ta._prefill_config(256, 8, 2, h200)["block_m"] // 8
+    sizes = PoolSizes(num_blocks=8192 // 16 + 1, block_size=16, num_slots=1 + max(len(b) for b in WARMUP_BATCHES))
+    splits = []
+    for streams in WARMUP_BATCHES:
+        prefill = [(c, n) for c, n in streams if not (n == 1 and c > 0)]
+        if prefill and warmup_fits(streams, 8192, sizes):
+            programs = (sum(n for _, n in prefill) // block_q + len(prefill)) * 2
+            width = max(-(-(c + n) // 16) for c, n in prefill) * 16
+            splits.append(ta._prefill_splits(programs, width, h200))
+    assert max(splits) > 1
+
+
 def test_late_compile_log_records_and_warns(caplog):
     """The JIT hooks the runner installs after start-up: a compile is timed, kept and logged as a
     warning naming the kernel; the before-hook never asks Triton to skip the compile."""

@@ -302,16 +302,120 @@ def test_tensor_parallel_shards(qwen_like, expert_parallel):
 
 
 def test_fp8_accuracy_bench_harness(qwen_like):
-    """bench.fp8_accuracy's passes on the CPU: one prefill then one token a pass give the logits of
-    every position (the same model twice: KL 0, top-1 1); FP8 against full precision: measured."""
-    from deltaserve.bench.fp8_accuracy import compare, run_model
+    """bench.fp8_accuracy on the CPU (float32): bf16 (here float32), FP8 and the dequantized twin
+    over one prefill then one token a pass. With the prefill in passes of 16 rows no activation is
+    quantized and the CPU path dequantizes, so FP8 and the twin agree to float32 rounding in the
+    logits and in every layer, run free or fed the reference's stream (the hooks replace each
+    layer's input and record its output); in one prefill pass the activation quantization shows,
+    as in test_prefill_passes_within_activation_quantization, and each layer's local error stays
+    near the weight rounding's (a few percent)."""
+    from deltaserve.bench.fp8_accuracy import format_report, measure
 
     config = ModelConfig.from_pretrained(qwen_like[2])
-    ids = prompt(24, seed=6)
-    run = dict(ids=ids, decode=4, seed=1, device="cpu", dtype=torch.float32)
-    full, again, fp8 = run_model(config, None, **run), run_model(config, None, **run), run_model(config, "fp8", **run)
-    assert full["logits"].shape == (24, config.vocab_size)
-    same = compare(full["logits"], again["logits"])
-    assert same["top1_agreement"] == 1.0 and same["mean_kl"] < 1e-9
-    ours = compare(full["logits"], fp8["logits"])
-    assert ours["positions"] == 24 and ours["mean_kl"] < 5e-3 and fp8["weight_bytes"] < full["weight_bytes"] / 3
+    ids = prompt(40, seed=6)
+    run = dict(ids=ids, decode=6, seed=1, device="cpu", dtype=torch.float32, log=lambda _: None)
+    exact, quantized = measure(config, chunk=16, **run), measure(config, **run)
+    assert exact["models"]["twin"]["converted"] == 4 * 6  # as test_tensor_parallel_shards counts
+    assert exact["models"]["fp8"]["weight_bytes"] < exact["models"]["bf16"]["weight_bytes"] / 3
+    for part in ("prefill", "decode"):
+        same = exact[part]["twin~fp8"]
+        assert same["top1_agreement"] == 1.0 and abs(same["mean_kl"]) < 1e-6 and same["logit_corr"] > 1 - 1e-6
+        for kind, errs in exact["layers"][part].items():
+            assert max(errs["twin~fp8"]) < 1e-5, (part, kind)
+            assert min(errs["bf16~twin"] if kind == "local" else errs["bf16~twin"][:1]) > 1e-3
+        fp8, twin = exact[part]["bf16~fp8"], exact[part]["bf16~twin"]
+        assert fp8["top1_agreement"] == twin["top1_agreement"]
+        assert fp8["mean_kl"] == pytest.approx(twin["mean_kl"], 1e-3)
+        assert exact[part]["unrelated"]["top1_agreement"] < 0.5
+    prefill = quantized["layers"]["prefill"]
+    assert 1e-3 < max(prefill["local"]["twin~fp8"]) < 3 * max(prefill["local"]["bf16~twin"]) < 0.3
+    assert quantized["prefill"]["twin~fp8"]["mean_kl"] < 5e-3
+    lines = format_report(quantized)
+    assert any(line.startswith("per-layer relative error") for line in lines) and len(lines) > 12
+
+
+def test_dequantized_twin_in_place(fp8_tiny):
+    """bench.fp8_accuracy's twin: an FP8 model dequantized in place holds exactly the twin
+    checkpoint's parameters (blocks smaller than 128 inside fused weights, tails), and nothing FP8."""
+    from deltaserve.bench.fp8_accuracy import dequantize_in_place
+
+    for family, (fp8_dir, twin_dir) in fp8_tiny.items():
+        model, twin = load_model(fp8_dir), load_model(twin_dir)
+        assert dequantize_in_place(model, torch.float32) > 0
+        ours, ref = dict(model.named_parameters()), dict(twin.named_parameters())
+        assert ours.keys() == ref.keys(), family
+        for name, p in ours.items():
+            assert layout(p) is None and torch.equal(p, ref[name]), (family, name)
+
+
+def test_real_shape_fp8_layout():
+    """Qwen3.5-35B-A3B's shapes under the FP8 scheme (built on the meta device: no memory): per layer
+    the GDN in_proj (q | k | v | z FP8, its 64 b / a rows a bf16 tail) or the attention q_gate | k | v,
+    out_proj / o_proj, the 256 experts' w13 and w2, the MoE in_proj's shared gate_up (router, shared
+    gate and padding: a 264-row bf16 tail) and the shared expert's down projection are FP8 in 128 x 128
+    blocks; the 248,320-row embedding and lm_head, norms and conv stay bf16; 35.7 GB in all."""
+    from deltaserve.bench.presets import preset_config
+    from deltaserve.layers.loader import build_model
+    from deltaserve.layers.quant import apply_scheme
+
+    config = preset_config("qwen3_5_35b_a3b")
+    model = build_model(config, dtype=torch.bfloat16, device="meta")
+    apply_scheme(model.fp8_projections(), Fp8Scheme(), "meta", torch.bfloat16)
+    fp8 = {}
+    for name, p in model.named_parameters():
+        lay = layout(p)
+        if lay is None:
+            assert p.dtype in (torch.bfloat16, torch.float32), name  # float32: the block scales
+            continue
+        tail = None if lay.tail is None else tuple(lay.tail.shape)
+        fp8[name] = (tuple(p.shape), lay.block, tuple(lay.scale.shape), tail)
+    assert model.lm_head.dtype == model.embed_tokens.dtype == torch.bfloat16
+    assert model.lm_head.shape == (248320, 2048)
+    gdn, attn = config.gdn_layer_ids[0], config.attention_layer_ids[0]
+    block = (128, 128)
+    assert fp8[f"layers.{gdn}.mixer.in_proj"] == ((12288, 2048), block, (96, 16), (64, 2048))
+    assert fp8[f"layers.{gdn}.mixer.out_proj"] == ((2048, 4096), block, (16, 32), None)
+    assert fp8[f"layers.{attn}.mixer.qkv_proj"] == ((9216, 2048), block, (72, 16), None)
+    assert fp8[f"layers.{attn}.mixer.o_proj"] == ((2048, 4096), block, (16, 32), None)
+    for i in (gdn, attn):
+        assert fp8[f"layers.{i}.mlp.w13"] == ((256, 1024, 2048), block, (256, 8, 16), None)
+        assert fp8[f"layers.{i}.mlp.w2"] == ((256, 2048, 512), block, (256, 16, 4), None)
+        assert fp8[f"layers.{i}.mlp.in_proj"] == ((1024, 2048), block, (8, 16), (264, 2048))
+        assert fp8[f"layers.{i}.mlp.shared_expert.w2"] == ((2048, 512), block, (16, 4), None)
+    assert len(fp8) == 6 * config.num_layers
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 35.5e9 < total < 36e9
+
+
+def test_fp8_accuracy_truncated_preset():
+    """--layers N: the preset with its first N layers (their types kept); --set: its fields."""
+    from deltaserve.bench.fp8_accuracy import truncated
+    from deltaserve.bench.presets import preset_config
+
+    full, short = preset_config("qwen3_5_35b_a3b"), truncated("qwen3_5_35b_a3b", 6, {"num_experts": 16})
+    assert short.num_layers == 6 and short.layer_types == full.layer_types[:6]
+    assert short.hidden_size == full.hidden_size and (full.num_experts, short.num_experts) == (256, 16)
+
+
+def test_fp8_accuracy_cli_on_cpu(tmp_path, capsys):
+    """The bench's command on the CPU reference path: a narrow 4-layer model of the preset's family,
+    the report printed and written; a malformed --set is an error naming the option."""
+    from deltaserve.bench.fp8_accuracy import main
+
+    narrow = {
+        "hidden_size": 128, "num_attention_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2, "linear_key_head_dim": 64, "linear_value_head_dim": 64, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
+        "vocab_size": 512,
+    }  # fmt: skip
+    sets = [arg for k, v in narrow.items() for arg in ("--set", f"{k}={v}")]
+    out = tmp_path / "acc.json"
+    argv = ["--device", "cpu", "--layers", "4", "--tokens", "24", "--decode", "4", "--json", str(out), *sets]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["num_layers"] == 4 and report["overrides"]["hidden_size"] == 128
+    assert report["prefill"]["twin~fp8"]["positions"] == 20 and len(report["layers"]["decode"]["free"]["bf16~fp8"]) == 4
+    assert "summary (prefill / decode)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--set", "hidden_size"])
+    assert "--set takes FIELD=VALUE" in capsys.readouterr().err

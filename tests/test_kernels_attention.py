@@ -125,6 +125,63 @@ def test_paged_attention_empty_sequence_and_tile_shapes(device):
         assert rel_err(out, ref) < tol(device)
 
 
+SPLIT_CASES = [
+    # q_lens, ctx_lens: few queries over long contexts, odd and varlen, contexts shorter than the split
+    ([3], [2100]),
+    ([5, 1, 9], [37, 0, 301]),
+    ([17, 2], [1, 61]),
+]
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens", SPLIT_CASES)
+@pytest.mark.parametrize("num_splits", [2, 3, 16])
+def test_paged_attention_split_k(device, q_lens, ctx_lens, num_splits):
+    """Key spans per q tile merged by their log2-sum-exp: the reference's result for every split
+    count, spans left empty by short contexts included (NaN-filled buffers: every row written)."""
+    batch = make_batch(q_lens=q_lens, ctx_lens=ctx_lens, hq=6, hkv=2, d=24, block_size=4, device=device)
+    ref = naive.paged_attention(**batch, scale=0.3)
+    cfg = dict(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=num_splits)
+    out = ta.paged_attention(**batch, scale=0.3, config=cfg)
+    assert rel_err(out, ref) < tol(device)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_output_gate(device, num_splits):
+    """The gate (a strided view, as the layer's q|gate projection gives it) applied before the one
+    rounding, by the single kernel and by the split's merge; the reference is the ungated result times
+    sigmoid(gate)."""
+    batch = make_batch(q_lens=[5, 1, 9], ctx_lens=[37, 0, 70], hq=6, hkv=2, d=24, block_size=4, device=device)
+    qg = torch.randn(batch["q"].shape[0], 6, 48, device=device)
+    gate = qg[..., 24:]
+    ref = naive.paged_attention(**batch, scale=0.3) * torch.sigmoid(gate)
+    assert rel_err(naive.paged_attention(**batch, scale=0.3, output_gate=gate), ref) < 1e-6
+    cfg = dict(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=num_splits)
+    out = ta.paged_attention(**batch, scale=0.3, output_gate=gate, config=cfg)
+    assert rel_err(out, ref) < tol(device)
+
+
+def test_paged_attention_splits_long_context_by_itself(device):
+    """Without a config: a few queries over a context of several SPLIT_MIN_KEYS split on their own
+    (the interpreter's 4 "SMs"), and match the reference."""
+    batch = make_batch(q_lens=[2, 1], ctx_lens=[2500, 900], hq=4, hkv=1, d=16, block_size=16, device=device)
+    info = ta.device_info(batch["q"].device)
+    programs = 3 // (ta._prefill_config(16, 4, 4, info)["block_m"] // 4) + 2
+    assert ta._prefill_splits(programs, batch["block_tables"].shape[1] * 16, info) > 1
+    ref = naive.paged_attention(**batch, scale=0.25)
+    assert rel_err(ta.paged_attention(**batch, scale=0.25), ref) < tol(device)
+
+
+def test_prefill_split_rule():
+    """Split only when the programs leave SMs idle and the context is long; never more than the cap."""
+    h200 = ta.DeviceInfo("NVIDIA H200", 132, 227 * 1024, (9, 0))
+    # 256 queries (16-token tiles) x 2 kv heads over 16.6k keys: 34 programs on 132 SMs
+    splits = ta._prefill_splits(34, 16640, h200)
+    assert 3 <= splits <= ta.PREFILL_MAX_SPLITS and 34 * splits >= 132
+    assert ta._prefill_splits(34, 1024, h200) == 1  # a short context
+    assert ta._prefill_splits(1026, 16640, h200) == 1  # 8k queries fill the GPU already
+    assert ta._prefill_splits(2, 1 << 20, h200) == ta.PREFILL_MAX_SPLITS
+
+
 @pytest.mark.parametrize("hq,hkv,d", PREFILL_CASES[:2])
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
 def test_paged_decode_attention(device, hq, hkv, d, num_splits):
@@ -260,6 +317,35 @@ def test_gpu_paged_attention_bf16():
     ref = naive.paged_attention(**batch, scale=256**-0.5)
     out = ta.paged_attention(**batch, scale=256**-0.5)
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_split_prefill_few_queries_over_long_context():
+    """The prefix-cache hit's shape: 256 new tokens after 16,384 cached ones (split-K chosen by
+    itself), and a batch of varlen continuations; one compiled prefill variant for every split count."""
+    batch = make_batch(
+        q_lens=[256], ctx_lens=[16384], hq=16, hkv=2, d=256, block_size=16, dtype=torch.bfloat16, device="cuda"
+    )
+    ref = naive.paged_attention(**batch, scale=256**-0.5)
+    assert rel_err(ta.paged_attention(**batch, scale=256**-0.5), ref) < 1e-2
+    cfg = ta._prefill_config(256, 8, 2, ta.device_info(torch.device("cuda")))
+    counts = []
+    for splits in (1, 2, 5, 16):
+        out = ta.paged_attention(**batch, scale=256**-0.5, config=dict(cfg, num_splits=splits))
+        assert rel_err(out, ref) < 1e-2
+        counts.append(sum(len(c[0]) for c in ta._prefill_kernel.device_caches.values()))
+    assert counts[1:] == [counts[0]] * 3
+    varlen = make_batch(
+        q_lens=[3, 130, 17], ctx_lens=[9000, 4001, 0], hq=16, hkv=2, d=256, block_size=16, dtype=torch.bfloat16,
+        device="cuda",
+    )  # fmt: skip
+    ref = naive.paged_attention(**varlen, scale=256**-0.5)
+    assert rel_err(ta.paged_attention(**varlen, scale=256**-0.5), ref) < 1e-2
+    gate = torch.randn(150, 16, 512, device="cuda", dtype=torch.bfloat16)[..., 256:]  # the layer's q|gate view
+    ref = naive.paged_attention(**varlen, scale=256**-0.5, output_gate=gate)
+    for splits in (1, 4):
+        cfg_s = dict(cfg, num_splits=splits)
+        assert rel_err(ta.paged_attention(**varlen, scale=256**-0.5, output_gate=gate, config=cfg_s), ref) < 1e-2
 
 
 def real_decode_batch(ctx_lens: list[int]) -> dict:

@@ -31,11 +31,17 @@ EPS = 1e-6
 
 @functools.cache
 def weight(n: int, k: int, block=(128, 128), lead=(), seed: int = 0, device="cpu"):
-    """(float8 values, block scales) of a random [*lead, n, k] weight (made once: tests only read it)."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(*lead, n, k, generator=g) * k**-0.5
-    q, s = fp8_naive.quantize_weight(w, block)
-    return q.to(device), s.to(device)
+    """(float8 values, block scales) of a random [*lead, n, k] weight (made once: tests only read it).
+    Each block's magnitude is drawn from 2^-3 .. 2^3, so that its scale differs from its neighbours'
+    as a trained checkpoint's do: a kernel reading another block's scale (or a dot spanning two
+    blocks under one scale) is then off by several times the values, not by the few percent that
+    separates the block maxima of one Gaussian."""
+    g = torch.Generator(device=device).manual_seed(seed)  # made where it is used: the experts are 0.5 G values
+    bn, bk = block
+    grid = torch.rand(*lead, -(-n // bn), -(-k // bk), generator=g, device=device) * 6 - 3
+    magnitude = fp8_naive.expand_scale(torch.exp2(grid), n, k, block)
+    w = torch.randn(*lead, n, k, generator=g, device=device) * k**-0.5 * magnitude
+    return fp8_naive.quantize_weight(w, block)
 
 
 def rand(*shape, dtype=torch.bfloat16, device="cpu", seed: int = 1, scale: float = 1.0):
@@ -259,10 +265,26 @@ def test_routed_moe_fp8_with_next_norm(device):
 # ---- the model's shapes on the GPU ---------------------------------------------------------------
 # (N8, tail, K): GDN in_proj, attention q_gate | k | v, o_proj / out_proj, MoE in_proj, shared down
 REAL_LINEAR = [(12288, 64, 2048), (9216, 0, 2048), (2048, 0, 4096), (1024, 264, 2048), (2048, 0, 512)]
+# rows of each linear path: the one-row GEMV, skinny GEMMs (up to 16), the W8A8 GEMM's split-K tiles
+# (17 .. 256) and its 128 x 128 tiles (a bench prompt's 936 rows: partial tiles; 8k: the largest chunk)
+REAL_ROWS = [1, 4, 8, 16, 17, 64, 200, 936, 2048, 8192]
+
+
+def real_close(out: torch.Tensor, ref: torch.Tensor, rms: float = 2e-2, row: float = 6e-2) -> bool:
+    """bf16 outputs at the model's shapes against the float32 reference: written everywhere (the
+    outputs are NaN-prefilled), the whole within `rms` relative RMS and every token row within `row`
+    of its own norm (a row read from or written to the wrong place moves by its whole norm; another
+    block's scale, by the 2^-3 .. 2^3 between blocks). bf16 rounding gives ~3e-3; the interpreter's
+    truncating casts 1.8e-2 and 4.5e-2 on the MoE's sorted path (a bf16 act on another float8 value)."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype and not out.isnan().any()
+    diff, ref32 = out.float() - ref.float(), ref.float()
+    whole = (diff.norm() / ref32.norm()).item()
+    rows = (diff.norm(dim=1) / ref32.norm(dim=1).clamp_min(1e-30)).max().item()
+    return whole <= rms and rows <= row
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 16, 64, 2048])
+@pytest.mark.parametrize("m", REAL_ROWS)
 @pytest.mark.parametrize(("n", "tail", "k"), REAL_LINEAR)
 def test_gpu_linear_fp8_real_shapes(m, n, tail, k):
     q, s = weight(n, k, device="cuda")
@@ -270,7 +292,17 @@ def test_gpu_linear_fp8_real_shapes(m, n, tail, k):
     x = rand(m, k, device="cuda")
     out = linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t)
     ref = naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, quantize_x=m > linear_kernels.MAX_TUNED_TOKENS)
-    assert close(out, ref, 8)
+    assert close(out, ref, 8) and real_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [512, 2048, 4096])
+def test_gpu_quantize_act_real_widths(k):
+    """The activation quantizer at the projections' input widths and 8k rows, bit for bit."""
+    x = rand(8192, k, device="cuda", scale=3.0)
+    q, s = quantize_act(x=x, group=128)
+    q_ref, s_ref = fp8_naive.quantize_act(x=x.cpu(), group=128)
+    assert torch.equal(s.cpu(), s_ref) and torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
 
 
 @pytest.mark.gpu
@@ -297,7 +329,27 @@ def test_gpu_fused_moe_fp8_real_shapes(t):
     )
     out = triton_moe.routed_moe(**args, router_logits=logits, top_k=8, renormalize=True)
     ref = moe_naive.routed_moe(**args, router_logits=logits, top_k=8, renormalize=True)
-    assert close(out, ref, 8)
+    assert close(out, ref, 8) and real_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 9, 64, 936, 8192])
+def test_gpu_routed_moe_fp8_real_shapes_with_next_norm(t):
+    """The model's MoE block as the decoder layer runs it: the next norm applied in the block's last
+    kernel (pairs path: routing in the up GEMV up to 8 tokens, the shared expert in the down GEMV;
+    sorted path from 9 tokens: 72 pairs, then ~29 and 256 rows per expert at 936 and 8k tokens)."""
+    args, _, _, logits = moe_case(
+        t, 256, 2048, 512, 8, (128, 128), (128, 128), 512, device="cuda", dtype=torch.bfloat16
+    )
+    residual = rand(t, 2048, device="cuda", seed=7)
+    g = rand(2048, device="cuda", seed=8, scale=0.1)
+    normed, summed = triton_moe.routed_moe(
+        **args, router_logits=logits, top_k=8, renormalize=True, add_norm=AddNorm(residual.clone(), g, EPS)
+    )
+    ref = moe_naive.routed_moe(
+        **args, router_logits=logits, top_k=8, renormalize=True, add_norm=AddNorm(residual.clone(), g, EPS)
+    )
+    assert real_close(summed, ref.residual) and real_close(normed, ref.normed)
 
 
 @pytest.mark.gpu

@@ -134,36 +134,82 @@ def test_index_scores_match_naive(nan_fill, block_size, ratio, heads):
     assert rel_err(out, ref) <= TOL
 
 
+# block_topk's three paths forced on the same rows: all pairs ranked at once, the row read once into
+# registers, the row read a piece at a time on every pass (pieces of 16: odd rows end mid-piece)
+TOPK_PATHS = {
+    "pairs": dict(pair=256, row=256, block=16),
+    "registers": dict(pair=16, row=256, block=16),
+    "pieces": dict(pair=16, row=16, block=16),
+}
+
+
+def lowest_index_topk(scores: torch.Tensor, positions: torch.Tensor, ratio: int, top: int) -> list[list[int]]:
+    """The Triton kernels' selection in plain Python: the top scores of each row's first nc blocks,
+    equal scores (-0.0 == 0.0) taken in index order, ascending, -1 past the last."""
+    out = []
+    for row, p in zip(scores.tolist(), positions.tolist(), strict=True):
+        nc = (p + 1) // ratio
+        order = sorted(range(nc), key=lambda c: (-row[c], c))  # stable: ties by index
+        keep = sorted(order[:top])
+        out.append(keep + [-1] * (top - len(keep)))
+    return out
+
+
+@pytest.mark.parametrize("path", list(TOPK_PATHS))
 @pytest.mark.parametrize("top_blocks, ratio", [(4, 3), (1, 4), (7, 2), (16, 1)])
-def test_block_topk_matches_naive(nan_fill, top_blocks, ratio):
-    """Distinct scores: the same set as torch.topk, ascending, -1 past it; rows with few blocks keep all."""
+def test_block_topk_matches_naive(nan_fill, top_blocks, ratio, path):
+    """Distinct scores: the same set as torch.topk, ascending, -1 past it; rows with few blocks keep
+    all; odd row lengths just over K, over one piece, over several."""
     torch.manual_seed(2)
-    positions = torch.tensor([0, 1, 2, 5, 11, 12, 13, 40, 63, 64, 100, 129], device=DEVICE)
+    positions = torch.tensor([0, 1, 2, 5, 11, 12, 13, 17, 40, 63, 64, 100, 129], device=DEVICE)
     max_blocks = 129 // ratio + 3
     scores = torch.rand(len(positions), max_blocks, device=DEVICE) * 5
     kw = dict(scores=scores, positions=positions, compress_ratio=ratio, top_blocks=top_blocks)
+    assert torch.equal(tq.block_topk(**kw, config=TOPK_PATHS[path]), naive.block_topk(**kw))
+
+
+def test_block_topk_default_paths_match_naive(nan_fill):
+    """The default launch (pairs, registers, pieces by row length, as this device picks them) on
+    rows of 1 to 3x the register row, with a score range like the indexer's (sums of relus)."""
+    cfg = tq.TOPK_GPU if DEVICE == "cuda" else tq.TOPK_INTERPRETER
+    lengths = [cfg["pair"] - 1, cfg["pair"] + 1, cfg["row"], cfg["row"] + 1, 3 * cfg["row"] - 5]
+    torch.manual_seed(6)
+    scores = torch.rand(len(lengths), max(lengths) + 2, device=DEVICE) * 40
+    positions = torch.tensor(lengths, device=DEVICE) - 1
+    top = cfg["pair"] // 2 + 3
+    kw = dict(scores=scores, positions=positions, compress_ratio=1, top_blocks=top)
     assert torch.equal(tq.block_topk(**kw), naive.block_topk(**kw))
 
 
-def test_block_topk_ties_take_the_lowest_index(nan_fill):
-    """relu sums are often exactly 0: among equal scores at the cut the lowest block indices win."""
+@pytest.mark.parametrize("path", list(TOPK_PATHS))
+def test_block_topk_ties_take_the_lowest_index(nan_fill, path):
+    """relu sums are often exactly 0 (of either sign): among equal scores at the cut the lowest block
+    indices win, on every path."""
+    cfg = TOPK_PATHS[path]
     scores = torch.tensor(
         [
             [0.0, 3.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 2.0, 0.0],  # one tie group at the cut
             [5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0],  # all equal
             [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 9.0],
+            [-0.0, 0.0, -0.0, 0.0, 0.0, -0.0, 0.0, 0.0, 4.0, 0.0],  # -0.0 and 0.0 are equal scores
         ],
         device=DEVICE,
     )
-    positions = torch.tensor([29, 29, 29], device=DEVICE)  # 10 complete blocks of 3
-    out = tq.block_topk(scores=scores, positions=positions, compress_ratio=3, top_blocks=5)
-    assert out.tolist() == [[0, 1, 2, 4, 8], [0, 1, 2, 3, 4], [0, 1, 2, 3, 9]]
-    # rows longer than the all-pairs path (the binary search's tie pass)
-    long = torch.zeros(2, 300, device=DEVICE)
+    positions = torch.tensor([29, 29, 29, 29], device=DEVICE)  # 10 complete blocks of 3
+    out = tq.block_topk(scores=scores, positions=positions, compress_ratio=3, top_blocks=5, config=cfg)
+    assert out.tolist() == [[0, 1, 2, 4, 8], [0, 1, 2, 3, 4], [0, 1, 2, 3, 9], [0, 1, 2, 3, 8]]
+    # longer rows (past the pairs, the register row and several pieces where the path allows)
+    long = torch.zeros(4, 300, device=DEVICE)
     long[0, [7, 250, 299]] = torch.tensor([1.0, 2.0, 3.0], device=DEVICE)
     long[1, 100:] = 1.0
-    out = tq.block_topk(scores=long, positions=torch.tensor([299, 299], device=DEVICE), compress_ratio=1, top_blocks=6)
-    assert out.tolist() == [[0, 1, 2, 7, 250, 299], [100, 101, 102, 103, 104, 105]]
+    long[2, 1::2] = -0.0
+    long[2, [5, 77]] = 1.0
+    long[3, :] = torch.arange(300, device=DEVICE) % 4  # 75 ties at the top value: cut inside them
+    pos = torch.tensor([299, 299, 299, 201], device=DEVICE)  # the last row: its first 202 blocks
+    out = tq.block_topk(scores=long, positions=pos, compress_ratio=1, top_blocks=6, config=cfg)
+    assert out.tolist() == [[0, 1, 2, 7, 250, 299], [100, 101, 102, 103, 104, 105], [0, 1, 2, 3, 5, 77],
+                            [3, 7, 11, 15, 19, 23]]  # fmt: skip
+    assert out.tolist() == lowest_index_topk(long, pos, 1, 6)
 
 
 @pytest.mark.parametrize(
@@ -182,6 +228,47 @@ def test_sparse_attention_matches_naive(nan_fill, block_size, ratio, top_blocks,
     kw = dict(q=q, k_cache=k_cache, v_cache=v_cache, positions=b.positions, token_rows=b.rows,
               block_tables=b.block_tables, selected=selected, compress_ratio=ratio, scale=head_dim**-0.5)  # fmt: skip
     assert rel_err(tq.sparse_attention(**kw), naive.sparse_attention(**kw)) <= TOL
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 3, 7])
+def test_sparse_attention_split_matches_naive(nan_fill, num_splits):
+    """Each query's position list cut into spans of whole 16-entry tiles (flash-decoding) and merged:
+    lists shorter than one span, odd lengths ending mid-tile, queries with fewer spans than splits
+    (the merge reads only theirs), a query that attends to itself through its just-completed block."""
+    torch.manual_seed(7)
+    ratio, top, heads, kv_heads, head_dim = 3, 20, 6, 2, 16
+    # lists (selected blocks' tokens + tail): 62, 4, 1, 47 / 48 (pos 47 closes its own block), 60
+    lens, new = [95, 4, 1, 48, 66], [1, 1, 1, 2, 1]
+    b = Batch(lens, new, 4, head_dim).to(DEVICE)
+    k_cache = torch.randn(b.num_blocks, 4, kv_heads, head_dim, device=DEVICE)
+    v_cache = torch.randn(b.num_blocks, 4, kv_heads, head_dim, device=DEVICE)
+    q = torch.randn(len(b.positions), heads, head_dim, device=DEVICE)
+    scores = torch.rand(len(b.positions), b.max_len // ratio + 1, device=DEVICE)
+    selected = naive.block_topk(scores=scores, positions=b.positions, compress_ratio=ratio, top_blocks=top)
+    kw = dict(q=q, k_cache=k_cache, v_cache=v_cache, positions=b.positions, token_rows=b.rows,
+              block_tables=b.block_tables, selected=selected, compress_ratio=ratio, scale=head_dim**-0.5)  # fmt: skip
+    ref = naive.sparse_attention(**kw)
+    assert rel_err(tq.sparse_attention(**kw, num_splits=num_splits), ref) <= TOL
+    # one decode row alone: the default cuts its list (6 tokens x 2 kv heads fill the interpreter's
+    # grid, 1 x 2 do not)
+    one = dict(kw, q=q[:1], positions=b.positions[:1], token_rows=b.rows[:1], selected=selected[:1])
+    assert rel_err(tq.sparse_attention(**one, num_splits=num_splits), ref[:1]) <= TOL
+    if num_splits is None and DEVICE == "cpu":
+        auto = dict(num_kv_heads=kv_heads, max_list=(top + 1) * ratio - 1, block_n=16, num_sms=4)
+        assert tq.sparse_splits(num_tokens=1, **auto) > 1 == tq.sparse_splits(num_tokens=6, **auto)
+
+
+def test_sparse_splits_follow_the_grid():
+    """At the benchmark's shapes on an H200 (132 SMs, a list of 2,063 entries, 32-entry tiles):
+    decode at batch 1 and 16 is cut, in spans of at least two tiles; prefill chunks and large batches
+    keep one program per token and kv head."""
+    kw = dict(num_kv_heads=2, max_list=2063, block_n=32, num_sms=132)
+    one, sixteen = tq.sparse_splits(num_tokens=1, **kw), tq.sparse_splits(num_tokens=16, **kw)
+    assert 16 <= one <= tq.MAX_SPLITS and 4 <= sixteen < one
+    span = math.ceil(math.ceil(2063 / one) / 32) * 32  # the kernel's span: whole tiles
+    assert span >= 2 * 32 and math.ceil(2063 / span) == one  # at least two tiles each, no empty span
+    assert tq.sparse_splits(num_tokens=2048, **kw) == 1 and tq.sparse_splits(num_tokens=256, **kw) == 1
+    assert tq.sparse_splits(num_tokens=1, num_kv_heads=2, max_list=40, block_n=32, num_sms=132) == 1
 
 
 def test_sparse_attention_with_everything_selected_is_dense_attention(nan_fill):

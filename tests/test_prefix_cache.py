@@ -202,6 +202,31 @@ def test_reset_under_load_is_safe(engines):
     same_outputs(got, off.generate(prompts, GREEDY, use_tqdm=False))
 
 
+def test_cache_counters_are_logged_while_prompts_arrive(engines, caplog):
+    """A periodic log line with blocks cached, snapshots held and the hit rate, once new prompts were
+    looked up since the last one (an idle engine logs nothing)."""
+    import time
+
+    from deltaserve.cluster.core.engine import PREFIX_LOG_INTERVAL_S
+
+    on, _ = engines
+    engine = on.engine
+    prefix = ids(40, seed=41)
+    for n in (3, 5):  # one after the other: the second hits the first's prefix
+        on.generate([prefix + ids(n, seed=n)], GREEDY, use_tqdm=False)
+    later = time.monotonic() + PREFIX_LOG_INTERVAL_S + 1
+    caplog.set_level("INFO", logger="deltaserve.cluster.core.engine")
+    engine._log_prefix_stats(now=later)
+    stats = engine.prefix_cache_stats()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prefix cache:")]
+    assert len(lines) == 1
+    assert f"{stats['blocks_cached']} blocks cached" in lines[0]
+    assert f"{stats['snapshots_held']} of {stats['snapshot_slots']} snapshots held" in lines[0]
+    assert f"{stats['hits']} of {stats['queries']} prompts hit" in lines[0] and stats["hits"] >= 1
+    engine._log_prefix_stats(now=later + 2 * PREFIX_LOG_INTERVAL_S)  # no prompt since: nothing new
+    assert sum(r.getMessage().startswith("prefix cache:") for r in caplog.records) == 1
+
+
 def test_snapshot_policy_and_interval_are_checked(tiny_checkpoints):
     path, _ = tiny_checkpoints["qwen3_5"]
     with pytest.raises(ValueError, match="prefix_snapshot_policy"):

@@ -99,3 +99,20 @@ def test_tp_layout_checks_the_ple_tables():
     validate_layout(config, ParallelLayout(tp_rank=0, tp_size=2))
     with pytest.raises(ParallelConfigError, match="ple_embed_dim"):
         validate_layout(ModelConfig.from_hf(text_dict(ple_embed_dim=20)), ParallelLayout(tp_rank=0, tp_size=2))
+
+
+@pytest.mark.parametrize("name", ["indexed_attention", "qwen_sparse_attention", "full_attention"])
+def test_attention_layer_names_of_every_writer(name):
+    """transformers' releases name the QSA layers differently (the checkpoint says full_attention):
+    every name reads as an attention layer with its indexer."""
+    cfg = text_dict(layer_types=["linear_attention", name] * 2)
+    c = ModelConfig.from_hf(cfg)
+    assert c.layer_types == ("linear_attention", "full_attention") * 2 and c.qsa is not None
+
+
+def test_bench_preset_reads():
+    """The Qwen4-Exp benchmark shape builds (the 24-layer preset of docs/PERF.md)."""
+    from deltaserve.bench.presets import preset_config
+
+    c = preset_config("qwen4_exp_24l")
+    assert c.family == "qwen4_exp" and c.num_layers == 24 and c.layer_types.count("full_attention") == 6

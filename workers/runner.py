@@ -551,6 +551,7 @@ WARMUP_BATCHES = (
     ((30, 1), (0, 50)),  # one decode row: the prefill rows' inputs start at an odd row offset
     tuple((20 + i, 1) for i in range(16)) + ((0, 77),),  # 16 decode rows and a short prompt
     ((0, 2100), (0, 2100), (0, 2100)),  # several long prompts: the GDN chunk kernels' third variant
+    ((3000, 64),),  # a prefix-cache hit's few tokens over a long context: split-K attention and its merge
 )
 
 

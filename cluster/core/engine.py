@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 OUTPUT_MODES = ("cumulative", "delta", "final")
 CHECKED_GRAMMARS = 1024  # grammar keys known to parse, so that a repeated schema is not parsed again
 SPEC_LOG_INTERVAL_S = 30.0  # how often the acceptance counters are logged while verifying
+PREFIX_LOG_INTERVAL_S = 30.0  # how often the prefix cache's counters are logged while prompts arrive
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ class EngineCore:
         self._in_flight: InFlightPass | None = None  # the launched pass not yet applied
         self._restart_pending = False  # a worker died: the next step replaces the group first
         self._spec_logged = time.monotonic()
+        self._prefix_logged = (time.monotonic(), 0)  # when, and the lookups counted then
         # with runner.time_passes on a GPU: (device busy s, device idle before it s) of recent passes
         self.pass_device_times: deque[tuple[float, float]] = deque(maxlen=4096)
         log.info(
@@ -198,10 +200,7 @@ class EngineCore:
             raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt: must not be empty")
-        vocab = self.model_config.vocab_size
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt_token_ids: token id {short(t)} is outside the vocabulary [0, {vocab})")
+        _check_token_ids(ids, self.model_config.vocab_size)
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(
@@ -361,6 +360,7 @@ class EngineCore:
         # requests the output failed (a grammar that did not compile on the workers)
         outputs += [self._output(req, [], self._flush(req)) for req in self.scheduler.pop_failed()]
         self._log_spec_stats()
+        self._log_prefix_stats()
         return outputs
 
     def _on_worker_failure(self, e: WorkerFailure) -> list[RequestOutput]:
@@ -565,6 +565,30 @@ class EngineCore:
             rates,
         )
 
+    def _log_prefix_stats(self, now: float | None = None) -> None:
+        """Every PREFIX_LOG_INTERVAL_S while new prompts were looked up: the cache's counters."""
+        if self.prefix_cache is None:
+            return
+        now = time.monotonic() if now is None else now
+        stats = self.prefix_cache.stats
+        last, queries = self._prefix_logged
+        if stats.queries == queries or now - last < PREFIX_LOG_INTERVAL_S:
+            return
+        self._prefix_logged = (now, stats.queries)
+        info = self.prefix_cache_stats()
+        log.info(
+            "prefix cache: %d blocks cached, %d of %d snapshots held, %d of %d prompts hit, %.1f%% of prompt "
+            "tokens skipped, %d snapshots taken, %d evicted",
+            info["blocks_cached"],
+            info["snapshots_held"],
+            info["snapshot_slots"],
+            info["hits"],
+            info["queries"],
+            100 * info["hit_rate"],
+            info["snapshots_taken"],
+            info["snapshots_evicted"],
+        )
+
     def prefix_cache_stats(self) -> dict:
         if self.prefix_cache is None:
             return {"enabled": False}
@@ -585,3 +609,13 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _check_token_ids(ids: list, vocab: int) -> None:
+    """Every id a plain int in [0, vocab) (a long prompt's resend: type, min and max in C, not a loop
+    per token); else ValueError naming the first bad one."""
+    if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab:
+        return
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            raise ValueError(f"prompt_token_ids: token id {short(t)} is outside the vocabulary [0, {vocab})")

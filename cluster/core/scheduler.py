@@ -294,11 +294,14 @@ class Scheduler:
         full = min(req.num_computed_tokens, req.num_tokens) // bs
         if full <= hashes.registered:
             return  # most decode steps complete no block
-        tokens = req.token_slice(0, full * bs)
-        hashes.extend(tokens, bs, full * bs)
+        if len(hashes.hashes) < full:
+            hashes.extend(req.token_slice(0, full * bs), bs, full * bs)
         cache = self.prefix.pages
         for j in range(hashes.registered, full):
-            cache.register(req.block_table[j], hashes.chain(j), hashes.hashes[j], tuple(tokens[j * bs : (j + 1) * bs]))
+            if cache.lookup(hashes.hashes[j]) is not None:
+                continue  # indexed already (a hit's shared blocks: a thousand of them after a long prefix)
+            block = tuple(req.token_slice(j * bs, (j + 1) * bs))
+            cache.register(req.block_table[j], hashes.chain(j), hashes.hashes[j], block)
         hashes.registered = full
 
     def set_prefix_cache(self, prefix: PrefixCache | None) -> None:

@@ -45,6 +45,7 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     own_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    output_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a prefill chunk's tokens over their sequences' cached pages (themselves included).
 
@@ -56,18 +57,22 @@ def paged_attention(
         own_kv: (k, v) [T, Hkv, D], the chunk's own keys and values, when the chunk is one whole
             sequence (N = 1, nothing cached before it): causal attention over them with torch's
             SDPA (flash on CUDA) instead of reading the pages; the caller vouches for the shape.
+        output_gate: [T, Hq, D] (D contiguous): the result times sigmoid(output_gate), one rounding
+            (the SDPA path: two).
 
     Returns:
-        o: [T, Hq, D] in q's dtype (float32 softmax). CUDA: one launch, no host sync.
+        o: [T, Hq, D] in q's dtype (float32 softmax). CUDA: one launch (two when few queries meet a
+        long context: split-K and its merge), no host sync.
     """
     if own_kv is not None:
-        return naive.causal_sdpa(q=q, k=own_kv[0], v=own_kv[1], scale=scale)
+        out = naive.causal_sdpa(q=q, k=own_kv[0], v=own_kv[1], scale=scale)
+        return out if output_gate is None else out * torch.sigmoid(output_gate)
     impl = naive.paged_attention
     if q.is_cuda:
         from .triton_attention import paged_attention as impl
     return impl(
         q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
-        block_tables=block_tables, scale=scale,
+        block_tables=block_tables, scale=scale, output_gate=output_gate,
     )  # fmt: skip
 
 

@@ -24,9 +24,19 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return pages.reshape(-1, *cache.shape[2:])[:length]
 
 
-def paged_attention(*, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale) -> torch.Tensor:
+def paged_attention(
+    *, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, output_gate=None
+) -> torch.Tensor:  # fmt: skip
     """The reference of attention.paged_attention."""
-    return _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, q.dtype)
+    if output_gate is None:
+        return _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, q.dtype)
+    return _gated(_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, acc_dtype(q, k_cache)),
+                  output_gate, q.dtype)  # fmt: skip
+
+
+def _gated(out: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """out * sigmoid(gate) in out's (accumulation) dtype, then the one rounding to `dtype`."""
+    return (out * torch.sigmoid(gate.to(out.dtype))).to(dtype)
 
 
 def _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out_dtype) -> torch.Tensor:
@@ -57,9 +67,8 @@ def paged_decode_attention(*, q, k_cache, v_cache, seq_lens, block_tables, scale
     cu = torch.arange(q.shape[0] + 1, device=q.device)
     if output_gate is None:
         return _attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, q.dtype)
-    acc = acc_dtype(q, k_cache)
-    out = _attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, acc)
-    return (out * torch.sigmoid(output_gate.to(acc))).to(q.dtype)
+    out = _attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, acc_dtype(q, k_cache))
+    return _gated(out, output_gate, q.dtype)
 
 
 def causal_sdpa(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -9,6 +9,8 @@ masked. Scores are kept in the log2 domain (scale * log2(e) folded in) so the so
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -91,12 +93,47 @@ def _attend_block(
     return acc, m_new, l_i
 
 
+@triton.jit
+def _merge_spans(
+    part_o, part_lse, out, gate, n, head, h_ok, row0, cnt, s_on, s_oh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
+):  # fmt: skip
+    """Merge the cnt span partials of the q heads `head` ([BLOCK_H], h_ok: real heads; partial rows
+    row0 + span) by their log2-sum-exp, apply the output gate (HAS_GATE: `gate` is the [BLOCK_H,
+    BLOCK_D] gate tile, loaded by the caller), store. .cg: other SMs wrote the partials."""
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    spans = tl.arange(0, BLOCK_S)
+    lse_ok = h_ok[:, None] & (spans < cnt)[None, :]
+    lse = tl.load(part_lse + row0[:, None] + spans[None, :], mask=lse_ok, other=float("-inf"), cache_modifier=".cg")
+    m = tl.where(h_ok, tl.max(lse, 1), 0.0)  # padding heads: no -inf - -inf
+    acc = tl.zeros([head.shape[0], BLOCK_D], tl.float32)
+    denom = tl.zeros([head.shape[0], CHUNK_S], tl.float32)
+    # the partial outputs are read CHUNK_S spans at a time to bound registers
+    for s0 in range(0, cnt, CHUNK_S):
+        sc = s0 + tl.arange(0, CHUNK_S)
+        ok = h_ok[:, None] & (sc < cnt)[None, :]
+        rows = row0[:, None] + sc[None, :]
+        lse_c = tl.load(part_lse + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.where(ok, tl.exp2(lse_c - m[:, None]), 0.0)
+        o_ptr = part_o + (rows * HEAD_DIM)[:, :, None] + d[None, None, :]
+        o = tl.load(o_ptr, mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(w[:, :, None] * o, 1)
+        denom += w
+    o = acc / tl.where(h_ok, tl.sum(denom, 1), 1.0)[:, None]
+    mask = h_ok[:, None] & d_ok[None, :]
+    if HAS_GATE:  # the gated attention's output gate, before the one rounding
+        o *= tl.sigmoid(gate.to(tl.float32))
+    tl.store(out + n * s_on + head[:, None] * s_oh + d[None, :], o.to(out.dtype.element_ty), mask=mask)
+
+
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
-@triton.jit(do_not_specialize=["cu_seqlens_q", "seq_lens", "block_tables", "num_seqs", "s_btn"])
+@triton.jit(do_not_specialize=["cu_seqlens_q", "seq_lens", "block_tables", "num_seqs", "s_btn", "num_splits"])
 def _prefill_kernel(
-    q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, qk_scale, num_seqs, s_qt, s_qh, s_kb, s_ko, s_kh,
-    s_vb, s_vo, s_vh, s_btn, s_btp, s_ot, s_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SEQ: tl.constexpr,
+    q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, part_o, part_lse, qk_scale, num_seqs, num_splits,
+    s_qt, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_btn, s_btp, s_ot, s_oh, gate, s_gt, s_gh, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SEQ: tl.constexpr, HAS_GATE: tl.constexpr,
 ):  # fmt: skip
     # the last q blocks attend to the most keys: launch them first to shorten the tail
     b = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -137,19 +174,64 @@ def _prefill_kernel(
     # keys up to the tile's first query position need no mask; the rest run the masked step
     full_end = (ctx_len + tok0 + 1) // BLOCK_N * BLOCK_N
     kv_end = ctx_len + tl.minimum(tok0 + BLOCK_Q, q_len)
-    for kv_start in range(0, full_end, BLOCK_N):
+    # split-K: span `split` of num_splits takes a share of the unmasked tiles; the span holding the
+    # last of them also runs the masked ones, so every span that runs has a key each row may see
+    split = tl.program_id(2)
+    num_full = full_end // BLOCK_N
+    per_span = tl.maximum(tl.cdiv(num_full, num_splits), 1)
+    last_span = tl.maximum(num_full - 1, 0) // per_span
+    span_lo = split * per_span * BLOCK_N
+    span_hi = tl.minimum((split + 1) * per_span, num_full) * BLOCK_N
+    masked_lo = tl.where(split == last_span, full_end, kv_end)
+    # the partials: [T, Hq, num_splits, HEAD_DIM] outputs and [T, Hq, num_splits] log2-sum-exp
+    part_row = ((q_start + tok) * tl.num_programs(1) * GROUP + head).to(tl.int64) * num_splits + split
+    if split > last_span:  # an empty span (a context shorter than the split): weight 0 in the merge
+        tl.store(part_o + part_row[:, None] * HEAD_DIM + d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
+                 mask=q_mask)  # fmt: skip
+        tl.store(part_lse + part_row, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+        return
+    for kv_start in range(span_lo, span_hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, qt, q_pos, kv_start, kv_end, k_base, v_base, bt_row, s_btp, s_kb, s_ko, s_vb, s_vo, d,
             qk_scale, PAGE, HEAD_DIM, BLOCK_N, False,
         )  # fmt: skip
-    for kv_start in range(full_end, kv_end, BLOCK_N):
+    for kv_start in range(masked_lo, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, qt, q_pos, kv_start, kv_end, k_base, v_base, bt_row, s_btp, s_kb, s_ko, s_vb, s_vo, d,
             qk_scale, PAGE, HEAD_DIM, BLOCK_N, True,
         )  # fmt: skip
     o = acc / l_i[:, None]
-    o_rows = (q_start + tok).to(tl.int64) * s_ot + head * s_oh
-    tl.store(out + o_rows[:, None] + d[None, :], o.to(out.dtype.element_ty), mask=q_mask)
+    if num_splits == 1:
+        rows = (q_start + tok).to(tl.int64)
+        if HAS_GATE:  # the gated attention's output gate, before the one rounding
+            g_rows = rows * s_gt + head * s_gh
+            o *= tl.sigmoid(tl.load(gate + g_rows[:, None] + d[None, :], mask=q_mask).to(tl.float32))
+        o_rows = rows * s_ot + head * s_oh
+        tl.store(out + o_rows[:, None] + d[None, :], o.to(out.dtype.element_ty), mask=q_mask)
+    else:
+        tl.store(part_o + part_row[:, None] * HEAD_DIM + d[None, :], o, mask=q_mask)
+        tl.store(part_lse + part_row, m_i + tl.log2(l_i), mask=row_ok)
+
+
+# values that change from pass to pass: one compile serves them all
+@triton.jit(do_not_specialize=["num_splits"])
+def _prefill_reduce_kernel(
+    part_o, part_lse, out, s_ot, s_oh, num_splits, gate, s_gt, s_gh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, Hq): one token's head, its num_splits span partials merged (empty spans weigh 0),
+    times sigmoid(gate) with HAS_GATE."""
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1) + tl.zeros([1], tl.int32)
+    row0 = (t * tl.num_programs(1) + head) * num_splits
+    gate_tile = gate
+    if HAS_GATE:
+        d = tl.arange(0, BLOCK_D)
+        gate_tile = tl.load(gate + t * s_gt + head[:, None] * s_gh + d[None, :], mask=(d < HEAD_DIM)[None, :])
+    _merge_spans(
+        part_o, part_lse, out, gate_tile, t, head, head >= 0, row0, num_splits, s_ot, s_oh, HEAD_DIM, BLOCK_S, CHUNK_S,
+        BLOCK_D, HAS_GATE,
+    )  # fmt: skip
 
 
 # sm_90 tiles (q rows = tokens x group heads): 128 rows over two warpgroups, 32 keys a step at head
@@ -189,29 +271,84 @@ def _prefill_config(head_dim: int, group: int, elem: int, info: DeviceInfo) -> d
     return cfg
 
 
-def paged_attention(*, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, config=None):
-    """attention.paged_attention. Grid (T // BLOCK_Q + N, Hkv): a program takes BLOCK_Q tokens x all
-    q heads of one kv head; the bound needs no host sync and programs past their sequence's end
-    return at once. `config` overrides the tiles (block_m, block_n, num_warps, num_stages)."""
+# split-K for few q tiles over long contexts: at most this many spans (a run-time argument: one
+# compiled variant serves every count), each at least SPLIT_MIN_KEYS keys of the longest context
+PREFILL_MAX_SPLITS = 16
+SPLIT_MIN_KEYS = 1024
+# the cost of one more span (its partial's write and the merge's read), as a share of the unsplit time
+SPLIT_OVERHEAD = 0.02
+# span partials the merge reads at a time ([CHUNK_S, BLOCK_D] float32 in one program's registers)
+PREFILL_MERGE_CHUNK = 8
+
+
+@functools.cache
+def _no_partials(device: torch.device) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.float32, device=device)
+
+
+def _prefill_splits(programs: int, max_context: int, info: DeviceInfo) -> int:
+    """Key spans per q tile: 1 while the (q tile, kv head) programs fill the GPU or the context is
+    short; else the count whose waves of programs (about one per SM: the tiles take most of its
+    shared memory) give the least time, each span's overhead counted."""
+    cap = min(PREFILL_MAX_SPLITS, max_context // SPLIT_MIN_KEYS)
+    if programs >= info.num_sms or cap < 2:
+        return 1
+    best, best_cost = 1, 1.0
+    for splits in range(2, cap + 1):
+        cost = -(-programs * splits // info.num_sms) / splits * (1 + SPLIT_OVERHEAD * splits)
+        if cost < best_cost:
+            best, best_cost = splits, cost
+    return best
+
+
+def paged_attention(
+    *, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, output_gate=None, config=None
+):  # fmt: skip
+    """attention.paged_attention. Grid (T // BLOCK_Q + N, Hkv, S): a program takes BLOCK_Q tokens x
+    all q heads of one kv head over one of S spans of their keys; the bound needs no host sync and
+    programs past their sequence's end return at once. S > 1 (few programs, a long context: the
+    block-table width bounds it) writes float32 partials that a second kernel (T, Hq) merges.
+    output_gate: the result times sigmoid(output_gate) before its one rounding. `config` overrides
+    the tiles (block_m, block_n, num_warps, num_stages) and num_splits."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = cu_seqlens_q.shape[0] - 1
     assert num_q_heads % num_kv_heads == 0, "q heads must be a multiple of kv heads"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "contiguous head dim"
     group = num_q_heads // num_kv_heads
+    if output_gate is not None:
+        assert output_gate.shape == q.shape and output_gate.stride(-1) == 1, "output_gate: [T, Hq, D], contiguous D"
+    gate_args = (q, 0, 0) if output_gate is None else (output_gate, output_gate.stride(0), output_gate.stride(1))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    cfg = config or _prefill_config(head_dim, group, k_cache.element_size(), device_info(q.device))
+    info = device_info(q.device)
+    cfg = config or _prefill_config(head_dim, group, k_cache.element_size(), info)
     block_q = cfg["block_m"] // group
     assert block_q >= 1, "block_m must hold at least one token's heads"
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, scale * LOG2E, num_seqs, q.stride(0),
-        q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), block_tables.stride(0), block_tables.stride(1), out.stride(0), out.stride(1), GROUP=group,
-        HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=cfg["block_m"], BLOCK_Q=block_q, BLOCK_N=cfg["block_n"],
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SEQ=PREFILL_SEQ_BLOCK, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+    programs = num_tokens // block_q + num_seqs
+    num_splits = cfg.get("num_splits") or _prefill_splits(
+        programs * num_kv_heads, block_tables.shape[1] * k_cache.shape[1], info
+    )
+    assert 1 <= num_splits <= PREFILL_MAX_SPLITS, f"num_splits {num_splits} outside [1, {PREFILL_MAX_SPLITS}]"
+    if num_splits > 1:
+        part_o = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:  # never written; float32 as the split's partials, so that both run one compiled variant
+        part_o = part_lse = _no_partials(q.device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _prefill_kernel[(programs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, part_o, part_lse, scale * LOG2E, num_seqs,
+        num_splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), block_tables.stride(1),
+        out.stride(0), out.stride(1), *gate_args, GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
+        BLOCK_M=cfg["block_m"], BLOCK_Q=block_q, BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_SEQ=PREFILL_SEQ_BLOCK,
+        HAS_GATE=output_gate is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
+    if num_splits > 1:
+        _prefill_reduce_kernel[(num_tokens, num_q_heads)](
+            part_o, part_lse, out, out.stride(0), out.stride(1), num_splits, *gate_args, HEAD_DIM=head_dim,
+            BLOCK_S=PREFILL_MAX_SPLITS, CHUNK_S=PREFILL_MERGE_CHUNK, BLOCK_D=block_d,
+            HAS_GATE=output_gate is not None, num_warps=4,
+        )  # fmt: skip
     return out

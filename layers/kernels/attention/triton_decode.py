@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..device import H200, SMEM_SCRATCH, DeviceInfo, device_info, stages_that_fit, tuned_for
 from ..pdl import pdl_launch, pdl_wait
-from .triton_attention import LOG2E, _attend_block
+from .triton_attention import LOG2E, _attend_block, _merge_spans
 
 
 @triton.jit
@@ -35,40 +35,6 @@ def _split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
 def _num_spans(seq_len, num_splits, BLOCK_N: tl.constexpr):
     """How many of a sequence's num_splits spans are not empty (the first ones)."""
     return tl.cdiv(seq_len, tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N)
-
-
-@triton.jit
-def _merge_spans(
-    part_o, part_lse, out, gate, n, head, h_ok, row0, cnt, s_on, s_oh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-    CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
-):  # fmt: skip
-    """Merge the cnt span partials of the q heads `head` ([BLOCK_H], h_ok: real heads; partial rows
-    row0 + span) by their log2-sum-exp, apply the output gate (HAS_GATE: `gate` is the [BLOCK_H,
-    BLOCK_D] gate tile, loaded by the caller), store. .cg: other SMs wrote the partials."""
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    spans = tl.arange(0, BLOCK_S)
-    lse_ok = h_ok[:, None] & (spans < cnt)[None, :]
-    lse = tl.load(part_lse + row0[:, None] + spans[None, :], mask=lse_ok, other=float("-inf"), cache_modifier=".cg")
-    m = tl.where(h_ok, tl.max(lse, 1), 0.0)  # padding heads: no -inf - -inf
-    acc = tl.zeros([head.shape[0], BLOCK_D], tl.float32)
-    denom = tl.zeros([head.shape[0], CHUNK_S], tl.float32)
-    # the partial outputs are read CHUNK_S spans at a time to bound registers
-    for s0 in range(0, cnt, CHUNK_S):
-        sc = s0 + tl.arange(0, CHUNK_S)
-        ok = h_ok[:, None] & (sc < cnt)[None, :]
-        rows = row0[:, None] + sc[None, :]
-        lse_c = tl.load(part_lse + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.where(ok, tl.exp2(lse_c - m[:, None]), 0.0)
-        o_ptr = part_o + (rows * HEAD_DIM)[:, :, None] + d[None, None, :]
-        o = tl.load(o_ptr, mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(w[:, :, None] * o, 1)
-        denom += w
-    o = acc / tl.where(h_ok, tl.sum(denom, 1), 1.0)[:, None]
-    mask = h_ok[:, None] & d_ok[None, :]
-    if HAS_GATE:  # the gated attention's output gate, before the one rounding
-        o *= tl.sigmoid(gate.to(tl.float32))
-    tl.store(out + n * s_on + head[:, None] * s_oh + d[None, :], o.to(out.dtype.element_ty), mask=mask)
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)

@@ -120,7 +120,8 @@ def block_topk(*, scores: torch.Tensor, positions: torch.Tensor, compress_ratio:
     Returns:
         [T, K] int32, ascending, -1 past the last: every complete block while (p + 1) // r <= K, else
         the K of highest score. Equal scores at the cut: the CPU reference breaks them as torch.topk
-        on the row's first (p + 1) // r scores (as transformers does), the Triton kernel by lowest index.
+        on the row's first (p + 1) // r scores (as transformers does), the Triton kernel by lowest index
+        (-0.0 equal to 0.0).
     """
     if scores.is_cuda:
         from .triton_qsa import block_topk as impl

@@ -8,14 +8,18 @@ and attention over the selected blocks. Layouts and semantics as in naive.py.
   write the block key into their own page (the completing token's page).
 - `index_scores`: grid (tokens, block tiles): q's heads x a tile of block keys in one tl.dot, relu,
   summed over heads.
-- `block_topk`: one program per token. A short row (up to PAIR blocks) ranks every score against
-  all others at once; a longer one finds the K-th largest score by a binary search over the scores'
-  order-preserving integer keys (32 counting passes over the row, whatever K), then keeps the larger
-  scores and the first ties in index order in one more pass. Selected blocks come out ascending;
-  ties go to the lowest index.
-- `sparse_attention`: grid (tokens, kv heads): the q heads of one kv head in the rows of one tile,
-  an online softmax over the selected blocks' tokens and the query's tail, read through the block
-  table (the same tile step as the dense kernels, with a gathered position list).
+- `block_topk`: one program per token. A short row (up to `pair` blocks) ranks every score against
+  all others at once; a longer one finds the K-th largest score's order-preserving integer key
+  4 bits per pass (8 passes, each counting the scores at or above 16 thresholds at once), then keeps
+  the larger scores and the first ties in index order. Rows up to `row` blocks are read once into
+  registers; longer ones are read in pieces on every pass. Selected blocks come out ascending; ties
+  (-0.0 equal to 0.0) go to the lowest index.
+- `sparse_attention`: grid (tokens, kv heads, splits): the q heads of one kv head in the rows of one
+  tile, an online softmax over the selected blocks' tokens and the query's tail, read through the
+  block table (the same tile step as the dense kernels, with a gathered position list). Where tokens
+  x kv heads leave the GPU idle (decode at small batch) each query's list is cut into spans of whole
+  tiles and a second kernel merges them by their log-sum-exp, as the dense decode kernel does;
+  prefill chunks and large batches run one program per token and kv head, writing the output.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from ..attention.triton_decode import MAX_SPLITS, _merge_spans, _num_spans, _split_bounds
+from ..device import num_sms
 
 LOG2E = 1.4426950408889634
 
@@ -180,19 +187,54 @@ def index_scores(
 
 @triton.jit
 def _sort_key(x):
-    """float32 -> int32 with the same order (signed comparison)."""
+    """float32 -> int32 with the same order (signed comparison); -0.0 gets +0.0's key (equal scores tie)."""
     bits = x.to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return tl.where(x == 0.0, 0, bits ^ ((bits >> 31) & 0x7FFFFFFF))
+
+
+# the K-th largest key is found RADIX_BITS bits at a time: each pass counts the scores at or above
+# 2 ** RADIX_BITS thresholds at once (8 passes over the row instead of a binary search's 32)
+RADIX_BITS = 4
+
+
+@triton.jit
+def _thresholds(lo, P: tl.constexpr, BITS: tl.constexpr):
+    """Pass P's thresholds lo + j * step (j < 2 ** BITS, step = 2 ** (32 - BITS * (P + 1))) as int32
+    keys (they all fit: the pass searches [lo, lo + 2 ** BITS * step), inside the int32 range)."""
+    j = tl.arange(0, 1 << BITS).to(tl.int64)
+    return (lo + j * (1 << (32 - BITS * (P + 1)))).to(tl.int32)
+
+
+@triton.jit
+def _count_at_least(key, ok, thresholds):
+    """[len(thresholds)] counts of the keys (where ok) at or above each threshold."""
+    return tl.sum(((key[None, :] >= thresholds[:, None]) & ok[None, :]).to(tl.int32), 1)
+
+
+@triton.jit
+def _narrow(lo, counts, P: tl.constexpr, BITS: tl.constexpr, K: tl.constexpr):
+    """The largest threshold still reached by K scores (counts fall as thresholds rise; the first
+    one always is): the next pass searches [it, it + step)."""
+    return lo + (tl.sum((counts >= K).to(tl.int32), 0) - 1).to(tl.int64) * (1 << (32 - BITS * (P + 1)))
+
+
+@triton.jit
+def _take_top(key, ok, tau, greater, ties_before, K: tl.constexpr):
+    """Which keys of a piece are kept: all above tau, and ties at tau in index order while fewer
+    than K - greater ties were taken (ties_before: ties in earlier pieces)."""
+    tie = (key == tau) & ok
+    tie_rank = ties_before + tl.cumsum(tie.to(tl.int32), 0)  # 1-based among ties so far
+    return ((key > tau) & ok) | (tie & (tie_rank <= K - greater)), tl.sum(tie.to(tl.int32), 0)
 
 
 @triton.jit(do_not_specialize=["positions", "max_blocks"])
 def _topk_kernel(
     scores, positions, out, max_blocks, s_st, s_ot, R: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_K: tl.constexpr, PAIR: tl.constexpr,
+    BLOCK_K: tl.constexpr, PAIR: tl.constexpr, ROW: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
-    n = tl.minimum((pos + 1) // R, max_blocks)
+    n = tl.minimum((pos + 1) // R, max_blocks).to(tl.int32)
     row = scores + t * s_st
     orow = out + t * s_ot
     k = tl.arange(0, BLOCK_K)
@@ -209,70 +251,97 @@ def _topk_kernel(
         slot = tl.cumsum(take.to(tl.int32), 0) - 1
         tl.store(orow + slot, i.to(tl.int32), mask=take)
         return
-    offs = tl.arange(0, BLOCK)
-    # the largest key tau with at least K scores >= tau: the K-th largest score's key
+    # tau: the largest key with at least K scores >= tau, i.e. the K-th largest score's key
     lo = tl.zeros([], tl.int64) - 2147483648
-    hi = tl.zeros([], tl.int64) + 2147483647
-    for _ in range(32):
-        mid = lo + (hi - lo + 1) // 2
-        count = tl.zeros([], tl.int64)
+    if n <= ROW:  # the row fits in registers: read it once
+        i = tl.arange(0, ROW)
+        ok = i < n
+        key = _sort_key(tl.load(row + i, mask=ok, other=0.0))
+        for p in tl.static_range(32 // BITS):
+            lo = _narrow(lo, _count_at_least(key, ok, _thresholds(lo, p, BITS)), p, BITS, K)
+        tau = lo.to(tl.int32)
+        greater = tl.sum(((key > tau) & ok).to(tl.int32), 0)
+        take, _ = _take_top(key, ok, tau, greater, 0, K)
+        slot = tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(orow + slot, i.to(tl.int32), mask=take)
+        return
+    offs = tl.arange(0, BLOCK)
+    for p in tl.static_range(32 // BITS):
+        thresholds = _thresholds(lo, p, BITS)
+        counts = tl.zeros([1 << BITS], tl.int32)
         for i in range(0, n, BLOCK):
             c = i + offs
-            key = _sort_key(tl.load(row + c, mask=c < n, other=float("-inf")))
-            count += tl.sum(((key.to(tl.int64) >= mid) & (c < n)).to(tl.int64), 0)
-        ok = count >= K
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-    tau = lo
-    greater = tl.zeros([], tl.int64)
+            counts += _count_at_least(_sort_key(tl.load(row + c, mask=c < n, other=0.0)), c < n, thresholds)
+        lo = _narrow(lo, counts, p, BITS, K)
+    tau = lo.to(tl.int32)
+    greater = tl.zeros([], tl.int32)
     for i in range(0, n, BLOCK):
         c = i + offs
-        key = _sort_key(tl.load(row + c, mask=c < n, other=float("-inf"))).to(tl.int64)
-        greater += tl.sum(((key > tau) & (c < n)).to(tl.int64), 0)
-    ties_wanted = K - greater
-    taken = tl.zeros([], tl.int64)
-    ties = tl.zeros([], tl.int64)
+        key = _sort_key(tl.load(row + c, mask=c < n, other=0.0))
+        greater += tl.sum(((key > tau) & (c < n)).to(tl.int32), 0)
+    taken = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
     for i in range(0, n, BLOCK):
         c = i + offs
-        in_row = c < n
-        key = _sort_key(tl.load(row + c, mask=in_row, other=float("-inf"))).to(tl.int64)
-        tie = (key == tau) & in_row
-        tie_rank = ties + tl.cumsum(tie.to(tl.int64), 0)  # 1-based among ties so far
-        take = ((key > tau) & in_row) | (tie & (tie_rank <= ties_wanted))
-        slot = taken + tl.cumsum(take.to(tl.int64), 0) - 1
+        key = _sort_key(tl.load(row + c, mask=c < n, other=0.0))
+        take, piece_ties = _take_top(key, c < n, tau, greater, ties, K)
+        slot = taken + tl.cumsum(take.to(tl.int32), 0) - 1
         tl.store(orow + slot, c.to(tl.int32), mask=take)
-        taken += tl.sum(take.to(tl.int64), 0)
-        ties += tl.sum(tie.to(tl.int64), 0)
+        taken += tl.sum(take.to(tl.int32), 0)
+        ties += piece_ties
 
 
-def block_topk(*, scores: torch.Tensor, positions: torch.Tensor, compress_ratio: int, top_blocks: int) -> torch.Tensor:
+# launch shapes of block_topk (tests pass others to reach every path under the interpreter): rows
+# up to `pair` blocks rank all pairs; up to `row` they are read once into registers (8 warps hold
+# 4096 scores at 16 a thread); longer ones are read `block` at a time on every pass
+TOPK_GPU = dict(pair=128, row=4096, block=1024, num_warps=8)
+TOPK_INTERPRETER = dict(pair=32, row=64, block=16, num_warps=4)
+
+
+def block_topk(
+    *, scores: torch.Tensor, positions: torch.Tensor, compress_ratio: int, top_blocks: int, config: dict | None = None
+) -> torch.Tensor:
+    """qsa.block_topk; `config` overrides TOPK_GPU / TOPK_INTERPRETER (pair, row, block, num_warps)."""
     num_tokens, max_blocks = scores.shape
     out = torch.empty((num_tokens, top_blocks), dtype=torch.int32, device=scores.device)
     if num_tokens == 0:
         return out
     assert scores.stride(1) == 1
+    cfg = {**(TOPK_GPU if scores.is_cuda else TOPK_INTERPRETER), **(config or {})}
     _topk_kernel[(num_tokens,)](
         scores, positions, out, max_blocks, scores.stride(0), out.stride(0), R=compress_ratio, K=top_blocks,
-        BLOCK=1024 if scores.is_cuda else 16, BLOCK_K=triton.next_power_of_2(top_blocks),
-        PAIR=128 if scores.is_cuda else 32, num_warps=4,
+        BLOCK=cfg["block"], BLOCK_K=triton.next_power_of_2(top_blocks), PAIR=cfg["pair"], ROW=cfg["row"],
+        BITS=RADIX_BITS, num_warps=cfg["num_warps"],
     )  # fmt: skip
     return out
 
 
-@triton.jit(do_not_specialize=["positions", "token_rows", "block_tables", "selected", "s_btn"])
+@triton.jit
+def _list_len(pos, R: tl.constexpr, K: tl.constexpr):
+    """(entries of a query's position list from its selected blocks, the list's length): the blocks'
+    tokens, then its tail nc * R .. pos."""
+    nc = (pos + 1) // R
+    from_blocks = tl.minimum(nc, K) * R
+    return from_blocks, from_blocks + pos + 1 - nc * R
+
+
+@triton.jit(do_not_specialize=["positions", "token_rows", "block_tables", "selected", "s_btn", "num_splits"])
 def _sparse_kernel(
-    q, k_cache, v_cache, positions, token_rows, block_tables, selected, out, qk_scale,
+    q, k_cache, v_cache, positions, token_rows, block_tables, selected, out, part_o, part_lse, qk_scale, num_splits,
     s_qt, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_btn, s_st, s_ot, s_oh,
     GROUP: tl.constexpr, R: tl.constexpr, K: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
+    split = tl.program_id(2)
     pos = tl.load(positions + t).to(tl.int64)
+    from_blocks, total = _list_len(pos, R, K)
+    start, end = _split_bounds(total, split, num_splits, BLOCK_N)
+    if start >= end:  # a short list: fewer spans than splits (the merge reads only the first ones)
+        return
     row = tl.load(token_rows + t).to(tl.int64)
     nc = (pos + 1) // R
-    from_blocks = tl.minimum(nc, K) * R  # entries of the position list that come from selected blocks
-    total = from_blocks + pos + 1 - nc * R  # then the tail: nc * R .. pos
     m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -287,9 +356,9 @@ def _sparse_kernel(
     k_base = k_cache + hk * s_kh
     v_base = v_cache + hk * s_vh
     n = tl.arange(0, BLOCK_N)
-    for start in range(0, total, BLOCK_N):  # every tile holds a valid entry: no all -inf row
-        j = start + n
-        ok = j < total
+    for tile in range(start, end, BLOCK_N):  # every tile holds a valid entry: no all -inf row
+        j = tile + n
+        ok = j < end
         in_blocks = j < from_blocks
         blk = tl.load(selected + t * s_st + j // R, mask=ok & in_blocks, other=0).to(tl.int64)
         kv_pos = tl.where(in_blocks, blk * R + j % R, nc * R + (j - from_blocks))
@@ -307,7 +376,50 @@ def _sparse_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     o = acc / l_i[:, None]
-    tl.store(out + t * s_ot + head[:, None] * s_oh + d[None, :], o.to(out.dtype.element_ty), mask=q_mask)
+    if num_splits == 1:
+        tl.store(out + t * s_ot + head[:, None] * s_oh + d[None, :], o.to(out.dtype.element_ty), mask=q_mask)
+    else:
+        # partials: [T, Hq, num_splits, HEAD_DIM] outputs and [T, Hq, num_splits] log2-sum-exp
+        prow = (t * tl.num_programs(1) * GROUP + head) * num_splits + split
+        tl.store(part_o + prow[:, None] * HEAD_DIM + d[None, :], o, mask=q_mask)
+        tl.store(part_lse + prow, m_i + tl.log2(l_i), mask=m < GROUP)
+
+
+@triton.jit(do_not_specialize=["positions", "num_splits"])
+def _sparse_merge_kernel(
+    part_o, part_lse, positions, out, s_ot, s_oh, num_splits, R: tl.constexpr, K: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1) + tl.zeros([1], tl.int32)
+    _, total = _list_len(tl.load(positions + t).to(tl.int64), R, K)
+    row0 = (t * tl.num_programs(1) + head) * num_splits
+    cnt = _num_spans(total, num_splits, BLOCK_N)
+    _merge_spans(
+        part_o, part_lse, out, out, t, head, head >= 0, row0, cnt, s_ot, s_oh, HEAD_DIM, BLOCK_S, CHUNK_S, BLOCK_D,
+        False,
+    )  # fmt: skip
+
+
+# split-K over each query's position list when the (tokens, kv heads) grid is small: splits for
+# about SPARSE_PROGRAMS_PER_SM programs per SM, each span at least SPARSE_MIN_SPAN_TILES KV tiles
+# (prefill chunks and large batches fill the GPU with one program per token and kv head)
+SPARSE_PROGRAMS_PER_SM = 2
+SPARSE_MIN_SPAN_TILES = 2
+# partial elements per merge chunk ([1 head, chunk, BLOCK_D] float32): 16 spans at D 256
+SPARSE_MERGE_ELEMS = 4096
+
+
+def sparse_splits(*, num_tokens: int, num_kv_heads: int, max_list: int, block_n: int, num_sms: int) -> int:
+    """Spans each query's position list (at most max_list entries) is cut into: enough programs for
+    the GPU, whole tiles of at least SPARSE_MIN_SPAN_TILES each; 1 where the grid is full already."""
+    tiles = triton.cdiv(max_list, block_n)
+    want = round(SPARSE_PROGRAMS_PER_SM * num_sms / (num_tokens * num_kv_heads))
+    if want <= 1:
+        return 1
+    per_span = max(SPARSE_MIN_SPAN_TILES, triton.cdiv(tiles, want))
+    return max(1, min(MAX_SPLITS, triton.cdiv(tiles, per_span)))
 
 
 def sparse_attention(
@@ -321,7 +433,9 @@ def sparse_attention(
     selected: torch.Tensor,
     compress_ratio: int,
     scale: float,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
+    """qsa.sparse_attention; `num_splits` overrides sparse_splits (tests, tuning sweeps)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -331,13 +445,34 @@ def sparse_attention(
     assert selected.stride(1) == 1
     group = num_q_heads // num_kv_heads
     on_gpu = q.is_cuda
-    _sparse_kernel[(num_tokens, num_kv_heads)](
-        q, k_cache, v_cache, positions, token_rows, block_tables, selected, out, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+    top = selected.shape[1]
+    block_n = (32 if head_dim > 128 else 64) if on_gpu else 16
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if num_splits is None:
+        num_splits = sparse_splits(
+            num_tokens=num_tokens, num_kv_heads=num_kv_heads, max_list=(top + 1) * compress_ratio - 1,
+            block_n=block_n, num_sms=num_sms(q.device),
+        )  # fmt: skip
+    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits {num_splits} outside [1, {MAX_SPLITS}]"
+    if num_splits > 1:
+        part_o = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out
+    _sparse_kernel[(num_tokens, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, positions, token_rows, block_tables, selected, out, part_o, part_lse, scale * LOG2E,
+        num_splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), selected.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=group, R=compress_ratio, K=selected.shape[1], HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
-        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=(32 if head_dim > 128 else 64) if on_gpu else 16,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, num_stages=2 if on_gpu else 1,
+        GROUP=group, R=compress_ratio, K=top, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
+        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,
+        num_stages=2 if on_gpu else 1,
     )  # fmt: skip
+    if num_splits > 1:
+        # one variant for every split count (a new constant would compile mid-serving)
+        _sparse_merge_kernel[(num_tokens, num_q_heads)](
+            part_o, part_lse, positions, out, out.stride(0), out.stride(1), num_splits, R=compress_ratio, K=top,
+            HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=MAX_SPLITS,
+            CHUNK_S=max(1, min(MAX_SPLITS, SPARSE_MERGE_ELEMS // block_d)), BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
     return out
