@@ -57,7 +57,7 @@ def norm_project(
     return linear_kernels.rms_norm_linear(
         x=x, residual=residual, norm_weight=norm.weight, eps=norm.eps, weight=weight, bias=bias,
         write_normed=write_normed, weight_scale=scale_of(weight), weight_tail=tail_of(weight), pdl=kernels.pdl,
-        row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles,
+        row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles, few_rows=kernels.few_rows_gemv,
     )  # fmt: skip
 
 

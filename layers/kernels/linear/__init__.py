@@ -19,8 +19,11 @@ from .tuned import TUNED, tuned_key
 # tensor-core tiles beat cuBLAS in the device's sweep (TUNED) do; cuBLAS takes the rest.
 MAX_TOKENS = 4
 MAX_TUNED_TOKENS = 16
+# 2..this many rows of a plain half-precision weight take the few-row GEMV (triton_rows: the weight
+# read once, every row reusing its register tile); KernelOptions.few_rows_gemv sets it per engine
+FEW_ROWS_MAX = 8
 
-Path = Literal["row", "skinny", "torch"]
+Path = Literal["row", "rows", "skinny", "torch"]
 
 
 def linear(
@@ -33,6 +36,7 @@ def linear(
     pdl: bool = True,
     row_gemv: bool = True,
     row_tiles: tuple[RowTile, ...] = (),
+    few_rows: int = FEW_ROWS_MAX,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), float32 accumulation.
 
@@ -47,10 +51,11 @@ def linear(
         pdl: CUDA: the Triton kernels launch under programmatic dependent launch (sm_90+).
         row_gemv: a half-precision CUDA row (M = 1) takes the one-row GEMV (else the skinny GEMM).
         row_tiles: one-row GEMV tiles overriding the tuned ones for the shapes they name.
+        few_rows: a half-precision CUDA call of 2..few_rows rows takes the few-row GEMV (0: none).
 
     Returns:
-        [M, N (+ N_tail)] in x's dtype. The path: gemm_path (one row, <= MAX_TOKENS rows or a tuned
-        shape on CUDA: Triton; otherwise F.linear). An FP8 weight: up to MAX_TUNED_TOKENS rows the
+        [M, N (+ N_tail)] in x's dtype. The path: gemm_path (one row, 2..few_rows rows, <=
+        MAX_TOKENS rows or a tuned shape on CUDA: Triton; otherwise F.linear). An FP8 weight: up to MAX_TUNED_TOKENS rows the
         Triton GEMV / skinny GEMM with the weight dequantized in registers, x as it is; above, x is
         quantized per row and 1 x 128 group (fp8.quantize_act) for the block-scaled FP8 GEMM on
         tensor cores (the CPU reference quantizes x likewise above MAX_TUNED_TOKENS rows).
@@ -58,11 +63,15 @@ def linear(
     if weight_scale is not None:
         return _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles)
     _check_plain(weight, weight_tail)
-    path = _path(x, weight.shape[0], row_gemv)
+    path = _path(x, weight.shape[0], row_gemv, few_rows)
     if path == "row":
         from .triton_row import row_gemv as impl
 
         return impl(x=x, weight=weight, bias=bias, row_tiles=row_tiles, pdl=pdl)[0]
+    if path == "rows":
+        from .triton_rows import rows_gemv
+
+        return rows_gemv(x=x, weight=weight, bias=bias, pdl=pdl)
     if path == "skinny":
         from .triton_linear import linear as impl
 
@@ -98,13 +107,18 @@ def _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_t
     return impl(**args)
 
 
-def gemm_path(num_rows: int, n: int, k: int, dtype: torch.dtype, info: DeviceInfo, row_gemv: bool) -> Path:
-    """Which kernel a CUDA call of this shape takes: "row" (the one-row GEMV), "skinny" (the
-    skinny GEMM) or "torch" (cuBLAS)."""
+def gemm_path(
+    num_rows: int, n: int, k: int, dtype: torch.dtype, info: DeviceInfo, row_gemv: bool, few_rows: int = 0
+) -> Path:
+    """Which kernel a CUDA call of this shape takes: "row" (the one-row GEMV), "rows" (the few-row
+    GEMV, 2..few_rows rows), "skinny" (the skinny GEMM) or "torch" (cuBLAS)."""
     from .triton_row import supports
+    from .triton_rows import supports as rows_support
 
     if row_gemv and supports(num_rows, k, dtype):
         return "row"
+    if 2 <= num_rows <= few_rows and rows_support(num_rows, k, dtype):
+        return "rows"
     if num_rows <= MAX_TOKENS:
         return "skinny"
     half = dtype in (torch.bfloat16, torch.float16)
@@ -112,10 +126,10 @@ def gemm_path(num_rows: int, n: int, k: int, dtype: torch.dtype, info: DeviceInf
     return "skinny" if half and num_rows <= MAX_TUNED_TOKENS and tuned_key(num_rows, n, k) in tuned else "torch"
 
 
-def _path(x: torch.Tensor, n: int, row_gemv: bool) -> Path:
+def _path(x: torch.Tensor, n: int, row_gemv: bool, few_rows: int = 0) -> Path:
     if not x.is_cuda or x.dim() != 2:
         return "torch"
-    return gemm_path(x.shape[0], n, x.shape[1], x.dtype, device_info(x.device), row_gemv)
+    return gemm_path(x.shape[0], n, x.shape[1], x.dtype, device_info(x.device), row_gemv, few_rows)
 
 
 class NormLinearOut(NamedTuple):
@@ -141,6 +155,7 @@ def rms_norm_linear(
     pdl: bool = True,
     row_gemv: bool = True,
     row_tiles: tuple[RowTile, ...] = (),
+    few_rows: int = FEW_ROWS_MAX,
 ) -> NormLinearOut:
     """The residual add, the zero-centred input norm and the projection after it:
     s = x + residual (x itself when residual is None), y = rms_norm(s) * (1 + norm_weight),
@@ -148,7 +163,8 @@ def rms_norm_linear(
 
     Args:
         x, residual: [M, K], one dtype. norm_weight: [K]. weight: [N, K]. bias: [N] or None.
-        write_normed: also return y. weight_scale, weight_tail, pdl, row_gemv, row_tiles: as `linear`.
+        write_normed: also return y. weight_scale, weight_tail, pdl, row_gemv, row_tiles, few_rows: as
+            `linear`.
 
     Returns:
         NormLinearOut(out [M, N], y [M, K] or None, s [M, K]), in x's dtype. A CUDA row whose
@@ -171,7 +187,7 @@ def rms_norm_linear(
         normed, summed = norm_kernels.fused_add_rms_norm(x=x, residual=residual, weight=norm_weight, eps=eps, pdl=pdl)
     out = linear(
         x=normed, weight=weight, bias=bias, weight_scale=weight_scale, weight_tail=weight_tail, pdl=pdl,
-        row_gemv=row_gemv, row_tiles=row_tiles,
+        row_gemv=row_gemv, row_tiles=row_tiles, few_rows=few_rows,
     )  # fmt: skip
     return NormLinearOut(out, normed if write_normed else None, summed)
 
