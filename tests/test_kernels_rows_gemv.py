@@ -8,8 +8,7 @@ import torch
 from deltaserve.layers.kernels import device as device_module
 from deltaserve.layers.kernels import linear as linear_kernels
 from deltaserve.layers.kernels.device import DeviceInfo
-from deltaserve.layers.kernels.linear import naive
-from deltaserve.layers.kernels.linear import triton_rows
+from deltaserve.layers.kernels.linear import naive, triton_rows
 
 pytestmark = pytest.mark.usefixtures("nan_fill")
 
@@ -43,7 +42,11 @@ def test_default_config(device, m, n, k, dtype):
 
 @pytest.mark.parametrize(
     "cfg",
-    [dict(block_n=1, num_warps=1, group=1), dict(block_n=2, num_warps=2, group=4), dict(block_n=8, num_warps=1, group=2)],
+    [
+        dict(block_n=1, num_warps=1, group=1),
+        dict(block_n=2, num_warps=2, group=4),
+        dict(block_n=8, num_warps=1, group=2),
+    ],
 )
 @pytest.mark.parametrize("preload", [True, False])
 def test_forced_configs(device, cfg, preload):

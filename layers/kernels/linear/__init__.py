@@ -55,10 +55,11 @@ def linear(
 
     Returns:
         [M, N (+ N_tail)] in x's dtype. The path: gemm_path (one row, 2..few_rows rows, <=
-        MAX_TOKENS rows or a tuned shape on CUDA: Triton; otherwise F.linear). An FP8 weight: up to MAX_TUNED_TOKENS rows the
-        Triton GEMV / skinny GEMM with the weight dequantized in registers, x as it is; above, x is
-        quantized per row and 1 x 128 group (fp8.quantize_act) for the block-scaled FP8 GEMM on
-        tensor cores (the CPU reference quantizes x likewise above MAX_TUNED_TOKENS rows).
+        MAX_TOKENS rows or a tuned shape on CUDA: Triton; otherwise F.linear). An FP8 weight: up
+        to MAX_TUNED_TOKENS rows the Triton GEMV / skinny GEMM with the weight dequantized in
+        registers, x as it is; above, x is quantized per row and 1 x 128 group (fp8.quantize_act)
+        for the block-scaled FP8 GEMM on tensor cores (the CPU reference quantizes x likewise
+        above MAX_TUNED_TOKENS rows).
     """
     if weight_scale is not None:
         return _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles)
