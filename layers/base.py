@@ -62,15 +62,18 @@ class SsmLayerState(LayerState):
     ones are prefix-cache snapshots (same shape; the driver names them in a pass's copies and captures).
 
     Speculative decoding (the seed's write-on-accept): `verify` is the layer's verify table (each
-    draft position's recurrent step, kernels/gdn/state.py) for up to `rows` verify rows, and
-    `verify_conv_windows` [rows, C, W - 1] / `verify_conv_inputs` [rows, L, C] what the conv window
-    is rebuilt from once the accepted count is known. None until speculative decoding is enabled."""
+    draft position's recurrent step, kernels/gdn/state.py) for up to `rows` verify rows,
+    `verify_conv_inputs` [rows, L, C] what the conv window is rebuilt from once the accepted count is
+    known (with the slot's window, which the verify leaves), and `verify_cu_seqlens` [rows + 1] /
+    `verify_has_initial` [rows] the verify rows' conv metadata, made once. None until speculative
+    decoding is enabled."""
 
     recurrent: torch.Tensor
     conv: torch.Tensor
     verify: VerifyTable | None = None
-    verify_conv_windows: torch.Tensor | None = None
     verify_conv_inputs: torch.Tensor | None = None
+    verify_cu_seqlens: torch.Tensor | None = None
+    verify_has_initial: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -143,18 +143,29 @@ def test_conv_windows_at_offsets():
         assert torch.equal(pool[c.slot], window(c.seq, c.offset)), c
 
 
-def test_conv_accept_picks_the_window_after_the_last_accepted_input():
+@pytest.mark.parametrize("impl", ["op", "naive", "triton"])
+@pytest.mark.parametrize(("length", "w1"), [(4, 3), (2, 3), (5, 1)])
+def test_conv_accept_picks_the_window_after_the_last_accepted_input(impl, length, w1):
+    """Each slot becomes the last W - 1 of (its window, the verify's inputs up to the last accepted
+    one); -1 keeps the window; other slots untouched. The Triton kernel runs interpreted on CPU
+    tensors; x a strided view (rows of a longer buffer), the slots int32 as the plans give them."""
+    from deltaserve.layers.kernels.gdn import accept
+
+    fn = {"op": gdn_state.conv_accept, "naive": gdn_state.conv_accept_naive, "triton": accept.conv_accept}[impl]
+    device = DEVICE if impl != "naive" else torch.device("cpu")
     torch.manual_seed(3)
-    rows, length, channels, w1 = 3, 4, 5, 3
-    old = torch.randn(rows, channels, w1, device=DEVICE)
-    x = torch.randn(rows, length, channels, device=DEVICE)
-    pool = torch.zeros(4, channels, w1, device=DEVICE)
-    slots = torch.tensor([3, 0, 1], device=DEVICE)
-    last = torch.tensor([0, -1, 3], device=DEVICE)
-    gdn_state.conv_accept(conv_state_pool=pool, state_slots=slots, old_windows=old, x=x, last_accepted=last)
+    rows, channels = 3, 300  # channels over one Triton block
+    x = torch.randn(rows, length + 1, channels, device=device).to(torch.bfloat16)[:, 1:]
+    pool = torch.randn(5, channels, w1, device=device).to(torch.bfloat16)
+    before = pool.clone()
+    slots = torch.tensor([3, 0, 1], dtype=torch.int32, device=device)
+    last = torch.tensor([0, -1, length - 1], device=device)
+    fn(conv_state_pool=pool, state_slots=slots, x=x, last_accepted=last)
     for n in range(rows):
-        seq = torch.cat([old[n], x[n, : int(last[n]) + 1].t()], dim=1)
+        seq = torch.cat([before[int(slots[n])], x[n, : int(last[n]) + 1].t()], dim=1)
         assert torch.equal(pool[int(slots[n])], seq[:, -w1:])
+    for s in (2, 4):
+        assert torch.equal(pool[s], before[s])
 
 
 def test_captures_validate_offsets():

@@ -84,3 +84,46 @@ def accept_states(
         HV=num_v_heads, K=key_dim, V=value_dim, BK=max(16, triton.next_power_of_2(key_dim)), BV=bv,
         num_warps=4,
     )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["slots", "last_accepted"])
+def _conv_accept_kernel(
+    pool, slots, last_accepted, x, channels, stride_ps, stride_pc, stride_pw, stride_xn, stride_xl,
+    W1: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """Row n, channels of block 1: window j = (the slot's window before the verify, then the verify's
+    inputs)[last + 1 + j], read whole before any of it is overwritten."""
+    n = tl.program_id(0)
+    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    o_w = tl.arange(0, BW)
+    last = tl.load(last_accepted + n).to(tl.int32)
+    if last < 0:  # nothing accepted: the slot keeps its window
+        return
+    slot = tl.load(slots + n).to(tl.int64)
+    src = last + 1 + o_w  # into (window, inputs)
+    m = (o_c < channels)[:, None] & (o_w < W1)[None, :]
+    p_s = pool + slot * stride_ps + o_c[:, None] * stride_pc
+    old = tl.load(p_s + src[None, :] * stride_pw, mask=m & (src < W1)[None, :], other=0.0)
+    p_x = x + n.to(tl.int64) * stride_xn + (src - W1)[None, :].to(tl.int64) * stride_xl + o_c[:, None]
+    new = tl.load(p_x, mask=m & (src >= W1)[None, :], other=0.0).to(pool.dtype.element_ty)
+    window = tl.where((src < W1)[None, :], old, new)
+    tl.debug_barrier()  # every thread has read the old window before it is overwritten
+    tl.store(p_s + o_w[None, :] * stride_pw, window, mask=m)
+
+
+CONV_BLOCK_C = 256
+
+
+def conv_accept(
+    *, conv_state_pool: torch.Tensor, state_slots: torch.Tensor, x: torch.Tensor, last_accepted: torch.Tensor
+) -> None:
+    """See state.conv_accept: one launch, grid (N, C / CONV_BLOCK_C)."""
+    num_rows, _, channels = x.shape
+    width_1 = conv_state_pool.shape[-1]
+    if num_rows == 0 or channels == 0 or width_1 == 0:
+        return
+    assert x.stride(2) == 1, "x [N, L, C] with contiguous channels"
+    _conv_accept_kernel[(num_rows, triton.cdiv(channels, CONV_BLOCK_C))](
+        conv_state_pool, state_slots, last_accepted, x, channels, *conv_state_pool.stride(), x.stride(0), x.stride(1),
+        W1=width_1, BW=triton.next_power_of_2(width_1), BC=CONV_BLOCK_C, num_warps=4,
+    )  # fmt: skip

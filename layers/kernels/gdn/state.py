@@ -180,22 +180,35 @@ def conv_windows_at(
         conv_state_pool[c.slot] = rows.to(conv_state_pool.dtype)
 
 
+def conv_accept_naive(
+    *, conv_state_pool: torch.Tensor, state_slots: torch.Tensor, x: torch.Tensor, last_accepted: torch.Tensor
+) -> None:
+    """conv_accept in plain torch (the reference and the CPU path)."""
+    slots = state_slots.long()
+    old_windows = conv_state_pool[slots]
+    width_1 = old_windows.shape[-1]
+    seq = torch.cat([old_windows, x.transpose(1, 2).to(old_windows.dtype)], dim=2)  # [N, C, W - 1 + L]
+    idx = last_accepted.long()[:, None, None] + 1 + torch.arange(width_1, device=x.device)[None, None, :]
+    window = seq.gather(2, idx.clamp(min=0).expand(-1, seq.shape[1], -1))
+    conv_state_pool[slots] = window.to(conv_state_pool.dtype)
+
+
 def conv_accept(
     *,
     conv_state_pool: torch.Tensor,
     state_slots: torch.Tensor,
-    old_windows: torch.Tensor,
     x: torch.Tensor,
     last_accepted: torch.Tensor,
 ) -> None:
-    """Write-on-accept for the conv windows: each row's slot becomes the last W - 1 of (its window
-    before the verify, then the verify's inputs up to token last_accepted[n]); -1 restores the old
-    window. old_windows: [N, C, W - 1]; x: [N, L, C]; last_accepted: [N] int. Device ops only."""
-    width_1 = old_windows.shape[-1]
-    seq = torch.cat([old_windows, x.transpose(1, 2).to(old_windows.dtype)], dim=2)  # [N, C, W - 1 + L]
-    idx = last_accepted.long()[:, None, None] + 1 + torch.arange(width_1, device=x.device)[None, None, :]
-    window = seq.gather(2, idx.expand(-1, seq.shape[1], -1))
-    conv_state_pool[state_slots.long()] = window.to(conv_state_pool.dtype)
+    """Write-on-accept for the conv windows: each row's slot, still holding its window from before
+    the verify (the verify's conv leaves it: causal_conv1d_varlen(update_state=False)), becomes the
+    last W - 1 of (that window, then the verify's inputs up to token last_accepted[n]); -1 keeps the
+    window. x: [N, L, C] (channels contiguous); last_accepted: [N] int. No host sync."""
+    if conv_state_pool.is_cuda:
+        from .accept import conv_accept as impl
+    else:
+        impl = conv_accept_naive
+    impl(conv_state_pool=conv_state_pool, state_slots=state_slots, x=x, last_accepted=last_accepted)
 
 
 @dataclass(frozen=True)
