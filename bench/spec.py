@@ -13,6 +13,14 @@ each kept with the set agreement; the head still runs), timed over steady decodi
 reference is the same engine's output with the head's own drafts (greedy output does not depend on
 the drafts), so the measured agreement sits at the set one unless the numerics of the two runs
 part ways; both are reported.
+
+Floors (bytes over the copy bandwidth measured in the run, as bench offline prints them): a
+speculative step must read the non-expert weights once (lm_head included), the distinct experts
+its b (k + 1) verify tokens route to, the KV and GDN state of its rows, and for each of the k head
+passes (the catch-up, then k - 1 draft steps) the head's layer, fc and the lm_head again, with the
+experts its tokens route to. Routing is counted as random (uniform top-k, independent tokens:
+E (1 - (1 - top_k / E)^T) distinct experts for T tokens), what a random-weight model does; a real
+checkpoint's consecutive tokens share experts more, so its floor is lower.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from deltaserve.workers.context import build_forward_context, logits_rows
 from deltaserve.workers.rejection import accept_drafts
 from deltaserve.workers.spec_decode import SpecDecoder
 
+from .offline import decode_floor_bytes, weight_bytes
 from .presets import PRESETS, preset_config
 from .spec_drafts import ReferenceDrafter
 
@@ -59,6 +68,44 @@ class Timer:
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts T tokens touch in one MoE layer when each picks top_k of E uniformly."""
+    if num_experts <= 0 or tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def spec_floor_bytes(model_config: ModelConfig, batch: int, k: int, context: int, dtype_bytes: int = 2) -> dict:
+    """Bytes one speculative step must read at batch b with k drafts a row (random routing; see the
+    module docstring): "verify" (the target over b (k + 1) tokens: weights, distinct experts, KV,
+    GDN state read and written back on accept), "drafts" (k head passes: the head's layer, fc and
+    lm_head each, their experts and the head's KV), "total"; k = 0 is a plain decode step."""
+    c = model_config
+    moe_layers = sum(t == "moe" for t in c.mlp_types)
+    tokens = batch * (k + 1)
+    distinct = moe_layers * expected_distinct_experts(c.num_experts, c.num_experts_per_tok, tokens)
+    verify = decode_floor_bytes(c, batch, context + k + 1, distinct, dtype_bytes)
+    out = {"verify": verify["total"], "verify_experts": verify["experts"], "drafts": 0, "drafts_experts": 0}
+    if k:
+        head = c.mtp_layer_config()
+        head_dense, expert = weight_bytes(head, dtype_bytes)  # one attention layer, its FFN, the lm_head
+        head_dense += 2 * c.hidden_size * c.hidden_size * dtype_bytes  # fc
+        head_tokens = [tokens] + [batch] * (k - 1)  # the catch-up, then one token a row per draft step
+        experts = 0.0
+        if head.mlp_types[0] == "moe":
+            experts = sum(expected_distinct_experts(c.num_experts, c.num_experts_per_tok, t) for t in head_tokens)
+        kv = k * batch * (context + k) * 2 * c.num_kv_heads * c.head_dim * dtype_bytes
+        out["drafts_experts"] = experts * expert
+        out["drafts"] = k * head_dense + experts * expert + kv
+    out["total"] = out["verify"] + out["drafts"]
+    return out
+
+
+def tokens_per_step(agreement: float, k: int) -> float:
+    """Expected tokens a verify row emits at per-draft agreement a: 1 + a + ... + a^k."""
+    return float(sum(agreement**i for i in range(k + 1)))
 
 
 def scratch_plan(batch: int, context: int, new: int, block_size: int, vocab: int, k: int = 0):
@@ -92,7 +139,20 @@ def scratch_plan(batch: int, context: int, new: int, block_size: int, vocab: int
     )
 
 
-def bench_passes(llm: LLM, batches: list[int], ks: list[int], context: int, repeats: int) -> list[dict]:
+def _floor(model_config: ModelConfig, batch: int, k: int, context: int, bandwidth: float | None) -> dict:
+    """spec_floor_bytes with its time at the measured bandwidth (None on the CPU: bytes only)."""
+    floor = spec_floor_bytes(model_config, batch, k, context)
+    out = {"bytes": floor}
+    if bandwidth:
+        out["ms"] = floor["total"] / bandwidth * 1e3
+        out["verify_ms"] = floor["verify"] / bandwidth * 1e3
+        out["drafts_ms"] = floor["drafts"] / bandwidth * 1e3
+    return out
+
+
+def bench_passes(
+    llm: LLM, batches: list[int], ks: list[int], context: int, repeats: int, bandwidth: float | None = None
+) -> list[dict]:
     runner = llm.engine.executor.runner
     model, pool, device = runner.model, runner.pool, runner.device
     bs, vocab = pool.sizes.block_size, model.config.vocab_size
@@ -125,7 +185,11 @@ def bench_passes(llm: LLM, batches: list[int], ks: list[int], context: int, repe
             with torch.inference_mode():
                 argmax_kernels.row_argmax(logits=model.compute_logits(model(ctx, pool.layer_states)), pdl=pdl)
 
-        row = {"batch": b, "decode_eager_ms": timer(eager)}
+        row = {
+            "batch": b,
+            "decode_eager_ms": timer(eager),
+            "decode_floor": _floor(model.config, b, 0, context, bandwidth),
+        }
         if graphs is not None:
             row["decode_graph_ms"] = timer(
                 lambda plan=plan: argmax_kernels.row_argmax(logits=graphs.run(plan), pdl=pdl)
@@ -133,6 +197,7 @@ def bench_passes(llm: LLM, batches: list[int], ks: list[int], context: int, repe
         decode_ms = row.get("decode_graph_ms", row["decode_eager_ms"])
         for k in ks:
             row[f"k{k}"] = _verify_costs(llm, b, k, context, timer, decode_ms, engine_buffers)
+            row[f"k{k}"]["floor"] = _floor(model.config, b, k, context, bandwidth)
         rows.append(row)
         print(_pass_line(row, ks), flush=True)
     return rows
@@ -211,21 +276,60 @@ def profile_step(llm: LLM, b: int, context: int, steps: int = 3) -> str:
     return f"--- batch {b}, k = {k}: the speculative step from its graph ---\n" + marginal_table(prof, steps)
 
 
+GOAL_MS_PER_TOKEN = 1.0  # issue 21: batch 1 at 0.8 agreement
+GOAL_AGREEMENT = 0.8
+
+
+def goal_floor(model_config: ModelConfig, k: int, context: int, bandwidth: float | None) -> dict:
+    """The batch-1 goal against the floor: the step time GOAL_MS_PER_TOKEN allows at GOAL_AGREEMENT
+    with k drafts, and the floor's step and per-token times there (bytes only without a bandwidth)."""
+    per_step = tokens_per_step(GOAL_AGREEMENT, k)
+    floor = _floor(model_config, 1, k, context, bandwidth)
+    goal = {"k": k, "agreement": GOAL_AGREEMENT, "tokens_per_step": per_step}
+    goal["goal_step_ms"] = GOAL_MS_PER_TOKEN * per_step
+    goal["floor"] = floor
+    line = (
+        f"goal: batch 1, k={k}, agreement {GOAL_AGREEMENT}: {GOAL_MS_PER_TOKEN} ms per output token = a step of "
+        f"{goal['goal_step_ms']:.3f} ms ({per_step:.3f} tokens a step)"
+    )
+    b = floor["bytes"]
+    experts = (b["verify_experts"] + b["drafts_experts"]) / 1e9
+    line += f"; the step reads {b['total'] / 1e9:.2f} GB (experts {experts:.2f} GB, the head's passes"
+    line += f" {b['drafts'] / 1e9:.2f} GB)"
+    if "ms" in floor:
+        goal["floor_ms_per_token"] = floor["ms"] / per_step
+        line += f": floor {floor['ms']:.3f} ms a step, {goal['floor_ms_per_token']:.3f} ms per output token"
+    goal["line"] = line
+    return goal
+
+
 def _pass_line(row: dict, ks: list[int]) -> str:
     head = f"batch {row['batch']:>3}: decode {row.get('decode_graph_ms', float('nan')):.3f} ms (graph), "
     head += f"{row['decode_eager_ms']:.3f} ms (eager)"
+    if "ms" in row["decode_floor"]:
+        head += f"; floor {row['decode_floor']['ms']:.3f} ms"
     parts = []
     for k in ks:
         r = row[f"k{k}"]
         line = f"k={k} verify {r['verify_ms']:.3f} ms (x{r['verify_over_decode']:.2f}) + head {r['draft_ms']:.3f} ms"
         if "step_graph_ms" in r:
             line += f"; whole step from its graph {r['step_graph_ms']:.3f} ms (x{r['step_graph_over_decode']:.2f})"
+        floor = r["floor"]
+        if "ms" in floor:
+            measured = r.get("step_graph_ms", r["verify_ms"] + r["draft_ms"])
+            line += (
+                f"; step floor {floor['ms']:.3f} ms (verify {floor['verify_ms']:.3f} + drafts "
+                f"{floor['drafts_ms']:.3f}; the step at x{measured / floor['ms']:.2f} floor)"
+            )
         parts.append(line)
     return head + "\n  " + "\n  ".join(parts)
 
 
-def bench_tokens(llm: LLM, batch: int, agreements: list[float], context: int, steps: int) -> list[dict]:
-    """ms per output token (per sequence) at `batch` for each agreement, and the reference run's."""
+def bench_tokens(
+    llm: LLM, batch: int, agreements: list[float], context: int, steps: int, bandwidth: float | None = None
+) -> list[dict]:
+    """ms per output token (per sequence) at `batch` for each agreement, and the reference run's;
+    with the bandwidth, the floor per output token at the tokens a row each step measured."""
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     k = engine.scheduler.k
@@ -243,10 +347,14 @@ def bench_tokens(llm: LLM, batch: int, agreements: list[float], context: int, st
         rows.append(_timed_decode(llm, prompts, params, steps, warm, agreement))
         r = rows[-1]
         label = "head's drafts" if agreement is None else f"agreement {agreement:.1f}"
+        floor = _floor(engine.model_config, batch, k, context, bandwidth)
+        if "ms" in floor:
+            r["floor_ms_per_token"] = floor["ms"] / r["tokens_per_row_step"]
         print(
             f"batch {batch:>3}, k={k}, {label}: {r['ms_per_token']:.3f} ms per output token "
             f"({r['step_ms']:.3f} ms a step, {r['tokens_per_row_step']:.2f} tokens a row; "
-            f"measured acceptance {r['acceptance']:.3f})",
+            f"measured acceptance {r['acceptance']:.3f})"
+            + (f"; floor {r['floor_ms_per_token']:.3f} ms per token" if "floor_ms_per_token" in r else ""),
             flush=True,
         )
     engine.scheduler.drafter = None
@@ -319,10 +427,20 @@ def run(args: argparse.Namespace) -> dict:
         "context": args.context,
         "draft": "ReferenceDrafter (test-only: the reference run's tokens at a set agreement)",
     }
+    bandwidth = None
+    if device.type == "cuda":
+        from .offline import copy_bandwidth
+
+        bandwidth = copy_bandwidth("cuda")
+        report["copy_bw_TBps"] = bandwidth / 1e12
+    report["goal"] = goal = goal_floor(model_config, args.k, args.context, bandwidth)
+    print(goal["line"], flush=True)
     for b in args.profile_step:
         print(profile_step(llm, b, args.context), flush=True)
-    report["passes"] = bench_passes(llm, batches, ks, args.context, args.repeats)
-    report["tokens"] = {str(b): bench_tokens(llm, b, agreements, args.context, args.steps) for b in token_batches}
+    report["passes"] = bench_passes(llm, batches, ks, args.context, args.repeats, bandwidth)
+    report["tokens"] = {
+        str(b): bench_tokens(llm, b, agreements, args.context, args.steps, bandwidth) for b in token_batches
+    }
     llm.shutdown()
     return report
 

@@ -20,6 +20,39 @@ def test_bench_spec_reports(tiny_checkpoints):
     report = run(args)
     (row,) = report["passes"]
     assert row["batch"] == 2 and row["k1"]["verify_ms"] > 0 and row["k3"]["draft_ms"] > 0
+    # floors in bytes (no bandwidth on the CPU, so no times)
+    assert row["k3"]["floor"]["bytes"]["drafts"] > row["k1"]["floor"]["bytes"]["drafts"] > 0
+    assert row["decode_floor"]["bytes"]["drafts"] == 0 and "ms" not in row["k1"]["floor"]
+    assert report["goal"]["k"] == 2 and report["goal"]["floor"]["bytes"]["total"] > 0
     head, full = report["tokens"]["2"]
     assert head["agreement"] is None and head["tokens_per_row_step"] >= 1
     assert full["acceptance"] == 1.0 and full["tokens_per_row_step"] == 3.0
+
+
+def test_spec_floor_bytes():
+    """The floor of a speculative step: k = 0 is bench offline's decode floor of one token (top_k
+    distinct experts a layer); each draft adds the head's passes (the lm_head each) and the verify's
+    experts grow as random routing says, never past every expert."""
+    import dataclasses
+
+    from deltaserve.bench.offline import decode_floor_bytes, weight_bytes
+    from deltaserve.bench.presets import preset_config
+    from deltaserve.bench.spec import expected_distinct_experts, goal_floor, spec_floor_bytes, tokens_per_step
+
+    c = dataclasses.replace(preset_config("qwen3_5_35b_a3b"), num_mtp_layers=1)
+    moe_layers = sum(t == "moe" for t in c.mlp_types)
+    assert expected_distinct_experts(256, 8, 1) == 8
+    assert 31 > expected_distinct_experts(256, 8, 4) > 30 and expected_distinct_experts(256, 8, 10_000) <= 256
+    plain = spec_floor_bytes(c, 1, 0, 512)
+    assert plain["drafts"] == 0
+    assert abs(plain["total"] - decode_floor_bytes(c, 1, 513, moe_layers * 8)["total"]) < 1
+    lm_head = c.vocab_size * c.hidden_size * 2
+    _, expert = weight_bytes(c, 2)
+    k1, k3 = spec_floor_bytes(c, 1, 1, 512), spec_floor_bytes(c, 1, 3, 512)
+    assert k3["drafts"] > 3 * lm_head and k1["drafts"] > lm_head and k3["drafts"] < 3 * (lm_head + 0.2e9)
+    assert k3["verify_experts"] == moe_layers * expected_distinct_experts(256, 8, 4) * expert
+    assert abs(tokens_per_step(0.8, 3) - 2.952) < 1e-9 and tokens_per_step(1.0, 3) == 4
+    goal = goal_floor(c, 3, 512, bandwidth=4e12)
+    assert goal["goal_step_ms"] == tokens_per_step(0.8, 3) * 1.0
+    assert goal["floor"]["ms"] == k3["total"] / 4e12 * 1e3
+    assert "floor" in goal["line"] and "ms" not in goal_floor(c, 3, 512, None)["floor"]
