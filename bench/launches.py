@@ -24,6 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from deltaserve.layers import base as layer_base
 from deltaserve.layers import lora as lora_layers
 from deltaserve.layers.kernels import device as kernel_device
 from deltaserve.layers.kernels.linear import triton_linear
@@ -79,7 +80,7 @@ _IS_CUDA = torch._C.TensorBase.is_cuda
 
 
 # the kernels' per-device buffers (keyed "cpu" here): what a fake run adds must not reach a real one
-_DEVICE_CACHES = (kernel_device._TICKETS, triton_linear._COUNTERS, triton_rotary._INV_FREQ)
+_DEVICE_CACHES = (kernel_device._TICKETS, triton_linear._COUNTERS, triton_rotary._INV_FREQ, layer_base._ROW_STARTS)
 
 
 @contextlib.contextmanager

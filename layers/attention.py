@@ -151,17 +151,16 @@ class GatedAttention(nn.Module):
         decode_out = prefill_out = None
         if ctx.decode is not None and ctx.decode.tokens_per_row > 1:
             # a speculative verify: k + 1 causal queries a row, each row a short varlen sequence
-            rows = ctx.decode.tokens_per_row
             decode_out = attn_kernels.paged_attention(
                 q=q[:num_decode],
                 k_cache=state.k_cache,
                 v_cache=state.v_cache,
-                cu_seqlens_q=torch.arange(0, num_decode + 1, rows, dtype=torch.int32, device=q.device),
+                cu_seqlens_q=ctx.decode.row_starts(),
                 seq_lens=ctx.decode.seq_lens,
                 block_tables=ctx.decode.block_tables,
                 scale=self.scale,
+                output_gate=gate[:num_decode],  # one rounding, as the one-token decode kernel applies it
             )
-            decode_out = decode_out * torch.sigmoid(gate[:num_decode])
         elif ctx.decode is not None:
             decode_out = attn_kernels.paged_decode_attention(
                 q=q[:num_decode],

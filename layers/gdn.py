@@ -247,15 +247,14 @@ class GatedDeltaNet(nn.Module):
             n, rows = decode.num_seqs, decode.tokens_per_row
             if verify:  # the slots keep their windows; write-on-accept rebuilds them with these inputs
                 state.verify_conv_inputs[:n] = mixed[:num_decode].view(n, rows, -1)
-                cu_seqlens, has_initial = state.verify_cu_seqlens[: n + 1], state.verify_has_initial[:n]
+                has_initial = state.verify_has_initial[:n]
             else:
-                cu_seqlens = torch.arange(0, num_decode + 1, rows, dtype=torch.int32, device=mixed.device)
                 has_initial = torch.ones(n, dtype=torch.bool, device=mixed.device)
             conv_decode = conv_kernels.causal_conv1d_varlen(
                 x=mixed[:num_decode],
                 weight=conv_weight,
                 bias=None,
-                cu_seqlens=cu_seqlens,
+                cu_seqlens=decode.row_starts(),
                 conv_state_pool=state.conv,
                 state_slots=decode.state_slots,
                 has_initial_state=has_initial,
@@ -327,7 +326,6 @@ class GatedDeltaNet(nn.Module):
                 rows, length, self.num_value_heads, self.key_head_dim, self.value_head_dim, device
             ),
             "verify_conv_inputs": torch.zeros((rows, length, self.conv_dim), dtype=dtype, device=device),
-            "verify_cu_seqlens": torch.arange(0, rows * length + 1, length, dtype=torch.int32, device=device),
             "verify_has_initial": torch.ones(rows, dtype=torch.bool, device=device),
         }
 

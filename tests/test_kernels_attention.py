@@ -154,6 +154,27 @@ def test_paged_decode_attention_output_gate(device, num_splits):
     assert rel_err(out, ref) < tol(device)
 
 
+def test_paged_attention_output_gate(device):
+    """A speculative verify's rows (4 queries each over cached pages) with the output gate in the
+    kernel: attention * sigmoid(gate) as the decode kernel applies it, the gate a strided view; the
+    op checks the gate's shape."""
+    from deltaserve.layers.kernels import attention as attn_kernels
+
+    batch = make_batch(q_lens=[4, 4, 4], ctx_lens=[3, 0, 29], hq=4, hkv=2, d=24, block_size=4, seed=6, device=device)
+    g = torch.Generator().manual_seed(10)
+    gate = torch.randn(12, 4, 2 * 24, generator=g).to(device)[..., 24:]
+    plain = naive.paged_attention(**batch, scale=0.2)
+    ref = naive.paged_attention(**batch, scale=0.2, output_gate=gate)
+    assert torch.allclose(ref, plain * torch.sigmoid(gate), atol=1e-6)
+    out = ta.paged_attention(**batch, scale=0.2, output_gate=gate)
+    assert rel_err(out, ref) < tol(device)
+    assert torch.equal(
+        attn_kernels.paged_attention(**batch, scale=0.2, output_gate=gate), out if device.type == "cuda" else ref
+    )
+    with pytest.raises(ValueError, match="output_gate"):
+        attn_kernels.paged_attention(**batch, scale=0.2, output_gate=gate[:5])
+
+
 def test_decode_matches_prefill_of_one_token(device):
     batch = make_batch(q_lens=[1, 1, 1], ctx_lens=[7, 0, 22], hq=6, hkv=2, d=24, block_size=4, seed=3, device=device)
     prefill = ta.paged_attention(**batch, scale=0.25)

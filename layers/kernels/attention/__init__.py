@@ -45,6 +45,7 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     own_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    output_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a prefill chunk's tokens over their sequences' cached pages (themselves included).
 
@@ -56,18 +57,24 @@ def paged_attention(
         own_kv: (k, v) [T, Hkv, D], the chunk's own keys and values, when the chunk is one whole
             sequence (N = 1, nothing cached before it): causal attention over them with torch's
             SDPA (flash on CUDA) instead of reading the pages; the caller vouches for the shape.
+        output_gate: [T, Hq, D] (D contiguous): the result times sigmoid(output_gate), one rounding
+            (as paged_decode_attention's; not with own_kv).
 
     Returns:
         o: [T, Hq, D] in q's dtype (float32 softmax). CUDA: one launch, no host sync.
     """
     if own_kv is not None:
+        if output_gate is not None:
+            raise ValueError("output_gate: not with own_kv (apply the gate to SDPA's result)")
         return naive.causal_sdpa(q=q, k=own_kv[0], v=own_kv[1], scale=scale)
+    if output_gate is not None and (output_gate.shape != q.shape or output_gate.stride(-1) != 1):
+        raise ValueError(f"output_gate: expected {list(q.shape)} with contiguous D, got {list(output_gate.shape)}")
     impl = naive.paged_attention
     if q.is_cuda:
         from .triton_attention import paged_attention as impl
     return impl(
         q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
-        block_tables=block_tables, scale=scale,
+        block_tables=block_tables, scale=scale, output_gate=output_gate,
     )  # fmt: skip
 
 

@@ -24,9 +24,15 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return pages.reshape(-1, *cache.shape[2:])[:length]
 
 
-def paged_attention(*, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale) -> torch.Tensor:
+def paged_attention(
+    *, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, output_gate=None
+) -> torch.Tensor:
     """The reference of attention.paged_attention."""
-    return _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, q.dtype)
+    if output_gate is None:
+        return _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, q.dtype)
+    acc = acc_dtype(q, k_cache)
+    out = _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, acc)
+    return (out * torch.sigmoid(output_gate.to(acc))).to(q.dtype)
 
 
 def _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out_dtype) -> torch.Tensor:
