@@ -244,9 +244,10 @@ class GatedDeltaNet(nn.Module):
                 pdl=ctx.kernels.pdl,
             )
         elif decode is not None:  # k + 1 tokens a row (speculative verify): each row a short sequence
-            n, rows = decode.num_seqs, decode.tokens_per_row
+            n = decode.num_seqs
+            saved = None
             if verify:  # the slots keep their windows; write-on-accept rebuilds them with these inputs
-                state.verify_conv_inputs[:n] = mixed[:num_decode].view(n, rows, -1)
+                saved = state.verify_conv_inputs[:n].view(num_decode, -1)
                 has_initial = state.verify_has_initial[:n]
             else:
                 has_initial = torch.ones(n, dtype=torch.bool, device=mixed.device)
@@ -260,6 +261,7 @@ class GatedDeltaNet(nn.Module):
                 has_initial_state=has_initial,
                 activation="silu",
                 update_state=not verify,
+                save_inputs=saved,
             )
         if ctx.prefill is not None:
             conv_prefill = conv_kernels.causal_conv1d_varlen(

@@ -27,9 +27,11 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
 
 def causal_conv1d_varlen(
     *, x, weight, bias, cu_seqlens, conv_state_pool, state_slots, has_initial_state, activation="silu",
-    update_state=True,
+    update_state=True, save_inputs=None,
 ):  # fmt: skip
     """The reference of conv1d.causal_conv1d_varlen."""
+    if save_inputs is not None:
+        save_inputs.copy_(x)
     width = weight.shape[1]
     y = torch.empty_like(x)
     bounds = cu_seqlens.tolist()
