@@ -203,17 +203,18 @@ def bench_passes(
     return rows
 
 
-def _verify_buffers(pool) -> list[dict]:
-    return [dict(vars(s)) for s in pool.layer_states]
+def _verify_buffers(pool) -> tuple[list[dict], object]:
+    return [dict(vars(s)) for s in pool.layer_states], pool.verify_stack
 
 
-def _restore(pool, buffers: list[dict]) -> None:
-    for state, saved in zip(pool.layer_states, buffers, strict=True):
+def _restore(pool, buffers: tuple[list[dict], object]) -> None:
+    states, pool.verify_stack = buffers
+    for state, saved in zip(pool.layer_states, states, strict=True):
         vars(state).update(saved)
 
 
 def _verify_costs(
-    llm: LLM, b: int, k: int, context: int, timer: Timer, decode_ms: float, engine_buffers: list[dict]
+    llm: LLM, b: int, k: int, context: int, timer: Timer, decode_ms: float, engine_buffers: tuple[list[dict], object]
 ) -> dict:
     runner = llm.engine.executor.runner
     model, pool, device = runner.model, runner.pool, runner.device
@@ -233,7 +234,7 @@ def _verify_costs(
             logits = model.compute_logits(hidden)
             sampled = argmax_kernels.row_argmax(logits=logits, pdl=runner.kernels.pdl).view(b, k + 1)
             accepted = accept_drafts(sampled, ctx.input_ids.view(b, k + 1)[:, 1:])
-            model.write_on_accept(pool.layer_states, ctx.decode.state_slots, accepted)
+            model.write_on_accept(pool.layer_states, ctx.decode.state_slots, accepted, stack=pool.verify_stack)
         held.update(ctx=ctx, hidden=hidden, sampled=sampled, accepted=accepted)
 
     verify_ms = timer(verify)

@@ -25,17 +25,16 @@ def test_lora_decode_keeps_the_pairs_path():
 
 def test_speculative_step_launches():
     """One speculative step at the same shape (k = 3, batch 1): every dense projection of the
-    4-token verify takes the few-row GEMV (the head's single-token drafts the one-row one), write-on-
-    accept is one recurrent and one conv launch a GDN layer, and the verify's attention applies its
-    gate inside the kernel; the torch glue stays a handful of launches, not a few per layer; no fake
-    tensor is left in the process's row-start buffers."""
+    4-token verify takes the few-row GEMV (the head's single-token drafts the one-row one),
+    write-on-accept is one recurrent and one conv launch for all the GDN layers, and the verify's
+    attention applies its gate inside the kernel; the torch glue stays a handful of launches, not a
+    few per layer; no fake tensor is left in the process's row-start buffers."""
     from deltaserve.bench.launches import spec_step_launches
     from deltaserve.layers import base
 
     counts = spec_step_launches("qwen3_5_35b_a3b", 1, 3)
-    gdn_layers = 30
     assert counts["triton._linear_kernel"] == 0 and counts["triton._rows_gemv_kernel"] >= 120
-    assert counts["triton._accept_kernel"] == counts["triton._conv_accept_kernel"] == gdn_layers
+    assert counts["triton._accept_kernel"] == counts["triton._conv_accept_kernel"] == 1  # every layer at once
     assert counts["torch.sigmoid"] == 0 and counts["torch.index_put_"] == 0
     torch_ops = sum(v for k, v in counts.items() if k.startswith("torch."))
     assert torch_ops < 60, {k: v for k, v in counts.items() if k.startswith("torch.")}

@@ -57,7 +57,9 @@ class SpecDecoder:
         nv = plan.num_decode_rows if plan.num_spec_tokens else 0
         with torch.inference_mode():
             if nv:
-                self.model.write_on_accept(self.pool.layer_states, ctx.decode.state_slots, num_accepted)
+                self.model.write_on_accept(
+                    self.pool.layer_states, ctx.decode.state_slots, num_accepted, stack=self.pool.verify_stack
+                )
             ids_next = self._next_tokens(plan, ctx, nv, verify_sampled, row_tokens, row_token_index)
             catch_up = dataclasses.replace(ctx, input_ids=ids_next, midchunk_capture=None)
             out = self.model.mtp_forward(catch_up, hidden, self.pool.mtp_state)
