@@ -12,7 +12,10 @@ greedy requests whose drafts come from a ReferenceDrafter (test-only: the refere
 each kept with the set agreement; the head still runs), timed over steady decoding steps. The
 reference is the same engine's output with the head's own drafts (greedy output does not depend on
 the drafts), so the measured agreement sits at the set one unless the numerics of the two runs
-part ways; both are reported.
+part ways; both are reported. With random bf16 weights they do part ways (near-tied logits flip with
+each verify's rows and offsets, and every later draft misses), so by default the per-token runs of a
+random-weight model use it rewritten to be decisive (spec_drafts.make_decisive, bench-only, labelled
+in the report): each token's successor wins by a margin no rounding reaches, at the same cost.
 
 Floors (bytes over the copy bandwidth measured in the run, as bench offline prints them): a
 speculative step must read the non-expert weights once (lm_head included), the distinct experts
@@ -42,7 +45,7 @@ from deltaserve.workers.spec_decode import SpecDecoder
 
 from .offline import decode_floor_bytes, weight_bytes
 from .presets import PRESETS, preset_config
-from .spec_drafts import ReferenceDrafter
+from .spec_drafts import ReferenceDrafter, make_decisive
 
 
 class Timer:
@@ -439,6 +442,14 @@ def run(args: argparse.Namespace) -> dict:
     for b in args.profile_step:
         print(profile_step(llm, b, args.context), flush=True)
     report["passes"] = bench_passes(llm, batches, ks, args.context, args.repeats, bandwidth)
+    decisive = args.load_format == "random" if args.decisive is None else args.decisive
+    if decisive and token_batches:
+        make_decisive(llm.engine.executor.runner.model)
+        report["model_for_tokens"] = (
+            "decisive random weights (bench-only, spec_drafts.make_decisive: output projections zeroed, each "
+            "token's successor decisive), so that drafts from a reference run agree with the verify at the set rate"
+        )
+        print(f"per-token runs: {report['model_for_tokens']}", flush=True)
     report["tokens"] = {
         str(b): bench_tokens(llm, b, agreements, args.context, args.steps, bandwidth) for b in token_batches
     }
@@ -458,6 +469,13 @@ def add_parser(sub) -> None:
     p.add_argument("--token-batches", default="1,16")
     p.add_argument("--agreements", default="0.5,0.7,0.8,0.9,1.0")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
+    p.add_argument(
+        "--decisive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="per-token runs on the model rewritten so each token's successor is decisive (bench-only; "
+        "random bf16 weights' near-ties part the verify from the reference run); default: with random weights",
+    )
     p.add_argument("--steps", type=int, default=24, help="timed engine steps per agreement")
     p.add_argument("--repeats", type=int, default=20, help="timed repeats per pass")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -56,3 +56,29 @@ def test_spec_floor_bytes():
     assert goal["goal_step_ms"] == tokens_per_step(0.8, 3) * 1.0
     assert goal["floor"]["ms"] == k3["total"] / 4e12 * 1e3
     assert "floor" in goal["line"] and "ms" not in goal_floor(c, 3, 512, None)["floor"]
+
+
+def test_decisive_model_decodes_the_successor_chain(tiny_checkpoints):
+    """make_decisive: greedy output is the seeded successor of the last token, step after step, with
+    and without speculation (the head's own drafts); a tied lm_head is refused."""
+    import pytest
+
+    from deltaserve import LLM, SamplingParams
+    from deltaserve.bench.spec_drafts import decisive_successor, make_decisive
+
+    path, _ = tiny_checkpoints["qwen3_5_moe"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 9, 31], [77, 3]]
+    for spec in (None, {"method": "mtp", "num_speculative_tokens": 3}):
+        llm = LLM(str(path), max_num_seqs=4, speculative_config=spec)
+        model = llm.engine.executor.runner.model
+        make_decisive(model, seed=4)
+        successor = decisive_successor(model.config.vocab_size, seed=4)
+        for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
+            tokens = [prompt[-1], *out.outputs[0].token_ids]
+            assert all(int(successor[a]) == b for a, b in zip(tokens[:-1], tokens[1:], strict=True)), tokens
+        llm.shutdown()
+    tied = LLM(str(tiny_checkpoints["qwen3_5"][0]), max_num_seqs=2)
+    with pytest.raises(ValueError, match="lm_head"):
+        make_decisive(tied.engine.executor.runner.model)
+    tied.shutdown()
