@@ -24,15 +24,9 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return pages.reshape(-1, *cache.shape[2:])[:length]
 
 
-def paged_attention(
-    *, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, output_gate=None
-) -> torch.Tensor:
+def paged_attention(*, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale) -> torch.Tensor:
     """The reference of attention.paged_attention."""
-    if output_gate is None:
-        return _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, q.dtype)
-    acc = acc_dtype(q, k_cache)
-    out = _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, acc)
-    return (out * torch.sigmoid(output_gate.to(acc))).to(q.dtype)
+    return _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, q.dtype)
 
 
 def _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out_dtype) -> torch.Tensor:
@@ -58,8 +52,15 @@ def _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
     return out
 
 
-def paged_decode_attention(*, q, k_cache, v_cache, seq_lens, block_tables, scale, output_gate=None) -> torch.Tensor:
-    """The reference of attention.paged_decode_attention."""
+def paged_decode_attention(
+    *, q, k_cache, v_cache, seq_lens, block_tables, scale, output_gate=None, tokens_per_row=1
+) -> torch.Tensor:
+    """The reference of attention.paged_decode_attention: each q row its own one-query sequence."""
+    if tokens_per_row > 1:  # row j of each sequence sees its context and the pass's first j + 1 tokens
+        rows = tokens_per_row
+        later = (rows - 1 - torch.arange(rows, device=seq_lens.device)).repeat(seq_lens.shape[0])
+        seq_lens = seq_lens.repeat_interleave(rows) - later.to(seq_lens.dtype)
+        block_tables = block_tables.repeat_interleave(rows, dim=0)
     cu = torch.arange(q.shape[0] + 1, device=q.device)
     if output_gate is None:
         return _attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, q.dtype)

@@ -94,10 +94,9 @@ def _attend_block(
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["cu_seqlens_q", "seq_lens", "block_tables", "num_seqs", "s_btn"])
 def _prefill_kernel(
-    q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, gate, qk_scale, num_seqs, s_qt, s_qh, s_kb, s_ko,
-    s_kh, s_vb, s_vo, s_vh, s_btn, s_btp, s_ot, s_oh, s_gt, s_gh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SEQ: tl.constexpr, HAS_GATE: tl.constexpr,
+    q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, qk_scale, num_seqs, s_qt, s_qh, s_kb, s_ko, s_kh,
+    s_vb, s_vo, s_vh, s_btn, s_btp, s_ot, s_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SEQ: tl.constexpr,
 ):  # fmt: skip
     # the last q blocks attend to the most keys: launch them first to shorten the tail
     b = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -149,9 +148,6 @@ def _prefill_kernel(
             qk_scale, PAGE, HEAD_DIM, BLOCK_N, True,
         )  # fmt: skip
     o = acc / l_i[:, None]
-    if HAS_GATE:  # the gated attention's output gate, before the one rounding (as the decode kernel)
-        g_rows = (q_start + tok).to(tl.int64) * s_gt + head * s_gh
-        o *= tl.sigmoid(tl.load(gate + g_rows[:, None] + d[None, :], mask=q_mask, other=0.0).to(tl.float32))
     o_rows = (q_start + tok).to(tl.int64) * s_ot + head * s_oh
     tl.store(out + o_rows[:, None] + d[None, :], o.to(out.dtype.element_ty), mask=q_mask)
 
@@ -193,9 +189,7 @@ def _prefill_config(head_dim: int, group: int, elem: int, info: DeviceInfo) -> d
     return cfg
 
 
-def paged_attention(
-    *, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, output_gate=None, config=None
-):  # fmt: skip
+def paged_attention(*, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, config=None):
     """attention.paged_attention. Grid (T // BLOCK_Q + N, Hkv): a program takes BLOCK_Q tokens x all
     q heads of one kv head; the bound needs no host sync and programs past their sequence's end
     return at once. `config` overrides the tiles (block_m, block_n, num_warps, num_stages)."""
@@ -212,13 +206,12 @@ def paged_attention(
     block_q = cfg["block_m"] // group
     assert block_q >= 1, "block_m must hold at least one token's heads"
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    gate = (q, 0, 0) if output_gate is None else (output_gate, output_gate.stride(0), output_gate.stride(1))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, gate[0], scale * LOG2E, num_seqs, q.stride(0),
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, scale * LOG2E, num_seqs, q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), block_tables.stride(0), block_tables.stride(1), out.stride(0), out.stride(1), gate[1],
-        gate[2], GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=cfg["block_m"], BLOCK_Q=block_q,
-        BLOCK_N=cfg["block_n"], BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SEQ=PREFILL_SEQ_BLOCK,
-        HAS_GATE=output_gate is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        v_cache.stride(2), block_tables.stride(0), block_tables.stride(1), out.stride(0), out.stride(1), GROUP=group,
+        HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_M=cfg["block_m"], BLOCK_Q=block_q, BLOCK_N=cfg["block_n"],
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SEQ=PREFILL_SEQ_BLOCK, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
