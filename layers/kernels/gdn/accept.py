@@ -84,9 +84,7 @@ def accept_states(
     *, state_pool: torch.Tensor, state_slots: torch.Tensor, table: VerifyTable, last_accepted: torch.Tensor
 ) -> None:
     """See state.accept_states: the one-layer case of accept_states_layers."""
-    from .state import VerifyTable
-
-    one = VerifyTable(table.k[None], table.delta[None], table.g[None])
+    one = type(table)(table.k[None], table.delta[None], table.g[None])  # state imports this module
     accept_states_layers(state_pools=state_pool[None], state_slots=state_slots, table=one, last_accepted=last_accepted)
 
 
