@@ -360,7 +360,7 @@ def rows_sweep(tokens: list[int], shapes: list[tuple[str, int, int]]) -> None:
                 graphed(_calls(lambda x, w, c=default: triton_rows.rows_gemv(x=x, weight=w, config=c), m, n, k)), calls
             )
             x, w = _x(m, k), _weights(n, k)[0]
-            err = _rel_err(triton_rows.rows_gemv(x=x, weight=w), naive.linear(x=x.float(), weight=w.float()))
+            err = _rel_err(triton_rows.rows_gemv(x=x, weight=w)[0], naive.linear(x=x.float(), weight=w.float()))
             print(
                 f"{label} M={m} N={n} K={k}: few-row default {default} {default_us:6.2f} us (err {err:.1e}); "
                 f"skinny {skinny:6.2f}, cuBLAS {cublas:6.2f}, one-row GEMV at M=1 {one_row:6.2f}",

@@ -37,7 +37,7 @@ def check(out, ref, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_default_config(device, m, n, k, dtype):
     x, w, b = make(m, n, k, device, dtype, bias=m % 2 == 1)
-    check(triton_rows.rows_gemv(x=x, weight=w, bias=b), naive.linear(x=x, weight=w, bias=b), dtype)
+    check(triton_rows.rows_gemv(x=x, weight=w, bias=b)[0], naive.linear(x=x, weight=w, bias=b), dtype)
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,7 @@ def test_default_config(device, m, n, k, dtype):
 def test_forced_configs(device, cfg, preload):
     """Groups that do and do not divide M, blocks past N, the weight loaded before or after the wait."""
     x, w, b = make(7, 13, 48, device, torch.bfloat16, bias=True)
-    out = triton_rows.rows_gemv(x=x, weight=w, bias=b, config=cfg, preload=preload)
+    out = triton_rows.rows_gemv(x=x, weight=w, bias=b, config=cfg, preload=preload)[0]
     check(out, naive.linear(x=x, weight=w, bias=b), torch.bfloat16)
 
 
@@ -63,12 +63,12 @@ def test_strided_x_and_weight_rows(device):
     wide = torch.randn(2 * m, k + 24, device=device).to(torch.bfloat16)
     _, w, _ = make(m, n, k, device, torch.bfloat16, bias=False)
     for x in (wide[:m, 8 : 8 + k], wide[::2, :k]):
-        check(triton_rows.rows_gemv(x=x, weight=w[8:30]), naive.linear(x=x, weight=w[8:30]), torch.bfloat16)
+        check(triton_rows.rows_gemv(x=x, weight=w[8:30])[0], naive.linear(x=x, weight=w[8:30]), torch.bfloat16)
 
 
 def test_empty(device):
     x, w, b = make(0, 7, 64, device, torch.bfloat16, bias=False)
-    assert triton_rows.rows_gemv(x=x, weight=w).shape == (0, 7)
+    assert triton_rows.rows_gemv(x=x, weight=w)[0].shape == (0, 7)
 
 
 def test_tiles_at_model_shapes():
@@ -107,4 +107,62 @@ def test_gpu_bf16_real_shapes(m, n, k):
     x, w, b = make(m, n, k, "cuda", torch.bfloat16, bias=m == 3)
     out = linear_kernels.linear(x=x, weight=w, bias=b)
     check(out, naive.linear(x=x, weight=w, bias=b), torch.bfloat16)
-    assert torch.equal(out, triton_rows.rows_gemv(x=x, weight=w, bias=b))  # the op took it, bit-reproducibly
+    assert torch.equal(out, triton_rows.rows_gemv(x=x, weight=w, bias=b)[0])  # the op took it, bit-reproducibly
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(4, 7, 200), (3, 130, 64), (9, 33, 48)])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("cfg", [None, dict(block_n=2, num_warps=2, group=2)])
+def test_fused_norm(device, m, n, k, with_residual, cfg):
+    """The residual add + zero-centred norm inside the few-row GEMV: the new residual is the exact
+    sum (one bf16 step under the interpreter, whose float32 -> bf16 cast truncates), the normed rows
+    what the unfused norm writes to one rounding, the projection the composition's; every row written
+    (groups that do not divide M included)."""
+    from deltaserve.layers.kernels.norm import naive as norm_naive
+
+    g = torch.Generator().manual_seed(m + n + k)
+    to = dict(device=device, dtype=torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(**to)
+    residual = (torch.randn(m, k, generator=g) * 3).to(**to) if with_residual else None
+    norm_w = (torch.randn(k, generator=g) * 0.1).to(**to)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(**to)
+    out, normed, summed = triton_rows.rows_gemv(
+        x=x, weight=w, residual=residual, norm_weight=norm_w, eps=1e-6, write_normed=True, config=cfg
+    )
+    ref_summed = x if residual is None else x + residual
+    ref_normed = norm_naive.rms_norm(x=ref_summed, weight=norm_w, eps=1e-6)
+    eps = torch.finfo(torch.bfloat16).eps
+    if with_residual:
+        assert (summed.float() - ref_summed.float()).abs().max() <= eps * ref_summed.float().abs().max()
+    else:
+        assert summed is None
+    for got, want in ((normed, ref_normed), (out, naive.linear(x=ref_normed, weight=w))):
+        assert not got.isnan().any()
+        assert (got.float() - want.float()).abs().max() <= 4 * eps * want.float().abs().max()
+
+
+def test_rms_norm_linear_takes_the_fused_few_rows(monkeypatch):
+    """rms_norm_linear on 2..few_rows rows of a weight of at most FUSED_NORM_MAX_N rows runs the
+    norm inside the few-row GEMV (no norm kernel), and never with few_rows = 0, few_rows_norm off
+    or an FP8 weight."""
+    from deltaserve.layers.kernels import linear as lk
+    from deltaserve.layers.kernels import norm as norm_kernels
+
+    calls = []
+    monkeypatch.setattr(lk, "_path", lambda x, n, row_gemv, few_rows=0: "rows" if few_rows else "torch")
+    monkeypatch.setattr(norm_kernels, "fused_add_rms_norm", lambda **kw: calls.append("norm") or (kw["x"], kw["x"]))
+    monkeypatch.setattr(lk, "linear", lambda **kw: calls.append("linear") or kw["x"])
+    monkeypatch.setattr(triton_rows, "rows_gemv", lambda **kw: calls.append("fused") or (kw["x"], None, kw["x"]))
+    x = torch.zeros(4, 8)
+    kw = dict(x=x, residual=x, norm_weight=torch.zeros(8), eps=1e-6, weight=torch.zeros(16, 8))
+    lk.rms_norm_linear(**kw)
+    assert calls == ["fused"]
+    calls.clear()
+    lk.rms_norm_linear(**kw, few_rows=0)
+    assert calls == ["norm", "linear"]
+    calls.clear()
+    lk.rms_norm_linear(**kw, few_rows_norm=False)
+    assert calls == ["norm", "linear"]
+    calls.clear()
+    lk.rms_norm_linear(**kw, weight_scale=torch.ones(1, 1))
+    assert calls == ["norm", "linear"]

@@ -54,6 +54,13 @@ class KernelOptions:
             "help": "most rows (2..) of a projection that take the few-row GEMV (weights read once); 0: none",
         },
     )
+    few_rows_norm: bool = field(
+        default=True,
+        metadata={
+            "env": "DELTASERVE_FEW_ROWS_NORM",
+            "help": "the few-row GEMV runs the input norm in front of projections of <= 2048 rows (MoE input)",
+        },
+    )
     row_tiles: tuple[RowTile, ...] = field(
         default=(),
         metadata={"env": "DELTASERVE_ROW_TILES", "help": "row-GEMV tiles overriding the tuned table per shape"},

@@ -36,6 +36,11 @@ ENV_VARS: dict[str, EnvVar] = {
             "most rows (2..) of a projection that take the few-row GEMV (the weight read once); 0: none",
         ),
         EnvVar(
+            "DELTASERVE_FEW_ROWS_NORM",
+            "1",
+            "0: the few-row GEMV takes the input norm from the norm kernel instead of running it in front",
+        ),
+        EnvVar(
             "DELTASERVE_ROW_TILES",
             "",
             'row-GEMV tiles for given weight shapes, "NxK:BLOCK_NxWARPS" joined by "+" (e.g. "2048x4096:16x8")',

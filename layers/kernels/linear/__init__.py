@@ -72,7 +72,7 @@ def linear(
     if path == "rows":
         from .triton_rows import rows_gemv
 
-        return rows_gemv(x=x, weight=weight, bias=bias, pdl=pdl)
+        return rows_gemv(x=x, weight=weight, bias=bias, pdl=pdl)[0]
     if path == "skinny":
         from .triton_linear import linear as impl
 
@@ -157,6 +157,7 @@ def rms_norm_linear(
     row_gemv: bool = True,
     row_tiles: tuple[RowTile, ...] = (),
     few_rows: int = FEW_ROWS_MAX,
+    few_rows_norm: bool = True,
 ) -> NormLinearOut:
     """The residual add, the zero-centred input norm and the projection after it:
     s = x + residual (x itself when residual is None), y = rms_norm(s) * (1 + norm_weight),
@@ -165,16 +166,26 @@ def rms_norm_linear(
     Args:
         x, residual: [M, K], one dtype. norm_weight: [K]. weight: [N, K]. bias: [N] or None.
         write_normed: also return y. weight_scale, weight_tail, pdl, row_gemv, row_tiles, few_rows: as
-            `linear`.
+            `linear`. few_rows_norm: the few-row GEMV may run the norm inside (below).
 
     Returns:
         NormLinearOut(out [M, N], y [M, K] or None, s [M, K]), in x's dtype. A CUDA row whose
         weight has at most triton_row.FUSED_NORM_MAX_N rows (where the fusion measured faster) runs
-        the norm inside the one-row GEMV; otherwise the norm kernel, then `linear`.
+        the norm inside the one-row GEMV, and 2..few_rows rows of a plain weight as small inside the
+        few-row GEMV; otherwise the norm kernel, then `linear`.
     """
     if weight_scale is None:
         _check_plain(weight, weight_tail)
-    if _path(x, weight.shape[0], row_gemv) == "row" and _fuses_norm(weight.shape[0]):
+    path = _path(x, weight.shape[0], row_gemv, few_rows if weight_scale is None else 0)
+    if path == "rows" and few_rows_norm and _fuses_norm(weight.shape[0]):
+        from .triton_rows import rows_gemv
+
+        out, normed, summed = rows_gemv(
+            x=x, weight=weight, bias=bias, residual=residual, norm_weight=norm_weight, eps=eps,
+            write_normed=write_normed, pdl=pdl,
+        )  # fmt: skip
+        return NormLinearOut(out, normed, x if summed is None else summed)
+    if path == "row" and _fuses_norm(weight.shape[0]):
         from .triton_row import row_gemv as impl
 
         out, normed, summed = impl(
