@@ -13,6 +13,7 @@ Time and floor are for all the calls of a row; "% of copy BW" is the floor over 
     python -m deltaserve.bench.kernels --only linear            # default configs vs cuBLAS
     python -m deltaserve.bench.kernels_linear --sweep           # every config, best per shape
     python -m deltaserve.bench.kernels_linear --sweep --tokens 1 --shapes 1288:2048,2048:4096 --json out.json
+    python -m deltaserve.bench.kernels_linear --rows-sweep --tokens 2,4,8,16  # the few-row GEMV's tiles
 
 The sweep prints, per (M, N, K), cuBLAS, the default pick and the fastest configs (us per call,
 GB/s, % of copy BW, error, bit-reproducibility), then a summary and `TUNED[<device>][...] = {...}` lines to
@@ -319,6 +320,57 @@ def row_sweep(shapes: list[tuple[str, int, int]]) -> None:
             )
 
 
+# --- few-row kernel (triton_rows.py) ----------------------------------------------------------------
+
+FEW_ROW_TILES = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (8, 8)]  # (block_n, num_warps)
+FEW_ROW_GROUPS = (1, 2, 4, 8)
+
+
+def rows_sweep(tokens: list[int], shapes: list[tuple[str, int, int]]) -> None:
+    """2..16 rows: the few-row kernel's tiles (rows per program, warps, rows per reduction group,
+    weights before or after the PDL wait) against the skinny GEMM's pick, cuBLAS and the one-row
+    GEMV on one row (the time the few-row kernel aims at). Graph-timed, us per call."""
+    from deltaserve.layers.kernels.linear import triton_row, triton_rows
+
+    info = device_info(torch.device("cuda"))
+    for label, n, k in shapes:
+        calls = _num_calls(n, k)
+        one_row = _time_graph(graphed(_calls(lambda x, w: triton_row.row_gemv(x=x, weight=w)[0], 1, n, k)), calls)
+        for m in tokens:
+            if m < 2 or not triton_rows.supports(m, k, DTYPE):
+                continue
+            skinny = _time_graph(graphed(_calls(lambda x, w: tl_.linear(x=x, weight=w), m, n, k)), calls)
+            cublas = _time_graph(graphed(_calls(lambda x, w: F.linear(x, w), m, n, k)), calls)
+            default = triton_rows.pick_config(m, n, k, info)
+            rows = []
+            for block_n, warps in FEW_ROW_TILES:
+                for group in FEW_ROW_GROUPS:
+                    per_thread = group * block_n * triton.next_power_of_2(k) / (32 * warps)
+                    if group > triton.next_power_of_2(m) or per_thread > 4 * triton_rows.MAX_PRODUCT_PER_THREAD:
+                        continue
+                    for preload in (True, False):
+                        cfg = dict(block_n=block_n, num_warps=warps, group=group)
+
+                        def fn(x, w, cfg=cfg, preload=preload):
+                            return triton_rows.rows_gemv(x=x, weight=w, config=cfg, preload=preload)
+
+                        rows.append((_time_graph(graphed(_calls(fn, m, n, k)), calls), cfg, preload))
+            rows.sort(key=lambda r: r[0])
+            default_us = _time_graph(
+                graphed(_calls(lambda x, w, c=default: triton_rows.rows_gemv(x=x, weight=w, config=c), m, n, k)), calls
+            )
+            x, w = _x(m, k), _weights(n, k)[0]
+            err = _rel_err(triton_rows.rows_gemv(x=x, weight=w)[0], naive.linear(x=x.float(), weight=w.float()))
+            print(
+                f"{label} M={m} N={n} K={k}: few-row default {default} {default_us:6.2f} us (err {err:.1e}); "
+                f"skinny {skinny:6.2f}, cuBLAS {cublas:6.2f}, one-row GEMV at M=1 {one_row:6.2f}",
+                flush=True,
+            )
+            for us, cfg, preload in rows[:5]:
+                when = "preload" if preload else "after-wait"
+                print(f"  n{cfg['block_n']} w{cfg['num_warps']} g{cfg['group']} {when}: {us:6.2f} us")
+
+
 def _short(cfg: dict) -> str:
     c = _public(cfg)
     form = "mma" if c["dot"] else f"gemv{c['block_m']}"
@@ -332,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="time every config per shape (else: the cases)")
     parser.add_argument("--row-sweep", action="store_true", help="batch 1: the one-row kernel's tiles")
+    parser.add_argument("--rows-sweep", action="store_true", help="2..16 rows (--tokens): the few-row kernel's tiles")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated M values")
     parser.add_argument("--shapes", default=None, help="comma-separated N:K (default: the five model shapes)")
     parser.add_argument("--json", default=None)
@@ -348,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.row_sweep:
         row_sweep(shapes)
+        return 0
+    if args.rows_sweep:
+        rows_sweep(tokens, shapes)
         return 0
     import importlib
 

@@ -5,6 +5,7 @@ launch a kernel counted as one. Tiles come from the interpreter's table (the ten
 the CPU): they change grids, not the launches.
 
     python -m deltaserve.bench.launches --preset qwen3_5_35b_a3b --batch 1 --adapters 0,1,8
+    python -m deltaserve.bench.launches --adapters "" --spec-k 3 --by-kernel   # a speculative step
 
 A CUDA graph replays exactly these launches, so the count is what a decode step's graph holds
 (torch ops: one launch an op, an estimate; Triton: exact). Per kernel name with --by-kernel.
@@ -23,6 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from deltaserve.layers import base as layer_base
 from deltaserve.layers import lora as lora_layers
 from deltaserve.layers.kernels import device as kernel_device
 from deltaserve.layers.kernels.linear import triton_linear
@@ -78,7 +80,7 @@ _IS_CUDA = torch._C.TensorBase.is_cuda
 
 
 # the kernels' per-device buffers (keyed "cpu" here): what a fake run adds must not reach a real one
-_DEVICE_CACHES = (kernel_device._TICKETS, triton_linear._COUNTERS, triton_rotary._INV_FREQ)
+_DEVICE_CACHES = (kernel_device._TICKETS, triton_linear._COUNTERS, triton_rotary._INV_FREQ, layer_base._ROW_STARTS)
 
 
 @contextlib.contextmanager
@@ -158,20 +160,66 @@ def decode_launches(
     return counts
 
 
+def spec_step_launches(preset: str, batch: int, k: int, *, context: int = 64) -> collections.Counter:
+    """Launches of one eager speculative step (what the engine's verify graph holds: the target over
+    k + 1 tokens a row, the argmax, the acceptance, write-on-accept, the MTP head's catch-up and its
+    k - 1 draft steps; workers/spec_graphs.py) of `batch` greedy verify rows at the preset's shape."""
+    from deltaserve.layers.kernels import argmax as argmax_kernels
+    from deltaserve.layers.mtp import MtpHead
+    from deltaserve.workers.rejection import accept_drafts
+    from deltaserve.workers.spec_decode import SpecDecoder
+
+    from .spec import scratch_plan
+
+    config = dataclasses.replace(preset_config(preset), num_mtp_layers=1)
+    counts: collections.Counter = collections.Counter()
+    block_size = 16
+    with fake_cuda() as mode:
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = HybridModel(config)
+            model.mtp = MtpHead(config, model.layout)
+            pages = batch * ((context + 2 * k + 2) // block_size + 2)
+            pool = StatePool(model, PoolSizes(pages, block_size, batch), dtype=torch.bfloat16, device="cpu")
+            pool.enable_verify(model, rows=batch, length=k + 1)
+            spec = SpecDecoder(model, pool, k)
+            plan = scratch_plan(batch, context, k + 1, block_size, config.vocab_size, k)
+            indices, _ = logits_rows(plan)
+            with _disable_current_modes():
+                ctx = build_forward_context(plan, model.config, model.layout, "cpu", indices)
+            ctx = _faked(ctx, mode)
+            with torch.no_grad(), count_launches(counts):
+                hidden = model(ctx, pool.layer_states)
+                sampled = argmax_kernels.row_argmax(logits=model.compute_logits(hidden)).view(batch, k + 1)
+                accepted = accept_drafts(sampled, ctx.input_ids.view(batch, k + 1)[:, 1:])
+                spec.after_sampling(plan, ctx, hidden, sampled, accepted, None, [-1] * batch)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    return counts
+
+
+def _print_counts(label: str, counts: collections.Counter, by_kernel: bool) -> None:
+    triton_n = sum(v for k, v in counts.items() if k.startswith("triton."))
+    print(f"{label}: {sum(counts.values())} launches ({triton_n} Triton)")
+    if by_kernel:
+        for name, v in sorted(counts.items(), key=lambda kv: -kv[1]):
+            print(f"  {v:6d} {name}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3_5_35b_a3b", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--adapters", default="0,1,8", help="distinct adapters (0: none), comma list")
+    p.add_argument("--spec-k", type=int, default=0, help="also one speculative step with k drafts (MTP head)")
     p.add_argument("--by-kernel", action="store_true")
     args = p.parse_args(argv)
-    for n in (int(a) for a in args.adapters.split(",")):
+    for n in (int(a) for a in args.adapters.split(",") if a):
         counts = decode_launches(args.preset, args.batch, n)
-        triton_n = sum(v for k, v in counts.items() if k.startswith("triton."))
-        print(f"batch {args.batch}, {n} adapter(s): {sum(counts.values())} launches ({triton_n} Triton)")
-        if args.by_kernel:
-            for name, v in sorted(counts.items(), key=lambda kv: -kv[1]):
-                print(f"  {v:6d} {name}")
+        _print_counts(f"batch {args.batch}, {n} adapter(s)", counts, args.by_kernel)
+    if args.spec_k:
+        counts = spec_step_launches(args.preset, args.batch, args.spec_k)
+        _print_counts(f"batch {args.batch}, speculative step k = {args.spec_k}", counts, args.by_kernel)
     return 0
 
 

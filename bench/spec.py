@@ -12,7 +12,18 @@ greedy requests whose drafts come from a ReferenceDrafter (test-only: the refere
 each kept with the set agreement; the head still runs), timed over steady decoding steps. The
 reference is the same engine's output with the head's own drafts (greedy output does not depend on
 the drafts), so the measured agreement sits at the set one unless the numerics of the two runs
-part ways; both are reported.
+part ways; both are reported. With random bf16 weights they do part ways (near-tied logits flip with
+each verify's rows and offsets, and every later draft misses), so by default the per-token runs of a
+random-weight model use it rewritten to be decisive (spec_drafts.make_decisive, bench-only, labelled
+in the report): each token's successor wins by a margin no rounding reaches, at the same cost.
+
+Floors (bytes over the copy bandwidth measured in the run, as bench offline prints them): a
+speculative step must read the non-expert weights once (lm_head included), the distinct experts
+its b (k + 1) verify tokens route to, the KV and GDN state of its rows, and for each of the k head
+passes (the catch-up, then k - 1 draft steps) the head's layer, fc and the lm_head again, with the
+experts its tokens route to. Routing is counted as random (uniform top-k, independent tokens:
+E (1 - (1 - top_k / E)^T) distinct experts for T tokens), what a random-weight model does; a real
+checkpoint's consecutive tokens share experts more, so its floor is lower.
 """
 
 from __future__ import annotations
@@ -32,8 +43,9 @@ from deltaserve.workers.context import build_forward_context, logits_rows
 from deltaserve.workers.rejection import accept_drafts
 from deltaserve.workers.spec_decode import SpecDecoder
 
+from .offline import decode_floor_bytes, weight_bytes
 from .presets import PRESETS, preset_config
-from .spec_drafts import ReferenceDrafter
+from .spec_drafts import ReferenceDrafter, make_decisive
 
 
 class Timer:
@@ -59,6 +71,44 @@ class Timer:
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts T tokens touch in one MoE layer when each picks top_k of E uniformly."""
+    if num_experts <= 0 or tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def spec_floor_bytes(model_config: ModelConfig, batch: int, k: int, context: int, dtype_bytes: int = 2) -> dict:
+    """Bytes one speculative step must read at batch b with k drafts a row (random routing; see the
+    module docstring): "verify" (the target over b (k + 1) tokens: weights, distinct experts, KV,
+    GDN state read and written back on accept), "drafts" (k head passes: the head's layer, fc and
+    lm_head each, their experts and the head's KV), "total"; k = 0 is a plain decode step."""
+    c = model_config
+    moe_layers = sum(t == "moe" for t in c.mlp_types)
+    tokens = batch * (k + 1)
+    distinct = moe_layers * expected_distinct_experts(c.num_experts, c.num_experts_per_tok, tokens)
+    verify = decode_floor_bytes(c, batch, context + k + 1, distinct, dtype_bytes)
+    out = {"verify": verify["total"], "verify_experts": verify["experts"], "drafts": 0, "drafts_experts": 0}
+    if k:
+        head = c.mtp_layer_config()
+        head_dense, expert = weight_bytes(head, dtype_bytes)  # one attention layer, its FFN, the lm_head
+        head_dense += 2 * c.hidden_size * c.hidden_size * dtype_bytes  # fc
+        head_tokens = [tokens] + [batch] * (k - 1)  # the catch-up, then one token a row per draft step
+        experts = 0.0
+        if head.mlp_types[0] == "moe":
+            experts = sum(expected_distinct_experts(c.num_experts, c.num_experts_per_tok, t) for t in head_tokens)
+        kv = k * batch * (context + k) * 2 * c.num_kv_heads * c.head_dim * dtype_bytes
+        out["drafts_experts"] = experts * expert
+        out["drafts"] = k * head_dense + experts * expert + kv
+    out["total"] = out["verify"] + out["drafts"]
+    return out
+
+
+def tokens_per_step(agreement: float, k: int) -> float:
+    """Expected tokens a verify row emits at per-draft agreement a: 1 + a + ... + a^k."""
+    return float(sum(agreement**i for i in range(k + 1)))
 
 
 def scratch_plan(batch: int, context: int, new: int, block_size: int, vocab: int, k: int = 0):
@@ -92,7 +142,20 @@ def scratch_plan(batch: int, context: int, new: int, block_size: int, vocab: int
     )
 
 
-def bench_passes(llm: LLM, batches: list[int], ks: list[int], context: int, repeats: int) -> list[dict]:
+def _floor(model_config: ModelConfig, batch: int, k: int, context: int, bandwidth: float | None) -> dict:
+    """spec_floor_bytes with its time at the measured bandwidth (None on the CPU: bytes only)."""
+    floor = spec_floor_bytes(model_config, batch, k, context)
+    out = {"bytes": floor}
+    if bandwidth:
+        out["ms"] = floor["total"] / bandwidth * 1e3
+        out["verify_ms"] = floor["verify"] / bandwidth * 1e3
+        out["drafts_ms"] = floor["drafts"] / bandwidth * 1e3
+    return out
+
+
+def bench_passes(
+    llm: LLM, batches: list[int], ks: list[int], context: int, repeats: int, bandwidth: float | None = None
+) -> list[dict]:
     runner = llm.engine.executor.runner
     model, pool, device = runner.model, runner.pool, runner.device
     bs, vocab = pool.sizes.block_size, model.config.vocab_size
@@ -125,7 +188,11 @@ def bench_passes(llm: LLM, batches: list[int], ks: list[int], context: int, repe
             with torch.inference_mode():
                 argmax_kernels.row_argmax(logits=model.compute_logits(model(ctx, pool.layer_states)), pdl=pdl)
 
-        row = {"batch": b, "decode_eager_ms": timer(eager)}
+        row = {
+            "batch": b,
+            "decode_eager_ms": timer(eager),
+            "decode_floor": _floor(model.config, b, 0, context, bandwidth),
+        }
         if graphs is not None:
             row["decode_graph_ms"] = timer(
                 lambda plan=plan: argmax_kernels.row_argmax(logits=graphs.run(plan), pdl=pdl)
@@ -133,22 +200,24 @@ def bench_passes(llm: LLM, batches: list[int], ks: list[int], context: int, repe
         decode_ms = row.get("decode_graph_ms", row["decode_eager_ms"])
         for k in ks:
             row[f"k{k}"] = _verify_costs(llm, b, k, context, timer, decode_ms, engine_buffers)
+            row[f"k{k}"]["floor"] = _floor(model.config, b, k, context, bandwidth)
         rows.append(row)
         print(_pass_line(row, ks), flush=True)
     return rows
 
 
-def _verify_buffers(pool) -> list[dict]:
-    return [dict(vars(s)) for s in pool.layer_states]
+def _verify_buffers(pool) -> tuple[list[dict], object]:
+    return [dict(vars(s)) for s in pool.layer_states], pool.verify_stack
 
 
-def _restore(pool, buffers: list[dict]) -> None:
-    for state, saved in zip(pool.layer_states, buffers, strict=True):
+def _restore(pool, buffers: tuple[list[dict], object]) -> None:
+    states, pool.verify_stack = buffers
+    for state, saved in zip(pool.layer_states, states, strict=True):
         vars(state).update(saved)
 
 
 def _verify_costs(
-    llm: LLM, b: int, k: int, context: int, timer: Timer, decode_ms: float, engine_buffers: list[dict]
+    llm: LLM, b: int, k: int, context: int, timer: Timer, decode_ms: float, engine_buffers: tuple[list[dict], object]
 ) -> dict:
     runner = llm.engine.executor.runner
     model, pool, device = runner.model, runner.pool, runner.device
@@ -168,7 +237,7 @@ def _verify_costs(
             logits = model.compute_logits(hidden)
             sampled = argmax_kernels.row_argmax(logits=logits, pdl=runner.kernels.pdl).view(b, k + 1)
             accepted = accept_drafts(sampled, ctx.input_ids.view(b, k + 1)[:, 1:])
-            model.write_on_accept(pool.layer_states, ctx.decode.state_slots, accepted)
+            model.write_on_accept(pool.layer_states, ctx.decode.state_slots, accepted, stack=pool.verify_stack)
         held.update(ctx=ctx, hidden=hidden, sampled=sampled, accepted=accepted)
 
     verify_ms = timer(verify)
@@ -211,21 +280,60 @@ def profile_step(llm: LLM, b: int, context: int, steps: int = 3) -> str:
     return f"--- batch {b}, k = {k}: the speculative step from its graph ---\n" + marginal_table(prof, steps)
 
 
+GOAL_MS_PER_TOKEN = 1.0  # issue 21: batch 1 at 0.8 agreement
+GOAL_AGREEMENT = 0.8
+
+
+def goal_floor(model_config: ModelConfig, k: int, context: int, bandwidth: float | None) -> dict:
+    """The batch-1 goal against the floor: the step time GOAL_MS_PER_TOKEN allows at GOAL_AGREEMENT
+    with k drafts, and the floor's step and per-token times there (bytes only without a bandwidth)."""
+    per_step = tokens_per_step(GOAL_AGREEMENT, k)
+    floor = _floor(model_config, 1, k, context, bandwidth)
+    goal = {"k": k, "agreement": GOAL_AGREEMENT, "tokens_per_step": per_step}
+    goal["goal_step_ms"] = GOAL_MS_PER_TOKEN * per_step
+    goal["floor"] = floor
+    line = (
+        f"goal: batch 1, k={k}, agreement {GOAL_AGREEMENT}: {GOAL_MS_PER_TOKEN} ms per output token = a step of "
+        f"{goal['goal_step_ms']:.3f} ms ({per_step:.3f} tokens a step)"
+    )
+    b = floor["bytes"]
+    experts = (b["verify_experts"] + b["drafts_experts"]) / 1e9
+    line += f"; the step reads {b['total'] / 1e9:.2f} GB (experts {experts:.2f} GB, the head's passes"
+    line += f" {b['drafts'] / 1e9:.2f} GB)"
+    if "ms" in floor:
+        goal["floor_ms_per_token"] = floor["ms"] / per_step
+        line += f": floor {floor['ms']:.3f} ms a step, {goal['floor_ms_per_token']:.3f} ms per output token"
+    goal["line"] = line
+    return goal
+
+
 def _pass_line(row: dict, ks: list[int]) -> str:
     head = f"batch {row['batch']:>3}: decode {row.get('decode_graph_ms', float('nan')):.3f} ms (graph), "
     head += f"{row['decode_eager_ms']:.3f} ms (eager)"
+    if "ms" in row["decode_floor"]:
+        head += f"; floor {row['decode_floor']['ms']:.3f} ms"
     parts = []
     for k in ks:
         r = row[f"k{k}"]
         line = f"k={k} verify {r['verify_ms']:.3f} ms (x{r['verify_over_decode']:.2f}) + head {r['draft_ms']:.3f} ms"
         if "step_graph_ms" in r:
             line += f"; whole step from its graph {r['step_graph_ms']:.3f} ms (x{r['step_graph_over_decode']:.2f})"
+        floor = r["floor"]
+        if "ms" in floor:
+            measured = r.get("step_graph_ms", r["verify_ms"] + r["draft_ms"])
+            line += (
+                f"; step floor {floor['ms']:.3f} ms (verify {floor['verify_ms']:.3f} + drafts "
+                f"{floor['drafts_ms']:.3f}; the step at x{measured / floor['ms']:.2f} floor)"
+            )
         parts.append(line)
     return head + "\n  " + "\n  ".join(parts)
 
 
-def bench_tokens(llm: LLM, batch: int, agreements: list[float], context: int, steps: int) -> list[dict]:
-    """ms per output token (per sequence) at `batch` for each agreement, and the reference run's."""
+def bench_tokens(
+    llm: LLM, batch: int, agreements: list[float], context: int, steps: int, bandwidth: float | None = None
+) -> list[dict]:
+    """ms per output token (per sequence) at `batch` for each agreement, and the reference run's;
+    with the bandwidth, the floor per output token at the tokens a row each step measured."""
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     k = engine.scheduler.k
@@ -243,10 +351,14 @@ def bench_tokens(llm: LLM, batch: int, agreements: list[float], context: int, st
         rows.append(_timed_decode(llm, prompts, params, steps, warm, agreement))
         r = rows[-1]
         label = "head's drafts" if agreement is None else f"agreement {agreement:.1f}"
+        floor = _floor(engine.model_config, batch, k, context, bandwidth)
+        if "ms" in floor:
+            r["floor_ms_per_token"] = floor["ms"] / r["tokens_per_row_step"]
         print(
             f"batch {batch:>3}, k={k}, {label}: {r['ms_per_token']:.3f} ms per output token "
             f"({r['step_ms']:.3f} ms a step, {r['tokens_per_row_step']:.2f} tokens a row; "
-            f"measured acceptance {r['acceptance']:.3f})",
+            f"measured acceptance {r['acceptance']:.3f})"
+            + (f"; floor {r['floor_ms_per_token']:.3f} ms per token" if "floor_ms_per_token" in r else ""),
             flush=True,
         )
     engine.scheduler.drafter = None
@@ -319,10 +431,28 @@ def run(args: argparse.Namespace) -> dict:
         "context": args.context,
         "draft": "ReferenceDrafter (test-only: the reference run's tokens at a set agreement)",
     }
+    bandwidth = None
+    if device.type == "cuda":
+        from .offline import copy_bandwidth
+
+        bandwidth = copy_bandwidth("cuda")
+        report["copy_bw_TBps"] = bandwidth / 1e12
+    report["goal"] = goal = goal_floor(model_config, args.k, args.context, bandwidth)
+    print(goal["line"], flush=True)
     for b in args.profile_step:
         print(profile_step(llm, b, args.context), flush=True)
-    report["passes"] = bench_passes(llm, batches, ks, args.context, args.repeats)
-    report["tokens"] = {str(b): bench_tokens(llm, b, agreements, args.context, args.steps) for b in token_batches}
+    report["passes"] = bench_passes(llm, batches, ks, args.context, args.repeats, bandwidth)
+    decisive = args.load_format == "random" if args.decisive is None else args.decisive
+    if decisive and token_batches:
+        make_decisive(llm.engine.executor.runner.model)
+        report["model_for_tokens"] = (
+            "decisive random weights (bench-only, spec_drafts.make_decisive: output projections zeroed, each "
+            "token's successor decisive), so that drafts from a reference run agree with the verify at the set rate"
+        )
+        print(f"per-token runs: {report['model_for_tokens']}", flush=True)
+    report["tokens"] = {
+        str(b): bench_tokens(llm, b, agreements, args.context, args.steps, bandwidth) for b in token_batches
+    }
     llm.shutdown()
     return report
 
@@ -339,6 +469,13 @@ def add_parser(sub) -> None:
     p.add_argument("--token-batches", default="1,16")
     p.add_argument("--agreements", default="0.5,0.7,0.8,0.9,1.0")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
+    p.add_argument(
+        "--decisive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="per-token runs on the model rewritten so each token's successor is decisive (bench-only; "
+        "random bf16 weights' near-ties part the verify from the reference run); default: with random weights",
+    )
     p.add_argument("--steps", type=int, default=24, help="timed engine steps per agreement")
     p.add_argument("--repeats", type=int, default=20, help="timed repeats per pass")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -154,20 +154,9 @@ class GatedAttention(nn.Module):
         q, gate, kv = self.queries_and_cache(qkv, ctx, state)  # gate: applied by the decode kernel / below
         num_decode = ctx.num_decode_tokens
         decode_out = prefill_out = None
-        if ctx.decode is not None and ctx.decode.tokens_per_row > 1:
-            # a speculative verify: k + 1 causal queries a row, each row a short varlen sequence
-            rows = ctx.decode.tokens_per_row
-            decode_out = attn_kernels.paged_attention(
-                q=q[:num_decode],
-                k_cache=state.k_cache,
-                v_cache=state.v_cache,
-                cu_seqlens_q=torch.arange(0, num_decode + 1, rows, dtype=torch.int32, device=q.device),
-                seq_lens=ctx.decode.seq_lens,
-                block_tables=ctx.decode.block_tables,
-                scale=self.scale,
-                output_gate=gate[:num_decode],
-            )
-        elif ctx.decode is not None:
+        if ctx.decode is not None:
+            # one query a row, or a speculative verify's k + 1 causal queries a row: the split decode
+            # kernel either way, so the rows spread over the GPU (the gate applied inside it)
             decode_out = attn_kernels.paged_decode_attention(
                 q=q[:num_decode],
                 k_cache=state.k_cache,
@@ -177,6 +166,7 @@ class GatedAttention(nn.Module):
                 scale=self.scale,
                 output_gate=gate[:num_decode],
                 pdl=ctx.kernels.pdl,
+                tokens_per_row=ctx.decode.tokens_per_row,
             )
         if ctx.prefill is not None:
             prefill = ctx.prefill

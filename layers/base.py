@@ -62,15 +62,16 @@ class SsmLayerState(LayerState):
     ones are prefix-cache snapshots (same shape; the driver names them in a pass's copies and captures).
 
     Speculative decoding (the seed's write-on-accept): `verify` is the layer's verify table (each
-    draft position's recurrent step, kernels/gdn/state.py) for up to `rows` verify rows, and
-    `verify_conv_windows` [rows, C, W - 1] / `verify_conv_inputs` [rows, L, C] what the conv window
-    is rebuilt from once the accepted count is known. None until speculative decoding is enabled."""
+    draft position's recurrent step, kernels/gdn/state.py) for up to `rows` verify rows,
+    `verify_conv_inputs` [rows, L, C] what the conv window is rebuilt from once the accepted count is
+    known (with the slot's window, which the verify leaves), and `verify_has_initial` [rows] (all
+    true) the verify rows' conv flag, made once. None until speculative decoding is enabled."""
 
     recurrent: torch.Tensor
     conv: torch.Tensor
     verify: VerifyTable | None = None
-    verify_conv_windows: torch.Tensor | None = None
     verify_conv_inputs: torch.Tensor | None = None
+    verify_has_initial: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,6 +99,30 @@ class AttnMetadata:
     @property
     def num_tokens(self) -> int:
         return self.num_seqs * self.tokens_per_row
+
+    def row_starts(self) -> torch.Tensor:
+        """[N + 1] int32, where each row's tokens start (cu_seqlens of rows of tokens_per_row tokens):
+        a view of a buffer kept for the process (no launch), made outside any CUDA graph capture."""
+        return row_starts(self.num_seqs, self.tokens_per_row, self.seq_lens.device)
+
+
+# (tokens a row, device) -> [0, L, 2 L, ...] int32; outgrown buffers stay alive: graphs captured
+# on them read them at every replay
+_ROW_STARTS: dict[tuple[int, str], list[torch.Tensor]] = {}
+
+
+def row_starts(num_rows: int, tokens_per_row: int, device: torch.device) -> torch.Tensor:
+    """[num_rows + 1] int32 multiples of tokens_per_row on the device. Made eagerly once (a capture
+    that finds no buffer long enough records its own arange instead)."""
+    key = (tokens_per_row, str(device))
+    bufs = _ROW_STARTS.setdefault(key, [])
+    if not bufs or bufs[-1].shape[0] < num_rows + 1:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.arange(0, (num_rows + 1) * tokens_per_row, tokens_per_row, dtype=torch.int32, device=device)
+        size = max(num_rows + 1, 257, 2 * bufs[-1].shape[0] if bufs else 0)
+        with torch.inference_mode(False), torch.no_grad():
+            bufs.append(torch.arange(0, size * tokens_per_row, tokens_per_row, dtype=torch.int32, device=device))
+    return bufs[-1][: num_rows + 1]
 
 
 @dataclass

@@ -37,7 +37,7 @@ def project(
     weight with its block scales and tail rows, layers/quant.py)."""
     return linear_kernels.linear(
         x=x, weight=weight, bias=bias, weight_scale=scale_of(weight), weight_tail=tail_of(weight), pdl=kernels.pdl,
-        row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles,
+        row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles, few_rows=kernels.few_rows_gemv,
     )  # fmt: skip
 
 

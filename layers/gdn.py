@@ -249,19 +249,24 @@ class GatedDeltaNet(nn.Module):
                 pdl=ctx.kernels.pdl,
             )
         elif decode is not None:  # k + 1 tokens a row (speculative verify): each row a short sequence
-            n, rows = decode.num_seqs, decode.tokens_per_row
-            if verify:  # what write-on-accept rebuilds the window from
-                state.verify_conv_windows[:n] = state.conv[decode.state_slots.long()]
-                state.verify_conv_inputs[:n] = mixed[:num_decode].view(n, rows, -1)
+            n = decode.num_seqs
+            saved = None
+            if verify:  # the slots keep their windows; write-on-accept rebuilds them with these inputs
+                saved = state.verify_conv_inputs[:n].view(num_decode, -1)
+                has_initial = state.verify_has_initial[:n]
+            else:
+                has_initial = torch.ones(n, dtype=torch.bool, device=mixed.device)
             conv_decode = conv_kernels.causal_conv1d_varlen(
                 x=mixed[:num_decode],
                 weight=conv_weight,
                 bias=None,
-                cu_seqlens=torch.arange(0, num_decode + 1, rows, dtype=torch.int32, device=mixed.device),
+                cu_seqlens=decode.row_starts(),
                 conv_state_pool=state.conv,
                 state_slots=decode.state_slots,
-                has_initial_state=torch.ones(n, dtype=torch.bool, device=mixed.device),
+                has_initial_state=has_initial,
                 activation="silu",
+                update_state=not verify,
+                save_inputs=saved,
             )
         if ctx.prefill is not None:
             conv_prefill = conv_kernels.causal_conv1d_varlen(
@@ -327,8 +332,8 @@ class GatedDeltaNet(nn.Module):
             "verify": gdn_state.VerifyTable.empty(
                 rows, length, self.num_value_heads, self.key_head_dim, self.value_head_dim, device
             ),
-            "verify_conv_windows": torch.zeros((rows, self.conv_dim, self.kernel_size - 1), dtype=dtype, device=device),
             "verify_conv_inputs": torch.zeros((rows, length, self.conv_dim), dtype=dtype, device=device),
+            "verify_has_initial": torch.ones(rows, dtype=torch.bool, device=device),
         }
 
     def write_on_accept(self, state: SsmLayerState, slots: torch.Tensor, last_accepted: torch.Tensor) -> None:
@@ -341,7 +346,6 @@ class GatedDeltaNet(nn.Module):
         gdn_state.conv_accept(
             conv_state_pool=state.conv,
             state_slots=slots,
-            old_windows=state.verify_conv_windows[:n],
             x=state.verify_conv_inputs[:n],
             last_accepted=last_accepted,
         )

@@ -30,6 +30,7 @@ from .kernels import linear as linear_kernels
 from .kernels import lora as lora_kernels
 from .kernels import moe as moe_kernels
 from .kernels import norm as norm_kernels
+from .kernels.gdn import state as gdn_state
 from .kernels.low_rank import PairLowRank
 from .kernels.options import KernelOptions
 from .lora import LoraTarget, add_lora, lora_wanted
@@ -60,7 +61,8 @@ def norm_project(
     return linear_kernels.rms_norm_linear(
         x=x, residual=residual, norm_weight=norm.weight, eps=norm.eps, weight=weight, bias=bias,
         write_normed=write_normed, weight_scale=scale_of(weight), weight_tail=tail_of(weight), pdl=kernels.pdl,
-        row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles, low_rank=low_rank,
+        row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles, low_rank=low_rank, few_rows=kernels.few_rows_gemv,
+        few_rows_norm=kernels.few_rows_norm,
     )  # fmt: skip
 
 
@@ -261,8 +263,19 @@ class HybridModel(nn.Module):
         the target's final hidden state at the row (or the head's own output). Returns [T, H]."""
         return self.mtp(self.embed(ctx.input_ids), hidden, ctx, state)
 
-    def write_on_accept(self, states: list[LayerState], slots: torch.Tensor, last_accepted: torch.Tensor) -> None:
-        """After a verify pass: every layer keeps its state after each row's last accepted token."""
+    def write_on_accept(
+        self,
+        states: list[LayerState],
+        slots: torch.Tensor,
+        last_accepted: torch.Tensor,
+        stack: gdn_state.VerifyStack | None = None,
+    ) -> None:
+        """After a verify pass: every layer keeps its state after each row's last accepted token.
+        stack: the GDN layers' verify buffers as one stack over the states' pools (the state pool's
+        `verify_stack`): all of them in two launches; the layers have no other verify state then."""
+        if stack is not None:
+            gdn_state.accept_all(stack=stack, state_slots=slots, last_accepted=last_accepted)
+            return
         for layer, state in zip(self.layers, states, strict=True):
             layer.write_on_accept(state, slots, last_accepted)
 

@@ -38,3 +38,21 @@ def test_lora_batch_64_expands_inside_the_experts():
     assert lora["torch.zeros"] == 0 and lora["triton._rms_norm_kernel"] == base["triton._rms_norm_kernel"]
     assert lora["triton._expand_kernel"] == 2 * layers, "only the mixer's and the MoE block's input projections"
     assert sum(lora.values()) - sum(base.values()) == 7 * layers + 1
+
+
+def test_speculative_step_launches():
+    """One speculative step at the same shape (k = 3, batch 1): every dense projection of the
+    4-token verify takes the few-row GEMV (the head's single-token drafts the one-row one),
+    write-on-accept is one recurrent and one conv launch for all the GDN layers, and the verify's
+    attention applies its gate inside the kernel; the torch glue stays a handful of launches, not a
+    few per layer; no fake tensor is left in the process's row-start buffers."""
+    from deltaserve.bench.launches import spec_step_launches
+    from deltaserve.layers import base
+
+    counts = spec_step_launches("qwen3_5_35b_a3b", 1, 3)
+    assert counts["triton._linear_kernel"] == 0 and counts["triton._rows_gemv_kernel"] >= 120
+    assert counts["triton._accept_kernel"] == counts["triton._conv_accept_kernel"] == 1  # every layer at once
+    assert counts["torch.sigmoid"] == 0 and counts["torch.index_put_"] == 0
+    torch_ops = sum(v for k, v in counts.items() if k.startswith("torch."))
+    assert torch_ops < 60, {k: v for k, v in counts.items() if k.startswith("torch.")}
+    assert not any(isinstance(t, FakeTensor) for bufs in base._ROW_STARTS.values() for t in bufs)

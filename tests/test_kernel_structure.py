@@ -132,7 +132,15 @@ def test_options_reach_every_kernel_op(tiny_checkpoints, op_calls):
     decode op runs only up to fused_gdn_max_seqs sequences."""
     path, _ = tiny_checkpoints["qwen3_5_moe"]
     tiles = KernelOptions.from_env({"DELTASERVE_ROW_TILES": "64x32:2x4"}).row_tiles
-    opts = KernelOptions(pdl=False, row_gemv=False, row_tiles=tiles, route_in_up_max_tokens=0, fused_gdn_max_seqs=0)
+    opts = KernelOptions(
+        pdl=False,
+        row_gemv=False,
+        row_tiles=tiles,
+        route_in_up_max_tokens=0,
+        fused_gdn_max_seqs=0,
+        few_rows_gemv=0,
+        few_rows_norm=False,
+    )
     _decode_passes(path, opts)
     names = {name for name, _ in op_calls}
     assert {"routed_moe", "fused_recurrent_gated_delta_rule", "paged_decode_attention", "embed_rms_norm"} <= names
@@ -140,7 +148,9 @@ def test_options_reach_every_kernel_op(tiny_checkpoints, op_calls):
     for name, kwargs in op_calls:
         assert kwargs.get("pdl", False) is False, name
         if name in ("linear", "rms_norm_linear"):
-            assert kwargs["row_gemv"] is False and kwargs["row_tiles"] == tiles, name
+            assert kwargs["row_gemv"] is False and kwargs["row_tiles"] == tiles and kwargs["few_rows"] == 0, name
+        if name == "rms_norm_linear":
+            assert kwargs["few_rows_norm"] is False
         if name == "routed_moe":
             assert kwargs["route_in_up_max_tokens"] == 0
     op_calls.clear()

@@ -211,6 +211,28 @@ def test_paged_decode_attention_output_gate(device, num_splits):
     assert rel_err(out, ref) < tol(device)
 
 
+@pytest.mark.parametrize("rows", [2, 4, 9])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+def test_decode_kernel_on_verify_rows(device, rows, num_splits):
+    """tokens_per_row rows a sequence (a speculative verify): the same as causal attention of those
+    queries through the prefill reference, gated; spans that hold only the pass's tokens (8 splits of
+    short contexts), a sequence with no context before the pass, pages scrambled."""
+    from deltaserve.layers.kernels import attention as attn_kernels
+
+    ctx_lens = [0, 3, 29]
+    batch = make_batch(q_lens=[rows] * 3, ctx_lens=ctx_lens, hq=4, hkv=2, d=24, block_size=4, seed=rows, device=device)
+    g = torch.Generator().manual_seed(11)
+    gate = torch.randn(3 * rows, 4, 2 * 24, generator=g).to(device)[..., 24:]
+    ref = (naive.paged_attention(**batch, scale=0.2) * torch.sigmoid(gate)).to(gate.dtype)
+    del batch["cu_seqlens_q"]
+    assert rel_err(naive.paged_decode_attention(**batch, scale=0.2, output_gate=gate, tokens_per_row=rows), ref) < 1e-6
+    cfg = None if num_splits is None else dict(block_n=16, num_splits=num_splits, num_warps=4, num_stages=1)
+    out = td.paged_decode_attention(**batch, scale=0.2, output_gate=gate, config=cfg, tokens_per_row=rows)
+    assert rel_err(out, ref) < tol(device)
+    with pytest.raises(ValueError, match="tokens_per_row"):
+        attn_kernels.paged_decode_attention(**batch, scale=0.2, tokens_per_row=rows + 1)
+
+
 def test_decode_matches_prefill_of_one_token(device):
     batch = make_batch(q_lens=[1, 1, 1], ctx_lens=[7, 0, 22], hq=6, hkv=2, d=24, block_size=4, seed=3, device=device)
     prefill = ta.paged_attention(**batch, scale=0.25)

@@ -54,6 +54,31 @@ def test_varlen_matches_naive(nan_fill, width, activation, with_bias):
     assert torch.equal(out_pool[empty_slot], pool[empty_slot])
 
 
+def test_varlen_without_state_update_leaves_the_slots(nan_fill):
+    """update_state=False (a speculative verify): the same outputs, every slot as it was; with
+    save_inputs, a copy of x (more rows than one chunk of the kernel's)."""
+    torch.manual_seed(4)
+    rows, length, channels = 3, 70, 40
+    x = torch.randn(rows * length, channels, device=DEVICE)
+    weight = torch.randn(channels, 4, device=DEVICE)
+    pool = torch.randn(rows + 1, channels, 3, device=DEVICE)
+    kw = dict(
+        x=x,
+        weight=weight,
+        bias=None,
+        cu_seqlens=torch.arange(0, rows * length + 1, length, dtype=torch.int32, device=DEVICE),
+        state_slots=torch.tensor([2, 0, 3], dtype=torch.int32, device=DEVICE),
+        has_initial_state=torch.ones(rows, dtype=torch.bool, device=DEVICE),
+    )
+    ref = naive.causal_conv1d_varlen(conv_state_pool=pool.clone(), **kw)
+    for impl in (naive.causal_conv1d_varlen, triton_conv1d.causal_conv1d_varlen):
+        kept = pool.clone()
+        saved = torch.empty(rows * length, channels, device=DEVICE)
+        out = impl(conv_state_pool=kept, update_state=False, save_inputs=saved, **kw)
+        assert max_err(out, ref) < 1e-5
+        assert torch.equal(kept, pool) and torch.equal(saved, x)  # the inputs copied from the same launch
+
+
 def test_varlen_ignores_slot_without_initial_state(nan_fill):
     torch.manual_seed(1)
     x = torch.randn(10, 16, device=DEVICE)

@@ -143,18 +143,29 @@ def test_conv_windows_at_offsets():
         assert torch.equal(pool[c.slot], window(c.seq, c.offset)), c
 
 
-def test_conv_accept_picks_the_window_after_the_last_accepted_input():
+@pytest.mark.parametrize("impl", ["op", "naive", "triton"])
+@pytest.mark.parametrize(("length", "w1"), [(4, 3), (2, 3), (5, 1)])
+def test_conv_accept_picks_the_window_after_the_last_accepted_input(impl, length, w1):
+    """Each slot becomes the last W - 1 of (its window, the verify's inputs up to the last accepted
+    one); -1 keeps the window; other slots untouched. The Triton kernel runs interpreted on CPU
+    tensors; x a strided view (rows of a longer buffer), the slots int32 as the plans give them."""
+    from deltaserve.layers.kernels.gdn import accept
+
+    fn = {"op": gdn_state.conv_accept, "naive": gdn_state.conv_accept_naive, "triton": accept.conv_accept}[impl]
+    device = DEVICE if impl != "naive" else torch.device("cpu")
     torch.manual_seed(3)
-    rows, length, channels, w1 = 3, 4, 5, 3
-    old = torch.randn(rows, channels, w1, device=DEVICE)
-    x = torch.randn(rows, length, channels, device=DEVICE)
-    pool = torch.zeros(4, channels, w1, device=DEVICE)
-    slots = torch.tensor([3, 0, 1], device=DEVICE)
-    last = torch.tensor([0, -1, 3], device=DEVICE)
-    gdn_state.conv_accept(conv_state_pool=pool, state_slots=slots, old_windows=old, x=x, last_accepted=last)
+    rows, channels = 3, 300  # channels over one Triton block
+    x = torch.randn(rows, length + 1, channels, device=device).to(torch.bfloat16)[:, 1:]
+    pool = torch.randn(5, channels, w1, device=device).to(torch.bfloat16)
+    before = pool.clone()
+    slots = torch.tensor([3, 0, 1], dtype=torch.int32, device=device)
+    last = torch.tensor([0, -1, length - 1], device=device)
+    fn(conv_state_pool=pool, state_slots=slots, x=x, last_accepted=last)
     for n in range(rows):
-        seq = torch.cat([old[n], x[n, : int(last[n]) + 1].t()], dim=1)
+        seq = torch.cat([before[int(slots[n])], x[n, : int(last[n]) + 1].t()], dim=1)
         assert torch.equal(pool[int(slots[n])], seq[:, -w1:])
+    for s in (2, 4):
+        assert torch.equal(pool[s], before[s])
 
 
 def test_captures_validate_offsets():
@@ -162,3 +173,42 @@ def test_captures_validate_offsets():
         StateCaptures((StateCapture(0, 9, 1),), (8,))
     with pytest.raises(ValueError, match="sequence"):
         StateCaptures((StateCapture(2, 0, 1),), (8, 3))
+
+
+@pytest.mark.parametrize("impl", ["accept_all", "triton_layers"])
+def test_write_on_accept_of_every_layer_at_once(impl):
+    """A VerifyStack over 3 layers' pools: every layer's recurrent state and conv window become what
+    the per-layer reference gives (rows past the verified ones and other slots untouched); the
+    Triton layered kernels run interpreted on CPU tensors (compiled on the GPU)."""
+    from deltaserve.layers.kernels.gdn import accept
+
+    device = DEVICE if impl == "triton_layers" else "cpu"
+    g = torch.Generator().manual_seed(7)
+    layers, slots_n, hv, kd, vd, channels, w1, rows, length = 3, 6, 2, 8, 12, 20, 3, 4, 4
+    recurrent = torch.randn(layers, slots_n, hv, kd, vd, generator=g).to(device)
+    conv = torch.randn(layers, slots_n, channels, w1, generator=g).to(device)
+    stack = gdn_state.VerifyStack.empty(recurrent, conv, rows, length)
+    for t in (stack.table.k, stack.table.delta, stack.conv_inputs):
+        t.copy_(torch.randn(t.shape, generator=g) * 0.3)
+    stack.table.g.copy_(-torch.rand(stack.table.g.shape, generator=g))
+    slots = torch.tensor([4, 1, 5], dtype=torch.int32, device=device)  # 3 of the 4 rows verified
+    last = torch.tensor([0, -1, 3], device=device)
+    want_rec, want_conv = recurrent.clone(), conv.clone()
+    for i in range(layers):
+        layer = stack.layer(i)
+        table = VerifyTable(layer["verify"].k[:3], layer["verify"].delta[:3], layer["verify"].g[:3])
+        gdn_state.accept_states_naive(state_pool=want_rec[i], state_slots=slots, table=table, last_accepted=last)
+        gdn_state.conv_accept_naive(
+            conv_state_pool=want_conv[i], state_slots=slots, x=layer["verify_conv_inputs"][:3], last_accepted=last
+        )
+    if impl == "accept_all":
+        gdn_state.accept_all(stack=stack, state_slots=slots, last_accepted=last)
+    else:
+        t = stack.table
+        table = VerifyTable(t.k[:, :3], t.delta[:, :3], t.g[:, :3])
+        accept.accept_states_layers(state_pools=recurrent, state_slots=slots, table=table, last_accepted=last)
+        accept.conv_accept_layers(
+            conv_state_pools=conv, state_slots=slots, x=stack.conv_inputs[:, :3], last_accepted=last
+        )
+    assert torch.allclose(recurrent, want_rec, atol=1e-5, rtol=1e-5)
+    assert torch.equal(conv, want_conv)

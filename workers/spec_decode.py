@@ -57,7 +57,9 @@ class SpecDecoder:
         nv = plan.num_decode_rows if plan.num_spec_tokens else 0
         with torch.inference_mode():
             if nv:
-                self.model.write_on_accept(self.pool.layer_states, ctx.decode.state_slots, num_accepted)
+                self.model.write_on_accept(
+                    self.pool.layer_states, ctx.decode.state_slots, num_accepted, stack=self.pool.verify_stack
+                )
             ids_next = self._next_tokens(plan, ctx, nv, verify_sampled, row_tokens, row_token_index)
             catch_up = dataclasses.replace(ctx, input_ids=ids_next, midchunk_capture=None)
             out = self.model.mtp_forward(catch_up, hidden, self.pool.mtp_state)
@@ -71,13 +73,13 @@ class SpecDecoder:
         last position the token sampled there, or the next prompt token (a chunk that does not end
         its prompt). A plan of verify rows only needs nothing from the host (CUDA graphs capture it)."""
         ids = ctx.input_ids
+        starts = plan.query_start_loc
+        if nv and plan.num_rows == nv:  # verify rows only: what they sampled, position by position
+            return verify_sampled.reshape(-1).to(ids.dtype)
         ids_next = torch.empty_like(ids)
         ids_next[:-1] = ids[1:]
-        starts = plan.query_start_loc
         if nv:
             ids_next[: int(starts[nv])] = verify_sampled.reshape(-1).to(ids.dtype)
-        if plan.num_rows == nv:
-            return ids_next
         rows = np.arange(nv, plan.num_rows)
         last = starts[rows + 1] - 1
         src = np.asarray(row_token_index, dtype=np.int64)[rows]
@@ -104,31 +106,33 @@ class SpecDecoder:
             base, bt_rows = upload([rows, drafting], out.device)
             # the decode and prefill rows' block tables are views of one [N, max_pages] upload
             block_tables = (tables[0] if len(tables) == 1 else torch.cat(tables)).index_select(0, bt_rows)
-        else:  # verify rows only: device work alone (CUDA graphs capture it)
-            base, block_tables = torch.arange(nv, device=out.device) * length, ctx.decode.block_tables
-        if nv:
-            base[:nv] += num_accepted
+            if nv:
+                base[:nv] += num_accepted
+        else:  # verify rows only: device work alone (CUDA graphs capture it); row_starts is a shared buffer
+            base, block_tables = ctx.decode.row_starts()[:nv] + num_accepted, ctx.decode.block_tables
         hidden = out.index_select(0, base)
-        positions = ctx.positions.index_select(0, base).to(torch.int64)
         drafts = [argmax_kernels.row_argmax(logits=model.compute_logits(hidden), pdl=ctx.kernels.pdl)]
         if self.k == 1:
             return drafts[0][:, None]
+        # every draft step's positions, KV slots and lengths at once ([k - 1, R]: a step's row contiguous)
         block_size = self.pool.sizes.block_size
-        num = len(drafting)
-        for _ in range(self.k - 1):
-            positions = positions + 1
-            page = block_tables.gather(1, (positions // block_size)[:, None]).squeeze(1).to(torch.int64)
-            slots = page * block_size + positions % block_size
+        steps = torch.arange(1, self.k, device=out.device, dtype=torch.int64)[:, None]
+        positions = ctx.positions.index_select(0, base).to(torch.int64)[None, :] + steps
+        pages = block_tables.t().gather(0, positions // block_size).to(torch.int64)
+        slots = pages * block_size + positions % block_size
+        seq_lens = (positions + 1).to(torch.int32)
+        state_slots = torch.zeros(len(drafting), dtype=torch.int32, device=out.device)
+        for i in range(self.k - 1):
             step = decode_context(
                 config=ctx.config,
                 layout=ctx.layout,
                 kernels=ctx.kernels,
                 input_ids=drafts[-1],
-                positions=positions,
-                slot_mapping=slots,
+                positions=positions[i],
+                slot_mapping=slots[i],
                 block_tables=block_tables,
-                seq_lens=(positions + 1).to(torch.int32),
-                state_slots=torch.zeros(num, dtype=torch.int32, device=out.device),
+                seq_lens=seq_lens[i],
+                state_slots=state_slots,
             )
             hidden = model.mtp_forward(step, hidden, self.pool.mtp_state)
             drafts.append(argmax_kernels.row_argmax(logits=model.compute_logits(hidden), pdl=ctx.kernels.pdl))

@@ -20,6 +20,7 @@ import logging
 import torch
 
 from deltaserve.layers.base import AttnLayerState, LayerState, SsmLayerState
+from deltaserve.layers.kernels.gdn import state as gdn_state
 from deltaserve.layers.model import HybridModel
 from deltaserve.workers.plan import PoolSizes
 
@@ -144,6 +145,7 @@ class StatePool:
                 state = layer.make_state(state, extra)
             self.layer_states.append(state)
         self.mtp_state = None
+        self.verify_stack: gdn_state.VerifyStack | None = None  # speculative decoding's (enable_verify)
         if model.mtp is not None:
             self.mtp_state = AttnLayerState(k_cache=self.k_pages[i_attn], v_cache=self.v_pages[i_attn])
         log.info(
@@ -195,12 +197,19 @@ class StatePool:
                 pool.index_copy_(1, dst, pool.index_select(1, src))
 
     def enable_verify(self, model: HybridModel, rows: int, length: int) -> None:
-        """Give every GDN layer its speculative-decoding verify buffers (write-on-accept)."""
-        for layer, state in zip(model.layers, self.layer_states, strict=True):
-            if isinstance(state, SsmLayerState):
-                if hasattr(layer, "verify_buffers"):  # a layer with more per-slot state than its GDN mixer's
-                    buffers = layer.verify_buffers(state, rows, length)
-                else:
-                    buffers = layer.mixer.verify_buffers(rows, length, state.conv.device, state.conv.dtype)
-                for name, value in buffers.items():
-                    setattr(state, name, value)
+        """Give every GDN layer its speculative-decoding verify buffers (write-on-accept): views of
+        one `verify_stack` over the pools (the whole model's write-on-accept in two launches) when
+        the GDN mixers hold all the per-slot state; else each layer's own."""
+        ssm = [(layer, state) for layer, state in zip(model.layers, self.layer_states, strict=True)
+               if isinstance(state, SsmLayerState)]  # fmt: skip
+        stacked = bool(ssm) and not any(hasattr(layer, "verify_buffers") for layer, _ in ssm)
+        self.verify_stack = gdn_state.VerifyStack.empty(self.recurrent, self.conv, rows, length) if stacked else None
+        for i, (layer, state) in enumerate(ssm):
+            if self.verify_stack is not None:
+                buffers = self.verify_stack.layer(i)
+            elif hasattr(layer, "verify_buffers"):  # a layer with more per-slot state than its GDN mixer's
+                buffers = layer.verify_buffers(state, rows, length)
+            else:
+                buffers = layer.mixer.verify_buffers(rows, length, state.conv.device, state.conv.dtype)
+            for name, value in buffers.items():
+                setattr(state, name, value)

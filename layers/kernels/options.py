@@ -47,6 +47,20 @@ class KernelOptions:
         default=True,
         metadata={"env": "DELTASERVE_ROW_GEMV", "help": "one-token projections take the one-row GEMV kernel"},
     )
+    few_rows_gemv: int = field(
+        default=8,
+        metadata={
+            "env": "DELTASERVE_FEW_ROWS_GEMV",
+            "help": "most rows (2..) of a projection that take the few-row GEMV (weights read once); 0: none",
+        },
+    )
+    few_rows_norm: bool = field(
+        default=True,
+        metadata={
+            "env": "DELTASERVE_FEW_ROWS_NORM",
+            "help": "the few-row GEMV runs the input norm in front of projections of <= 2048 rows (MoE input)",
+        },
+    )
     row_tiles: tuple[RowTile, ...] = field(
         default=(),
         metadata={"env": "DELTASERVE_ROW_TILES", "help": "row-GEMV tiles overriding the tuned table per shape"},
@@ -92,7 +106,7 @@ class KernelOptions:
     )
 
     def __post_init__(self) -> None:
-        for name in ("route_in_up_max_tokens", "fused_gdn_max_seqs"):
+        for name in ("route_in_up_max_tokens", "fused_gdn_max_seqs", "few_rows_gemv"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for f in fields(self):

@@ -31,6 +31,16 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("DELTASERVE_PDL", "1", "0: decode kernels launch without programmatic dependent launch (sm_90+)"),
         EnvVar("DELTASERVE_ROW_GEMV", "1", "0: one-token projections take the skinny GEMM instead of the row GEMV"),
         EnvVar(
+            "DELTASERVE_FEW_ROWS_GEMV",
+            "8",
+            "most rows (2..) of a projection that take the few-row GEMV (the weight read once); 0: none",
+        ),
+        EnvVar(
+            "DELTASERVE_FEW_ROWS_NORM",
+            "1",
+            "0: the few-row GEMV takes the input norm from the norm kernel instead of running it in front",
+        ),
+        EnvVar(
             "DELTASERVE_ROW_TILES",
             "",
             'row-GEMV tiles for given weight shapes, "NxK:BLOCK_NxWARPS" joined by "+" (e.g. "2048x4096:16x8")',

@@ -86,27 +86,32 @@ def paged_decode_attention(
     scale: float,
     output_gate: torch.Tensor | None = None,
     pdl: bool = True,
+    tokens_per_row: int = 1,
 ) -> torch.Tensor:
-    """One query per sequence over all its cached positions (flash-decoding on CUDA).
+    """One query per sequence over all its cached positions (flash-decoding on CUDA); or, with
+    tokens_per_row L > 1, L causal queries a sequence (a speculative verify's rows): query j of
+    sequence n (q row n L + j) sees positions [0, seq_lens[n] - L + j].
 
     Args:
-        q: [N, Hq, D] (D contiguous). k_cache, v_cache: [num_blocks, block_size, Hkv, D].
-        seq_lens: [N] int32, cached positions (the newest holds this token's key and value).
+        q: [N L, Hq, D] (D contiguous). k_cache, v_cache: [num_blocks, block_size, Hkv, D].
+        seq_lens: [N] int32, cached positions (the newest L hold this pass's keys and values).
         block_tables: [N, max_pages] int32. scale: the softmax scale.
-        output_gate: [N, Hq, D] (D contiguous): the result times sigmoid(output_gate), one rounding.
+        output_gate: [N L, Hq, D] (D contiguous): the result times sigmoid(output_gate), one rounding.
         pdl: CUDA: launch under programmatic dependent launch (sm_90+).
 
     Returns:
-        o: [N, Hq, D] in q's dtype. CUDA: no host sync (shapes alone choose the launch).
+        o: [N L, Hq, D] in q's dtype. CUDA: no host sync (shapes alone choose the launch).
     """
+    if tokens_per_row < 1 or q.shape[0] != seq_lens.shape[0] * tokens_per_row:
+        raise ValueError(f"tokens_per_row: {tokens_per_row} does not split q's {q.shape[0]} rows over the sequences")
     if q.is_cuda:
         from .triton_decode import paged_decode_attention as impl
 
         return impl(
             q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_tables=block_tables, scale=scale,
-            output_gate=output_gate, pdl=pdl,
+            output_gate=output_gate, pdl=pdl, tokens_per_row=tokens_per_row,
         )  # fmt: skip
     return naive.paged_decode_attention(
         q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_tables=block_tables, scale=scale,
-        output_gate=output_gate,
+        output_gate=output_gate, tokens_per_row=tokens_per_row,
     )  # fmt: skip

@@ -62,8 +62,15 @@ def _attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
     return out
 
 
-def paged_decode_attention(*, q, k_cache, v_cache, seq_lens, block_tables, scale, output_gate=None) -> torch.Tensor:
-    """The reference of attention.paged_decode_attention."""
+def paged_decode_attention(
+    *, q, k_cache, v_cache, seq_lens, block_tables, scale, output_gate=None, tokens_per_row=1
+) -> torch.Tensor:
+    """The reference of attention.paged_decode_attention: each q row its own one-query sequence."""
+    if tokens_per_row > 1:  # row j of each sequence sees its context and the pass's first j + 1 tokens
+        rows = tokens_per_row
+        later = (rows - 1 - torch.arange(rows, device=seq_lens.device)).repeat(seq_lens.shape[0])
+        seq_lens = seq_lens.repeat_interleave(rows) - later.to(seq_lens.dtype)
+        block_tables = block_tables.repeat_interleave(rows, dim=0)
     cu = torch.arange(q.shape[0] + 1, device=q.device)
     if output_gate is None:
         return _attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, q.dtype)

@@ -10,6 +10,12 @@ Under PDL the decode kernel reads the block tables, seq_lens and every cached po
 (seq_len - 1) before waiting for the previous kernel: that one may write only q and that position
 (the rope kernel writing this token's K/V); the reduce kernel reads seq_lens and the output gate
 before its wait (the projection that wrote the gate completed two kernels earlier).
+
+Rows of several queries (ROWS = tokens_per_row > 1: a speculative verify's k + 1 tokens a
+sequence): q row r is query r % ROWS of sequence r // ROWS and sees the keys up to its own position,
+the sequence's context plus the pass's first r % ROWS + 1 tokens. Every one of the pass's tokens is
+read after the wait (a key-at-a-time step after the context's tiles), so the rows split over the
+GPU as decode rows do, where the prefill kernel would give a sequence one program a kv head.
 """
 
 from __future__ import annotations
@@ -38,18 +44,40 @@ def _num_spans(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit
+def _attend_key(acc, m_i, l_i, qt, k_row, v_row, present, qk_scale):
+    """One online-softmax step over a single key (present: else acc and l_i stay as they are)."""
+    s_new = tl.sum(qt.to(tl.float32) * k_row.to(tl.float32)[None, :], 1) * qk_scale
+    s_new = tl.where(present, s_new, float("-inf"))
+    m_new = tl.maximum(m_i, s_new)
+    p_new = tl.exp2(s_new - m_new)
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + p_new
+    acc = acc * alpha[:, None] + p_new[:, None] * v_row.to(tl.float32)[None, :]
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _row_len(seq_lens, n, ROWS: tl.constexpr):
+    """Keys visible to q row n: its sequence's (n // ROWS) cached length less the pass's later tokens."""
+    if ROWS == 1:
+        return tl.load(seq_lens + n)
+    return tl.load(seq_lens + n // ROWS) - (ROWS - 1 - n % ROWS)
+
+
 @triton.jit(do_not_specialize=["num_splits", "seq_lens", "block_tables", "s_btn"])
 def _decode_kernel(
     q, k_cache, v_cache, seq_lens, block_tables, out, part_o, part_lse, qk_scale, s_qn, s_qh, s_kb, s_ko, s_kh, s_vb,
     s_vo, s_vh, s_btn, s_btp, s_on, s_oh, num_splits, gate, s_gn, s_gh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    ROWS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    # read before pdl_wait: only the previous kernel (rope) can still run (PDL chain), writing q, K/V[seq_len - 1]
-    seq_len = tl.load(seq_lens + n)
+    # read before pdl_wait: only the previous kernel (rope) can still run (PDL chain), writing q and the
+    # pass's K/V (seq_len - 1 for one-token rows; the last ROWS positions of a sequence otherwise)
+    seq_len = _row_len(seq_lens, n, ROWS)
     start, end = _split_bounds(seq_len, split, num_splits, BLOCK_N)
     if start >= end:
         pdl_wait(USE_PDL)
@@ -59,11 +87,12 @@ def _decode_kernel(
     head = h * GROUP + g
     d_ok = d < HEAD_DIM
     mask = (g < GROUP)[:, None] & d_ok[None, :]
-    bt_row = block_tables + n.to(tl.int64) * s_btn
+    bt_row = block_tables + (n // ROWS).to(tl.int64) * s_btn
     k_base = k_cache + h * s_kh
     v_base = v_cache + h * s_vh
-    # the cached positions of this span, the new token's excluded (it comes last, after the wait)
-    ctx_end = tl.minimum(end, seq_len - 1)
+    # the cached positions of this span, the pass's tokens excluded (they come last, after the wait)
+    first_new = seq_len - 1 - n % ROWS
+    ctx_end = tl.minimum(end, first_new)
     # the first tile's K and V as one [2 x BLOCK_N, D] load (rows: K, then V): separate loads had
     # the V loads issue only after the K tile had arrived (its move to shared memory comes first)
     r = tl.arange(0, 2 * BLOCK_N)
@@ -78,18 +107,20 @@ def _decode_kernel(
     k0, v0 = tl.split(tl.permute(tl.reshape(kv0, [2, BLOCK_N, BLOCK_D]), [1, 2, 0]))
     pos0 = start + tl.arange(0, BLOCK_N)
     ok0 = pos0 < ctx_end
-    new_pos = seq_len - 1
-    has_new = end == seq_len  # the last span: it holds the new token
-    new_page = tl.load(bt_row + (new_pos // PAGE) * s_btp, mask=has_new, other=0).to(tl.int64)
-    new_off = new_page * s_kb + (new_pos % PAGE) * s_ko
-    new_v_off = new_page * s_vb + (new_pos % PAGE) * s_vo
+    if ROWS == 1:
+        new_pos = seq_len - 1
+        has_new = end == seq_len  # the last span: it holds the new token
+        new_page = tl.load(bt_row + (new_pos // PAGE) * s_btp, mask=has_new, other=0).to(tl.int64)
+        new_off = new_page * s_kb + (new_pos % PAGE) * s_ko
+        new_v_off = new_page * s_vb + (new_pos % PAGE) * s_vo
 
     pdl_wait(USE_PDL)
     qt = tl.load(q + n * s_qn + head[:, None] * s_qh + d[None, :], mask=mask, other=0.0)
     qt = qt.to(k_cache.dtype.element_ty)
-    new_ok = d < tl.where(has_new, HEAD_DIM, 0)  # other spans: an empty range masks every lane
-    k_new = tl.load(k_base + new_off + d, mask=new_ok, other=0.0)
-    v_new = tl.load(v_base + new_v_off + d, mask=new_ok, other=0.0)
+    if ROWS == 1:
+        new_ok = d < tl.where(has_new, HEAD_DIM, 0)  # other spans: an empty range masks every lane
+        k_new = tl.load(k_base + new_off + d, mask=new_ok, other=0.0)
+        v_new = tl.load(v_base + new_v_off + d, mask=new_ok, other=0.0)
     # every key of the sequence is visible to its one query
     q_pos = tl.full([BLOCK_G], 0, tl.int32) + seq_len
 
@@ -119,15 +150,16 @@ def _decode_kernel(
             acc, m_i, l_i, qt, q_pos, kv_start, ctx_end, k_base, v_base, bt_row, s_btp, s_kb, s_ko, s_vb, s_vo, d,
             qk_scale, PAGE, HEAD_DIM, BLOCK_N, True,
         )  # fmt: skip
-    # the new token (last span only; elsewhere p = 0 and alpha = 1 leave acc and l_i as they are)
-    s_new = tl.sum(qt.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
-    s_new = tl.where(has_new, s_new, float("-inf"))
-    m_new = tl.maximum(m_i, s_new)
-    p_new = tl.exp2(s_new - m_new)
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + p_new
-    acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-    m_i = m_new
+    if ROWS == 1:
+        # the new token (last span only; elsewhere p = 0 and alpha = 1 leave acc and l_i as they are)
+        acc, m_i, l_i = _attend_key(acc, m_i, l_i, qt, k_new, v_new, has_new, qk_scale)
+    else:
+        # the pass's tokens this row sees that lie in this span, a key at a time
+        for pos in range(tl.maximum(start, first_new), end):
+            page = tl.load(bt_row + (pos // PAGE) * s_btp).to(tl.int64)
+            k_p = tl.load(k_base + page * s_kb + (pos % PAGE) * s_ko + d, mask=d_ok, other=0.0)
+            v_p = tl.load(v_base + page * s_vb + (pos % PAGE) * s_vo + d, mask=d_ok, other=0.0)
+            acc, m_i, l_i = _attend_key(acc, m_i, l_i, qt, k_p, v_p, True, qk_scale)
 
     o = acc / l_i[:, None]
     if num_splits == 1:
@@ -146,13 +178,13 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     part_o, part_lse, seq_lens, out, s_on, s_oh, num_splits, gate, s_gn, s_gh, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    ROWS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
     head = tl.program_id(1) + tl.zeros([1], tl.int32)
     # before the wait, one round trip each off the chain: seq_lens is no kernel's output in the
     # pass, and the gate is the input projection's (completed before the decode kernel started)
-    seq_len = tl.load(seq_lens + n)
+    seq_len = _row_len(seq_lens, n, ROWS)
     row0 = (n * tl.num_programs(1) + head) * num_splits
     cnt = _num_spans(seq_len, num_splits, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
@@ -213,12 +245,13 @@ def _decode_config(
 
 
 def paged_decode_attention(
-    *, q, k_cache, v_cache, seq_lens, block_tables, scale, output_gate=None, config=None, pdl=True
+    *, q, k_cache, v_cache, seq_lens, block_tables, scale, output_gate=None, config=None, pdl=True, tokens_per_row=1
 ) -> torch.Tensor:
     """attention.paged_decode_attention: the decode kernel, then (more than one split) the reduce
-    kernel. `config` overrides (block_n, num_splits, num_warps, num_stages, merge_chunk) for tuning
-    sweeps."""
-    num_seqs, num_q_heads, head_dim = q.shape
+    kernel, over q's rows (tokens_per_row a sequence). `config` overrides (block_n, num_splits,
+    num_warps, num_stages, merge_chunk) for tuning sweeps."""
+    num_seqs, num_q_heads, head_dim = q.shape  # q rows
+    assert num_seqs == seq_lens.shape[0] * tokens_per_row, "q: tokens_per_row rows a sequence"
     num_kv_heads = k_cache.shape[2]
     assert num_q_heads % num_kv_heads == 0, "q heads must be a multiple of kv heads"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "contiguous head dim"
@@ -256,13 +289,13 @@ def paged_decode_attention(
         v_cache.stride(2), block_tables.stride(0), block_tables.stride(1), out.stride(0), out.stride(1), num_splits,
         *gate_args, GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg["block_n"], BLOCK_D=block_d,
-        HAS_GATE=output_gate is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl_launch(q, pdl),
+        HAS_GATE=output_gate is not None, ROWS=tokens_per_row, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **pdl_launch(q, pdl),
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_splits, *gate_args, HEAD_DIM=head_dim,
             BLOCK_N=cfg["block_n"], BLOCK_S=block_s, CHUNK_S=chunk, BLOCK_D=block_d, HAS_GATE=output_gate is not None,
-            num_warps=4, **pdl_launch(part_o, pdl),
+            ROWS=tokens_per_row, num_warps=4, **pdl_launch(part_o, pdl),
         )  # fmt: skip
     return out

@@ -23,6 +23,8 @@ def causal_conv1d_varlen(
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
     captures: StateCaptures | None = None,
+    update_state: bool = True,
+    save_inputs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill: the causal conv of each sequence's tokens after its slot's window.
 
@@ -33,10 +35,19 @@ def causal_conv1d_varlen(
         activation: "silu" (or "swish") or None.
         captures: also write the window after each capture's offset into its slot (prefix-cache
             snapshots; gdn/state.py), gathered before the slots move on.
+        update_state: False leaves the slots' windows as they were (a speculative verify: its
+            write-on-accept, gdn_state.conv_accept, rebuilds them from there).
+        save_inputs: [T, C] (channels contiguous): also a copy of x's rows, from the same launch
+            (the verify's inputs that write-on-accept reads).
 
     Returns:
-        y: [T, C] in x's dtype (float32 math). Writes each sequence's last W - 1 inputs to its slot.
+        y: [T, C] in x's dtype (float32 math). Writes each sequence's last W - 1 inputs to its slot
+        (when update_state).
     """
+    if save_inputs is not None and (save_inputs.shape != x.shape or save_inputs.stride(-1) != 1):
+        raise ValueError(
+            f"save_inputs: expected {list(x.shape)} with contiguous channels, got {list(save_inputs.shape)}"
+        )
     if captures is not None:
         conv_windows_at(
             x=x, conv_state_pool=conv_state_pool, state_slots=state_slots, has_initial_state=has_initial_state,
@@ -48,6 +59,7 @@ def causal_conv1d_varlen(
     return impl(
         x=x, weight=weight, bias=bias, cu_seqlens=cu_seqlens, conv_state_pool=conv_state_pool,
         state_slots=state_slots, has_initial_state=has_initial_state, activation=activation,
+        update_state=update_state, save_inputs=save_inputs,
     )  # fmt: skip
 
 

@@ -26,9 +26,12 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
 
 
 def causal_conv1d_varlen(
-    *, x, weight, bias, cu_seqlens, conv_state_pool, state_slots, has_initial_state, activation="silu"
-):
+    *, x, weight, bias, cu_seqlens, conv_state_pool, state_slots, has_initial_state, activation="silu",
+    update_state=True, save_inputs=None,
+):  # fmt: skip
     """The reference of conv1d.causal_conv1d_varlen."""
+    if save_inputs is not None:
+        save_inputs.copy_(x)
     width = weight.shape[1]
     y = torch.empty_like(x)
     bounds = cu_seqlens.tolist()
@@ -49,7 +52,8 @@ def causal_conv1d_varlen(
             groups=x.shape[1],
         )[0]
         y[start:end] = _activate(out, activation).t().to(x.dtype)
-        conv_state_pool[slot] = seq[:, -(width - 1) :].to(conv_state_pool.dtype)
+        if update_state:
+            conv_state_pool[slot] = seq[:, -(width - 1) :].to(conv_state_pool.dtype)
     return y
 
 

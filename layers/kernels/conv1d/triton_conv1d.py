@@ -57,9 +57,10 @@ def _conv_rows(
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state"])
 def _conv_varlen_kernel(
-    x, weight, bias, y, state, cu_seqlens, slots, has_initial_state, num_seqs, channels, stride_xt, stride_yt,
-    stride_ss, stride_sc, stride_sw, stride_wc, W: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    x, weight, bias, y, state, cu_seqlens, slots, has_initial_state, saved, num_seqs, channels, stride_xt, stride_yt,
+    stride_ss, stride_sc, stride_sw, stride_wc, stride_st, W: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
+    BC: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, UPDATE_STATE: tl.constexpr,
+    SAVE_X: tl.constexpr,
 ):  # fmt: skip
     n, c = locate_chunk(cu_seqlens, num_seqs, tl.program_id(0), BT, BLOCK_N)
     if n >= num_seqs:
@@ -73,6 +74,10 @@ def _conv_varlen_kernel(
 
     # rows whose taps all lie inside the sequence (the first W - 1 positions are done below)
     pos = c * BT + tl.arange(0, BT)
+    if SAVE_X:  # a copy of this chunk's inputs (L1 / L2 hits: the taps below read the same rows)
+        m_all = (pos < seqlen)[:, None] & m_c[None, :]
+        rows = tl.load(p_x + pos[:, None] * stride_xt, mask=m_all)
+        tl.store(saved + (bos + pos).to(tl.int64)[:, None] * stride_st + o_c[None, :], rows, mask=m_all)
     m_t = (pos < seqlen) & (pos >= W - 1)
     acc = _conv_rows(p_x, None, weight, bias, o_c, m_c, pos, m_t, stride_xt, 0, stride_wc, 0, W, HAS_BIAS)
     tl.store(
@@ -94,14 +99,15 @@ def _conv_varlen_kernel(
             _activate(head, SILU).to(y.dtype.element_ty),
             mask=m_head[:, None] & m_c[None, :],
         )
-        # new window i = input at position seqlen - (W - 1) + i: from x, or from the old window for short sequences
-        src = seqlen - (W - 1) + o_w
-        m_w = (o_w < W - 1)[:, None] & m_c[None, :]
-        new = tl.load(p_x + src[:, None] * stride_xt, mask=m_w & (src >= 0)[:, None], other=0.0).to(tl.float32)
-        win_m = m_w & ((src < 0) & (src >= win_lo))[:, None]
-        new += tl.load(p_s + (src + W - 1)[:, None] * stride_sw, mask=win_m, other=0.0).to(tl.float32)
-        tl.debug_barrier()  # every thread has read the old window before it is overwritten
-        tl.store(p_s + o_w[:, None] * stride_sw, new.to(state.dtype.element_ty), mask=m_w)
+        if UPDATE_STATE:
+            # new window i = input at position seqlen - (W - 1) + i: from x, or from the old window for short sequences
+            src = seqlen - (W - 1) + o_w
+            m_w = (o_w < W - 1)[:, None] & m_c[None, :]
+            new = tl.load(p_x + src[:, None] * stride_xt, mask=m_w & (src >= 0)[:, None], other=0.0).to(tl.float32)
+            win_m = m_w & ((src < 0) & (src >= win_lo))[:, None]
+            new += tl.load(p_s + (src + W - 1)[:, None] * stride_sw, mask=win_m, other=0.0).to(tl.float32)
+            tl.debug_barrier()  # every thread has read the old window before it is overwritten
+            tl.store(p_s + o_w[:, None] * stride_sw, new.to(state.dtype.element_ty), mask=m_w)
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
@@ -142,8 +148,9 @@ def _conv_update_kernel(
 
 
 def causal_conv1d_varlen(
-    *, x, weight, bias, cu_seqlens, conv_state_pool, state_slots, has_initial_state, activation="silu"
-):
+    *, x, weight, bias, cu_seqlens, conv_state_pool, state_slots, has_initial_state, activation="silu",
+    update_state=True, save_inputs=None,
+):  # fmt: skip
     """conv1d.causal_conv1d_varlen: grid (T // BLOCK_T + N, C / BLOCK_C), no host sync."""
     silu = is_silu(activation)
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -157,9 +164,10 @@ def causal_conv1d_varlen(
     grid = (num_tokens // BLOCK_T + num_seqs, triton.cdiv(channels, BLOCK_C))
     _conv_varlen_kernel[grid](
         x, weight, weight if bias is None else bias, y, conv_state_pool, cu_seqlens, state_slots, has_initial_state,
-        num_seqs, channels, x.stride(0), y.stride(0), *conv_state_pool.stride(), weight.stride(0),
+        y if save_inputs is None else save_inputs, num_seqs, channels, x.stride(0), y.stride(0),
+        *conv_state_pool.stride(), weight.stride(0), 0 if save_inputs is None else save_inputs.stride(0),
         W=width, BW=triton.next_power_of_2(max(width - 1, 1)), BT=BLOCK_T, BC=BLOCK_C, BLOCK_N=BLOCK_N,
-        HAS_BIAS=bias is not None, SILU=silu,
+        HAS_BIAS=bias is not None, SILU=silu, UPDATE_STATE=update_state, SAVE_X=save_inputs is not None,
         num_warps=8,
     )  # fmt: skip
     return y

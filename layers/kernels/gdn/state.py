@@ -105,6 +105,69 @@ class VerifyTable:
         )
 
 
+@dataclass
+class VerifyStack:
+    """Every GDN layer's verify buffers as one tensor each (leading dim: the layers of the state
+    pools, in order), with the pools they accept into, so that write-on-accept covers the whole model
+    in two launches (accept_all). table: a VerifyTable with a leading layer dim; conv_inputs
+    [layers, rows, L, C]; has_initial [rows] (all true: the verify rows' conv flag); recurrent
+    [layers, S, Hv, K, V] and conv [layers, S, C, W - 1]: the pools."""
+
+    table: VerifyTable
+    conv_inputs: torch.Tensor
+    has_initial: torch.Tensor
+    recurrent: torch.Tensor
+    conv: torch.Tensor
+
+    @classmethod
+    def empty(cls, recurrent: torch.Tensor, conv: torch.Tensor, rows: int, length: int) -> VerifyStack:
+        if not 1 <= length <= VERIFY_MAX_TOKENS:
+            raise ValueError(f"verify length {length} is outside [1, {VERIFY_MAX_TOKENS}]")
+        layers, _, num_v_heads, key_dim, value_dim = recurrent.shape
+        f32, device = torch.float32, recurrent.device
+        table = VerifyTable(
+            k=torch.empty((layers, rows, length, num_v_heads, key_dim), dtype=f32, device=device),
+            delta=torch.empty((layers, rows, length, num_v_heads, value_dim), dtype=f32, device=device),
+            g=torch.empty((layers, rows, length, num_v_heads), dtype=f32, device=device),
+        )
+        conv_inputs = torch.zeros((layers, rows, length, conv.shape[2]), dtype=conv.dtype, device=device)
+        has_initial = torch.ones(rows, dtype=torch.bool, device=device)
+        return cls(table, conv_inputs, has_initial, recurrent, conv)
+
+    def layer(self, i: int) -> dict:
+        """Layer i's SsmLayerState verify fields (views)."""
+        t = self.table
+        return {
+            "verify": VerifyTable(t.k[i], t.delta[i], t.g[i]),
+            "verify_conv_inputs": self.conv_inputs[i],
+            "verify_has_initial": self.has_initial,
+        }
+
+
+def accept_all(*, stack: VerifyStack, state_slots: torch.Tensor, last_accepted: torch.Tensor) -> None:
+    """accept_states and conv_accept for every layer of the stack, after a verify of the first
+    len(state_slots) rows: two launches on CUDA. No host sync."""
+    n = state_slots.shape[0]
+    table = VerifyTable(stack.table.k[:, :n], stack.table.delta[:, :n], stack.table.g[:, :n])
+    inputs = stack.conv_inputs[:, :n]
+    if stack.recurrent.is_cuda:
+        from .accept import accept_states_layers, conv_accept_layers
+
+        accept_states_layers(
+            state_pools=stack.recurrent, state_slots=state_slots, table=table, last_accepted=last_accepted
+        )
+        conv_accept_layers(conv_state_pools=stack.conv, state_slots=state_slots, x=inputs, last_accepted=last_accepted)
+        return
+    for i in range(stack.recurrent.shape[0]):
+        layer_table = VerifyTable(table.k[i], table.delta[i], table.g[i])
+        accept_states_naive(
+            state_pool=stack.recurrent[i], state_slots=state_slots, table=layer_table, last_accepted=last_accepted
+        )
+        conv_accept_naive(
+            conv_state_pool=stack.conv[i], state_slots=state_slots, x=inputs[i], last_accepted=last_accepted
+        )
+
+
 def replay_steps(state: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """The state after the given recurrent steps, in order: state [..., Hv, K, V] float32; k [L, ..., Hv,
     K]; delta [L, ..., Hv, V]; g [L, ..., Hv]."""
@@ -180,22 +243,35 @@ def conv_windows_at(
         conv_state_pool[c.slot] = rows.to(conv_state_pool.dtype)
 
 
+def conv_accept_naive(
+    *, conv_state_pool: torch.Tensor, state_slots: torch.Tensor, x: torch.Tensor, last_accepted: torch.Tensor
+) -> None:
+    """conv_accept in plain torch (the reference and the CPU path)."""
+    slots = state_slots.long()
+    old_windows = conv_state_pool[slots]
+    width_1 = old_windows.shape[-1]
+    seq = torch.cat([old_windows, x.transpose(1, 2).to(old_windows.dtype)], dim=2)  # [N, C, W - 1 + L]
+    idx = last_accepted.long()[:, None, None] + 1 + torch.arange(width_1, device=x.device)[None, None, :]
+    window = seq.gather(2, idx.clamp(min=0).expand(-1, seq.shape[1], -1))
+    conv_state_pool[slots] = window.to(conv_state_pool.dtype)
+
+
 def conv_accept(
     *,
     conv_state_pool: torch.Tensor,
     state_slots: torch.Tensor,
-    old_windows: torch.Tensor,
     x: torch.Tensor,
     last_accepted: torch.Tensor,
 ) -> None:
-    """Write-on-accept for the conv windows: each row's slot becomes the last W - 1 of (its window
-    before the verify, then the verify's inputs up to token last_accepted[n]); -1 restores the old
-    window. old_windows: [N, C, W - 1]; x: [N, L, C]; last_accepted: [N] int. Device ops only."""
-    width_1 = old_windows.shape[-1]
-    seq = torch.cat([old_windows, x.transpose(1, 2).to(old_windows.dtype)], dim=2)  # [N, C, W - 1 + L]
-    idx = last_accepted.long()[:, None, None] + 1 + torch.arange(width_1, device=x.device)[None, None, :]
-    window = seq.gather(2, idx.expand(-1, seq.shape[1], -1))
-    conv_state_pool[state_slots.long()] = window.to(conv_state_pool.dtype)
+    """Write-on-accept for the conv windows: each row's slot, still holding its window from before
+    the verify (the verify's conv leaves it: causal_conv1d_varlen(update_state=False)), becomes the
+    last W - 1 of (that window, then the verify's inputs up to token last_accepted[n]); -1 keeps the
+    window. x: [N, L, C] (channels contiguous); last_accepted: [N] int. No host sync."""
+    if conv_state_pool.is_cuda:
+        from .accept import conv_accept as impl
+    else:
+        impl = conv_accept_naive
+    impl(conv_state_pool=conv_state_pool, state_slots=state_slots, x=x, last_accepted=last_accepted)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,11 @@ from .tuned import TUNED, tuned_key
 # tensor-core tiles beat cuBLAS in the device's sweep (TUNED) do; cuBLAS takes the rest.
 MAX_TOKENS = 4
 MAX_TUNED_TOKENS = 16
+# 2..this many rows of a plain half-precision weight take the few-row GEMV (triton_rows: the weight
+# read once, every row reusing its register tile); KernelOptions.few_rows_gemv sets it per engine
+FEW_ROWS_MAX = 8
 
-Path = Literal["row", "skinny", "torch"]
+Path = Literal["row", "rows", "skinny", "torch"]
 
 
 def linear(
@@ -34,6 +37,7 @@ def linear(
     pdl: bool = True,
     row_gemv: bool = True,
     row_tiles: tuple[RowTile, ...] = (),
+    few_rows: int = FEW_ROWS_MAX,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), float32 accumulation.
 
@@ -48,22 +52,28 @@ def linear(
         pdl: CUDA: the Triton kernels launch under programmatic dependent launch (sm_90+).
         row_gemv: a half-precision CUDA row (M = 1) takes the one-row GEMV (else the skinny GEMM).
         row_tiles: one-row GEMV tiles overriding the tuned ones for the shapes they name.
+        few_rows: a half-precision CUDA call of 2..few_rows rows takes the few-row GEMV (0: none).
 
     Returns:
-        [M, N (+ N_tail)] in x's dtype. The path: gemm_path (one row, <= MAX_TOKENS rows or a tuned
-        shape on CUDA: Triton; otherwise F.linear). An FP8 weight: up to MAX_TUNED_TOKENS rows the
-        Triton GEMV / skinny GEMM with the weight dequantized in registers, x as it is; above, x is
-        quantized per row and 1 x 128 group (fp8.quantize_act) for the block-scaled FP8 GEMM on
-        tensor cores (the CPU reference quantizes x likewise above MAX_TUNED_TOKENS rows).
+        [M, N (+ N_tail)] in x's dtype. The path: gemm_path (one row, 2..few_rows rows, <=
+        MAX_TOKENS rows or a tuned shape on CUDA: Triton; otherwise F.linear). An FP8 weight: up
+        to MAX_TUNED_TOKENS rows the Triton GEMV / skinny GEMM with the weight dequantized in
+        registers, x as it is; above, x is quantized per row and 1 x 128 group (fp8.quantize_act)
+        for the block-scaled FP8 GEMM on tensor cores (the CPU reference quantizes x likewise
+        above MAX_TUNED_TOKENS rows).
     """
     if weight_scale is not None:
         return _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles)
     _check_plain(weight, weight_tail)
-    path = _path(x, weight.shape[0], row_gemv)
+    path = _path(x, weight.shape[0], row_gemv, few_rows)
     if path == "row":
         from .triton_row import row_gemv as impl
 
         return impl(x=x, weight=weight, bias=bias, row_tiles=row_tiles, pdl=pdl)[0]
+    if path == "rows":
+        from .triton_rows import rows_gemv
+
+        return rows_gemv(x=x, weight=weight, bias=bias, pdl=pdl)[0]
     if path == "skinny":
         from .triton_linear import linear as impl
 
@@ -99,13 +109,18 @@ def _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_t
     return impl(**args)
 
 
-def gemm_path(num_rows: int, n: int, k: int, dtype: torch.dtype, info: DeviceInfo, row_gemv: bool) -> Path:
-    """Which kernel a CUDA call of this shape takes: "row" (the one-row GEMV), "skinny" (the
-    skinny GEMM) or "torch" (cuBLAS)."""
+def gemm_path(
+    num_rows: int, n: int, k: int, dtype: torch.dtype, info: DeviceInfo, row_gemv: bool, few_rows: int = 0
+) -> Path:
+    """Which kernel a CUDA call of this shape takes: "row" (the one-row GEMV), "rows" (the few-row
+    GEMV, 2..few_rows rows), "skinny" (the skinny GEMM) or "torch" (cuBLAS)."""
     from .triton_row import supports
+    from .triton_rows import supports as rows_support
 
     if row_gemv and supports(num_rows, k, dtype):
         return "row"
+    if 2 <= num_rows <= few_rows and rows_support(num_rows, k, dtype):
+        return "rows"
     if num_rows <= MAX_TOKENS:
         return "skinny"
     half = dtype in (torch.bfloat16, torch.float16)
@@ -113,10 +128,10 @@ def gemm_path(num_rows: int, n: int, k: int, dtype: torch.dtype, info: DeviceInf
     return "skinny" if half and num_rows <= MAX_TUNED_TOKENS and tuned_key(num_rows, n, k) in tuned else "torch"
 
 
-def _path(x: torch.Tensor, n: int, row_gemv: bool) -> Path:
+def _path(x: torch.Tensor, n: int, row_gemv: bool, few_rows: int = 0) -> Path:
     if not x.is_cuda or x.dim() != 2:
         return "torch"
-    return gemm_path(x.shape[0], n, x.shape[1], x.dtype, device_info(x.device), row_gemv)
+    return gemm_path(x.shape[0], n, x.shape[1], x.dtype, device_info(x.device), row_gemv, few_rows)
 
 
 class NormLinearOut(NamedTuple):
@@ -143,6 +158,8 @@ def rms_norm_linear(
     row_gemv: bool = True,
     row_tiles: tuple[RowTile, ...] = (),
     low_rank: PairLowRank | None = None,
+    few_rows: int = FEW_ROWS_MAX,
+    few_rows_norm: bool = True,
 ) -> NormLinearOut:
     """The residual add, the zero-centred input norm and the projection after it:
     s = x + residual (x itself when residual is None), y = rms_norm(s) * (1 + norm_weight),
@@ -150,19 +167,30 @@ def rms_norm_linear(
 
     Args:
         x, residual: [M, K], one dtype. norm_weight: [K]. weight: [N, K]. bias: [N] or None.
-        write_normed: also return y. weight_scale, weight_tail, pdl, row_gemv, row_tiles: as `linear`.
+        write_normed: also return y. weight_scale, weight_tail, pdl, row_gemv, row_tiles, few_rows: as
+            `linear`. few_rows_norm: the few-row GEMV may run the norm inside (below).
         low_rank: x's adapters (norm.fused_add_rms_norm's low_rank: s = x + delta + residual; needs
-            the residual); the norm kernel then runs, not the one-row GEMV's norm.
+            the residual); the norm kernel then runs, not a row GEMV's norm.
 
     Returns:
         NormLinearOut(out [M, N], y [M, K] or None, s [M, K]), in x's dtype. A CUDA row whose
         weight has at most triton_row.FUSED_NORM_MAX_N rows (where the fusion measured faster) runs
-        the norm inside the one-row GEMV; otherwise the norm kernel, then `linear`.
+        the norm inside the one-row GEMV, and 2..few_rows rows of a plain weight as small inside the
+        few-row GEMV; otherwise the norm kernel, then `linear`.
     """
     if weight_scale is None:
         _check_plain(weight, weight_tail)
     assert low_rank is None or residual is not None, "rms_norm_linear: low_rank needs the residual"
-    if low_rank is None and _path(x, weight.shape[0], row_gemv) == "row" and _fuses_norm(weight.shape[0]):
+    path = _path(x, weight.shape[0], row_gemv, few_rows if weight_scale is None else 0)
+    if low_rank is None and path == "rows" and few_rows_norm and _fuses_norm(weight.shape[0]):
+        from .triton_rows import rows_gemv
+
+        out, normed, summed = rows_gemv(
+            x=x, weight=weight, bias=bias, residual=residual, norm_weight=norm_weight, eps=eps,
+            write_normed=write_normed, pdl=pdl,
+        )  # fmt: skip
+        return NormLinearOut(out, normed, x if summed is None else summed)
+    if low_rank is None and path == "row" and _fuses_norm(weight.shape[0]):
         from .triton_row import row_gemv as impl
 
         out, normed, summed = impl(
@@ -178,7 +206,7 @@ def rms_norm_linear(
         )
     out = linear(
         x=normed, weight=weight, bias=bias, weight_scale=weight_scale, weight_tail=weight_tail, pdl=pdl,
-        row_gemv=row_gemv, row_tiles=row_tiles,
+        row_gemv=row_gemv, row_tiles=row_tiles, few_rows=few_rows,
     )  # fmt: skip
     return NormLinearOut(out, normed if write_normed else None, summed)
 
