@@ -107,7 +107,8 @@ def test_gpu_bf16_real_shapes(m, n, k):
     x, w, b = make(m, n, k, "cuda", torch.bfloat16, bias=m == 3)
     out = linear_kernels.linear(x=x, weight=w, bias=b)
     check(out, naive.linear(x=x, weight=w, bias=b), torch.bfloat16)
-    assert torch.equal(out, triton_rows.rows_gemv(x=x, weight=w, bias=b)[0])  # the op took it, bit-reproducibly
+    if m <= linear_kernels.FEW_ROWS_MAX:  # the op took it, bit-reproducibly (more rows: the skinny GEMM)
+        assert torch.equal(out, triton_rows.rows_gemv(x=x, weight=w, bias=b)[0])
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(4, 7, 200), (3, 130, 64), (9, 33, 48)])
