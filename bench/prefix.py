@@ -167,6 +167,28 @@ def host_timeline(llm: LLM, shared: int, new: int, vocab: int) -> dict:
     return ms
 
 
+def host_profile(llm: LLM, shared: int, new: int, vocab: int, rows: int = 40) -> dict:
+    """One more miss, then its hit under cProfile: the host functions by own time and by cumulative time
+    (where the eager forward's ~90 us a launch goes: Triton's launcher, torch ops, our wrappers)."""
+    import cProfile
+    import io
+    import pstats
+
+    rng = np.random.default_rng(shared + 3)
+    prefix = rng.integers(10, vocab - 10, shared).tolist()
+    time_to_first_token(llm, prefix + rng.integers(10, vocab - 10, new).tolist(), "cpmiss")
+    prof = cProfile.Profile()
+    prof.enable()
+    wall, skipped = time_to_first_token(llm, prefix + rng.integers(10, vocab - 10, new).tolist(), "cphit")
+    prof.disable()
+    for order in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(rows)
+        print(f"--- cProfile of a hit ({skipped} skipped, wall {wall * 1e3:.1f} ms under the profiler), by {order} ---")
+        print(buf.getvalue(), flush=True)
+    return {"wall_ms_profiled": wall * 1e3}
+
+
 def bench_decode_on_off(llm: LLM, batches: list[int], context: int, steps: int, vocab: int) -> list[dict]:
     rows = []
     engine = llm.engine
@@ -215,6 +237,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.profile_hit:
         report["host_timeline"] = host_timeline(llm, args.shared, args.new, model_config.vocab_size)
         report["profile_hit"] = profile_hit(llm, args.shared, args.new, model_config.vocab_size)
+        report["host_profile"] = host_profile(llm, args.shared, args.new, model_config.vocab_size)
     if batches:
         report["decode"] = bench_decode_on_off(llm, batches, args.context, args.steps, model_config.vocab_size)
         for r in report["decode"]:
@@ -243,7 +266,7 @@ def add_parser(sub) -> None:
         "--profile-hit",
         action="store_true",
         help="print a hit's host timeline (checks, scheduling, the forward's launches and the GPU's drain after"
-        " them) and a torch.profiler kernel table of one hit",
+        " them), a torch.profiler kernel table of one hit and a cProfile of another",
     )
     p.add_argument("--json", default=None)
     p.set_defaults(func=_main)
