@@ -248,10 +248,29 @@ def _verify_costs(
     draft_ms = timer(draft)
     out = {"verify_ms": verify_ms, "verify_over_decode": verify_ms / decode_ms, "draft_ms": draft_ms}
     graphs = runner.verify_graphs
+    own = graphs is not None and graphs.k == k
+    if device.type == "cuda" and not own:
+        # another k than the engine's: its whole step captured here, on this k's verify buffers
+        from deltaserve.workers.spec_graphs import VerifyGraphs
+
+        graphs = VerifyGraphs(
+            model,
+            spec,
+            max_pages=plan.block_tables.shape[1],
+            scratch_slot=pool.sizes.num_slots - 1,
+            scratch_page=pool.sizes.num_blocks - 1,
+            batch_sizes=(b,),
+            device=device,
+            kernels=runner.kernels,
+        )
     if graphs is not None and graphs.k == k and graphs.can_run(plan):
-        # the engine's own k: the whole step (verify, acceptance, write-on-accept, head) from its graph
+        # the whole step (verify, acceptance, write-on-accept, the head's catch-up and drafts) from a graph
         out["step_graph_ms"] = timer(lambda: graphs.run(plan))
         out["step_graph_over_decode"] = out["step_graph_ms"] / decode_ms
+    if device.type == "cuda" and not own:
+        del graphs
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
     _restore(pool, engine_buffers)
     return out
 
