@@ -359,7 +359,8 @@ def bench_tokens(
     rng = np.random.default_rng(batch)
     prompts = [rng.integers(10, vocab - 10, context).tolist() for _ in range(batch)]
     warm = 4
-    max_tokens = (steps + warm + 2) * (k + 1) + 8
+    # rows prefilled first decode while the others still prefill: a step of margin for each row
+    max_tokens = (steps + warm + 2 + batch) * (k + 1) + 8
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     engine.scheduler.drafter = None
     reference_out = llm.generate(prompts, params, use_tqdm=False)
@@ -438,7 +439,7 @@ def run(args: argparse.Namespace) -> dict:
         load_format=args.load_format,
         device=args.device,
         max_num_seqs=max([*batches, *token_batches]),
-        max_model_len=args.context + (args.steps + 8) * (args.k + 1) + 64,
+        max_model_len=args.context + (args.steps + 8 + max(token_batches, default=0)) * (args.k + 1) + 64,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=False,
         speculative_config={"method": "mtp", "num_speculative_tokens": args.k},
