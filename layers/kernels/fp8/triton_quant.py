@@ -32,7 +32,9 @@ def quantize_group_block(x, FP8_LIMIT: tl.constexpr, FLOOR: tl.constexpr):
     """x [R, G, GROUP] float32 -> (q float8e4nv [R, G, GROUP], s [R, G]): each group's scale
     max(amax, FLOOR) / 448 and its values divided by it (kernels that quantize in their epilogue
     use it too)."""
-    s = tl.maximum(tl.max(tl.abs(x), 2), FLOOR) / FP8_LIMIT
+    amax = tl.maximum(tl.max(tl.abs(x), 2), FLOOR)
+    # IEEE division (a plain `/` compiles to the approximate one on the GPU: the scale 1 ulp off)
+    s = tl.div_rn(amax, tl.zeros_like(amax) + FP8_LIMIT)
     q = tl.div_rn(x, s[:, :, None])
     q = round_to_e4m3(tl.minimum(tl.maximum(q, -FP8_LIMIT), FP8_LIMIT))
     return q.to(tl.float8e4nv), s
