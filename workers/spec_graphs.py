@@ -27,8 +27,9 @@ from deltaserve.workers.spec_decode import SpecDecoder
 
 log = logging.getLogger(__name__)
 
-# target tokens (rows x (k + 1)) of the largest verify step captured: the MoE kernels' capturable range
-MAX_GRAPH_TOKENS = 256
+# target tokens (rows x (k + 1)) of the largest verify step captured: batch 64 up to k = 7 (the
+# verify's logits, [tokens, vocab], live in the graphs' pool)
+MAX_GRAPH_TOKENS = 512
 
 
 class VerifyGraphs:
