@@ -24,9 +24,9 @@ from deltaserve.workers.spec_decode import SpecDecoder
 from deltaserve.workers.state_pool import StatePool
 from deltaserve.workers.warmup import (
     SPEC_WARMUP_ROWS,
-    WARMUP_BATCHES,
     lora_layouts,
     spec_warmup_plans,
+    warmup_batches,
     warmup_fits,
 )
 from deltaserve.workers.wire import check_plan_ranges, check_spec_engine, decode_plan, encode_plan
@@ -122,9 +122,9 @@ def test_lora_warmup_runs_adapter_rows_and_restores_the_slots(tiny_checkpoints, 
     monkeypatch.setattr(lora_kernels, "ExpertDeltas", deltas)
     pool = StatePool(runner.model, SIZES, dtype=runner.dtype, device=runner.device)
     passes = runner.compile_warmup(pool)
-    fitting = [b for b in WARMUP_BATCHES if warmup_fits(b, 128, SIZES)]
+    fitting = [b for b in warmup_batches(128) if warmup_fits(b, 128, SIZES)]
     layouts = [set(s.tolist()) for b in fitting for s in lora_layouts(len(b), 3)]
-    assert len(fitting) == 3 and passes == len(fitting) + len(layouts)
+    assert len(fitting) == 4 and ((0, 128),) in fitting and passes == len(fitting) + len(layouts)
     assert {0, -1} in layouts and {0, 1, 2, -1} in layouts and {0} in layouts
     assert set(projections) == set(experts) == {frozenset(x) for x in layouts}
     moe_layers = sum(isinstance(s, ExpertLoraSlots) for s in _all_slots(runner.model))
@@ -163,9 +163,9 @@ def test_spec_warmup_runs_speculative_steps_and_leaves_no_state(tiny_checkpoints
     monkeypatch.setattr(runner.model, "write_on_accept", lambda *a, **kw: accepts.append(1) or real_accept(*a, **kw))
     pool = StatePool(runner.model, SIZES, dtype=runner.dtype, device=runner.device)
     passes = runner.compile_warmup(pool)
-    fitting = [b for b in WARMUP_BATCHES if warmup_fits(b, 64, SIZES)]
+    fitting = [b for b in warmup_batches(64) if warmup_fits(b, 64, SIZES)]
     sequences = [n for n in SPEC_WARMUP_ROWS if n + 2 <= 8]  # the 16-row one exceeds max_num_seqs
-    assert len(fitting) == 2 and passes == len(fitting) + 4 * len(sequences)
+    assert len(fitting) == 3 and passes == len(fitting) + 4 * len(sequences)
     # the head's catch-up over each warm-up batch (its decode rows first), no drafts
     assert steps[: len(fitting)] == [(0, sum(c > 0 and t == 1 for c, t in b), None) for b in fitting]
     assert steps[len(fitting) :] == [

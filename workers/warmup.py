@@ -4,8 +4,9 @@ logs the ones missed). They run on the profiling pool, or on the new pools befor
 outputs dropped, and leave nothing behind: no sampler request, adapter slots and runner state as
 they were.
 
-- `WARMUP_BATCHES`: prefill tiles of several prompt lengths and mixed batches, the sampler's kernels
-  on their logits, prefix-cache captures; with speculation the MTP head's catch-up over each.
+- `WARMUP_BATCHES` and a prompt of the whole token budget: prefill tiles of several prompt lengths
+  and mixed batches, the sampler's kernels on their logits, prefix-cache captures; with speculation
+  the MTP head's catch-up over each.
 - With LoRA: the same batches with adapter rows, once all on one slot and once on several slots
   beside base rows (`AdapterSlots.warmup_adapters`: the slots count as holding an adapter on every
   target, their weights untouched), so the prefill-sized adapter kernels (shrink / expand, the row
@@ -95,6 +96,14 @@ def warmup_plan(streams: tuple[tuple[int, int], ...], block_size: int) -> PassPl
         sample_rows=np.ones(num_rows, bool),
         prompt_logprob_rows=np.zeros(num_rows, bool),
     )
+
+
+def warmup_batches(max_tokens: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """WARMUP_BATCHES, then one prompt of the whole token budget: the profiling pass's shape, run again
+    for its capture, adapter and catch-up variants (and at all with given pool sizes, which skip the
+    profiling pass)."""
+    full = ((0, max_tokens),)
+    return WARMUP_BATCHES if full in WARMUP_BATCHES else (*WARMUP_BATCHES, full)
 
 
 def warmup_fits(streams: tuple[tuple[int, int], ...], max_tokens: int, sizes: PoolSizes) -> bool:
@@ -204,9 +213,9 @@ def compile_warmup(runner: ModelRunner, pool: StatePool) -> int:
     """Run the warm-up passes that fit on `pool`'s scratch pages and slots; returns how many ran."""
     k = runner.config.runner.num_speculative_tokens
     head = _spec_decoder(runner, pool, k) if k else None
-    passes = 0
-    for streams in WARMUP_BATCHES:
-        if not warmup_fits(streams, runner.config.max_num_batched_tokens, pool.sizes):
+    passes, budget = 0, runner.config.max_num_batched_tokens
+    for streams in warmup_batches(budget):
+        if not warmup_fits(streams, budget, pool.sizes):
             continue
         plan = warmup_plan(streams, pool.sizes.block_size)
         logits, _, forward = runner._forward(plan, pool)
@@ -241,11 +250,11 @@ def compile_warmup(runner: ModelRunner, pool: StatePool) -> int:
 
 
 def _lora_warmup(runner: ModelRunner, pool: StatePool) -> int:
-    """WARMUP_BATCHES again with adapter rows (lora_layouts), on slots flagged for the warm-up."""
-    lora, passes = runner.lora, 0
+    """The warm-up batches again with adapter rows (lora_layouts), on slots flagged for the warm-up."""
+    lora, passes, budget = runner.lora, 0, runner.config.max_num_batched_tokens
     with lora.warmup_adapters(range(min(lora.num_slots, LORA_WARMUP_SLOTS))):
-        for streams in WARMUP_BATCHES:
-            if not warmup_fits(streams, runner.config.max_num_batched_tokens, pool.sizes):
+        for streams in warmup_batches(budget):
+            if not warmup_fits(streams, budget, pool.sizes):
                 continue
             plan = warmup_plan(streams, pool.sizes.block_size)
             for slots in lora_layouts(plan.num_rows, lora.num_slots):
