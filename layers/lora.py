@@ -24,7 +24,8 @@ import logging
 import math
 import re
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -590,6 +591,23 @@ def _write_expert(slots: ExpertLoraSlots, slot: int, t: LoraTarget, a: torch.Ten
 
 def _all_slots(model: torch.nn.Module) -> list:
     return [s for m in model.modules() for s in getattr(m, "lora_slots", NO_SLOTS).values()]
+
+
+@contextmanager
+def marked_present(model: torch.nn.Module, slots: Sequence[int]) -> Iterator[None]:
+    """Inside the block, slots `slots` of every projection and expert block count as holding an
+    adapter (their weights as they are, never written), so a pass naming them runs every adapter
+    kernel; the flags are restored after (the start-up warm-up compiles the adapter kernels so)."""
+    sets = _all_slots(model)
+    saved = [list(s.present) for s in sets]
+    try:
+        for s in sets:
+            for slot in slots:
+                s.present[slot] = True
+        yield
+    finally:
+        for s, flags in zip(sets, saved, strict=True):
+            s.present[:] = flags
 
 
 def slot_has_experts(model: torch.nn.Module, slot: int) -> bool:

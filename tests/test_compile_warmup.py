@@ -12,15 +12,10 @@ import triton.language as tl
 
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.layers.config import ModelConfig
-from deltaserve.workers import runner as runner_module
 from deltaserve.workers.plan import PoolSizes
-from deltaserve.workers.runner import (
-    WARMUP_BATCHES,
-    ModelRunner,
-    _warmup_plan,
-    warmup_fits,
-)
+from deltaserve.workers.runner import ModelRunner
 from deltaserve.workers.state_pool import StatePool
+from deltaserve.workers.warmup import WARMUP_BATCHES, profile_plan, warmup_fits, warmup_plan
 from deltaserve.workers.wire import check_plan_ranges, decode_plan, encode_plan
 
 SIZES = PoolSizes(num_blocks=1024, block_size=16, num_slots=32)
@@ -28,7 +23,7 @@ SIZES = PoolSizes(num_blocks=1024, block_size=16, num_slots=32)
 
 @pytest.mark.parametrize("streams", WARMUP_BATCHES)
 def test_warmup_plans_are_valid(streams):
-    plan = decode_plan(encode_plan(_warmup_plan(streams, SIZES.block_size)))  # the codec's checks
+    plan = decode_plan(encode_plan(warmup_plan(streams, SIZES.block_size)))  # the codec's checks
     check_plan_ranges(plan, SIZES, vocab_size=10)
     assert plan.num_rows == len(streams) and plan.num_tokens == sum(new for _, new in streams)
     cached = np.array([c for c, _ in streams])
@@ -46,7 +41,7 @@ def test_warmup_plans_are_valid(streams):
 
 
 def test_profile_plan_is_one_prompt():
-    plan = runner_module._profile_plan(100, 16)
+    plan = profile_plan(100, 16)
     assert plan.num_rows == 1 and plan.num_tokens == 100 and plan.block_tables.shape == (1, 7)
     assert np.array_equal(plan.slot_mapping, np.arange(100))
 
@@ -68,7 +63,8 @@ def test_runner_runs_every_fitting_warmup_batch(tiny_checkpoints, monkeypatch):
     pool = StatePool(runner.model, SIZES, dtype=runner.dtype, device=runner.device)
     runner.compile_warmup(pool)
     expected = [sum(n for _, n in b) for b in WARMUP_BATCHES if warmup_fits(b, 2048, SIZES)]
-    assert ran == expected and 3072 not in ran  # over the token budget: skipped
+    # then one prompt of the whole budget (the profiling pass's shape); over the budget: skipped
+    assert ran == [*expected, 2048] and 3072 not in ran
 
 
 def test_warmup_runs_the_greedy_argmax_in_both_logit_dtypes(tiny_checkpoints, monkeypatch):
@@ -89,7 +85,7 @@ def test_warmup_runs_the_greedy_argmax_in_both_logit_dtypes(tiny_checkpoints, mo
     )
     pool = StatePool(runner.model, SIZES, dtype=runner.dtype, device=runner.device)
     runner.compile_warmup(pool)
-    passes = sum(warmup_fits(b, 2048, SIZES) for b in WARMUP_BATCHES)
+    passes = sum(warmup_fits(b, 2048, SIZES) for b in WARMUP_BATCHES) + 1  # and the full-budget prompt
     assert seen == [torch.bfloat16, torch.float32] * passes
 
 

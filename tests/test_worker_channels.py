@@ -12,8 +12,8 @@ import time
 import torch
 
 from deltaserve.workers.plan import RunnerOutput
-from deltaserve.workers.runner import _profile_plan
 from deltaserve.workers.shm_ring import ShmBroadcast, WaitPolicy
+from deltaserve.workers.warmup import profile_plan
 from deltaserve.workers.wire import REPLY_STAMPS, decode_output, decode_reply, encode_plan
 from deltaserve.workers.worker import Worker
 
@@ -49,7 +49,7 @@ class FakeRunner:
 
 
 def plan_blob(pass_id: int) -> bytes:
-    return encode_plan(dataclasses.replace(_profile_plan(4, 4), pass_id=pass_id))
+    return encode_plan(dataclasses.replace(profile_plan(4, 4), pass_id=pass_id))
 
 
 def reply_output(frame: bytes) -> RunnerOutput:

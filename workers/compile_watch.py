@@ -1,6 +1,6 @@
 """Triton compiles after start-up, logged: a kernel compiled on first use in the middle of serving
 stalls every running request for as long as the compile takes (seconds), which shows in TTFT and
-ITL tails. Start-up warm-up (`runner.WARMUP_BATCHES`) aims to compile every variant a server
+ITL tails. Start-up warm-up (`warmup.py`) aims to compile every variant a server
 meets; this names the ones it missed."""
 
 from __future__ import annotations

@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from deltaserve.layers.base import MoeLoraRoute
-from deltaserve.layers.lora import LoadedAdapter, enable_lora, load_adapter, slot_has_experts, write_slot
+from deltaserve.layers.lora import (
+    LoadedAdapter,
+    enable_lora,
+    load_adapter,
+    marked_present,
+    slot_has_experts,
+    write_slot,
+)
 from deltaserve.workers.config import LoraConfig
 from deltaserve.workers.plan import LoraLoad
 from deltaserve.workers.wire import WireError
@@ -62,3 +71,21 @@ class AdapterSlots:
             if self.held[s] is None:
                 raise WireError(f"plan field 'lora_slots' names slot {s}, which holds no adapter")
         return MoeLoraRoute.FOLD if any(self.has_experts[s] for s in used) else MoeLoraRoute.SKIP
+
+    @contextmanager
+    def warmup_adapters(self, slots: Sequence[int]) -> Iterator[None]:
+        """Start-up warm-up: inside the block, `slots` hold an adapter of the slots' rank on every
+        target the engine adapts (routed experts included when enabled): a pass's rows may name them
+        and run every adapter kernel. Nothing is written to the weights (zeros before any load: the
+        deltas are zero), and what each slot holds, as the driver's AdapterRegistry knows it (every
+        slot empty at start-up), is restored after."""
+        held, has_experts = list(self.held), list(self.has_experts)
+        try:
+            with marked_present(self.model, slots):
+                for s in slots:
+                    if self.held[s] is None:
+                        self.held[s] = LoraLoad(s, -1, "warm-up", "")
+                    self.has_experts[s] = slot_has_experts(self.model, s)
+                yield
+        finally:
+            self.held[:], self.has_experts[:] = held, has_experts

@@ -33,6 +33,7 @@ from deltaserve.layers.config import ModelConfig
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.loader import load_model
 from deltaserve.layers.parallel import ParallelLayout
+from deltaserve.workers import warmup
 from deltaserve.workers.compile_watch import LateCompileLog
 from deltaserve.workers.config import WorkerConfig
 from deltaserve.workers.context import HostCopy, build_forward_context, logits_rows, upload
@@ -138,12 +139,12 @@ class ModelRunner:
         tokens, block_size = self.config.max_num_batched_tokens, self.config.cache.block_size
         pages = -(-tokens // block_size)
         # slots for the warm-up batches' rows too (a few GiB at most, freed below)
-        slots = 1 + max(len(batch) for batch in WARMUP_BATCHES)
+        slots = warmup.warmup_slots()
         # two snapshot slots: the warm-up also runs the prefix-cache capture kernels
         snapshots = 2 if self.config.cache.enable_prefix_caching else 0
         sizes = PoolSizes(num_blocks=pages + 1, block_size=block_size, num_slots=slots, num_snapshots=snapshots)
         pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
-        plan = _profile_plan(tokens, block_size)
+        plan = warmup.profile_plan(tokens, block_size)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -159,31 +160,10 @@ class ModelRunner:
             peak = max(peak, self.config.max_num_seqs * (k + 1) * self.model_config.vocab_size * 4 * 4)
         return int(peak * 1.1)
 
-    def compile_warmup(self, pool: StatePool) -> None:
-        """Run WARMUP_BATCHES (those that fit) on `pool`'s scratch pages and slots and sample their
-        logits' kernels, outputs dropped."""
-        for streams in WARMUP_BATCHES:
-            if warmup_fits(streams, self.config.max_num_batched_tokens, pool.sizes):
-                plan = _warmup_plan(streams, pool.sizes.block_size)
-                logits, _, _ = self._forward(plan, pool)
-                if logits is not None:
-                    self.sampler.compile_warmup(logits)
-                if pool.sizes.num_snapshots >= 2 and len(streams) in CAPTURE_WARMUP_ROWS:
-                    # again with prefix-cache captures: a chunk-boundary store and a replayed remainder
-                    # (the chunk kernel variant this batch picks, compiled with its capture store)
-                    first = plan.num_decode_rows
-                    new = int(plan.query_start_loc[first + 1] - plan.query_start_loc[first])
-                    plan.captures = np.array(
-                        [
-                            [first, min(64, new), pool.sizes.num_slots],
-                            [first, max(1, new - 5), pool.sizes.num_slots + 1],
-                        ],
-                        dtype=np.int32,
-                    )
-                    self._forward(plan, pool)
-                    if new >= 80:  # replays of 16 tokens and of 1: Triton's other integer classes
-                        plan.captures[:, 1] = (65, 80)
-                        self._forward(plan, pool)
+    def compile_warmup(self, pool: StatePool) -> int:
+        """Run the start-up warm-up passes that fit on `pool`'s scratch pages and slots, outputs dropped
+        (workers/warmup.py); returns how many ran."""
+        return warmup.compile_warmup(self, pool)
 
     def allocate(self, sizes: PoolSizes) -> None:
         """Allocate the pools (the same sizes on every rank); from here on a Triton compile is logged
@@ -532,70 +512,3 @@ class PassOutput:
         self._resolved = True
         self._batch = self._copy = self._prompt_parts = self._events = None
         self._verify = self._drafts = self._plan = None
-
-
-# Batches run once at start-up, besides the profiling pass (one prompt of max_num_batched_tokens), so
-# that the kernel variants a server meets are compiled before its first requests: Triton compiles a
-# kernel per tile config (the MoE grouped GEMMs pick tiles by rows per expert: 256 experts x top-8
-# give ~8 / 32 / 96 rows at these lengths) and per integer-argument class (1, a multiple of 16,
-# other). Each batch is a list of streams (cached tokens, new tokens); decode rows (1 new token on a
-# cache) come first. A first-use compile in a serving run stalls every running request for seconds.
-WARMUP_BATCHES = (
-    ((0, 256),),
-    ((0, 1024),),
-    ((0, 3072),),
-    ((0, 100), (0, 333), (0, 568)),  # 3 prompts, 1,001 tokens
-    tuple((0, 61) for _ in range(17)),  # 17 prompts, 1,037 tokens
-    tuple((0, 64) for _ in range(16)),  # 16 prompts, 1,024 tokens
-    ((40, 1), (17, 1), (300, 200), (0, 99)),  # decode rows, a continued chunk, a new prompt
-    ((30, 1), (0, 50)),  # one decode row: the prefill rows' inputs start at an odd row offset
-    tuple((20 + i, 1) for i in range(16)) + ((0, 77),),  # 16 decode rows and a short prompt
-    ((0, 2100), (0, 2100), (0, 2100)),  # several long prompts: the GDN chunk kernels' third variant
-    ((3000, 64),),  # a prefix-cache hit's few tokens over a long context: split-K attention and its merge
-)
-
-
-# warm-up batches (by row count) that also run with captures: one per chunk-kernel variant they pick
-CAPTURE_WARMUP_ROWS = (1, 3)
-
-
-def _warmup_plan(streams: tuple[tuple[int, int], ...], block_size: int) -> PassPlan:
-    """A prefill/decode plan over scratch pages and slots 0..N-1 (token ids 0): what runs matters,
-    not the values. streams: (cached tokens, new tokens) per row, decode rows first."""
-    pages_per_row = [-(-(cached + new) // block_size) for cached, new in streams]
-    block_tables = np.zeros((len(streams), max(pages_per_row)), np.int32)
-    positions, slot_mapping, first_page = [], [], 0
-    for row, ((cached, new), pages) in enumerate(zip(streams, pages_per_row, strict=True)):
-        block_tables[row, :pages] = np.arange(first_page, first_page + pages)
-        pos = np.arange(cached, cached + new)
-        positions.append(pos)
-        slot_mapping.append(block_tables[row, pos // block_size].astype(np.int64) * block_size + pos % block_size)
-        first_page += pages
-    new_tokens = np.array([new for _, new in streams])
-    cached = np.array([cached for cached, _ in streams])
-    num_rows = len(streams)
-    return PassPlan(
-        pass_id=-1,
-        req_ids=[f"warmup-{i}" for i in range(num_rows)],
-        num_decode_rows=int(((new_tokens == 1) & (cached > 0)).sum()),
-        input_ids=np.zeros(int(new_tokens.sum()), np.int32),
-        positions=np.concatenate(positions).astype(np.int32),
-        slot_mapping=np.concatenate(slot_mapping),
-        query_start_loc=np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32),
-        seq_lens=(cached + new_tokens).astype(np.int32),
-        block_tables=block_tables,
-        state_slots=np.arange(num_rows, dtype=np.int32),
-        has_initial_state=cached > 0,
-        sample_rows=np.ones(num_rows, bool),
-        prompt_logprob_rows=np.zeros(num_rows, bool),
-    )
-
-
-def warmup_fits(streams: tuple[tuple[int, int], ...], max_tokens: int, sizes: PoolSizes) -> bool:
-    """Whether a warm-up batch fits the token budget and the profiling pool's pages and slots."""
-    pages = sum(-(-(cached + new) // sizes.block_size) for cached, new in streams)
-    return sum(new for _, new in streams) <= max_tokens and pages < sizes.num_blocks and len(streams) < sizes.num_slots
-
-
-def _profile_plan(tokens: int, block_size: int) -> PassPlan:
-    return _warmup_plan(((0, tokens),), block_size)
