@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from logprob_checks import assert_entries_close
+from prefill_checks import CheckedGraphs
 from tiny_models import FAMILIES, VOCAB_SIZE
 
 from deltaserve import LLM, SamplingParams
@@ -21,7 +22,6 @@ from deltaserve.layers.kernels import conv1d as conv_kernels
 from deltaserve.layers.kernels import gdn as gdn_kernels
 from deltaserve.layers.kernels.gdn.fixed_captures import NUM_FIELDS, FixedCaptures, max_chunks
 from deltaserve.layers.kernels.gdn.state import StateCapture, StateCaptures
-from deltaserve.workers.context import build_forward_context
 from deltaserve.workers.prefill_graphs import CAPTURE_CAPACITY, token_buckets
 from deltaserve.workers.runner import _warmup_plan
 
@@ -42,52 +42,6 @@ def same_outputs(got, want, atol: float = 1e-4) -> None:
         assert_entries_close(a.outputs[0].logprobs, b.outputs[0].logprobs, atol=atol)
 
 
-class CheckedGraphs:
-    """The runner's PrefillGraphs (static forward), each pass also run eagerly from the same pools:
-    records the largest logit and pool differences (scratch page and slot left out)."""
-
-    def __init__(self, runner):
-        self.runner, self.graphs = runner, runner._capture_prefill_graphs(capture=False)
-        self.passes, self.with_captures = 0, 0
-        self.logit_diff = self.pool_diff = 0.0
-
-    def can_run(self, plan) -> bool:
-        return self.graphs.can_run(plan)
-
-    def _pools(self) -> list[torch.Tensor]:
-        p = self.runner.pool
-        return [t for t in (p.k_pages, p.v_pages, p.recurrent, p.conv) if t is not None]
-
-    def _compared(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        sizes = self.runner.sizes
-        out = []
-        for t, kind in zip(tensors, ("page", "page", "slot", "slot"), strict=False):
-            keep = torch.ones(t.shape[1], dtype=torch.bool)
-            keep[sizes.num_blocks - 1 if kind == "page" else sizes.num_slots - 1] = False
-            out.append(t[:, keep])
-        return out
-
-    def run(self, plan, indices):
-        before = [t.clone() for t in self._pools()]
-        got = self.graphs.run(plan, indices)
-        after_graph = [t.clone() for t in self._pools()]
-        for t, b in zip(self._pools(), before, strict=True):
-            t.copy_(b)
-        runner = self.runner
-        ctx = build_forward_context(plan, runner.model_config, runner.layout, runner.device, indices,
-                                    kernels=runner.kernels)  # fmt: skip
-        with torch.inference_mode():
-            hidden = runner.model(ctx, runner.pool.layer_states)
-            want = runner.model.compute_logits(hidden[ctx.logits_indices]) if len(indices) else None
-        self.passes += 1
-        self.with_captures += plan.captures is not None and len(plan.captures) > 0
-        if want is not None:
-            self.logit_diff = max(self.logit_diff, float((got - want).abs().max()))
-        for a, b in zip(self._compared(after_graph), self._compared(self._pools()), strict=True):
-            self.pool_diff = max(self.pool_diff, float((a.double() - b.double()).abs().max()))
-        return got
-
-
 @pytest.fixture(scope="module", params=[f for f in FAMILIES if f != "qwen3_5"])  # MoE and dense GDN stacks
 def engines(request, tiny_checkpoints):
     path, _ = tiny_checkpoints[request.param]
@@ -96,7 +50,7 @@ def engines(request, tiny_checkpoints):
     off = LLM(str(path), enable_prefix_caching=False, **kw)
     runner = on.engine.executor.runner
     assert runner.prefill_graphs is None  # CPU: no graphs unless a test puts the static forward there
-    runner.prefill_graphs = CheckedGraphs(runner)
+    runner.prefill_graphs = CheckedGraphs(runner, runner._capture_prefill_graphs(capture=False))
     return on, off, runner.prefill_graphs
 
 
