@@ -31,6 +31,7 @@ bench/kernels_gdn.py times others. NOTES.md has the resources and the measuremen
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -151,10 +152,10 @@ def chunk_gated_delta_rule(
     if num_seqs == 0:
         return out
     prepared = capture_arg = None
-    fixed = captures if isinstance(captures, FixedCaptures) else None
-    if fixed is not None:
-        fixed.store_initial(state_pool, state_slots, has_initial_state)
-        capture_arg = fixed.chunk_slots
+    on_device = captures if isinstance(captures, FixedCaptures) else None
+    if on_device is not None:
+        on_device.store_initial(state_pool, state_slots, has_initial_state)
+        capture_arg = on_device.chunk_slots
     elif captures is not None and captures.items:
         prepared = captures.prepared(CHUNK, device)
         _store_initial_states(prepared.plan.initial_stores, state_pool, state_slots, has_initial_state)
@@ -215,8 +216,11 @@ def chunk_gated_delta_rule(
             num_warps=seq_warps, num_stages=stages,
         )  # fmt: skip
 
-    if fixed is not None:
-        fixed.finish(q, k, v, g, beta, state_pool, scale, use_qk_l2norm)
+    if on_device is not None:
+        from .recurrent import fused_recurrent_gated_delta_rule
+
+        replay = functools.partial(fused_recurrent_gated_delta_rule, pdl=False)
+        on_device.finish(q, k, v, g, beta, state_pool, scale, use_qk_l2norm, replay)
     if prepared is not None:
         _finish_captures(prepared, captures, q, k, v, g, beta, state_pool, scale, use_qk_l2norm)
     if chunk_states_out is not None:

@@ -115,11 +115,10 @@ class FixedCaptures:
         keep = has_initial.bool().index_select(0, seq).view(-1, *([1] * (src.dim() - 1)))
         state_pool.index_copy_(0, self.fields[INIT_SLOT], torch.where(keep, src, torch.zeros_like(src)))
 
-    def finish(self, q, k, v, g, beta, state_pool: torch.Tensor, scale, use_qk_l2norm: bool) -> None:
+    def finish(self, q, k, v, g, beta, state_pool: torch.Tensor, scale, use_qk_l2norm: bool, recurrent) -> None:
         """After the chunked kernel: copies of shared boundary states, then every replay in one
-        recurrent launch (inputs as the chunked op's: q, k [T, Hk, K], v [T, Hv, V], g, beta [T, Hv])."""
-        from . import fused_recurrent_gated_delta_rule
-
+        recurrent call (inputs as the chunked op's: q, k [T, Hk, K], v [T, Hv, V], g, beta [T, Hv];
+        `recurrent`: the caller's fused_recurrent_gated_delta_rule, Triton's or the reference)."""
         f = self.fields
         state_pool.index_copy_(0, f[COPY_DST], state_pool.index_select(0, f[COPY_SRC]))
         rows, live = self._index("replay", q.shape[0], 0)
@@ -129,9 +128,9 @@ class FixedCaptures:
         def take(x: torch.Tensor) -> torch.Tensor:
             return x.index_select(0, flat).view(c, n, *x.shape[1:])
 
-        fused_recurrent_gated_delta_rule(
+        recurrent(
             q=take(q), k=take(k), v=take(v), g=take(g) * live[..., None], beta=take(beta) * live[..., None],
-            state_pool=state_pool, state_slots=f[REPLAY_SLOT], scale=scale, use_qk_l2norm=use_qk_l2norm, pdl=False,
+            state_pool=state_pool, state_slots=f[REPLAY_SLOT], scale=scale, use_qk_l2norm=use_qk_l2norm,
         )  # fmt: skip
 
     def conv_windows(

@@ -110,7 +110,7 @@ def chunk_gated_delta_rule(
                 torch.stack(per_chunk) if per_chunk else state.new_zeros((0, num_v_heads, key_dim, value_dim))
             )
     if fixed is not None:
-        fixed.finish(q, k, v, g, beta, state_pool, scale, use_qk_l2norm)
+        fixed.finish(q, k, v, g, beta, state_pool, scale, use_qk_l2norm, fused_recurrent_gated_delta_rule)
     if plan is not None:
         for src, dst in plan.copies:
             state_pool[dst] = state_pool[src]
