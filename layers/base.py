@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .kernels.gdn.fixed_captures import FixedCaptures
 from .kernels.gdn.state import StateCaptures, VerifyTable
 from .kernels.lora import LoraRows
 from .kernels.options import KernelOptions
@@ -199,7 +200,8 @@ class ForwardContext:
     decode: AttnMetadata | None
     prefill: BatchedAttnMetadata | None
     logits_indices: torch.Tensor
-    midchunk_capture: MidchunkCapture | None = None
+    # FixedCaptures: a prefill CUDA graph's captures, from device tensors (workers/prefill_graphs.py)
+    midchunk_capture: MidchunkCapture | FixedCaptures | None = None
     moe_lora_route: MoeLoraRoute = MoeLoraRoute.SKIP
     lora: LoraBatch | None = None  # None: no row of the pass has an adapter
     # the kernel choices the layers hand their ops (a captured graph keeps those of its capture)

@@ -73,6 +73,7 @@ class DecodeGraphs:
         # (batch size, with adapters) -> graph and its logits
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
+        self.pool = torch.cuda.graph_pool_handle()  # shared with the prefill graphs (runner.py)
         self._capture_all()
 
     def _context(self, bs: int, with_lora: bool = False) -> ForwardContext:
@@ -128,6 +129,7 @@ class DecodeGraphs:
                 self.device,
                 self.batch_sizes,
                 lambda bs, contexts=contexts: self.model.compute_logits(self.model(contexts[bs], self.layer_states)),
+                pool=self.pool,
             )
             self.graphs.update({(bs, with_lora): g for bs, g in graphs.items()})
             self.logits.update({(bs, with_lora): out for bs, out in logits.items()})
@@ -179,18 +181,27 @@ class DecodeGraphs:
 
 
 def capture_per_batch(
-    device: torch.device, batch_sizes: tuple[int, ...], step: Callable[[int], Any]
-) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, Any]]:
-    """A CUDA graph of `step(bs)` for each batch size, and the outputs each capture left (a replay
-    rewrites them): largest first, so that later graphs reuse its memory pool; two runs before each
-    capture, so that Triton compiles (and autotunes) outside it."""
+    device: torch.device,
+    batch_sizes: tuple,
+    step: Callable[[Any], Any],
+    *,
+    prepare: Callable[[Any], None] | None = None,
+    pool=None,
+) -> tuple[dict[Any, torch.cuda.CUDAGraph], dict[Any, Any]]:
+    """A CUDA graph of `step(bs)` for each batch size (any sortable key), and the outputs each capture
+    left (a replay rewrites them): largest first, so that later graphs reuse its memory pool; two runs
+    before each capture, so that Triton compiles (and autotunes) outside it. prepare(bs): runs before
+    them, outside the capture (fills the static buffers for that size). pool: a graph memory pool to
+    share (None: a new one)."""
     graphs, outputs = {}, {}
     torch.cuda.synchronize(device)
-    pool = torch.cuda.graph_pool_handle()
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.inference_mode(), torch.cuda.stream(stream):
         for bs in sorted(batch_sizes, reverse=True):
+            if prepare is not None:
+                prepare(bs)
             for _ in range(2):
                 step(bs)
             graph = torch.cuda.CUDAGraph()

@@ -84,6 +84,7 @@ class ModelRunner:
         self.spec: SpecDecoder | None = None
         self.verify_graphs = None
         self.graphs = None
+        self.prefill_graphs = None
         self.late_compiles: LateCompileLog | None = None  # set once start-up is over (allocate)
         self.kernels = config.runner.kernels
         tokenizer_dir = load.model if load.model and (Path(load.model) / "tokenizer.json").is_file() else None
@@ -155,6 +156,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         del pool
         torch.cuda.empty_cache()
+        graphed = self.config.runner.prefill_graph_max_tokens
+        if self._prefill_graphs_wanted():  # the prefill graphs' memory pool: about a pass of their largest bucket
+            peak += int(peak * min(1.0, (graphed + 1) / tokens))
         k = self.config.runner.num_speculative_tokens
         if k:  # a verify pass's logits: k + 1 rows a sequence, widened to float32 and drawn from (~4 copies)
             peak = max(peak, self.config.max_num_seqs * (k + 1) * self.model_config.vocab_size * 4 * 4)
@@ -179,6 +183,7 @@ class ModelRunner:
             self.compile_warmup(self.pool)
         self.graphs = self._capture_graphs()
         self.verify_graphs = self._capture_verify_graphs()
+        self.prefill_graphs = self._capture_prefill_graphs()
         if self.device.type == "cuda":  # after the graph captures, which compile the decode kernels
             self.late_compiles = LateCompileLog()
             self.late_compiles.install()
@@ -201,6 +206,43 @@ class ModelRunner:
             batch_sizes=tuple(b for b in DEFAULT_BATCH_SIZES if b <= self.config.runner.cuda_graph_max_batch),
             kernels=self.kernels,
             lora=self.lora,
+        )
+
+    def _prefill_graphs_wanted(self) -> bool:
+        from deltaserve.workers.prefill_graphs import prefill_graphs_fit
+
+        runner = self.config.runner
+        return (
+            self.device.type == "cuda"
+            and not runner.enforce_eager
+            and runner.num_speculative_tokens == 0  # speculative passes need the hidden states
+            and runner.prefill_graph_max_tokens > 0
+            and prefill_graphs_fit(self.model)
+        )
+
+    def _capture_prefill_graphs(self, capture: bool = True):
+        """The prefill CUDA graphs over the pools (None on CPU, with graphs off or for a model whose
+        layers keep more per-slot or per-page state than GDN and KV). capture=False: the same static,
+        padded forward run eagerly (tests)."""
+        if capture and not self._prefill_graphs_wanted():
+            return None
+        from deltaserve.workers.prefill_graphs import PrefillGraphs, token_buckets
+
+        sizes = self.sizes
+        max_len = self.model_config.max_position_embeddings
+        return PrefillGraphs(
+            self.model,
+            self.pool.layer_states,
+            max_pages=min(sizes.num_blocks, -(-max_len // sizes.block_size)),
+            block_size=sizes.block_size,
+            scratch_slot=sizes.num_slots - 1,
+            scratch_page=sizes.num_blocks - 1,
+            buckets=token_buckets(self.config.runner.prefill_graph_max_tokens),
+            with_captures=sizes.num_snapshots > 0,
+            device=self.device,
+            kernels=self.kernels,
+            capture=capture,
+            graph_pool=self.graphs.pool if self.graphs is not None else None,
         )
 
     def _capture_verify_graphs(self):
@@ -237,14 +279,15 @@ class ModelRunner:
         in flight."""
         self.kernels = kernels
         self.sampler.pdl = kernels.pdl
-        held = self.graphs or self.verify_graphs
+        held = self.graphs or self.verify_graphs or self.prefill_graphs
         if held is None or held.kernels == kernels:
             return
         torch.cuda.synchronize(self.device)
-        self.graphs = self.verify_graphs = None
+        self.graphs = self.verify_graphs = self.prefill_graphs = None
         torch.cuda.empty_cache()
         self.graphs = self._capture_graphs()
         self.verify_graphs = self._capture_verify_graphs()
+        self.prefill_graphs = self._capture_prefill_graphs()
 
     # ---- one pass ----------------------------------------------------------------------------
     def _forward(self, plan: PassPlan, pool: StatePool, prev_tokens: torch.Tensor | None = None):
@@ -254,6 +297,8 @@ class ModelRunner:
         route = self.lora.route(plan.lora_slots) if self.lora is not None else None
         if self.graphs is not None and pool is self.pool and self.graphs.can_run(plan):
             return self.graphs.run(plan, prev_tokens), spans, None
+        if self.prefill_graphs is not None and pool is self.pool and self.prefill_graphs.can_run(plan):
+            return self.prefill_graphs.run(plan, indices), spans, None
         ctx = build_forward_context(
             plan, self.model_config, self.layout, self.device, indices, prev_tokens, kernels=self.kernels,
             num_lora_slots=self.num_lora_slots, moe_lora_route=route or MoeLoraRoute.SKIP,

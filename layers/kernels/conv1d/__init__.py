@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..gdn.fixed_captures import FixedCaptures
 from ..gdn.state import StateCaptures, conv_windows_at
 from . import naive
 
@@ -22,7 +23,7 @@ def causal_conv1d_varlen(
     has_initial_state: torch.Tensor,
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
-    captures: StateCaptures | None = None,
+    captures: StateCaptures | FixedCaptures | None = None,
     update_state: bool = True,
     save_inputs: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -34,7 +35,7 @@ def causal_conv1d_varlen(
         has_initial_state: [N] bool (False: the window is zeros, the slot is not read).
         activation: "silu" (or "swish") or None.
         captures: also write the window after each capture's offset into its slot (prefix-cache
-            snapshots; gdn/state.py), gathered before the slots move on.
+            snapshots; gdn/state.py; FixedCaptures: from device tensors), gathered before the slots move on.
         update_state: False leaves the slots' windows as they were (a speculative verify: its
             write-on-accept, gdn_state.conv_accept, rebuilds them from there).
         save_inputs: [T, C] (channels contiguous): also a copy of x's rows, from the same launch
@@ -48,7 +49,9 @@ def causal_conv1d_varlen(
         raise ValueError(
             f"save_inputs: expected {list(x.shape)} with contiguous channels, got {list(save_inputs.shape)}"
         )
-    if captures is not None:
+    if isinstance(captures, FixedCaptures):
+        captures.conv_windows(x, conv_state_pool, state_slots, has_initial_state)
+    elif captures is not None:
         conv_windows_at(
             x=x, conv_state_pool=conv_state_pool, state_slots=state_slots, has_initial_state=has_initial_state,
             captures=captures,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import naive
+from .fixed_captures import FixedCaptures
 from .state import StateCaptures, VerifyTable
 
 
@@ -35,7 +36,7 @@ def chunk_gated_delta_rule(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     chunk_states_out: list[torch.Tensor] | None = None,
-    captures: StateCaptures | None = None,
+    captures: StateCaptures | FixedCaptures | None = None,
     variant: str = "",
 ) -> torch.Tensor:
     """The chunked gated delta rule over varlen sequences (prefill); updates their pool slots in place.
@@ -48,7 +49,8 @@ def chunk_gated_delta_rule(
         chunk_states_out: a list to receive, per sequence, the state after each 64-token chunk
             ([num_chunks, Hv, K, V] float32; reads cu_seqlens on the host).
         captures: also write the state after each capture's offset of its sequence into its slot
-            (prefix-cache snapshots; state.py), without changing how the sequence is chunked.
+            (prefix-cache snapshots; state.py), without changing how the sequence is chunked;
+            FixedCaptures: the same from device tensors of fixed shapes (a CUDA graph's).
         variant: CUDA: the sequential part's design (chunk.VARIANTS: "fused", "fused_pf",
             "split32"); empty: chunk.pick_variant's choice by the shapes.
 

@@ -31,6 +31,7 @@ bench/kernels_gdn.py times others. NOTES.md has the resources and the measuremen
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -38,6 +39,7 @@ import triton
 from ..device import DeviceInfo, device_info, stages_that_fit
 from .chunk_prepare import _intra_kernel, _solve_kernel
 from .chunk_state import _output_kernel, _recur_kernel, _state_kernel
+from .fixed_captures import FixedCaptures
 from .state import StateCaptures
 
 CHUNK = 64  # tokens per chunk (BT)
@@ -112,11 +114,12 @@ def _resolve_variant(variant, num_seqs: int, num_v_heads: int, value_dim: int, i
 
 def chunk_gated_delta_rule(
     *, q, k, v, g, beta, cu_seqlens, state_pool, state_slots, has_initial_state, scale=None, use_qk_l2norm=True,
-    chunk_size=CHUNK, chunk_states_out=None, variant=None, captures: StateCaptures | None = None,
+    chunk_size=CHUNK, chunk_states_out=None, variant=None, captures: StateCaptures | FixedCaptures | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """gdn.chunk_gated_delta_rule (chunks of 64 only). variant: a VARIANTS name or a ChunkVariant;
     None: pick_variant's. captures: the sequential kernel stores the state after the chunks they name
-    (one int per chunk), the rest is replayed after it (state.py); no host sync."""
+    (one int per chunk), the rest is replayed after it (state.py; FixedCaptures: the same from device
+    tensors, fixed_captures.py); no host sync."""
     if chunk_size != CHUNK:
         raise ValueError(f"chunk_size must be {CHUNK}, got {chunk_size}")
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
@@ -149,7 +152,11 @@ def chunk_gated_delta_rule(
     if num_seqs == 0:
         return out
     prepared = capture_arg = None
-    if captures is not None and captures.items:
+    on_device = captures if isinstance(captures, FixedCaptures) else None
+    if on_device is not None:
+        on_device.store_initial(state_pool, state_slots, has_initial_state)
+        capture_arg = on_device.chunk_slots
+    elif captures is not None and captures.items:
         prepared = captures.prepared(CHUNK, device)
         _store_initial_states(prepared.plan.initial_stores, state_pool, state_slots, has_initial_state)
         capture_arg = prepared.chunk_slots
@@ -209,6 +216,11 @@ def chunk_gated_delta_rule(
             num_warps=seq_warps, num_stages=stages,
         )  # fmt: skip
 
+    if on_device is not None:
+        from .recurrent import fused_recurrent_gated_delta_rule
+
+        replay = functools.partial(fused_recurrent_gated_delta_rule, pdl=False)
+        on_device.finish(q, k, v, g, beta, state_pool, scale, use_qk_l2norm, replay)
     if prepared is not None:
         _finish_captures(prepared, captures, q, k, v, g, beta, state_pool, scale, use_qk_l2norm)
     if chunk_states_out is not None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from ..conv1d import naive as conv_naive
 from ..norm import naive as norm_naive
 from ..precision import acc_dtype
+from .fixed_captures import FixedCaptures
 from .state import StateCaptures, VerifyTable, plan_captures
 
 
@@ -64,7 +65,7 @@ def _initial_state(state_pool, slot, has_initial_state, n, shape, acc):
 
 def chunk_gated_delta_rule(
     *, q, k, v, g, beta, cu_seqlens, state_pool, state_slots, has_initial_state, scale=None, use_qk_l2norm=True,
-    chunk_size=64, chunk_states_out=None, captures: StateCaptures | None = None,
+    chunk_size=64, chunk_states_out=None, captures: StateCaptures | FixedCaptures | None = None,
 ):  # fmt: skip
     """The reference of gdn.chunk_gated_delta_rule, in chunks of `chunk_size` tokens. Captures as the
     kernel serves them (state.plan_captures): the state at the chunk boundary at or before each offset,
@@ -74,12 +75,18 @@ def chunk_gated_delta_rule(
     out = torch.empty(v.shape, dtype=acc, device=v.device)
     bounds = cu_seqlens.tolist()
     num_v_heads, key_dim, value_dim = vf.shape[1], qf.shape[-1], vf.shape[-1]
-    plan = None
-    if captures is not None and captures.items:
+    plan = fixed = None
+    stores: dict[int, int] = {}  # chunk index -> the slot its state goes to
+    if isinstance(captures, FixedCaptures):
+        fixed = captures
+        fixed.store_initial(state_pool, state_slots, has_initial_state)
+        stores = {i: s for i, s in enumerate(fixed.chunk_slots.tolist()) if s >= 0}
+    elif captures is not None and captures.items:
         if list(captures.seq_lens) != [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]:
             raise ValueError("captures: seq_lens differ from cu_seqlens")
         plan = plan_captures(captures, chunk_size)
         initial = dict(plan.initial_stores)
+        stores = plan.chunk_stores
     chunk_index = 0
     for n in range(len(bounds) - 1):
         start, end = bounds[n], bounds[n + 1]
@@ -93,8 +100,8 @@ def chunk_gated_delta_rule(
             o_chunk, state = _chunk_step(qf[c0:c1], kf[c0:c1], vf[c0:c1], gf[c0:c1], bf[c0:c1], state)
             out[c0:c1] = o_chunk
             per_chunk.append(state.clone())
-            if plan is not None and chunk_index in plan.chunk_stores:
-                state_pool[plan.chunk_stores[chunk_index]] = state.to(state_pool.dtype)
+            if chunk_index in stores:
+                state_pool[stores[chunk_index]] = state.to(state_pool.dtype)
             chunk_index += 1
         if end > start:
             state_pool[slot] = state.to(state_pool.dtype)
@@ -102,6 +109,8 @@ def chunk_gated_delta_rule(
             chunk_states_out.append(
                 torch.stack(per_chunk) if per_chunk else state.new_zeros((0, num_v_heads, key_dim, value_dim))
             )
+    if fixed is not None:
+        fixed.finish(q, k, v, g, beta, state_pool, scale, use_qk_l2norm, fused_recurrent_gated_delta_rule)
     if plan is not None:
         for src, dst in plan.copies:
             state_pool[dst] = state_pool[src]

@@ -1,0 +1,194 @@
+"""Prefill CUDA graphs (workers/prefill_graphs.py), checked on the CPU through their static forward:
+the same buffers, padding (the idle stream on the scratch slot and page), fixed host ints and
+device-side captures the graph replays, run eagerly (`capture=False`).
+
+Each graphed pass is also run on the normal eager path from the same pool contents: logits and
+every pool tensor after the pass (KV pages, GDN state and conv windows, prefix-cache snapshot slots
+the pass captured into) must agree, all but the scratch page and slot, which only the padding
+touches. End to end, the engine's tokens and logprobs equal those of an engine without the cache
+and without graphs, and snapshots the graphed passes captured serve later hits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from logprob_checks import assert_entries_close
+from prefill_checks import CheckedGraphs
+from tiny_models import FAMILIES, VOCAB_SIZE
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.layers.kernels import conv1d as conv_kernels
+from deltaserve.layers.kernels import gdn as gdn_kernels
+from deltaserve.layers.kernels.gdn.fixed_captures import NUM_FIELDS, FixedCaptures, max_chunks
+from deltaserve.layers.kernels.gdn.state import StateCapture, StateCaptures
+from deltaserve.workers.prefill_graphs import CAPTURE_CAPACITY, token_buckets
+from deltaserve.workers.runner import _warmup_plan
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, logprobs=3)
+LENGTHS = [1, 15, 16, 17, 63, 64, 65, 200]
+
+
+def ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist()
+
+
+def same_outputs(got, want, atol: float = 1e-4) -> None:
+    """Identical greedy tokens, logprobs within atol: against an engine without the cache, whose float32
+    sums run over other row counts (CheckedGraphs holds each graphed pass to 1e-5 of its eager run)."""
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for a, b in zip(got, want, strict=True):
+        assert_entries_close(a.outputs[0].logprobs, b.outputs[0].logprobs, atol=atol)
+
+
+@pytest.fixture(scope="module", params=[f for f in FAMILIES if f != "qwen3_5"])  # MoE and dense GDN stacks
+def engines(request, tiny_checkpoints):
+    path, _ = tiny_checkpoints[request.param]
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, dtype="float32")
+    on = LLM(str(path), prefix_snapshot_interval=128, **kw)
+    off = LLM(str(path), enable_prefix_caching=False, **kw)
+    runner = on.engine.executor.runner
+    assert runner.prefill_graphs is None  # CPU: no graphs unless a test puts the static forward there
+    runner.prefill_graphs = CheckedGraphs(runner, runner._capture_prefill_graphs(capture=False))
+    return on, off, runner.prefill_graphs
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_short_prompt_matches_eager(engines, length):
+    on, off, checked = engines
+    on.reset_prefix_cache()
+    before = checked.passes
+    prompt = ids(length, seed=length)
+    same_outputs(on.generate([prompt], GREEDY, use_tqdm=False), off.generate([prompt], GREEDY, use_tqdm=False))
+    assert checked.passes == before + 1  # the prompt's one prefill pass took the graph path
+    assert checked.logit_diff <= 1e-5 and checked.pool_diff <= 1e-5
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_prefix_hit_matches_eager_and_its_snapshots_serve_later_hits(engines, length):
+    on, off, checked = engines
+    on.reset_prefix_cache()
+    prefix = ids(150, seed=7)
+    on.generate([prefix + ids(9, seed=8)], GREEDY, use_tqdm=False)  # snapshots at 128, 144 (its last block), 159
+    prompt = prefix + ids(length, seed=length)
+    before, captured = checked.passes, checked.with_captures
+    hit = on.generate([prompt], GREEDY, use_tqdm=False)
+    assert hit[0].num_cached_tokens == 144
+    same_outputs(hit, off.generate([prompt], GREEDY, use_tqdm=False))
+    assert checked.passes == before + 1 and checked.with_captures == captured + 1  # with its snapshots
+    # the same prompt again, and one going on from it: they resume from what the graphed pass captured
+    longer = prompt + ids(20, seed=99)
+    again = on.generate([prompt, longer], GREEDY, use_tqdm=False)
+    assert again[0].num_cached_tokens >= len(prompt) - 16 and again[1].num_cached_tokens >= len(prompt) - 16
+    same_outputs(again, off.generate([prompt, longer], GREEDY, use_tqdm=False))
+    assert checked.logit_diff <= 1e-5 and checked.pool_diff <= 1e-5
+
+
+def test_ineligible_passes_run_eagerly(engines):
+    on, off, checked = engines
+    on.reset_prefix_cache()
+    before = checked.passes
+    # chunks of 256, 256 and 88 tokens: the first two are graphed (the second on the first's state);
+    # the last one's block table outruns the graphs' span (the model's 512 positions): eager
+    long_prompt = ids(600, seed=3)
+    two = [ids(30, seed=4), ids(40, seed=5)]  # one pass of two rows
+    logprob = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)
+    same_outputs(
+        on.generate([long_prompt], GREEDY, use_tqdm=False), off.generate([long_prompt], GREEDY, use_tqdm=False)
+    )
+    assert checked.passes == before + 2
+    same_outputs(on.generate(two, GREEDY, use_tqdm=False), off.generate(two, GREEDY, use_tqdm=False))
+    assert checked.passes == before + 2
+    got = on.generate([two[0]], logprob, use_tqdm=False)
+    want = off.generate([two[0]], logprob, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert checked.passes == before + 2
+    assert checked.logit_diff <= 1e-5 and checked.pool_diff <= 1e-5
+
+
+def test_can_run(engines):
+    graphs = engines[2].graphs
+    assert graphs.buckets == (16, 32, 64, 128, 256, 512) and graphs.max_rows == 1 and graphs.with_captures
+    assert graphs.can_run(_warmup_plan(((0, 100),), 16)) and graphs.can_run(_warmup_plan(((300, 1),), 16)) is False
+    assert graphs.can_run(_warmup_plan(((40, 200),), 16)) and graphs.can_run(_warmup_plan(((0, 512),), 16))
+    assert not graphs.can_run(_warmup_plan(((0, 513),), 16))  # above the largest bucket
+    assert not graphs.can_run(_warmup_plan(((0, 30), (0, 40)), 16))  # two rows
+    assert not graphs.can_run(_warmup_plan(((30, 1), (0, 50)), 16))  # a decode row
+    plan = _warmup_plan(((0, 100),), 16)
+    plan.prompt_logprob_rows = np.array([True])
+    assert not graphs.can_run(plan)
+    plan.prompt_logprob_rows = np.array([False])
+    plan.lora_slots = np.array([0], np.int32)
+    assert not graphs.can_run(plan)
+    plan.lora_slots = np.array([-1], np.int32)
+    plan.captures = np.array([[0, 20 * i, 10 + i] for i in range(1, CAPTURE_CAPACITY + 1)], np.int32)
+    assert graphs.can_run(plan)
+    plan.captures = np.array([[0, 10 * i, 10 + i] for i in range(1, CAPTURE_CAPACITY + 2)], np.int32)
+    assert not graphs.can_run(plan)
+
+
+# ---- the pieces ---------------------------------------------------------------------------------
+def test_token_buckets():
+    assert token_buckets(512) == (16, 32, 64, 128, 256, 512)
+    assert token_buckets(100) == (16, 32, 64, 100)
+    assert token_buckets(8) == (8,)
+    assert token_buckets(0) == ()
+
+
+CAPTURE_SETS = [
+    [(0, 200, 5)],  # the row's end (its last chunk's store)
+    [(0, 200, 5), (0, 192, 6)],  # a hit's usual pair: the prompt end and the last block boundary
+    [(0, 7, 5), (0, 64, 6), (0, 100, 7), (0, 120, 8)],  # in the first chunk, a boundary, two in one chunk
+    [(0, 130, 5), (1, 3, 6), (1, 20, 7)],  # the second stream, both in its first chunk
+]
+
+
+@pytest.mark.parametrize("items", CAPTURE_SETS)
+@pytest.mark.parametrize("initial", [False, True])
+def test_fixed_captures_write_what_state_captures_write(items, initial):
+    """The chunked rule and the conv with FixedCaptures (device tensors, padded entries on a
+    scratch slot) leave exactly the states and windows StateCaptures leave."""
+    torch.manual_seed(0)
+    lens = (200, 30, 5)  # the last stream stands for the idle one
+    t, hk, hv, kd, vd, slots, scratch = sum(lens), 2, 4, 16, 8, 12, 3
+    q, k = torch.randn(t, hk, kd), torch.randn(t, hk, kd)
+    v = torch.randn(t, hv, vd)
+    g, beta = -torch.rand(t, hv), torch.rand(t, hv)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+    state_slots = torch.tensor([0, 1, scratch])
+    has_initial = torch.tensor([initial, initial, False])
+    pool0 = torch.randn(slots, hv, kd, vd)
+    x = torch.randn(t, 24)
+    conv0, weight = torch.randn(slots, 24, 3), torch.randn(24, 4)
+    eager = StateCaptures(tuple(StateCapture(*c) for c in items), lens)
+    fields = np.zeros((NUM_FIELDS, CAPTURE_CAPACITY), np.int64)
+    chunk_slots = np.zeros(max_chunks(t, len(lens)), np.int32)
+    assert FixedCaptures.stage(fields, chunk_slots, eager, scratch, len(lens) - 1)
+    results = []
+    for captures in (eager, FixedCaptures(torch.from_numpy(chunk_slots), torch.from_numpy(fields))):
+        pool, conv = pool0.clone(), conv0.clone()
+        out = gdn_kernels.chunk_gated_delta_rule(
+            q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu, state_pool=pool, state_slots=state_slots,
+            has_initial_state=has_initial, captures=captures,
+        )  # fmt: skip
+        y = conv_kernels.causal_conv1d_varlen(
+            x=x, weight=weight, cu_seqlens=cu, conv_state_pool=conv, state_slots=state_slots,
+            has_initial_state=has_initial, captures=captures,
+        )  # fmt: skip
+        results.append((out, y, pool, conv))
+    (out_a, y_a, pool_a, conv_a), (out_b, y_b, pool_b, conv_b) = results
+    assert torch.equal(out_a, out_b) and torch.equal(y_a, y_b)
+    keep = [s for s in range(slots) if s != scratch]
+    assert torch.equal(conv_a[keep], conv_b[keep])
+    assert torch.allclose(pool_a[keep], pool_b[keep], atol=1e-6, rtol=0)
+    for c in items:  # every capture slot was written
+        assert not torch.equal(pool_b[c[2]], pool0[c[2]]) and not torch.equal(conv_b[c[2]], conv0[c[2]])
+
+
+def test_too_many_captures_are_refused():
+    lens = (200, 1)
+    items = tuple(StateCapture(0, offset, 5 + i) for i, offset in enumerate((10, 80, 150, 190, 200)))
+    fields = np.zeros((NUM_FIELDS, CAPTURE_CAPACITY), np.int64)
+    chunk_slots = np.zeros(max_chunks(201, 2), np.int32)
+    assert not FixedCaptures.stage(fields, chunk_slots, StateCaptures(items, lens), 3, 1)
