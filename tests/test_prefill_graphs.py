@@ -23,7 +23,7 @@ from deltaserve.layers.kernels import gdn as gdn_kernels
 from deltaserve.layers.kernels.gdn.fixed_captures import NUM_FIELDS, FixedCaptures, max_chunks
 from deltaserve.layers.kernels.gdn.state import StateCapture, StateCaptures
 from deltaserve.workers.prefill_graphs import CAPTURE_CAPACITY, token_buckets
-from deltaserve.workers.runner import _warmup_plan
+from deltaserve.workers.warmup import warmup_plan as _warmup_plan
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, logprobs=3)
 LENGTHS = [1, 15, 16, 17, 63, 64, 65, 200]
