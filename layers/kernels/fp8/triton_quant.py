@@ -21,9 +21,11 @@ def round_to_e4m3(v):
     # normal range: keep 3 of float32's 23 mantissa bits, round half to even (a carry raises the
     # exponent, as it should)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # -1048576: ~0xFFFFF
-    # below 2^-6 e4m3 is subnormal: multiples of 2^-9, rounded by the 1.5 * 2^23 trick
-    t = v * 512.0
+    # below 2^-6 e4m3 is subnormal: multiples of 2^-9, rounded by the 1.5 * 2^23 trick on |v|, the
+    # sign put back after (a negative value that rounds to zero is -0, as the reference's cast gives)
+    t = tl.abs(v) * 512.0
     sub = ((t + 12582912.0) - 12582912.0) * 0.001953125
+    sub = tl.where(v < 0, -sub, sub)
     return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
 
