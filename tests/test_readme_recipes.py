@@ -78,6 +78,37 @@ def shell(clone: Path, prefix: list[str], command: str, **popen) -> subprocess.P
     )
 
 
+def start_head(
+    clone: Path, prefix: list[str], start: str, log: Path, attempts: int = 3
+) -> tuple[subprocess.Popen, int]:
+    """The recipe's `ray start --head` on free ports, up to `attempts` times: a port found free can be
+    taken before the head binds it (the suite's other Ray instance binds ports all the while).
+    Returns the head (blocking) and its dashboard port once `ray job list` answers there."""
+    for attempt in range(attempts):
+        dashboard, gcs = free_port(), free_port()
+        own_ports = " ".join(own_head_ports())
+        with open(log, "w") as f:
+            head = shell(
+                clone,
+                prefix,
+                f"{start} --block --port={gcs} --dashboard-port={dashboard} {own_ports}",
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 60
+        list_jobs = f"ray job list --address http://127.0.0.1:{dashboard}"
+        while finish(shell(clone, prefix, list_jobs, stdout=subprocess.PIPE, stderr=subprocess.PIPE), 60)[0]:
+            if head.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        else:
+            return head, dashboard
+        stop_group(head, wait_s=5)
+        if attempt == attempts - 1:
+            raise AssertionError(f"the Ray head did not come up: {log.read_text()[-3000:]}")
+    raise AssertionError("unreachable")
+
+
 def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
     out, err = process.communicate(timeout=timeout)
     return process.returncode, out or "", err or ""
@@ -141,25 +172,10 @@ def test_ray_job_submit_as_written(clone, checkpoint, tmp_path):
     prefix = [line for line in lines if line.split()[0] in ("source", "export")]
     start, submit, generate, stop = [line for line in lines if line not in prefix]
     assert start.startswith("ray start --head") and submit.startswith("ray job submit")
-    dashboard, gcs, port = free_port(), free_port(), str(free_port())
-    own_ports = " ".join(own_head_ports())
-    head = shell(
-        clone,
-        prefix,
-        f"{start} --block --port={gcs} --dashboard-port={dashboard} {own_ports}",
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    address = f"http://127.0.0.1:{dashboard}"
+    port = str(free_port())
+    head, dashboard = start_head(clone, prefix, start, tmp_path / "head.log")
     job = None
     try:
-        deadline = time.monotonic() + 60
-        while finish(
-            shell(clone, prefix, f"ray job list --address {address}", stdout=subprocess.PIPE, stderr=subprocess.PIPE),
-            60,
-        )[0]:
-            assert head.poll() is None and time.monotonic() < deadline, "the Ray head did not come up"
-            time.sleep(1)
         submit = (
             submit.replace("8265", str(dashboard))
             .replace("/path/to/checkpoint", checkpoint)
