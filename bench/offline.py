@@ -403,18 +403,41 @@ def run(args: argparse.Namespace) -> dict:
                 row["variant"] = label
             rows.append(row)
             print(_fmt_decode(row), flush=True)
-        for n in prefills:  # prefill passes are eager: they take the variant's options as they run
-            seconds = bench_prefill(llm, n, model_config.vocab_size, profile=n in args.profile_prefills, tag=label)
-            row = {"tokens": n, "seconds": seconds, "tok_s": n / seconds, **({"variant": label} if label else {})}
-            pre.append(row)
-            tagged = f"[{label}] " if label else ""
-            print(f"{tagged}prefill {n:>6} tokens: {seconds * 1e3:8.1f} ms  {n / seconds:10.0f} tok/s", flush=True)
+        pre += time_prefills(llm, prefills, model_config.vocab_size, args, label)
         if settings:  # the next variant starts from the process's options
             runner.set_kernel_options(base)
     report["decode"] = rows
     report["prefill"] = pre
     llm.shutdown()
     return report
+
+
+def time_prefills(llm: LLM, lengths: list[int], vocab: int, args: argparse.Namespace, label: str = "") -> list[dict]:
+    """One row per prompt length (bench_prefill): whether the pass replayed a prefill CUDA graph, and
+    with --prefill-eager-too the same length again with the graphs set aside (eager), in this process."""
+    runner = getattr(llm.engine.executor, "runner", None)
+    graphs = getattr(runner, "prefill_graphs", None)
+    tagged = f"[{label}] " if label else ""
+    rows = []
+    for n in lengths:
+        replays = graphs.replays if graphs is not None else 0
+        seconds = bench_prefill(llm, n, vocab, profile=n in args.profile_prefills, tag=label)
+        graphed = graphs is not None and graphs.replays > replays
+        row = {"tokens": n, "seconds": seconds, "tok_s": n / seconds, "graphed": graphed}
+        if label:
+            row["variant"] = label
+        how = " (CUDA graph)" if graphed else ""
+        print(f"{tagged}prefill {n:>6} tokens: {seconds * 1e3:8.1f} ms  {n / seconds:10.0f} tok/s{how}", flush=True)
+        if graphed and args.prefill_eager_too:
+            runner.prefill_graphs = None
+            try:
+                eager = bench_prefill(llm, n, vocab, tag=f"{label}eager")
+            finally:
+                runner.prefill_graphs = graphs
+            row.update(eager_seconds=eager, eager_tok_s=n / eager)
+            print(f"{tagged}prefill {n:>6} tokens: {eager * 1e3:8.1f} ms  {n / eager:10.0f} tok/s (eager)", flush=True)
+        rows.append(row)
+    return rows
 
 
 def parse_variants(spec: str | None) -> list[tuple[str, dict[str, str]]]:
@@ -560,6 +583,11 @@ def add_parser(sub) -> None:
         type=lambda v: [int(n) for n in v.split(",") if n],
         default=[],
         help="print a torch.profiler kernel table of one prefill at these prompt lengths",
+    )
+    p.add_argument(
+        "--prefill-eager-too",
+        action="store_true",
+        help="time each prefill that replayed a CUDA graph (--prefill-graph-max-tokens) again eagerly, in one process",
     )
     p.add_argument(
         "--variants",

@@ -23,6 +23,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tiny_models import FAMILIES, save_tiny, save_tiny_chat  # noqa: E402
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from interpreter_speedup import install  # noqa: E402
+
+    install()
+
 _MEASURED: list[str] = []
 
 

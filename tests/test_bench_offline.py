@@ -97,3 +97,23 @@ def test_variants_parse_into_kernel_options_and_leave_the_environment_alone(monk
     before = dict(os.environ)
     parse_variants(spec)
     assert dict(os.environ) == before
+
+
+def test_prefills_time_the_graphed_pass_and_its_eager_twin(tiny_checkpoints, monkeypatch):
+    """--prefill-eager-too: a prompt that replays a prefill graph is timed again with the graphs set
+    aside (eager), which runs no graph; a prompt over the largest bucket is eager and timed once."""
+    import argparse
+
+    from deltaserve import LLM
+    from deltaserve.bench import offline
+
+    monkeypatch.setattr(offline.torch.cuda, "synchronize", lambda *a, **k: None)  # CPU run
+    path, _ = tiny_checkpoints["qwen3_5_moe"]
+    llm = LLM(str(path), max_num_seqs=2, max_num_batched_tokens=96, num_kv_blocks=64, prefill_graph_max_tokens=64)
+    runner = llm.engine.executor.runner
+    runner.prefill_graphs = graphs = runner._capture_prefill_graphs(capture=False)  # the static forward
+    args = argparse.Namespace(profile_prefills=[], prefill_eager_too=True)
+    rows = offline.time_prefills(llm, [40, 90], vocab=100, args=args)
+    assert [(r["tokens"], r["graphed"], "eager_seconds" in r) for r in rows] == [(40, True, True), (90, False, False)]
+    assert graphs.replays == 3  # the graphed length's three timed prompts; none of its eager twin's
+    assert runner.prefill_graphs is graphs

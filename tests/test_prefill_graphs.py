@@ -48,7 +48,9 @@ def same_outputs(got, want, atol: float = 1e-4) -> None:
 @pytest.fixture(scope="module", params=[f for f in FAMILIES if f != "qwen3_5"])  # MoE and dense GDN stacks
 def engines(request, tiny_checkpoints):
     path, _ = tiny_checkpoints[request.param]
-    kw = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, dtype="float32")
+    # small pools: every checked pass clones and compares them whole
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, dtype="float32", num_kv_blocks=320)
+    kw.update(num_prefix_snapshots=16)
     on = LLM(str(path), prefix_snapshot_interval=128, **kw)
     off = LLM(str(path), enable_prefix_caching=False, **kw)
     runner = on.engine.executor.runner
