@@ -92,6 +92,24 @@ def tiny_chat_model(tiny_checkpoints, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_path() -> str:
+    """The built-in demo model's folder (built on first use)."""
+    from deltaserve.cluster.entrypoints.demo_model import ensure_demo_model
+
+    return str(ensure_demo_model())
+
+
+@pytest.fixture(scope="module")
+def demo_llm(demo_path):
+    """An engine on the demo model (64 sequences), shut down after the module."""
+    from deltaserve import LLM
+
+    llm = LLM(demo_path, max_num_seqs=64)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """One local Ray instance for every test that needs it (starting one costs seconds)."""
     import ray

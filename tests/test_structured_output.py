@@ -18,7 +18,6 @@ import pytest
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.cluster.core.sampling_params import StructuredOutputsParams
-from deltaserve.cluster.entrypoints.demo_model import ensure_demo_model
 from deltaserve.workers.grammar import GrammarCompiler
 
 pytestmark = pytest.mark.timeout(300)
@@ -102,15 +101,8 @@ def json_valid(text: str, schema: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def demo_path() -> str:
-    return str(ensure_demo_model())
-
-
-@pytest.fixture(scope="module")
-def llm(demo_path):
-    llm = LLM(demo_path, max_num_seqs=64)
-    yield llm
-    llm.shutdown()
+def llm(demo_llm):
+    return demo_llm
 
 
 def test_200_generations_under_20_json_schemas_are_valid(llm):

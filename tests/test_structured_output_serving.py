@@ -13,20 +13,12 @@ from test_structured_output import REGEXES, SCHEMAS, constrained, json_valid
 from deltaserve import LLM, SamplingParams
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.entrypoints.client import GenerationClient, generate_request
-from deltaserve.cluster.entrypoints.demo_model import ensure_demo_model
 from deltaserve.protos import generation_pb2_grpc
 
 
 @pytest.fixture(scope="module")
-def demo_path() -> str:
-    return str(ensure_demo_model())
-
-
-@pytest.fixture(scope="module")
-def llm(demo_path):
-    llm = LLM(demo_path, max_num_seqs=64)
-    yield llm
-    llm.shutdown()
+def llm(demo_llm):
+    return demo_llm
 
 
 def test_grpc_constrained_generation_and_invalid_argument(demo_path):
