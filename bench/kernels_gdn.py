@@ -191,6 +191,48 @@ def _chunk_cases(num_tokens: int, fla_chunk) -> list[Case]:
     return cases
 
 
+def _split_prefill_case(total: int = 16384, chunk: int = 2048) -> Case:
+    """The seed's split SSM prefill, at the op: one prompt's GDN over all its tokens in one call
+    (ours: the engine's way under the default token budget, `chunk`-token calls carrying the slot's
+    state from one to the next; reference: the whole prompt at once). The same function: checked
+    against each other."""
+    q, k, v, g, beta = _inputs(total)
+    pool = torch.randn(4, HV, K, V, device="cuda") * 0.1
+    slots = torch.tensor([2], dtype=torch.int32, device="cuda")
+
+    def run(state_pool, step):
+        outs = []
+        for start in range(0, total, step):
+            end = min(total, start + step)
+            outs.append(
+                chunk_gated_delta_rule(
+                    q=q[start:end], k=k[start:end], v=v[start:end], g=g[start:end], beta=beta[start:end],
+                    cu_seqlens=torch.tensor([0, end - start], dtype=torch.int32, device="cuda"),
+                    state_pool=state_pool, state_slots=slots, has_initial_state=torch.tensor([True], device="cuda"),
+                )  # fmt: skip
+            )
+        return torch.cat(outs)
+
+    work = pool.clone()
+
+    def check() -> float:
+        split_pool, whole_pool = pool.clone(), pool.clone()
+        split, whole = run(split_pool, chunk), run(whole_pool, total)
+        return max(_rel_err(split, whole), _rel_err(split_pool, whole_pool))
+
+    return Case(
+        op="gdn_chunk_split",
+        shape=f"T={total} as {-(-total // chunk)} calls of {chunk} (ours) vs one call (reference)",
+        ours=lambda: run(work, chunk),
+        reference=lambda: run(work, total),
+        reference_label="whole prompt",
+        check=check,
+        tolerance=TOLERANCE,
+        flops=_chunk_flops(total),
+        target="issue 20: does GDN over the whole prompt (the split SSM prefill) pay?",
+    )
+
+
 def _recurrent_cases(num_seqs: int, fla_recurrent) -> list[Case]:
     q, k, v, g, beta = _inputs(1, lead=(num_seqs,))
     pool = torch.randn(num_seqs + 8, HV, K, V, device="cuda") * 0.1
@@ -428,6 +470,7 @@ def cases() -> list[Case]:
     torch.manual_seed(0)
     fla_chunk, fla_recurrent = _fla()
     out = [case for t in (2048, 8192, 32768) for case in _chunk_cases(t, fla_chunk)]
+    out.append(_split_prefill_case())
     out += [case for n in (1, 64, 256) for case in _recurrent_cases(n, fla_recurrent)]
     out += gate_cases()
     return out
