@@ -2,10 +2,12 @@
 
 The interpreter patches `triton.language` (every builtin wrapped, `inspect.getmembers` over the
 modules) when a kernel launches, and again on every call of a `@triton.jit` helper inside the
-running kernel, although the launch's patches are still in place; for kernels with helpers in
-their loops that re-patching is about a third of the test's time. `install()` makes a helper's call
-skip it while a launch of the same language modules is running. Any interpreter without these
-internals is left as it is.
+running kernel (`tl.sum`, `tl.zeros`, the kernels' own helpers), although the launch's patches are
+still in place; for kernels with helpers in their loops that re-patching is about a third of the
+test's time. `install()` patches each language module once per launch: a helper whose modules the
+launch (or an earlier helper of it) patched skips it, and what a helper patched is undone with the
+launch's own patches when the launch ends (the interpreter itself never undoes a helper's). Any
+interpreter without these internals is left as it is.
 """
 
 from __future__ import annotations
@@ -21,31 +23,39 @@ def install() -> bool:
         return False
     original = getattr(it, "_patch_lang", None)
     scope_type = getattr(it, "_LangPatchScope", None)
-    if original is None or scope_type is None or getattr(original, "_deltaserve_skips_nested", False):
+    if original is None or scope_type is None or getattr(original, "_deltaserve_once_per_launch", False):
         return False
     import triton.language as tl
 
-    active: list[frozenset[int]] = []  # the language modules the running launch patched
+    # the running launch: the language modules patched so far, and its helpers' scopes
+    launch: dict = {}
 
     def langs(fn) -> frozenset[int]:
         return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
 
     def patch_lang(fn):
         mine = langs(fn)
-        if active:  # a helper's call inside a running launch (the interpreter never restores its scope)
-            return scope_type() if mine <= active[-1] else original(fn)
+        if launch:  # a helper's call inside the running launch
+            if mine <= launch["patched"]:
+                return scope_type()
+            scope = original(fn)
+            launch["patched"] |= mine
+            launch["helpers"].append(scope)
+            return scope
         scope = original(fn)  # a launch: its scope is restored when the launch ends
-        active.append(mine)
+        launch.update(patched=set(mine), helpers=[])
         restore = scope.restore
 
-        def restore_and_pop() -> None:
-            if active:
-                active.pop()
+        def restore_all() -> None:
+            helpers = launch.get("helpers", [])
+            launch.clear()
+            for helper in reversed(helpers):
+                helper.restore()
             restore()
 
-        scope.restore = restore_and_pop
+        scope.restore = restore_all
         return scope
 
-    patch_lang._deltaserve_skips_nested = True
+    patch_lang._deltaserve_once_per_launch = True
     it._patch_lang = patch_lang
     return True

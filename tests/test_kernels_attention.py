@@ -94,7 +94,9 @@ PREFILL_CASES = [
 
 @pytest.mark.parametrize("hq,hkv,d", PREFILL_CASES)
 def test_paged_attention_varlen(device, hq, hkv, d):
-    batch = make_batch(q_lens=[1, 7, 33], ctx_lens=[0, 5, 12], hq=hq, hkv=hkv, d=d, block_size=4, device=device)
+    """1-token and odd rows; the last sequence spans two q tiles and a tail at every group (16 rows
+    a tile on CPU: 16 + 5 tokens at group 1, 5 tokens a tile at group 3) over keys that end mid-tile."""
+    batch = make_batch(q_lens=[1, 7, 21], ctx_lens=[0, 5, 12], hq=hq, hkv=hkv, d=d, block_size=4, device=device)
     ref = naive.paged_attention(**batch, scale=d**-0.5)
     out = ta.paged_attention(**batch, scale=d**-0.5)
     assert rel_err(out, ref) < tol(device)
@@ -126,18 +128,22 @@ def test_paged_attention_empty_sequence_and_tile_shapes(device):
 
 
 SPLIT_CASES = [
-    # q_lens, ctx_lens: few queries over long contexts, odd and varlen, contexts shorter than the split
-    ([3], [2100]),
-    ([5, 1, 9], [37, 0, 301]),
-    ([17, 2], [1, 61]),
+    # q_lens, ctx_lens, num_splits (16-key tiles, 5 tokens a q tile at group 3):
+    # few queries over a long context at the most splits (PREFILL_MAX_SPLITS): 18 full tiles, spans
+    # of 2 tiles, spans 9..15 left empty, a merge of two 8-span chunks
+    ([3], [300], 16),
+    # odd and varlen: a 1-token sequence without context (only the masked step, in span 0; the other
+    # spans empty), two q tiles over 6 full key tiles (spans of 2, the last also runs the masked tiles)
+    ([5, 1, 9], [37, 0, 100], 3),
+    # contexts shorter than the split: q tiles with no full key tile, one with one (span 1 empty)
+    ([17, 2], [1, 61], 2),
 ]
 
 
-@pytest.mark.parametrize("q_lens,ctx_lens", SPLIT_CASES)
-@pytest.mark.parametrize("num_splits", [2, 3, 16])
+@pytest.mark.parametrize("q_lens,ctx_lens,num_splits", SPLIT_CASES)
 def test_paged_attention_split_k(device, q_lens, ctx_lens, num_splits):
-    """Key spans per q tile merged by their log2-sum-exp: the reference's result for every split
-    count, spans left empty by short contexts included (NaN-filled buffers: every row written)."""
+    """Key spans per q tile merged by their log2-sum-exp: the reference's result at 2, 3 and 16
+    splits, spans left empty by short contexts included (NaN-filled buffers: every row written)."""
     batch = make_batch(q_lens=q_lens, ctx_lens=ctx_lens, hq=6, hkv=2, d=24, block_size=4, device=device)
     ref = naive.paged_attention(**batch, scale=0.3)
     cfg = dict(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=num_splits)
@@ -150,7 +156,7 @@ def test_paged_attention_output_gate(device, num_splits):
     """The gate (a strided view, as the layer's q|gate projection gives it) applied before the one
     rounding, by the single kernel and by the split's merge; the reference is the ungated result times
     sigmoid(gate)."""
-    batch = make_batch(q_lens=[5, 1, 9], ctx_lens=[37, 0, 70], hq=6, hkv=2, d=24, block_size=4, device=device)
+    batch = make_batch(q_lens=[2, 1, 7], ctx_lens=[37, 0, 40], hq=6, hkv=2, d=24, block_size=4, device=device)
     qg = torch.randn(batch["q"].shape[0], 6, 48, device=device)
     gate = qg[..., 24:]
     ref = naive.paged_attention(**batch, scale=0.3) * torch.sigmoid(gate)
@@ -161,12 +167,16 @@ def test_paged_attention_output_gate(device, num_splits):
 
 
 def test_paged_attention_splits_long_context_by_itself(device):
-    """Without a config: a few queries over a context of several SPLIT_MIN_KEYS split on their own
-    (the interpreter's 4 "SMs"), and match the reference."""
-    batch = make_batch(q_lens=[2, 1], ctx_lens=[2500, 900], hq=4, hkv=1, d=16, block_size=16, device=device)
+    """Without a config: a few queries whose block tables span more than two SPLIT_MIN_KEYS (the
+    split count follows the table's width, as in the CUDA-graph tables of max_pages) split on their
+    own (the interpreter's 4 "SMs"), and match the reference; the longer context fills both spans."""
+    batch = make_batch(q_lens=[2, 1], ctx_lens=[300, 40], hq=4, hkv=1, d=16, block_size=16, device=device)
+    width = 2 * ta.SPLIT_MIN_KEYS // 16 + 1  # pages; the columns past a sequence's own are never read
+    tables = batch["block_tables"]
+    batch["block_tables"] = torch.cat([tables, tables.new_zeros(2, width - tables.shape[1])], dim=1)
     info = ta.device_info(batch["q"].device)
     programs = 3 // (ta._prefill_config(16, 4, 4, info)["block_m"] // 4) + 2
-    assert ta._prefill_splits(programs, batch["block_tables"].shape[1] * 16, info) > 1
+    assert ta._prefill_splits(programs, width * 16, info) > 1
     ref = naive.paged_attention(**batch, scale=0.25)
     assert rel_err(ta.paged_attention(**batch, scale=0.25), ref) < tol(device)
 
@@ -182,10 +192,14 @@ def test_prefill_split_rule():
     assert ta._prefill_splits(2, 1 << 20, h200) == ta.PREFILL_MAX_SPLITS
 
 
-@pytest.mark.parametrize("hq,hkv,d", PREFILL_CASES[:2])
-@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+@pytest.mark.parametrize(
+    "hq,hkv,d,num_splits",
+    [(*PREFILL_CASES[0], None), (*PREFILL_CASES[1], 1), (*PREFILL_CASES[0], 3), (*PREFILL_CASES[1], 8)],
+)
 def test_paged_decode_attention(device, hq, hkv, d, num_splits):
-    """Different lengths per sequence; 8 splits leave the short sequences' last spans empty."""
+    """Different lengths per sequence, no gate; the default config (3 splits under the interpreter),
+    one split (the direct store) and the split reduce; 8 splits leave the short sequences' last
+    spans empty. Each head shape meets the single-split store and the reduce."""
     batch = make_batch(q_lens=[1, 1, 1, 1], ctx_lens=[0, 4, 16, 45], hq=hq, hkv=hkv, d=d, block_size=4, device=device)
     del batch["cu_seqlens_q"]
     ref = naive.paged_decode_attention(**batch, scale=0.2)
@@ -194,10 +208,12 @@ def test_paged_decode_attention(device, hq, hkv, d, num_splits):
     assert rel_err(out, ref) < tol(device)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [3])
 def test_paged_decode_attention_output_gate(device, num_splits):
-    """The gated attention's output gate applied in the kernel (single-split store and split
-    reduce): attention * sigmoid(gate), the gate a strided view as the layer slices it."""
+    """The gated attention's output gate applied in the kernel (here the split reduce; the single-
+    split store's gate: test_decode_odd_lengths[s1] and test_decode_kernel_on_verify_rows[3-1]):
+    attention * sigmoid(gate), the gate a strided view as the layer slices it; the reference's gate
+    is the ungated reference times sigmoid(gate)."""
     batch = make_batch(q_lens=[1, 1, 1], ctx_lens=[3, 0, 29], hq=4, hkv=2, d=24, block_size=4, seed=5, device=device)
     del batch["cu_seqlens_q"]
     g = torch.Generator().manual_seed(9)
@@ -211,12 +227,14 @@ def test_paged_decode_attention_output_gate(device, num_splits):
     assert rel_err(out, ref) < tol(device)
 
 
-@pytest.mark.parametrize("rows", [2, 4, 9])
-@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+@pytest.mark.parametrize("rows,num_splits", [(2, None), (3, 1), (4, 8)])
 def test_decode_kernel_on_verify_rows(device, rows, num_splits):
     """tokens_per_row rows a sequence (a speculative verify): the same as causal attention of those
-    queries through the prefill reference, gated; spans that hold only the pass's tokens (8 splits of
-    short contexts), a sequence with no context before the pass, pages scrambled."""
+    queries through the prefill reference, gated; a sequence with no context before the pass, the
+    pass's tokens across a page boundary (pages of 4) and, at 4 rows, across a key tile and span
+    boundary (positions 29..32 of 16-key spans: the last span holds only pass tokens; 8 splits also
+    leave spans empty), pages scrambled. The default config (2 splits on CPU), the single-split
+    store, the reduce over 8 splits."""
     from deltaserve.layers.kernels import attention as attn_kernels
 
     ctx_lens = [0, 3, 29]
@@ -265,32 +283,33 @@ def assert_matches_reference(device, batch, cfg, scale=0.3):
     return out
 
 
-# spans of one tile, several tiles, 16, one per tile (the last span of 513 tokens at 32 splits
-# holds only the new token), and merges read in chunks of 2 and 4 spans
+# one span (its unmasked tiles, then the masked tail), spans of 3 tiles (100 keys at 3 splits),
+# spans of one tile with the rest empty (8 and 32 splits), the last span holding only the new token
+# (33 keys in 16-key spans), and merges read in chunks of 2 and 4 spans (7 spans of 100 keys: the
+# last chunk partial); the default chunk reads all spans at once (3 splits)
 SPLIT_CONFIGS = [
     dict(block_n=16, num_splits=1, num_warps=4, num_stages=1),
     dict(block_n=16, num_splits=3, num_warps=4, num_stages=1),
     dict(block_n=16, num_splits=8, num_warps=4, num_stages=1, merge_chunk=2),
-    dict(block_n=16, num_splits=16, num_warps=4, num_stages=1),
     dict(block_n=16, num_splits=32, num_warps=4, num_stages=1, merge_chunk=4),
 ]
 
 
 @pytest.mark.parametrize("cfg", SPLIT_CONFIGS, ids=lambda c: f"s{c['num_splits']}c{c.get('merge_chunk')}")
 def test_decode_odd_lengths(device, cfg):
-    """Context lengths 1, 2, 17, 100, 513 (positions cached after this step; the new token is the
+    """Context lengths 1, 2, 17, 33, 100 (positions cached after this step; the new token is the
     last) in one batch, pages out of order, the layer's gate; outputs start as NaN (nan_fill)."""
-    batch = decode_batch([0, 1, 16, 99, 512], device=device)
+    batch = decode_batch([0, 1, 16, 32, 99], device=device)
     out = assert_matches_reference(device, batch, cfg)
     assert not out.isnan().any()
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (6, 2, 24), (16, 2, 32)])
-def test_decode_head_groups(device, hq, hkv, d):
-    """GQA groups 1, 3 and 8; without the gate; pages of 16."""
-    batch = decode_batch([40, 7, 130], hq=hq, hkv=hkv, d=d, block_size=16, seed=2, device=device, gate=False)
-    for splits in (2, 5):
-        assert_matches_reference(device, batch, dict(block_n=16, num_splits=splits, num_warps=4, num_stages=1))
+@pytest.mark.parametrize("hq,hkv,d,splits", [(4, 4, 16, 2), (6, 2, 24, 5), (16, 2, 32, 3)])
+def test_decode_head_groups(device, hq, hkv, d, splits):
+    """GQA groups 1, 3 and 8; without the gate; pages of 16 (one page a key tile); 5 splits leave
+    the 7-token context's spans empty."""
+    batch = decode_batch([40, 7, 70], hq=hq, hkv=hkv, d=d, block_size=16, seed=2, device=device, gate=False)
+    assert_matches_reference(device, batch, dict(block_n=16, num_splits=splits, num_warps=4, num_stages=1))
 
 
 def test_decode_padding_rows(device):

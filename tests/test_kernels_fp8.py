@@ -116,7 +116,9 @@ def test_quantize_act_rounds_every_e4m3_tie_to_even(device):
 
 
 # ---- linear ------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("n", "k", "tail", "block"), [(130, 200, 0, (128, 128)), (64, 256, 6, (16, 32))])
+# two scale rows, the second partial, and K masked over a scale block's tail; two scale rows and four
+# scale columns with a power-of-two K and a tail. Default tiles: one row a program, x scaled as a row
+@pytest.mark.parametrize(("n", "k", "tail", "block"), [(20, 200, 0, (16, 128)), (32, 128, 6, (16, 32))])
 @pytest.mark.parametrize("cfg", [None, dict(block_n=8, num_warps=4), dict(block_n=8, num_warps=4, x_row=False)])
 def test_row_gemv_fp8(device, n, k, tail, block, cfg):
     q, s = weight(n, k, block, device=device)
@@ -158,9 +160,13 @@ SKINNY = {
 @pytest.mark.parametrize(
     ("m", "n", "k", "block", "tail", "dtype"),
     [
-        (3, 128, 200, (128, 128), 6, torch.float32),
-        (5, 64, 256, (16, 32), 5, torch.float16),
-        (16, 32, 520, (8, 128), 0, torch.float16),
+        # K over a scale block's tail; 48 FP8 rows and a tail: a 32-wide tile shrinks to 16
+        (3, 48, 200, (128, 128), 6, torch.float32),
+        # small blocks (several scale rows and columns a tile), row blocks with a partial last one,
+        # K split 3 and 4 ways
+        (5, 32, 256, (16, 32), 5, torch.float16),
+        # whole row blocks (the MMA form's 16), 8-row scale blocks, K's tail past the last scale block
+        (16, 16, 264, (8, 128), 0, torch.float16),
     ],
 )
 def test_skinny_fp8(device, name, m, n, k, block, tail, dtype):
@@ -174,7 +180,7 @@ def test_skinny_fp8(device, name, m, n, k, block, tail, dtype):
 @pytest.mark.parametrize(
     ("m", "n", "k", "block", "tail", "dtype"),
     [
-        (33, 130, 200, (128, 128), 0, torch.float32),
+        (33, 40, 200, (128, 128), 0, torch.float32),
         (17, 64, 256, (128, 128), 5, torch.bfloat16),
         (20, 48, 96, (16, 32), 3, torch.float32),
     ],
@@ -208,7 +214,7 @@ def moe_case(t, e, h, i, top_k, b13, b2, shared_i, device, dtype=torch.float16):
     weights, ids = moe_naive.route_topk_softmax(router_logits=logits.cpu(), top_k=top_k, renormalize=True)
     shared = None
     if shared_i:
-        qs, ss = weight(h, shared_i, device=device, seed=5)
+        qs, ss = weight(h, shared_i, b2, device=device, seed=5)  # w2's block
         gate_up, gate = (
             rand(t, 2 * shared_i, dtype=dtype, device=device, seed=6),
             rand(t, 1, dtype=dtype, device=device),
@@ -217,7 +223,13 @@ def moe_case(t, e, h, i, top_k, b13, b2, shared_i, device, dtype=torch.float16):
     return dict(hidden=hidden, w13=q13, w2=q2, w13_scale=s13, w2_scale=s2, shared=shared), weights, ids, logits
 
 
-MOE_CASES = [(3, 6, 200, 40, 2, (128, 128), (128, 128), 0), (5, 4, 256, 64, 3, (16, 64), (32, 32), 48)]
+# (tokens, experts, hidden, inter, top_k, w13 block, w2 block (the shared expert's too), shared
+# inter): 128 x 128 blocks with tails (hidden 140: a second, 12-row block of w2's rows, K past w13's
+# first block, masked K chunks, a partial last row block of the down GEMV), x scaled as a row; and
+# blocks of 4 rows (each weight scaled on the GEMVs, whose tiles are 8 rows on CPU) with hidden a
+# multiple of the GEMVs' K chunk (unmasked loads), two scale groups a chunk, top-3, and the shared
+# expert wider than the down GEMV's chunk (its rows streamed in two, not preloaded)
+MOE_CASES = [(3, 6, 140, 40, 2, (128, 128), (128, 128), 0), (3, 4, 128, 32, 3, (4, 64), (4, 16), 48)]
 
 
 def on_cpu(args: dict) -> dict:
@@ -241,13 +253,15 @@ def test_fused_moe_fp8(device, path, case, dtype):
     assert rows_close(out.cpu(), ref) if dtype == torch.float32 else close(out.cpu(), ref, 4)
 
 
-def test_routed_moe_fp8_sorted_model_shapes(device):
-    """The FP8 engine test's MoE block in a prefill pass (float32): 40 tokens top-2 over 8 experts of
-    width 128 (80 routed pairs: the sorted path, x and act quantized), hidden 256, the shared expert
-    (width 128, its down projection on linear's W8A8 path above 16 rows) and the next norm."""
-    args, _, _, logits = moe_case(40, 8, 256, 128, 2, (128, 128), (128, 128), 128, device=device, dtype=torch.float32)
-    residual = rand(40, 256, dtype=torch.float32, device=device, seed=7)
-    g = rand(256, dtype=torch.float32, device=device, scale=0.1)
+def test_routed_moe_fp8_sorted_prefill(device):
+    """The FP8 MoE block in a prefill pass (float32), routed by the router kernel: 40 tokens top-2
+    over 8 experts of width 48 (80 routed pairs: the sorted path, x and act quantized), hidden 160
+    (x in two 128-column scale groups and w13 in two scale blocks along K, the second partial; w2's
+    rows in two scale blocks), the shared expert (width 48, its down projection on linear's W8A8
+    path above 16 rows) and the next norm in the sum kernel."""
+    args, _, _, logits = moe_case(40, 8, 160, 48, 2, (128, 128), (128, 128), 48, device=device, dtype=torch.float32)
+    residual = rand(40, 160, dtype=torch.float32, device=device, seed=7)
+    g = rand(160, dtype=torch.float32, device=device, scale=0.1)
     add_norm = AddNorm(residual, g, EPS)
     normed, summed = triton_moe.routed_moe(**args, router_logits=logits, top_k=2, renormalize=True, add_norm=add_norm)
     ref = moe_naive.routed_moe(
@@ -261,10 +275,10 @@ def test_routed_moe_fp8_sorted_model_shapes(device):
 def test_routed_moe_fp8_with_next_norm(device):
     """Routing in the up GEMV, the shared expert folded into the down GEMV, the next norm in its
     last program: all with FP8 weights."""
-    args, _, _, logits = moe_case(2, 6, 200, 40, 2, (128, 128), (128, 128), 24, device=device)
+    args, _, _, logits = moe_case(2, 6, 140, 40, 2, (128, 128), (128, 128), 24, device=device)
     residual, g = (
-        rand(2, 200, dtype=torch.float16, device=device, seed=7),
-        rand(200, dtype=torch.float16, device=device),
+        rand(2, 140, dtype=torch.float16, device=device, seed=7),
+        rand(140, dtype=torch.float16, device=device),
     )
     add_norm = AddNorm(residual, g, EPS)
     normed, summed = triton_moe.routed_moe(**args, router_logits=logits, top_k=2, renormalize=True, add_norm=add_norm)
@@ -402,9 +416,9 @@ def test_float8_without_scales_is_an_error():
 @pytest.mark.parametrize("split_k", [2, 3])
 def test_block_scaled_gemm_split_k(device, split_k):
     """Decode-batch tiles: K split, the partials summed in split order (bias added once)."""
-    q, s = weight(96, 640, device=device)
-    t = rand(5, 640, device=device, scale=640**-0.5)
-    x, b = rand(20, 640, device=device), rand(101, device=device)
+    q, s = weight(48, 384, device=device)  # two column tiles (the second partial); 3 K steps: 2 + 1, 1 + 1 + 1
+    t = rand(5, 384, device=device, scale=384**-0.5)
+    x, b = rand(20, 384, device=device), rand(53, device=device)
     cfg = dict(block_m=16, block_n=32, block_k=128, group_m=2, num_warps=4, num_stages=1, split_k=split_k)
     out = triton_fp8.fp8_linear(x=x, weight=q, weight_scale=s, bias=b, weight_tail=t, config=cfg)
     again = triton_fp8.fp8_linear(x=x, weight=q, weight_scale=s, bias=b, weight_tail=t, config=cfg)

@@ -58,49 +58,78 @@ def run_chunk(impl, q, k, v, g, beta, cu_seqlens, pool, slots, has_init, **kw):
 
 
 # the designs the picker chooses: the first (fused), the fused one with its loads pipelined, the
-# split one; on the CPU the variants the benchmark compares differ from these only in block sizes
-CHUNK_VARIANTS = list(chunk_module.VARIANTS)
+# split one; on the CPU the variants the benchmark compares differ from these only in block sizes.
+# A ChunkVariant instance also stands for a named variant: the fused design at block_v 16 (with the
+# V = 40 cases below, several V-blocks and a partial one; the named fused designs take V = 40 in one
+# block of 64 except when the grid is small, split32 in two of 32)
+CHUNK_VARIANTS = [*chunk_module.VARIANTS, chunk_module.ChunkVariant(split=False, block_v=16)]
+
+# The interpreter's cost is about one program of the solve kernel per (chunk, value head), whatever
+# the shape: the cases keep the chunk count small and still cover every branch of the kernels
+# (chunks of 64 tokens, cut into 4 blocks of 16 rows by the solve). has_init: per sequence; the slots
+# of the sequences without an initial state hold NaN, as do the slots of no sequence.
+CHUNK_CASES = {
+    # a 1-token sequence, an empty one in the middle and one at the end, a 64-token sequence (an end
+    # on a chunk boundary), a chunk boundary crossed (101 = 64 + 37: the last chunk's third 16-row
+    # block partial, its fourth empty; the last tokens of the pass, so that a store past the
+    # sequence end leaves the buffers); GQA with 3 value heads a key head; K = 12 (masked key
+    # columns), V = 40; q, k, v as strided views of one projection, as the layer passes them
+    "varlen": dict(
+        bounds=[0, 1, 1, 65, 166, 166], heads=(1, 3), dims=(12, 40), l2norm=True, scale=None,
+        has_init=[True, False, False, True, True], packed=True,
+    ),
+    # no l2norm, an explicit scale, Hk == Hv == 2 (key-head offsets), contiguous q, k, v; one
+    # sequence of 94 = 64 + 30 tokens (the last chunk's second block partial) without an initial
+    # state: the slot holds NaN and must not be read; one sequence of 2 value heads: the fused designs
+    # halve their V-block to 32 (fewer programs than the interpreter's 4 "SMs"), two V-blocks
+    "no_l2norm": dict(
+        bounds=[0, 94], heads=(2, 2), dims=(16, 40), l2norm=False, scale=0.3, has_init=[False], packed=False,
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("variant", CHUNK_VARIANTS)
-@pytest.mark.parametrize(
-    "bounds, heads, dims, l2norm, scale",
-    [
-        ([0, 1, 70, 75, 203], (1, 2), (8, 12), True, None),  # GQA, odd lengths, a 1-token sequence
-        ([0, 5, 64, 129], (2, 2), (16, 16), False, 0.3),  # exact chunk boundaries, no l2norm
-        ([0, 30, 30, 33], (1, 3), (12, 20), True, None),  # shorter than a chunk, an empty sequence
-    ],
-)
-def test_chunk_matches_naive(nan_fill, bounds, heads, dims, l2norm, scale, variant):
+@pytest.mark.parametrize("case", list(CHUNK_CASES))
+def test_chunk_matches_naive(nan_fill, case, variant):
+    """Against the reference: the outputs, the final states in the slots of the non-empty sequences,
+    the per-chunk states; the slots of the empty sequences and of no sequence stay as they were
+    (NaN included), and a slot without an initial state is never read (it holds NaN)."""
     torch.manual_seed(0)
-    (num_k_heads, num_v_heads), (key_dim, value_dim) = heads, dims
+    c = CHUNK_CASES[case]
+    bounds, (num_k_heads, num_v_heads), (key_dim, value_dim) = c["bounds"], c["heads"], c["dims"]
     num_seqs = len(bounds) - 1
     q, k, v, g, beta = make_inputs(bounds[-1], num_k_heads, num_v_heads, key_dim, value_dim)
-    if not l2norm:  # keep |k| near 1, as the delta rule needs
+    if not c["l2norm"]:  # keep |k| near 1, as the delta rule needs
         q, k = q * key_dim**-0.5, k * key_dim**-0.5
-    # q, k, v as strided views of one projection, as the layer passes them
-    packed = torch.cat([t.flatten(1) for t in (q, k, v)], dim=1)
-    q, k, v = (
-        packed[:, a : a + t.shape[1] * t.shape[2]].view(t.shape)
-        for a, t in zip((0, q[0].numel(), 2 * q[0].numel()), (q, k, v), strict=True)
-    )
+    if c["packed"]:  # q, k, v as strided views of one projection, as the layer passes them
+        packed = torch.cat([t.flatten(1) for t in (q, k, v)], dim=1)
+        q, k, v = (
+            packed[:, a : a + t.shape[1] * t.shape[2]].view(t.shape)
+            for a, t in zip((0, q[0].numel(), 2 * q[0].numel()), (q, k, v), strict=True)
+        )
+        assert not v.is_contiguous() and v.stride(0) == q.stride(0)
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
-    pool = torch.randn(num_seqs + 3, num_v_heads, key_dim, value_dim, device=DEVICE)
-    slots = torch.randperm(num_seqs + 3, device=DEVICE)[:num_seqs]
-    has_init = (torch.arange(num_seqs, device=DEVICE) % 2) == 0
+    pool = torch.full((num_seqs + 2, num_v_heads, key_dim, value_dim), float("nan"), device=DEVICE)
+    slots = torch.randperm(num_seqs + 2, device=DEVICE)[:num_seqs]
+    has_init = torch.tensor(c["has_init"], device=DEVICE)
+    pool[slots[has_init].long()] = torch.randn(int(has_init.sum()), num_v_heads, key_dim, value_dim, device=DEVICE)
     args = (q, k, v, g, beta, cu_seqlens, pool, slots, has_init)
-    ref, ref_pool, ref_states = run_chunk(naive.chunk_gated_delta_rule, *args, scale=scale, use_qk_l2norm=l2norm)
-    out, out_pool, out_states = run_chunk(
-        chunk_module.chunk_gated_delta_rule, *args, scale=scale, use_qk_l2norm=l2norm, variant=variant
-    )
+    kw = dict(scale=c["scale"], use_qk_l2norm=c["l2norm"])
+    ref, ref_pool, ref_states = run_chunk(naive.chunk_gated_delta_rule, *args, **kw)
+    out, out_pool, out_states = run_chunk(chunk_module.chunk_gated_delta_rule, *args, **kw, variant=variant)
 
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert rel_err(out, ref) < TOL
-    assert rel_err(out_pool, ref_pool) < TOL
+    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    written = slots[torch.tensor(lens, device=DEVICE) > 0].long()
+    assert not ref_pool[written].isnan().any()
+    assert rel_err(out_pool[written], ref_pool[written]) < TOL
     untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=DEVICE)
-    untouched[slots[(cu_seqlens[1:] > cu_seqlens[:-1])].long()] = False
-    assert torch.equal(out_pool[untouched], pool[untouched])
-    assert len(out_states) == num_seqs
+    untouched[written] = False
+    assert untouched.sum() >= 2 and pool[untouched].isnan().any()
+    assert torch.equal(out_pool[untouched].isnan(), pool[untouched].isnan())
+    assert torch.equal(out_pool[untouched].nan_to_num(), pool[untouched].nan_to_num())
+    assert [s.shape[0] for s in out_states] == [-(-n // 64) for n in lens]
     for got, want in zip(out_states, ref_states, strict=True):
         assert got.shape == want.shape
         if want.numel():
@@ -110,9 +139,11 @@ def test_chunk_matches_naive(nan_fill, bounds, heads, dims, l2norm, scale, varia
 @pytest.mark.parametrize("variant", ["fused", "split32"])
 def test_chunk_half_precision(nan_fill, variant):
     """The 16-bit path (matmul operands and scratch in the inputs' dtype). float16 stands in for
-    bf16, whose matmuls the interpreter cannot run."""
+    bf16, whose matmuls the interpreter cannot run. Two key heads of two value heads each (hv //
+    GROUP against hv % Hk); 65 tokens (a 1-token chunk after a full one), then 50 (the fourth 16-row
+    block partial, at the end of the pass)."""
     torch.manual_seed(5)
-    bounds = [0, 50, 181]
+    bounds = [0, 65, 115]
     q, k, v, g, beta = make_inputs(bounds[-1], 2, 4, 16, 16, dtype=torch.float16)
     cu_seqlens = torch.tensor(bounds, device=DEVICE)
     pool = torch.randn(3, 4, 16, 16, device=DEVICE)
@@ -124,63 +155,28 @@ def test_chunk_half_precision(nan_fill, variant):
     assert out.dtype == torch.float16
     assert rel_err(out, ref) < 5e-3
     assert rel_err(out_pool, ref_pool) < 5e-3
+    assert [s.shape[0] for s in out_states] == [2, 1]
     for got, want in zip(out_states, ref_states, strict=True):
         assert rel_err(got, want) < 5e-3
 
 
-@pytest.mark.parametrize("variant", CHUNK_VARIANTS)
-def test_chunk_ignores_slot_without_initial_state(nan_fill, variant):
-    """has_initial_state False must not read the slot, even when it holds NaN."""
-    torch.manual_seed(1)
-    q, k, v, g, beta = make_inputs(40, 1, 2, 8, 8)
-    cu_seqlens = torch.tensor([0, 40], device=DEVICE)
-    pool = torch.full((2, 2, 8, 8), float("nan"), device=DEVICE)
-    slots = torch.tensor([1], device=DEVICE)
-    has_init = torch.tensor([False], device=DEVICE)
-    args = (q, k, v, g, beta, cu_seqlens, pool, slots, has_init)
-    ref, ref_pool, _ = run_chunk(naive.chunk_gated_delta_rule, *args)
-    out, out_pool, _ = run_chunk(chunk_module.chunk_gated_delta_rule, *args, variant=variant)
-    assert rel_err(out, ref) < TOL
-    assert rel_err(out_pool[1], ref_pool[1]) < TOL
-
-
-@pytest.mark.parametrize("variant", ["fused_pf", "split32", chunk_module.ChunkVariant(split=True, block_v=16)])
-def test_chunk_varlen_nan_slots(nan_fill, variant):
-    """Odd varlen lengths (a 1-token, an empty and a multi-chunk sequence, a chunk boundary), with
-    every slot NaN but those with an initial state: the sequences without one must not read theirs,
-    the slots of no sequence (and of the empty one) must stay as they were, the per-chunk states must
-    match. A ChunkVariant instance also stands for a named variant (block_v 16: several V-blocks)."""
-    torch.manual_seed(6)
-    bounds = [0, 1, 1, 131, 195, 260]
-    q, k, v, g, beta = make_inputs(bounds[-1], 2, 4, 16, 40)
-    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
-    pool = torch.full((8, 4, 16, 40), float("nan"), device=DEVICE)
-    slots = torch.tensor([6, 1, 3, 0, 4], device=DEVICE)
-    has_init = torch.tensor([True, True, False, True, False], device=DEVICE)
-    pool[slots[has_init].long()] = torch.randn(int(has_init.sum()), 4, 16, 40, device=DEVICE)
-    args = (q, k, v, g, beta, cu_seqlens, pool, slots, has_init)
-    ref, ref_pool, ref_states = run_chunk(naive.chunk_gated_delta_rule, *args)
-    out, out_pool, out_states = run_chunk(chunk_module.chunk_gated_delta_rule, *args, variant=variant)
-    assert rel_err(out, ref) < TOL
-    written = slots[[0, 2, 3, 4]].long()  # every sequence but the empty one
-    assert rel_err(out_pool[written], ref_pool[written]) < TOL
-    untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=DEVICE)
-    untouched[written] = False
-    assert torch.equal(out_pool[untouched].isnan(), pool[untouched].isnan())
-    assert torch.equal(out_pool[untouched].nan_to_num(), pool[untouched].nan_to_num())
-    assert [s.shape[0] for s in out_states] == [1, 0, 3, 1, 2]
-    for got, want in zip(out_states, ref_states, strict=True):
-        if want.numel():
-            assert rel_err(got, want) < TOL
-
-
+# the recurrent variants' code paths: bv32 the two-pass update with strided addressing, bv32_1p the
+# one-pass update with row strides, bv64w8_1p the same at 64 columns a program (warps: GPU only).
+# Under the interpreter the one-pass update's two-operand reduction runs element by element, so the
+# cases keep N * Hv * K * V small; (sequence, head, V-block) programs of each kind are still several.
 @pytest.mark.parametrize("variant", ["bv32", "bv32_1p", "bv64w8_1p"])
-@pytest.mark.parametrize("length, heads, dims", [(1, (2, 4), (8, 12)), (3, (1, 2), (16, 10)), (2, (1, 1), (8, 70))])
-@pytest.mark.parametrize("update_state", [True, False])
+@pytest.mark.parametrize(
+    "length, heads, dims, update_state",
+    [
+        (1, (2, 4), (8, 12), True),  # decode: one token, two key heads of two value heads
+        (3, (1, 2), (16, 10), False),  # a verify: several tokens, the slots left as they were
+        (2, (1, 1), (8, 70), True),  # V-blocks: bv32 three (the last partial), bv64 two (the second partial)
+    ],
+)
 def test_recurrent_matches_naive(nan_fill, length, heads, dims, update_state, variant):
     torch.manual_seed(2)
     (num_k_heads, num_v_heads), (key_dim, value_dim) = heads, dims
-    num_seqs = 5
+    num_seqs = 2
     q, k, v, g, beta = make_inputs(length, num_k_heads, num_v_heads, key_dim, value_dim, lead=(num_seqs,))
     pool = torch.randn(num_seqs + 3, num_v_heads, key_dim, value_dim, device=DEVICE)
     slots = torch.randperm(num_seqs + 3, device=DEVICE)[:num_seqs]
@@ -217,14 +213,14 @@ def test_recurrent_strided_pool(nan_fill, variant):
     """A pool whose [K, V] tiles are not contiguous (a view of a wider buffer) takes the strided
     addressing; the columns outside the view stay as they were."""
     torch.manual_seed(7)
-    q, k, v, g, beta = make_inputs(2, 1, 2, 16, 40, lead=(3,))
-    wide = torch.randn(5, 2, 16, 48, device=DEVICE)
-    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    q, k, v, g, beta = make_inputs(2, 1, 2, 16, 40, lead=(2,))
+    wide = torch.randn(4, 2, 16, 48, device=DEVICE)
+    slots = torch.tensor([3, 1], device=DEVICE)
     outs = []
     impls = (naive.fused_recurrent_gated_delta_rule, recurrent_module.fused_recurrent_gated_delta_rule)
     for impl, kw in zip(impls, ({}, {"variant": RECURRENT_VARIANTS[variant]}), strict=True):
         w = wide.clone()
-        inter = torch.full((3, 2, 2, 16, 40), float("nan"), device=DEVICE)
+        inter = torch.full((2, 2, 2, 16, 40), float("nan"), device=DEVICE)
         args = dict(q=q, k=k, v=v, g=g, beta=beta, state_slots=slots, intermediate_states_out=inter)
         o = impl(state_pool=w[..., :40], **args, **kw)
         outs.append((o, w, inter))
@@ -233,19 +229,21 @@ def test_recurrent_strided_pool(nan_fill, variant):
     assert rel_err(out_wide, ref_wide) < TOL
     assert rel_err(out_inter, ref_inter) < TOL
     assert torch.equal(out_wide[..., 40:], wide[..., 40:])
+    assert torch.equal(out_wide[[0, 2]], wide[[0, 2]])  # the slots of no sequence
 
 
 def test_recurrent_without_intermediate_states(nan_fill):
     torch.manual_seed(3)
-    q, k, v, g, beta = make_inputs(1, 2, 4, 8, 12, lead=(3,))
-    pool = torch.randn(4, 4, 8, 12, device=DEVICE)
-    slots = torch.tensor([2, 0, 3], device=DEVICE)
+    q, k, v, g, beta = make_inputs(1, 1, 2, 8, 12, lead=(2,))
+    pool = torch.randn(3, 2, 8, 12, device=DEVICE)
+    slots = torch.tensor([2, 0], device=DEVICE)
     outs = []
     for impl in (naive.fused_recurrent_gated_delta_rule, recurrent_module.fused_recurrent_gated_delta_rule):
         p = pool.clone()
         outs.append((impl(q=q, k=k, v=v, g=g, beta=beta, state_pool=p, state_slots=slots, scale=0.5), p))
     assert rel_err(outs[1][0], outs[0][0]) < TOL
     assert rel_err(outs[1][1], outs[0][1]) < TOL
+    assert torch.equal(outs[1][1][1], pool[1])  # the slot of no sequence
 
 
 def make_raw_gates(lead, num_v_heads, dtype=torch.float32, param_dtype=torch.float32, spread=12.0):
@@ -303,14 +301,14 @@ def test_gating_no_tokens():
 
 @pytest.mark.parametrize("variant", ["bv32", "bv64_1p"])
 @pytest.mark.parametrize(
-    "length, heads, dims, dtype", [(1, (2, 6), (8, 12), torch.float32), (3, (1, 3), (16, 40), torch.float16)]
+    "length, heads, dims, dtype", [(1, (2, 4), (8, 12), torch.float32), (2, (1, 3), (16, 24), torch.float16)]
 )
 def test_recurrent_raw_gates_matches_naive(nan_fill, length, heads, dims, dtype, variant):
     """The recurrent kernel given the raw a, b (strided, as in_proj wrote them) with A_log, dt_bias
     against the naive recurrent with g, beta from the naive gating; other slots untouched."""
     torch.manual_seed(9)
     (num_k_heads, num_v_heads), (key_dim, value_dim) = heads, dims
-    num_seqs = 5
+    num_seqs = 2
     q, k, v, _, _ = make_inputs(length, num_k_heads, num_v_heads, key_dim, value_dim, lead=(num_seqs,))
     a, b, a_log, dt_bias = make_raw_gates((num_seqs * length,), num_v_heads, dtype, spread=4.0)
     a, b = a.view(num_seqs, length, -1), b.view(num_seqs, length, -1)  # the layer's [N, L, Hv] views

@@ -47,17 +47,31 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 17])
-@pytest.mark.parametrize("n", [1, 7, 130])
-@pytest.mark.parametrize("k", [5, 64, 200])
+# (M, N, K): every row count (1; 3 and 17, a partial row block; 16, whole ones), N (1 and 7, one
+# partial column block; 37, several and a partial one) and K (5, under one chunk; 64, one whole;
+# 136, several and a masked tail) at least twice, in different company. On CPU the pick is 8 x
+# min(64, K) tiles of up to 4 rows; on the GPU 16 and 17 rows take the MMA form (17: two row tiles)
+DEFAULT_SHAPES = [
+    (1, 37, 136), (1, 1, 64), (3, 7, 5), (3, 37, 64), (16, 7, 136), (16, 1, 5), (17, 37, 64), (17, 1, 136),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("m", "n", "k"), DEFAULT_SHAPES)
 def test_default_config(device, m, n, k):
     """The shape heuristic's pick (on CPU: the GEMV form, no split)."""
     x, w, b = make(m, n, k, device)
     assert max_err(tl_.linear(x=x, weight=w, bias=b), naive.linear(x=x, weight=w, bias=b)) < tol(device)
 
 
+# one row over column blocks of every config's width with a partial last one (37 > 32) and K in
+# several chunks with a masked tail, split 2..4 ways (the last split partial); a partial row block
+# with one partial column block; rows in whole blocks of 2 (partial of 4) with K under one chunk
+# (the splits collapse to one); 17 rows (a tail of one for every row block, MMA's 16 included)
+FORCED_SHAPES = [(1, 37, 200), (3, 7, 64), (6, 20, 5), (17, 1, 100)]
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 130, 200), (3, 7, 64), (16, 130, 5), (17, 1, 200)])
+@pytest.mark.parametrize(("m", "n", "k"), FORCED_SHAPES)
 def test_forced_configs(device, name, m, n, k):
     x, w, b = make(m, n, k, device, bias=m % 2 == 1)
     out = tl_.linear(x=x, weight=w, bias=b, config=CONFIGS[name])
@@ -66,7 +80,7 @@ def test_forced_configs(device, name, m, n, k):
 
 def test_split_k_taken_and_reproducible(device):
     """Split-K really splits here, both reductions give the same bits, and so do repeated calls."""
-    m, n, k = 3, 130, 200
+    m, n, k = 3, 20, 100  # 3 column blocks (the last partial) x 4 splits of 32 (the last of 4)
     cfg = dict(block_m=4, block_n=8, block_k=16, split_k=4)
     assert tl_.resolve(cfg, m, n, k, torch.float32)["split_k"] == 4
     x, w, b = make(m, n, k, device)
@@ -79,6 +93,16 @@ def test_split_k_taken_and_reproducible(device):
     assert int(tl_._counters(x.device).abs().sum()) == 0
 
 
+def test_long_k_rolled_loop(device):
+    """Over 16 K chunks a split: the GEMV form's K loop stays rolled (UNROLL off), K's tail masked."""
+    m, n, k = 2, 20, 300
+    cfg = dict(block_m=2, block_n=16, block_k=16, split_k=1)
+    resolved = tl_.resolve(cfg, m, n, k, torch.float32)
+    assert resolved["k_split"] // resolved["block_k"] > 16
+    x, w, b = make(m, n, k, device)
+    assert max_err(tl_.linear(x=x, weight=w, bias=b, config=cfg), naive.linear(x=x, weight=w, bias=b)) < tol(device)
+
+
 def test_split_k_no_empty_splits():
     """split_k larger than K's chunks shrinks to the chunks there are."""
     cfg = tl_.resolve(dict(block_n=4, block_k=64, split_k=16), 1, 10, 200, torch.float32)
@@ -88,7 +112,7 @@ def test_split_k_no_empty_splits():
 @pytest.mark.parametrize("name", ["gemv1", "gemv4_split4", "mma_split3"])
 def test_strided_x(device, name):
     """x as a view: a column slice of a wider activation (row stride > K), and every other row."""
-    m, n, k = 5, 130, 64
+    m, n, k = 5, 20, 64
     wide = torch.randn(2 * m, k + 24, device=device)
     _, w, b = make(m, n, k, device)
     for x in (wide[:m, 8 : 8 + k], wide[::2, :k]):
@@ -108,7 +132,7 @@ def test_weight_row_view(device):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision(device, name, dtype):
     """16-bit inputs, float32 accumulation: within one rounding of the output."""
-    x, w, b = make(3, 130, 200, device, dtype=dtype)
+    x, w, b = make(3, 20, 200, device, dtype=dtype)  # 2-3 column blocks, split 3 and 4 ways
     ref = naive.linear(x=x, weight=w, bias=b)
     out = tl_.linear(x=x, weight=w, bias=b, config=CONFIGS[name])
     assert max_err(out, ref) <= 2 * ref.float().abs().max().item() * torch.finfo(dtype).eps
@@ -117,7 +141,7 @@ def test_half_precision(device, name, dtype):
 @pytest.mark.parametrize("name", ["mma", "mma_split3"])
 def test_half_precision_mma(device, name):
     """float16 on the MMA form (the interpreter's bf16 tl.dot is broken; bf16 MMA is tested on the GPU)."""
-    x, w, b = make(9, 130, 200, device, dtype=torch.float16)
+    x, w, b = make(9, 37, 200, device, dtype=torch.float16)
     ref = naive.linear(x=x, weight=w, bias=b)
     out = tl_.linear(x=x, weight=w, bias=b, config=CONFIGS[name])
     assert max_err(out, ref) <= 2 * ref.float().abs().max().item() * torch.finfo(torch.float16).eps

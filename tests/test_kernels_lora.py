@@ -49,12 +49,21 @@ CASES = [
     (5, 40, [0, -1, 2, 0, 1], (0, 24), 16),
     (9, 48, [1, 1, -1, 0, 2, 2, 2, -1, 0], (0, 20, 28, 36), 16),  # q | k | v: three slices, odd widths
     (4, 24, [-1, -1, -1, -1], (0, 10, 18, 19, 40), 32),  # no adapter in the batch; four slices
-    (40, 33, [i % 4 - 1 for i in range(40)], (0, 17, 70), 16),  # several row blocks per slot
+    # several row blocks per slot (16 rows a block): slots 0 and 1 take 17 rows each, 6 rows none
+    (40, 33, [-1 if i % 7 == 0 else i % 2 for i in range(40)], (0, 17, 70), 16),
+]
+
+# each case with the grouped shrink, and with the per-row GEMV shrink where it adds something: the
+# GEMV's rows are independent programs, so the 40-row case is the 9-row one again on it
+ADD_LORA_CASES = [
+    pytest.param(*case, gemv, id=f"{case[0]}-{'gemv' if gemv else 'grouped'}")
+    for case in CASES
+    for gemv in (False, True)
+    if not (gemv and case[0] > 16)
 ]
 
 
-@pytest.mark.parametrize("gemv", [False, True], ids=["grouped", "gemv"])
-@pytest.mark.parametrize("tokens,k,slot_rows,bounds,rank", CASES)
+@pytest.mark.parametrize("tokens,k,slot_rows,bounds,rank,gemv", ADD_LORA_CASES)
 def test_add_lora(device, tokens, k, slot_rows, bounds, rank, gemv):
     """Grouped shrink, or (gemv: given the rows' keys, at decode sizes) the per-row GEMV shrink."""
     g = torch.Generator().manual_seed(tokens)
@@ -152,18 +161,31 @@ def expert_case(device, *, tokens, hidden, inter, local, total, top_k, offset, s
 
 
 EXPERT_CASES = [
-    # tokens, hidden, inter, local, total, top_k, offset, slots, slot rows
-    (4, 32, 16, 4, 4, 2, 0, 2, [0, 1, -1, 1]),
-    (6, 40, 24, 3, 9, 3, 3, 3, [2, -1, 0, 0, 1, 2]),  # expert parallel: experts 3..5 of 9 are local
+    # tokens, hidden, inter, local, total, top_k, offset, slots, slot rows (a few pairs on local
+    # experts only: test_routed_moe_with_expert_deltas_on_pairs_path, and the 20-token case's shapes)
+    (6, 24, 24, 3, 9, 3, 3, 3, [2, -1, 0, 0, 1, 2]),  # expert parallel: experts 3..5 of 9 are local
     (20, 32, 16, 4, 4, 2, 0, 2, [i % 3 - 1 for i in range(20)]),  # several pairs per (slot, expert)
     (17, 24, 20, 2, 2, 2, 0, 16, [i - 1 for i in range(17)]),  # a sorted block of 16 keys, one row past it
 ]
 
+# Which case on which path: the pairs path's GEMVs run a program per pair (or token), so only the
+# expert-parallel case (local and other ranks' experts, top-3) runs there; several pairs per key and
+# many keys per sorted block matter to the sorted path's blocks; the grouped shrinks group the pairs
+# by key, so they take the case with several pairs per key and the expert-parallel one (keys of
+# other ranks' experts skipped), the many-keys case being the sorted path's again past its shrinks.
+EXPERT_PATHS = {
+    6: ("pairs", "sorted", "sorted-grouped-shrinks"),
+    20: ("sorted", "sorted-grouped-shrinks"),
+    17: ("sorted",),
+}
+EXPERT_PATH_CASES = [
+    pytest.param(*case, path, id=f"{case[0]}-{path}") for case in EXPERT_CASES for path in EXPERT_PATHS[case[0]]
+]
 
-@pytest.mark.parametrize("path", ["pairs", "sorted", "sorted-grouped-shrinks"])
-@pytest.mark.parametrize("tokens,hidden,inter,local,total,top_k,offset,slots,slot_rows", EXPERT_CASES)
+
+@pytest.mark.parametrize("tokens,hidden,inter,local,total,top_k,offset,slots,slot_rows,path", EXPERT_PATH_CASES)
 def test_fused_moe_with_expert_deltas(
-    device, path, tokens, hidden, inter, local, total, top_k, offset, slots, slot_rows, monkeypatch
+    device, tokens, hidden, inter, local, total, top_k, offset, slots, slot_rows, path, monkeypatch
 ):
     """The experts' deltas in low-rank form, expanded by the pairs path's GEMVs and the sorted path's
     GEMMs: equal to the reference, and tokens without an adapter get exactly the base experts'
@@ -240,8 +262,19 @@ def test_routed_moe_with_expert_deltas_on_pairs_path(device):
         assert ((got.cpu() - want).norm() / want.norm()).item() < tol(device)
 
 
-@pytest.mark.parametrize("folded", [False, True], ids=["own-shrink", "folded-shrink"])
-@pytest.mark.parametrize("path", ["pairs", "sorted", "sorted-grouped-shrinks"])
+# path x where the shared adapter's shrink runs (its own launch, or folded into the experts' down
+# shrink). The grouped (prefill) expert shrinks move only the folded one (into a launch of its own,
+# first); with its own shrink that path is the sorted one again (the grouped expert shrinks
+# themselves: test_fused_moe_with_expert_deltas)
+SHARED_ADAPTER_CASES = [
+    ("pairs", False), ("pairs", True), ("sorted", False), ("sorted", True), ("sorted-grouped-shrinks", True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "folded"), SHARED_ADAPTER_CASES,
+    ids=lambda v: ("folded-shrink" if v else "own-shrink") if isinstance(v, bool) else v,
+)  # fmt: skip
 def test_shared_expert_adapter_in_the_last_kernel(device, path, folded, monkeypatch):
     """The shared expert's down adapter (SharedExpert.lora: the glu shrink's v, expanded by the block's
     last kernel: the pairs path's down GEMV, the sorted path's sum kernel) under its sigmoid gate,
@@ -252,7 +285,7 @@ def test_shared_expert_adapter_in_the_last_kernel(device, path, folded, monkeypa
     if path == "sorted-grouped-shrinks":
         monkeypatch.setattr(tl_lora, "PAIR_GEMV_MAX_PAIRS", 0)
         path = "sorted"
-    tokens, hidden, inter, local, top_k, shared_inter, rank = 5, 40, 24, 4, 2, 12, 16
+    tokens, hidden, inter, local, top_k, shared_inter, rank = 5, 24, 24, 4, 2, 12, 16
     slot_rows = [2, -1, 0, 1, 2]
     args, lora, token_slots = expert_case(
         "cpu", tokens=tokens, hidden=hidden, inter=inter, local=local, total=local, top_k=top_k, offset=0, slots=3,

@@ -52,9 +52,11 @@ CASES = [
 ]
 
 
-# the pairs path is for a handful of pairs: the interpreter runs one program per pair and row
-# block, so the case with 88 pairs runs the sorted path only
-PATH_CASES = [(path, *c) for c in CASES for path in ("pairs", "sorted") if path == "sorted" or c[0] * c[5] <= 32]
+# the sorted path on every case; the pairs path (the interpreter runs one program per pair and row
+# block) with its default tiles on the first (hidden 48 in one masked K chunk): the EP shapes run
+# it in test_fused_moe_pairs_tiles (CASES[1] itself, and the last rank) and with the default tiles
+# (an unmasked K chunk) in test_fused_moe_tokens_without_local_experts and _strided_hidden
+PATH_CASES = [("pairs", *CASES[0])] + [("sorted", *c) for c in CASES]
 
 
 @pytest.mark.parametrize("path,tokens,hidden,inter,local,total,top_k,offset", PATH_CASES)
@@ -69,8 +71,8 @@ def test_fused_moe(device, path, tokens, hidden, inter, local, total, top_k, off
 
 def test_fused_moe_tokens_without_local_experts(device):
     """Tokens routed only to other ranks' experts get zeros; the default path choice on both sides
-    of PAIRS_PATH_MAX."""
-    for tokens in (2, tm.PAIRS_PATH_MAX):
+    of PAIRS_PATH_MAX (4 pairs; 2 more than PAIRS_PATH_MAX)."""
+    for tokens in (2, tm.PAIRS_PATH_MAX // 2 + 1):
         args = make_inputs(tokens=tokens, hidden=32, inter=16, local=4, total=16, top_k=2, offset=8, device=device)
         args["topk_ids"][0] = torch.tensor([0, 15])
         args["topk_ids"][1] = torch.tensor([9, 9 + 4])
@@ -106,8 +108,8 @@ def test_align_pairs_layout(device):
 
 
 def test_fused_moe_strided_hidden(device):
-    args = make_inputs(tokens=6, hidden=32, inter=16, local=4, total=4, top_k=2, offset=0, device=device)
-    wide = torch.randn(6, 64, device=device)
+    args = make_inputs(tokens=4, hidden=32, inter=16, local=4, total=4, top_k=2, offset=0, device=device)
+    wide = torch.randn(4, 64, device=device)
     wide[:, :32] = args["hidden"]
     args["hidden"] = wide[:, :32]
     ref = naive.fused_moe(**args)
@@ -123,8 +125,19 @@ GEMV_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("cfg", GEMV_CONFIGS)
-@pytest.mark.parametrize("tokens,hidden,inter,local,total,top_k,offset", [CASES[0], CASES[1], (4, 40, 24, 3, 9, 3, 6)])
+# shape (tokens, hidden, inter, local, total, top_k, offset), tiles: the tiled K loop on every shape
+# (EP or not); the thin one-chunk tiles (a program per 2 rows: the interpreter's dearest) on a small
+# shape whose hidden is that one chunk (the up GEMV's unmasked K loads) and whose odd inter leaves
+# a row tail (its masked rows) and a tail in the down GEMV's one chunk over the expert width
+PAIRS_TILE_CASES = [
+    pytest.param(*CASES[0], GEMV_CONFIGS[0], id="tiled-no-ep"),
+    pytest.param(*CASES[1], GEMV_CONFIGS[0], id="tiled-ep"),
+    pytest.param(4, 40, 24, 3, 9, 3, 6, GEMV_CONFIGS[0], id="tiled-ep-last-rank"),
+    pytest.param(2, 64, 13, 4, 4, 2, 0, GEMV_CONFIGS[1], id="thin-one-chunk"),
+]
+
+
+@pytest.mark.parametrize("tokens,hidden,inter,local,total,top_k,offset,cfg", PAIRS_TILE_CASES)
 def test_fused_moe_pairs_tiles(device, cfg, tokens, hidden, inter, local, total, top_k, offset):
     """The GEMV pairs kernels with tiles that leave tails in every dimension, with and without EP."""
     args = make_inputs(
@@ -137,7 +150,7 @@ def test_fused_moe_pairs_tiles(device, cfg, tokens, hidden, inter, local, total,
 def test_fused_moe_pairs_half_precision_float32_weights(device):
     """float32 top-k weights (what the router returns) with 16-bit activations and weights; float16
     stands in for bf16 under the interpreter. The weights' dtype must not change the result."""
-    args = make_inputs(tokens=3, hidden=64, inter=32, local=8, total=8, top_k=4, offset=0, device=device)
+    args = make_inputs(tokens=3, hidden=32, inter=16, local=8, total=8, top_k=4, offset=0, device=device)
     half = {k: (v.half() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in args.items()}
     as_fp32 = dict(half, topk_weights=half["topk_weights"].float())
     out16 = tm.fused_moe(**half, path="pairs")

@@ -60,17 +60,19 @@ def check_exact(ids, num_experts, expert_offset, block_m, out):
 
 
 # num_pairs, top_k, local experts, expert_offset, routed ids in [lo, hi), block_m
+# (the kernel's cost under the interpreter follows the pairs' power of two, BLOCK_P: its sort)
 ONE_LAUNCH_CASES = [
     (1, 1, 8, 0, 0, 8, 16),
     (7, 1, 8, 8, 0, 24, 32),  # EP: experts 8..15 of 24 local
-    (65, 1, 8, 0, 0, 8, 64),  # one chunk, several blocks per expert
+    (65, 1, 8, 0, 0, 8, 64),  # several blocks per expert
     (128, 8, 256, 0, 0, 256, 16),  # the decode batch 16 shape
     (128, 8, 256, 256, 0, 512, 16),  # EP: the upper half local
-    (333, 1, 256, 0, 0, 256, 32),  # three chunks, the last partial
-    (333, 1, 8, 16, 12, 26, 16),  # EP, non-local ids on both sides, ~24 pairs per expert
-    (1024, 8, 256, 64, 0, 384, 16),  # the threshold; EP in the middle
-    (1024, 8, 8, 0, 0, 8, 64),  # 128 pairs per expert: several blocks each
-    (1024, 8, 256, 0, 0, 16, 64),  # 16 of 256 experts used
+    (333, 1, 256, 0, 0, 256, 32),  # an odd count in a 512-pair sort, one or two pairs per expert
+    (200, 1, 8, 16, 12, 26, 16),  # EP, non-local ids on both sides, ~14 pairs per expert
+    # the threshold; EP in the middle; 576 blocks: the -1 fill of block_expert in two 512-block chunks
+    (1024, 8, 512, 64, 0, 640, 16),
+    (256, 8, 8, 0, 0, 8, 16),  # 32 pairs per expert: several blocks each
+    (256, 8, 256, 0, 0, 16, 16),  # 16 of 256 experts used
 ]
 
 

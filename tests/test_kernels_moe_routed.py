@@ -12,17 +12,19 @@ from deltaserve.layers.kernels.moe import triton_moe as tm
 pytestmark = pytest.mark.usefixtures("nan_fill")
 
 CASES = [
-    # tokens, hidden, inter, shared inter, local experts, total experts, top_k, offset, renormalize
-    (1, 16, 8, 8, 4, 4, 2, 0, True),
-    (3, 37, 24, 40, 6, 6, 2, 0, False),
-    (4, 33, 16, 100, 4, 12, 3, 4, True),  # expert parallel: a middle rank
-    (8, 40, 16, 24, 5, 15, 2, 10, True),  # the last rank
-    (2, 24, 8, 16, 40, 40, 8, 0, True),  # top-8 of 40
+    # tokens, hidden, inter, shared inter, local experts, total experts, top_k, offset, renormalize,
+    # with_norm (the fused add + norm in the down GEMV: its own kernel arguments, not the routing's;
+    # it runs with and without EP, with and without renormalizing, with the shared expert preloaded
+    # and in chunks)
+    (1, 16, 8, 8, 4, 4, 2, 0, True, False),
+    (3, 37, 24, 40, 6, 6, 2, 0, False, True),
+    (4, 33, 16, 100, 4, 12, 3, 4, True, True),  # expert parallel: a middle rank; the shared expert in 2 chunks
+    (5, 40, 16, 24, 5, 15, 2, 10, True, False),  # the last rank
+    (2, 24, 8, 16, 40, 40, 8, 0, True, True),  # top-8 of 40
 ]
 
 
-@pytest.mark.parametrize("tokens,hidden,inter,shared_inter,local,total,top_k,offset,renormalize", CASES)
-@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("tokens,hidden,inter,shared_inter,local,total,top_k,offset,renormalize,with_norm", CASES)
 def test_routing_in_the_up_gemv_is_route_then_experts(
     device, tokens, hidden, inter, shared_inter, local, total, top_k, offset, renormalize, with_norm
 ):

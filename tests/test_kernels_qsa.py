@@ -184,7 +184,8 @@ def test_block_topk_default_paths_match_naive(nan_fill):
 @pytest.mark.parametrize("path", list(TOPK_PATHS))
 def test_block_topk_ties_take_the_lowest_index(nan_fill, path):
     """relu sums are often exactly 0 (of either sign): among equal scores at the cut the lowest block
-    indices win, on every path."""
+    indices win, on every path (10-block rows rank all pairs under every config; the 100-block rows
+    take the config's own path: pairs, registers, or 7 pieces of 16, the last ending mid-piece)."""
     cfg = TOPK_PATHS[path]
     scores = torch.tensor(
         [
@@ -198,16 +199,17 @@ def test_block_topk_ties_take_the_lowest_index(nan_fill, path):
     positions = torch.tensor([29, 29, 29, 29], device=DEVICE)  # 10 complete blocks of 3
     out = tq.block_topk(scores=scores, positions=positions, compress_ratio=3, top_blocks=5, config=cfg)
     assert out.tolist() == [[0, 1, 2, 4, 8], [0, 1, 2, 3, 4], [0, 1, 2, 3, 9], [0, 1, 2, 3, 8]]
-    # longer rows (past the pairs, the register row and several pieces where the path allows)
-    long = torch.zeros(4, 300, device=DEVICE)
-    long[0, [7, 250, 299]] = torch.tensor([1.0, 2.0, 3.0], device=DEVICE)
-    long[1, 100:] = 1.0
+    # longer rows: past the registers' 16-block pairs and the pieces' 16-block rows, within the pairs'
+    # and the registers' 256 (each config's own path)
+    long = torch.zeros(4, 100, device=DEVICE)
+    long[0, [7, 60, 99]] = torch.tensor([1.0, 2.0, 3.0], device=DEVICE)
+    long[1, 40:] = 1.0
     long[2, 1::2] = -0.0
     long[2, [5, 77]] = 1.0
-    long[3, :] = torch.arange(300, device=DEVICE) % 4  # 75 ties at the top value: cut inside them
-    pos = torch.tensor([299, 299, 299, 201], device=DEVICE)  # the last row: its first 202 blocks
+    long[3, :] = torch.arange(100, device=DEVICE) % 4  # 20 ties at the top value: cut inside them
+    pos = torch.tensor([99, 99, 99, 81], device=DEVICE)  # the last row: its first 82 blocks
     out = tq.block_topk(scores=long, positions=pos, compress_ratio=1, top_blocks=6, config=cfg)
-    assert out.tolist() == [[0, 1, 2, 7, 250, 299], [100, 101, 102, 103, 104, 105], [0, 1, 2, 3, 5, 77],
+    assert out.tolist() == [[0, 1, 2, 7, 60, 99], [40, 41, 42, 43, 44, 45], [0, 1, 2, 3, 5, 77],
                             [3, 7, 11, 15, 19, 23]]  # fmt: skip
     assert out.tolist() == lowest_index_topk(long, pos, 1, 6)
 
@@ -218,7 +220,8 @@ def test_block_topk_ties_take_the_lowest_index(nan_fill, path):
 )
 def test_sparse_attention_matches_naive(nan_fill, block_size, ratio, top_blocks, heads, kv_heads, head_dim):
     torch.manual_seed(3)
-    lens, new = [90, 13, 1, 47], [6, 13, 1, 2]
+    # queries: the last 3 of 90 tokens, 7..13 of a 13-token prefill, a 1-token sequence, 46..47 of 47
+    lens, new = [90, 13, 1, 47], [3, 7, 1, 2]
     b = Batch(lens, new, block_size, head_dim).to(DEVICE)
     k_cache = torch.randn(b.num_blocks, block_size, kv_heads, head_dim, device=DEVICE)
     v_cache = torch.randn(b.num_blocks, block_size, kv_heads, head_dim, device=DEVICE)
@@ -230,11 +233,13 @@ def test_sparse_attention_matches_naive(nan_fill, block_size, ratio, top_blocks,
     assert rel_err(tq.sparse_attention(**kw), naive.sparse_attention(**kw)) <= TOL
 
 
-@pytest.mark.parametrize("num_splits", [None, 1, 2, 3, 7])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
 def test_sparse_attention_split_matches_naive(nan_fill, num_splits):
     """Each query's position list cut into spans of whole 16-entry tiles (flash-decoding) and merged:
     lists shorter than one span, odd lengths ending mid-tile, queries with fewer spans than splits
-    (the merge reads only theirs), a query that attends to itself through its just-completed block."""
+    (the merge reads only theirs), a query that attends to itself through its just-completed block.
+    7 splits: spans of one tile, most of them empty; the default: one program a query for the batch,
+    and spans of two tiles for the lone decode row (2 splits on CPU)."""
     torch.manual_seed(7)
     ratio, top, heads, kv_heads, head_dim = 3, 20, 6, 2, 16
     # lists (selected blocks' tokens + tail): 62, 4, 1, 47 / 48 (pos 47 closes its own block), 60
@@ -276,17 +281,18 @@ def test_sparse_attention_with_everything_selected_is_dense_attention(nan_fill):
     from deltaserve.layers.kernels.attention import naive as attention_naive
 
     torch.manual_seed(4)
-    lens, new = [20, 7], [20, 7]
+    # the last 4 of 20 tokens (lists of 17..20: two tiles) and of 7 (a block and a tail)
+    lens, new = [20, 7], [4, 4]
     b = Batch(lens, new, 4, 16).to(DEVICE)
     k_cache = torch.randn(b.num_blocks, 4, 2, 16, device=DEVICE)
     v_cache = torch.randn(b.num_blocks, 4, 2, 16, device=DEVICE)
-    q = torch.randn(27, 4, 16, device=DEVICE)
-    selected = naive.block_topk(scores=torch.zeros(27, 10, device=DEVICE), positions=b.positions, compress_ratio=3,
+    q = torch.randn(8, 4, 16, device=DEVICE)
+    selected = naive.block_topk(scores=torch.zeros(8, 10, device=DEVICE), positions=b.positions, compress_ratio=3,
                                 top_blocks=7)  # fmt: skip
     out = tq.sparse_attention(q=q, k_cache=k_cache, v_cache=v_cache, positions=b.positions, token_rows=b.rows,
                               block_tables=b.block_tables, selected=selected, compress_ratio=3, scale=0.25)  # fmt: skip
     ref = attention_naive.paged_attention(q=q, k_cache=k_cache, v_cache=v_cache, scale=0.25, seq_lens=b.seq_lens,
-                                          cu_seqlens_q=torch.tensor([0, 20, 27], device=DEVICE),
+                                          cu_seqlens_q=torch.tensor([0, 4, 8], device=DEVICE),
                                           block_tables=b.block_tables)  # fmt: skip
     assert rel_err(out, ref) <= TOL
 
