@@ -5,10 +5,13 @@ The reference for a capture is the state a sequence's own prefix leaves (the chu
 those tokens); for an accept, the state the recurrent rule leaves after the accepted tokens. Without
 CUDA the Triton kernels run under the interpreter at tiny shapes."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from deltaserve.bench.kernels_gdn import RECURRENT_VARIANTS
 from deltaserve.layers.kernels import conv1d
 from deltaserve.layers.kernels.gdn import chunk as chunk_module
 from deltaserve.layers.kernels.gdn import naive
@@ -89,28 +92,30 @@ def test_chunk_captures_match_the_prefix_state(nan_fill, impl):
         assert rel_err(pool[num_seqs + i], want) < TOL, (n, off)
 
 
-@pytest.mark.parametrize("impl", ["naive", "triton"])
+# the Triton verify also over two value blocks (bv32 at V = 40): only the first block of a head
+# writes the table's k and g
+@pytest.mark.parametrize("impl, vd, variant", [("naive", 12, None), ("triton", 12, None), ("triton", 40, "bv32")])
 @pytest.mark.parametrize("raw_gate", [False, True])
-def test_verify_table_then_accept_gives_the_intermediate_state(nan_fill, impl, raw_gate):
+def test_verify_table_then_accept_gives_the_intermediate_state(nan_fill, impl, vd, variant, raw_gate):
     torch.manual_seed(1)
     rows, length = 3, 3
-    q, k, v, g, beta = inputs(length, hk=1, hv=2, lead=(rows,))
-    pool = torch.randn(6, 2, 8, 12, device=DEVICE)
+    q, k, v, g, beta = inputs(length, hk=1, hv=2, vd=vd, lead=(rows,))
+    pool = torch.randn(6, 2, 8, vd, device=DEVICE)
     slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
     gates = dict(g=g, beta=beta)
     if raw_gate:
         a, b = torch.randn(rows, length, 2, device=DEVICE), torch.randn(rows, length, 2, device=DEVICE)
         A_log, dt_bias = torch.randn(2, device=DEVICE), torch.randn(2, device=DEVICE)
         gates = dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias)
-    fn = (
-        naive.fused_recurrent_gated_delta_rule if impl == "naive" else recurrent_module.fused_recurrent_gated_delta_rule
-    )
+    fn = naive.fused_recurrent_gated_delta_rule
+    if impl == "triton":
+        fn = partial(recurrent_module.fused_recurrent_gated_delta_rule, variant=RECURRENT_VARIANTS.get(variant))
     # the reference: the naive recurrent's intermediate states (each token's state)
-    inter = torch.empty(rows, length, 2, 8, 12, device=DEVICE)
+    inter = torch.empty(rows, length, 2, 8, vd, device=DEVICE)
     ref_out = naive.fused_recurrent_gated_delta_rule(
         q=q, k=k, v=v, state_pool=pool.clone(), state_slots=slots, intermediate_states_out=inter, **gates
     )
-    table = VerifyTable.empty(rows, length, 2, 8, 12, DEVICE)
+    table = VerifyTable.empty(rows, length, 2, 8, vd, DEVICE)
     before = pool.clone()
     out = fn(q=q, k=k, v=v, state_pool=pool, state_slots=slots, update_state=False, verify_table=table, **gates)
     assert torch.equal(pool, before)  # a verify leaves the slots alone
