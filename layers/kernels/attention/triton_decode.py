@@ -43,7 +43,6 @@ def _num_spans(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(seq_len, tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N)
 
 
-# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit
 def _attend_key(acc, m_i, l_i, qt, k_row, v_row, present, qk_scale):
     """One online-softmax step over a single key (present: else acc and l_i stay as they are)."""
@@ -65,6 +64,7 @@ def _row_len(seq_lens, n, ROWS: tl.constexpr):
     return tl.load(seq_lens + n // ROWS) - (ROWS - 1 - n % ROWS)
 
 
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_splits", "seq_lens", "block_tables", "s_btn"])
 def _decode_kernel(
     q, k_cache, v_cache, seq_lens, block_tables, out, part_o, part_lse, qk_scale, s_qn, s_qh, s_kb, s_ko, s_kh, s_vb,
