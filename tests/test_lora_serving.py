@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import grpc
+import httpx
 import openai
 import pytest
 from lora_adapters import peft_adapter
@@ -89,6 +90,7 @@ def test_http_model_names_the_adapter(setup):
         with pytest.raises(openai.NotFoundError) as err:
             client.completions.create(model="nope", **body)
         assert err.value.body["param"] == "model" and err.value.body["code"] == "model_not_found"
+        runtime_routes(served.url(), client, body, root, on_adapter.choices[0].token_ids)
     finally:
         served.stop()
     llm = LLM(str(path), enable_lora=True, max_lora_rank=8)
@@ -96,6 +98,29 @@ def test_http_model_names_the_adapter(setup):
     assert on_adapter.model == "sql"
     assert on_adapter.choices[0].token_ids == list(out.outputs[0].token_ids)
     assert on_adapter.choices[0].token_ids != base.choices[0].token_ids
+
+
+def runtime_routes(url: str, client, body: dict, root, sql_tokens: list[int]) -> None:
+    """vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter: the same adapter loaded under a
+    second name gives the first one's tokens; a name loaded twice, a missing folder and a missing field
+    are 400s naming the field or file; an unloaded name is then a 404, and unloading it again too."""
+    post = lambda route, payload: httpx.post(f"{url}/v1/{route}", json=payload, timeout=60)  # noqa: E731
+    answer = post("load_lora_adapter", {"lora_name": "sql2", "lora_path": str(root / "all")})
+    assert answer.status_code == 200 and "sql2" in answer.text, answer.text
+    assert "sql2" in {card.id for card in client.models.list().data}
+    assert client.completions.create(model="sql2", **body).choices[0].token_ids == sql_tokens
+    again = post("load_lora_adapter", {"lora_name": "sql2", "lora_path": str(root / "all")})
+    assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name", again.text
+    missing = post("load_lora_adapter", {"lora_name": "gone", "lora_path": str(root / "missing")})
+    assert missing.status_code == 400 and "missing" in missing.json()["error"]["message"], missing.text
+    no_path = post("load_lora_adapter", {"lora_name": "x"})
+    assert no_path.status_code == 400 and no_path.json()["error"]["param"] == "lora_path", no_path.text
+    gone = post("unload_lora_adapter", {"lora_name": "sql2"})
+    assert gone.status_code == 200 and "removed" in gone.text, gone.text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="sql2", **body)
+    twice = post("unload_lora_adapter", {"lora_name": "sql2"})
+    assert twice.status_code == 404 and twice.json()["error"]["param"] == "lora_name", twice.text
 
 
 def test_serve_refuses_a_bad_lora_module(tiny_checkpoints, tmp_path):

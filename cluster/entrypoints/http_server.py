@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of an AsyncEngine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or whole),
-GET /v1/models, POST /tokenize (vLLM's), GET /health, GET /metrics (Prometheus). Errors are OpenAI's
+GET /v1/models, POST /tokenize, POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's),
+GET /health, GET /metrics (Prometheus). Errors are OpenAI's
 error object: 400 naming the field (malformed JSON, a wrong type, an unknown field, a value
 SamplingParams or the engine refuses), 401 without the API key, 404 for an unknown model, 429 when
 the waiting queue is full, 503 while the engine is down. A client that disconnects aborts its request
@@ -26,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deltaserve.cluster.core.sampling_params import SamplingParams
+from deltaserve.workers.config import short
 
 from . import openai_protocol as api
 from . import validation
@@ -146,6 +148,24 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
         except Exception as e:
             return await response_for(engine, e)
         return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: api.LoadLoraAdapterRequest):
+        try:
+            if not body.lora_name or not body.lora_path:
+                raise ValueError("lora_name and lora_path: both are required")
+            await engine.load_lora(body.lora_name, body.lora_path)
+        except Exception as e:
+            return await response_for(engine, e)
+        return Response(f"Success: LoRA adapter '{short(body.lora_name, 80)}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: api.UnloadLoraAdapterRequest):
+        try:
+            await engine.unload_lora(body.lora_name)
+        except Exception as e:
+            return await response_for(engine, e)
+        return Response(f"Success: LoRA adapter '{short(body.lora_name, 80)}' removed successfully.")
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request):

@@ -163,6 +163,21 @@ class TokenizeRequest(Strict):
     model: str | None = None
 
 
+class LoadLoraAdapterRequest(Strict):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(Strict):
+    """vLLM's POST /v1/unload_lora_adapter (lora_int_id is accepted as vLLM's clients send it; the name
+    decides)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 # ---- responses ------------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
