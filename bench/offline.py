@@ -383,7 +383,7 @@ def run(args: argparse.Namespace) -> dict:
         **settings.replace(
             max_num_seqs=max(batches, default=1),
             max_num_batched_tokens=max([*prefills, args.context * 4, 2048]),
-            max_model_len=max([*prefills, 4096]) + 64,
+            max_model_len=max([*prefills, args.context + 2 * args.steps + 64, 4096]) + 64,  # decode rows' prompts too
             time_passes=True,  # GPU busy / idle per pass from CUDA events (two events a pass)
         ).to_kwargs(),
     )

@@ -173,7 +173,8 @@ class GatedAttention(nn.Module):
             # one sequence whose chunk is all of it: SDPA over its own keys when the options ask for it
             whole = prefill.num_seqs == 1 and prefill.max_query_len == prefill.max_seq_len
             own_kv = None
-            if whole and ctx.kernels.prefill_attention == "sdpa":
+            # (not over FP8 pages: every query reads the keys and values as the cache holds them)
+            if whole and ctx.kernels.prefill_attention == "sdpa" and not attn_kernels.is_fp8_cache(state.k_cache):
                 own_kv = (kv[0][num_decode:], kv[1][num_decode:])
             prefill_out = attn_kernels.paged_attention(
                 q=q[num_decode:],

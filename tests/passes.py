@@ -27,14 +27,17 @@ class Sequences:
         num_slots: int = 8,
         kernels: KernelOptions | None = None,
         lora=None,
+        kv_dtype: torch.dtype | None = None,
     ):
-        """lora: the model's AdapterSlots (workers/lora.py) when sequences run on adapters."""
+        """lora: the model's AdapterSlots (workers/lora.py) when sequences run on adapters; kv_dtype:
+        the KV pages' dtype (float8_e4m3fn: an FP8 KV cache)."""
         self.model = model
         self.lora = lora
         self.lora_slot: dict[str, int] = {}
         self.kernels = kernels or KernelOptions()
         self.block_size = block_size
-        self.pool = StatePool(model, PoolSizes(num_blocks, block_size, num_slots), dtype=torch.float32, device="cpu")
+        sizes = PoolSizes(num_blocks, block_size, num_slots)
+        self.pool = StatePool(model, sizes, dtype=torch.float32, device="cpu", kv_dtype=kv_dtype)
         rng = np.random.default_rng(0)
         self.free_pages = list(rng.permutation(num_blocks))
         self.free_slots = list(range(num_slots - 1, -1, -1))
@@ -46,7 +49,7 @@ class Sequences:
         for state in self.pool.layer_states:
             for t in vars(state).values():
                 if isinstance(t, torch.Tensor):
-                    t.normal_()
+                    t.copy_(torch.randn(t.shape))
 
     def add(self, seq: str, lora_slot: int = -1) -> None:
         self.pages[seq], self.slot[seq], self.cached[seq] = [], self.free_slots.pop(), 0

@@ -75,3 +75,32 @@ def test_writes_kv_cache(device, nan_fill, tokens, q_heads, k_heads, head_dim, r
     written = torch.zeros(pages * block, dtype=torch.bool)
     written[[s for s in slots.tolist() if s >= 0]] = True
     assert (out_kc.view(pages * block, -1)[~written.to(device)] == 7.0).all()  # untouched slots, -1 included
+
+
+def test_writes_fp8_kv_cache(device, nan_fill):
+    """An e4m3 cache (kv_cache_dtype fp8): the launch stores its own finished k, and the value,
+    rounded to e4m3 as torch rounds them (values beyond +-448 saturate), bit for bit; -1 writes
+    nothing."""
+    g = torch.Generator().manual_seed(11)
+    tokens, q_heads, k_heads, head_dim = 4, 2, 2, 24
+    q = torch.randn(tokens, q_heads, head_dim, generator=g).to(device)
+    k = torch.randn(tokens, k_heads, head_dim, generator=g).to(device)
+    v = (torch.randn(tokens, k_heads, head_dim, generator=g) * 200).to(device)  # some beyond 448
+    qw, kw = ((0.3 * torch.randn(head_dim, generator=g)).to(device) for _ in range(2))
+    slots = torch.tensor([5, -1, 0, 14], device=device)
+    kwargs = dict(q=q, k=k, q_weight=qw, k_weight=kw, positions=torch.arange(tokens, device=device), eps=1e-6,
+                  rotary_dim=8, theta=1e6)  # fmt: skip
+    fp8 = torch.float8_e4m3fn
+    k_cache = torch.full((4, 4, k_heads, head_dim), 7.0, device=device).to(fp8)
+    v_cache = k_cache.clone()
+    _, out_k = tr.qk_norm_rope(**kwargs, kv_cache=naive.KvCacheWrite(v, k_cache, v_cache, slots))
+    flat_k, flat_v = k_cache.view(16, k_heads, head_dim), v_cache.view(16, k_heads, head_dim)
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        assert torch.equal(flat_k[s].view(torch.uint8), out_k[t].to(fp8).view(torch.uint8))
+        assert torch.equal(flat_v[s].view(torch.uint8), v[t].clamp(-448, 448).to(fp8).view(torch.uint8))
+    assert flat_v.float().abs().max() == 448.0
+    written = torch.zeros(16, dtype=torch.bool, device=device)
+    written[[0, 5, 14]] = True
+    assert (flat_k[~written].float() == 7.0).all() and (flat_v[~written].float() == 7.0).all()

@@ -22,6 +22,7 @@ from deltaserve.layers.kernels.options import KernelOptions
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # float64: CPU reference runs
 LOAD_FORMATS = ("auto", "safetensors", "random")
 QUANTIZATIONS = (None, "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8: e4m3, as vLLM's --kv-cache-dtype fp8
 
 
 def setting(
@@ -191,6 +192,12 @@ class CacheConfig:
     num_kv_blocks: int | None = setting(
         None, check=_num_kv_blocks_problem, help="exact KV page count, overriding the memory budget"
     )
+    kv_cache_dtype: str = setting(
+        "auto",
+        choices=KV_CACHE_DTYPES,
+        help="the KV pages' dtype: auto (the model's), fp8 / fp8_e4m3 (e4m3 with scale 1, saturated at +-448: "
+        "half the bytes a token in bf16, attention upcasts in registers)",
+    )
     enable_prefix_caching: bool = setting(
         True, help="reuse KV pages and GDN state snapshots of earlier requests' prefixes (docs/STATE_REUSE.md)"
     )
@@ -208,6 +215,11 @@ class CacheConfig:
         help="where snapshots are taken: all, none, or a comma list of interval, prompt_end, last_block, "
         "divergence, finish",
     )
+
+    @property
+    def kv_fp8(self) -> bool:
+        """Whether the KV pages hold float8 e4m3."""
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     def __post_init__(self) -> None:
         validate_fields(self)

@@ -67,6 +67,8 @@ class ModelRunner:
         load = config.load
         self.device = torch.device(load.device)
         self.dtype = DTYPES[load.dtype_in_use]
+        # the KV pages' dtype: the model's, or float8 e4m3 (cache.kv_cache_dtype)
+        self.kv_dtype = torch.float8_e4m3fn if config.cache.kv_fp8 else self.dtype
         self.model = load_model(
             load.model,
             config=model_config,
@@ -115,6 +117,7 @@ class ModelRunner:
             dtype=self.dtype,
             num_blocks_override=cache.num_kv_blocks,
             num_snapshots=cache.num_prefix_snapshots if cache.enable_prefix_caching else 0,
+            kv_dtype=self.kv_dtype,
         )
 
     def _gpu_budget(self) -> int:
@@ -144,7 +147,7 @@ class ModelRunner:
         # two snapshot slots: the warm-up also runs the prefix-cache capture kernels
         snapshots = 2 if self.config.cache.enable_prefix_caching else 0
         sizes = PoolSizes(num_blocks=pages + 1, block_size=block_size, num_slots=slots, num_snapshots=snapshots)
-        pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
+        pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device, kv_dtype=self.kv_dtype)
         plan = warmup.profile_plan(tokens, block_size)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -173,7 +176,7 @@ class ModelRunner:
         """Allocate the pools (the same sizes on every rank); from here on a Triton compile is logged
         (`compile_watch`): start-up compiled what it could."""
         self.sizes = sizes
-        self.pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device)
+        self.pool = StatePool(self.model, sizes, dtype=self.dtype, device=self.device, kv_dtype=self.kv_dtype)
         k = self.config.runner.num_speculative_tokens
         if k:
             self.pool.enable_verify(self.model, rows=self.config.max_num_seqs, length=k + 1)

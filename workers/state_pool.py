@@ -66,6 +66,7 @@ def size_pools(
     num_blocks_override: int | None = None,
     num_snapshots: int | None = 0,
     snapshot_fraction: float = 0.1,
+    kv_dtype: torch.dtype | None = None,
 ) -> PoolSizes:
     """Slots for max_num_seqs sequences (fewer if the budget cannot hold them with some pages),
     pages with the rest (or exactly num_blocks_override). One extra slot and page stay reserved as
@@ -74,7 +75,7 @@ def size_pools(
     Prefix-cache snapshot slots: `num_snapshots` exactly, or None for as many as `snapshot_fraction`
     of the budget holds (at most 4 per running sequence); the pages get what is left. Too small a
     budget gives fewer (or no) snapshots, never a refusal to start."""
-    per_block = max(1, bytes_per_block(model, block_size, dtype))
+    per_block = max(1, bytes_per_block(model, block_size, kv_dtype or dtype))
     per_slot = bytes_per_slot(model, dtype)
     num_slots = max_num_seqs + 1
     if num_snapshots is None:
@@ -100,11 +101,25 @@ def size_pools(
 _PAGE_STATE, _SLOT_STATE = ("k_cache", "v_cache"), ("recurrent", "conv")
 
 
+def _bytes_view(pool: torch.Tensor) -> torch.Tensor:
+    """A one-byte pool (float8 KV pages) as uint8, whose index_copy_ every device has; else itself."""
+    return pool.view(torch.uint8) if pool.element_size() == 1 and pool.is_floating_point() else pool
+
+
 class StatePool:
     """Zero-initialised pools; `layer_states[i]` is layer i's view, `mtp_state` the MTP head's KV (None
     without the head)."""
 
-    def __init__(self, model: HybridModel, sizes: PoolSizes, *, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        model: HybridModel,
+        sizes: PoolSizes,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kv_dtype: torch.dtype | None = None,
+    ):
+        """kv_dtype: the KV pages' dtype (default: `dtype`; float8_e4m3fn for an FP8 KV cache)."""
         self.sizes = sizes
         self.layer_states: list[LayerState] = []
         attn = kv_layers(model)
@@ -115,8 +130,9 @@ class StatePool:
         self.extra_slots = self._extra_pools(ssm, _SLOT_STATE, sizes.total_slots, None, dtype, device)
         if attn:
             shapes = attn[0].state_shapes(sizes.block_size)
-            self.k_pages = torch.zeros((len(attn), sizes.num_blocks, *shapes["k_cache"][0]), dtype=dtype, device=device)
-            self.v_pages = torch.zeros((len(attn), sizes.num_blocks, *shapes["v_cache"][0]), dtype=dtype, device=device)
+            kv = kv_dtype or dtype
+            self.k_pages = torch.zeros((len(attn), sizes.num_blocks, *shapes["k_cache"][0]), dtype=kv, device=device)
+            self.v_pages = torch.zeros((len(attn), sizes.num_blocks, *shapes["v_cache"][0]), dtype=kv, device=device)
         if ssm:
             shapes = ssm[0].state_shapes()
             (rec_shape, rec_dtype), (conv_shape, conv_dtype) = shapes["recurrent"], shapes["conv"]
@@ -194,7 +210,8 @@ class StatePool:
         partly filled page of a snapshot's prefix, copied for a request that resumes from it."""
         if self.k_pages is not None and src.numel():
             for pool in (self.k_pages, self.v_pages, *self.extra_pages.values()):
-                pool.index_copy_(1, dst, pool.index_select(1, src))
+                raw = _bytes_view(pool)
+                raw.index_copy_(1, dst, raw.index_select(1, src))
 
     def enable_verify(self, model: HybridModel, rows: int, length: int) -> None:
         """Give every GDN layer its speculative-decoding verify buffers (write-on-accept): views of

@@ -161,10 +161,11 @@ class EngineCore:
         # with runner.time_passes on a GPU: (device busy s, device idle before it s) of recent passes
         self.pass_device_times: deque[tuple[float, float]] = deque(maxlen=4096)
         log.info(
-            "engine ready: %d KV tokens (%d pages of %d), %d sequences, max_model_len %d, async scheduling %s",
+            "engine ready: %d KV tokens (%d pages of %d, %s), %d sequences, max_model_len %d, async scheduling %s",
             sizes.num_blocks * sizes.block_size,
             sizes.num_blocks,
             sizes.block_size,
+            "fp8 e4m3" if self.config.cache.kv_fp8 else "the model's dtype",
             self.scheduler.config.max_num_seqs,
             limit,
             "on" if self.async_scheduling else "off",

@@ -1,6 +1,8 @@
 """Paged attention over a KV pool: the KV write, prefill over cached pages, decode.
 
-The KV pool of one layer is [num_blocks, block_size, Hkv, D] for K and for V. A sequence's block
+The KV pool of one layer is [num_blocks, block_size, Hkv, D] for K and for V, in the model's dtype
+or float8 e4m3 (kv_cache_dtype fp8: scale 1, stores saturate at +-448 and round to nearest even,
+readers upcast to q's dtype in registers). A sequence's block
 table row maps its positions to pages: position p lives in page block_tables[n, p // block_size] at
 offset p % block_size. Queries are token-major and varlen. q head h reads kv head h // (Hq // Hkv).
 """
@@ -10,6 +12,9 @@ from __future__ import annotations
 import torch
 
 from . import naive
+from .naive import is_fp8_cache
+
+__all__ = ["is_fp8_cache", "paged_attention", "paged_decode_attention", "write_kv_cache"]
 
 
 def write_kv_cache(

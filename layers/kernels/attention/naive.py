@@ -4,7 +4,21 @@ from __future__ import annotations
 
 import torch
 
+from ..fp8.naive import FP8, FP8_MAX
 from ..precision import acc_dtype
+
+
+def is_fp8_cache(cache: torch.Tensor) -> bool:
+    """Whether a KV cache holds float8 e4m3 (kv_cache_dtype fp8)."""
+    return cache.dtype == FP8
+
+
+def to_cache(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x in the cache's dtype: an FP8 (e4m3, scale 1) cache saturates at +-448 (the largest finite
+    value) before the round to nearest even."""
+    if is_fp8_cache(cache):
+        x = x.float().clamp(-FP8_MAX, FP8_MAX)
+    return x.to(cache.dtype)
 
 
 def write_kv_cache(*, key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -12,8 +26,8 @@ def write_kv_cache(*, key, value, k_cache, v_cache, slot_mapping) -> None:
     block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    k_cache[slots // block_size, slots % block_size] = key[valid].to(k_cache.dtype)
-    v_cache[slots // block_size, slots % block_size] = value[valid].to(v_cache.dtype)
+    k_cache[slots // block_size, slots % block_size] = to_cache(key[valid], k_cache)
+    v_cache[slots // block_size, slots % block_size] = to_cache(value[valid], v_cache)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -16,7 +16,9 @@ import triton
 import triton.language as tl
 
 from ..device import H200, SMEM_SCRATCH, DeviceInfo, device_info, tuned_for
+from ..fp8.triton_quant import round_to_e4m3
 from ..pdl import pdl_launch, pdl_wait
+from .naive import is_fp8_cache
 
 LOG2E = 1.4426950408889634
 
@@ -25,10 +27,19 @@ PREFILL_SEQ_BLOCK = 64  # sequences the prefill kernel scans per step to find it
 
 
 @triton.jit
+def to_cache(x, KV_FP8: tl.constexpr):
+    """x ready for the cache's store: for an FP8 (e4m3, scale 1) cache saturated at +-448 and rounded
+    to nearest even in float32 (the store's cast is then exact), as naive.to_cache."""
+    if KV_FP8:
+        x = round_to_e4m3(tl.clamp(x.to(tl.float32), -448.0, 448.0))
+    return x
+
+
+@triton.jit
 def _write_kv_kernel(
     key, value, k_cache, v_cache, slot_mapping, s_kt, s_kh, s_vt, s_vh, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -43,8 +54,8 @@ def _write_kv_kernel(
     v = tl.load(value + t * s_vt + h[:, None] * s_vh + d[None, :], mask=mask)
     k_dst = k_cache + page * s_kcb + off * s_kco + h[:, None] * s_kch + d[None, :]
     v_dst = v_cache + page * s_vcb + off * s_vco + h[:, None] * s_vch + d[None, :]
-    tl.store(k_dst, k.to(k_cache.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache.dtype.element_ty), mask=mask)
+    tl.store(k_dst, to_cache(k, KV_FP8).to(k_cache.dtype.element_ty), mask=mask)
+    tl.store(v_dst, to_cache(v, KV_FP8).to(v_cache.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache(*, key, value, k_cache, v_cache, slot_mapping, pdl=True) -> None:
@@ -58,8 +69,8 @@ def write_kv_cache(*, key, value, k_cache, v_cache, slot_mapping, pdl=True) -> N
         key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), NUM_HEADS=num_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
-        **pdl_launch(key, pdl),
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        KV_FP8=is_fp8_cache(k_cache), num_warps=4, **pdl_launch(key, pdl),
     )  # fmt: skip
 
 
@@ -69,7 +80,8 @@ def _attend_block(
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over KV positions [kv_start, kv_start + BLOCK_N) read through the
-    block table. MASK: apply the kv_end bound and the causal limit q_pos (else the tile is known full)."""
+    block table, K and V in q's dtype (an FP8 cache's tiles upcast in registers). MASK: apply the
+    kv_end bound and the causal limit q_pos (else the tile is known full)."""
     pos = kv_start + tl.arange(0, BLOCK_N)
     d_ok = d < HEAD_DIM
     if MASK:
@@ -80,7 +92,7 @@ def _attend_block(
         page = tl.load(bt_row + (pos // PAGE) * s_btp).to(tl.int64)
         kv_mask = d_ok[None, :]
     off = pos % PAGE
-    k = tl.load(k_base + (page * s_kb + off * s_ko)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(k_base + (page * s_kb + off * s_ko)[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k)) * qk_scale
     if MASK:
         s = tl.where(ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -88,7 +100,7 @@ def _attend_block(
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + (page * s_vb + off * s_vo)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + (page * s_vb + off * s_vo)[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, m_new, l_i
 
@@ -133,7 +145,7 @@ def _prefill_kernel(
     q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, part_o, part_lse, qk_scale, num_seqs, num_splits,
     s_qt, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_btn, s_btp, s_ot, s_oh, gate, s_gt, s_gh, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_SEQ: tl.constexpr, HAS_GATE: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SEQ: tl.constexpr, HAS_GATE: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     # the last q blocks attend to the most keys: launch them first to shorten the tail
     b = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -162,7 +174,9 @@ def _prefill_kernel(
     row_ok = (r < BLOCK_Q * GROUP) & (tok < q_len)
     q_mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
     q_rows = (q_start + tok).to(tl.int64) * s_qt + head * s_qh
-    qt = tl.load(q + q_rows[:, None] + d[None, :], mask=q_mask, other=0.0).to(k_cache.dtype.element_ty)
+    qt = tl.load(q + q_rows[:, None] + d[None, :], mask=q_mask, other=0.0)
+    if not KV_FP8:  # the dots in the cache's dtype (an FP8 cache: in q's, its tiles upcast)
+        qt = qt.to(k_cache.dtype.element_ty)
     q_pos = ctx_len + tok
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -323,7 +337,7 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     info = device_info(q.device)
-    cfg = config or _prefill_config(head_dim, group, k_cache.element_size(), info)
+    cfg = config or _prefill_config(head_dim, group, max(q.element_size(), k_cache.element_size()), info)
     block_q = cfg["block_m"] // group
     assert block_q >= 1, "block_m must hold at least one token's heads"
     programs = num_tokens // block_q + num_seqs
@@ -343,7 +357,8 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1), *gate_args, GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
         BLOCK_M=cfg["block_m"], BLOCK_Q=block_q, BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_SEQ=PREFILL_SEQ_BLOCK,
-        HAS_GATE=output_gate is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_GATE=output_gate is not None, KV_FP8=is_fp8_cache(k_cache), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
     if num_splits > 1:
         _prefill_reduce_kernel[(num_tokens, num_q_heads)](

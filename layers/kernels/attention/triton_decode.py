@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..device import H200, SMEM_SCRATCH, DeviceInfo, device_info, stages_that_fit, tuned_for
 from ..pdl import pdl_launch, pdl_wait
-from .triton_attention import LOG2E, _attend_block, _merge_spans
+from .triton_attention import LOG2E, _attend_block, _merge_spans, is_fp8_cache
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def _decode_kernel(
     q, k_cache, v_cache, seq_lens, block_tables, out, part_o, part_lse, qk_scale, s_qn, s_qh, s_kb, s_ko, s_kh, s_vb,
     s_vo, s_vh, s_btn, s_btp, s_on, s_oh, num_splits, gate, s_gn, s_gh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
-    ROWS: tl.constexpr, USE_PDL: tl.constexpr,
+    ROWS: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -116,7 +116,9 @@ def _decode_kernel(
 
     pdl_wait(USE_PDL)
     qt = tl.load(q + n * s_qn + head[:, None] * s_qh + d[None, :], mask=mask, other=0.0)
-    qt = qt.to(k_cache.dtype.element_ty)
+    if not KV_FP8:  # the dots in the cache's dtype (an FP8 cache: in q's, its tiles upcast)
+        qt = qt.to(k_cache.dtype.element_ty)
+    k0, v0 = k0.to(qt.dtype), v0.to(qt.dtype)
     if ROWS == 1:
         new_ok = d < tl.where(has_new, HEAD_DIM, 0)  # other spans: an empty range masks every lane
         k_new = tl.load(k_base + new_off + d, mask=new_ok, other=0.0)
@@ -289,8 +291,8 @@ def paged_decode_attention(
         v_cache.stride(2), block_tables.stride(0), block_tables.stride(1), out.stride(0), out.stride(1), num_splits,
         *gate_args, GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg["block_n"], BLOCK_D=block_d,
-        HAS_GATE=output_gate is not None, ROWS=tokens_per_row, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **pdl_launch(q, pdl),
+        HAS_GATE=output_gate is not None, ROWS=tokens_per_row, KV_FP8=is_fp8_cache(k_cache),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q, pdl),
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](

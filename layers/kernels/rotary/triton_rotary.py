@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..attention.triton_attention import is_fp8_cache, to_cache
 from ..pdl import pdl_launch, pdl_wait
 
 
@@ -22,7 +23,8 @@ from ..pdl import pdl_launch, pdl_wait
 def _qk_norm_rope_kernel(
     Q, K, Q_OUT, K_OUT, QW, KW, POS, INV_FREQ, q_stride_t, q_stride_h, k_stride_t, k_stride_h, num_q_heads, num_k_heads,
     eps, V, K_CACHE, V_CACHE, SLOTS, v_stride_t, v_stride_h, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, D: tl.constexpr,
-    ROT: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, WRITE_KV: tl.constexpr, USE_PDL: tl.constexpr,
+    ROT: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, WRITE_KV: tl.constexpr, KV_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
     t = tl.program_id(0)
@@ -39,7 +41,7 @@ def _qk_norm_rope_kernel(
             vh = h - num_q_heads - num_k_heads
             v = tl.load(V + t * v_stride_t + vh * v_stride_h + offs, mask=in_cache)
             v_dst = V_CACHE + page * s_vcb + off * s_vco + vh * s_vch + offs
-            tl.store(v_dst, v.to(V_CACHE.dtype.element_ty), mask=in_cache)
+            tl.store(v_dst, to_cache(v, KV_FP8).to(V_CACHE.dtype.element_ty), mask=in_cache)
             return
     half = ROT // 2
     # the rotation partner of feature i: i + half in the first half, i - half in the second
@@ -71,7 +73,7 @@ def _qk_norm_rope_kernel(
     tl.store(dst + offs, out, mask=in_dim)
     if WRITE_KV and not is_q:
         k_dst = K_CACHE + page * s_kcb + off * s_kco + (h - num_q_heads) * s_kch + offs
-        tl.store(k_dst, out.to(K_CACHE.dtype.element_ty), mask=in_cache)
+        tl.store(k_dst, to_cache(out, KV_FP8).to(K_CACHE.dtype.element_ty), mask=in_cache)
 
 
 _INV_FREQ: dict[tuple, torch.Tensor] = {}
@@ -104,11 +106,12 @@ def qk_norm_rope(*, q, k, q_weight, k_weight, positions, eps, rotary_dim, theta,
         page = k_cache.shape[1]
     else:
         cache_args, page = (q, q, q, positions, 0, 0, 0, 0, 0, 0, 0, 0), 1
+    kv_fp8 = kv_cache is not None and is_fp8_cache(kv_cache.k_cache)
     heads = num_q_heads + num_k_heads * (2 if kv_cache is not None else 1)
     _qk_norm_rope_kernel[(num_tokens, heads)](
         q, k, q_out, k_out, q_weight, k_weight, positions, _inv_freq(rotary_dim, theta, q.device), q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), num_q_heads, num_k_heads, eps, *cache_args, D=head_dim, ROT=rotary_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page, WRITE_KV=kv_cache is not None,
+        BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page, WRITE_KV=kv_cache is not None, KV_FP8=kv_fp8,
         num_warps=1 if head_dim <= 128 else 2, **pdl_launch(q, pdl),
     )  # fmt: skip
     return q_out, k_out
