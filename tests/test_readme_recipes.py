@@ -167,6 +167,20 @@ def test_serve_and_generate_as_written(clone, checkpoint):
         stop_group(server, signal.SIGKILL)
 
 
+def assert_tokens_of_llm_generate(target: str, checkpoint: str) -> None:
+    """A greedy request to the served model gives LLM.generate's tokens (one rank, in this process)."""
+    from deltaserve import LLM, SamplingParams
+    from deltaserve.cluster.entrypoints.client import Final
+
+    params = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with GenerationClient(target) as client:
+        items = list(client.generate([5, 6, 7, 8, 9], **params))
+    tokens = [t for item in items if not isinstance(item, Final) for t in item.token_ids]
+    (reference,) = LLM(checkpoint).generate([[5, 6, 7, 8, 9]], SamplingParams(**params), use_tqdm=False)
+    assert tokens == reference.outputs[0].token_ids
+    assert isinstance(items[-1], Final) and items[-1].finish_reason == "length"
+
+
 def test_ray_job_submit_as_written(clone, checkpoint, tmp_path):
     lines = readme_block("### Under `ray job submit`")
     prefix = [line for line in lines if line.split()[0] in ("source", "export")]
@@ -197,6 +211,7 @@ def test_ray_job_submit_as_written(clone, checkpoint, tmp_path):
         generate = generate.replace("<head-ip>", "127.0.0.1").replace("50051", port)
         rc, out, err = finish(shell(clone, prefix, generate, stdout=subprocess.PIPE, stderr=subprocess.PIPE), 60)
         assert rc == 0 and "completion tokens" in err, (rc, out, err)
+        assert_tokens_of_llm_generate(f"127.0.0.1:{port}", checkpoint)  # the job's engine is the LLM's
         submission = re.search(r"Job '([^']+)' submitted successfully", log.read_text()).group(1)
         stop = stop.replace("8265", str(dashboard)).replace("<submission-id>", submission)
         rc, out, err = finish(shell(clone, prefix, stop, stdout=subprocess.PIPE, stderr=subprocess.PIPE), 60)
