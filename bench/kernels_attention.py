@@ -1,6 +1,6 @@
 """Paged attention cases (16 q heads, 2 kv heads, head dim 256, pages of 16, bf16): decode at
-batch 1 / 64 / 256 x 4096 context, prefill of 8192 new tokens, 256 new tokens after 16,384 cached
-(a prefix-cache hit: split-K), and the KV write.
+batch 1 / 64 / 256 x 4096 context, decode over e4m3 pages against bf16 ones at 16k, prefill of 8192
+new tokens, 256 new tokens after 16,384 cached (a prefix-cache hit: split-K), and the KV write.
 
     python -m deltaserve.bench.kernels --only attention
     python -m deltaserve.bench.kernels_attention --sweep   # decode tile / split sweep at batch 64
@@ -33,13 +33,15 @@ SCALE = D**-0.5
 DTYPE = torch.bfloat16
 
 
-def _pool(num_seqs: int, seq_len: int, extra_pages: int = 0, seed: int = 0):
-    """KV pools holding num_seqs sequences of seq_len tokens in scrambled pages, and their tables."""
+def _pool(num_seqs: int, seq_len: int, extra_pages: int = 0, seed: int = 0, kv_dtype: torch.dtype = DTYPE):
+    """KV pools holding num_seqs sequences of seq_len tokens in scrambled pages (stored as kv_dtype),
+    and their tables."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     pages_per_seq = -(-seq_len // PAGE)
     num_blocks = num_seqs * pages_per_seq + extra_pages
     k_cache = torch.randn(num_blocks, PAGE, HKV, D, device="cuda", dtype=DTYPE, generator=g)
     v_cache = torch.randn(num_blocks, PAGE, HKV, D, device="cuda", dtype=DTYPE, generator=g)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     perm = torch.randperm(num_blocks, device="cuda", generator=g)[: num_seqs * pages_per_seq]
     block_tables = perm.view(num_seqs, pages_per_seq).to(torch.int32)
     return k_cache, v_cache, block_tables
@@ -55,10 +57,12 @@ def _max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out.float() - ref.float()).abs().max().item()
 
 
-def _decode_args(batch: int, ctx: int, *, seed: int, table_pages: int = 0, gate: bool = False) -> dict:
+def _decode_args(
+    batch: int, ctx: int, *, seed: int, table_pages: int = 0, gate: bool = False, kv_dtype: torch.dtype = DTYPE
+) -> dict:
     """A decode batch of `ctx` cached tokens per sequence; block tables widened to `table_pages`
     (the decode graphs' width: the split count follows it); the layer's output gate if `gate`."""
-    k_cache, v_cache, block_tables = _pool(batch, ctx, seed=seed)
+    k_cache, v_cache, block_tables = _pool(batch, ctx, seed=seed, kv_dtype=kv_dtype)
     if table_pages > block_tables.shape[1]:
         wide = torch.zeros((batch, table_pages), dtype=torch.int32, device="cuda")
         wide[:, : block_tables.shape[1]] = block_tables
@@ -127,6 +131,27 @@ def _decode_case(batch: int, ctx: int) -> Case:
         bytes_moved=kv_bytes + 2 * q.numel() * 2 + block_tables.numel() * 4,
         flops=4 * batch * HQ * ctx * D,
         target=">=70% of copy BW at B=64" if batch == 64 else "",
+    )
+
+
+def _decode_fp8_case(batch: int, ctx: int) -> Case:
+    """Decode over e4m3 pages against the same shape over bf16 pages (the peer): half the KV bytes."""
+    args = _decode_args(batch, ctx, seed=batch, kv_dtype=torch.float8_e4m3fn)
+    bf16 = dict(args, k_cache=args["k_cache"].to(DTYPE), v_cache=args["v_cache"].to(DTYPE))
+
+    def check():
+        return _max_err(td.paged_decode_attention(**args), td.paged_decode_attention(**bf16))
+
+    return Case(
+        op="attn_decode_fp8kv",
+        shape=f"B={batch} ctx={ctx} Hq={HQ} Hkv={HKV} D={D}",
+        ours=lambda: td.paged_decode_attention(**args),
+        reference=lambda: td.paged_decode_attention(**bf16),
+        reference_label="the same over bf16 pages",
+        check=check,
+        tolerance=2e-2,
+        bytes_moved=2 * batch * ctx * HKV * D + 2 * args["q"].numel() * 2 + args["block_tables"].numel() * 4,
+        flops=4 * batch * HQ * ctx * D,
     )
 
 
@@ -212,6 +237,8 @@ def cases() -> list[Case]:
         _decode_case(64, 4096),
         _decode_case(256, 4096),
         _decode_graph_case(1, 512),
+        _decode_fp8_case(64, 16384),
+        _decode_fp8_case(1, 16384),
         _prefill_case(8192),
         _prefill_case(256, cached=16384),
         _write_case(8192),

@@ -105,16 +105,18 @@ def weight_bytes(model_config: ModelConfig, dtype_bytes: int, fp8: bool = False)
 
 def decode_floor_bytes(
     model_config: ModelConfig, batch: int, context: int, distinct_experts: float, dtype_bytes: int = 2,
-    fp8: bool = False,
+    fp8: bool = False, kv_dtype_bytes: int | None = None,
 ) -> dict:  # fmt: skip
+    """Bytes one decode step must read; kv_dtype_bytes: the KV cache's element size (the model's if None)."""
     c = model_config
+    kv_elem = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
     dense, expert = weight_bytes(model_config, dtype_bytes, fp8)
     experts = distinct_experts * expert
-    kv = batch * context * len(c.attention_layer_ids) * 2 * c.num_kv_heads * c.head_dim * dtype_bytes
+    kv = batch * context * len(c.attention_layer_ids) * 2 * c.num_kv_heads * c.head_dim * kv_elem
     if c.qsa is not None:  # QSA: the selected tokens' KV and every block key the indexer scores
         attended = min(context, c.qsa.budget + c.qsa.compress_ratio - 1) * 2 * c.num_kv_heads * c.head_dim
         scored = (context // c.qsa.compress_ratio) * c.qsa.head_dim
-        kv = batch * len(c.attention_layer_ids) * (attended + scored) * dtype_bytes
+        kv = batch * len(c.attention_layer_ids) * (attended + scored) * kv_elem
     gdn = (
         batch
         * len(c.gdn_layer_ids)
@@ -478,7 +480,9 @@ def _decode_row(
     else:  # worker processes (TP/EP): no hooks here, so the bound every step stays under
         distinct = moe_layers * min(model_config.num_experts, b * model_config.num_experts_per_tok)
     fp8 = model_config.quantization is not None or llm.config.load.quantization == "fp8"
-    floor = decode_floor_bytes(model_config, b, args.context + 4, distinct, fp8=fp8)
+    floor = decode_floor_bytes(
+        model_config, b, args.context + 4, distinct, fp8=fp8, kv_dtype_bytes=1 if llm.config.cache.kv_fp8 else None
+    )
     floor_s = floor["total"] / bandwidth / max(1, llm.config.parallel.tensor_parallel_size)
     row = {
         "batch": b,
