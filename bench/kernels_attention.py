@@ -5,6 +5,7 @@ new tokens, 256 new tokens after 16,384 cached (a prefix-cache hit: split-K), an
     python -m deltaserve.bench.kernels --only attention
     python -m deltaserve.bench.kernels_attention --sweep   # decode tile / split sweep at batch 64
     python -m deltaserve.bench.kernels_attention --sweep --batch 1 --ctx 512 --table-pages 4096
+    python -m deltaserve.bench.kernels_attention --sweep --ctx 16384 --kv-fp8   # over e4m3 pages
     python -m deltaserve.bench.kernels_attention --sweep-prefill   # prefill tile sweep at 8192 tokens
 
 The [graph] rows and the decode sweep time back-to-back calls (each its own KV pool, so that the KV
@@ -75,12 +76,16 @@ def _decode_args(
     return args
 
 
-def _decode_graph_calls(batch: int, ctx: int, table_pages: int, cfg: dict | None = None, pdl: bool = True):
+def _decode_graph_calls(
+    batch: int, ctx: int, table_pages: int, cfg: dict | None = None, pdl: bool = True, kv_dtype: torch.dtype = DTYPE
+):
     """Back-to-back decode calls, each over its own KV pool (>= 64 MB in all, at most 64 calls, so
     the KV is not in L2), the layer's gate; returns (calls, args of the first, KV bytes per call)."""
-    kv_bytes = 2 * batch * ctx * HKV * D * 2
+    kv_bytes = 2 * batch * ctx * HKV * D * kv_dtype.itemsize
     num = max(4, min(64, -(-(64 << 20) // kv_bytes)))
-    all_args = [_decode_args(batch, ctx, seed=i, table_pages=table_pages, gate=True) for i in range(num)]
+    all_args = [
+        _decode_args(batch, ctx, seed=i, table_pages=table_pages, gate=True, kv_dtype=kv_dtype) for i in range(num)
+    ]
     calls = [lambda a=a: td.paged_decode_attention(**a, config=cfg, pdl=pdl) for a in all_args]
     return calls, all_args[0], kv_bytes
 
@@ -252,24 +257,24 @@ def _time_graph(replay: Callable[[], None], calls: int) -> float:
     return triton.testing.do_bench(replay, warmup=5, rep=40, return_mode="median") * 1e3 / calls
 
 
-def sweep(batch: int = 64, ctx: int = 4096, table_pages: int = 0) -> None:
+def sweep(batch: int = 64, ctx: int = 4096, table_pages: int = 0, kv_dtype: torch.dtype = DTYPE) -> None:
     """Decode configs at one shape, timed in CUDA graphs: time, share of copy bandwidth, error; the
     default marked."""
     from deltaserve.bench.kernels import measure_copy_bandwidth
 
     bandwidth = measure_copy_bandwidth()
-    args = _decode_args(batch, ctx, seed=batch, table_pages=table_pages, gate=True)
+    args = _decode_args(batch, ctx, seed=batch, table_pages=table_pages, gate=True, kv_dtype=kv_dtype)
     ref = naive.paged_decode_attention(**args)
     default = td._decode_config(
         num_seqs=batch, num_kv_heads=HKV, max_context=args["block_tables"].shape[1] * PAGE, head_dim=D,
-        group=HQ // HKV, elem=2, info=device_info(args["q"].device),
+        group=HQ // HKV, elem=kv_dtype.itemsize, info=device_info(args["q"].device),
     )  # fmt: skip
     print(f"B={batch} ctx={ctx}  default {default}")
     for block_n, splits, warps, stages in itertools.product([16, 32], [1, 2, 3, 4, 5, 8, 16, 32, 64], [4, 8], [3, 5]):
         cfg = dict(block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages)
         try:
             err = _max_err(td.paged_decode_attention(**args, config=cfg), ref)
-            calls, _, kv_bytes = _decode_graph_calls(batch, ctx, table_pages, cfg)
+            calls, _, kv_bytes = _decode_graph_calls(batch, ctx, table_pages, cfg, kv_dtype=kv_dtype)
             us = _time_graph(graphed(calls), len(calls))
         except Exception as e:  # a config that does not compile or fit is reported, not fatal
             print(f"{cfg} failed: {type(e).__name__}: {str(e)[:80]}")
@@ -317,8 +322,9 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--table-pages", type=int, default=0)
+    parser.add_argument("--kv-fp8", action="store_true", help="the decode sweep over e4m3 pages")
     a = parser.parse_args()
     if a.sweep:
-        sweep(a.batch, a.ctx, a.table_pages)
+        sweep(a.batch, a.ctx, a.table_pages, torch.float8_e4m3fn if a.kv_fp8 else DTYPE)
     if a.sweep_prefill:
         sweep_prefill()
