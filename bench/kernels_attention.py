@@ -257,9 +257,18 @@ def _time_graph(replay: Callable[[], None], calls: int) -> float:
     return triton.testing.do_bench(replay, warmup=5, rep=40, return_mode="median") * 1e3 / calls
 
 
-def sweep(batch: int = 64, ctx: int = 4096, table_pages: int = 0, kv_dtype: torch.dtype = DTYPE) -> None:
+GRID_KEYS = ("block_n", "num_splits", "num_warps", "num_stages")
+
+
+def sweep(
+    batch: int = 64, ctx: int = 4096, table_pages: int = 0, kv_dtype: torch.dtype = DTYPE, grid: dict | None = None
+) -> None:
     """Decode configs at one shape, timed in CUDA graphs: time, share of copy bandwidth, error; the
-    default marked."""
+    default marked. grid: lists of block_n, num_splits, num_warps, num_stages to try."""
+    grid = {
+        "block_n": [16, 32], "num_splits": [1, 2, 3, 4, 5, 8, 16, 32, 64], "num_warps": [4, 8], "num_stages": [3, 5],
+        **(grid or {}),
+    }  # fmt: skip
     from deltaserve.bench.kernels import measure_copy_bandwidth
 
     bandwidth = measure_copy_bandwidth()
@@ -270,7 +279,7 @@ def sweep(batch: int = 64, ctx: int = 4096, table_pages: int = 0, kv_dtype: torc
         group=HQ // HKV, elem=kv_dtype.itemsize, info=device_info(args["q"].device),
     )  # fmt: skip
     print(f"B={batch} ctx={ctx}  default {default}")
-    for block_n, splits, warps, stages in itertools.product([16, 32], [1, 2, 3, 4, 5, 8, 16, 32, 64], [4, 8], [3, 5]):
+    for block_n, splits, warps, stages in itertools.product(*(grid[k] for k in GRID_KEYS)):
         cfg = dict(block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages)
         try:
             err = _max_err(td.paged_decode_attention(**args, config=cfg), ref)
@@ -323,8 +332,11 @@ if __name__ == "__main__":
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--table-pages", type=int, default=0)
     parser.add_argument("--kv-fp8", action="store_true", help="the decode sweep over e4m3 pages")
+    for key in GRID_KEYS:
+        parser.add_argument(f"--{key.replace('_', '-')}", default="", help=f"decode sweep {key}s, e.g. 32,64")
     a = parser.parse_args()
     if a.sweep:
-        sweep(a.batch, a.ctx, a.table_pages, torch.float8_e4m3fn if a.kv_fp8 else DTYPE)
+        grid = {k: [int(v) for v in getattr(a, k).split(",")] for k in GRID_KEYS if getattr(a, k)}
+        sweep(a.batch, a.ctx, a.table_pages, torch.float8_e4m3fn if a.kv_fp8 else DTYPE, grid)
     if a.sweep_prefill:
         sweep_prefill()
