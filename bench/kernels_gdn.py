@@ -200,15 +200,27 @@ def _split_prefill_case(total: int = 16384, chunk: int = 2048) -> Case:
     pool = torch.randn(4, HV, K, V, device="cuda") * 0.1
     slots = torch.tensor([2], dtype=torch.int32, device="cuda")
 
+    # the calls' device tensors made up front (made per call, their host-to-device copies would stall
+    # the stream between calls, which the engine's passes never do)
+    bounds = {step: [(s, min(total, s + step)) for s in range(0, total, step)] for step in (chunk, total)}
+    cu = {(s, e): torch.tensor([0, e - s], dtype=torch.int32, device="cuda") for b in bounds.values() for s, e in b}
+    has_init = torch.tensor([True], device="cuda")
+
     def run(state_pool, step):
         outs = []
-        for start in range(0, total, step):
-            end = min(total, start + step)
+        for start, end in bounds[step]:
+            rows = slice(start, end)
             outs.append(
                 chunk_gated_delta_rule(
-                    q=q[start:end], k=k[start:end], v=v[start:end], g=g[start:end], beta=beta[start:end],
-                    cu_seqlens=torch.tensor([0, end - start], dtype=torch.int32, device="cuda"),
-                    state_pool=state_pool, state_slots=slots, has_initial_state=torch.tensor([True], device="cuda"),
+                    q=q[rows],
+                    k=k[rows],
+                    v=v[rows],
+                    g=g[rows],
+                    beta=beta[rows],
+                    cu_seqlens=cu[start, end],
+                    state_pool=state_pool,
+                    state_slots=slots,
+                    has_initial_state=has_init,
                 )  # fmt: skip
             )
         return torch.cat(outs)
@@ -469,7 +481,7 @@ def gate_cases() -> list[Case]:
 def cases() -> list[Case]:
     torch.manual_seed(0)
     fla_chunk, fla_recurrent = _fla()
-    out = [case for t in (2048, 8192, 32768) for case in _chunk_cases(t, fla_chunk)]
+    out = [case for t in (512, 1024, 2048, 8192, 32768) for case in _chunk_cases(t, fla_chunk)]
     out.append(_split_prefill_case())
     out += [case for n in (1, 64, 256) for case in _recurrent_cases(n, fla_recurrent)]
     out += gate_cases()

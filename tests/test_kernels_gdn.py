@@ -246,6 +246,34 @@ def test_recurrent_without_intermediate_states(nan_fill):
     assert torch.equal(outs[1][1][1], pool[1])  # the slot of no sequence
 
 
+@pytest.mark.parametrize("impl", ["naive", "triton"])
+def test_recurrent_lengths_run_each_rows_first_tokens(nan_fill, impl):
+    """lengths: row n runs only its first lengths[n] tokens, as a call on those tokens alone would
+    (outputs, state); a row of none leaves its slot bit for bit as it was."""
+    torch.manual_seed(5)
+    q, k, v, g, beta = make_inputs(4, 1, 2, 8, 40, lead=(3,))
+    pool = torch.randn(5, 2, 8, 40, device=DEVICE)
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    lengths = torch.tensor([0, 2, 4], dtype=torch.int64, device=DEVICE)
+    fn = (
+        naive.fused_recurrent_gated_delta_rule if impl == "naive" else recurrent_module.fused_recurrent_gated_delta_rule
+    )
+    got_pool = pool.clone()
+    out = fn(q=q, k=k, v=v, g=g, beta=beta, state_pool=got_pool, state_slots=slots, lengths=lengths)
+    want_pool = pool.clone()
+    for n, length in enumerate(lengths.tolist()):
+        if length == 0:
+            continue
+        rows = (slice(n, n + 1), slice(0, length))
+        want = naive.fused_recurrent_gated_delta_rule(
+            q=q[rows], k=k[rows], v=v[rows], g=g[rows], beta=beta[rows], state_pool=want_pool,
+            state_slots=slots[n : n + 1],
+        )  # fmt: skip
+        assert rel_err(out[n, :length], want[0]) < TOL
+    assert rel_err(got_pool, want_pool) < TOL
+    assert torch.equal(got_pool[[1, 3, 4]], pool[[1, 3, 4]])  # the length-0 row's slot and the free ones
+
+
 def make_raw_gates(lead, num_v_heads, dtype=torch.float32, param_dtype=torch.float32, spread=12.0):
     """a, b: [*lead, Hv] column slices of one wider projection (as the layer passes them, a row
     stride of the projection's width), A_log, dt_bias: [Hv]. a spans |a + dt_bias| > 20 (softplus's

@@ -20,6 +20,7 @@ from tiny_models import FAMILIES, VOCAB_SIZE
 from deltaserve import LLM, SamplingParams
 from deltaserve.layers.kernels import conv1d as conv_kernels
 from deltaserve.layers.kernels import gdn as gdn_kernels
+from deltaserve.layers.kernels.gdn import chunk as triton_chunk
 from deltaserve.layers.kernels.gdn.fixed_captures import NUM_FIELDS, FixedCaptures, max_chunks
 from deltaserve.layers.kernels.gdn.state import StateCapture, StateCaptures
 from deltaserve.workers.prefill_graphs import CAPTURE_CAPACITY, token_buckets
@@ -149,13 +150,20 @@ CAPTURE_SETS = [
 ]
 
 
-@pytest.mark.parametrize("items", CAPTURE_SETS)
-@pytest.mark.parametrize("initial", [False, True])
-def test_fixed_captures_write_what_state_captures_write(items, initial):
+@pytest.mark.parametrize(
+    "items, initial, impl",
+    [
+        *((c, i, "dispatch") for c in CAPTURE_SETS for i in (False, True)),
+        ([(0, 64, 5), (0, 66, 6), (0, 70, 7), (1, 3, 8)], True, "triton"),
+    ],
+)
+def test_fixed_captures_write_what_state_captures_write(items, initial, impl):
     """The chunked rule and the conv with FixedCaptures (device tensors, padded entries on a
-    scratch slot) leave exactly the states and windows StateCaptures leave."""
+    scratch slot) leave exactly the states and windows StateCaptures leave. impl "triton": the
+    chunked kernels and the replay's recurrent kernel (rows of no tokens skipped) under the
+    interpreter."""
     torch.manual_seed(0)
-    lens = (200, 30, 5)  # the last stream stands for the idle one
+    lens = (200, 30, 5) if impl == "dispatch" else (72, 5, 3)  # the last stream stands for the idle one
     t, hk, hv, kd, vd, slots, scratch = sum(lens), 2, 4, 16, 8, 12, 3
     q, k = torch.randn(t, hk, kd), torch.randn(t, hk, kd)
     v = torch.randn(t, hv, vd)
@@ -173,7 +181,8 @@ def test_fixed_captures_write_what_state_captures_write(items, initial):
     results = []
     for captures in (eager, FixedCaptures(torch.from_numpy(chunk_slots), torch.from_numpy(fields))):
         pool, conv = pool0.clone(), conv0.clone()
-        out = gdn_kernels.chunk_gated_delta_rule(
+        chunk_op = triton_chunk.chunk_gated_delta_rule if impl == "triton" else gdn_kernels.chunk_gated_delta_rule
+        out = chunk_op(
             q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu, state_pool=pool, state_slots=state_slots,
             has_initial_state=has_initial, captures=captures,
         )  # fmt: skip
@@ -185,6 +194,8 @@ def test_fixed_captures_write_what_state_captures_write(items, initial):
     (out_a, y_a, pool_a, conv_a), (out_b, y_b, pool_b, conv_b) = results
     assert torch.equal(out_a, out_b) and torch.equal(y_a, y_b)
     keep = [s for s in range(slots) if s != scratch]
+    if impl == "triton":  # the eager captures' replays run only their tokens too: the same arithmetic
+        assert torch.equal(pool_a[keep], pool_b[keep])
     assert torch.equal(conv_a[keep], conv_b[keep])
     assert torch.allclose(pool_a[keep], pool_b[keep], atol=1e-6, rtol=0)
     for c in items:  # every capture slot was written

@@ -87,6 +87,7 @@ def fused_recurrent_gated_delta_rule(
     intermediate_states_out: torch.Tensor | None = None,
     update_state: bool = True,
     verify_table: VerifyTable | None = None,
+    lengths: torch.Tensor | None = None,
     pdl: bool = True,
 ) -> torch.Tensor:
     """The gated delta rule token by token, for L tokens of each of N sequences (decode: L = 1;
@@ -100,6 +101,8 @@ def fused_recurrent_gated_delta_rule(
         intermediate_states_out: [N, L, Hv, K, V], receives the state after each token.
         update_state: write the state after the last token to the slot.
         verify_table: receives each token's step for write-on-accept (state.VerifyTable of N rows of L).
+        lengths: [N] int, each at most L: sequence n runs only its first lengths[n] tokens (the
+            state as after them; o past them unspecified). None: all L.
         pdl: CUDA: launch under programmatic dependent launch (sm_90+).
 
     Returns:
@@ -113,11 +116,12 @@ def fused_recurrent_gated_delta_rule(
         return impl(
             q=q, k=k, v=v, state_pool=state_pool, state_slots=state_slots, scale=scale, use_qk_l2norm=use_qk_l2norm,
             intermediate_states_out=intermediate_states_out, update_state=update_state, verify_table=verify_table,
-            pdl=pdl, **gates,
+            lengths=lengths, pdl=pdl, **gates,
         )  # fmt: skip
     return naive.fused_recurrent_gated_delta_rule(
         q=q, k=k, v=v, state_pool=state_pool, state_slots=state_slots, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        intermediate_states_out=intermediate_states_out, update_state=update_state, verify_table=verify_table, **gates,
+        intermediate_states_out=intermediate_states_out, update_state=update_state, verify_table=verify_table,
+        lengths=lengths, **gates,
     )  # fmt: skip
 
 

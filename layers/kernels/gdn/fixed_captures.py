@@ -7,9 +7,9 @@ before each replay, so that one captured graph serves any capture points of its 
 
 Up to `capacity` entries of each kind. An entry a pass does not use names the scratch slot and
 a stream without initial state and replays no token: it runs the same ops and changes nothing
-but scratch. A replay always runs CHUNK - 1 tokens from its start; tokens past the capture point
-get g = 0 and beta = 0, so the step S = exp(0) S + k (0 (v - S^T k))^T leaves the state exactly
-as it was (the eager replay runs just the tokens up to the point: the same arithmetic on them).
+but scratch. A replay gathers CHUNK - 1 token rows from its start and runs only its count of
+them (the recurrent op's `lengths`: the tokens up to the point, the eager replay's arithmetic), so
+an unused entry or a capture on a chunk boundary costs no sequential steps.
 """
 
 from __future__ import annotations
@@ -89,17 +89,14 @@ class FixedCaptures:
 
     # ---- device side: device ops only (no host sync), the same on every GDN layer ----------------
     def _index(self, name: str, num_tokens: int, width: int) -> torch.Tensor:
-        """Index tensors shared by the layers: 'replay' [C, CHUNK - 1] token rows and their live mask
-        (float), 'window' [C, W - 1] token rows, whether each is the stream's own, and the column of
-        the slot's old window otherwise."""
+        """Index tensors shared by the layers: 'replay' [C, CHUNK - 1] token rows; 'window' [C, W - 1]
+        token rows, whether each is the stream's own, and the column of the slot's old window otherwise."""
         key = (name, num_tokens, width)
         if key not in self._derived:
             f = self.fields
             if name == "replay":
                 steps = torch.arange(CHUNK - 1, device=f.device)
-                rows = (f[REPLAY_FIRST, :, None] + steps).clamp(max=num_tokens - 1)
-                live = (steps < f[REPLAY_COUNT, :, None]).float()
-                self._derived[key] = (rows, live)
+                self._derived[key] = (f[REPLAY_FIRST, :, None] + steps).clamp(max=num_tokens - 1)
             else:
                 j = torch.arange(width, device=f.device)
                 rows = f[WIN_END, :, None] - width + j
@@ -121,7 +118,7 @@ class FixedCaptures:
         `recurrent`: the caller's fused_recurrent_gated_delta_rule, Triton's or the reference)."""
         f = self.fields
         state_pool.index_copy_(0, f[COPY_DST], state_pool.index_select(0, f[COPY_SRC]))
-        rows, live = self._index("replay", q.shape[0], 0)
+        rows = self._index("replay", q.shape[0], 0)
         flat = rows.reshape(-1)
         c, n = rows.shape
 
@@ -129,8 +126,8 @@ class FixedCaptures:
             return x.index_select(0, flat).view(c, n, *x.shape[1:])
 
         recurrent(
-            q=take(q), k=take(k), v=take(v), g=take(g) * live[..., None], beta=take(beta) * live[..., None],
-            state_pool=state_pool, state_slots=f[REPLAY_SLOT], scale=scale, use_qk_l2norm=use_qk_l2norm,
+            q=take(q), k=take(k), v=take(v), g=take(g), beta=take(beta), state_pool=state_pool,
+            state_slots=f[REPLAY_SLOT], scale=scale, use_qk_l2norm=use_qk_l2norm, lengths=f[REPLAY_COUNT],
         )  # fmt: skip
 
     def conv_windows(

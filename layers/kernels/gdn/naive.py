@@ -156,8 +156,10 @@ def _chunk_step(q, k, v, g, beta, state):
 def fused_recurrent_gated_delta_rule(
     *, q, k, v, state_pool, state_slots, g=None, beta=None, a=None, b=None, A_log=None, dt_bias=None, scale=None,
     use_qk_l2norm=True, intermediate_states_out=None, update_state=True, verify_table: VerifyTable | None = None,
+    lengths=None,
 ):  # fmt: skip
-    """The reference of gdn.fused_recurrent_gated_delta_rule."""
+    """The reference of gdn.fused_recurrent_gated_delta_rule (steps past a sequence's length leave its
+    state as it was)."""
     if raw_gate_form(g, beta, a, b, A_log, dt_bias):
         g, beta = gdn_gating(a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     n_seqs, length = q.shape[:2]
@@ -166,8 +168,10 @@ def fused_recurrent_gated_delta_rule(
     out = torch.empty(vf.shape, dtype=qf.dtype, device=v.device)
     slots = state_slots.long()
     state = state_pool[slots].to(qf.dtype)  # [N, Hv, K, V]
+    live = None if lengths is None else lengths.to(device=v.device).long()
     for t in range(length):
-        state, delta = _recurrent_step(state, kf[:, t], vf[:, t], gf[:, t], bf[:, t])
+        new, delta = _recurrent_step(state, kf[:, t], vf[:, t], gf[:, t], bf[:, t])
+        state = new if live is None else torch.where((t < live).view(-1, 1, 1, 1), new, state)
         out[:, t] = (state * qf[:, t, :, :, None]).sum(dim=-2)
         if verify_table is not None:
             verify_table.k[:, t] = kf[:, t]

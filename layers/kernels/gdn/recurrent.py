@@ -58,19 +58,26 @@ def _add_pair(a0, a1, b0, b1):
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
-@triton.jit(do_not_specialize=["slots"])
+@triton.jit(do_not_specialize=["slots", "lengths"])
 def _recurrent_kernel(
-    q, k, v, g, beta, A_log, dt_bias, o, pool, slots, inter, wy_k, wy_delta, wy_g, scale, length, stride_qn, stride_ql,
-    stride_qh, stride_kn,
+    q, k, v, g, beta, A_log, dt_bias, o, pool, slots, inter, wy_k, wy_delta, wy_g, lengths, scale, length, stride_qn,
+    stride_ql, stride_qh, stride_kn,
     stride_kl, stride_kh, stride_vn, stride_vl, stride_vh, stride_gn, stride_gl, stride_gh, stride_bn, stride_bl,
     stride_bh, stride_ps, stride_ph, stride_pk, stride_pv, stride_in, stride_il, stride_ih, stride_ik, stride_iv,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, STORE_INTERMEDIATE: tl.constexpr, UPDATE_STATE: tl.constexpr, ONE_PASS: tl.constexpr,
-    ROW_STRIDES: tl.constexpr, RAW_GATE: tl.constexpr, STORE_WY: tl.constexpr, USE_PDL: tl.constexpr,
+    ROW_STRIDES: tl.constexpr, RAW_GATE: tl.constexpr, STORE_WY: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     n, hv, o_k, o_v, m_k, m_v = value_block(tl.program_id(0), HV, K, V, BK, BV)
     hk = hv // GROUP
     m_kv = m_k[:, None] & m_v[None, :]
+    steps = length
+    if HAS_LENGTHS:  # a row of no steps leaves its state as it is: nothing to read or write
+        steps = tl.load(lengths + n).to(tl.int32)
+        if steps == 0:
+            pdl_wait(USE_PDL)
+            return
 
     slot = tl.load(slots + n).to(tl.int64)
     if ROW_STRIDES:  # the usual contiguous [K, V] tiles: constant offsets, one base address register
@@ -96,7 +103,7 @@ def _recurrent_kernel(
         p_i = inter + n64 * stride_in + hv * stride_ih + o_k[:, None] * V + o_v[None, :]
     else:
         p_i = inter + n64 * stride_in + hv * stride_ih + o_k[:, None] * stride_ik + o_v[None, :] * stride_iv
-    for t in range(length):
+    for t in range(steps):
         b_q = tl.load(p_q + t * stride_ql, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(p_k + t * stride_kl, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(p_v + t * stride_vl, mask=m_v, other=0.0).to(tl.float32)
@@ -134,6 +141,7 @@ def _recurrent_kernel(
 def fused_recurrent_gated_delta_rule(
     *, q, k, v, state_pool, state_slots, g=None, beta=None, a=None, b=None, A_log=None, dt_bias=None, scale=None,
     use_qk_l2norm=True, intermediate_states_out=None, update_state=True, verify_table=None, variant=None, pdl=True,
+    lengths=None,
 ):  # fmt: skip
     """gdn.fused_recurrent_gated_delta_rule; variant: a RecurrentVariant (None: DEFAULT_VARIANT).
     Raw gates: the kernel computes g and beta as gating.gdn_gating would."""
@@ -160,13 +168,15 @@ def fused_recurrent_gated_delta_rule(
     grid = (num_seqs * num_v_heads * triton.cdiv(value_dim, bv),)
     _recurrent_kernel[grid](
         q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_slots, inter,
-        *((wy.k, wy.delta, wy.g) if wy is not None else (out, out, out)), scale, length,
+        *((wy.k, wy.delta, wy.g) if wy is not None else (out, out, out)),
+        lengths if lengths is not None else state_slots, scale, length,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(), *state_pool.stride(),
         inter.stride(0), inter.stride(1) if intermediate_states_out is not None else 0, *inter.stride()[-3:],
         HV=num_v_heads, GROUP=num_v_heads // num_k_heads, K=key_dim, V=value_dim,
         BK=max(16, triton.next_power_of_2(key_dim)), BV=bv, L2NORM=use_qk_l2norm,
         STORE_INTERMEDIATE=intermediate_states_out is not None, UPDATE_STATE=update_state, ONE_PASS=cfg.one_pass,
-        ROW_STRIDES=row_strides, RAW_GATE=raw_gate, STORE_WY=wy is not None, num_warps=cfg.num_warps,
+        ROW_STRIDES=row_strides, RAW_GATE=raw_gate, STORE_WY=wy is not None, HAS_LENGTHS=lengths is not None,
+        num_warps=cfg.num_warps,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
         **pdl_launch(q, pdl),
     )  # fmt: skip
