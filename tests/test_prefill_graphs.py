@@ -163,6 +163,7 @@ def test_fixed_captures_write_what_state_captures_write(items, initial, impl):
     chunked kernels and the replay's recurrent kernel (rows of no tokens skipped) under the
     interpreter."""
     torch.manual_seed(0)
+    dev = "cuda" if impl == "triton" and torch.cuda.is_available() else "cpu"  # else the interpreter
     lens = (200, 30, 5) if impl == "dispatch" else (72, 5, 3)  # the last stream stands for the idle one
     t, hk, hv, kd, vd, slots, scratch = sum(lens), 2, 4, 16, 8, 12, 3
     q, k = torch.randn(t, hk, kd), torch.randn(t, hk, kd)
@@ -179,7 +180,11 @@ def test_fixed_captures_write_what_state_captures_write(items, initial, impl):
     chunk_slots = np.zeros(max_chunks(t, len(lens)), np.int32)
     assert FixedCaptures.stage(fields, chunk_slots, eager, scratch, len(lens) - 1)
     results = []
-    for captures in (eager, FixedCaptures(torch.from_numpy(chunk_slots), torch.from_numpy(fields))):
+    fixed = FixedCaptures(torch.from_numpy(chunk_slots).to(dev), torch.from_numpy(fields).to(dev))
+    q, k, v, g, beta, cu, state_slots, has_initial, pool0, x, conv0, weight = (
+        t.to(dev) for t in (q, k, v, g, beta, cu, state_slots, has_initial, pool0, x, conv0, weight)
+    )
+    for captures in (eager, fixed):
         pool, conv = pool0.clone(), conv0.clone()
         chunk_op = triton_chunk.chunk_gated_delta_rule if impl == "triton" else gdn_kernels.chunk_gated_delta_rule
         out = chunk_op(
