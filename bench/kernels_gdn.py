@@ -6,7 +6,10 @@ Every kernel variant (CHUNK_VARIANTS: chunk.VARIANTS, the ones its picker choose
 compared with them; RECURRENT_VARIANTS; "fused" and "bv32" are the designs measured first) is a row
 of its own, checked against the reference, so that one run times old and new side by side; the row
 marked default= is the wrapper's own pick. DELTASERVE_GDN_VARIANTS=name,name,... limits the other
-rows to those variants.
+rows to those variants. Chunked prefill up to 2k tokens also runs from CUDA graphs of GRAPH_CALLS
+calls (op gdn_chunk[graph], as prefill graphs run it; times per GRAPH_CALLS calls): eager calls of
+~0.2 ms time the host's launches as well (on the H200 the same eager case gave 0.196 and 0.281 ms
+in two runs of one session).
 
 Gating (op gdn_gating: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) from the strided
 a / b columns of a bf16 in_proj output) and decode with raw gates (op gdn_decode_gates: the
@@ -25,6 +28,7 @@ at block_v 64 instead of 32). Just those rows, per call:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -188,7 +192,30 @@ def _chunk_cases(num_tokens: int, fla_chunk) -> list[Case]:
                 target="faster than fla at T=2048/8192/32768, aiming at 1.5x",
             )
         )
+    if num_tokens <= GRAPHED_CHUNK_MAX_TOKENS:  # short calls: eager timing would time the host's launches
+        for variant in GRAPHED_CHUNK_VARIANTS:
+            cfg = CHUNK_VARIANTS[variant]
+            fn = functools.partial(chunk_gated_delta_rule, state_pool=work_pool, variant=cfg, **kwargs)
+            cases.append(
+                Case(
+                    op="gdn_chunk[graph]",
+                    shape=f"T={num_tokens} Hk={HK} Hv={HV} K=V={K} {variant} x{GRAPH_CALLS} calls",
+                    ours=_graphed(fn),
+                    reference=None,
+                    reference_label="",
+                    check=lambda variant=variant: check(variant),
+                    tolerance=TOLERANCE,
+                    bytes_moved=GRAPH_CALLS * io_bytes,
+                    flops=GRAPH_CALLS * _chunk_flops(num_tokens),
+                )
+            )
     return cases
+
+
+# the chunk kernel at prompt sizes up to 2k from CUDA graphs (as prefill graphs run it), to place
+# chunk.FUSED_MAX_TOKENS_PER_SEQ: eager calls of ~0.2 ms time the host as much as the kernels
+GRAPHED_CHUNK_MAX_TOKENS = 2048
+GRAPHED_CHUNK_VARIANTS = ("fused", "fused_pf", "split32", "split64")
 
 
 def _split_prefill_case(total: int = 16384, chunk: int = 2048) -> Case:
