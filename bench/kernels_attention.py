@@ -143,6 +143,11 @@ def _decode_fp8_case(batch: int, ctx: int) -> Case:
     """Decode over e4m3 pages against the same shape over bf16 pages (the peer): half the KV bytes."""
     args = _decode_args(batch, ctx, seed=batch, kv_dtype=torch.float8_e4m3fn)
     bf16 = dict(args, k_cache=args["k_cache"].to(DTYPE), v_cache=args["v_cache"].to(DTYPE))
+    default = td._decode_config(
+        num_seqs=batch, num_kv_heads=HKV, max_context=args["block_tables"].shape[1] * PAGE, head_dim=D,
+        group=HQ // HKV, elem=1, info=device_info(args["q"].device),
+    )  # fmt: skip
+    fp16_cfg = dict(default, fp16_dots=True)
 
     def check():
         return _max_err(td.paged_decode_attention(**args), td.paged_decode_attention(**bf16))
@@ -153,6 +158,8 @@ def _decode_fp8_case(batch: int, ctx: int) -> Case:
         ours=lambda: td.paged_decode_attention(**args),
         reference=lambda: td.paged_decode_attention(**bf16),
         reference_label="the same over bf16 pages",
+        peer=lambda: td.paged_decode_attention(**args, config=fp16_cfg),
+        peer_label="fp16 dots",
         check=check,
         tolerance=2e-2,
         bytes_moved=2 * batch * ctx * HKV * D + 2 * args["q"].numel() * 2 + args["block_tables"].numel() * 4,
@@ -261,10 +268,16 @@ GRID_KEYS = ("block_n", "num_splits", "num_warps", "num_stages")
 
 
 def sweep(
-    batch: int = 64, ctx: int = 4096, table_pages: int = 0, kv_dtype: torch.dtype = DTYPE, grid: dict | None = None
+    batch: int = 64,
+    ctx: int = 4096,
+    table_pages: int = 0,
+    kv_dtype: torch.dtype = DTYPE,
+    grid: dict | None = None,
+    fp16_dots: bool = False,
 ) -> None:
     """Decode configs at one shape, timed in CUDA graphs: time, share of copy bandwidth, error; the
-    default marked. grid: lists of block_n, num_splits, num_warps, num_stages to try."""
+    default marked. grid: lists of block_n, num_splits, num_warps, num_stages to try; fp16_dots: every
+    config with the FP8 cache's fp16 dots."""
     grid = {
         "block_n": [16, 32], "num_splits": [1, 2, 3, 4, 5, 8, 16, 32, 64], "num_warps": [4, 8], "num_stages": [3, 5],
         **(grid or {}),
@@ -281,6 +294,8 @@ def sweep(
     print(f"B={batch} ctx={ctx}  default {default}")
     for block_n, splits, warps, stages in itertools.product(*(grid[k] for k in GRID_KEYS)):
         cfg = dict(block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages)
+        if fp16_dots:
+            cfg["fp16_dots"] = True
         try:
             err = _max_err(td.paged_decode_attention(**args, config=cfg), ref)
             calls, _, kv_bytes = _decode_graph_calls(batch, ctx, table_pages, cfg, kv_dtype=kv_dtype)
@@ -332,11 +347,12 @@ if __name__ == "__main__":
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--table-pages", type=int, default=0)
     parser.add_argument("--kv-fp8", action="store_true", help="the decode sweep over e4m3 pages")
+    parser.add_argument("--fp16-dots", action="store_true", help="with --kv-fp8: fp16 dots (config fp16_dots)")
     for key in GRID_KEYS:
         parser.add_argument(f"--{key.replace('_', '-')}", default="", help=f"decode sweep {key}s, e.g. 32,64")
     a = parser.parse_args()
     if a.sweep:
         grid = {k: [int(v) for v in getattr(a, k).split(",")] for k in GRID_KEYS if getattr(a, k)}
-        sweep(a.batch, a.ctx, a.table_pages, torch.float8_e4m3fn if a.kv_fp8 else DTYPE, grid)
+        sweep(a.batch, a.ctx, a.table_pages, torch.float8_e4m3fn if a.kv_fp8 else DTYPE, grid, a.fp16_dots)
     if a.sweep_prefill:
         sweep_prefill()

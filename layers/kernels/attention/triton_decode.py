@@ -70,7 +70,7 @@ def _decode_kernel(
     q, k_cache, v_cache, seq_lens, block_tables, out, part_o, part_lse, qk_scale, s_qn, s_qh, s_kb, s_ko, s_kh, s_vb,
     s_vo, s_vh, s_btn, s_btp, s_on, s_oh, num_splits, gate, s_gn, s_gh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
-    ROWS: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
+    ROWS: tl.constexpr, KV_FP8: tl.constexpr, FP16_DOTS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -118,6 +118,8 @@ def _decode_kernel(
     qt = tl.load(q + n * s_qn + head[:, None] * s_qh + d[None, :], mask=mask, other=0.0)
     if not KV_FP8:  # the dots in the cache's dtype (an FP8 cache: in q's, its tiles upcast)
         qt = qt.to(k_cache.dtype.element_ty)
+    elif FP16_DOTS:  # bf16 q over e4m3 tiles: e4m3 -> fp16 is one conversion, e4m3 -> bf16 two
+        qt = qt.to(tl.float16)
     k0, v0 = k0.to(qt.dtype), v0.to(qt.dtype)
     if ROWS == 1:
         new_ok = d < tl.where(has_new, HEAD_DIM, 0)  # other spans: an empty range masks every lane
@@ -251,7 +253,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """attention.paged_decode_attention: the decode kernel, then (more than one split) the reduce
     kernel, over q's rows (tokens_per_row a sequence). `config` overrides (block_n, num_splits,
-    num_warps, num_stages, merge_chunk) for tuning sweeps."""
+    num_warps, num_stages, merge_chunk; fp16_dots: bf16 q over an FP8 cache takes fp16 dots) for
+    tuning sweeps."""
     num_seqs, num_q_heads, head_dim = q.shape  # q rows
     assert num_seqs == seq_lens.shape[0] * tokens_per_row, "q: tokens_per_row rows a sequence"
     num_kv_heads = k_cache.shape[2]
@@ -274,6 +277,7 @@ def paged_decode_attention(
         info=device_info(q.device),
     )
     num_splits = cfg["num_splits"]
+    kv_fp8 = is_fp8_cache(k_cache)
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits {num_splits} outside [1, {MAX_SPLITS}]"
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = triton.next_power_of_2(group)
@@ -291,7 +295,8 @@ def paged_decode_attention(
         v_cache.stride(2), block_tables.stride(0), block_tables.stride(1), out.stride(0), out.stride(1), num_splits,
         *gate_args, GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg["block_n"], BLOCK_D=block_d,
-        HAS_GATE=output_gate is not None, ROWS=tokens_per_row, KV_FP8=is_fp8_cache(k_cache),
+        HAS_GATE=output_gate is not None, ROWS=tokens_per_row, KV_FP8=kv_fp8,
+        FP16_DOTS=kv_fp8 and q.dtype == torch.bfloat16 and bool(cfg.get("fp16_dots")),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q, pdl),
     )  # fmt: skip
     if num_splits > 1:
