@@ -147,7 +147,7 @@ def _decode_fp8_case(batch: int, ctx: int) -> Case:
         num_seqs=batch, num_kv_heads=HKV, max_context=args["block_tables"].shape[1] * PAGE, head_dim=D,
         group=HQ // HKV, elem=1, info=device_info(args["q"].device),
     )  # fmt: skip
-    fp16_cfg = dict(default, fp16_dots=True)
+    bf16_dots = dict(default, fp16_dots=False)
 
     def check():
         return _max_err(td.paged_decode_attention(**args), td.paged_decode_attention(**bf16))
@@ -158,8 +158,8 @@ def _decode_fp8_case(batch: int, ctx: int) -> Case:
         ours=lambda: td.paged_decode_attention(**args),
         reference=lambda: td.paged_decode_attention(**bf16),
         reference_label="the same over bf16 pages",
-        peer=lambda: td.paged_decode_attention(**args, config=fp16_cfg),
-        peer_label="fp16 dots",
+        peer=lambda: td.paged_decode_attention(**args, config=bf16_dots),
+        peer_label="bf16 dots",
         check=check,
         tolerance=2e-2,
         bytes_moved=2 * batch * ctx * HKV * D + 2 * args["q"].numel() * 2 + args["block_tables"].numel() * 4,
@@ -273,11 +273,11 @@ def sweep(
     table_pages: int = 0,
     kv_dtype: torch.dtype = DTYPE,
     grid: dict | None = None,
-    fp16_dots: bool = False,
+    fp16_dots: bool = True,
 ) -> None:
     """Decode configs at one shape, timed in CUDA graphs: time, share of copy bandwidth, error; the
-    default marked. grid: lists of block_n, num_splits, num_warps, num_stages to try; fp16_dots: every
-    config with the FP8 cache's fp16 dots."""
+    default marked. grid: lists of block_n, num_splits, num_warps, num_stages to try; fp16_dots (the
+    default): over an FP8 cache, fp16 dots, False: bf16 dots."""
     grid = {
         "block_n": [16, 32], "num_splits": [1, 2, 3, 4, 5, 8, 16, 32, 64], "num_warps": [4, 8], "num_stages": [3, 5],
         **(grid or {}),
@@ -293,9 +293,7 @@ def sweep(
     )  # fmt: skip
     print(f"B={batch} ctx={ctx}  default {default}")
     for block_n, splits, warps, stages in itertools.product(*(grid[k] for k in GRID_KEYS)):
-        cfg = dict(block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages)
-        if fp16_dots:
-            cfg["fp16_dots"] = True
+        cfg = dict(block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages, fp16_dots=fp16_dots)
         try:
             err = _max_err(td.paged_decode_attention(**args, config=cfg), ref)
             calls, _, kv_bytes = _decode_graph_calls(batch, ctx, table_pages, cfg, kv_dtype=kv_dtype)
@@ -347,12 +345,12 @@ if __name__ == "__main__":
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--table-pages", type=int, default=0)
     parser.add_argument("--kv-fp8", action="store_true", help="the decode sweep over e4m3 pages")
-    parser.add_argument("--fp16-dots", action="store_true", help="with --kv-fp8: fp16 dots (config fp16_dots)")
+    parser.add_argument("--bf16-dots", action="store_true", help="with --kv-fp8: bf16 dots (config fp16_dots=False)")
     for key in GRID_KEYS:
         parser.add_argument(f"--{key.replace('_', '-')}", default="", help=f"decode sweep {key}s, e.g. 32,64")
     a = parser.parse_args()
     if a.sweep:
         grid = {k: [int(v) for v in getattr(a, k).split(",")] for k in GRID_KEYS if getattr(a, k)}
-        sweep(a.batch, a.ctx, a.table_pages, torch.float8_e4m3fn if a.kv_fp8 else DTYPE, grid, a.fp16_dots)
+        sweep(a.batch, a.ctx, a.table_pages, torch.float8_e4m3fn if a.kv_fp8 else DTYPE, grid, not a.bf16_dots)
     if a.sweep_prefill:
         sweep_prefill()

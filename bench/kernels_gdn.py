@@ -213,7 +213,7 @@ def _chunk_cases(num_tokens: int, fla_chunk) -> list[Case]:
 
 
 # the chunk kernel at prompt sizes up to 2k from CUDA graphs (as prefill graphs run it), to place
-# chunk.FUSED_MAX_TOKENS_PER_SEQ: eager calls of ~0.2 ms time the host as much as the kernels
+# chunk.SPLIT_MIN_TOKENS_PER_SEQ: eager calls of ~0.2 ms time the host as much as the kernels
 GRAPHED_CHUNK_MAX_TOKENS = 2048
 GRAPHED_CHUNK_VARIANTS = ("fused", "fused_pf", "split32", "split64")
 
@@ -508,7 +508,7 @@ def gate_cases() -> list[Case]:
 def cases() -> list[Case]:
     torch.manual_seed(0)
     fla_chunk, fla_recurrent = _fla()
-    out = [case for t in (512, 1024, 2048, 8192, 32768) for case in _chunk_cases(t, fla_chunk)]
+    out = [case for t in (128, 256, 512, 1024, 2048, 8192, 32768) for case in _chunk_cases(t, fla_chunk)]
     out.append(_split_prefill_case())
     out += [case for n in (1, 64, 256) for case in _recurrent_cases(n, fla_recurrent)]
     out += gate_cases()

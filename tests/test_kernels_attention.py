@@ -1,6 +1,8 @@
 """Triton paged attention vs the plain-torch reference at tiny shapes: interpreted on CPU tensors
 without CUDA, compiled on the GPU with it; and (marked gpu) bf16 at the real shapes."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -529,13 +531,17 @@ def test_paged_decode_attention_fp8_cache(device, rows, num_splits):
 
 
 def test_paged_decode_attention_fp8_cache_fp16_dots(device):
-    """bf16 q over e4m3 pages with fp16 dots (the tuning option): e4m3 and the probabilities are exact
-    in fp16, so the result is the bf16 reference's within bf16 rounding."""
+    """bf16 q over e4m3 pages with fp16 dots (the default; e4m3 and the probabilities are exact in
+    fp16), so the result is the bf16 reference's within bf16 rounding; the same from bf16 dots on the
+    GPU (the interpreter cannot run bf16 dots)."""
     batch = fp8_batch(device, q_lens=[1] * 3, ctx_lens=[0, 3, 29], hq=4, hkv=2, d=24, block_size=4, seed=6)
     del batch["cu_seqlens_q"]
     batch["q"] = batch["q"].to(torch.bfloat16)
     ref = naive.paged_decode_attention(**dict(batch, q=batch["q"].float()), scale=0.2)
-    for splits in (1, 2):
-        cfg = dict(block_n=16, num_splits=splits, num_warps=4, num_stages=1, fp16_dots=True)
+    dots = (None, True, False) if device.type == "cuda" else (None, True)
+    for splits, fp16_dots in itertools.product((1, 2), dots):
+        cfg = dict(block_n=16, num_splits=splits, num_warps=4, num_stages=1)
+        if fp16_dots is not None:
+            cfg["fp16_dots"] = fp16_dots
         out = td.paged_decode_attention(**batch, scale=0.2, config=cfg)
-        assert out.dtype == torch.bfloat16 and rel_err(out.float(), ref) < 1e-2
+        assert out.dtype == torch.bfloat16 and rel_err(out.float(), ref) < 1e-2, (splits, fp16_dots)

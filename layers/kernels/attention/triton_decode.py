@@ -118,7 +118,7 @@ def _decode_kernel(
     qt = tl.load(q + n * s_qn + head[:, None] * s_qh + d[None, :], mask=mask, other=0.0)
     if not KV_FP8:  # the dots in the cache's dtype (an FP8 cache: in q's, its tiles upcast)
         qt = qt.to(k_cache.dtype.element_ty)
-    elif FP16_DOTS:  # bf16 q over e4m3 tiles: e4m3 -> fp16 is one conversion, e4m3 -> bf16 two
+    elif FP16_DOTS:  # bf16 q over e4m3 tiles: e4m3 -> fp16 is one conversion, e4m3 -> bf16 two (sm_90)
         qt = qt.to(tl.float16)
     k0, v0 = k0.to(qt.dtype), v0.to(qt.dtype)
     if ROWS == 1:
@@ -253,8 +253,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """attention.paged_decode_attention: the decode kernel, then (more than one split) the reduce
     kernel, over q's rows (tokens_per_row a sequence). `config` overrides (block_n, num_splits,
-    num_warps, num_stages, merge_chunk; fp16_dots: bf16 q over an FP8 cache takes fp16 dots) for
-    tuning sweeps."""
+    num_warps, num_stages, merge_chunk; fp16_dots, default True: bf16 q over an FP8 cache takes fp16
+    dots, False: bf16 dots) for tuning sweeps."""
     num_seqs, num_q_heads, head_dim = q.shape  # q rows
     assert num_seqs == seq_lens.shape[0] * tokens_per_row, "q: tokens_per_row rows a sequence"
     num_kv_heads = k_cache.shape[2]
@@ -296,7 +296,7 @@ def paged_decode_attention(
         *gate_args, GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg["block_n"], BLOCK_D=block_d,
         HAS_GATE=output_gate is not None, ROWS=tokens_per_row, KV_FP8=kv_fp8,
-        FP16_DOTS=kv_fp8 and q.dtype == torch.bfloat16 and bool(cfg.get("fp16_dots")),
+        FP16_DOTS=kv_fp8 and q.dtype == torch.bfloat16 and bool(cfg.get("fp16_dots", True)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q, pdl),
     )  # fmt: skip
     if num_splits > 1:

@@ -31,7 +31,6 @@ bench/kernels_gdn.py times others. NOTES.md has the resources and the measuremen
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
@@ -86,21 +85,27 @@ VARIANTS = {
 }
 
 
-# Up to this many tokens per sequence "fused" wins on the H200 (0.197 vs 0.234 ms for split32 at
-# T=2048, one sequence), above it split32 (0.51 vs 0.64 ms at 8192).
+# From CUDA graphs on the H200 (0a1f871, `bench kernels --only gdn --match "gdn_chunk[graph]"`), one
+# sequence, us a call: split32 against fused 50 / 54 at T=512, 80 / 104 at 1k, 134 / 188 at 2k, and
+# 0.51 against 0.64 ms at 8k (eager): split32 from this many tokens a sequence when its sequential grid
+# fits one wave.
+SPLIT_MIN_TOKENS_PER_SEQ = 512
+# Many sequences (more than a wave): up to this many tokens a sequence "fused", above it "fused_pf".
 FUSED_MAX_TOKENS_PER_SEQ = 2048
 
 
 def pick_variant(num_seqs: int, num_v_heads: int, value_dim: int, num_sms: int, num_tokens: int | None = None) -> str:
     """The variant used when none is named. The split design shortens the per-chunk dependency chain
     (two matmuls instead of four) at the cost of an h round trip; it pays when the sequential grid is
-    latency-bound (about one wave of programs: few, long sequences). With many sequences the
-    sequential kernel is throughput-bound and the fused design moves fewer bytes; short sequences
-    keep the original fused kernel."""
-    if num_tokens is not None and num_tokens <= FUSED_MAX_TOKENS_PER_SEQ * num_seqs:
-        return "fused"
-    if num_seqs * num_v_heads * triton.cdiv(value_dim, 64) <= num_sms:
+    latency-bound (about one wave of programs: few sequences of 512 tokens or more). With many
+    sequences the sequential kernel is throughput-bound and the fused design moves fewer bytes; short
+    sequences keep the original fused kernel."""
+    per_seq = None if num_tokens is None else num_tokens / max(1, num_seqs)
+    one_wave = num_seqs * num_v_heads * triton.cdiv(value_dim, 64) <= num_sms
+    if one_wave and (per_seq is None or per_seq >= SPLIT_MIN_TOKENS_PER_SEQ):
         return "split32"
+    if per_seq is not None and per_seq <= FUSED_MAX_TOKENS_PER_SEQ:
+        return "fused"
     return "fused_pf"
 
 
@@ -217,12 +222,9 @@ def chunk_gated_delta_rule(
         )  # fmt: skip
 
     if on_device is not None:
-        from .recurrent import fused_recurrent_gated_delta_rule
-
-        replay = functools.partial(fused_recurrent_gated_delta_rule, pdl=False)
-        on_device.finish(q, k, v, g, beta, state_pool, scale, use_qk_l2norm, replay)
+        on_device.finish_chunked(q, k, v, g, beta, state_pool, scale, use_qk_l2norm, chunk_gated_delta_rule)
     if prepared is not None:
-        _finish_captures(prepared, captures, q, k, v, g, beta, state_pool, scale, use_qk_l2norm)
+        _finish_captures(prepared, q, k, v, g, beta, state_pool, scale, use_qk_l2norm)
     if chunk_states_out is not None:
         counts = ((cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK).tolist()
         start = 0
@@ -240,19 +242,21 @@ def _store_initial_states(stores, state_pool, state_slots, has_initial_state) ->
         state_pool[dst] = torch.where(has_initial_state[seq].bool(), src, torch.zeros_like(src))
 
 
-def _finish_captures(prepared, captures, q, k, v, g, beta, state_pool, scale, use_qk_l2norm) -> None:
+def _finish_captures(prepared, q, k, v, g, beta, state_pool, scale, use_qk_l2norm) -> None:
     """After the kernels: copies for captures that share a stored state, then the tokens between each
-    capture's chunk boundary and its offset, replayed on its slot by the recurrent kernel."""
-    from .recurrent import fused_recurrent_gated_delta_rule
-
+    capture's chunk boundary and its offset, all replays in one chunked call: each a stream of its own
+    (one partial chunk) from the boundary state on its slot, its final state stored back there."""
     for src, dst in prepared.plan.copies:
         state_pool[dst] = state_pool[src]
-    starts = captures.starts()
-    for i, (seq, first, count, _) in enumerate(prepared.plan.replays):
-        rows = slice(starts[seq] + first, starts[seq] + first + count)
-        fused_recurrent_gated_delta_rule(
-            q=q[rows].unsqueeze(0), k=k[rows].unsqueeze(0), v=v[rows].unsqueeze(0), g=g[rows].unsqueeze(0),
-            beta=beta[rows].unsqueeze(0), state_pool=state_pool,
-            state_slots=prepared.replay_slots[i : i + 1], scale=scale,
-            use_qk_l2norm=use_qk_l2norm, pdl=False,
-        )  # fmt: skip
+    if not prepared.plan.replays:
+        return
+    rows = prepared.replay_rows
+
+    def take(x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(0, rows)
+
+    chunk_gated_delta_rule(
+        q=take(q), k=take(k), v=take(v), g=take(g), beta=take(beta), cu_seqlens=prepared.replay_cu,
+        state_pool=state_pool, state_slots=prepared.replay_slots, has_initial_state=prepared.replay_has_initial,
+        scale=scale, use_qk_l2norm=use_qk_l2norm,
+    )  # fmt: skip

@@ -7,9 +7,10 @@ before each replay, so that one captured graph serves any capture points of its 
 
 Up to `capacity` entries of each kind. An entry a pass does not use names the scratch slot and
 a stream without initial state and replays no token: it runs the same ops and changes nothing
-but scratch. A replay gathers CHUNK - 1 token rows from its start and runs only its count of
-them (the recurrent op's `lengths`: the tokens up to the point, the eager replay's arithmetic), so
-an unused entry or a capture on a chunk boundary costs no sequential steps.
+but scratch. A replay gathers CHUNK - 1 token rows from its start and keeps only its count of
+them: the kernels run every entry as one chunk of the chunked op (the rows past the count made
+no-ops, beta = 0 and g = 0: the eager path's chunked replay), the reference as recurrent steps
+(the recurrent op's `lengths`).
 """
 
 from __future__ import annotations
@@ -89,14 +90,21 @@ class FixedCaptures:
 
     # ---- device side: device ops only (no host sync), the same on every GDN layer ----------------
     def _index(self, name: str, num_tokens: int, width: int) -> torch.Tensor:
-        """Index tensors shared by the layers: 'replay' [C, CHUNK - 1] token rows; 'window' [C, W - 1]
+        """Index tensors shared by the layers: 'replay' [C, CHUNK - 1] token rows; 'replay_streams' the
+        chunked replay's: whether each of those rows is one of its entry's tokens [C (CHUNK - 1), 1],
+        cu_seqlens [C + 1] int32 and has_initial_state [C] (entries with tokens); 'window' [C, W - 1]
         token rows, whether each is the stream's own, and the column of the slot's old window otherwise."""
         key = (name, num_tokens, width)
         if key not in self._derived:
             f = self.fields
+            steps = torch.arange(CHUNK - 1, device=f.device)
             if name == "replay":
-                steps = torch.arange(CHUNK - 1, device=f.device)
                 self._derived[key] = (f[REPLAY_FIRST, :, None] + steps).clamp(max=num_tokens - 1)
+            elif name == "replay_streams":
+                count = f[REPLAY_COUNT]
+                live = (steps < count[:, None]).reshape(-1, 1)
+                cu = torch.arange(self.capacity + 1, device=f.device, dtype=torch.int32) * (CHUNK - 1)
+                self._derived[key] = (live, cu, count > 0)
             else:
                 j = torch.arange(width, device=f.device)
                 rows = f[WIN_END, :, None] - width + j
@@ -114,8 +122,8 @@ class FixedCaptures:
 
     def finish(self, q, k, v, g, beta, state_pool: torch.Tensor, scale, use_qk_l2norm: bool, recurrent) -> None:
         """After the chunked kernel: copies of shared boundary states, then every replay in one
-        recurrent call (inputs as the chunked op's: q, k [T, Hk, K], v [T, Hv, V], g, beta [T, Hv];
-        `recurrent`: the caller's fused_recurrent_gated_delta_rule, Triton's or the reference)."""
+        recurrent call, token by token (inputs as the chunked op's: q, k [T, Hk, K], v [T, Hv, V], g,
+        beta [T, Hv]; `recurrent`: a fused_recurrent_gated_delta_rule, the reference's here)."""
         f = self.fields
         state_pool.index_copy_(0, f[COPY_DST], state_pool.index_select(0, f[COPY_SRC]))
         rows = self._index("replay", q.shape[0], 0)
@@ -128,6 +136,27 @@ class FixedCaptures:
         recurrent(
             q=take(q), k=take(k), v=take(v), g=take(g), beta=take(beta), state_pool=state_pool,
             state_slots=f[REPLAY_SLOT], scale=scale, use_qk_l2norm=use_qk_l2norm, lengths=f[REPLAY_COUNT],
+        )  # fmt: skip
+
+    def finish_chunked(self, q, k, v, g, beta, state_pool: torch.Tensor, scale, use_qk_l2norm: bool, chunk) -> None:
+        """finish, the replays through the chunked op (`chunk`: the caller's chunk_gated_delta_rule):
+        each entry's CHUNK - 1 gathered rows a stream of its own, one chunk, from the state on its slot
+        back to that slot, instead of up to CHUNK - 1 dependent recurrent steps. Rows past an entry's
+        count carry beta = 0 and g = 0, which leave a state as it is (shapes stay fixed); an unused
+        entry starts from zeros on the scratch slot."""
+        f = self.fields
+        state_pool.index_copy_(0, f[COPY_DST], state_pool.index_select(0, f[COPY_SRC]))
+        flat = self._index("replay", q.shape[0], 0).reshape(-1)
+        live, cu_seqlens, has_initial = self._index("replay_streams", q.shape[0], 0)
+
+        def take(x: torch.Tensor) -> torch.Tensor:
+            return x.index_select(0, flat)
+
+        zero = torch.zeros((), dtype=g.dtype, device=g.device)
+        chunk(
+            q=take(q), k=take(k), v=take(v), g=torch.where(live, take(g), zero),
+            beta=torch.where(live, take(beta), zero.to(beta.dtype)), cu_seqlens=cu_seqlens, state_pool=state_pool,
+            state_slots=f[REPLAY_SLOT], has_initial_state=has_initial, scale=scale, use_qk_l2norm=use_qk_l2norm,
         )  # fmt: skip
 
     def conv_windows(
