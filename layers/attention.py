@@ -170,12 +170,21 @@ class GatedAttention(nn.Module):
             )
         if ctx.prefill is not None:
             prefill = ctx.prefill
-            # one sequence whose chunk is all of it: SDPA over its own keys when the options ask for it
-            whole = prefill.num_seqs == 1 and prefill.max_query_len == prefill.max_seq_len
+            # one sequence's chunk: SDPA over its keys (its own, or all of them out of the pages when
+            # some are cached) when the options ask for it; not over FP8 pages, where every query
+            # reads the keys and values as the cache holds them
             own_kv = None
-            # (not over FP8 pages: every query reads the keys and values as the cache holds them)
-            if whole and ctx.kernels.prefill_attention == "sdpa" and not attn_kernels.is_fp8_cache(state.k_cache):
-                own_kv = (kv[0][num_decode:], kv[1][num_decode:])
+            sdpa = ctx.kernels.prefill_attention == "sdpa" and not attn_kernels.is_fp8_cache(state.k_cache)
+            if sdpa and prefill.num_seqs == 1:
+                if prefill.max_query_len == prefill.max_seq_len:
+                    own_kv = (kv[0][num_decode:], kv[1][num_decode:])
+                else:
+                    own_kv = attn_kernels.sequence_kv(
+                        k_cache=state.k_cache,
+                        v_cache=state.v_cache,
+                        block_table=prefill.block_tables[0],
+                        length=prefill.max_seq_len,
+                    )
             prefill_out = attn_kernels.paged_attention(
                 q=q[num_decode:],
                 k_cache=state.k_cache,

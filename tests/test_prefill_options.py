@@ -1,7 +1,8 @@
 """The prefill kernel choices (KernelOptions: prefill_attention, moe_sorted_block_m,
 gdn_chunk_variant) that `bench offline --variants` A/Bs on the GPU: each reaches its op, and the
-SDPA prefill attention gives the paged kernel's logits where it applies (one whole sequence) and
-stays out where it does not (a chunk after cached tokens, several sequences)."""
+SDPA prefill attention gives the paged kernel's logits where it applies (one sequence's chunk: the
+whole prompt, or a chunk after cached tokens over its keys copied out of the pages) and stays out
+where it does not (several sequences)."""
 
 from __future__ import annotations
 
@@ -31,21 +32,25 @@ def moe_model(tiny_checkpoints):
 
 
 def test_sdpa_prefill_attention_matches_paged(moe_model, monkeypatch):
-    """A whole prompt in one pass takes SDPA over its own keys (counted) and gives the paged
-    kernel's logits; a second chunk (cached tokens before it) and a two-sequence pass do not take it."""
+    """A whole prompt in one pass takes SDPA over its own keys, its next chunk (37 tokens cached
+    before it) SDPA over all 48 keys out of the pages (counted), and both give the paged kernel's
+    logits; a two-sequence pass does not take it."""
     taken = []
     real = attn_naive.causal_sdpa
-    monkeypatch.setattr(attn_naive, "causal_sdpa", lambda **kw: taken.append(kw["q"].shape[0]) or real(**kw))
-    ids = _prompt(37, 1)
+    monkeypatch.setattr(
+        attn_naive, "causal_sdpa", lambda **kw: taken.append((kw["q"].shape[0], kw["k"].shape[0])) or real(**kw)
+    )
+    ids = _prompt(48, 1)
     logits = {}
     for name, opts in (("paged", KernelOptions()), ("sdpa", SDPA)):
         seqs = Sequences(moe_model, kernels=opts)
-        seqs.add("a")
-        seqs.add("b")
-        whole = seqs.run([("a", ids)])[0]
-        both = seqs.run([("a", ids[:5]), ("b", ids[:20])])
-        logits[name] = (whole, *both)
-    assert taken == [37, 37]  # two attention layers, the whole prompt only
+        for seq in "abc":
+            seqs.add(seq)
+        whole = seqs.run([("a", ids[:37])])[0]
+        after = seqs.run([("a", ids[37:])])[0]
+        both = seqs.run([("b", ids[:5]), ("c", ids[:20])])
+        logits[name] = (whole, after, *both)
+    assert taken == [(37, 37), (37, 37), (11, 48), (11, 48)]  # two attention layers a pass
     for got, want in zip(logits["sdpa"], logits["paged"], strict=True):
         assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
@@ -65,6 +70,14 @@ def test_causal_sdpa_is_causal_grouped_attention():
     )  # fmt: skip
     out = attn_naive.causal_sdpa(q=q, k=k, v=v, scale=d**-0.5)
     assert (out - ref).abs().max().item() < 1e-5
+    # the last 9 queries over all 21 keys (12 cached before them), the keys copied out of shuffled pages
+    order = torch.randperm(pages, generator=g)
+    k_shuf, v_shuf = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    k_shuf[order], v_shuf[order] = k_cache, v_cache
+    kk, vv = attn_naive.sequence_kv(k_cache=k_shuf, v_cache=v_shuf, block_table=order.int(), length=t)
+    assert torch.equal(kk, k) and torch.equal(vv, v)
+    tail = attn_naive.causal_sdpa(q=q[12:], k=kk, v=vv, scale=d**-0.5)
+    assert (tail - ref[12:]).abs().max().item() < 1e-5
 
 
 def test_prefill_options_reach_their_ops(moe_model, monkeypatch):
@@ -111,7 +124,8 @@ def test_option_values_are_checked():
 @pytest.mark.gpu
 def test_gpu_sdpa_prefill_matches_the_paged_kernel():
     """The model's attention shape (16 q heads, 2 kv heads, head dim 256, bf16, pages of 16), one
-    2,048-token sequence: SDPA over its own keys against the paged kernel over the same keys in pages."""
+    2,048-token sequence: SDPA over its own keys against the paged kernel over the same keys in pages;
+    its last 300 queries with the rest cached, SDPA over the keys copied out of shuffled pages."""
     g = torch.Generator(device="cuda").manual_seed(0)
     t, hq, hkv, d, page = 2048, 16, 2, 256, 16
     q, k, v = (torch.randn(t, h, d, device="cuda", generator=g).bfloat16() for h in (hq, hkv, hkv))
@@ -126,3 +140,15 @@ def test_gpu_sdpa_prefill_matches_the_paged_kernel():
     paged = attn_kernels.paged_attention(**args)
     sdpa = attn_kernels.paged_attention(**args, own_kv=(k, v))
     assert (sdpa.float() - paged.float()).abs().max().item() < 2e-2
+    # its last 300 queries after 1,748 cached tokens, over the keys copied out of shuffled pages
+    order = torch.randperm(pages, device="cuda", generator=g)
+    k_shuf, v_shuf = torch.empty_like(k_cache), torch.empty_like(v_cache)
+    k_shuf[order], v_shuf[order] = k_cache, v_cache
+    tail = dict(
+        args, q=q[-300:], k_cache=k_shuf, v_cache=v_shuf, block_tables=order.int()[None],
+        cu_seqlens_q=torch.tensor([0, 300], device="cuda", dtype=torch.int32),
+    )  # fmt: skip
+    own = attn_kernels.sequence_kv(k_cache=k_shuf, v_cache=v_shuf, block_table=order.int(), length=t)
+    sdpa_tail = attn_kernels.paged_attention(**tail, own_kv=own)
+    assert (sdpa_tail.float() - attn_kernels.paged_attention(**tail).float()).abs().max().item() < 2e-2
+    assert (sdpa_tail.float() - paged[-300:].float()).abs().max().item() < 2e-2

@@ -83,8 +83,8 @@ class KernelOptions:
         default="paged",
         metadata={
             "env": "DELTASERVE_PREFILL_ATTENTION",
-            "help": "paged: prefill attention over the KV pages; sdpa: a one-sequence chunk with nothing cached "
-            "before it takes torch's SDPA (flash) over its own keys and values",
+            "help": "paged: prefill attention over the KV pages; sdpa: a one-sequence chunk takes torch's SDPA "
+            "(flash) over its keys and values (its own, or copied out of the pages when some are cached)",
             "choices": ("paged", "sdpa"),
         },
     )

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from . import naive
-from .naive import is_fp8_cache
+from .naive import is_fp8_cache, sequence_kv
 
-__all__ = ["is_fp8_cache", "paged_attention", "paged_decode_attention", "write_kv_cache"]
+__all__ = ["is_fp8_cache", "paged_attention", "paged_decode_attention", "sequence_kv", "write_kv_cache"]
 
 
 def write_kv_cache(
@@ -59,9 +59,10 @@ def paged_attention(
         cu_seqlens_q: [N + 1] int, where each sequence's queries start in q.
         seq_lens: [N] int32, tokens cached after this pass (the last q_len of them are the queries).
         block_tables: [N, max_pages] int32. scale: the softmax scale.
-        own_kv: (k, v) [T, Hkv, D], the chunk's own keys and values, when the chunk is one whole
-            sequence (N = 1, nothing cached before it): causal attention over them with torch's
-            SDPA (flash on CUDA) instead of reading the pages; the caller vouches for the shape.
+        own_kv: (k, v) [L, Hkv, D], when the chunk is one sequence's (N = 1): all L of its keys and
+            values in order (the chunk's own when nothing is cached before it, else sequence_kv's
+            copy out of the pages; its queries are the last T): causal attention over them with
+            torch's SDPA (flash on CUDA) instead of reading the pages; the caller vouches for them.
         output_gate: [T, Hq, D] (D contiguous): the result times sigmoid(output_gate), one rounding
             (the SDPA path: two).
 

@@ -93,12 +93,34 @@ def paged_decode_attention(
 
 
 def causal_sdpa(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of one sequence's q [T, Hq, D] over its own k, v [T, Hkv, D] by torch's
-    scaled_dot_product_attention (its flash kernel on CUDA: k and v expanded to the q heads, bf16 or
-    fp16, D up to 256). Returns [T, Hq, D] in q's dtype."""
+    """Causal attention of one sequence's last T queries q [T, Hq, D] over its keys and values k, v
+    [L, Hkv, D] (L >= T: query i sees keys up to L - T + i) by torch's scaled_dot_product_attention
+    (its flash kernel on CUDA: k and v expanded to the q heads, bf16 or fp16, D up to 256; the
+    lower-right causal bias when L > T). Returns [T, Hq, D] in q's dtype."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    num_q, num_kv = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1).unsqueeze(0)
     kh = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     vh = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if num_kv == num_q:
+        out = sdpa(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        out = sdpa(qh, kh, vh, attn_mask=causal_lower_right(num_q, num_kv), scale=scale)
     return out[0].transpose(0, 1).contiguous()
+
+
+def sequence_kv(
+    *, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first `length` keys and values out of the pages [num_blocks, block_size, Hkv,
+    D] its block_table row [pages] names: (k, v) [length, Hkv, D], contiguous copies."""
+    block_size = k_cache.shape[1]
+    pages = block_table[: -(-length // block_size)].long()
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        return cache.index_select(0, pages).flatten(0, 1)[:length]
+
+    return gather(k_cache), gather(v_cache)

@@ -42,7 +42,7 @@ def _walk_start(
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
-@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state"])
+@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state", "capture"])
 def _state_kernel(
     q, w, u, kd, scores, qscale, gcum, o, chunk_states, capture, pool, cu_seqlens, slots, has_initial_state, num_seqs,
     stride_qt, stride_qh, stride_ps, stride_ph, stride_pk, stride_pv, HV: tl.constexpr, GROUP: tl.constexpr,
@@ -115,7 +115,7 @@ def _state_kernel(
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
-@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state"])
+@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state", "capture"])
 def _recur_kernel(
     k, w, u, kscale, gcum, h, chunk_states, capture, pool, cu_seqlens, slots, has_initial_state, num_seqs, stride_kt,
     stride_kh, stride_ps, stride_ph, stride_pk, stride_pv, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
