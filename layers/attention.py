@@ -27,6 +27,14 @@ from .lora import NO_SLOTS, LoraTarget, add_lora, column_target, out_lora, row_t
 from .parallel import ParallelLayout
 from .quant import Fp8Projection
 
+# prefill_attention "auto": SDPA (flash) for a chunk of one sequence with at least this many queries
+# and at most SDPA_MAX_KEYS keys (its keys and values expanded to the q heads: 537 MB at 32k on the
+# 35B shape, transient). One H200, 35B shape (41b3549, `bench offline --variants
+# "base:;sdpa:prefill_attention=sdpa"`): 8k prompt 141.7 -> 136.5 ms, 32k (chunks of 8k after cached
+# ones) 738.3 -> 615.1 ms; at 2k (eager, host-bound) no gain measured
+SDPA_MIN_QUERIES = 4096
+SDPA_MAX_KEYS = 32768
+
 
 class GatedAttention(nn.Module):
     lora_slots = NO_SLOTS  # adapter slots of "in" (q | k | v) and "out" (o_proj), once enabled (layers/lora.py)
@@ -174,8 +182,11 @@ class GatedAttention(nn.Module):
             # some are cached) when the options ask for it; not over FP8 pages, where every query
             # reads the keys and values as the cache holds them
             own_kv = None
-            sdpa = ctx.kernels.prefill_attention == "sdpa" and not attn_kernels.is_fp8_cache(state.k_cache)
-            if sdpa and prefill.num_seqs == 1:
+            mode = ctx.kernels.prefill_attention
+            sdpa = mode == "sdpa" or (
+                mode == "auto" and prefill.max_query_len >= SDPA_MIN_QUERIES and prefill.max_seq_len <= SDPA_MAX_KEYS
+            )
+            if sdpa and prefill.num_seqs == 1 and not attn_kernels.is_fp8_cache(state.k_cache):
                 if prefill.max_query_len == prefill.max_seq_len:
                     own_kv = (kv[0][num_decode:], kv[1][num_decode:])
                 else:

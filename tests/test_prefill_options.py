@@ -42,7 +42,7 @@ def test_sdpa_prefill_attention_matches_paged(moe_model, monkeypatch):
     )
     ids = _prompt(48, 1)
     logits = {}
-    for name, opts in (("paged", KernelOptions()), ("sdpa", SDPA)):
+    for name, opts in (("paged", KernelOptions(prefill_attention="paged")), ("sdpa", SDPA)):
         seqs = Sequences(moe_model, kernels=opts)
         for seq in "abc":
             seqs.add(seq)
@@ -53,6 +53,30 @@ def test_sdpa_prefill_attention_matches_paged(moe_model, monkeypatch):
     assert taken == [(37, 37), (37, 37), (11, 48), (11, 48)]  # two attention layers a pass
     for got, want in zip(logits["sdpa"], logits["paged"], strict=True):
         assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_auto_prefill_attention_takes_sdpa_for_long_chunks(moe_model, monkeypatch):
+    """The default ("auto"): SDPA for a one-sequence chunk of SDPA_MIN_QUERIES queries or more over at
+    most SDPA_MAX_KEYS keys (here 20 and 50), the paged kernel otherwise."""
+    from deltaserve.layers import attention as attention_layer
+
+    monkeypatch.setattr(attention_layer, "SDPA_MIN_QUERIES", 20)
+    monkeypatch.setattr(attention_layer, "SDPA_MAX_KEYS", 50)
+    taken = []
+    real = attn_naive.causal_sdpa
+    monkeypatch.setattr(
+        attn_naive, "causal_sdpa", lambda **kw: taken.append((kw["q"].shape[0], kw["k"].shape[0])) or real(**kw)
+    )
+    assert KernelOptions().prefill_attention == "auto"
+    seqs = Sequences(moe_model)
+    for seq in "ab":
+        seqs.add(seq)
+    ids = _prompt(60, 3)
+    seqs.run([("a", ids[:19])])  # too few queries
+    seqs.run([("a", ids[19:40])])  # 21 queries over 40 keys
+    seqs.run([("a", ids[40:])])  # 20 queries over 60 keys: too many keys
+    seqs.run([("b", ids[:30])])
+    assert taken == [(21, 40), (21, 40), (30, 30), (30, 30)]
 
 
 def test_causal_sdpa_is_causal_grouped_attention():

@@ -80,12 +80,14 @@ class KernelOptions:
         },
     )
     prefill_attention: str = field(
-        default="paged",
+        default="auto",
         metadata={
             "env": "DELTASERVE_PREFILL_ATTENTION",
             "help": "paged: prefill attention over the KV pages; sdpa: a one-sequence chunk takes torch's SDPA "
-            "(flash) over its keys and values (its own, or copied out of the pages when some are cached)",
-            "choices": ("paged", "sdpa"),
+            "(flash) over its keys and values (its own, or copied out of the pages when some are cached); "
+            "auto: sdpa for one-sequence chunks of 4,096 tokens or more over at most 32,768 keys "
+            "(layers/attention.py), else paged",
+            "choices": ("auto", "paged", "sdpa"),
         },
     )
     moe_sorted_block_m: int = field(

@@ -57,8 +57,10 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "DELTASERVE_PREFILL_ATTENTION",
-            "paged",
-            "sdpa: a one-sequence prefill chunk with nothing cached before it takes torch's SDPA (flash)",
+            "auto",
+            "sdpa: a one-sequence prefill chunk takes torch's SDPA (flash) over its keys (copied out of the "
+            "pages after cached ones); auto: that for chunks of 4,096 tokens or more over at most 32,768 keys; "
+            "paged: the paged kernel always",
         ),
         EnvVar(
             "DELTASERVE_MOE_SORTED_BLOCK_M",

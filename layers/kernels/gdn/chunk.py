@@ -31,6 +31,7 @@ bench/kernels_gdn.py times others. NOTES.md has the resources and the measuremen
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -83,6 +84,9 @@ VARIANTS = {
     # the split design (few, long sequences)
     "split32": ChunkVariant(split=True, block_v=32, num_warps=4),
 }
+# capture replays (one partial chunk a stream, a few streams): "fused" at a fixed block_v, so that
+# the warm-up's replays compile what any count of replays runs (block_v 0 widens with the count)
+REPLAY_VARIANT = ChunkVariant(split=False, block_v=32, num_warps=4, num_stages=2, prefetch=False)
 
 
 # From CUDA graphs on the H200 (0a1f871, `bench kernels --only gdn --match "gdn_chunk[graph]"`), one
@@ -222,7 +226,8 @@ def chunk_gated_delta_rule(
         )  # fmt: skip
 
     if on_device is not None:
-        on_device.finish_chunked(q, k, v, g, beta, state_pool, scale, use_qk_l2norm, chunk_gated_delta_rule)
+        replay = functools.partial(chunk_gated_delta_rule, variant=REPLAY_VARIANT)
+        on_device.finish_chunked(q, k, v, g, beta, state_pool, scale, use_qk_l2norm, replay)
     if prepared is not None:
         _finish_captures(prepared, q, k, v, g, beta, state_pool, scale, use_qk_l2norm)
     if chunk_states_out is not None:
@@ -258,5 +263,5 @@ def _finish_captures(prepared, q, k, v, g, beta, state_pool, scale, use_qk_l2nor
     chunk_gated_delta_rule(
         q=take(q), k=take(k), v=take(v), g=take(g), beta=take(beta), cu_seqlens=prepared.replay_cu,
         state_pool=state_pool, state_slots=prepared.replay_slots, has_initial_state=prepared.replay_has_initial,
-        scale=scale, use_qk_l2norm=use_qk_l2norm,
+        scale=scale, use_qk_l2norm=use_qk_l2norm, variant=REPLAY_VARIANT,
     )  # fmt: skip
