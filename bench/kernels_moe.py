@@ -14,6 +14,7 @@
     python -m deltaserve.bench.kernels --only moe
     python -m deltaserve.bench.kernels_moe --sweep --tokens 1   # tile sweep of the chosen path (graph-timed)
     python -m deltaserve.bench.kernels_moe --sweep --tokens 8 --path sorted
+    python -m deltaserve.bench.kernels_moe --sweep --tokens 2048 --kernel down   # prefill: one GEMM's tiles
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def _case(num_tokens: int) -> Case:
 
 def _graph_case(num_tokens: int, path: str, config: dict | None = None) -> Case:
     """GRAPH_CALLS fused_moe calls on `path`, distinct routings, one graph."""
-    sets = [_inputs(num_tokens, seed=1000 * num_tokens + i) for i in range(GRAPH_CALLS)]
+    calls = GRAPH_CALLS if num_tokens <= 256 else 4
+    sets = [_inputs(num_tokens, seed=1000 * num_tokens + i) for i in range(calls)]
     replay = graphed([lambda a=a: tm.fused_moe(**a, path=path, config=config) for a in sets])
     target = ">=60% of copy BW" if num_tokens <= 16 and path == "pairs" else ""
     return Case(
@@ -214,7 +216,17 @@ def _tiles(block_n: int, block_k: int, num_warps: int, num_stages: int) -> dict:
     return dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
 
 
-def _sweep_configs(path: str) -> list[dict]:
+# prefill sizes (this many routed rows per expert or more): the sorted GEMMs' tiles swept one kernel at
+# a time, block_m shared by both (one alignment of the pairs)
+PREFILL_SWEEP_ROWS = 48
+
+
+def _sweep_configs(path: str, num_tokens: int = 1, kernel: str = "up") -> list[dict]:
+    if path == "sorted" and num_tokens * TOP_K / E >= PREFILL_SWEEP_ROWS:
+        default = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")))
+        grid = itertools.product([32, 64, 128], [64, 128, 256], [64, 128], [4, 8], [3, 4])
+        other = "down" if kernel == "up" else "up"
+        return [{"block_m": bm, kernel: _tiles(bn, bk, w, st), other: default[other]} for bm, bn, bk, w, st in grid]
     if path == "pairs":
         ups = [dict(block_n=n, block_k=k, num_warps=w) for n, k, w in itertools.product([2, 4, 8], [512, 1024], [2, 4])]
         downs = [dict(block_h=h, block_i=512, num_warps=w) for h, w in itertools.product([1, 2, 4, 8], [1, 2, 4])]
@@ -227,16 +239,18 @@ def _sweep_configs(path: str) -> list[dict]:
     ]
 
 
-def sweep(num_tokens: int, path: str | None) -> None:
-    """Tile configs of one path at this batch, each timed as GRAPH_CALLS graph-captured calls with
-    distinct routings: time per call, share of copy BW, error."""
+def sweep(num_tokens: int, path: str | None, kernel: str = "up") -> None:
+    """Tile configs of one path at this batch, each timed as graph-captured calls with distinct
+    routings (GRAPH_CALLS; 4 at prefill sizes): time per call, share of copy BW, TFLOP/s, error.
+    kernel: at prefill sizes, the sorted GEMM whose tiles are swept (the other keeps its default)."""
     import triton.testing
 
     from deltaserve.bench.kernels import measure_copy_bandwidth
 
     bandwidth = measure_copy_bandwidth()
     path = path or ("pairs" if num_tokens * TOP_K <= tm.PAIRS_PATH_MAX else "sorted")
-    sets = [_inputs(num_tokens, seed=1000 * num_tokens + i) for i in range(GRAPH_CALLS)]
+    calls = GRAPH_CALLS if num_tokens <= 256 else 4
+    sets = [_inputs(num_tokens, seed=1000 * num_tokens + i) for i in range(calls)]
     floor_bytes = sum(_moe_bytes(a) for a in sets)
     ref = naive.fused_moe(**sets[0])
     info = device_info(torch.device("cuda"))
@@ -246,19 +260,21 @@ def sweep(num_tokens: int, path: str | None) -> None:
         default = tiles.sorted_config(num_tokens * TOP_K, E, 2, info)
     print(f"T={num_tokens} path={path} default {default}")
     rows = []
-    for cfg in _sweep_configs(path):
+    for cfg in _sweep_configs(path, num_tokens, kernel):
         try:
             err = _rel_err(tm.fused_moe(**sets[0], path=path, config=cfg), ref)
             replay = graphed([lambda a=a, cfg=cfg: tm.fused_moe(**a, path=path, config=cfg) for a in sets])
-            ms = triton.testing.do_bench(replay, warmup=10, rep=50, return_mode="median") / GRAPH_CALLS
+            ms = triton.testing.do_bench(replay, warmup=10, rep=50, return_mode="median") / calls
         except Exception as e:  # a config that does not compile or fit is reported, not fatal
             print(f"{cfg} failed: {type(e).__name__}: {str(e)[:80]}")
             continue
         rows.append((ms, cfg, err))
+    flops = 2 * num_tokens * TOP_K * 3 * INTER * H  # gate, up and down
     for ms, cfg, err in sorted(rows, key=lambda r: r[0])[:20]:
         mark = "  <- default" if cfg == default else ""
-        frac = floor_bytes / GRAPH_CALLS / bandwidth / (ms * 1e-3)
-        print(f"{ms * 1e3:8.1f} us  {100 * frac:5.1f}%  err {err:.1e}  {cfg}{mark}")
+        frac = floor_bytes / calls / bandwidth / (ms * 1e-3)
+        tflops = flops / (ms * 1e-3) / 1e12
+        print(f"{ms * 1e3:8.1f} us  {100 * frac:5.1f}% of copy BW  {tflops:6.1f} TFLOP/s  err {err:.1e}  {cfg}{mark}")
 
 
 if __name__ == "__main__":
@@ -266,6 +282,7 @@ if __name__ == "__main__":
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--path", choices=["pairs", "sorted"], default=None)
+    parser.add_argument("--kernel", choices=["up", "down"], default="up", help="prefill sizes: the GEMM swept")
     a = parser.parse_args()
     if a.sweep:
-        sweep(a.tokens, a.path)
+        sweep(a.tokens, a.path, a.kernel)

@@ -436,6 +436,35 @@ def test_gpu_decode_split_counts_share_one_compiled_variant():
 
 
 @pytest.mark.gpu
+def test_gpu_decode_graph_with_wide_block_tables():
+    """Serving's decode graphs at a long max context: 64 calls (each its own pool) captured with PDL,
+    block tables 4,096 pages wide (64 splits of which a 512-token row fills few), replayed three
+    times: each call's output is its eager result (the bench case that faulted once at 754c7e3)."""
+    batches = []
+    for _ in range(64):
+        batch = real_decode_batch([512])
+        wide = torch.zeros((1, 4096), dtype=torch.int32, device="cuda")
+        wide[:, : batch["block_tables"].shape[1]] = batch["block_tables"]
+        batch["block_tables"] = wide
+        batch["output_gate"] = torch.randn(1, 16, 256, device="cuda", dtype=torch.bfloat16)
+        batches.append(batch)
+    want = [td.paged_decode_attention(**b, scale=0.0625) for b in batches]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for b in batches:
+            td.paged_decode_attention(**b, scale=0.0625)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [td.paged_decode_attention(**b, scale=0.0625) for b in batches]
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, w) for o, w in zip(outs, want, strict=True))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("batch_size", [1, 16])
 def test_gpu_decode_output_gate_bf16(batch_size):
     """The model's shape with the gate, PDL on and off: the same bits."""
