@@ -225,3 +225,33 @@ def test_write_on_accept_of_every_layer_at_once(impl):
         )
     assert torch.allclose(recurrent, want_rec, atol=1e-5, rtol=1e-5)
     assert torch.equal(conv, want_conv)
+
+
+@pytest.mark.parametrize("from_seq", [False, True])
+def test_slot_copies_skip_unused_entries(device, from_seq):
+    """copy_state_slots (Triton) against the reference: used entries copy a whole slot (from a
+    stream's slot, zeros where it has no initial state), unused ones touch nothing, even when they
+    name a slot a used entry writes; the state spans several programs' tiles (and an odd tail)."""
+    from deltaserve.layers.kernels.gdn import slot_copy
+
+    g = torch.Generator().manual_seed(3)
+    pool = torch.randn(7, 3, 41, 37, generator=g).to(device)  # 4,551 elements a slot: two tiles
+    dst = torch.tensor([4, 6, 4, 5], device=device)
+    used = torch.tensor([1, 1, 0, 0], device=device)
+    if from_seq:
+        src = torch.tensor([1, 0, 1, 2], device=device)
+        slots = torch.tensor([2, 3, 0], device=device, dtype=torch.int32)
+        keep = torch.tensor([True, False, True], device=device)
+        kw = dict(src=src, slots=slots, keep=keep)
+        want_rows = {4: torch.zeros_like(pool[0]), 6: pool[2].clone()}  # stream 1 (slot 3) has no initial state
+    else:
+        kw = dict(src=torch.tensor([1, 2, 3, 0], device=device))
+        want_rows = {4: pool[1].clone(), 6: pool[2].clone()}
+    want = pool.clone()
+    for slot, row in want_rows.items():
+        want[slot] = row
+    ref = pool.clone()
+    naive.copy_state_slots(pool=ref, dst=dst, used=used, **kw)
+    got = pool.clone()
+    slot_copy.copy_state_slots(pool=got, dst=dst, used=used, **kw)
+    assert torch.equal(ref, want) and torch.equal(got, want)

@@ -40,6 +40,7 @@ from ..device import DeviceInfo, device_info, stages_that_fit
 from .chunk_prepare import _intra_kernel, _solve_kernel
 from .chunk_state import _output_kernel, _recur_kernel, _state_kernel
 from .fixed_captures import FixedCaptures
+from .slot_copy import copy_state_slots
 from .state import StateCaptures
 
 CHUNK = 64  # tokens per chunk (BT)
@@ -163,7 +164,7 @@ def chunk_gated_delta_rule(
     prepared = capture_arg = None
     on_device = captures if isinstance(captures, FixedCaptures) else None
     if on_device is not None:
-        on_device.store_initial(state_pool, state_slots, has_initial_state)
+        on_device.store_initial(state_pool, state_slots, has_initial_state, copy_state_slots)
         capture_arg = on_device.chunk_slots
     elif captures is not None and captures.items:
         prepared = captures.prepared(CHUNK, device)
@@ -227,7 +228,7 @@ def chunk_gated_delta_rule(
 
     if on_device is not None:
         replay = functools.partial(chunk_gated_delta_rule, variant=REPLAY_VARIANT)
-        on_device.finish_chunked(q, k, v, g, beta, state_pool, scale, use_qk_l2norm, replay)
+        on_device.finish_chunked(q, k, v, g, beta, state_pool, scale, use_qk_l2norm, replay, copy_state_slots)
     if prepared is not None:
         _finish_captures(prepared, q, k, v, g, beta, state_pool, scale, use_qk_l2norm)
     if chunk_states_out is not None:

@@ -25,10 +25,12 @@ from .state import StateCaptures, plan_captures
 CHUNK = 64  # the chunked kernels' chunk (chunk.CHUNK, naive's default)
 
 # rows of `fields`: initial stores (stream, slot), copies (source, destination), replays (first
-# token row of the pass, token count, slot), conv windows (stream, its first row, the capture row, slot)
+# token row of the pass, token count, slot), conv windows (stream, its first row, the capture row, slot),
+# and whether each initial store and copy entry is used (the slot copies skip the others)
 INIT_SEQ, INIT_SLOT, COPY_SRC, COPY_DST, REPLAY_FIRST, REPLAY_COUNT, REPLAY_SLOT = range(7)
 WIN_SEQ, WIN_START, WIN_END, WIN_SLOT = range(7, 11)
-NUM_FIELDS = 11
+INIT_USED, COPY_USED = range(11, 13)
+NUM_FIELDS = 13
 
 
 def max_chunks(num_tokens: int, num_seqs: int) -> int:
@@ -67,6 +69,7 @@ class FixedCaptures:
         fields[REPLAY_FIRST], fields[REPLAY_COUNT], fields[REPLAY_SLOT] = 0, 0, scratch_slot
         fields[WIN_SEQ], fields[WIN_START], fields[WIN_END] = idle_seq, idle_start, idle_start
         fields[WIN_SLOT] = scratch_slot
+        fields[INIT_USED], fields[COPY_USED] = 0, 0
         chunk_slots[:] = -1
         if captures is None or not captures.items:
             return True
@@ -76,9 +79,9 @@ class FixedCaptures:
         for index, slot in plan.chunk_stores.items():
             chunk_slots[index] = slot
         for i, (seq, slot) in enumerate(plan.initial_stores):
-            fields[INIT_SEQ, i], fields[INIT_SLOT, i] = seq, slot
+            fields[INIT_SEQ, i], fields[INIT_SLOT, i], fields[INIT_USED, i] = seq, slot, 1
         for i, (src, dst) in enumerate(plan.copies):
-            fields[COPY_SRC, i], fields[COPY_DST, i] = src, dst
+            fields[COPY_SRC, i], fields[COPY_DST, i], fields[COPY_USED, i] = src, dst, 1
         for i, (seq, first, count, slot) in enumerate(plan.replays):
             fields[REPLAY_FIRST, i], fields[REPLAY_COUNT, i], fields[REPLAY_SLOT, i] = starts[seq] + first, count, slot
         for i, c in enumerate(captures.items):
@@ -113,19 +116,27 @@ class FixedCaptures:
                 self._derived[key] = (rows.clamp(0, num_tokens - 1), own, col)
         return self._derived[key]
 
-    def store_initial(self, state_pool: torch.Tensor, state_slots: torch.Tensor, has_initial: torch.Tensor) -> None:
-        """Before the chunked kernel: captures inside a stream's first chunk start from its initial state."""
-        seq = self.fields[INIT_SEQ]
-        src = state_pool.index_select(0, state_slots.long().index_select(0, seq))
-        keep = has_initial.bool().index_select(0, seq).view(-1, *([1] * (src.dim() - 1)))
-        state_pool.index_copy_(0, self.fields[INIT_SLOT], torch.where(keep, src, torch.zeros_like(src)))
+    def store_initial(
+        self, state_pool: torch.Tensor, state_slots: torch.Tensor, has_initial: torch.Tensor, copy_slots
+    ) -> None:
+        """Before the chunked kernel: captures inside a stream's first chunk start from its initial
+        state (`copy_slots`: a copy_state_slots, naive.py's or slot_copy.py's)."""
+        f = self.fields
+        copy_slots(pool=state_pool, dst=f[INIT_SLOT], used=f[INIT_USED], src=f[INIT_SEQ], slots=state_slots,
+                   keep=has_initial)  # fmt: skip
 
-    def finish(self, q, k, v, g, beta, state_pool: torch.Tensor, scale, use_qk_l2norm: bool, recurrent) -> None:
+    def _copies(self, state_pool: torch.Tensor, copy_slots) -> None:
+        f = self.fields
+        copy_slots(pool=state_pool, dst=f[COPY_DST], used=f[COPY_USED], src=f[COPY_SRC])
+
+    def finish(
+        self, q, k, v, g, beta, state_pool: torch.Tensor, scale, use_qk_l2norm: bool, recurrent, copy_slots
+    ) -> None:
         """After the chunked kernel: copies of shared boundary states, then every replay in one
         recurrent call, token by token (inputs as the chunked op's: q, k [T, Hk, K], v [T, Hv, V], g,
         beta [T, Hv]; `recurrent`: a fused_recurrent_gated_delta_rule, the reference's here)."""
         f = self.fields
-        state_pool.index_copy_(0, f[COPY_DST], state_pool.index_select(0, f[COPY_SRC]))
+        self._copies(state_pool, copy_slots)
         rows = self._index("replay", q.shape[0], 0)
         flat = rows.reshape(-1)
         c, n = rows.shape
@@ -138,14 +149,16 @@ class FixedCaptures:
             state_slots=f[REPLAY_SLOT], scale=scale, use_qk_l2norm=use_qk_l2norm, lengths=f[REPLAY_COUNT],
         )  # fmt: skip
 
-    def finish_chunked(self, q, k, v, g, beta, state_pool: torch.Tensor, scale, use_qk_l2norm: bool, chunk) -> None:
+    def finish_chunked(
+        self, q, k, v, g, beta, state_pool: torch.Tensor, scale, use_qk_l2norm: bool, chunk, copy_slots
+    ) -> None:
         """finish, the replays through the chunked op (`chunk`: the caller's chunk_gated_delta_rule):
         each entry's CHUNK - 1 gathered rows a stream of its own, one chunk, from the state on its slot
         back to that slot, instead of up to CHUNK - 1 dependent recurrent steps. Rows past an entry's
         count carry beta = 0 and g = 0, which leave a state as it is (shapes stay fixed); an unused
         entry starts from zeros on the scratch slot."""
         f = self.fields
-        state_pool.index_copy_(0, f[COPY_DST], state_pool.index_select(0, f[COPY_SRC]))
+        self._copies(state_pool, copy_slots)
         flat = self._index("replay", q.shape[0], 0).reshape(-1)
         live, cu_seqlens, has_initial = self._index("replay_streams", q.shape[0], 0)
 

@@ -79,7 +79,7 @@ def chunk_gated_delta_rule(
     stores: dict[int, int] = {}  # chunk index -> the slot its state goes to
     if isinstance(captures, FixedCaptures):
         fixed = captures
-        fixed.store_initial(state_pool, state_slots, has_initial_state)
+        fixed.store_initial(state_pool, state_slots, has_initial_state, copy_state_slots)
         stores = {i: s for i, s in enumerate(fixed.chunk_slots.tolist()) if s >= 0}
     elif captures is not None and captures.items:
         if list(captures.seq_lens) != [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]:
@@ -110,7 +110,9 @@ def chunk_gated_delta_rule(
                 torch.stack(per_chunk) if per_chunk else state.new_zeros((0, num_v_heads, key_dim, value_dim))
             )
     if fixed is not None:
-        fixed.finish(q, k, v, g, beta, state_pool, scale, use_qk_l2norm, fused_recurrent_gated_delta_rule)
+        fixed.finish(
+            q, k, v, g, beta, state_pool, scale, use_qk_l2norm, fused_recurrent_gated_delta_rule, copy_state_slots
+        )
     if plan is not None:
         for src, dst in plan.copies:
             state_pool[dst] = state_pool[src]
@@ -120,6 +122,27 @@ def chunk_gated_delta_rule(
                 state, _ = _recurrent_step(state, kf[t], vf[t], gf[t], bf[t])
             state_pool[dst] = state.to(state_pool.dtype)
     return out.to(v.dtype)
+
+
+def copy_state_slots(
+    *,
+    pool: torch.Tensor,
+    dst: torch.Tensor,
+    used: torch.Tensor,
+    src: torch.Tensor,
+    slots: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+) -> None:
+    """For each entry c with used[c] != 0: pool[dst[c]] = pool[src[c]]; with `slots` (and `keep`),
+    src holds sequence indices: pool[slots[src[c]]] where keep[src[c]], zeros where not. Unused
+    entries leave the pool as it is; no entry's destination is another's source. (Reads the
+    entries on the host: the reference and the CPU path.)"""
+    for c in used.nonzero().flatten().tolist():
+        s = int(src[c])
+        if slots is None:
+            pool[int(dst[c])] = pool[s]
+        else:
+            pool[int(dst[c])] = pool[int(slots[s])] if bool(keep[s]) else 0
 
 
 def _recurrent_step(state, k, v, g, beta):
