@@ -115,10 +115,11 @@ def test_ineligible_passes_run_eagerly(engines):
 
 def test_can_run(engines):
     graphs = engines[2].graphs
-    assert graphs.buckets == (16, 32, 64, 128, 256, 512) and graphs.max_rows == 1 and graphs.with_captures
+    # the default buckets up to the pass budget (256 here: none above what one pass may hold)
+    assert graphs.buckets == (16, 32, 64, 128, 256) and graphs.max_rows == 1 and graphs.with_captures
     assert graphs.can_run(_warmup_plan(((0, 100),), 16)) and graphs.can_run(_warmup_plan(((300, 1),), 16)) is False
-    assert graphs.can_run(_warmup_plan(((40, 200),), 16)) and graphs.can_run(_warmup_plan(((0, 512),), 16))
-    assert not graphs.can_run(_warmup_plan(((0, 513),), 16))  # above the largest bucket
+    assert graphs.can_run(_warmup_plan(((40, 200),), 16)) and graphs.can_run(_warmup_plan(((0, 256),), 16))
+    assert not graphs.can_run(_warmup_plan(((0, 257),), 16))  # above the largest bucket
     assert not graphs.can_run(_warmup_plan(((0, 30), (0, 40)), 16))  # two rows
     assert not graphs.can_run(_warmup_plan(((30, 1), (0, 50)), 16))  # a decode row
     plan = _warmup_plan(((0, 100),), 16)
@@ -137,6 +138,7 @@ def test_can_run(engines):
 # ---- the pieces ---------------------------------------------------------------------------------
 def test_token_buckets():
     assert token_buckets(512) == (16, 32, 64, 128, 256, 512)
+    assert token_buckets(2048) == (16, 32, 64, 128, 256, 512, 1024, 2048)
     assert token_buckets(100) == (16, 32, 64, 100)
     assert token_buckets(8) == (8,)
     assert token_buckets(0) == ()

@@ -294,7 +294,7 @@ class RunnerConfig:
     enforce_eager: bool = setting(False, help="run every pass without CUDA graphs")
     cuda_graph_max_batch: int = setting(256, check=at_least(1), help="largest decode batch replayed from a CUDA graph")
     prefill_graph_max_tokens: int = setting(
-        512,
+        2048,
         check=at_least(0),
         help="largest prefill pass (one prompt chunk: a prefix-cache hit's new tokens, a short prompt) replayed "
         "from a CUDA graph (0: none)",

@@ -159,7 +159,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         del pool
         torch.cuda.empty_cache()
-        graphed = self.config.runner.prefill_graph_max_tokens
+        graphed = min(self.config.runner.prefill_graph_max_tokens, tokens)
         if self._prefill_graphs_wanted():  # the prefill graphs' memory pool: about a pass of their largest bucket
             peak += int(peak * min(1.0, (graphed + 1) / tokens))
         k = self.config.runner.num_speculative_tokens
@@ -240,7 +240,8 @@ class ModelRunner:
             block_size=sizes.block_size,
             scratch_slot=sizes.num_slots - 1,
             scratch_page=sizes.num_blocks - 1,
-            buckets=token_buckets(self.config.runner.prefill_graph_max_tokens),
+            # no bucket above what one pass may hold
+            buckets=token_buckets(min(self.config.runner.prefill_graph_max_tokens, self.config.max_num_batched_tokens)),
             with_captures=sizes.num_snapshots > 0,
             device=self.device,
             kernels=self.kernels,
