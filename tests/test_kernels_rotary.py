@@ -1,6 +1,8 @@
 """The fused q/k head norm + partial rotary kernel against its plain-torch reference (interpreted
 on CPU, compiled on CUDA), including strided q (a view into the fused q/gate projection)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -8,11 +10,12 @@ from deltaserve.layers.kernels.rotary import naive
 from deltaserve.layers.kernels.rotary import triton_rotary as tr
 
 
+@pytest.mark.parametrize("block_t", [None, 4])  # the default (one token a program here), a tile with a tail
 @pytest.mark.parametrize(
     "tokens, q_heads, k_heads, head_dim, rotary_dim",
-    [(1, 6, 2, 16, 4), (7, 3, 1, 24, 8), (33, 4, 4, 64, 64), (5, 2, 1, 256, 64)],
+    [(1, 6, 2, 16, 4), (7, 3, 1, 24, 8), (33, 4, 4, 64, 64), (5, 2, 1, 256, 64), (70, 2, 1, 32, 16)],
 )
-def test_matches_reference(device, nan_fill, tokens, q_heads, k_heads, head_dim, rotary_dim):
+def test_matches_reference(device, nan_fill, tokens, q_heads, k_heads, head_dim, rotary_dim, block_t):
     g = torch.Generator().manual_seed(tokens)
     q_gate = torch.randn(tokens, q_heads, 2 * head_dim, generator=g).to(device)
     q = q_gate[..., :head_dim]  # strided, as the layer passes it
@@ -24,7 +27,7 @@ def test_matches_reference(device, nan_fill, tokens, q_heads, k_heads, head_dim,
     positions = torch.randint(0, 5000, (tokens,), generator=g).to(device)
     kwargs = dict(q=q, k=k, q_weight=qw, k_weight=kw, positions=positions, eps=1e-6, rotary_dim=rotary_dim, theta=1e7)
     ref_q, ref_k = naive.qk_norm_rope(**kwargs)
-    out_q, out_k = tr.qk_norm_rope(**kwargs)
+    out_q, out_k = tr.qk_norm_rope(**kwargs, block_t=block_t)
     tol = 2e-4 if device.type == "cpu" else 1e-3  # angles up to 5000 rad: float32 phase rounding
     assert torch.allclose(out_q, ref_q, atol=tol, rtol=tol), (out_q - ref_q).abs().max()
     assert torch.allclose(out_k, ref_k, atol=tol, rtol=tol), (out_k - ref_k).abs().max()
@@ -46,8 +49,9 @@ def test_bf16_at_real_shape(device):
     assert (out_k.float() - ref_k.float()).abs().max() < 0.05
 
 
+@pytest.mark.parametrize("block_t", [None, 2])
 @pytest.mark.parametrize("tokens, q_heads, k_heads, head_dim, rotary_dim", [(5, 4, 2, 24, 8), (3, 2, 1, 16, 16)])
-def test_writes_kv_cache(device, nan_fill, tokens, q_heads, k_heads, head_dim, rotary_dim):
+def test_writes_kv_cache(device, nan_fill, tokens, q_heads, k_heads, head_dim, rotary_dim, block_t):
     """With kv_cache the same launch writes the finished k and the value to their slots: every
     written slot equals the reference's, a slot of -1 writes nothing, untouched slots keep their
     bits; q and k are returned as without it."""
@@ -61,7 +65,7 @@ def test_writes_kv_cache(device, nan_fill, tokens, q_heads, k_heads, head_dim, r
     slots = torch.tensor([13, 2, -1, 7, 0][:tokens], device=device)
     kwargs = dict(q=q, k=k, q_weight=qw, k_weight=kw, positions=positions, eps=1e-6, rotary_dim=rotary_dim, theta=1e6)
     caches = {}
-    for name, impl in (("ref", naive.qk_norm_rope), ("ours", tr.qk_norm_rope)):
+    for name, impl in (("ref", naive.qk_norm_rope), ("ours", functools.partial(tr.qk_norm_rope, block_t=block_t))):
         k_cache = torch.full((pages, block, k_heads, head_dim), 7.0, device=device)
         v_cache = torch.full((pages, block, k_heads, head_dim), 7.0, device=device)
         out = impl(**kwargs, kv_cache=naive.KvCacheWrite(v, k_cache, v_cache, slots))
