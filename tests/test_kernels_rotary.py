@@ -81,7 +81,8 @@ def test_writes_kv_cache(device, nan_fill, tokens, q_heads, k_heads, head_dim, r
     assert (out_kc.view(pages * block, -1)[~written.to(device)] == 7.0).all()  # untouched slots, -1 included
 
 
-def test_writes_fp8_kv_cache(device, nan_fill):
+@pytest.mark.parametrize("block_t", [None, 2])
+def test_writes_fp8_kv_cache(device, nan_fill, block_t):
     """An e4m3 cache (kv_cache_dtype fp8): the launch stores its own finished k, and the value,
     rounded to e4m3 as torch rounds them (values beyond +-448 saturate), bit for bit; -1 writes
     nothing."""
@@ -97,7 +98,7 @@ def test_writes_fp8_kv_cache(device, nan_fill):
     fp8 = torch.float8_e4m3fn
     k_cache = torch.full((4, 4, k_heads, head_dim), 7.0, device=device).to(fp8)
     v_cache = k_cache.clone()
-    _, out_k = tr.qk_norm_rope(**kwargs, kv_cache=naive.KvCacheWrite(v, k_cache, v_cache, slots))
+    _, out_k = tr.qk_norm_rope(**kwargs, kv_cache=naive.KvCacheWrite(v, k_cache, v_cache, slots), block_t=block_t)
     flat_k, flat_v = k_cache.view(16, k_heads, head_dim), v_cache.view(16, k_heads, head_dim)
     for t, s in enumerate(slots.tolist()):
         if s < 0:

@@ -123,6 +123,7 @@ def qk_norm_rope(
     heads = num_q_heads + num_k_heads * (2 if kv_cache is not None else 1)
     if block_t is None:
         block_t = PREFILL_BLOCK_T if num_tokens >= PREFILL_MIN_TOKENS else 1
+    assert block_t & (block_t - 1) == 0, "block_t: a power of two"
     block_d = triton.next_power_of_2(head_dim)
     warps = max(1 if head_dim <= 128 else 2, min(8, block_t * block_d // 512))
     _qk_norm_rope_kernel[(triton.cdiv(num_tokens, block_t), heads)](
