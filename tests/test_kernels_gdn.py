@@ -474,3 +474,17 @@ def test_recurrent_raw_gates_bf16_real_shapes(nan_fill, length, variant):
     untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=DEVICE)
     untouched[slots.long()] = False
     assert torch.equal(out_pool[untouched], pool[untouched])
+
+
+def test_chunk_variant_picker():
+    """pick_variant on an H200 (132 SMs) at the 35B shape (32 value heads of 128): split32 for one or
+    two sequences of 512 tokens or more (the sequential grid fits one wave), fused below that and for
+    many sequences up to 2,048 tokens each, fused_pf for many longer ones."""
+    from deltaserve.layers.kernels.gdn.chunk import pick_variant
+
+    def pick(seqs: int, tokens: int | None) -> str:
+        return pick_variant(seqs, 32, 128, 132, tokens)
+
+    assert pick(1, 512) == pick(1, 8192) == pick(2, 2048) == pick(1, None) == "split32"
+    assert pick(1, 511) == pick(2, 1000) == pick(64, 64 * 1024) == "fused"
+    assert pick(64, 64 * 4096) == pick(3, 3 * 4096) == "fused_pf"
