@@ -287,35 +287,45 @@ def _check_whole(engine, batch: int) -> None:
         raise RuntimeError(f"decode batch {batch}: {running} running after the timed steps (budget too small)")
 
 
-def bench_prefill(llm: LLM, length: int, vocab: int, profile: bool = False, tag: str = "") -> float:
+def bench_prefill(
+    llm: LLM, length: int, vocab: int, profile: bool = False, tag: str = "", busy: list | None = None
+) -> float:
     """The best of two timed prefills of a `length`-token prompt (one discarded before them), each
     a fresh random prompt (no prefix-cache hit); `profile`: then one under torch.profiler, its
     kernel table and each kernel's in-place cost printed (GPU busy against wall: idle GPU time is
-    host time)."""
+    host time). busy: gets the GPU busy seconds of the best one's passes (CUDA events, with
+    time_passes), where there are any."""
     engine = llm.engine
     # prompts of their own per variant: the same tokens again would hit the prefix cache
     rng = np.random.default_rng([length, zlib.crc32(tag.encode())])
+    device_times = getattr(engine, "pass_device_times", None)
 
-    def one(rep: int) -> float:
+    def one(rep: int) -> tuple[float, float | None]:
         engine.add_request(
             f"p{tag}{length}-{rep}",
             rng.integers(10, vocab - 10, length).tolist(),
             SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
         )
         torch.cuda.synchronize()
+        before = len(device_times) if device_times is not None else 0
         t0 = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
         torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        passes = list(device_times)[before:] if device_times is not None else []
+        return wall, (sum(t[0] for t in passes) if passes else None)
 
-    times = [one(rep) for rep in range(3)]
+    runs = [one(rep) for rep in range(3)]
+    best = min(runs[1:], key=lambda r: r[0])
+    if busy is not None and best[1] is not None:
+        busy.append(best[1])
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            wall = one(3)
+            wall = one(3)[0]
         events = prof.key_averages()
         gpu_us = sum(e.self_device_time_total for e in events)
         launches = sum(e.count for e in events if e.self_device_time_total > 0)
@@ -326,7 +336,7 @@ def bench_prefill(llm: LLM, length: int, vocab: int, profile: bool = False, tag:
         )
         print(table, flush=True)
         print(marginal_table(prof, 1), flush=True)
-    return min(times[1:])
+    return best[0]
 
 
 def bench_peer(model_config: ModelConfig, batches: list[int], context: int, steps: int) -> dict:
@@ -423,12 +433,16 @@ def time_prefills(llm: LLM, lengths: list[int], vocab: int, args: argparse.Names
     rows = []
     for n in lengths:
         replays = graphs.replays if graphs is not None else 0
-        seconds = bench_prefill(llm, n, vocab, profile=n in args.profile_prefills, tag=label)
+        busy: list[float] = []
+        seconds = bench_prefill(llm, n, vocab, profile=n in args.profile_prefills, tag=label, busy=busy)
         graphed = graphs is not None and graphs.replays > replays
         row = {"tokens": n, "seconds": seconds, "tok_s": n / seconds, "graphed": graphed}
+        how = " (CUDA graph)" if graphed else ""
+        if busy:  # GPU busy well under the wall time: the host sets the pace
+            row["gpu_busy_s"] = busy[0]
+            how += f"  GPU busy {busy[0] * 1e3:.1f} ms"
         if label:
             row["variant"] = label
-        how = " (CUDA graph)" if graphed else ""
         print(f"{tagged}prefill {n:>6} tokens: {seconds * 1e3:8.1f} ms  {n / seconds:10.0f} tok/s{how}", flush=True)
         if graphed and args.prefill_eager_too:
             runner.prefill_graphs = None

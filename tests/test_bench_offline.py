@@ -117,3 +117,16 @@ def test_prefills_time_the_graphed_pass_and_its_eager_twin(tiny_checkpoints, mon
     assert [(r["tokens"], r["graphed"], "eager_seconds" in r) for r in rows] == [(40, True, True), (90, False, False)]
     assert graphs.replays == 3  # the graphed length's three timed prompts; none of its eager twin's
     assert runner.prefill_graphs is graphs
+    assert all("gpu_busy_s" not in r for r in rows)  # no CUDA events on the CPU
+    # with pass times (CUDA events on a GPU: faked here, 1 ms a pass), a row carries its passes' busy time
+    engine, step = llm.engine, llm.engine.step
+
+    def timed_step():
+        out = step()
+        engine.pass_device_times.append((1e-3, 0.0))
+        return out
+
+    monkeypatch.setattr(engine, "step", timed_step)
+    args.prefill_eager_too = False
+    (row,) = offline.time_prefills(llm, [90], vocab=100, args=args)
+    assert row["gpu_busy_s"] > 0 and abs(row["gpu_busy_s"] / 1e-3 - round(row["gpu_busy_s"] / 1e-3)) < 1e-9
