@@ -15,6 +15,7 @@ against the bf16 kernel the model runs without FP8, timed in the same run:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -129,6 +130,11 @@ def _moe_cases() -> list[Case]:
         bf16 = [lambda r=r: tm.fused_moe(**r, w13=w13, w2=w2) for r in routes]
         distinct = sum(torch.unique(r["topk_ids"]).numel() for r in routes)
         r0 = routes[0]
+        w8a16 = None  # the sorted path's other FP8 form (moe_fp8_activations=unquantized): prefill sizes
+        if tokens * TOP_K > moe_naive.PAIRS_PATH_MAX:
+            w8a16 = functools.partial(
+                tm.fused_moe, **r0, w13=q13, w2=q2, w13_scale=s13, w2_scale=s2, fp8_quantize_acts=False
+            )
         cases.append(
             Case(
                 op="fp8_moe[graph]" if calls > 1 else "fp8_moe",
@@ -143,6 +149,8 @@ def _moe_cases() -> list[Case]:
                 tolerance=TOLERANCE,
                 bytes_moved=distinct * 3 * INTER * H + calls * 4 * tokens * H,
                 flops=calls * tokens * TOP_K * 6 * INTER * H,
+                peer=w8a16,
+                peer_label="W8A16 (activations unquantized)" if w8a16 else "",
                 target="faster than bf16",
             )
         )

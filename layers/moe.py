@@ -292,6 +292,7 @@ class SparseMoeBlock(nn.Module):
             sorted_block_m=ctx.kernels.moe_sorted_block_m,
             pdl=ctx.kernels.pdl,
             deltas=deltas,
+            fp8_quantize_acts=ctx.kernels.moe_fp8_activations == "quantized",
         )
         if fused_norm is not None or add_norm is None and self.layout.tp_size == 1:
             return out

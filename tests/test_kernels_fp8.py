@@ -253,6 +253,25 @@ def test_fused_moe_fp8(device, path, case, dtype):
     assert rows_close(out.cpu(), ref) if dtype == torch.float32 else close(out.cpu(), ref, 4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_fused_moe_fp8_sorted_unquantized_activations(device, case, dtype):
+    """The sorted path with fp8_quantize_acts=False (W8A16): x and act as they are, the FP8 weights
+    converted for the dots and scaled after them: the dequantized reference without the activations'
+    quantization (act stored in hidden's dtype between the GEMMs on both sides)."""
+    args, weights, ids, _ = moe_case(*case, device=device, dtype=dtype)
+    out = triton_moe.fused_moe(
+        **args, topk_weights=weights.to(device), topk_ids=ids.to(device), path="sorted", fp8_quantize_acts=False
+    )
+    ref = moe_naive.fused_moe(
+        **on_cpu(args), topk_weights=weights, topk_ids=ids, quantize=True, fp8_quantize_acts=False
+    )
+    assert rows_close(out.cpu(), ref) if dtype == torch.float32 else close(out.cpu(), ref, 4)
+    quantized = moe_naive.fused_moe(**on_cpu(args), topk_weights=weights, topk_ids=ids, quantize=True)
+    # the activations' quantization moves the result by far more: the flag is what the kernels followed
+    assert (quantized.float() - ref.float()).abs().max().item() > 1e-3 * ref.float().abs().max().item()
+
+
 def test_routed_moe_fp8_sorted_prefill(device):
     """The FP8 MoE block in a prefill pass (float32), routed by the router kernel: 40 tokens top-2
     over 8 experts of width 48 (80 routed pairs: the sorted path, x and act quantized), hidden 160
@@ -354,6 +373,20 @@ def test_gpu_fused_moe_fp8_real_shapes(t):
     )
     out = triton_moe.routed_moe(**args, router_logits=logits, top_k=8, renormalize=True)
     ref = moe_naive.routed_moe(**args, router_logits=logits, top_k=8, renormalize=True)
+    assert close(out, ref, 8) and real_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [64, 2048])
+def test_gpu_fused_moe_fp8_unquantized_activations_real_shapes(t):
+    """The sorted path's W8A16 form (fp8_quantize_acts=False) at the model's MoE shape, bf16: the
+    dequantized reference without the activations' quantization."""
+    args, weights, ids, logits = moe_case(
+        t, 256, 2048, 512, 8, (128, 128), (128, 128), 512, device="cuda", dtype=torch.bfloat16
+    )
+    kw = dict(router_logits=logits, top_k=8, renormalize=True, fp8_quantize_acts=False)
+    out = triton_moe.routed_moe(**args, **kw)
+    ref = moe_naive.routed_moe(**args, **kw)
     assert close(out, ref, 8) and real_close(out, ref)
 
 

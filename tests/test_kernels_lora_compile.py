@@ -46,16 +46,18 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int 
 LOW_RANK = {"lora_keys": "*i32", "lora_v": "*fp32", "lora_b": BF16}
 
 
-def sorted_path_kernels(rank, fp8=False):
-    """fp8: FP8 experts (float8 weights and quantized activations) beside the bf16 adapters."""
+def sorted_path_kernels(rank, fp8=False, quant_act=True):
+    """fp8: FP8 experts (float8 weights and quantized activations; without quant_act bf16 ones)
+    beside the bf16 adapters."""
     w = "*fp8e4nv" if fp8 else BF16
-    up_ptrs = {"hidden": w, "w13": w, "act": BF16, "x_scale": "*fp32", "w_scale": "*fp32"}
+    x = w if quant_act else BF16
+    up_ptrs = {"hidden": x, "w13": w, "act": BF16, "x_scale": "*fp32", "w_scale": "*fp32"}
     ids = {"sorted_ids": "*i32", "block_expert": "*i32", "num_padded": "*i32"}
     scales = dict(SCALE_N=128, SCALE_K=128) if fp8 else dict(SCALE_N=1, SCALE_K=1 << 30)
     tiles = dict(INTER=512, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FP8=fp8, GROUP=128, **scales)
-    common = dict(HIDDEN=2048, LORA_RANK=rank, USE_PDL=True, **tiles)
+    common = dict(HIDDEN=2048, LORA_RANK=rank, USE_PDL=True, QUANT_ACT=fp8 and quant_act, **tiles)
     compile_sm90(sorted_path._up_kernel, {**up_ptrs, **ids, **LOW_RANK}, dict(TOPK=8, **common), num_stages=4)
-    down_ptrs = {"act": w, "w2": w, "y": BF16, "act_scale": "*fp32", "w_scale": "*fp32"}
+    down_ptrs = {"act": x, "w2": w, "y": BF16, "act_scale": "*fp32", "w_scale": "*fp32"}
     compile_sm90(
         sorted_path._down_kernel, {**down_ptrs, **ids, **LOW_RANK, "topk_weights": "*fp32"}, common, num_stages=4
     )
@@ -101,7 +103,8 @@ def norm_with_low_rank():
 
 
 CASES = [
-    (sorted_path_kernels, 0), (sorted_path_kernels, 16), (sorted_path_kernels, 16, True), (pairs_down_gemv, 16, 0),
+    (sorted_path_kernels, 0), (sorted_path_kernels, 16), (sorted_path_kernels, 16, True),
+    (sorted_path_kernels, 0, True, False), (pairs_down_gemv, 16, 0),
     (pairs_down_gemv, 16, 16), (pairs_down_gemv, 0, 16), (pair_shrink, True, False), (pair_shrink, False, True),
     (norm_with_low_rank,),
 ]  # fmt: skip

@@ -1,5 +1,5 @@
 """The prefill kernel choices (KernelOptions: prefill_attention, moe_sorted_block_m,
-gdn_chunk_variant) that `bench offline --variants` A/Bs on the GPU: each reaches its op, and the
+moe_fp8_activations, gdn_chunk_variant) that `bench offline --variants` A/Bs on the GPU: each reaches its op, and the
 SDPA prefill attention gives the paged kernel's logits where it applies (one sequence's chunk: the
 whole prompt, or a chunk after cached tokens over its keys copied out of the pages) and stays out
 where it does not (several sequences)."""
@@ -108,6 +108,7 @@ def test_prefill_options_reach_their_ops(moe_model, monkeypatch):
     seen = {}
     for module, name, key in (
         (moe_kernels, "routed_moe", "sorted_block_m"),
+        (moe_kernels, "routed_moe", "fp8_quantize_acts"),
         (gdn_kernels, "chunk_gated_delta_rule", "variant"),
         (attn_kernels, "paged_attention", "own_kv"),
     ):
@@ -118,11 +119,14 @@ def test_prefill_options_reach_their_ops(moe_model, monkeypatch):
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(module, name, spy)
-    opts = KernelOptions(prefill_attention="sdpa", moe_sorted_block_m=64, gdn_chunk_variant="split32")
+    opts = KernelOptions(
+        prefill_attention="sdpa", moe_sorted_block_m=64, gdn_chunk_variant="split32", moe_fp8_activations="unquantized"
+    )
     seqs = Sequences(moe_model, kernels=opts)
     seqs.add("a")
     seqs.run([("a", _prompt(9, 2))])
     assert set(seen["sorted_block_m"]) == {64} and set(seen["variant"]) == {"split32"}
+    assert set(seen["fp8_quantize_acts"]) == {False}
     assert all(kv is not None for kv in seen["own_kv"])
 
 

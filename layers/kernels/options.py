@@ -98,6 +98,16 @@ class KernelOptions:
             "choices": (0, 16, 32, 64, 128),
         },
     )
+    moe_fp8_activations: str = field(
+        default="quantized",
+        metadata={
+            "env": "DELTASERVE_MOE_FP8_ACTIVATIONS",
+            "help": "FP8 experts on the MoE's sorted path (prefill): quantized: x and silu(gate) * up quantized "
+            "per 1 x 128 group for FP8 dots (W8A8); unquantized: the weights converted in registers, dots in the "
+            "activations' dtype (W8A16)",
+            "choices": ("quantized", "unquantized"),
+        },
+    )
     gdn_chunk_variant: str = field(
         default="",
         metadata={

@@ -68,6 +68,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "rows of the MoE sorted path's tiles (16, 32, 64, 128); 0: by the rows per expert",
         ),
         EnvVar(
+            "DELTASERVE_MOE_FP8_ACTIVATIONS",
+            "quantized",
+            "FP8 experts on the MoE's sorted path (prefill): quantized: x and the activation quantized per 1 x 128 "
+            "group for FP8 dots (W8A8); unquantized: the weights converted in registers (W8A16)",
+        ),
+        EnvVar(
             "DELTASERVE_GDN_CHUNK_VARIANT",
             "",
             "the chunked GDN prefill's design (fused, fused_pf, split32); unset: by shape",

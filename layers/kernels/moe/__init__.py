@@ -53,6 +53,7 @@ def fused_moe(
     w2_scale: torch.Tensor | None = None,
     pdl: bool = True,
     deltas: PairDeltas | None = None,
+    fp8_quantize_acts: bool = True,
 ) -> torch.Tensor | NormedOut:
     """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) over the experts this rank holds
     (e = topk_ids[t, k]), float32 accumulation, one rounding.
@@ -64,6 +65,8 @@ def fused_moe(
             pairs the GEMVs dequantize them in registers; above, the grouped GEMMs run FP8 dots on
             x and silu(gate) * up quantized per row and 1 x 128 group (fp8.quantize_act), and the
             shared expert's down projection takes linear's FP8 path for T rows.
+        fp8_quantize_acts: False: the grouped GEMMs over FP8 experts leave x and the activation in
+            their dtype and convert the weights in registers instead (W8A16).
         topk_weights: [T, top_k], any float dtype. topk_ids: [T, top_k] int (global expert ids).
         shared: the shared expert, added as sigmoid(gate_logit) * down(silu(gate) * up).
         add_norm: the residual add + zero-centred RMSNorm after the block, in the block's last
@@ -78,6 +81,7 @@ def fused_moe(
     args = dict(
         hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, expert_offset=expert_offset,
         shared=shared, add_norm=add_norm, w13_scale=w13_scale, w2_scale=w2_scale, deltas=deltas,
+        fp8_quantize_acts=fp8_quantize_acts,
     )  # fmt: skip
     if hidden.is_cuda:
         from .triton_moe import fused_moe as impl
@@ -103,6 +107,7 @@ def routed_moe(
     sorted_block_m: int = 0,
     pdl: bool = True,
     deltas: PairDeltas | None = None,
+    fp8_quantize_acts: bool = True,
 ) -> torch.Tensor | NormedOut:
     """The MoE block's expert part from its router logits: route_topk_softmax, then fused_moe.
 
@@ -120,7 +125,7 @@ def routed_moe(
     args = dict(
         hidden=hidden, w13=w13, w2=w2, router_logits=router_logits, top_k=top_k, renormalize=renormalize,
         expert_offset=expert_offset, shared=shared, add_norm=add_norm, w13_scale=w13_scale, w2_scale=w2_scale,
-        deltas=deltas,
+        deltas=deltas, fp8_quantize_acts=fp8_quantize_acts,
     )  # fmt: skip
     if hidden.is_cuda:
         from .triton_moe import routed_moe as impl

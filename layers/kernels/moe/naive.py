@@ -120,24 +120,25 @@ def route_topk_softmax(*, router_logits, top_k, renormalize):
 
 def fused_moe(
     *, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, shared=None, add_norm=None, w13_scale=None,
-    w2_scale=None, deltas=None, quantize: bool | None = None,
+    w2_scale=None, deltas=None, quantize: bool | None = None, fp8_quantize_acts: bool = True,
 ):  # fmt: skip
     """The reference of moe.fused_moe: float32 throughout, one rounding at the end. FP8 weights
     (w13_scale / w2_scale: their block scales) are dequantized; above PAIRS_PATH_MAX routed pairs
     (the GPU's sorted path) the expert inputs (x, and silu(gate) * up) are quantized per row and
-    1 x 128 group first and the shared expert's down projection takes linear's path for its rows,
-    as on the GPU (`quantize` forces the choice: the reference of a path the test forced). The
-    deltas read the unquantized activations."""
+    1 x 128 group first (unless fp8_quantize_acts is False) and the shared expert's down projection
+    takes linear's path for its rows, as on the GPU (`quantize` forces the path: the reference of
+    a path the test forced). The deltas read the unquantized activations."""
     check_fp8(w13, w2, w13_scale, w2_scale)
     num_local, inter = w13.shape[0], w2.shape[2]
     acc = acc_dtype(hidden)
     if quantize is None:
         quantize = topk_ids.numel() > PAIRS_PATH_MAX
-    quantize = quantize and w13_scale is not None
+    quantize = quantize and w13_scale is not None  # the sorted path over FP8 experts
+    quant_acts = quantize and fp8_quantize_acts
     out = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
     local_ids = topk_ids - expert_offset
     top_k = topk_ids.shape[1]
-    x_all = _fake_quant(hidden, acc) if quantize else hidden.to(acc)
+    x_all = _fake_quant(hidden, acc) if quant_acts else hidden.to(acc)
     experts = [e for e in torch.unique(local_ids).tolist() if 0 <= e < num_local]
     members = {e: torch.where(local_ids == e) for e in experts}
     d13 = deltas.gate_up(topk_ids) if deltas is not None else None
@@ -155,8 +156,10 @@ def fused_moe(
         d2 = deltas.down(act_all.to(hidden.dtype))
     for e, (token_idx, k_idx) in members.items():
         act = acts[e]
-        if quantize:  # the GPU stores act in hidden's dtype, then quantizes it
+        if quant_acts:  # the GPU stores act in hidden's dtype, then quantizes it
             act = _fake_quant(act.to(hidden.dtype), acc)
+        elif quantize:  # stored in hidden's dtype, read as it is
+            act = act.to(hidden.dtype).to(acc)
         y = act @ _weight(w2[e], None if w2_scale is None else w2_scale[e], acc).t()
         if d2 is not None:
             y = y + d2[token_idx * top_k + k_idx].to(acc)
@@ -188,13 +191,14 @@ def _fake_quant(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 
 def routed_moe(
     *, hidden, w13, w2, router_logits, top_k, renormalize, expert_offset=0, shared=None, add_norm=None,
-    w13_scale=None, w2_scale=None, deltas=None,
+    w13_scale=None, w2_scale=None, deltas=None, fp8_quantize_acts: bool = True,
 ):  # fmt: skip
     """The reference of moe.routed_moe: route_topk_softmax, then fused_moe."""
     weights, ids = route_topk_softmax(router_logits=router_logits, top_k=top_k, renormalize=renormalize)
     return fused_moe(
         hidden=hidden, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, expert_offset=expert_offset,
         shared=shared, add_norm=add_norm, w13_scale=w13_scale, w2_scale=w2_scale, deltas=deltas,
+        fp8_quantize_acts=fp8_quantize_acts,
     )  # fmt: skip
 
 

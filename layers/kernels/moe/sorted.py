@@ -55,12 +55,15 @@ def _up_kernel(
     w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr, INTER: tl.constexpr,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
+    QUANT_ACT: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n] = silu(x @ gate^T) * (x @ up^T) for one block of pairs of one expert and one
     BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e].
     FP8: hidden is x quantized per row and GROUP columns (scales x_scale, row stride s_xs), w13
     float8 with block scales w_scale [E, rows / SCALE_N, HIDDEN / SCALE_K]; each K step (one
-    scale group of both, BLOCK_K <= min(GROUP, SCALE_K)) multiplies its FP8 dot by the two.
+    scale group of both, BLOCK_K <= min(GROUP, SCALE_K)) multiplies its FP8 dot by the two. FP8
+    without QUANT_ACT: hidden is x as it is, each K step's weight tiles converted to its dtype for
+    the dot (W8A16), the dot times the weights' scales.
     LORA_RANK > 0: the pair's low-rank delta (low_rank.PairLowRank: lora_keys, lora_v rows of stride
     s_lv, lora_b [G, 2 * INTER, LORA_RANK] of strides s_lg, s_ln: its adapters) joins gate and up
     before the activation (_block_low_rank: no expand launch, no delta buffer)."""
@@ -96,10 +99,13 @@ def _up_kernel(
             a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             u = tl.load(u_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if FP8:
+        if FP8 and QUANT_ACT:
             xs = tl.load(xs_ptr + k0 // GROUP)[:, None]
             acc_g += tl.dot(a, g) * xs * tl.load(gs_ptr + k0 // SCALE_K)[None, :]
             acc_u += tl.dot(a, u) * xs * tl.load(us_ptr + k0 // SCALE_K)[None, :]
+        elif FP8:
+            acc_g += tl.dot(a, g.to(a.dtype)) * tl.load(gs_ptr + k0 // SCALE_K)[None, :]
+            acc_u += tl.dot(a, u.to(a.dtype)) * tl.load(us_ptr + k0 // SCALE_K)[None, :]
         else:
             acc_g = tl.dot(a, g, acc_g)
             acc_u = tl.dot(a, u, acc_u)
@@ -122,11 +128,12 @@ def _down_kernel(
     s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr,
     INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
+    QUANT_ACT: tl.constexpr,
 ):  # fmt: skip
     """y[pair, n] = weight[pair] * (act[pair] @ w2[e, n]^T (+ the pair's low-rank delta, lora_b
     [G, HIDDEN, LORA_RANK], as _up_kernel's)) for one block of sorted pairs. FP8: act quantized per
     row and GROUP columns (act_scale), w2 float8 with block scales, as _up_kernel (the delta's
-    shrink read the unquantized act)."""
+    shrink read the unquantized act); without QUANT_ACT act as it is, as _up_kernel's W8A16."""
     pdl_wait(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -151,9 +158,11 @@ def _down_kernel(
             k_ok = k0 + k < INTER
             a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if FP8:
+        if FP8 and QUANT_ACT:
             scale = tl.load(as_ptr + k0 // GROUP)[:, None] * tl.load(bs_ptr + k0 // SCALE_K)[None, :]
             acc += tl.dot(a, b) * scale
+        elif FP8:
+            acc += tl.dot(a, b.to(a.dtype)) * tl.load(bs_ptr + k0 // SCALE_K)[None, :]
         else:
             acc = tl.dot(a, b, acc)
         a_ptr += BLOCK_K
@@ -231,11 +240,12 @@ def _silu_mul_kernel(gate_up, act, s_gt, s_at, INTER: tl.constexpr, BLOCK: tl.co
 
 def moe_sorted(
     hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=(None, None),
-    deltas=None,
+    deltas=None, quantize_acts=True,
 ) -> None:  # fmt: skip
     """The sorted path into `out` (or, with norm, into norm.out): group, up GEMM, down GEMM, sum.
     scales: (w13_scale, w2_scale) of FP8 experts: x and act are quantized per 1 x 128 group for
-    the FP8 dots (one launch each). deltas (PairDeltas): added to each pair's gate / up and down
+    the FP8 dots (one launch each; quantize_acts False: neither is, the kernels convert the weights
+    for dots in the activations' dtype). deltas (PairDeltas): added to each pair's gate / up and down
     projections (adapters) in their low-rank form, expanded inside the two GEMMs (in full precision
     beside the FP8 dots; their two shrinks are the only launches they add)."""
     num_tokens, hidden_size = hidden.shape
@@ -253,7 +263,8 @@ def moe_sorted(
     up, down = cfg["up"], cfg["down"]
     w13_scale, w2_scale = scales
     fp8 = w13_scale is not None
-    x, x_scale = quantize_act(x=hidden, group=ACT_GROUP, pdl=pdl) if fp8 else (hidden, hidden)
+    quant = fp8 and quantize_acts
+    x, x_scale = quantize_act(x=hidden, group=ACT_GROUP, pdl=pdl) if quant else (hidden, hidden)
     up_sc = _scale_args(w13_scale, w13, hidden)
     up_k = min(up["block_k"], up_sc[3], ACT_GROUP) if fp8 else up["block_k"]
     up_lora = low_rank_args(None if deltas is None else deltas.low_rank_gate_up(topk_ids), act)
@@ -261,18 +272,18 @@ def moe_sorted(
         x, w13, act, sorted_ids, block_expert, num_padded, num_pairs, x.stride(0), w13.stride(0), w13.stride(1),
         act.stride(0), x_scale, x_scale.stride(0), *up_sc[:3], *up_lora[:6], HIDDEN=hidden_size, INTER=inter,
         TOPK=top_k, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up_k, FP8=fp8, SCALE_N=up_sc[4],
-        SCALE_K=up_sc[3], GROUP=ACT_GROUP, LORA_RANK=up_lora[6], num_warps=up["num_warps"],
+        SCALE_K=up_sc[3], GROUP=ACT_GROUP, LORA_RANK=up_lora[6], QUANT_ACT=quant, num_warps=up["num_warps"],
         num_stages=up["num_stages"], **pdl_launch(hidden, pdl),
     )  # fmt: skip
     down_lora = low_rank_args(None if deltas is None else deltas.low_rank_down(act), act)
-    a, a_scale = quantize_act(x=act, group=ACT_GROUP, pdl=pdl) if fp8 else (act, act)
+    a, a_scale = quantize_act(x=act, group=ACT_GROUP, pdl=pdl) if quant else (act, act)
     down_sc = _scale_args(w2_scale, w2, hidden)
     down_k = min(down["block_k"], down_sc[3], ACT_GROUP) if fp8 else down["block_k"]
     _down_kernel[(max_blocks, triton.cdiv(hidden_size, down["block_n"]))](
         a, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, a.stride(0), w2.stride(0),
         w2.stride(1), y.stride(0), a_scale, a_scale.stride(0), *down_sc[:3], *down_lora[:6], HIDDEN=hidden_size,
         INTER=inter, BLOCK_M=block_m, BLOCK_N=down["block_n"], BLOCK_K=down_k, FP8=fp8, SCALE_N=down_sc[4],
-        SCALE_K=down_sc[3], GROUP=ACT_GROUP, LORA_RANK=down_lora[6], num_warps=down["num_warps"],
+        SCALE_K=down_sc[3], GROUP=ACT_GROUP, LORA_RANK=down_lora[6], QUANT_ACT=quant, num_warps=down["num_warps"],
         num_stages=down["num_stages"], **pdl_launch(act, pdl),
     )  # fmt: skip
     shared_out = gate_logit = None

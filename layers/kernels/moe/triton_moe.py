@@ -38,7 +38,7 @@ def _check(hidden, w13, w2, shared, w13_scale, w2_scale) -> None:
 
 def fused_moe(
     *, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, shared=None, add_norm=None, path=None, config=None,
-    w13_scale=None, w2_scale=None, sorted_block_m=0, pdl=True, deltas=None,
+    w13_scale=None, w2_scale=None, sorted_block_m=0, pdl=True, deltas=None, fp8_quantize_acts=True,
 ):  # fmt: skip
     """moe.fused_moe. `path` ("pairs" or "sorted") and `config` override the choice made from the
     shapes (tests and tuning sweeps); sorted_block_m: the sorted path's tile rows (0: by shape);
@@ -71,7 +71,7 @@ def fused_moe(
         )
         moe_sorted(
             hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=scales,
-            deltas=deltas,
+            deltas=deltas, quantize_acts=fp8_quantize_acts,
         )  # fmt: skip
     return norm.out if norm is not None else apply_add_norm(out, add_norm, pdl)
 
@@ -79,7 +79,7 @@ def fused_moe(
 def routed_moe(
     *, hidden, w13, w2, router_logits, top_k, renormalize, expert_offset=0, shared=None, add_norm=None,
     route_in_up_max_tokens=ROUTE_IN_UP_MAX_TOKENS, path=None, w13_scale=None, w2_scale=None, sorted_block_m=0,
-    pdl=True, deltas=None,
+    pdl=True, deltas=None, fp8_quantize_acts=True,
 ):  # fmt: skip
     """moe.routed_moe: on the pairs path, up to route_in_up_max_tokens tokens, the up GEMV routes
     (one launch fewer); otherwise (and with deltas, whose shrink reads the routing) the router
@@ -93,7 +93,7 @@ def routed_moe(
         return fused_moe(
             hidden=hidden, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, expert_offset=expert_offset,
             shared=shared, add_norm=add_norm, path=path, w13_scale=w13_scale, w2_scale=w2_scale,
-            sorted_block_m=sorted_block_m, pdl=pdl, deltas=deltas,
+            sorted_block_m=sorted_block_m, pdl=pdl, deltas=deltas, fp8_quantize_acts=fp8_quantize_acts,
         )  # fmt: skip
     assert 0 < top_k <= router_logits.shape[1], "top_k must be in 1..num_experts"
     assert router_logits.shape[0] == num_tokens, "router_logits: one row per token"
