@@ -114,7 +114,16 @@ def ray_session():
     """One local Ray instance for every test that needs it (starting one costs seconds)."""
     import ray
 
-    # address="local": always a fresh cluster of our own, never one `ray start` left on the machine
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # address="local": always a fresh cluster of our own, never one `ray start` left on the machine.
+    # Once on a 2-core CI machine the raylet never registered within Ray's 30 s (no raylet log at
+    # all) and every Ray test errored at set-up: a second start is tried before giving up
+    for attempt in range(2):
+        try:
+            ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt:
+                raise
     yield ray
     ray.shutdown()
