@@ -239,16 +239,30 @@ def _sweep_configs(path: str, num_tokens: int = 1, kernel: str = "up") -> list[d
     ]
 
 
-def sweep(num_tokens: int, path: str | None, kernel: str = "up") -> None:
+def sweep(
+    num_tokens: int, path: str | None, kernel: str = "up", compile_only: bool = False, shard: str = "0/1"
+) -> None:
     """Tile configs of one path at this batch, each timed as graph-captured calls with distinct
     routings (GRAPH_CALLS; 4 at prefill sizes): time per call, share of copy BW, TFLOP/s, error.
-    kernel: at prefill sizes, the sorted GEMM whose tiles are swept (the other keeps its default)."""
+    kernel: at prefill sizes, the sorted GEMM whose tiles are swept (the other keeps its default).
+    compile_only: each config of shard "i/n" (every n-th from the i-th) run once, untimed: several
+    such processes fill Triton's on-disk cache side by side, so that the timed sweep only loads."""
     import triton.testing
 
     from deltaserve.bench.kernels import measure_copy_bandwidth
 
-    bandwidth = measure_copy_bandwidth()
     path = path or ("pairs" if num_tokens * TOP_K <= tm.PAIRS_PATH_MAX else "sorted")
+    if compile_only:
+        index, count = (int(v) for v in shard.split("/"))
+        args = _inputs(num_tokens, seed=0)
+        for cfg in _sweep_configs(path, num_tokens, kernel)[index::count]:
+            try:
+                tm.fused_moe(**args, path=path, config=cfg)
+            except Exception as e:
+                print(f"{cfg} failed: {type(e).__name__}: {str(e)[:80]}")
+        torch.cuda.synchronize()
+        return
+    bandwidth = measure_copy_bandwidth()
     calls = GRAPH_CALLS if num_tokens <= 256 else 4
     sets = [_inputs(num_tokens, seed=1000 * num_tokens + i) for i in range(calls)]
     floor_bytes = sum(_moe_bytes(a) for a in sets)
@@ -270,7 +284,12 @@ def sweep(num_tokens: int, path: str | None, kernel: str = "up") -> None:
             continue
         rows.append((ms, cfg, err))
     flops = 2 * num_tokens * TOP_K * 3 * INTER * H  # gate, up and down
-    for ms, cfg, err in sorted(rows, key=lambda r: r[0])[:20]:
+    ranked = sorted(rows, key=lambda r: r[0])
+    mine = [r for r in ranked if r[1] == default]
+    for ms, cfg, err in ranked[:20] + [("default:", None, None)] + mine:
+        if cfg is None:
+            print(ms if mine else "default: not in the grid")
+            continue
         mark = "  <- default" if cfg == default else ""
         frac = floor_bytes / calls / bandwidth / (ms * 1e-3)
         tflops = flops / (ms * 1e-3) / 1e12
@@ -283,6 +302,8 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--path", choices=["pairs", "sorted"], default=None)
     parser.add_argument("--kernel", choices=["up", "down"], default="up", help="prefill sizes: the GEMM swept")
+    parser.add_argument("--compile-only", action="store_true", help="run the shard's configs once, untimed")
+    parser.add_argument("--shard", default="0/1", help="with --compile-only: i/n, every n-th config from the i-th")
     a = parser.parse_args()
     if a.sweep:
-        sweep(a.tokens, a.path, a.kernel)
+        sweep(a.tokens, a.path, a.kernel, a.compile_only, a.shard)
