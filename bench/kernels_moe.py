@@ -15,6 +15,7 @@
     python -m deltaserve.bench.kernels_moe --sweep --tokens 1   # tile sweep of the chosen path (graph-timed)
     python -m deltaserve.bench.kernels_moe --sweep --tokens 8 --path sorted
     python -m deltaserve.bench.kernels_moe --sweep --tokens 2048 --kernel down   # prefill: one GEMM's tiles
+    python -m deltaserve.bench.kernels_moe --sweep --tokens 4096 --kernel both   # block_m x both GEMMs' best
 """
 
 from __future__ import annotations
@@ -221,7 +222,17 @@ def _tiles(block_n: int, block_k: int, num_warps: int, num_stages: int) -> dict:
 PREFILL_SWEEP_ROWS = 48
 
 
+# kernel "both": block_m against the best tiles of each GEMM's own sweeps at 2k and 8k (H200, ecb59bc)
+JOINT_UP = [(64, 128, 4, 3), (256, 64, 8, 3), (128, 64, 8, 4), (64, 64, 8, 3)]
+JOINT_DOWN = [(256, 64, 8, 4), (256, 64, 8, 3), (128, 64, 8, 3), (64, 128, 4, 3)]
+
+
 def _sweep_configs(path: str, num_tokens: int = 1, kernel: str = "up") -> list[dict]:
+    if path == "sorted" and kernel == "both":
+        grid = itertools.product([16, 32, 64, 128], JOINT_UP, JOINT_DOWN)
+        configs = [dict(block_m=bm, up=_tiles(*up), down=_tiles(*down)) for bm, up, down in grid]
+        default = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")))
+        return configs + ([] if default in configs else [default])
     if path == "sorted" and num_tokens * TOP_K / E >= PREFILL_SWEEP_ROWS:
         default = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")))
         grid = itertools.product([32, 64, 128], [64, 128, 256], [64, 128], [4, 8], [3, 4])
@@ -301,7 +312,10 @@ if __name__ == "__main__":
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--path", choices=["pairs", "sorted"], default=None)
-    parser.add_argument("--kernel", choices=["up", "down"], default="up", help="prefill sizes: the GEMM swept")
+    parser.add_argument(
+        "--kernel", choices=["up", "down", "both"], default="up",
+        help="sorted path: the GEMM swept at prefill sizes, or both (block_m against each one's best tiles)",
+    )  # fmt: skip
     parser.add_argument("--compile-only", action="store_true", help="run the shard's configs once, untimed")
     parser.add_argument("--shard", default="0/1", help="with --compile-only: i/n, every n-th config from the i-th")
     a = parser.parse_args()

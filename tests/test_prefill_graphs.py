@@ -113,6 +113,26 @@ def test_ineligible_passes_run_eagerly(engines):
     assert checked.logit_diff <= 1e-5 and checked.pool_diff <= 1e-5
 
 
+def test_buckets_past_the_models_positions(tiny_checkpoints):
+    """A pass budget above the model's positions (buckets up to 1,024 tokens, 256 positions): the
+    largest bucket's idle stream spans more pages than any row may, its placeholder stages (as the
+    capture at start-up does for every key), and a prompt through the static forward gives the eager
+    pass's logits and pools."""
+    path, _ = tiny_checkpoints["qwen3_5_moe"]
+    kw = dict(max_num_seqs=2, max_num_batched_tokens=1024, max_model_len=256, dtype="float32", num_kv_blocks=160)
+    llm = LLM(str(path), enable_prefix_caching=False, **kw)
+    runner = llm.engine.executor.runner
+    graphs = runner._capture_prefill_graphs(capture=False)  # stages every key's placeholder
+    page = runner.sizes.block_size
+    assert graphs.buckets[-1] == 1024 and graphs.table_width == -(-1025 // page) > graphs.max_pages
+    runner.prefill_graphs = checked = CheckedGraphs(runner, graphs)
+    prompt = ids(200, seed=11)
+    graphed = llm.generate([prompt], GREEDY, use_tqdm=False)
+    runner.prefill_graphs = None
+    same_outputs(graphed, llm.generate([prompt], GREEDY, use_tqdm=False), atol=1e-5)
+    assert checked.passes == 1 and checked.logit_diff <= 1e-5 and checked.pool_diff <= 1e-5
+
+
 def test_can_run(engines):
     graphs = engines[2].graphs
     # the default buckets up to the pass budget (256 here: none above what one pass may hold)

@@ -102,7 +102,11 @@ class PrefillGraphs:
             total += size
         cuda = self.device.type == "cuda"
         self._staging = [torch.zeros(total, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
-        self._staging_tables = [torch.zeros(streams * max_pages, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        # the idle stream of the largest bucket spans tokens / page pages, more than a plan's rows may hold
+        # when the model's positions are fewer than a pass's tokens
+        self.table_width = max(max_pages, -(-tokens // block_size))
+        width = self.table_width
+        self._staging_tables = [torch.zeros(streams * width, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         self._staged = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None
         self._turn = 0
         self.flat = torch.zeros(total, dtype=torch.int64, device=self.device)
@@ -116,7 +120,7 @@ class PrefillGraphs:
         self.seq_lens = torch.zeros(streams, dtype=torch.int32, device=self.device)
         self.has_initial = torch.zeros(streams, dtype=torch.bool, device=self.device)
         self.chunk_slots = torch.full((self._chunks,), -1, dtype=torch.int32, device=self.device)
-        self.block_tables = torch.full((streams, max_pages), scratch_page, dtype=torch.int32, device=self.device)
+        self.block_tables = torch.full((streams, width), scratch_page, dtype=torch.int32, device=self.device)
         self.keys = [
             (bucket, rows, caps)
             for bucket in self.buckets
@@ -127,6 +131,9 @@ class PrefillGraphs:
         self.logits: dict[tuple, torch.Tensor] = {}
         if capture:
             self._capture_all(graph_pool)
+        else:  # the placeholders the capture stages, staged alike (host buffers sized for every key)
+            for key in self.keys:
+                self._stage(key, None)
 
     def _view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         start, size = self._offsets[name]
@@ -146,7 +153,7 @@ class PrefillGraphs:
             state_slots=self.state_slots[:streams],
             has_initial_state=self.has_initial[:streams],
             max_query_len=tokens,
-            max_seq_len=self.max_pages * self.block_size,
+            max_seq_len=self.table_width * self.block_size,
         )
         captures = None
         if caps:
