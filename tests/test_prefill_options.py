@@ -132,10 +132,17 @@ def test_prefill_options_reach_their_ops(moe_model, monkeypatch):
 
 def test_sorted_block_m_picks_the_tile_entry():
     info = DeviceInfo(H200, 132, 227 * 1024, (9, 0))
-    assert sorted_config(16384, 256, 2, info)["block_m"] == 32  # 64 rows per expert
+    assert sorted_config(16384, 256, 2, info)["block_m"] == 128  # 64 rows per expert (a 2k prefill)
+    assert sorted_config(4096, 256, 2, info)["block_m"] == 32  # 16 rows
     assert sorted_config(16384, 256, 2, info, block_m=64)["block_m"] == 64
-    fp8 = sorted_config(16384, 256, 2, info, fp8=True)
-    assert fp8["up"]["block_k"] == 128 and fp8["down"]["block_k"] == 128
+    for quantized in (True, False):  # FP8 weights: twice the K step, stages within the shared memory
+        fp8 = sorted_config(16384, 256, 2, info, fp8=True, quantized_acts=quantized)
+        assert fp8["up"]["block_k"] == 128 and fp8["down"]["block_k"] == 128
+        for name, operands in (("up", 2), ("down", 1)):
+            t, a_elem = fp8[name], 1 if quantized else 2
+            stage = t["block_k"] * (a_elem * fp8["block_m"] + operands * t["block_n"])
+            fixed = 0 if quantized else 2 * t["block_k"] * operands * t["block_n"]
+            assert t["num_stages"] * stage + fixed <= info.smem_per_block, (quantized, name, t)
     with pytest.raises(ValueError, match="sorted_block_m"):
         sorted_config(16384, 256, 2, info, block_m=48)
 

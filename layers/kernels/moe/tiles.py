@@ -20,14 +20,17 @@ PAIRS_TILES = {
     )
 }
 
-# The sorted path (tensor cores), by the mean routed rows per expert: thin blocks while the weights
-# dominate, square tiles once each expert has enough rows to be compute-bound. (rows at most, tiles)
+# The sorted path (tensor cores), by the mean routed rows per expert (rows at most, tiles): block_m at
+# about twice the mean, so that most experts' rows sit in one block and their weights are read once (up
+# to 64 rows a prefill is bound by the weights' bytes). Swept jointly at 512 / 1k / 2k / 4k / 8k tokens
+# (bench kernels_moe --kernel both, H200, 769e931): 404 / 442 / 516 / 703 / 1,201 us a layer against
+# 447 / 488 / 729 / 860 / 1,397 with the tiles before (bm 16 / 32 / 32 / 64 / 128, narrower N tiles).
 SORTED_TILES = {
     H200: (
-        (24, dict(block_m=16, up=(64, 128, 4, 4), down=(64, 128, 4, 4))),
-        (64, dict(block_m=32, up=(64, 128, 4, 3), down=(64, 128, 4, 3))),
-        (192, dict(block_m=64, up=(64, 64, 4, 4), down=(128, 64, 4, 4))),
-        (None, dict(block_m=128, up=(64, 64, 8, 3), down=(128, 64, 8, 3))),
+        (12, dict(block_m=16, up=(64, 128, 4, 4), down=(64, 128, 4, 4))),
+        (24, dict(block_m=32, up=(64, 128, 4, 3), down=(64, 128, 4, 3))),
+        (45, dict(block_m=64, up=(256, 64, 8, 3), down=(128, 64, 8, 3))),
+        (None, dict(block_m=128, up=(128, 64, 8, 4), down=(256, 64, 8, 4))),
     )
 }
 
@@ -52,13 +55,15 @@ def pairs_config(hidden_size: int, inter: int, info: DeviceInfo, fp8: bool = Fal
 
 
 def sorted_config(
-    num_pairs: int, num_experts: int, elem: int, info: DeviceInfo, fp8: bool = False, block_m: int = 0
-) -> dict:
+    num_pairs: int, num_experts: int, elem: int, info: DeviceInfo, fp8: bool = False, block_m: int = 0,
+    quantized_acts: bool = True,
+) -> dict:  # fmt: skip
     """The sorted path's tiles for this device: block_m, and up / down block_n, block_k, num_warps,
     num_stages. Other GPUs: the H200's, each pipeline as deep as their shared memory holds. fp8
-    (one-byte operands, unmeasured): the same tiles with twice the K step (the same bytes a
-    stage), at most one 128-column scale group. block_m: the entry with these tile rows (0: the
-    entry for the mean rows per expert)."""
+    (one-byte weights, unmeasured): the same tiles with twice the K step, at most one 128-column
+    scale group, each pipeline as deep as fits (quantized_acts False: the activations keep `elem`
+    bytes, and the weights converted for the dot take one more unpipelined buffer). block_m: the
+    entry with these tile rows (0: the entry for the mean rows per expert)."""
     if info.is_interpreter:
         tiles = dict(block_n=16, block_k=16, num_warps=4, num_stages=1)
         return dict(block_m=16, up=tiles, down=dict(tiles))
@@ -75,10 +80,15 @@ def sorted_config(
     cfg = dict(block_m=block_m)
     for name, operands in (("up", 2), ("down", 1)):  # up reads the gate and the up tile
         block_n, block_k, warps, stages = entry[name]
+        fixed = SMEM_SCRATCH
         if fp8:
             block_k = min(128, 2 * block_k)
-        if tuned is None:
-            per_stage = (1 if fp8 else elem) * block_k * (block_m + operands * block_n)
-            stages = stages_that_fit(stages, per_stage, SMEM_SCRATCH, info)
+            a_elem = 1 if quantized_acts else elem
+            per_stage = block_k * (a_elem * block_m + operands * block_n)
+            fixed += 0 if quantized_acts else elem * block_k * operands * block_n
+            stages = stages_that_fit(stages, per_stage, fixed, info)
+        elif tuned is None:
+            per_stage = elem * block_k * (block_m + operands * block_n)
+            stages = stages_that_fit(stages, per_stage, fixed, info)
         cfg[name] = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
     return cfg

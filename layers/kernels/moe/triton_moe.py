@@ -67,8 +67,9 @@ def fused_moe(
         assert path == "sorted", f"unknown path {path!r}"
         fp8 = w13_scale is not None
         cfg = config or sorted_config(
-            num_pairs, num_experts, hidden.element_size(), info, fp8=fp8, block_m=sorted_block_m
-        )
+            num_pairs, num_experts, hidden.element_size(), info, fp8=fp8, block_m=sorted_block_m,
+            quantized_acts=fp8_quantize_acts,
+        )  # fmt: skip
         moe_sorted(
             hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=scales,
             deltas=deltas, quantize_acts=fp8_quantize_acts,
