@@ -13,7 +13,7 @@ from deltaserve.layers.kernels.rotary import triton_rotary as tr
 @pytest.mark.parametrize("block_t", [None, 4])  # the default (one token a program here), a tile with a tail
 @pytest.mark.parametrize(
     "tokens, q_heads, k_heads, head_dim, rotary_dim",
-    [(1, 6, 2, 16, 4), (7, 3, 1, 24, 8), (33, 4, 4, 64, 64), (5, 2, 1, 256, 64), (70, 2, 1, 32, 16)],
+    [(1, 6, 2, 16, 4), (7, 3, 1, 24, 8), (33, 4, 4, 64, 64), (5, 2, 1, 256, 64), (70, 2, 1, 32, 16), (9, 2, 1, 40, 12)],
 )
 def test_matches_reference(device, nan_fill, tokens, q_heads, k_heads, head_dim, rotary_dim, block_t):
     g = torch.Generator().manual_seed(tokens)
@@ -50,7 +50,9 @@ def test_bf16_at_real_shape(device):
 
 
 @pytest.mark.parametrize("block_t", [None, 2])
-@pytest.mark.parametrize("tokens, q_heads, k_heads, head_dim, rotary_dim", [(5, 4, 2, 24, 8), (3, 2, 1, 16, 16)])
+@pytest.mark.parametrize(
+    "tokens, q_heads, k_heads, head_dim, rotary_dim", [(5, 4, 2, 24, 8), (3, 2, 1, 16, 16), (4, 2, 1, 40, 12)]
+)
 def test_writes_kv_cache(device, nan_fill, tokens, q_heads, k_heads, head_dim, rotary_dim, block_t):
     """With kv_cache the same launch writes the finished k and the value to their slots: every
     written slot equals the reference's, a slot of -1 writes nothing, untouched slots keep their

@@ -3,8 +3,9 @@ writing the finished k and the value into the paged KV cache in the same launch.
 
 One program per (block of tokens, head) over q's heads then k's (then v's, when it writes the
 cache; a token a program in decode, PREFILL_BLOCK_T at prefill sizes): it loads the head vectors
-once (plus the rotation partners, from L1), normalises in float32, rotates the first rotary_dim
-features with cos/sin computed from the positions in registers, and writes the result. This
+once (and the rotated features' two halves again, from L1), normalises in float32, rotates the first
+rotary_dim features with cos / sin of the positions computed in registers over rotary_dim / 2
+columns, and writes the result. This
 replaces two norm launches and about twenty elementwise launches per attention layer in a decode
 step.
 """
@@ -24,7 +25,8 @@ from ..pdl import pdl_launch, pdl_wait
 def _qk_norm_rope_kernel(
     Q, K, Q_OUT, K_OUT, QW, KW, POS, INV_FREQ, q_stride_t, q_stride_h, k_stride_t, k_stride_h, num_q_heads, num_k_heads,
     eps, V, K_CACHE, V_CACHE, SLOTS, v_stride_t, v_stride_h, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch, num_tokens,
-    D: tl.constexpr, ROT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PAGE: tl.constexpr,
+    D: tl.constexpr, ROT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+    PAGE: tl.constexpr,
     WRITE_KV: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
@@ -46,9 +48,6 @@ def _qk_norm_rope_kernel(
             v_dst = V_CACHE + page[:, None] * s_vcb + off[:, None] * s_vco + vh * s_vch + offs[None, :]
             tl.store(v_dst, to_cache(v, KV_FP8).to(V_CACHE.dtype.element_ty), mask=in_cache)
             return
-    half = ROT // 2
-    # the rotation partner of feature i: i + half in the first half, i - half in the second
-    partner = tl.where(offs < half, offs + half, tl.where(offs < ROT, offs - half, offs))
     if is_q:
         src = Q + t[:, None] * q_stride_t + h * q_stride_h
         dst = Q_OUT + (t[:, None] * num_q_heads + h) * D
@@ -59,25 +58,36 @@ def _qk_norm_rope_kernel(
         dst = K_OUT + (t[:, None] * num_k_heads + kh) * D
         w_ptr = KW
     x = tl.load(src + offs[None, :], mask=ok, other=0.0).to(tl.float32)
-    xp = tl.load(src + partner[None, :], mask=ok, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=in_dim, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner, mask=in_dim, other=0.0).to(tl.float32)
     inv_rms = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
     y = x * inv_rms * (1.0 + w)[None, :]
-    yp = xp * inv_rms * (1.0 + wp)[None, :]
+    # the rotated features as their two halves (reloaded from L1): the angles only over ROT / 2
+    # columns, not every column of the head (precise cos / sin cost more than the row's bytes)
+    half: tl.constexpr = ROT // 2
+    j = tl.arange(0, BLOCK_HALF)
+    j_ok = t_ok[:, None] & (j < half)[None, :]
+    y1 = tl.load(src + j[None, :], mask=j_ok, other=0.0).to(tl.float32) * inv_rms
+    y2 = tl.load(src + half + j[None, :], mask=j_ok, other=0.0).to(tl.float32) * inv_rms
+    y1 = y1 * (1.0 + tl.load(w_ptr + j, mask=j < half, other=0.0).to(tl.float32))[None, :]
+    y2 = y2 * (1.0 + tl.load(w_ptr + half + j, mask=j < half, other=0.0).to(tl.float32))[None, :]
     pos = tl.load(POS + t, mask=t_ok, other=0).to(tl.float32)
-    i = tl.where(offs < half, offs, offs - half)
     # the host's float32 inverse frequencies: the same angles (pos * inv_freq) transformers computes
-    inv_freq = tl.load(INV_FREQ + i, mask=offs < ROT, other=0.0)
+    inv_freq = tl.load(INV_FREQ + j, mask=j < half, other=0.0)
     angle = pos[:, None] * inv_freq[None, :]
     c, s = tl.cos(angle), tl.sin(angle)
-    first = (offs < half)[None, :]
-    rotated = tl.where(first, y * c - yp * s, y * c + yp * s)
-    out = tl.where((offs < ROT)[None, :], rotated, y).to(dst.dtype.element_ty)
-    tl.store(dst + offs[None, :], out, mask=ok)
+    out1 = (y1 * c - y2 * s).to(dst.dtype.element_ty)
+    out2 = (y2 * c + y1 * s).to(dst.dtype.element_ty)
+    rest = ok & (offs >= ROT)[None, :]
+    tl.store(dst + offs[None, :], y.to(dst.dtype.element_ty), mask=rest)
+    tl.store(dst + j[None, :], out1, mask=j_ok)
+    tl.store(dst + half + j[None, :], out2, mask=j_ok)
     if WRITE_KV and not is_q:
-        k_dst = K_CACHE + page[:, None] * s_kcb + off[:, None] * s_kco + (h - num_q_heads) * s_kch + offs[None, :]
-        tl.store(k_dst, to_cache(out, KV_FP8).to(K_CACHE.dtype.element_ty), mask=in_cache)
+        k_dst = K_CACHE + page[:, None] * s_kcb + off[:, None] * s_kco + (h - num_q_heads) * s_kch
+        kind = K_CACHE.dtype.element_ty
+        tl.store(k_dst + offs[None, :], to_cache(y.to(dst.dtype.element_ty), KV_FP8).to(kind), mask=rest & in_cache)
+        cache_j = j_ok & (slot >= 0)[:, None]
+        tl.store(k_dst + j[None, :], to_cache(out1, KV_FP8).to(kind), mask=cache_j)
+        tl.store(k_dst + half + j[None, :], to_cache(out2, KV_FP8).to(kind), mask=cache_j)
 
 
 # tokens a program at prefill sizes: one (token, head) a program left a 8k pass 164k programs of 512
@@ -129,7 +139,8 @@ def qk_norm_rope(
     _qk_norm_rope_kernel[(triton.cdiv(num_tokens, block_t), heads)](
         q, k, q_out, k_out, q_weight, k_weight, positions, _inv_freq(rotary_dim, theta, q.device), q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), num_q_heads, num_k_heads, eps, *cache_args, num_tokens, D=head_dim,
-        ROT=rotary_dim, BLOCK_D=block_d, BLOCK_T=block_t, PAGE=page, WRITE_KV=kv_cache is not None, KV_FP8=kv_fp8,
+        ROT=rotary_dim, BLOCK_D=block_d, BLOCK_HALF=triton.next_power_of_2(max(1, rotary_dim // 2)), BLOCK_T=block_t,
+        PAGE=page, WRITE_KV=kv_cache is not None, KV_FP8=kv_fp8,
         num_warps=warps, **pdl_launch(q, pdl),
     )  # fmt: skip
     return q_out, k_out
