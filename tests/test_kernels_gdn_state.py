@@ -255,3 +255,28 @@ def test_slot_copies_skip_unused_entries(device, from_seq):
     got = pool.clone()
     slot_copy.copy_state_slots(pool=got, dst=dst, used=used, **kw)
     assert torch.equal(ref, want) and torch.equal(got, want)
+
+
+def test_replay_rows_match_the_reference(device):
+    """replay_rows (Triton, one launch) against the reference: every entry's rows from its first
+    token (clamped at the pass's last row), g and beta zero past its count (none, some, all), each
+    output bit-equal; strided q / k / v (views of one projection, as the layer passes them) and odd
+    widths that take several steps of a row."""
+    from deltaserve.layers.kernels.gdn import replay_rows
+
+    g = torch.Generator().manual_seed(5)
+    tokens, hk, dk, hv, dv, steps = 23, 3, 5, 6, 7, 9
+    mixed = torch.randn(tokens, 2 * hk * dk + hv * dv + 3, generator=g).to(device)
+    q = mixed[:, : hk * dk].view(tokens, hk, dk)
+    k = mixed[:, hk * dk : 2 * hk * dk].view(tokens, hk, dk)
+    v = mixed[:, 2 * hk * dk : 2 * hk * dk + hv * dv].view(tokens, hv, dv)
+    gate = torch.randn(tokens, hv, generator=g).to(device)
+    beta = torch.rand(tokens, hv, generator=g).to(device=device, dtype=torch.bfloat16)
+    first = torch.tensor([0, 4, 19, 22], device=device)
+    count = torch.tensor([9, 3, 0, 1], device=device)
+    kw = dict(q=q, k=k, v=v, g=gate, beta=beta, first=first, count=count, steps=steps)
+    want = naive.replay_rows(**kw)
+    got = replay_rows.replay_rows(**kw)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    assert torch.equal(want[0][steps * 2 + 5], q[22]) and bool((want[3][steps * 2 : steps * 3] == 0).all())

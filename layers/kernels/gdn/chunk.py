@@ -40,6 +40,7 @@ from ..device import DeviceInfo, device_info, stages_that_fit
 from .chunk_prepare import _intra_kernel, _solve_kernel
 from .chunk_state import _output_kernel, _recur_kernel, _state_kernel
 from .fixed_captures import FixedCaptures
+from .replay_rows import replay_rows
 from .slot_copy import copy_state_slots
 from .state import StateCaptures
 
@@ -228,7 +229,9 @@ def chunk_gated_delta_rule(
 
     if on_device is not None:
         replay = functools.partial(chunk_gated_delta_rule, variant=REPLAY_VARIANT)
-        on_device.finish_chunked(q, k, v, g, beta, state_pool, scale, use_qk_l2norm, replay, copy_state_slots)
+        on_device.finish_chunked(
+            q, k, v, g, beta, state_pool, scale, use_qk_l2norm, replay, copy_state_slots, replay_rows
+        )
     if prepared is not None:
         _finish_captures(prepared, q, k, v, g, beta, state_pool, scale, use_qk_l2norm)
     if chunk_states_out is not None:

@@ -93,10 +93,10 @@ class FixedCaptures:
 
     # ---- device side: device ops only (no host sync), the same on every GDN layer ----------------
     def _index(self, name: str, num_tokens: int, width: int) -> torch.Tensor:
-        """Index tensors shared by the layers: 'replay' [C, CHUNK - 1] token rows; 'replay_streams' the
-        chunked replay's: whether each of those rows is one of its entry's tokens [C (CHUNK - 1), 1],
-        cu_seqlens [C + 1] int32 and has_initial_state [C] (entries with tokens); 'window' [C, W - 1]
-        token rows, whether each is the stream's own, and the column of the slot's old window otherwise."""
+        """Index tensors shared by the layers: 'replay' [C, CHUNK - 1] token rows (the reference's);
+        'replay_streams' the chunked replay's cu_seqlens [C + 1] int32 and has_initial_state [C]
+        (entries with tokens); 'window' [C, W - 1] token rows, whether each is the stream's own, and
+        the column of the slot's old window otherwise."""
         key = (name, num_tokens, width)
         if key not in self._derived:
             f = self.fields
@@ -104,10 +104,8 @@ class FixedCaptures:
             if name == "replay":
                 self._derived[key] = (f[REPLAY_FIRST, :, None] + steps).clamp(max=num_tokens - 1)
             elif name == "replay_streams":
-                count = f[REPLAY_COUNT]
-                live = (steps < count[:, None]).reshape(-1, 1)
                 cu = torch.arange(self.capacity + 1, device=f.device, dtype=torch.int32) * (CHUNK - 1)
-                self._derived[key] = (live, cu, count > 0)
+                self._derived[key] = (cu, f[REPLAY_COUNT] > 0)
             else:
                 j = torch.arange(width, device=f.device)
                 rows = f[WIN_END, :, None] - width + j
@@ -150,25 +148,22 @@ class FixedCaptures:
         )  # fmt: skip
 
     def finish_chunked(
-        self, q, k, v, g, beta, state_pool: torch.Tensor, scale, use_qk_l2norm: bool, chunk, copy_slots
+        self, q, k, v, g, beta, state_pool: torch.Tensor, scale, use_qk_l2norm: bool, chunk, copy_slots, take_rows
     ) -> None:
         """finish, the replays through the chunked op (`chunk`: the caller's chunk_gated_delta_rule):
         each entry's CHUNK - 1 gathered rows a stream of its own, one chunk, from the state on its slot
         back to that slot, instead of up to CHUNK - 1 dependent recurrent steps. Rows past an entry's
         count carry beta = 0 and g = 0, which leave a state as it is (shapes stay fixed); an unused
-        entry starts from zeros on the scratch slot."""
+        entry starts from zeros on the scratch slot. `take_rows`: a replay_rows (naive.py's or
+        replay_rows.py's) gathering them."""
         f = self.fields
         self._copies(state_pool, copy_slots)
-        flat = self._index("replay", q.shape[0], 0).reshape(-1)
-        live, cu_seqlens, has_initial = self._index("replay_streams", q.shape[0], 0)
-
-        def take(x: torch.Tensor) -> torch.Tensor:
-            return x.index_select(0, flat)
-
-        zero = torch.zeros((), dtype=g.dtype, device=g.device)
+        cu_seqlens, has_initial = self._index("replay_streams", q.shape[0], 0)
+        rq, rk, rv, rg, rbeta = take_rows(
+            q=q, k=k, v=v, g=g, beta=beta, first=f[REPLAY_FIRST], count=f[REPLAY_COUNT], steps=CHUNK - 1
+        )
         chunk(
-            q=take(q), k=take(k), v=take(v), g=torch.where(live, take(g), zero),
-            beta=torch.where(live, take(beta), zero.to(beta.dtype)), cu_seqlens=cu_seqlens, state_pool=state_pool,
+            q=rq, k=rk, v=rv, g=rg, beta=rbeta, cu_seqlens=cu_seqlens, state_pool=state_pool,
             state_slots=f[REPLAY_SLOT], has_initial_state=has_initial, scale=scale, use_qk_l2norm=use_qk_l2norm,
         )  # fmt: skip
 
