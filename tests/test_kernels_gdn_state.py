@@ -7,6 +7,7 @@ CUDA the Triton kernels run under the interpreter at tiny shapes."""
 
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -154,6 +155,33 @@ def test_conv_windows_at_offsets():
 
     for c in caps.items:
         assert torch.equal(pool[c.slot], window(c.seq, c.offset)), c
+
+
+def test_fixed_capture_windows_kernel_matches_the_torch_path(device):
+    """triton_conv1d.capture_windows (one launch) against FixedCaptures.conv_windows (torch ops), bit for
+    bit: windows inside a stream, ones reaching into the slot's old window (with and without initial
+    state), at a stream's first token, and the unused entries (the scratch slot only); strided x rows
+    and channels over two programs."""
+    from deltaserve.layers.kernels.conv1d.triton_conv1d import capture_windows
+    from deltaserve.layers.kernels.gdn.fixed_captures import NUM_FIELDS, FixedCaptures
+
+    g = torch.Generator().manual_seed(4)
+    w1, channels, lens = 3, 300, (30, 2, 8)
+    x = torch.randn(40, channels + 5, generator=g).to(device)[:, :channels]
+    slots = torch.tensor([0, 1, 2, 9], device=device, dtype=torch.int32)  # the idle stream on scratch 9
+    has_init = torch.tensor([True, True, False, False], device=device)
+    pool = torch.randn(10, channels, w1, generator=g).to(device)
+    caps = StateCaptures((StateCapture(0, 10, 3), StateCapture(0, 1, 4), StateCapture(1, 2, 5),
+                          StateCapture(2, 2, 6), StateCapture(0, 0, 7)), lens + (0,))  # fmt: skip
+    fields, chunk_slots = np.zeros((NUM_FIELDS, 8), np.int64), np.zeros(8, np.int64)
+    assert FixedCaptures.stage(fields, chunk_slots, caps, scratch_slot=9, idle_seq=3)
+    fixed = FixedCaptures(torch.from_numpy(chunk_slots).to(device), torch.from_numpy(fields).to(device))
+    want = pool.clone()
+    fixed.conv_windows(x, want, slots, has_init)
+    got = pool.clone()
+    capture_windows(x=x, conv_state_pool=got, state_slots=slots, has_initial_state=has_init, **fixed.window_fields())
+    assert torch.equal(got[:9], want[:9])
+    assert not torch.equal(want[3:8], pool[3:8])  # the captures' slots were written
 
 
 @pytest.mark.parametrize("impl", ["op", "naive", "triton"])

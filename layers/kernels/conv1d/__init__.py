@@ -49,7 +49,14 @@ def causal_conv1d_varlen(
         raise ValueError(
             f"save_inputs: expected {list(x.shape)} with contiguous channels, got {list(save_inputs.shape)}"
         )
-    if isinstance(captures, FixedCaptures):
+    if isinstance(captures, FixedCaptures) and x.is_cuda:
+        from .triton_conv1d import capture_windows
+
+        capture_windows(
+            x=x, conv_state_pool=conv_state_pool, state_slots=state_slots, has_initial_state=has_initial_state,
+            **captures.window_fields(),
+        )  # fmt: skip
+    elif isinstance(captures, FixedCaptures):
         captures.conv_windows(x, conv_state_pool, state_slots, has_initial_state)
     elif captures is not None:
         conv_windows_at(

@@ -191,3 +191,55 @@ def causal_conv1d_update(*, x, weight, bias, conv_state_pool, state_slots, activ
         **pdl_launch(x, pdl),
     )  # fmt: skip
     return y
+
+
+# the entries are views of a graph's static buffers: their alignment is not a compile key
+@triton.jit(do_not_specialize=["seq", "start", "end", "dst", "slots", "has_initial_state", "num_tokens"])
+def _capture_windows_kernel(
+    x, pool, slots, has_initial_state, seq, start, end, dst, num_tokens, channels, stride_xt, stride_ps,
+    stride_pc, stride_pw, W1: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    e = tl.program_id(0)
+    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    m_c = o_c < channels
+    s = tl.load(seq + e)
+    first, stop = tl.load(start + e), tl.load(end + e)
+    slot = tl.load(slots + s).to(tl.int64)
+    keep = tl.load(has_initial_state + s).to(tl.int32) != 0
+    j = tl.arange(0, BW)
+    m_j = j < W1
+    r = stop - W1 + j  # the window's rows of x; those before the stream's start come from its slot
+    own = r >= first
+    row = tl.minimum(tl.maximum(r, 0), num_tokens - 1).to(tl.int64)
+    col = tl.minimum(tl.maximum(r - first + W1, 0), W1 - 1)
+    m = m_c[:, None] & m_j[None, :]
+    new = tl.load(x + row[None, :] * stride_xt + o_c[:, None], mask=m & own[None, :], other=0.0)
+    old = tl.load(pool + slot * stride_ps + o_c[:, None] * stride_pc + col[None, :] * stride_pw, mask=m & ~own[None, :])
+    old = tl.where(keep, old, tl.zeros_like(old))
+    win = tl.where(own[None, :], new.to(pool.dtype.element_ty), old)
+    d = tl.load(dst + e).to(tl.int64)
+    tl.store(pool + d * stride_ps + o_c[:, None] * stride_pc + j[None, :] * stride_pw, win, mask=m)
+
+
+def capture_windows(
+    *,
+    x: torch.Tensor,
+    conv_state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    seq: torch.Tensor,
+    start: torch.Tensor,
+    end: torch.Tensor,
+    dst: torch.Tensor,
+) -> None:
+    """FixedCaptures.conv_windows in one launch: for entry c, the W - 1 inputs before row end[c] of
+    stream seq[c] (whose rows start at start[c]; before it, the stream slot's old window, zeros
+    without initial state) into slot dst[c] of conv_state_pool [S, C, W - 1]. x: [T, C], channels
+    contiguous. No used entry's destination is a stream's slot (unused ones write the scratch slot)."""
+    assert x.stride(1) == 1, "x: channels contiguous"
+    channels, width_1 = x.shape[1], conv_state_pool.shape[-1]
+    block_c = min(256, triton.next_power_of_2(channels))
+    _capture_windows_kernel[(seq.shape[0], triton.cdiv(channels, block_c))](
+        x, conv_state_pool, state_slots, has_initial_state, seq, start, end, dst, x.shape[0], channels, x.stride(0),
+        *conv_state_pool.stride(), W1=width_1, BW=triton.next_power_of_2(width_1), BC=block_c, num_warps=4,
+    )  # fmt: skip

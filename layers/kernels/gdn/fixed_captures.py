@@ -167,10 +167,16 @@ class FixedCaptures:
             state_slots=f[REPLAY_SLOT], has_initial_state=has_initial, scale=scale, use_qk_l2norm=use_qk_l2norm,
         )  # fmt: skip
 
+    def window_fields(self) -> dict:
+        """The conv window entries as a triton_conv1d.capture_windows takes them: seq, start, end, dst."""
+        f = self.fields
+        return dict(seq=f[WIN_SEQ], start=f[WIN_START], end=f[WIN_END], dst=f[WIN_SLOT])
+
     def conv_windows(
         self, x: torch.Tensor, conv_state_pool: torch.Tensor, state_slots: torch.Tensor, has_initial: torch.Tensor
     ) -> None:
-        """state.conv_windows_at for these captures (call it before the conv op updates the slots)."""
+        """state.conv_windows_at for these captures (call it before the conv op updates the slots),
+        with torch ops (the reference and the CPU path; triton_conv1d.capture_windows on CUDA)."""
         width = conv_state_pool.shape[-1]
         rows, own, col = self._index("window", x.shape[0], width)
         c, channels = rows.shape[0], x.shape[1]
