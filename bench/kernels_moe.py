@@ -228,6 +228,9 @@ JOINT_DOWN = [(256, 64, 8, 4), (256, 64, 8, 3), (128, 64, 8, 3), (64, 128, 4, 3)
 
 
 def _sweep_configs(path: str, num_tokens: int = 1, kernel: str = "up") -> list[dict]:
+    if path == "sorted" and kernel == "order":  # the default tiles, row-block-major against N-major grids
+        default = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")))
+        return [{**default, "n_major": False}, {**default, "n_major": True}]
     if path == "sorted" and kernel == "both":
         grid = itertools.product([16, 32, 64, 128], JOINT_UP, JOINT_DOWN)
         configs = [dict(block_m=bm, up=_tiles(*up), down=_tiles(*down)) for bm, up, down in grid]
@@ -313,8 +316,9 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--path", choices=["pairs", "sorted"], default=None)
     parser.add_argument(
-        "--kernel", choices=["up", "down", "both"], default="up",
-        help="sorted path: the GEMM swept at prefill sizes, or both (block_m against each one's best tiles)",
+        "--kernel", choices=["up", "down", "both", "order"], default="up",
+        help="sorted path: the GEMM swept at prefill sizes, both (block_m against each one's best tiles), or "
+        "order (the default tiles on row-block-major and N-major grids)",
     )  # fmt: skip
     parser.add_argument("--compile-only", action="store_true", help="run the shard's configs once, untimed")
     parser.add_argument("--shard", default="0/1", help="with --compile-only: i/n, every n-th config from the i-th")

@@ -55,7 +55,7 @@ def sorted_path_kernels(rank, fp8=False, quant_act=True):
     ids = {"sorted_ids": "*i32", "block_expert": "*i32", "num_padded": "*i32"}
     scales = dict(SCALE_N=128, SCALE_K=128) if fp8 else dict(SCALE_N=1, SCALE_K=1 << 30)
     tiles = dict(INTER=512, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FP8=fp8, GROUP=128, **scales)
-    common = dict(HIDDEN=2048, LORA_RANK=rank, USE_PDL=True, QUANT_ACT=fp8 and quant_act, **tiles)
+    common = dict(HIDDEN=2048, LORA_RANK=rank, USE_PDL=True, QUANT_ACT=fp8 and quant_act, N_MAJOR=True, **tiles)
     compile_sm90(sorted_path._up_kernel, {**up_ptrs, **ids, **LOW_RANK}, dict(TOPK=8, **common), num_stages=4)
     down_ptrs = {"act": x, "w2": w, "y": BF16, "act_scale": "*fp32", "w_scale": "*fp32"}
     compile_sm90(

@@ -48,6 +48,28 @@ def _block_low_rank(
     return acc
 
 
+@triton.jit
+def _block_ids(N_MAJOR: tl.constexpr):
+    """(row block, N block) of this program: the grid is (N blocks, row blocks) when N_MAJOR."""
+    if N_MAJOR:
+        pid_m = tl.program_id(1)
+        pid_n = tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    return pid_m, pid_n
+
+
+# a grid's second dimension holds at most this many programs (CUDA)
+MAX_GRID_Y = 65535
+
+
+def _grid(row_blocks: int, n_blocks: int, n_major: bool) -> tuple[tuple[int, int], bool]:
+    """The launch grid and whether it is N-major (not when the row blocks outnumber a grid's y)."""
+    n_major = n_major and row_blocks <= MAX_GRID_Y
+    return ((n_blocks, row_blocks) if n_major else (row_blocks, n_blocks)), n_major
+
+
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_pairs"])
 def _up_kernel(
@@ -55,7 +77,7 @@ def _up_kernel(
     w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr, INTER: tl.constexpr,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
-    QUANT_ACT: tl.constexpr,
+    QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n] = silu(x @ gate^T) * (x @ up^T) for one block of pairs of one expert and one
     BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e].
@@ -66,10 +88,11 @@ def _up_kernel(
     the dot (W8A16), the dot times the weights' scales.
     LORA_RANK > 0: the pair's low-rank delta (low_rank.PairLowRank: lora_keys, lora_v rows of stride
     s_lv, lora_b [G, 2 * INTER, LORA_RANK] of strides s_lg, s_ln: its adapters) joins gate and up
-    before the activation (_block_low_rank: no expand launch, no delta buffer)."""
+    before the activation (_block_low_rank: no expand launch, no delta buffer).
+    N_MAJOR: the N slices of a row block are neighbouring programs (grid (N blocks, row blocks)):
+    they read its gathered rows while those are still in L2."""
     pdl_wait(USE_PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _block_ids(N_MAJOR)
     rows = tl.arange(0, BLOCK_M)
     if pid_m * BLOCK_M >= tl.load(num_padded):
         return
@@ -128,15 +151,15 @@ def _down_kernel(
     s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr,
     INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
-    QUANT_ACT: tl.constexpr,
+    QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr,
 ):  # fmt: skip
     """y[pair, n] = weight[pair] * (act[pair] @ w2[e, n]^T (+ the pair's low-rank delta, lora_b
     [G, HIDDEN, LORA_RANK], as _up_kernel's)) for one block of sorted pairs. FP8: act quantized per
     row and GROUP columns (act_scale), w2 float8 with block scales, as _up_kernel (the delta's
-    shrink read the unquantized act); without QUANT_ACT act as it is, as _up_kernel's W8A16."""
+    shrink read the unquantized act); without QUANT_ACT act as it is, as _up_kernel's W8A16. N_MAJOR
+    as _up_kernel's."""
     pdl_wait(USE_PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _block_ids(N_MAJOR)
     if pid_m * BLOCK_M >= tl.load(num_padded):
         return
     e = tl.load(block_expert + pid_m)
@@ -268,22 +291,26 @@ def moe_sorted(
     up_sc = _scale_args(w13_scale, w13, hidden)
     up_k = min(up["block_k"], up_sc[3], ACT_GROUP) if fp8 else up["block_k"]
     up_lora = low_rank_args(None if deltas is None else deltas.low_rank_gate_up(topk_ids), act)
-    _up_kernel[(max_blocks, triton.cdiv(inter, up["block_n"]))](
+    grid, n_major = _grid(max_blocks, triton.cdiv(inter, up["block_n"]), cfg.get("n_major", False))
+    _up_kernel[grid](
         x, w13, act, sorted_ids, block_expert, num_padded, num_pairs, x.stride(0), w13.stride(0), w13.stride(1),
         act.stride(0), x_scale, x_scale.stride(0), *up_sc[:3], *up_lora[:6], HIDDEN=hidden_size, INTER=inter,
         TOPK=top_k, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up_k, FP8=fp8, SCALE_N=up_sc[4],
-        SCALE_K=up_sc[3], GROUP=ACT_GROUP, LORA_RANK=up_lora[6], QUANT_ACT=quant, num_warps=up["num_warps"],
+        SCALE_K=up_sc[3], GROUP=ACT_GROUP, LORA_RANK=up_lora[6], QUANT_ACT=quant, N_MAJOR=n_major,
+        num_warps=up["num_warps"],
         num_stages=up["num_stages"], **pdl_launch(hidden, pdl),
     )  # fmt: skip
     down_lora = low_rank_args(None if deltas is None else deltas.low_rank_down(act), act)
     a, a_scale = quantize_act(x=act, group=ACT_GROUP, pdl=pdl) if quant else (act, act)
     down_sc = _scale_args(w2_scale, w2, hidden)
     down_k = min(down["block_k"], down_sc[3], ACT_GROUP) if fp8 else down["block_k"]
-    _down_kernel[(max_blocks, triton.cdiv(hidden_size, down["block_n"]))](
+    grid, n_major = _grid(max_blocks, triton.cdiv(hidden_size, down["block_n"]), cfg.get("n_major", False))
+    _down_kernel[grid](
         a, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, a.stride(0), w2.stride(0),
         w2.stride(1), y.stride(0), a_scale, a_scale.stride(0), *down_sc[:3], *down_lora[:6], HIDDEN=hidden_size,
         INTER=inter, BLOCK_M=block_m, BLOCK_N=down["block_n"], BLOCK_K=down_k, FP8=fp8, SCALE_N=down_sc[4],
-        SCALE_K=down_sc[3], GROUP=ACT_GROUP, LORA_RANK=down_lora[6], QUANT_ACT=quant, num_warps=down["num_warps"],
+        SCALE_K=down_sc[3], GROUP=ACT_GROUP, LORA_RANK=down_lora[6], QUANT_ACT=quant, N_MAJOR=n_major,
+        num_warps=down["num_warps"],
         num_stages=down["num_stages"], **pdl_launch(act, pdl),
     )  # fmt: skip
     shared_out = gate_logit = None

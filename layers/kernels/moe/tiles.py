@@ -25,12 +25,14 @@ PAIRS_TILES = {
 # to 64 rows a prefill is bound by the weights' bytes). Swept jointly at 512 / 1k / 2k / 4k / 8k tokens
 # (bench kernels_moe --kernel both, H200, 769e931): 404 / 442 / 516 / 703 / 1,201 us a layer against
 # 447 / 488 / 729 / 860 / 1,397 with the tiles before (bm 16 / 32 / 32 / 64 / 128, narrower N tiles).
+# n_major (sorted._grid): at 8k the down GEMM's 67 MB of activations, re-read by each of its 8 N
+# blocks, no longer fit in L2 between them with row blocks major (reasoned; bench --kernel order).
 SORTED_TILES = {
     H200: (
         (12, dict(block_m=16, up=(64, 128, 4, 4), down=(64, 128, 4, 4))),
         (24, dict(block_m=32, up=(64, 128, 4, 3), down=(64, 128, 4, 3))),
         (45, dict(block_m=64, up=(256, 64, 8, 3), down=(128, 64, 8, 3))),
-        (None, dict(block_m=128, up=(128, 64, 8, 4), down=(256, 64, 8, 4))),
+        (None, dict(block_m=128, up=(128, 64, 8, 4), down=(256, 64, 8, 4), n_major=True)),
     )
 }
 
@@ -58,9 +60,10 @@ def sorted_config(
     num_pairs: int, num_experts: int, elem: int, info: DeviceInfo, fp8: bool = False, block_m: int = 0,
     quantized_acts: bool = True,
 ) -> dict:  # fmt: skip
-    """The sorted path's tiles for this device: block_m, and up / down block_n, block_k, num_warps,
-    num_stages. Other GPUs: the H200's, each pipeline as deep as their shared memory holds. fp8
-    (one-byte weights, unmeasured): the same tiles with twice the K step, at most one 128-column
+    """The sorted path's tiles for this device: block_m, n_major (the grid's program order:
+    sorted._grid), and up / down block_n, block_k, num_warps, num_stages. Other GPUs: the H200's,
+    each pipeline as deep as their shared memory holds. fp8 (one-byte weights, unmeasured): the
+    same tiles with twice the K step, at most one 128-column
     scale group, each pipeline as deep as fits (quantized_acts False: the activations keep `elem`
     bytes, and the weights converted for the dot take one more unpipelined buffer). block_m: the
     entry with these tile rows (0: the entry for the mean rows per expert)."""
@@ -77,7 +80,7 @@ def sorted_config(
     else:
         entry = next(cfg for most, cfg in table if most is None or rows <= most)
     block_m = entry["block_m"]
-    cfg = dict(block_m=block_m)
+    cfg = dict(block_m=block_m, n_major=entry.get("n_major", False))
     for name, operands in (("up", 2), ("down", 1)):  # up reads the gate and the up tile
         block_n, block_k, warps, stages = entry[name]
         fixed = SMEM_SCRATCH
