@@ -25,8 +25,10 @@ PAIRS_TILES = {
 # to 64 rows a prefill is bound by the weights' bytes). Swept jointly at 512 / 1k / 2k / 4k / 8k tokens
 # (bench kernels_moe --kernel both, H200, 769e931): 404 / 442 / 516 / 703 / 1,201 us a layer against
 # 447 / 488 / 729 / 860 / 1,397 with the tiles before (bm 16 / 32 / 32 / 64 / 128, narrower N tiles).
-# n_major (sorted._grid): at 8k the down GEMM's 67 MB of activations, re-read by each of its 8 N
-# blocks, no longer fit in L2 between them with row blocks major (reasoned; bench --kernel order).
+# n_major (sorted._grid): a row block's N slices as neighbouring programs, so that the down GEMM's
+# activations (67 MB at 8k, re-read by each of its 8 N blocks) stay in L2 between them: at 8k the
+# same 1,106 us a layer as row blocks major (1,100; bench kernels_moe --kernel order, 04d376d), and
+# what the end-to-end figures at 04d376d ran with.
 SORTED_TILES = {
     H200: (
         (12, dict(block_m=16, up=(64, 128, 4, 4), down=(64, 128, 4, 4))),
