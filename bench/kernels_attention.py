@@ -1,6 +1,8 @@
 """Paged attention cases (16 q heads, 2 kv heads, head dim 256, pages of 16, bf16): decode at
 batch 1 / 64 / 256 x 4096 context, decode over e4m3 pages against bf16 ones at 16k, prefill of 8192
-new tokens, 256 new tokens after 16,384 cached (a prefix-cache hit: split-K), and the KV write.
+new tokens, 256 new tokens after 16,384 cached (a prefix-cache hit: split-K), torch's SDPA over one
+8k chunk (alone and after 24k cached keys: flash on expanded heads as the engine runs it, on the
+kv heads, cuDNN), and the KV write.
 
     python -m deltaserve.bench.kernels --only attention
     python -m deltaserve.bench.kernels_attention --sweep   # decode tile / split sweep at batch 64
@@ -218,6 +220,57 @@ def _prefill_case(num_tokens: int, cached: int = 0) -> Case:
     )
 
 
+def _sdpa_case(num_tokens: int, cached: int = 0) -> Case:
+    """One sequence's chunk through torch's SDPA as the engine runs it (prefill_attention=auto from
+    SDPA_MIN_QUERIES queries: naive.causal_sdpa, k and v expanded to the q heads), against SDPA on the
+    unexpanded heads (enable_gqa) and, as the peer, cuDNN's attention where this torch runs it for
+    these shapes (head dim 256; after cached keys, through the lower-right causal bias): at 32k the
+    attention is the largest part of a prefill, and FA2 is what SDPA's flash backend runs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    seq_len = cached + num_tokens
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(num_tokens, HQ, D, device="cuda", dtype=DTYPE, generator=g)
+    k = torch.randn(seq_len, HKV, D, device="cuda", dtype=DTYPE, generator=g)
+    v = torch.randn(seq_len, HKV, D, device="cuda", dtype=DTYPE, generator=g)
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    bias = causal_lower_right(num_tokens, seq_len) if cached else None
+
+    def gqa():
+        if bias is None:
+            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=SCALE, enable_gqa=True)
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=SCALE, enable_gqa=True)
+
+    def cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return gqa()
+
+    peer, peer_label = cudnn, "cuDNN (enable_gqa)"
+    try:  # a backend this torch does not run for these shapes is reported, not timed
+        cudnn()
+        torch.cuda.synchronize()
+    except Exception as e:
+        peer, peer_label = None, f"cuDNN: {type(e).__name__}"
+
+    def check():
+        return _max_err(naive.causal_sdpa(q=q, k=k, v=v, scale=SCALE), gqa()[0].transpose(0, 1))
+
+    return Case(
+        op="attn_prefill_sdpa",
+        shape=f"T={num_tokens} cached={cached} Hq={HQ} Hkv={HKV} D={D}",
+        ours=lambda: naive.causal_sdpa(q=q, k=k, v=v, scale=SCALE),
+        reference=gqa,
+        reference_label="sdpa enable_gqa",
+        check=check,
+        tolerance=2e-2,
+        bytes_moved=2 * q.numel() * 2 + 2 * seq_len * HKV * D * 2,
+        flops=2 * HQ * num_tokens * (2 * cached + num_tokens + 1) * D,
+        peer=peer,
+        peer_label=peer_label,
+    )
+
+
 def _write_case(num_tokens: int) -> Case:
     k_cache, v_cache, _ = _pool(1, num_tokens * 2, seed=3)
     key = torch.randn(num_tokens, HKV, D, device="cuda", dtype=DTYPE)
@@ -253,6 +306,8 @@ def cases() -> list[Case]:
         _decode_fp8_case(1, 16384),
         _prefill_case(8192),
         _prefill_case(256, cached=16384),
+        _sdpa_case(8192),
+        _sdpa_case(8192, cached=24576),
         _write_case(8192),
     ]
 
