@@ -12,12 +12,15 @@ import sys
 import pytest
 import triton
 
+from deltaserve.layers.kernels.device import H200, DeviceInfo
 from deltaserve.layers.kernels.lora import triton_lora
-from deltaserve.layers.kernels.moe import pairs
+from deltaserve.layers.kernels.moe import pairs, tiles
 from deltaserve.layers.kernels.moe import sorted as sorted_path
 from deltaserve.layers.kernels.norm import triton_norm
 
 BF16 = "*bf16"
+H200_SMEM = 227 * 1024
+H200_INFO = DeviceInfo(H200, 132, H200_SMEM, (9, 0))
 
 
 def test_lora_kernels_compile_for_sm90():
@@ -30,37 +33,53 @@ def test_lora_kernels_compile_for_sm90():
 
 def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 1):
     """fn compiled to a cubin: the named pointer arguments of the given types, other arguments i32
-    (eps fp32), the constexprs as given."""
-    sig = {}
-    for name in fn.arg_names:
+    (eps fp32), the constexprs as given. Pointers and strides (s_*, stride*) carry the 16-divisibility
+    the JIT finds at the real shapes: without it no load is vectorised and none pipelined (a
+    one-stage kernel whose shared memory would not show what the device compiles)."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
         else:
             sig[name] = pointers.get(name, "fp32" if name == "eps" else "i32")
-    src = triton.compiler.ASTSource(fn, sig, constexprs)
+            if name in pointers or name.startswith(("s_", "stride")):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn, sig, constexprs, attrs)
     target = triton.backends.compiler.GPUTarget("cuda", 90, 32)
     kernel = triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
     assert kernel.asm["cubin"], fn.__name__
+    # the H200's opt-in shared memory: more is refused only at launch (OutOfResources)
+    assert kernel.metadata.shared <= H200_SMEM, (fn.__name__, kernel.metadata.shared, constexprs)
 
 
 LOW_RANK = {"lora_keys": "*i32", "lora_v": "*fp32", "lora_b": BF16}
 
 
-def sorted_path_kernels(rank, fp8=False, quant_act=True):
+def sorted_path_kernels(rank, fp8=False, quant_act=True, tokens=0):
     """fp8: FP8 experts (float8 weights and quantized activations; without quant_act bf16 ones)
-    beside the bf16 adapters."""
+    beside the bf16 adapters. tokens: the H200's tiles for a pass of that many (tiles.sorted_config at
+    the 35B shape), else small ones."""
     w = "*fp8e4nv" if fp8 else BF16
     x = w if quant_act else BF16
     up_ptrs = {"hidden": x, "w13": w, "act": BF16, "x_scale": "*fp32", "w_scale": "*fp32"}
     ids = {"sorted_ids": "*i32", "block_expert": "*i32", "num_padded": "*i32"}
     scales = dict(SCALE_N=128, SCALE_K=128) if fp8 else dict(SCALE_N=1, SCALE_K=1 << 30)
-    tiles = dict(INTER=512, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FP8=fp8, GROUP=128, **scales)
-    common = dict(HIDDEN=2048, LORA_RANK=rank, USE_PDL=True, QUANT_ACT=fp8 and quant_act, N_MAJOR=True, **tiles)
-    compile_sm90(sorted_path._up_kernel, {**up_ptrs, **ids, **LOW_RANK}, dict(TOPK=8, **common), num_stages=4)
-    down_ptrs = {"act": x, "w2": w, "y": BF16, "act_scale": "*fp32", "w_scale": "*fp32"}
-    compile_sm90(
-        sorted_path._down_kernel, {**down_ptrs, **ids, **LOW_RANK, "topk_weights": "*fp32"}, common, num_stages=4
-    )
+    small = dict(block_n=64, block_k=128, num_warps=4, num_stages=4)
+    cfg = dict(block_m=16, n_major=True, up=small, down=small)
+    if tokens:
+        cfg = tiles.sorted_config(tokens * 8, 256, 2, H200_INFO, fp8=fp8, quantized_acts=quant_act)
+    for name, kernel, ptrs in (
+        ("up", sorted_path._up_kernel, {**up_ptrs, **ids, **LOW_RANK}),
+        ("down", sorted_path._down_kernel, {"act": x, "w2": w, "y": BF16, "act_scale": "*fp32", "w_scale": "*fp32",
+                                            **ids, **LOW_RANK, "topk_weights": "*fp32"}),
+    ):  # fmt: skip
+        t = cfg[name]
+        consts = dict(HIDDEN=2048, INTER=512, LORA_RANK=rank, USE_PDL=True, QUANT_ACT=fp8 and quant_act,
+                      N_MAJOR=cfg["n_major"], BLOCK_M=cfg["block_m"], BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
+                      FP8=fp8, GROUP=128, **scales)  # fmt: skip
+        if name == "up":
+            consts["TOPK"] = 8
+        compile_sm90(kernel, ptrs, consts, num_warps=t["num_warps"], num_stages=t["num_stages"])
     sum_ptrs = {n: BF16 for n in ("y", "out", "shared", "gate_logit", "residual", "norm_weight", "normed_out")}
     sum_ptrs |= {"res_out": BF16, "topk_ids": "*i64", **LOW_RANK}
     sum_consts = dict(HIDDEN=2048, TOPK=8, BLOCK=2048, HAS_SHARED=True, ADD_NORM=True, LORA_RANK=rank, USE_PDL=True)
@@ -104,7 +123,8 @@ def norm_with_low_rank():
 
 CASES = [
     (sorted_path_kernels, 0), (sorted_path_kernels, 16), (sorted_path_kernels, 16, True),
-    (sorted_path_kernels, 0, True, False), (pairs_down_gemv, 16, 0),
+    (sorted_path_kernels, 0, True, False), (sorted_path_kernels, 16, False, True, 8192),
+    (sorted_path_kernels, 0, True, True, 2048), (sorted_path_kernels, 0, True, False, 8192), (pairs_down_gemv, 16, 0),
     (pairs_down_gemv, 16, 16), (pairs_down_gemv, 0, 16), (pair_shrink, True, False), (pair_shrink, False, True),
     (norm_with_low_rank,),
 ]  # fmt: skip
