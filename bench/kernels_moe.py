@@ -16,6 +16,8 @@
     python -m deltaserve.bench.kernels_moe --sweep --tokens 8 --path sorted
     python -m deltaserve.bench.kernels_moe --sweep --tokens 2048 --kernel down   # prefill: one GEMM's tiles
     python -m deltaserve.bench.kernels_moe --sweep --tokens 4096 --kernel both   # block_m x both GEMMs' best
+    python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel order  # the grid's program order
+    scripts/gpu-session moe-sweep   # the prefill sweeps, each compiled in 16 processes first
 """
 
 from __future__ import annotations
