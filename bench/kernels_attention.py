@@ -1,8 +1,8 @@
 """Paged attention cases (16 q heads, 2 kv heads, head dim 256, pages of 16, bf16): decode at
 batch 1 / 64 / 256 x 4096 context, decode over e4m3 pages against bf16 ones at 16k, prefill of 8192
 new tokens, 256 new tokens after 16,384 cached (a prefix-cache hit: split-K), torch's SDPA over one
-8k chunk (alone and after 24k cached keys: flash on expanded heads as the engine runs it, on the
-kv heads, cuDNN), and the KV write.
+chunk (8k and a one-pass 32k prompt, and 8k after 24k cached keys: flash on expanded heads as the
+engine runs it, on the kv heads, cuDNN), and the KV write.
 
     python -m deltaserve.bench.kernels --only attention
     python -m deltaserve.bench.kernels_attention --sweep   # decode tile / split sweep at batch 64
@@ -307,6 +307,7 @@ def cases() -> list[Case]:
         _prefill_case(8192),
         _prefill_case(256, cached=16384),
         _sdpa_case(8192),
+        _sdpa_case(32768),
         _sdpa_case(8192, cached=24576),
         _write_case(8192),
     ]

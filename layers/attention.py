@@ -206,6 +206,7 @@ class GatedAttention(nn.Module):
                 scale=self.scale,
                 own_kv=own_kv,
                 output_gate=gate[num_decode:],
+                sdpa_backend=ctx.kernels.sdpa_backend,
             )
         attn = join_rows(decode_out, prefill_out).reshape(num_tokens, self.num_heads * d)
         out = project(attn, self.o_proj, ctx.kernels, self.o_bias if self.bias else None)

@@ -151,7 +151,14 @@ def test_option_values_are_checked():
     env = {"DELTASERVE_PREFILL_ATTENTION": "sdpa", "DELTASERVE_MOE_SORTED_BLOCK_M": "64"}
     assert KernelOptions.from_env(env) == KernelOptions(prefill_attention="sdpa", moe_sorted_block_m=64)
     assert KernelOptions().with_settings({"gdn_chunk_variant": "fused_pf"}).gdn_chunk_variant == "fused_pf"
-    for settings in ({"prefill_attention": "flash"}, {"moe_sorted_block_m": "48"}, {"gdn_chunk_variant": "x"}):
+    assert KernelOptions.from_env({"DELTASERVE_SDPA_BACKEND": "cudnn"}).sdpa_backend == "cudnn"
+    bad = (
+        {"prefill_attention": "flash"},
+        {"moe_sorted_block_m": "48"},
+        {"gdn_chunk_variant": "x"},
+        {"sdpa_backend": "fa3"},
+    )
+    for settings in bad:
         with pytest.raises(ValueError, match=next(iter(settings))):
             KernelOptions().with_settings(settings)
 
@@ -175,6 +182,8 @@ def test_gpu_sdpa_prefill_matches_the_paged_kernel():
     paged = attn_kernels.paged_attention(**args)
     sdpa = attn_kernels.paged_attention(**args, own_kv=(k, v))
     assert (sdpa.float() - paged.float()).abs().max().item() < 2e-2
+    cudnn = attn_kernels.paged_attention(**args, own_kv=(k, v), sdpa_backend="cudnn")  # flash where it declines
+    assert (cudnn.float() - paged.float()).abs().max().item() < 2e-2
     # its last 300 queries after 1,748 cached tokens, over the keys copied out of shuffled pages
     order = torch.randperm(pages, device="cuda", generator=g)
     k_shuf, v_shuf = torch.empty_like(k_cache), torch.empty_like(v_cache)

@@ -90,6 +90,15 @@ class KernelOptions:
             "choices": ("auto", "paged", "sdpa"),
         },
     )
+    sdpa_backend: str = field(
+        default="flash",
+        metadata={
+            "env": "DELTASERVE_SDPA_BACKEND",
+            "help": "the backend of the SDPA prefill path on CUDA: flash (FA2), or cudnn (cuDNN's attention) for "
+            "chunks without cached keys (flash after cached ones and where cuDNN declines the shapes)",
+            "choices": ("flash", "cudnn"),
+        },
+    )
     moe_sorted_block_m: int = field(
         default=0,
         metadata={

@@ -63,6 +63,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "paged: the paged kernel always",
         ),
         EnvVar(
+            "DELTASERVE_SDPA_BACKEND",
+            "flash",
+            "the SDPA prefill path's backend on CUDA: flash (FA2), or cudnn (cuDNN's attention) for chunks "
+            "without cached keys (flash after cached ones and where cuDNN declines the shapes)",
+        ),
+        EnvVar(
             "DELTASERVE_MOE_SORTED_BLOCK_M",
             "0",
             "rows of the MoE sorted path's tiles (16, 32, 64, 128); 0: by the rows per expert",

@@ -51,6 +51,7 @@ def paged_attention(
     scale: float,
     own_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     output_gate: torch.Tensor | None = None,
+    sdpa_backend: str = "flash",
 ) -> torch.Tensor:
     """Causal attention of a prefill chunk's tokens over their sequences' cached pages (themselves included).
 
@@ -65,13 +66,14 @@ def paged_attention(
             torch's SDPA (flash on CUDA) instead of reading the pages; the caller vouches for them.
         output_gate: [T, Hq, D] (D contiguous): the result times sigmoid(output_gate), one rounding
             (the SDPA path: two).
+        sdpa_backend: the SDPA path's backend on CUDA (naive.causal_sdpa: flash, or cudnn).
 
     Returns:
         o: [T, Hq, D] in q's dtype (float32 softmax). CUDA: one launch (two when few queries meet a
         long context: split-K and its merge), no host sync.
     """
     if own_kv is not None:
-        out = naive.causal_sdpa(q=q, k=own_kv[0], v=own_kv[1], scale=scale)
+        out = naive.causal_sdpa(q=q, k=own_kv[0], v=own_kv[1], scale=scale, backend=sdpa_backend)
         return out if output_gate is None else out * torch.sigmoid(output_gate)
     impl = naive.paged_attention
     if q.is_cuda:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..fp8.naive import FP8, FP8_MAX
 from ..precision import acc_dtype
+
+log = logging.getLogger(__name__)
 
 
 def is_fp8_cache(cache: torch.Tensor) -> bool:
@@ -92,11 +96,14 @@ def paged_decode_attention(
     return _gated(out, output_gate, q.dtype)
 
 
-def causal_sdpa(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_sdpa(
+    *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str = "flash"
+) -> torch.Tensor:  # fmt: skip
     """Causal attention of one sequence's last T queries q [T, Hq, D] over its keys and values k, v
     [L, Hkv, D] (L >= T: query i sees keys up to L - T + i) by torch's scaled_dot_product_attention
     (its flash kernel on CUDA: k and v expanded to the q heads, bf16 or fp16, D up to 256; the
-    lower-right causal bias when L > T). Returns [T, Hq, D] in q's dtype."""
+    lower-right causal bias when L > T). backend "cudnn": cuDNN's attention on CUDA when L == T
+    (flash where it declines the shapes). Returns [T, Hq, D] in q's dtype."""
     from torch.nn.attention.bias import causal_lower_right
 
     num_q, num_kv = q.shape[0], k.shape[0]
@@ -105,11 +112,33 @@ def causal_sdpa(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     kh = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     vh = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    if num_kv == num_q:
+    out = None
+    if num_kv == num_q and backend == "cudnn" and q.is_cuda:
+        out = _cudnn_causal(qh, kh, vh, scale)
+    if out is None and num_kv == num_q:
         out = sdpa(qh, kh, vh, is_causal=True, scale=scale)
-    else:
+    elif out is None:
         out = sdpa(qh, kh, vh, attn_mask=causal_lower_right(num_q, num_kv), scale=scale)
     return out[0].transpose(0, 1).contiguous()
+
+
+_CUDNN_DECLINED: set[tuple] = set()
+
+
+def _cudnn_causal(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Causal SDPA on cuDNN's backend alone; None (logged once a shape) where it declines these inputs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    key = (tuple(qh.shape), qh.dtype)
+    if key in _CUDNN_DECLINED:
+        return None
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    except RuntimeError as e:
+        _CUDNN_DECLINED.add(key)
+        log.warning("cuDNN attention declined %s (%s): flash serves these chunks", key, str(e)[:120])
+        return None
 
 
 def sequence_kv(
