@@ -17,6 +17,7 @@
     python -m deltaserve.bench.kernels_moe --sweep --tokens 2048 --kernel down   # prefill: one GEMM's tiles
     python -m deltaserve.bench.kernels_moe --sweep --tokens 4096 --kernel both   # block_m x both GEMMs' best
     python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel order  # the grid's program order
+    python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel tma    # weights through TMA descriptors
     scripts/gpu-session moe-sweep   # the prefill sweeps, each compiled in 16 processes first
 """
 
@@ -233,6 +234,9 @@ def _sweep_configs(path: str, num_tokens: int = 1, kernel: str = "up") -> list[d
     if path == "sorted" and kernel == "order":  # the default tiles, row-block-major against N-major grids
         default = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")))
         return [{**default, "n_major": False}, {**default, "n_major": True}]
+    if path == "sorted" and kernel == "tma":  # the default tiles, weights by pointers against TMA descriptors
+        default = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")))
+        return [{**default, "w_tma": False}, {**default, "w_tma": True}]
     if path == "sorted" and kernel == "both":
         grid = itertools.product([16, 32, 64, 128], JOINT_UP, JOINT_DOWN)
         configs = [dict(block_m=bm, up=_tiles(*up), down=_tiles(*down)) for bm, up, down in grid]
@@ -318,9 +322,9 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--path", choices=["pairs", "sorted"], default=None)
     parser.add_argument(
-        "--kernel", choices=["up", "down", "both", "order"], default="up",
+        "--kernel", choices=["up", "down", "both", "order", "tma"], default="up",
         help="sorted path: the GEMM swept at prefill sizes, both (block_m against each one's best tiles), or "
-        "order (the default tiles on row-block-major and N-major grids)",
+        "order (the default tiles on row-block-major and N-major grids), tma (their weights by pointers or TMA)",
     )  # fmt: skip
     parser.add_argument("--compile-only", action="store_true", help="run the shard's configs once, untimed")
     parser.add_argument("--shard", default="0/1", help="with --compile-only: i/n, every n-th config from the i-th")

@@ -55,10 +55,10 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int 
 LOW_RANK = {"lora_keys": "*i32", "lora_v": "*fp32", "lora_b": BF16}
 
 
-def sorted_path_kernels(rank, fp8=False, quant_act=True, tokens=0):
+def sorted_path_kernels(rank, fp8=False, quant_act=True, tokens=0, tma=False):
     """fp8: FP8 experts (float8 weights and quantized activations; without quant_act bf16 ones)
     beside the bf16 adapters. tokens: the H200's tiles for a pass of that many (tiles.sorted_config at
-    the 35B shape), else small ones."""
+    the 35B shape), else small ones. tma: the weights through TMA descriptors (bf16)."""
     w = "*fp8e4nv" if fp8 else BF16
     x = w if quant_act else BF16
     up_ptrs = {"hidden": x, "w13": w, "act": BF16, "x_scale": "*fp32", "w_scale": "*fp32"}
@@ -76,7 +76,8 @@ def sorted_path_kernels(rank, fp8=False, quant_act=True, tokens=0):
         t = cfg[name]
         consts = dict(HIDDEN=2048, INTER=512, LORA_RANK=rank, USE_PDL=True, QUANT_ACT=fp8 and quant_act,
                       N_MAJOR=cfg["n_major"], BLOCK_M=cfg["block_m"], BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
-                      FP8=fp8, GROUP=128, **scales)  # fmt: skip
+                      FP8=fp8, GROUP=128, W_DESC=tma, **scales)  # fmt: skip
+        ptrs = {**ptrs, "w_desc": f"tensordesc<bf16[{t['block_n']}, {t['block_k']}]>" if tma else w}
         if name == "up":
             consts["TOPK"] = 8
         compile_sm90(kernel, ptrs, consts, num_warps=t["num_warps"], num_stages=t["num_stages"])
@@ -124,7 +125,8 @@ def norm_with_low_rank():
 CASES = [
     (sorted_path_kernels, 0), (sorted_path_kernels, 16), (sorted_path_kernels, 16, True),
     (sorted_path_kernels, 0, True, False), (sorted_path_kernels, 16, False, True, 8192),
-    (sorted_path_kernels, 0, True, True, 2048), (sorted_path_kernels, 0, True, False, 8192), (pairs_down_gemv, 16, 0),
+    (sorted_path_kernels, 0, True, True, 2048), (sorted_path_kernels, 0, True, False, 8192),
+    (sorted_path_kernels, 16, False, True, 8192, True), (pairs_down_gemv, 16, 0),
     (pairs_down_gemv, 16, 16), (pairs_down_gemv, 0, 16), (pair_shrink, True, False), (pair_shrink, False, True),
     (norm_with_low_rank,),
 ]  # fmt: skip

@@ -69,17 +69,24 @@ def test_fused_moe(device, path, tokens, hidden, inter, local, total, top_k, off
     assert rel_err(out, ref) < tol(device)
 
 
-def test_fused_moe_sorted_grid_orders_agree(device):
-    """The sorted path's two program orders (row blocks major, N slices major) write the same output,
-    bit for bit, and the reference's; several row blocks per expert and several N blocks."""
+@pytest.mark.parametrize("local, offset", [(6, 0), (4, 2)])  # all experts; an EP rank's slice of them
+def test_fused_moe_sorted_grid_orders_and_weight_descriptors_agree(device, local, offset):
+    """The sorted path's two program orders (row blocks major, N slices major) and its weights read
+    through TMA descriptors write the same output, bit for bit, and the reference's: several row blocks
+    per expert and several N blocks, an expert width and hidden size that are not multiples of the tiles
+    (a tile's rows past an expert's width, K tails past the row)."""
     from deltaserve.layers.kernels.device import device_info
+    from deltaserve.layers.kernels.moe import sorted as sorted_path
 
-    args = make_inputs(tokens=22, hidden=40, inter=40, local=6, total=6, top_k=4, offset=0, device=device)
-    cfg = tiles.sorted_config(22 * 4, 6, 4, device_info(args["hidden"].device))
+    args = make_inputs(tokens=22, hidden=40, inter=40, local=local, total=6, top_k=4, offset=offset, device=device)
+    assert sorted_path._tma_ok(args["w13"]) and sorted_path._tma_ok(args["w2"])
+    cfg = tiles.sorted_config(22 * 4, local, 4, device_info(args["hidden"].device))
+    assert 40 % cfg["up"]["block_n"] and 40 % cfg["up"]["block_k"]
     rows = tm.fused_moe(**args, path="sorted", config={**cfg, "n_major": False})
     cols = tm.fused_moe(**args, path="sorted", config={**cfg, "n_major": True})
-    assert torch.equal(rows, cols)
-    assert rel_err(cols, naive.fused_moe(**args)) < tol(device)
+    tma = tm.fused_moe(**args, path="sorted", config={**cfg, "w_tma": True})
+    assert torch.equal(rows, cols) and torch.equal(rows, tma)
+    assert rel_err(tma, naive.fused_moe(**args)) < tol(device)
 
 
 def test_fused_moe_tokens_without_local_experts(device):

@@ -73,11 +73,11 @@ def _grid(row_blocks: int, n_blocks: int, n_major: bool) -> tuple[tuple[int, int
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_pairs"])
 def _up_kernel(
-    hidden, w13, act, sorted_ids, block_expert, num_padded, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs,
+    hidden, w13, w_desc, act, sorted_ids, block_expert, num_padded, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs,
     w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr, INTER: tl.constexpr,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
-    QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr,
+    QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr, W_DESC: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n] = silu(x @ gate^T) * (x @ up^T) for one block of pairs of one expert and one
     BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e].
@@ -90,7 +90,9 @@ def _up_kernel(
     s_lv, lora_b [G, 2 * INTER, LORA_RANK] of strides s_lg, s_ln: its adapters) joins gate and up
     before the activation (_block_low_rank: no expand launch, no delta buffer).
     N_MAJOR: the N slices of a row block are neighbouring programs (grid (N blocks, row blocks)):
-    they read its gathered rows while those are still in L2."""
+    they read its gathered rows while those are still in L2. W_DESC (bf16 experts): the gate and up
+    tiles through w_desc, a TMA descriptor of w13 as [E * 2 * INTER, HIDDEN] with [BLOCK_N, BLOCK_K]
+    boxes (rows past an expert's INTER only feed columns the store masks; K tails read zeros)."""
     pdl_wait(USE_PDL)
     pid_m, pid_n = _block_ids(N_MAJOR)
     rows = tl.arange(0, BLOCK_M)
@@ -112,14 +114,20 @@ def _up_kernel(
     us_ptr = w_scale + e.to(tl.int64) * s_se + ((n_sc + INTER) // SCALE_N) * s_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w_row = e * (2 * INTER) + pid_n * BLOCK_N
     for k0 in range(0, HIDDEN, BLOCK_K):
+        k_ok = k0 + k < HIDDEN
         if HIDDEN % BLOCK_K == 0:
             a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if W_DESC:
+            g = w_desc.load([w_row, k0]).T
+            u = w_desc.load([w_row + INTER, k0]).T
+        elif HIDDEN % BLOCK_K == 0:
             g = tl.load(g_ptr, mask=n_ok[None, :], other=0.0)
             u = tl.load(u_ptr, mask=n_ok[None, :], other=0.0)
         else:
-            k_ok = k0 + k < HIDDEN
-            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             u = tl.load(u_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         if FP8 and QUANT_ACT:
@@ -147,17 +155,17 @@ def _up_kernel(
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    act, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, s_at, s_we, s_wn, s_yp, act_scale,
-    s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr,
+    act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, s_at, s_we, s_wn, s_yp,
+    act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr,
     INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
-    QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr,
+    QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr, W_DESC: tl.constexpr,
 ):  # fmt: skip
     """y[pair, n] = weight[pair] * (act[pair] @ w2[e, n]^T (+ the pair's low-rank delta, lora_b
     [G, HIDDEN, LORA_RANK], as _up_kernel's)) for one block of sorted pairs. FP8: act quantized per
     row and GROUP columns (act_scale), w2 float8 with block scales, as _up_kernel (the delta's
     shrink read the unquantized act); without QUANT_ACT act as it is, as _up_kernel's W8A16. N_MAJOR
-    as _up_kernel's."""
+    and W_DESC (w2 as [E * HIDDEN, INTER]) as _up_kernel's."""
     pdl_wait(USE_PDL)
     pid_m, pid_n = _block_ids(N_MAJOR)
     if pid_m * BLOCK_M >= tl.load(num_padded):
@@ -173,13 +181,18 @@ def _down_kernel(
     as_ptr = act_scale + tl.where(row_ok, pair, 0).to(tl.int64) * s_as
     bs_ptr = w_scale + e.to(tl.int64) * s_se + (tl.minimum(n, HIDDEN - 1) // SCALE_N) * s_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w_row = e * HIDDEN + pid_n * BLOCK_N
     for k0 in range(0, INTER, BLOCK_K):
+        k_ok = k0 + k < INTER
         if INTER % BLOCK_K == 0:
             a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if W_DESC:
+            b = w_desc.load([w_row, k0]).T
+        elif INTER % BLOCK_K == 0:
             b = tl.load(b_ptr, mask=n_ok[None, :], other=0.0)
         else:
-            k_ok = k0 + k < INTER
-            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         if FP8 and QUANT_ACT:
             scale = tl.load(as_ptr + k0 // GROUP)[:, None] * tl.load(bs_ptr + k0 // SCALE_K)[None, :]
@@ -291,27 +304,29 @@ def moe_sorted(
     up_sc = _scale_args(w13_scale, w13, hidden)
     up_k = min(up["block_k"], up_sc[3], ACT_GROUP) if fp8 else up["block_k"]
     up_lora = low_rank_args(None if deltas is None else deltas.low_rank_gate_up(topk_ids), act)
+    tma = cfg.get("w_tma", False) and not fp8 and _tma_ok(w13) and _tma_ok(w2)
     grid, n_major = _grid(max_blocks, triton.cdiv(inter, up["block_n"]), cfg.get("n_major", False))
+    up_desc = _weight_desc(w13, up["block_n"], up["block_k"]) if tma else w13
     _up_kernel[grid](
-        x, w13, act, sorted_ids, block_expert, num_padded, num_pairs, x.stride(0), w13.stride(0), w13.stride(1),
-        act.stride(0), x_scale, x_scale.stride(0), *up_sc[:3], *up_lora[:6], HIDDEN=hidden_size, INTER=inter,
-        TOPK=top_k, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up_k, FP8=fp8, SCALE_N=up_sc[4],
-        SCALE_K=up_sc[3], GROUP=ACT_GROUP, LORA_RANK=up_lora[6], QUANT_ACT=quant, N_MAJOR=n_major,
-        num_warps=up["num_warps"],
-        num_stages=up["num_stages"], **pdl_launch(hidden, pdl),
+        x, w13, up_desc, act, sorted_ids, block_expert, num_padded, num_pairs, x.stride(0), w13.stride(0),
+        w13.stride(1), act.stride(0), x_scale, x_scale.stride(0), *up_sc[:3], *up_lora[:6], HIDDEN=hidden_size,
+        INTER=inter, TOPK=top_k, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up_k, FP8=fp8, SCALE_N=up_sc[4],
+        SCALE_K=up_sc[3], GROUP=ACT_GROUP, LORA_RANK=up_lora[6], QUANT_ACT=quant, N_MAJOR=n_major, W_DESC=tma,
+        num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl_launch(hidden, pdl),
     )  # fmt: skip
     down_lora = low_rank_args(None if deltas is None else deltas.low_rank_down(act), act)
     a, a_scale = quantize_act(x=act, group=ACT_GROUP, pdl=pdl) if quant else (act, act)
     down_sc = _scale_args(w2_scale, w2, hidden)
     down_k = min(down["block_k"], down_sc[3], ACT_GROUP) if fp8 else down["block_k"]
     grid, n_major = _grid(max_blocks, triton.cdiv(hidden_size, down["block_n"]), cfg.get("n_major", False))
+    down_desc = _weight_desc(w2, down["block_n"], down_k) if tma else w2
     _down_kernel[grid](
-        a, w2, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, a.stride(0), w2.stride(0),
-        w2.stride(1), y.stride(0), a_scale, a_scale.stride(0), *down_sc[:3], *down_lora[:6], HIDDEN=hidden_size,
-        INTER=inter, BLOCK_M=block_m, BLOCK_N=down["block_n"], BLOCK_K=down_k, FP8=fp8, SCALE_N=down_sc[4],
-        SCALE_K=down_sc[3], GROUP=ACT_GROUP, LORA_RANK=down_lora[6], QUANT_ACT=quant, N_MAJOR=n_major,
-        num_warps=down["num_warps"],
-        num_stages=down["num_stages"], **pdl_launch(act, pdl),
+        a, w2, down_desc, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, a.stride(0),
+        w2.stride(0), w2.stride(1), y.stride(0), a_scale, a_scale.stride(0), *down_sc[:3], *down_lora[:6],
+        HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m, BLOCK_N=down["block_n"], BLOCK_K=down_k, FP8=fp8,
+        SCALE_N=down_sc[4], SCALE_K=down_sc[3], GROUP=ACT_GROUP, LORA_RANK=down_lora[6], QUANT_ACT=quant,
+        N_MAJOR=n_major, W_DESC=tma, num_warps=down["num_warps"], num_stages=down["num_stages"],
+        **pdl_launch(act, pdl),
     )  # fmt: skip
     shared_out = gate_logit = None
     if shared is not None:  # its down projection on cuBLAS (FP8: linear); the gate and the sum in the sum kernel
@@ -335,6 +350,19 @@ def moe_sorted(
         TOPK=top_k, BLOCK=block_h, HAS_SHARED=shared is not None, ADD_NORM=norm is not None,
         LORA_RANK=shared_lora[6], num_warps=8 if shared_lora[6] else 4, **pdl_launch(y, pdl),
     )  # fmt: skip
+
+
+def _tma_ok(w: torch.Tensor) -> bool:
+    """Whether experts' weights [E, R, C] can be read through a TMA descriptor: contiguous, rows and
+    base on 16 bytes."""
+    return w.is_contiguous() and (w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+
+
+def _weight_desc(w: torch.Tensor, block_n: int, block_k: int):
+    """Experts' weights [E, R, C] as a TMA descriptor of [E * R, C] with [block_n, block_k] boxes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
 
 
 def _silu_mul(gate_up: torch.Tensor, inter: int, pdl: bool) -> torch.Tensor:

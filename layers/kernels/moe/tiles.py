@@ -63,7 +63,8 @@ def sorted_config(
     quantized_acts: bool = True,
 ) -> dict:  # fmt: skip
     """The sorted path's tiles for this device: block_m, n_major (the grid's program order:
-    sorted._grid), and up / down block_n, block_k, num_warps, num_stages. Other GPUs: the H200's,
+    sorted._grid), w_tma (bf16 experts' weights through TMA descriptors), and up / down block_n,
+    block_k, num_warps, num_stages. Other GPUs: the H200's,
     each pipeline as deep as their shared memory holds. fp8 (one-byte weights, unmeasured): the
     same tiles with twice the K step, at most one 128-column
     scale group, each pipeline as deep as fits (quantized_acts False: the activations keep `elem`
@@ -82,7 +83,7 @@ def sorted_config(
     else:
         entry = next(cfg for most, cfg in table if most is None or rows <= most)
     block_m = entry["block_m"]
-    cfg = dict(block_m=block_m, n_major=entry.get("n_major", False))
+    cfg = dict(block_m=block_m, n_major=entry.get("n_major", False), w_tma=entry.get("w_tma", False))
     for name, operands in (("up", 2), ("down", 1)):  # up reads the gate and the up tile
         block_n, block_k, warps, stages = entry[name]
         fixed = SMEM_SCRATCH
