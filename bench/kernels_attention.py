@@ -169,6 +169,15 @@ def _decode_fp8_case(batch: int, ctx: int) -> Case:
     )
 
 
+def _prefill_cost(num_tokens: int, cached: int) -> dict:
+    """A chunk's fewest bytes (q read, o written, the keys and values read once) and causal FLOPs."""
+    seq_len = cached + num_tokens
+    return dict(
+        bytes_moved=2 * num_tokens * HQ * D * 2 + 2 * seq_len * HKV * D * 2,
+        flops=2 * HQ * num_tokens * (2 * cached + num_tokens + 1) * D,
+    )
+
+
 def _prefill_case(num_tokens: int, cached: int = 0) -> Case:
     """num_tokens new tokens after `cached` ones (a prefix-cache hit: few queries, a long context; the
     split-K path, timed against its own unsplit path as the peer)."""
@@ -213,8 +222,7 @@ def _prefill_case(num_tokens: int, cached: int = 0) -> Case:
         reference_label="sdpa causal(contiguous)",
         check=check,
         tolerance=2e-2,
-        bytes_moved=2 * q.numel() * 2 + 2 * seq_len * HKV * D * 2,
-        flops=2 * HQ * num_tokens * (2 * cached + num_tokens + 1) * D,
+        **_prefill_cost(num_tokens, cached),
         peer=(lambda: ta.paged_attention(**args, config=unsplit)) if splits > 1 else None,
         peer_label="unsplit (1 span)",
     )
@@ -264,8 +272,7 @@ def _sdpa_case(num_tokens: int, cached: int = 0) -> Case:
         reference_label="sdpa enable_gqa",
         check=check,
         tolerance=2e-2,
-        bytes_moved=2 * q.numel() * 2 + 2 * seq_len * HKV * D * 2,
-        flops=2 * HQ * num_tokens * (2 * cached + num_tokens + 1) * D,
+        **_prefill_cost(num_tokens, cached),
         peer=peer,
         peer_label=peer_label,
     )
