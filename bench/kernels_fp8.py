@@ -5,7 +5,7 @@ against the bf16 kernel the model runs without FP8, timed in the same run:
   registers) against our bf16 ones, CALLS calls on distinct weights in one CUDA graph (cold weights,
   no launch gaps); the floor is the FP8 weights' bytes.
 - fp8_linear at 2,048 and 8,192 rows: activation quantization + the block-scaled FP8 GEMM against
-  cuBLAS bf16, TFLOP/s.
+  cuBLAS bf16, TFLOP/s; the peer: the same on cuBLAS's block-scaled FP8 GEMM (fp8_gemm=cublas).
 - fp8_moe: the fused MoE with FP8 experts against bf16 experts (pairs path at 1 and 8 tokens in a
   CUDA graph; sorted path at 2,048 and 8,192 tokens eager).
 - quantize_act: per-token 1 x 128 groups at prefill sizes.
@@ -104,6 +104,10 @@ def _linear_cases(label: str, n: int, tail: int, k: int) -> list[Case]:
                 tolerance=TOLERANCE,
                 bytes_moved=n * k + tail * k * 2 + m * k * 2 + m * (n + tail) * 2,
                 flops=2 * m * (n + tail) * k,
+                peer=lambda x=x, q=q, s=s, t=t: linear_kernels.linear(
+                    x=x, weight=q, weight_scale=s, weight_tail=t, fp8_gemm="cublas"
+                ),
+                peer_label="cuBLAS block FP8 (fp8_gemm=cublas)",
                 target="faster than cuBLAS bf16",
             )
         )

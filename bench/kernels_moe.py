@@ -18,6 +18,7 @@
     python -m deltaserve.bench.kernels_moe --sweep --tokens 4096 --kernel both   # block_m x both GEMMs' best
     python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel order  # the grid's program order
     python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel tma    # weights through TMA descriptors
+    python -m deltaserve.bench.kernels_moe --sweep --tokens 2048 --kernel both --fp8  # FP8 experts (W8A8)
     scripts/gpu-session moe-sweep   # the prefill sweeps, each compiled in 16 processes first
 """
 
@@ -52,13 +53,25 @@ def _weights() -> tuple[torch.Tensor, torch.Tensor]:
     return _WEIGHTS["w13"], _WEIGHTS["w2"]
 
 
-def _inputs(num_tokens: int, seed: int) -> dict:
+def _fp8_weights() -> dict:
+    """The same experts block-quantized (128 x 128 scales, as FP8 checkpoints), made once."""
+    if "q13" not in _WEIGHTS:
+        from deltaserve.layers.kernels import fp8 as fp8_kernels
+
+        w13, w2 = _weights()
+        _WEIGHTS["q13"], _WEIGHTS["s13"] = fp8_kernels.quantize_weight(w13)
+        _WEIGHTS["q2"], _WEIGHTS["s2"] = fp8_kernels.quantize_weight(w2)
+    return dict(w13=_WEIGHTS["q13"], w2=_WEIGHTS["q2"], w13_scale=_WEIGHTS["s13"], w2_scale=_WEIGHTS["s2"])
+
+
+def _inputs(num_tokens: int, seed: int, fp8: bool = False) -> dict:
     w13, w2 = _weights()
     g = torch.Generator(device="cuda").manual_seed(seed)
     hidden = torch.randn(num_tokens, H, device="cuda", dtype=DTYPE, generator=g)
     logits = torch.randn(num_tokens, E, device="cuda", generator=g)
     weights, ids = naive.route_topk_softmax(router_logits=logits, top_k=TOP_K, renormalize=True)
-    return dict(hidden=hidden, w13=w13, w2=w2, topk_weights=weights.to(DTYPE), topk_ids=ids, expert_offset=0)
+    experts = _fp8_weights() if fp8 else dict(w13=w13, w2=w2)
+    return dict(hidden=hidden, **experts, topk_weights=weights.to(DTYPE), topk_ids=ids, expert_offset=0)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -69,7 +82,8 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def _moe_bytes(args: dict) -> int:
     num_tokens = args["hidden"].shape[0]
     routed = torch.unique(args["topk_ids"]).numel()
-    return routed * EXPERT_BYTES + 2 * num_tokens * H * 2 + num_tokens * TOP_K * (8 + 2)
+    expert_bytes = EXPERT_BYTES // args["w13"].element_size() if "w13_scale" in args else EXPERT_BYTES
+    return routed * expert_bytes + 2 * num_tokens * H * 2 + num_tokens * TOP_K * (8 + 2)
 
 
 # --- router ---------------------------------------------------------------------------------------
@@ -228,9 +242,24 @@ PREFILL_SWEEP_ROWS = 48
 # kernel "both": block_m against the best tiles of each GEMM's own sweeps at 2k and 8k (H200, ecb59bc)
 JOINT_UP = [(64, 128, 4, 3), (256, 64, 8, 3), (128, 64, 8, 4), (64, 64, 8, 3)]
 JOINT_DOWN = [(256, 64, 8, 4), (256, 64, 8, 3), (128, 64, 8, 3), (64, 128, 4, 3)]
+# FP8 experts (W8A8): one 128-column scale group a K step; the up GEMM holds two accumulators and
+# two scaled partial products, so that wide tiles want 8 warps
+FP8_JOINT_UP = [(64, 128, 4, 3), (64, 128, 8, 4), (128, 128, 8, 3), (128, 128, 4, 4)]
+FP8_JOINT_DOWN = [(128, 128, 4, 3), (128, 128, 8, 4), (256, 128, 8, 3), (64, 128, 4, 4)]
 
 
-def _sweep_configs(path: str, num_tokens: int = 1, kernel: str = "up") -> list[dict]:
+def _default(num_tokens: int, fp8: bool) -> dict:
+    return tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")), fp8=fp8)
+
+
+def _sweep_configs(path: str, num_tokens: int = 1, kernel: str = "up", fp8: bool = False) -> list[dict]:
+    if path == "sorted" and kernel == "both" and fp8:
+        grid = itertools.product([32, 64, 128], FP8_JOINT_UP, FP8_JOINT_DOWN)
+        configs = [dict(block_m=bm, up=_tiles(*up), down=_tiles(*down)) for bm, up, down in grid]
+        default = _default(num_tokens, fp8)
+        return configs + ([] if default in configs else [default])
+    if fp8:
+        raise SystemExit("--fp8: with --kernel both on the sorted path")
     if path == "sorted" and kernel == "order":  # the default tiles, row-block-major against N-major grids
         default = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")))
         return [{**default, "n_major": False}, {**default, "n_major": True}]
@@ -260,13 +289,15 @@ def _sweep_configs(path: str, num_tokens: int = 1, kernel: str = "up") -> list[d
 
 
 def sweep(
-    num_tokens: int, path: str | None, kernel: str = "up", compile_only: bool = False, shard: str = "0/1"
-) -> None:
+    num_tokens: int, path: str | None, kernel: str = "up", compile_only: bool = False, shard: str = "0/1",
+    fp8: bool = False,
+) -> None:  # fmt: skip
     """Tile configs of one path at this batch, each timed as graph-captured calls with distinct
     routings (GRAPH_CALLS; 4 at prefill sizes): time per call, share of copy BW, TFLOP/s, error.
     kernel: at prefill sizes, the sorted GEMM whose tiles are swept (the other keeps its default).
     compile_only: each config of shard "i/n" (every n-th from the i-th) run once, untimed: several
-    such processes fill Triton's on-disk cache side by side, so that the timed sweep only loads."""
+    such processes fill Triton's on-disk cache side by side, so that the timed sweep only loads.
+    fp8: the experts block-quantized (W8A8 on the sorted path), against their float32 reference."""
     import triton.testing
 
     from deltaserve.bench.kernels import measure_copy_bandwidth
@@ -274,8 +305,8 @@ def sweep(
     path = path or ("pairs" if num_tokens * TOP_K <= tm.PAIRS_PATH_MAX else "sorted")
     if compile_only:
         index, count = (int(v) for v in shard.split("/"))
-        args = _inputs(num_tokens, seed=0)
-        for cfg in _sweep_configs(path, num_tokens, kernel)[index::count]:
+        args = _inputs(num_tokens, seed=0, fp8=fp8)
+        for cfg in _sweep_configs(path, num_tokens, kernel, fp8)[index::count]:
             try:
                 tm.fused_moe(**args, path=path, config=cfg)
             except Exception as e:
@@ -284,17 +315,17 @@ def sweep(
         return
     bandwidth = measure_copy_bandwidth()
     calls = GRAPH_CALLS if num_tokens <= 256 else 4
-    sets = [_inputs(num_tokens, seed=1000 * num_tokens + i) for i in range(calls)]
+    sets = [_inputs(num_tokens, seed=1000 * num_tokens + i, fp8=fp8) for i in range(calls)]
     floor_bytes = sum(_moe_bytes(a) for a in sets)
     ref = naive.fused_moe(**sets[0])
     info = device_info(torch.device("cuda"))
     if path == "pairs":
         default = tiles.pairs_config(H, INTER, info)
     else:
-        default = tiles.sorted_config(num_tokens * TOP_K, E, 2, info)
-    print(f"T={num_tokens} path={path} default {default}")
+        default = tiles.sorted_config(num_tokens * TOP_K, E, 2, info, fp8=fp8)
+    print(f"T={num_tokens} path={path}{' fp8' if fp8 else ''} default {default}")
     rows = []
-    for cfg in _sweep_configs(path, num_tokens, kernel):
+    for cfg in _sweep_configs(path, num_tokens, kernel, fp8):
         try:
             err = _rel_err(tm.fused_moe(**sets[0], path=path, config=cfg), ref)
             replay = graphed([lambda a=a, cfg=cfg: tm.fused_moe(**a, path=path, config=cfg) for a in sets])
@@ -328,6 +359,7 @@ if __name__ == "__main__":
     )  # fmt: skip
     parser.add_argument("--compile-only", action="store_true", help="run the shard's configs once, untimed")
     parser.add_argument("--shard", default="0/1", help="with --compile-only: i/n, every n-th config from the i-th")
+    parser.add_argument("--fp8", action="store_true", help="FP8 experts (block-quantized; with --kernel both)")
     a = parser.parse_args()
     if a.sweep:
-        sweep(a.tokens, a.path, a.kernel, a.compile_only, a.shard)
+        sweep(a.tokens, a.path, a.kernel, a.compile_only, a.shard, a.fp8)

@@ -98,6 +98,26 @@ def test_quantize_act_bit_for_bit(device, m, k, group, dtype):
     assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
 
 
+def test_quantize_act_m_major_scales(device):
+    """m_major (cuBLAS's 1 x 128 scale layout): the same values, rows fastest in memory."""
+    x = rand(5, 384, device=device, scale=3.0)
+    q, s = fp8_kernels.quantize_act(x=x, m_major=True)
+    q_ref, s_ref = fp8_naive.quantize_act(x=x.cpu(), group=128)
+    assert s.shape == (5, 3) and s.stride() == (1, 5)
+    assert torch.equal(s.cpu(), s_ref) and torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_cublas_fp8_takes_only_its_layout():
+    """cuBLAS's block-scaled GEMM takes 128 x 128 scale blocks over rows of 128 and K of 512; any
+    other weight stays on the Triton kernel."""
+    ok = triton_fp8.cublas_fp8_ok
+    has = hasattr(torch.nn.functional, "scaled_mm")
+    assert ok(*weight(256, 2048)) is has
+    assert not ok(*weight(256, 2048, block=(64, 128)))  # a TP shard's smaller blocks
+    assert not ok(*weight(200, 2048))  # rows not a multiple of 128
+    assert not ok(*weight(256, 384))  # three K groups: cuBLAS wants them padded to four
+
+
 def test_quantize_act_rounds_every_e4m3_tie_to_even(device):
     """Every e4m3 value, every midpoint between two and values just off them, as rows whose amax
     is 448 (scale 1): the kernel's rounding is the cast's (round to nearest even)."""
@@ -335,6 +355,20 @@ def test_gpu_linear_fp8_real_shapes(m, n, tail, k):
     t = rand(tail, k, device="cuda", scale=k**-0.5) if tail else None
     x = rand(m, k, device="cuda")
     out = linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t)
+    ref = naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, quantize_x=m > linear_kernels.MAX_TUNED_TOKENS)
+    assert close(out, ref, 8) and real_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [300, 2048])
+@pytest.mark.parametrize(("n", "tail", "k"), REAL_LINEAR)
+def test_gpu_linear_fp8_cublas(m, n, tail, k):
+    """fp8_gemm="cublas": cuBLAS's block-scaled GEMM (where it takes the weight) against the same
+    quantization in float32, tail rows and all columns written."""
+    q, s = weight(n, k, device="cuda")
+    t = rand(tail, k, device="cuda", scale=k**-0.5) if tail else None
+    x = rand(m, k, device="cuda")
+    out = linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t, fp8_gemm="cublas")
     ref = naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, quantize_x=m > linear_kernels.MAX_TUNED_TOKENS)
     assert close(out, ref, 8) and real_close(out, ref)
 

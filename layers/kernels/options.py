@@ -117,6 +117,15 @@ class KernelOptions:
             "choices": ("quantized", "unquantized"),
         },
     )
+    fp8_gemm: str = field(
+        default="triton",
+        metadata={
+            "env": "DELTASERVE_FP8_GEMM",
+            "help": "the block-scaled FP8 GEMM of prefill-sized projections with FP8 weights: triton (ours), or "
+            "cublas (cuBLAS's, through torch's scaled_mm, where it takes the weight's shape)",
+            "choices": ("triton", "cublas"),
+        },
+    )
     gdn_chunk_variant: str = field(
         default="",
         metadata={

@@ -69,6 +69,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "without cached keys (flash after cached ones and where cuDNN declines the shapes)",
         ),
         EnvVar(
+            "DELTASERVE_FP8_GEMM",
+            "triton",
+            "the block-scaled FP8 GEMM of prefill-sized projections with FP8 weights: triton (ours), or cublas "
+            "(cuBLAS's, through torch's scaled_mm, where it takes the weight's shape)",
+        ),
+        EnvVar(
             "DELTASERVE_MOE_SORTED_BLOCK_M",
             "0",
             "rows of the MoE sorted path's tiles (16, 32, 64, 128); 0: by the rows per expert",

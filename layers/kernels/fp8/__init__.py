@@ -26,13 +26,16 @@ def is_fp8(t: torch.Tensor | None) -> bool:
     return t is not None and t.dtype == FP8
 
 
-def quantize_act(*, x: torch.Tensor, group: int = ACT_GROUP, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act(
+    *, x: torch.Tensor, group: int = ACT_GROUP, pdl: bool = True, m_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic FP8 quantization per row and group of columns: s = max(amax, 1e-10) / 448 over the
     group, q = x / s (IEEE division, round to nearest even, saturated at +-448).
 
     Args:
         x: [M, K], any float dtype (rows may be strided, the last dim contiguous). group: a power of
             two, the columns per scale. pdl: CUDA: launch under programmatic dependent launch.
+        m_major: s laid out rows-fastest (strides (1, M)), as cuBLAS's 1 x 128 block scales are.
 
     Returns:
         (q float8_e4m3fn [M, K] contiguous, s float32 [M, ceil(K / group)]). CUDA: one launch.
@@ -40,5 +43,6 @@ def quantize_act(*, x: torch.Tensor, group: int = ACT_GROUP, pdl: bool = True) -
     if x.is_cuda:
         from .triton_quant import quantize_act as impl
 
-        return impl(x=x, group=group, pdl=pdl)
-    return naive.quantize_act(x=x, group=group)
+        return impl(x=x, group=group, pdl=pdl, m_major=m_major)
+    q, s = naive.quantize_act(x=x, group=group)
+    return q, (s.t().contiguous().t() if m_major else s)

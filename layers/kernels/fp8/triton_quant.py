@@ -45,7 +45,7 @@ def quantize_group_block(x, FP8_LIMIT: tl.constexpr, FLOOR: tl.constexpr):
 # the row count changes from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["M"])
 def _quant_kernel(
-    x, q, s, M, K, s_xm, s_qm, s_sm, GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_LIMIT: tl.constexpr,
+    x, q, s, M, K, s_xm, s_qm, s_sm, s_sg, GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_LIMIT: tl.constexpr,
     FLOOR: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
@@ -56,22 +56,25 @@ def _quant_kernel(
     v = tl.load(x + row * s_xm + col, mask=ok, other=0.0).to(tl.float32)
     qv, sv = quantize_group_block(v[None, :, :], FP8_LIMIT, FLOOR)
     tl.store(q + row * s_qm + col, tl.reshape(qv, [GROUPS, GROUP]), mask=ok)
-    tl.store(s + row * s_sm + g, tl.reshape(sv, [GROUPS]), mask=g * GROUP < K)
+    tl.store(s + row * s_sm + g * s_sg, tl.reshape(sv, [GROUPS]), mask=g * GROUP < K)
 
 
-def quantize_act(*, x: torch.Tensor, group: int, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act(
+    *, x: torch.Tensor, group: int, pdl: bool = True, m_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8.quantize_act on CUDA (and under the interpreter for CPU tensors in tests)."""
     assert x.dim() == 2 and x.stride(-1) == 1, "x [M, K] with contiguous rows"
     assert group & (group - 1) == 0, "group must be a power of two"
     rows, cols = x.shape
     groups = triton.cdiv(cols, group)
     q = torch.empty((rows, cols), dtype=FP8, device=x.device)
-    s = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    s = torch.empty((groups, rows) if m_major else (rows, groups), dtype=torch.float32, device=x.device)
+    s = s.t() if m_major else s
     if rows == 0 or cols == 0:
         return q, s
     per_program = min(triton.next_power_of_2(groups), max(1, 4096 // group))  # up to 4096 columns a program
     _quant_kernel[(rows, triton.cdiv(groups, per_program))](
-        x, q, s, rows, cols, x.stride(0), q.stride(0), s.stride(0), GROUP=group, GROUPS=per_program,
+        x, q, s, rows, cols, x.stride(0), q.stride(0), s.stride(0), s.stride(1), GROUP=group, GROUPS=per_program,
         FP8_LIMIT=FP8_MAX, FLOOR=AMAX_FLOOR, num_warps=4, **pdl_launch(x, pdl),
     )  # fmt: skip
     return q, s

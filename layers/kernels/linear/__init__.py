@@ -38,6 +38,7 @@ def linear(
     row_gemv: bool = True,
     row_tiles: tuple[RowTile, ...] = (),
     few_rows: int = FEW_ROWS_MAX,
+    fp8_gemm: str = "triton",
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), float32 accumulation.
 
@@ -53,6 +54,8 @@ def linear(
         row_gemv: a half-precision CUDA row (M = 1) takes the one-row GEMV (else the skinny GEMM).
         row_tiles: one-row GEMV tiles overriding the tuned ones for the shapes they name.
         few_rows: a half-precision CUDA call of 2..few_rows rows takes the few-row GEMV (0: none).
+        fp8_gemm: an FP8 weight's block-scaled GEMM above MAX_TUNED_TOKENS rows: "triton" (ours) or
+            "cublas" (cuBLAS's, where it takes the weight: triton_fp8.cublas_fp8_ok).
 
     Returns:
         [M, N (+ N_tail)] in x's dtype. The path: gemm_path (one row, 2..few_rows rows, <=
@@ -63,7 +66,7 @@ def linear(
         above MAX_TUNED_TOKENS rows).
     """
     if weight_scale is not None:
-        return _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles)
+        return _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles, fp8_gemm)
     _check_plain(weight, weight_tail)
     path = _path(x, weight.shape[0], row_gemv, few_rows)
     if path == "row":
@@ -88,7 +91,7 @@ def _check_plain(weight: torch.Tensor, weight_tail: torch.Tensor | None) -> None
         raise ValueError("weight_tail: only with an FP8 weight (weight_scale)")
 
 
-def _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles) -> torch.Tensor:
+def _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles, fp8_gemm) -> torch.Tensor:
     """linear with an FP8 weight: the path by rows (see linear)."""
     quantize_x = x.shape[0] > MAX_TUNED_TOKENS
     if not x.is_cuda or x.dim() != 2:
@@ -98,7 +101,9 @@ def _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_t
     if quantize_x:
         from .triton_fp8 import fp8_linear
 
-        return fp8_linear(x=x, weight=weight, weight_scale=weight_scale, bias=bias, weight_tail=weight_tail, pdl=pdl)
+        return fp8_linear(
+            x=x, weight=weight, weight_scale=weight_scale, bias=bias, weight_tail=weight_tail, pdl=pdl, backend=fp8_gemm
+        )
     args = dict(x=x, weight=weight, bias=bias, weight_scale=weight_scale, weight_tail=weight_tail, pdl=pdl)
     if _path(x, weight.shape[0], row_gemv) == "row":
         from .triton_row import row_gemv as impl
@@ -160,6 +165,7 @@ def rms_norm_linear(
     low_rank: PairLowRank | None = None,
     few_rows: int = FEW_ROWS_MAX,
     few_rows_norm: bool = True,
+    fp8_gemm: str = "triton",
 ) -> NormLinearOut:
     """The residual add, the zero-centred input norm and the projection after it:
     s = x + residual (x itself when residual is None), y = rms_norm(s) * (1 + norm_weight),
@@ -167,8 +173,8 @@ def rms_norm_linear(
 
     Args:
         x, residual: [M, K], one dtype. norm_weight: [K]. weight: [N, K]. bias: [N] or None.
-        write_normed: also return y. weight_scale, weight_tail, pdl, row_gemv, row_tiles, few_rows: as
-            `linear`. few_rows_norm: the few-row GEMV may run the norm inside (below).
+        write_normed: also return y. weight_scale, weight_tail, pdl, row_gemv, row_tiles, few_rows,
+            fp8_gemm: as `linear`. few_rows_norm: the few-row GEMV may run the norm inside (below).
         low_rank: x's adapters (norm.fused_add_rms_norm's low_rank: s = x + delta + residual; needs
             the residual); the norm kernel then runs, not a row GEMV's norm.
 
@@ -206,7 +212,7 @@ def rms_norm_linear(
         )
     out = linear(
         x=normed, weight=weight, bias=bias, weight_scale=weight_scale, weight_tail=weight_tail, pdl=pdl,
-        row_gemv=row_gemv, row_tiles=row_tiles, few_rows=few_rows,
+        row_gemv=row_gemv, row_tiles=row_tiles, few_rows=few_rows, fp8_gemm=fp8_gemm,
     )  # fmt: skip
     return NormLinearOut(out, normed if write_normed else None, summed)
 

@@ -99,13 +99,40 @@ def pick_config(num_rows: int, n: int, k: int, info: DeviceInfo) -> dict:
     return dict(cfg, split_k=split)
 
 
+def cublas_fp8_ok(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    """Whether cuBLAS's block-scaled FP8 GEMM (torch's scaled_mm, 1 x 128 activation and 128 x 128
+    weight scales) takes this weight: 128 x 128 scale blocks, rows a multiple of 128, K of 512 (its
+    weight scales then need no padding to four K groups), contiguous scales."""
+    n8, k = weight.shape
+    return (
+        hasattr(F, "scaled_mm")
+        and n8 % 128 == 0
+        and k % 512 == 0
+        and weight_scale.is_contiguous()
+        and scale_block(n8, k, tuple(weight_scale.shape)) == (128, 128)
+    )
+
+
+def _cublas_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, pdl: bool) -> torch.Tensor:
+    """x @ (q * s)^T by cuBLAS's block-scaled FP8 GEMM: x quantized per 1 x 128 group with its
+    scales rows-fastest (cuBLAS's layout), the weight's [N / 128, K / 128] scales as [K / 128, N / 128]
+    K-fastest (its transpose, no copy)."""
+    xq, xs = quantize_act(x=x, group=ACT_GROUP, pdl=pdl, m_major=True)
+    kind = F.ScalingType
+    return F.scaled_mm(
+        xq, weight.t(), xs, kind.BlockWise1x128, weight_scale.t(), kind.BlockWise128x128, output_dtype=x.dtype
+    )
+
+
 def fp8_linear(
     *, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-    weight_tail: torch.Tensor | None = None, config: dict | None = None, pdl: bool = True,
+    weight_tail: torch.Tensor | None = None, config: dict | None = None, pdl: bool = True, backend: str = "triton",
 ) -> torch.Tensor:  # fmt: skip
     """linear.linear's tensor-core path for an FP8 weight: x quantized per 1 x 128 group, the
     block-scaled GEMM into the FP8 rows' columns, the tail rows (x as it is) on cuBLAS into the rest.
-    `config` forces tiles (block_m, block_n, block_k, group_m, num_warps, num_stages, split_k)."""
+    `config` forces tiles (block_m, block_n, block_k, group_m, num_warps, num_stages, split_k).
+    backend "cublas": the GEMM on cuBLAS's block-scaled FP8 kernel where it takes the weight
+    (cublas_fp8_ok; else this Triton kernel)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x [M, K], weight [N, K]"
     num_rows, k = x.shape
     n8 = weight.shape[0]
@@ -115,6 +142,15 @@ def fp8_linear(
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    if backend == "cublas" and cublas_fp8_ok(weight, weight_scale):
+        main = _cublas_fp8(x, weight, weight_scale, pdl)
+        if bias is not None:
+            main += bias[:n8]
+        if weight_tail is None:
+            return main
+        out[:, :n8] = main
+        out[:, n8:] = F.linear(x, weight_tail, None if bias is None else bias[n8:])
+        return out
     xq, xs = quantize_act(x=x, group=ACT_GROUP, pdl=pdl)
     scale_n, scale_k = scale_block(n8, k, tuple(weight_scale.shape))
     cfg = dict(config or pick_config(num_rows, n8, k, device_info(x.device)))

@@ -28,13 +28,14 @@ PAIRS_TILES = {
 # n_major (sorted._grid): a row block's N slices as neighbouring programs, so that the down GEMM's
 # activations (67 MB at 8k, re-read by each of its 8 N blocks) stay in L2 between them: at 8k the
 # same 1,106 us a layer as row blocks major (1,100; bench kernels_moe --kernel order, 04d376d), and
-# what the end-to-end figures at 04d376d ran with.
+# what the end-to-end figures at 04d376d ran with. w_tma (the bf16 weights' tiles through TMA
+# descriptors): at 8k 1,049.7 us a layer against 1,110.0 by pointers (bench kernels_moe --kernel tma, c0eef08).
 SORTED_TILES = {
     H200: (
         (12, dict(block_m=16, up=(64, 128, 4, 4), down=(64, 128, 4, 4))),
         (24, dict(block_m=32, up=(64, 128, 4, 3), down=(64, 128, 4, 3))),
         (45, dict(block_m=64, up=(256, 64, 8, 3), down=(128, 64, 8, 3))),
-        (None, dict(block_m=128, up=(128, 64, 8, 4), down=(256, 64, 8, 4), n_major=True)),
+        (None, dict(block_m=128, up=(128, 64, 8, 4), down=(256, 64, 8, 4), n_major=True, w_tma=True)),
     )
 }
 
