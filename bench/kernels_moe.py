@@ -19,6 +19,7 @@
     python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel order  # the grid's program order
     python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel tma    # weights through TMA descriptors
     python -m deltaserve.bench.kernels_moe --sweep --tokens 2048 --kernel both --fp8  # FP8 experts (W8A8)
+    python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel grouped  # ours vs torch's grouped GEMM
     scripts/gpu-session moe-sweep   # the prefill sweeps, each compiled in 16 processes first
 """
 
@@ -347,19 +348,54 @@ def sweep(
         print(f"{ms * 1e3:8.1f} us  {100 * frac:5.1f}% of copy BW  {tflops:6.1f} TFLOP/s  err {err:.1e}  {cfg}{mark}")
 
 
+def grouped_ab(num_tokens: int) -> None:
+    """The sorted path on our Triton GEMMs against torch's grouped GEMM (prefill_gemm="torch"), each
+    as graph-captured calls with distinct routings (4 a graph), plus the grouped GEMMs alone (x already
+    in expert order, uniform groups): us a call, TFLOP/s, error against the float32 reference."""
+    import triton.testing
+
+    from deltaserve.layers.kernels.moe import grouped
+
+    calls = 4
+    sets = [_inputs(num_tokens, seed=1000 * num_tokens + i) for i in range(calls)]
+    ref = naive.fused_moe(**sets[0])
+    flops = 2 * num_tokens * TOP_K * 3 * INTER * H
+    print(f"T={num_tokens}: the sorted path's GEMMs, triton (ours) against torch's grouped GEMM")
+    for name, kw in (("triton", dict(path="sorted")), ("torch", dict(path="grouped"))):
+        err = _rel_err(tm.fused_moe(**sets[0], **kw), ref)
+        replay = graphed([lambda a=a, kw=kw: tm.fused_moe(**a, **kw) for a in sets])
+        ms = triton.testing.do_bench(replay, warmup=10, rep=50, return_mode="median") / calls
+        print(f"{name:>8}: {ms * 1e3:8.1f} us  {flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s  err {err:.1e}")
+    w13, w2 = _weights()
+    rows = num_tokens * TOP_K
+    ends = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * (rows // E)
+    xs = torch.randn(rows, H, device="cuda", dtype=DTYPE)
+    act = torch.randn(rows, INTER, device="cuda", dtype=DTYPE)
+    assert grouped.supported(xs, w13)
+    for name, fn, f in (
+        ("up", lambda: torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends), 2 * rows * H * 2 * INTER),
+        ("down", lambda: torch._grouped_mm(act, w2.transpose(1, 2), offs=ends), 2 * rows * INTER * H),
+    ):
+        ms = triton.testing.do_bench(graphed([fn]), warmup=10, rep=50, return_mode="median")
+        print(f"{'grouped ' + name:>14}: {ms * 1e3:8.1f} us  {f / (ms * 1e-3) / 1e12:6.1f} TFLOP/s (GEMM alone)")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--path", choices=["pairs", "sorted"], default=None)
     parser.add_argument(
-        "--kernel", choices=["up", "down", "both", "order", "tma"], default="up",
+        "--kernel", choices=["up", "down", "both", "order", "tma", "grouped"], default="up",
         help="sorted path: the GEMM swept at prefill sizes, both (block_m against each one's best tiles), or "
-        "order (the default tiles on row-block-major and N-major grids), tma (their weights by pointers or TMA)",
+        "order (the default tiles on row-block-major and N-major grids), tma (their weights by pointers or TMA), "
+        "grouped (ours against torch's grouped GEMM)",
     )  # fmt: skip
     parser.add_argument("--compile-only", action="store_true", help="run the shard's configs once, untimed")
     parser.add_argument("--shard", default="0/1", help="with --compile-only: i/n, every n-th config from the i-th")
     parser.add_argument("--fp8", action="store_true", help="FP8 experts (block-quantized; with --kernel both)")
     a = parser.parse_args()
-    if a.sweep:
+    if a.sweep and a.kernel == "grouped":
+        grouped_ab(a.tokens)
+    elif a.sweep:
         sweep(a.tokens, a.path, a.kernel, a.compile_only, a.shard, a.fp8)

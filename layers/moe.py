@@ -293,6 +293,7 @@ class SparseMoeBlock(nn.Module):
             pdl=ctx.kernels.pdl,
             deltas=deltas,
             fp8_quantize_acts=ctx.kernels.moe_fp8_activations == "quantized",
+            prefill_gemm=ctx.kernels.moe_prefill_gemm,
         )
         if fused_norm is not None or add_norm is None and self.layout.tp_size == 1:
             return out

@@ -215,6 +215,39 @@ def test_block_scaled_gemm(device, m, n, k, block, tail, dtype):
     assert close(out, ref, 8 if dtype != torch.float32 else fp8_dot_roundings(device))
 
 
+# partial row and column blocks, small blocks, strided rows (a fused projection's slice), an
+# output with spare rows (a weight's tail goes there)
+@pytest.mark.parametrize(("n", "k", "block", "extra"), [(40, 200, (128, 128), 0), (33, 96, (16, 32), 5)])
+def test_dequantize_weight_bit_for_bit(device, n, k, block, extra):
+    """The Triton dequantization rounds q * s (float32) to bf16 once, as the reference: bit for bit
+    compiled; interpreted, within the one bf16 step of the interpreter's truncating cast."""
+    from deltaserve.layers.kernels.fp8.triton_dequant import dequantize_weight
+
+    q, s = weight(n, k, block, device=device)
+    wide = torch.zeros(n, k + 16, dtype=q.dtype, device=device)
+    wide[:, :k] = q
+    out = torch.empty(n + extra, k, dtype=torch.bfloat16, device=device)
+    dequantize_weight(q=wide[:, :k], scale=s, block=block, out=out)
+    ref = fp8_naive.dequantize_weight(q.cpu(), s.cpu(), dtype=torch.bfloat16)
+    if device.type == "cuda":
+        assert torch.equal(out[:n].cpu(), ref)
+    else:
+        exact = fp8_naive.dequantize_weight(q.cpu(), s.cpu())
+        assert ((out[:n].float() - exact).abs() <= exact.abs() * 2.0**-7).all() and not out[:n].isnan().any()
+
+
+@pytest.mark.parametrize(("m", "n", "k", "block", "tail"), [(33, 40, 200, (128, 128), 0), (17, 48, 96, (16, 32), 3)])
+def test_fp8_linear_dequant_backend(device, m, n, k, block, tail):
+    """fp8_gemm="dequant": the weight (and its tail) dequantized to x's dtype, one bf16 GEMM on x as
+    it is: the W8A16 reference within a few bf16 roundings (the weight rounded to bf16 once)."""
+    q, s = weight(n, k, block, device=device)
+    t = rand(tail, k, device=device, scale=k**-0.5) if tail else None
+    x, b = rand(m, k + 8, device=device)[:, :k], rand(n + tail, device=device)
+    out = triton_fp8.fp8_linear(x=x, weight=q, weight_scale=s, bias=b, weight_tail=t, backend="dequant")
+    ref = naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, bias=b, quantize_x=False)
+    assert close(out, ref, 8) and real_close(out, ref)
+
+
 @pytest.mark.parametrize("m", [1, 4, 16, 17])
 def test_linear_op_fp8_paths(device, m):
     """The op: up to 16 rows x as it is (GEMV / skinny on CUDA), above quantized (the GEMM, and the
@@ -360,16 +393,19 @@ def test_gpu_linear_fp8_real_shapes(m, n, tail, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cublas", "dequant"])
 @pytest.mark.parametrize("m", [300, 2048])
 @pytest.mark.parametrize(("n", "tail", "k"), REAL_LINEAR)
-def test_gpu_linear_fp8_cublas(m, n, tail, k):
+def test_gpu_linear_fp8_other_backends(backend, m, n, tail, k):
     """fp8_gemm="cublas": cuBLAS's block-scaled GEMM (where it takes the weight) against the same
-    quantization in float32, tail rows and all columns written."""
+    quantization in float32; "dequant": cuBLAS's bf16 GEMM on the dequantized weight against the
+    reference with x as it is; tail rows and all columns written."""
     q, s = weight(n, k, device="cuda")
     t = rand(tail, k, device="cuda", scale=k**-0.5) if tail else None
     x = rand(m, k, device="cuda")
-    out = linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t, fp8_gemm="cublas")
-    ref = naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, quantize_x=m > linear_kernels.MAX_TUNED_TOKENS)
+    out = linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t, fp8_gemm=backend)
+    quantize_x = backend == "cublas" and m > linear_kernels.MAX_TUNED_TOKENS
+    ref = naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, quantize_x=quantize_x)
     assert close(out, ref, 8) and real_close(out, ref)
 
 

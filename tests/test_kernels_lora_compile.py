@@ -82,8 +82,10 @@ def sorted_path_kernels(rank, fp8=False, quant_act=True, tokens=0, tma=False):
             consts["TOPK"] = 8
         compile_sm90(kernel, ptrs, consts, num_warps=t["num_warps"], num_stages=t["num_stages"])
     sum_ptrs = {n: BF16 for n in ("y", "out", "shared", "gate_logit", "residual", "norm_weight", "normed_out")}
-    sum_ptrs |= {"res_out": BF16, "topk_ids": "*i64", **LOW_RANK}
-    sum_consts = dict(HIDDEN=2048, TOPK=8, BLOCK=2048, HAS_SHARED=True, ADD_NORM=True, LORA_RANK=rank, USE_PDL=True)
+    sum_ptrs |= {"res_out": BF16, "topk_ids": "*i64", "y_row": "*i32", "topk_weights": "*fp32", **LOW_RANK}
+    sum_consts = dict(
+        HIDDEN=2048, TOPK=8, BLOCK=2048, HAS_SHARED=True, ADD_NORM=True, LORA_RANK=rank, USE_PDL=True, BY_ROW=False
+    )  # fmt: skip
     compile_sm90(sorted_path._sum_kernel, sum_ptrs, sum_consts, num_warps=8 if rank else 4)
 
 

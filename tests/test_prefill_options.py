@@ -109,6 +109,7 @@ def test_prefill_options_reach_their_ops(moe_model, monkeypatch):
     for module, name, key in (
         (moe_kernels, "routed_moe", "sorted_block_m"),
         (moe_kernels, "routed_moe", "fp8_quantize_acts"),
+        (moe_kernels, "routed_moe", "prefill_gemm"),
         (gdn_kernels, "chunk_gated_delta_rule", "variant"),
         (attn_kernels, "paged_attention", "own_kv"),
     ):
@@ -120,13 +121,14 @@ def test_prefill_options_reach_their_ops(moe_model, monkeypatch):
 
         monkeypatch.setattr(module, name, spy)
     opts = KernelOptions(
-        prefill_attention="sdpa", moe_sorted_block_m=64, gdn_chunk_variant="split32", moe_fp8_activations="unquantized"
-    )
+        prefill_attention="sdpa", moe_sorted_block_m=64, gdn_chunk_variant="split32", moe_fp8_activations="unquantized",
+        moe_prefill_gemm="torch",
+    )  # fmt: skip
     seqs = Sequences(moe_model, kernels=opts)
     seqs.add("a")
     seqs.run([("a", _prompt(9, 2))])
     assert set(seen["sorted_block_m"]) == {64} and set(seen["variant"]) == {"split32"}
-    assert set(seen["fp8_quantize_acts"]) == {False}
+    assert set(seen["fp8_quantize_acts"]) == {False} and set(seen["prefill_gemm"]) == {"torch"}
     assert all(kv is not None for kv in seen["own_kv"])
 
 
@@ -145,6 +147,19 @@ def test_sorted_block_m_picks_the_tile_entry():
             assert t["num_stages"] * stage + fixed <= info.smem_per_block, (quantized, name, t)
     with pytest.raises(ValueError, match="sorted_block_m"):
         sorted_config(16384, 256, 2, info, block_m=48)
+
+
+def test_fp8_sorted_tiles_come_from_their_own_sweep():
+    """W8A8 experts take SORTED_TILES_FP8's entries (one 128-column scale group a K step) from its
+    smallest block_m up, the bf16 entries (converted) below; W8A16 keeps the converted bf16 tiles."""
+    info = DeviceInfo(H200, 132, 227 * 1024, (9, 0))
+    fp8_2k = sorted_config(16384, 256, 2, info, fp8=True)  # 64 rows per expert
+    fp8_8k = sorted_config(65536, 256, 2, info, fp8=True)  # 256
+    assert fp8_2k["block_m"] == 64 and fp8_2k["up"]["block_n"] == 64 and fp8_2k["down"]["num_warps"] == 8
+    assert fp8_8k["block_m"] == 128 and fp8_8k["up"]["block_n"] == 128 and not fp8_8k["w_tma"]
+    assert sorted_config(2048, 256, 2, info, fp8=True)["block_m"] == 16  # 8 rows: the bf16 entry
+    assert sorted_config(16384, 256, 2, info, fp8=True, quantized_acts=False)["block_m"] == 128  # bf16's table
+    assert sorted_config(16384, 256, 2, info, fp8=True, block_m=64)["up"]["block_k"] == 128
 
 
 def test_option_values_are_checked():

@@ -107,6 +107,15 @@ class KernelOptions:
             "choices": (0, 16, 32, 64, 128),
         },
     )
+    moe_prefill_gemm: str = field(
+        default="triton",
+        metadata={
+            "env": "DELTASERVE_MOE_PREFILL_GEMM",
+            "help": "the routed experts' GEMMs on the MoE's sorted path (prefill, bf16): triton (ours, x gathered "
+            "inside), or torch (torch's grouped GEMM, CUTLASS on sm_90, on x gathered into expert order first)",
+            "choices": ("triton", "torch"),
+        },
+    )
     moe_fp8_activations: str = field(
         default="quantized",
         metadata={
@@ -121,9 +130,10 @@ class KernelOptions:
         default="triton",
         metadata={
             "env": "DELTASERVE_FP8_GEMM",
-            "help": "the block-scaled FP8 GEMM of prefill-sized projections with FP8 weights: triton (ours), or "
-            "cublas (cuBLAS's, through torch's scaled_mm, where it takes the weight's shape)",
-            "choices": ("triton", "cublas"),
+            "help": "the GEMM of prefill-sized projections with FP8 weights: triton (our block-scaled FP8 GEMM), "
+            "cublas (cuBLAS's block-scaled one, through torch's scaled_mm, where it takes the weight's shape), or "
+            "dequant (the weight dequantized to a bf16 scratch, then cuBLAS's bf16 GEMM)",
+            "choices": ("triton", "cublas", "dequant"),
         },
     )
     gdn_chunk_variant: str = field(

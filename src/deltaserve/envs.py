@@ -71,13 +71,20 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar(
             "DELTASERVE_FP8_GEMM",
             "triton",
-            "the block-scaled FP8 GEMM of prefill-sized projections with FP8 weights: triton (ours), or cublas "
-            "(cuBLAS's, through torch's scaled_mm, where it takes the weight's shape)",
+            "the GEMM of prefill-sized projections with FP8 weights: triton (our block-scaled FP8 GEMM), cublas "
+            "(cuBLAS's block-scaled one, through torch's scaled_mm, where it takes the weight's shape), or dequant "
+            "(the weight dequantized to a bf16 scratch, then cuBLAS's bf16 GEMM)",
         ),
         EnvVar(
             "DELTASERVE_MOE_SORTED_BLOCK_M",
             "0",
             "rows of the MoE sorted path's tiles (16, 32, 64, 128); 0: by the rows per expert",
+        ),
+        EnvVar(
+            "DELTASERVE_MOE_PREFILL_GEMM",
+            "triton",
+            "the routed experts' GEMMs on the MoE's sorted path (prefill, bf16): triton (ours, x gathered inside), "
+            "or torch (torch's grouped GEMM, CUTLASS on sm_90, on x gathered into expert order first)",
         ),
         EnvVar(
             "DELTASERVE_MOE_FP8_ACTIVATIONS",

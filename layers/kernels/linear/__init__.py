@@ -54,8 +54,9 @@ def linear(
         row_gemv: a half-precision CUDA row (M = 1) takes the one-row GEMV (else the skinny GEMM).
         row_tiles: one-row GEMV tiles overriding the tuned ones for the shapes they name.
         few_rows: a half-precision CUDA call of 2..few_rows rows takes the few-row GEMV (0: none).
-        fp8_gemm: an FP8 weight's block-scaled GEMM above MAX_TUNED_TOKENS rows: "triton" (ours) or
-            "cublas" (cuBLAS's, where it takes the weight: triton_fp8.cublas_fp8_ok).
+        fp8_gemm: an FP8 weight's GEMM above MAX_TUNED_TOKENS rows: "triton" (our block-scaled one),
+            "cublas" (cuBLAS's, where it takes the weight: triton_fp8.cublas_fp8_ok), or "dequant" (the
+            weight dequantized to bf16, cuBLAS's bf16 GEMM on x as it is).
 
     Returns:
         [M, N (+ N_tail)] in x's dtype. The path: gemm_path (one row, 2..few_rows rows, <=

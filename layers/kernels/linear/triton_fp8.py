@@ -132,7 +132,8 @@ def fp8_linear(
     block-scaled GEMM into the FP8 rows' columns, the tail rows (x as it is) on cuBLAS into the rest.
     `config` forces tiles (block_m, block_n, block_k, group_m, num_warps, num_stages, split_k).
     backend "cublas": the GEMM on cuBLAS's block-scaled FP8 kernel where it takes the weight
-    (cublas_fp8_ok; else this Triton kernel)."""
+    (cublas_fp8_ok; else this Triton kernel); "dequant": the weight (and its tail) dequantized into
+    one bf16 scratch, then cuBLAS's bf16 GEMM (x as it is)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x [M, K], weight [N, K]"
     num_rows, k = x.shape
     n8 = weight.shape[0]
@@ -142,6 +143,14 @@ def fp8_linear(
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    if backend == "dequant":
+        from ..fp8.triton_dequant import dequantize_weight
+
+        full = torch.empty((n, k), dtype=x.dtype, device=x.device)
+        dequantize_weight(q=weight, scale=weight_scale, block=scale_block(n8, k, tuple(weight_scale.shape)), out=full)
+        if weight_tail is not None:
+            full[n8:] = weight_tail
+        return F.linear(x, full, bias)
     if backend == "cublas" and cublas_fp8_ok(weight, weight_scale):
         main = _cublas_fp8(x, weight, weight_scale, pdl)
         if bias is not None:

@@ -54,6 +54,7 @@ def fused_moe(
     pdl: bool = True,
     deltas: PairDeltas | None = None,
     fp8_quantize_acts: bool = True,
+    prefill_gemm: str = "triton",
 ) -> torch.Tensor | NormedOut:
     """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) over the experts this rank holds
     (e = topk_ids[t, k]), float32 accumulation, one rounding.
@@ -67,6 +68,9 @@ def fused_moe(
             shared expert's down projection takes linear's FP8 path for T rows.
         fp8_quantize_acts: False: the grouped GEMMs over FP8 experts leave x and the activation in
             their dtype and convert the weights in registers instead (W8A16).
+        prefill_gemm: CUDA, above PAIRS_PATH_MAX pairs: "triton" (our grouped GEMMs, gathering x
+            inside) or "torch" (torch's grouped GEMM on x gathered into expert order, for bf16
+            experts without deltas; others keep ours).
         topk_weights: [T, top_k], any float dtype. topk_ids: [T, top_k] int (global expert ids).
         shared: the shared expert, added as sigmoid(gate_logit) * down(silu(gate) * up).
         add_norm: the residual add + zero-centred RMSNorm after the block, in the block's last
@@ -86,7 +90,7 @@ def fused_moe(
     if hidden.is_cuda:
         from .triton_moe import fused_moe as impl
 
-        return impl(**args, pdl=pdl)
+        return impl(**args, pdl=pdl, prefill_gemm=prefill_gemm)
     return naive.fused_moe(**args)
 
 
@@ -108,6 +112,7 @@ def routed_moe(
     pdl: bool = True,
     deltas: PairDeltas | None = None,
     fp8_quantize_acts: bool = True,
+    prefill_gemm: str = "triton",
 ) -> torch.Tensor | NormedOut:
     """The MoE block's expert part from its router logits: route_topk_softmax, then fused_moe.
 
@@ -130,5 +135,8 @@ def routed_moe(
     if hidden.is_cuda:
         from .triton_moe import routed_moe as impl
 
-        return impl(**args, route_in_up_max_tokens=route_in_up_max_tokens, sorted_block_m=sorted_block_m, pdl=pdl)
+        return impl(
+            **args, route_in_up_max_tokens=route_in_up_max_tokens, sorted_block_m=sorted_block_m, pdl=pdl,
+            prefill_gemm=prefill_gemm,
+        )  # fmt: skip
     return naive.routed_moe(**args)

@@ -15,8 +15,10 @@ from .. import linear as linear_kernels
 from ..fp8 import ACT_GROUP, quantize_act, scale_block
 from ..norm.triton_norm import add_rms_norm_row
 from ..pdl import pdl_launch, pdl_wait
+from .activation import silu_mul
 from .align import align_pairs
 from .fused_norm import norm_kernel_args
+from .grouped import grouped_gemms
 from .pairs import low_rank_args
 
 _NO_KEY = tl.constexpr(2147483647)  # past every key: a row without a low-rank addition, or one already added
@@ -214,11 +216,12 @@ def _down_kernel(
 @triton.jit
 def _sum_kernel(
     y, topk_ids, out, shared, gate_logit, expert_offset, num_experts, s_yp, s_ot, s_st, s_gl, residual, norm_weight,
-    normed_out, res_out, s_rt, eps, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr,
-    TOPK: tl.constexpr, BLOCK: tl.constexpr, HAS_SHARED: tl.constexpr, ADD_NORM: tl.constexpr,
-    LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
+    normed_out, res_out, s_rt, eps, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, y_row, topk_weights,
+    HIDDEN: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr, HAS_SHARED: tl.constexpr, ADD_NORM: tl.constexpr,
+    LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr, BY_ROW: tl.constexpr,
 ):  # fmt: skip
-    """out[t] = sum of its local slots' rows of y (non-local slots were never written), plus
+    """out[t] = sum of its local slots' rows of y (non-local slots were never written); BY_ROW (the
+    grouped GEMMs' unweighted output in expert order): slot p's row is y_row[p], times topk_weights[p]; plus
     sigmoid(gate_logit[t]) * shared[t] (the shared expert's down projection) when HAS_SHARED; one
     rounding. ADD_NORM (BLOCK covers the row): the next norm of the row instead, res_out[t] =
     out[t] + residual[t] and normed_out[t] = its zero-centred RMSNorm (rows of stride s_rt).
@@ -239,7 +242,12 @@ def _sum_kernel(
         e = tl.load(topk_ids + pair).to(tl.int32) - expert_offset
         local = (e >= 0) & (e < num_experts)
         h_ok = h < tl.where(local, HIDDEN, 0)
-        acc += tl.load(y + pair.to(tl.int64) * s_yp + h, mask=h_ok, other=0.0).to(tl.float32)
+        if BY_ROW:
+            row = tl.load(y_row + pair, mask=local, other=0).to(tl.int64)
+            weight = tl.load(topk_weights + pair).to(tl.float32)
+            acc += weight * tl.load(y + row * s_yp + h, mask=h_ok, other=0.0).to(tl.float32)
+        else:
+            acc += tl.load(y + pair.to(tl.int64) * s_yp + h, mask=h_ok, other=0.0).to(tl.float32)
     if HAS_SHARED:
         scale = tl.sigmoid(tl.load(gate_logit + t.to(tl.int64) * s_gl).to(tl.float32))
         pdl_wait(USE_PDL)
@@ -261,29 +269,21 @@ def _sum_kernel(
         tl.store(out + t.to(tl.int64) * s_ot + h, acc.to(out.dtype.element_ty), mask=h < HIDDEN)
 
 
-@triton.jit
-def _silu_mul_kernel(gate_up, act, s_gt, s_at, INTER: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """act[t, i] = silu(gate[t, i]) * up[t, i] from gate_up [T, 2 * INTER] (strided rows), in float32,
-    one rounding."""
-    pdl_wait(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < INTER
-    g = tl.load(gate_up + t * s_gt + i, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(gate_up + t * s_gt + INTER + i, mask=ok, other=0.0).to(tl.float32)
-    tl.store(act + t * s_at + i, (g * tl.sigmoid(g) * u).to(act.dtype.element_ty), mask=ok)
-
-
 def moe_sorted(
     hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=(None, None),
-    deltas=None, quantize_acts=True,
+    deltas=None, quantize_acts=True, grouped=False,
 ) -> None:  # fmt: skip
     """The sorted path into `out` (or, with norm, into norm.out): group, up GEMM, down GEMM, sum.
     scales: (w13_scale, w2_scale) of FP8 experts: x and act are quantized per 1 x 128 group for
     the FP8 dots (one launch each; quantize_acts False: neither is, the kernels convert the weights
     for dots in the activations' dtype). deltas (PairDeltas): added to each pair's gate / up and down
     projections (adapters) in their low-rank form, expanded inside the two GEMMs (in full precision
-    beside the FP8 dots; their two shrinks are the only launches they add)."""
+    beside the FP8 dots; their two shrinks are the only launches they add). grouped: the two GEMMs are
+    torch's grouped GEMM (grouped.py: bf16 experts, no deltas; cfg unused), the same sum kernel after."""
+    if grouped:
+        y, y_row = grouped_gemms(hidden=hidden, w13=w13, w2=w2, topk_ids=topk_ids, expert_offset=expert_offset, pdl=pdl)
+        _sum(hidden, y, topk_ids, expert_offset, w13.shape[0], out, shared, norm, pdl, (y_row, topk_weights))
+        return
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -328,9 +328,17 @@ def moe_sorted(
         N_MAJOR=n_major, W_DESC=tma, num_warps=down["num_warps"], num_stages=down["num_stages"],
         **pdl_launch(act, pdl),
     )  # fmt: skip
+    _sum(hidden, y, topk_ids, expert_offset, num_experts, out, shared, norm, pdl)
+
+
+def _sum(hidden, y, topk_ids, expert_offset, num_experts, out, shared, norm, pdl, by_row=None) -> None:
+    """Each token's local slots of y summed (by_row: (y_row, topk_weights), the grouped GEMMs' rows
+    and the weights they leave out), the shared expert and the next norm when asked: into out / norm."""
+    num_tokens, hidden_size = hidden.shape
+    top_k = topk_ids.shape[1]
     shared_out = gate_logit = None
     if shared is not None:  # its down projection on cuBLAS (FP8: linear); the gate and the sum in the sum kernel
-        shared_act = _silu_mul(shared.gate_up, shared.w2.shape[1], pdl)
+        shared_act = silu_mul(shared.gate_up, shared.w2.shape[1], pdl)
         if shared.w2_scale is None:
             shared_out = F.linear(shared_act, shared.w2)
         else:
@@ -346,9 +354,10 @@ def moe_sorted(
     _sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
         y, topk_ids, out, out if shared_out is None else shared_out, out if gate_logit is None else gate_logit,
         expert_offset, num_experts, y.stride(0), out.stride(0), 0 if shared_out is None else shared_out.stride(0),
-        0 if gate_logit is None else gate_logit.stride(0), *norm_args, *shared_lora[:6], HIDDEN=hidden_size,
-        TOPK=top_k, BLOCK=block_h, HAS_SHARED=shared is not None, ADD_NORM=norm is not None,
-        LORA_RANK=shared_lora[6], num_warps=8 if shared_lora[6] else 4, **pdl_launch(y, pdl),
+        0 if gate_logit is None else gate_logit.stride(0), *norm_args, *shared_lora[:6],
+        *(by_row or (topk_ids, topk_ids)), HIDDEN=hidden_size, TOPK=top_k, BLOCK=block_h,
+        HAS_SHARED=shared is not None, ADD_NORM=norm is not None, LORA_RANK=shared_lora[6],
+        BY_ROW=by_row is not None, num_warps=8 if shared_lora[6] else 4, **pdl_launch(y, pdl),
     )  # fmt: skip
 
 
@@ -363,17 +372,6 @@ def _weight_desc(w: torch.Tensor, block_n: int, block_k: int):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
-
-
-def _silu_mul(gate_up: torch.Tensor, inter: int, pdl: bool) -> torch.Tensor:
-    """silu(gate) * up of gate_up [T, 2 * inter] -> [T, inter], one launch."""
-    num_tokens = gate_up.shape[0]
-    act = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        gate_up, act, gate_up.stride(0), act.stride(0), INTER=inter, BLOCK=block, num_warps=4, **pdl_launch(act, pdl)
-    )
-    return act
 
 
 def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor, dummy: torch.Tensor) -> tuple:

@@ -39,6 +39,18 @@ SORTED_TILES = {
     )
 }
 
+# FP8 experts (W8A8) on the sorted path, one 128-column scale group a K step (block_k 128), by the
+# mean rows per expert as SORTED_TILES. Joint sweep (bench kernels_moe --kernel both --fp8, H200,
+# bd782e6): 2k 382.9 us a layer (bm64; the experts' bytes at copy bandwidth) and 8k 1,093.3 (bm128)
+# against 1,120.3 / 2,718.3 with the bf16 table's tiles at twice the K step (their 128 x 128
+# accumulators pairs spill). Fewer rows: the bf16 entries so converted (unswept).
+SORTED_TILES_FP8 = {
+    H200: (
+        (96, dict(block_m=64, up=(64, 128, 4, 3), down=(128, 128, 8, 4))),
+        (None, dict(block_m=128, up=(128, 128, 8, 3), down=(128, 128, 8, 4))),
+    )
+}
+
 
 def pairs_config(hidden_size: int, inter: int, info: DeviceInfo, fp8: bool = False) -> dict:
     """The pairs path's tiles for this device (other GPUs: the H200's). fp8 (unmeasured): the up
@@ -66,9 +78,9 @@ def sorted_config(
     """The sorted path's tiles for this device: block_m, n_major (the grid's program order:
     sorted._grid), w_tma (bf16 experts' weights through TMA descriptors), and up / down block_n,
     block_k, num_warps, num_stages. Other GPUs: the H200's,
-    each pipeline as deep as their shared memory holds. fp8 (one-byte weights, unmeasured): the
-    same tiles with twice the K step, at most one 128-column
-    scale group, each pipeline as deep as fits (quantized_acts False: the activations keep `elem`
+    each pipeline as deep as their shared memory holds. fp8 (one-byte weights): W8A8 from
+    SORTED_TILES_FP8 where it has entries; otherwise the bf16 tiles with twice the K step, at most
+    one 128-column scale group; each pipeline as deep as fits (quantized_acts False: the activations keep `elem`
     bytes, and the weights converted for the dot take one more unpipelined buffer). block_m: the
     entry with these tile rows (0: the entry for the mean rows per expert)."""
     if info.is_interpreter:
@@ -77,6 +89,9 @@ def sorted_config(
     tuned = tuned_for(SORTED_TILES, info)
     rows = num_pairs / max(1, num_experts)
     table = tuned or SORTED_TILES[H200]
+    if fp8 and quantized_acts:  # the FP8 sweep's entries, below their rows the bf16 ones converted
+        fp8_table = tuned_for(SORTED_TILES_FP8, info) or SORTED_TILES_FP8[H200]
+        table = tuple(e for e in table if e[1]["block_m"] < fp8_table[0][1]["block_m"]) + fp8_table
     if block_m:
         entry = next((cfg for _, cfg in table if cfg["block_m"] == block_m), None)
         if entry is None:

@@ -9,6 +9,7 @@ import torch
 
 from ..device import device_info
 from ..options import KernelOptions
+from . import grouped
 from .fused_norm import fused_norm
 from .naive import PAIRS_PATH_MAX, apply_add_norm, check_fp8, check_shared
 from .pairs import moe_pairs
@@ -39,9 +40,12 @@ def _check(hidden, w13, w2, shared, w13_scale, w2_scale) -> None:
 def fused_moe(
     *, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, shared=None, add_norm=None, path=None, config=None,
     w13_scale=None, w2_scale=None, sorted_block_m=0, pdl=True, deltas=None, fp8_quantize_acts=True,
+    prefill_gemm="triton",
 ):  # fmt: skip
-    """moe.fused_moe. `path` ("pairs" or "sorted") and `config` override the choice made from the
-    shapes (tests and tuning sweeps); sorted_block_m: the sorted path's tile rows (0: by shape);
+    """moe.fused_moe. `path` ("pairs", "sorted" or "grouped") and `config` override the choice made
+    from the shapes (tests and tuning sweeps); sorted_block_m: the sorted path's tile rows (0: by shape);
+    prefill_gemm "torch": the sorted path's GEMMs on torch's grouped GEMM where it takes the call
+    (path "grouped": grouped.py; bf16 experts without deltas), else ours;
     `deltas`: the pairs path's GEMVs expand their low-rank form, the sorted path's GEMMs add them
     (FP8 experts: on quantized activations)."""
     _check(hidden, w13, w2, shared, w13_scale, w2_scale)
@@ -56,6 +60,8 @@ def fused_moe(
     topk_weights = topk_weights.contiguous()
     num_pairs = topk_ids.numel()
     path = path or ("pairs" if num_pairs <= PAIRS_PATH_MAX else "sorted")
+    if path == "sorted" and prefill_gemm == "torch" and w13_scale is None and deltas is None:
+        path = "grouped" if grouped.supported(hidden, w13) else path
     info = device_info(hidden.device)
     if path == "pairs":
         cfg = config or pairs_config(hidden_size, two_inter // 2, info, fp8=w13_scale is not None)
@@ -63,6 +69,9 @@ def fused_moe(
             hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=scales,
             deltas=deltas,
         )  # fmt: skip
+    elif path == "grouped":
+        assert w13_scale is None and deltas is None and grouped.supported(hidden, w13), "grouped: bf16, no deltas"
+        moe_sorted(hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, None, shared, norm, pdl, grouped=True)
     else:
         assert path == "sorted", f"unknown path {path!r}"
         fp8 = w13_scale is not None
@@ -80,7 +89,7 @@ def fused_moe(
 def routed_moe(
     *, hidden, w13, w2, router_logits, top_k, renormalize, expert_offset=0, shared=None, add_norm=None,
     route_in_up_max_tokens=ROUTE_IN_UP_MAX_TOKENS, path=None, w13_scale=None, w2_scale=None, sorted_block_m=0,
-    pdl=True, deltas=None, fp8_quantize_acts=True,
+    pdl=True, deltas=None, fp8_quantize_acts=True, prefill_gemm="triton",
 ):  # fmt: skip
     """moe.routed_moe: on the pairs path, up to route_in_up_max_tokens tokens, the up GEMV routes
     (one launch fewer); otherwise (and with deltas, whose shrink reads the routing) the router
@@ -95,6 +104,7 @@ def routed_moe(
             hidden=hidden, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, expert_offset=expert_offset,
             shared=shared, add_norm=add_norm, path=path, w13_scale=w13_scale, w2_scale=w2_scale,
             sorted_block_m=sorted_block_m, pdl=pdl, deltas=deltas, fp8_quantize_acts=fp8_quantize_acts,
+            prefill_gemm=prefill_gemm,
         )  # fmt: skip
     assert 0 < top_k <= router_logits.shape[1], "top_k must be in 1..num_experts"
     assert router_logits.shape[0] == num_tokens, "router_logits: one row per token"
