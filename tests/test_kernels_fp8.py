@@ -394,7 +394,7 @@ def test_gpu_linear_fp8_real_shapes(m, n, tail, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cublas", "dequant"])
-@pytest.mark.parametrize("m", [300, 2048])
+@pytest.mark.parametrize("m", [301, 2048, 2049])  # cuBLAS: rows padded to a multiple of 4
 @pytest.mark.parametrize(("n", "tail", "k"), REAL_LINEAR)
 def test_gpu_linear_fp8_other_backends(backend, m, n, tail, k):
     """fp8_gemm="cublas": cuBLAS's block-scaled GEMM (where it takes the weight) against the same

@@ -116,12 +116,17 @@ def cublas_fp8_ok(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
 def _cublas_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, pdl: bool) -> torch.Tensor:
     """x @ (q * s)^T by cuBLAS's block-scaled FP8 GEMM: x quantized per 1 x 128 group with its
     scales rows-fastest (cuBLAS's layout), the weight's [N / 128, K / 128] scales as [K / 128, N / 128]
-    K-fastest (its transpose, no copy)."""
+    K-fastest (its transpose, no copy). cuBLAS refuses x scales whose columns are not 16-byte aligned
+    (CUBLAS_STATUS_NOT_SUPPORTED at 17, 33, 2,049 rows on the H200): rows padded to a multiple of 4."""
+    rows = x.shape[0]
+    if rows % 4:
+        x = F.pad(x, (0, 0, 0, 4 - rows % 4))
     xq, xs = quantize_act(x=x, group=ACT_GROUP, pdl=pdl, m_major=True)
     kind = F.ScalingType
-    return F.scaled_mm(
+    out = F.scaled_mm(
         xq, weight.t(), xs, kind.BlockWise1x128, weight_scale.t(), kind.BlockWise128x128, output_dtype=x.dtype
     )
+    return out[:rows]
 
 
 def fp8_linear(
