@@ -94,11 +94,13 @@ def _linear_cases(label: str, n: int, tail: int, k: int) -> list[Case]:
             Case(
                 op="fp8_linear",
                 shape=f"{label} M={m} N={n}+{tail} K={k}",
-                ours=lambda x=x, q=q, s=s, t=t: linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t),
+                ours=lambda x=x, q=q, s=s, t=t: linear_kernels.linear(
+                    x=x, weight=q, weight_scale=s, weight_tail=t, fp8_gemm="triton"
+                ),
                 reference=lambda x=x, w=w: F.linear(x, w),
                 reference_label="cuBLAS bf16",
                 check=lambda x=x, q=q, s=s, t=t: _rel_err(
-                    linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t),
+                    linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t, fp8_gemm="triton"),
                     naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, quantize_x=True),
                 ),
                 tolerance=TOLERANCE,

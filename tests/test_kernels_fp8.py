@@ -248,14 +248,16 @@ def test_fp8_linear_dequant_backend(device, m, n, k, block, tail):
     assert close(out, ref, 8) and real_close(out, ref)
 
 
+@pytest.mark.parametrize("fp8_gemm", ["dequant", "triton"])
 @pytest.mark.parametrize("m", [1, 4, 16, 17])
-def test_linear_op_fp8_paths(device, m):
-    """The op: up to 16 rows x as it is (GEMV / skinny on CUDA), above quantized (the GEMM, and the
-    CPU reference alike)."""
+def test_linear_op_fp8_paths(device, m, fp8_gemm):
+    """The op: up to 16 rows x as it is (GEMV / skinny on CUDA); above, the GEMM: x as it is on the
+    dequantized weight (the default), quantized for the W8A8 one (the CPU reference alike)."""
     q, s = weight(40, 128, device=device)
     x = rand(m, 128, device=device)
-    out = linear_kernels.linear(x=x, weight=q, weight_scale=s)
-    assert close(out, naive.linear(x=x, weight=q, weight_scale=s, quantize_x=m > linear_kernels.MAX_TUNED_TOKENS), 8)
+    out = linear_kernels.linear(x=x, weight=q, weight_scale=s, fp8_gemm=fp8_gemm)
+    quantize_x = m > linear_kernels.MAX_TUNED_TOKENS and fp8_gemm == "triton"
+    assert close(out, naive.linear(x=x, weight=q, weight_scale=s, quantize_x=quantize_x), 8)
 
 
 # ---- fused MoE -----------------------------------------------------------------------------------
@@ -387,7 +389,7 @@ def test_gpu_linear_fp8_real_shapes(m, n, tail, k):
     q, s = weight(n, k, device="cuda")
     t = rand(tail, k, device="cuda", scale=k**-0.5) if tail else None
     x = rand(m, k, device="cuda")
-    out = linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t)
+    out = linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t, fp8_gemm="triton")
     ref = naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, quantize_x=m > linear_kernels.MAX_TUNED_TOKENS)
     assert close(out, ref, 8) and real_close(out, ref)
 

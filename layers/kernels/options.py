@@ -127,13 +127,14 @@ class KernelOptions:
         },
     )
     fp8_gemm: str = field(
-        default="triton",
+        default="dequant",
         metadata={
             "env": "DELTASERVE_FP8_GEMM",
-            "help": "the GEMM of prefill-sized projections with FP8 weights: triton (our block-scaled FP8 GEMM), "
-            "cublas (cuBLAS's block-scaled one, through torch's scaled_mm, where it takes the weight's shape), or "
-            "dequant (the weight dequantized to a bf16 scratch, then cuBLAS's bf16 GEMM)",
-            "choices": ("triton", "cublas", "dequant"),
+            "help": "the GEMM of prefill-sized projections with FP8 weights: dequant (the weight dequantized to a "
+            "bf16 scratch, then cuBLAS's bf16 GEMM on the activations as they are: W8A16), triton (our block-scaled "
+            "W8A8 GEMM), or cublas (cuBLAS's block-scaled W8A8 GEMM, through torch's scaled_mm, where it takes the "
+            "weight's shape)",
+            "choices": ("dequant", "triton", "cublas"),
         },
     )
     gdn_chunk_variant: str = field(

@@ -38,7 +38,7 @@ def linear(
     row_gemv: bool = True,
     row_tiles: tuple[RowTile, ...] = (),
     few_rows: int = FEW_ROWS_MAX,
-    fp8_gemm: str = "triton",
+    fp8_gemm: str = "dequant",
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), float32 accumulation.
 
@@ -54,17 +54,17 @@ def linear(
         row_gemv: a half-precision CUDA row (M = 1) takes the one-row GEMV (else the skinny GEMM).
         row_tiles: one-row GEMV tiles overriding the tuned ones for the shapes they name.
         few_rows: a half-precision CUDA call of 2..few_rows rows takes the few-row GEMV (0: none).
-        fp8_gemm: an FP8 weight's GEMM above MAX_TUNED_TOKENS rows: "triton" (our block-scaled one),
-            "cublas" (cuBLAS's, where it takes the weight: triton_fp8.cublas_fp8_ok), or "dequant" (the
-            weight dequantized to bf16, cuBLAS's bf16 GEMM on x as it is).
+        fp8_gemm: an FP8 weight's GEMM above MAX_TUNED_TOKENS rows: "dequant" (the weight
+            dequantized to x's dtype, cuBLAS's GEMM on x as it is: W8A16, as the GEMV and skinny
+            paths below it), "triton" (our block-scaled W8A8 GEMM) or "cublas" (cuBLAS's block-scaled
+            W8A8 GEMM where it takes the weight: triton_fp8.cublas_fp8_ok; else ours).
 
     Returns:
         [M, N (+ N_tail)] in x's dtype. The path: gemm_path (one row, 2..few_rows rows, <=
         MAX_TOKENS rows or a tuned shape on CUDA: Triton; otherwise F.linear). An FP8 weight: up
         to MAX_TUNED_TOKENS rows the Triton GEMV / skinny GEMM with the weight dequantized in
-        registers, x as it is; above, x is quantized per row and 1 x 128 group (fp8.quantize_act)
-        for the block-scaled FP8 GEMM on tensor cores (the CPU reference quantizes x likewise
-        above MAX_TUNED_TOKENS rows).
+        registers, x as it is; above, fp8_gemm's GEMM: "dequant" takes x as it is, the W8A8 ones
+        quantize it per row and 1 x 128 group (fp8.quantize_act), and the CPU reference likewise.
     """
     if weight_scale is not None:
         return _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles, fp8_gemm)
@@ -94,12 +94,13 @@ def _check_plain(weight: torch.Tensor, weight_tail: torch.Tensor | None) -> None
 
 def _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles, fp8_gemm) -> torch.Tensor:
     """linear with an FP8 weight: the path by rows (see linear)."""
-    quantize_x = x.shape[0] > MAX_TUNED_TOKENS
+    gemm = x.shape[0] > MAX_TUNED_TOKENS
     if not x.is_cuda or x.dim() != 2:
+        quantize_x = gemm and fp8_gemm != "dequant"
         return naive.linear(
             x=x, weight=weight, bias=bias, weight_scale=weight_scale, weight_tail=weight_tail, quantize_x=quantize_x
         )
-    if quantize_x:
+    if gemm:
         from .triton_fp8 import fp8_linear
 
         return fp8_linear(
@@ -166,7 +167,7 @@ def rms_norm_linear(
     low_rank: PairLowRank | None = None,
     few_rows: int = FEW_ROWS_MAX,
     few_rows_norm: bool = True,
-    fp8_gemm: str = "triton",
+    fp8_gemm: str = "dequant",
 ) -> NormLinearOut:
     """The residual add, the zero-centred input norm and the projection after it:
     s = x + residual (x itself when residual is None), y = rms_norm(s) * (1 + norm_weight),

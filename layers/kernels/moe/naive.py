@@ -166,8 +166,7 @@ def fused_moe(
         out.index_add_(0, token_idx, y * topk_weights[token_idx, k_idx, None].to(acc))
     if shared is not None:
         check_shared(shared, hidden.shape[0], hidden.shape[1])
-        quantize_shared = quantize and hidden.shape[0] > SHARED_QUANT_MIN_TOKENS
-        combined = shared_expert_combine(routed=out, **shared._asdict(), quantize_x=quantize_shared)
+        combined = shared_expert_combine(routed=out, **shared._asdict())
         return apply_add_norm(combined.to(hidden.dtype), add_norm)
     return apply_add_norm(out.to(hidden.dtype), add_norm)
 
@@ -204,25 +203,19 @@ def routed_moe(
 
 def shared_expert_combine(
     *, routed: torch.Tensor, gate_up: torch.Tensor, w2: torch.Tensor, gate_logit: torch.Tensor,
-    w2_scale: torch.Tensor | None = None, lora: PairLowRank | None = None, quantize_x: bool = False,
+    w2_scale: torch.Tensor | None = None, lora: PairLowRank | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """routed + sigmoid(gate_logit) * down(silu(gate) * up): the shared expert's down projection,
     its sigmoid gate and the sum with the routed experts' output, in float32.
     routed: [T, H]; gate_up: [T, 2 * I] (gate columns then up); w2: [H, I]; gate_logit: [T, 1];
-    w2_scale: w2 is FP8 with these block scales. lora: SharedExpert.lora. quantize_x (FP8): the activation is quantized
-    per 1 x 128 group first (the sorted path's down projection through linear, above
-    linear.MAX_TUNED_TOKENS rows). Returns [T, H] in routed's dtype."""
+    w2_scale: w2 is FP8 with these block scales (the activation not quantized: the GPU's sorted path
+    runs this projection through linear's default fp8_gemm, dequant). lora: SharedExpert.lora.
+    Returns [T, H] in routed's dtype."""
     inter = w2.shape[1]
     acc = acc_dtype(routed, gate_up)
     act = F.silu(gate_up[:, :inter].to(acc)) * gate_up[:, inter:].to(acc)
-    if w2_scale is not None and quantize_x:  # the GPU stores act in the activations' dtype, then quantizes it
-        act = _fake_quant(act.to(gate_up.dtype), acc)
     shared = act @ _weight(w2, w2_scale, acc).t()
     if lora is not None:
         shared = shared + low_rank_rows(lora, acc)
     return (routed.to(acc) + torch.sigmoid(gate_logit.to(acc)) * shared).to(routed.dtype)
 
-
-# linear.MAX_TUNED_TOKENS: above it linear quantizes its input for an FP8 weight (the sorted path's
-# shared down projection goes through linear); kept here so that the reference needs no import of it
-SHARED_QUANT_MIN_TOKENS = 16
