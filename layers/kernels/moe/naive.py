@@ -218,4 +218,3 @@ def shared_expert_combine(
     if lora is not None:
         shared = shared + low_rank_rows(lora, acc)
     return (routed.to(acc) + torch.sigmoid(gate_logit.to(acc)) * shared).to(routed.dtype)
-
