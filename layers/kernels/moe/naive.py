@@ -125,9 +125,9 @@ def fused_moe(
     """The reference of moe.fused_moe: float32 throughout, one rounding at the end. FP8 weights
     (w13_scale / w2_scale: their block scales) are dequantized; above PAIRS_PATH_MAX routed pairs
     (the GPU's sorted path) the expert inputs (x, and silu(gate) * up) are quantized per row and
-    1 x 128 group first (unless fp8_quantize_acts is False) and the shared expert's down projection
-    takes linear's path for its rows, as on the GPU (`quantize` forces the path: the reference of
-    a path the test forced). The deltas read the unquantized activations."""
+    1 x 128 group first (unless fp8_quantize_acts is False), as on the GPU (`quantize` forces the
+    path: the reference of a path the test forced); the shared expert's down projection takes its
+    activation as it is on both paths. The deltas read the unquantized activations."""
     check_fp8(w13, w2, w13_scale, w2_scale)
     num_local, inter = w13.shape[0], w2.shape[2]
     acc = acc_dtype(hidden)
