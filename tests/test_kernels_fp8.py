@@ -248,15 +248,26 @@ def test_fp8_linear_dequant_backend(device, m, n, k, block, tail):
     assert close(out, ref, 8) and real_close(out, ref)
 
 
+def test_which_fp8_passes_quantize_x():
+    """linear's FP8 paths by rows: the GEMVs (up to 16 rows) and the dequantized weight's GEMM (from
+    DEQUANT_MIN_ROWS) take x as it is; the W8A8 GEMMs quantize it, and take dequant's decode batches."""
+    rule = fp8_naive.gemm_quantizes_x
+    assert fp8_naive.GEMV_MAX_ROWS == linear_kernels.MAX_TUNED_TOKENS
+    assert [rule(m, "dequant") for m in (1, 16, 17, 127, 128, 2048)] == [False, False, True, True, False, False]
+    assert [rule(m, "triton") for m in (16, 17, 128, 2048)] == [False, True, True, True]
+    assert rule(2048, "cublas")
+
+
 @pytest.mark.parametrize("fp8_gemm", ["dequant", "triton"])
-@pytest.mark.parametrize("m", [1, 4, 16, 17])
+@pytest.mark.parametrize("m", [1, 4, 16, 17, 130])
 def test_linear_op_fp8_paths(device, m, fp8_gemm):
-    """The op: up to 16 rows x as it is (GEMV / skinny on CUDA); above, the GEMM: x as it is on the
-    dequantized weight (the default), quantized for the W8A8 one (the CPU reference alike)."""
+    """The op: up to 16 rows x as it is (GEMV / skinny on CUDA); above, the GEMM: x quantized for
+    the W8A8 one and dequant's decode batches, as it is on the dequantized weight from 128 rows (the
+    CPU reference alike)."""
     q, s = weight(40, 128, device=device)
     x = rand(m, 128, device=device)
     out = linear_kernels.linear(x=x, weight=q, weight_scale=s, fp8_gemm=fp8_gemm)
-    quantize_x = m > linear_kernels.MAX_TUNED_TOKENS and fp8_gemm == "triton"
+    quantize_x = fp8_naive.gemm_quantizes_x(m, fp8_gemm)
     assert close(out, naive.linear(x=x, weight=q, weight_scale=s, quantize_x=quantize_x), 8)
 
 
@@ -396,7 +407,7 @@ def test_gpu_linear_fp8_real_shapes(m, n, tail, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cublas", "dequant"])
-@pytest.mark.parametrize("m", [301, 2048, 2049])  # cuBLAS: rows padded to a multiple of 4
+@pytest.mark.parametrize("m", [64, 301, 2048, 2049])  # cuBLAS: rows padded to a multiple of 4; dequant from 128
 @pytest.mark.parametrize(("n", "tail", "k"), REAL_LINEAR)
 def test_gpu_linear_fp8_other_backends(backend, m, n, tail, k):
     """fp8_gemm="cublas": cuBLAS's block-scaled GEMM (where it takes the weight) against the same
@@ -406,7 +417,7 @@ def test_gpu_linear_fp8_other_backends(backend, m, n, tail, k):
     t = rand(tail, k, device="cuda", scale=k**-0.5) if tail else None
     x = rand(m, k, device="cuda")
     out = linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t, fp8_gemm=backend)
-    quantize_x = backend == "cublas" and m > linear_kernels.MAX_TUNED_TOKENS
+    quantize_x = fp8_naive.gemm_quantizes_x(m, backend)
     ref = naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, quantize_x=quantize_x)
     assert close(out, ref, 8) and real_close(out, ref)
 

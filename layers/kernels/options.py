@@ -130,8 +130,9 @@ class KernelOptions:
         default="dequant",
         metadata={
             "env": "DELTASERVE_FP8_GEMM",
-            "help": "the GEMM of prefill-sized projections with FP8 weights: dequant (the weight dequantized to a "
-            "bf16 scratch, then cuBLAS's bf16 GEMM on the activations as they are: W8A16), triton (our block-scaled "
+            "help": "the GEMM of prefill-sized projections with FP8 weights: dequant (from 128 rows the weight "
+            "dequantized to a bf16 scratch, then cuBLAS's bf16 GEMM on the activations as they are: W8A16; fewer "
+            "rows take ours), triton (our block-scaled "
             "W8A8 GEMM), or cublas (cuBLAS's block-scaled W8A8 GEMM, through torch's scaled_mm, where it takes the "
             "weight's shape)",
             "choices": ("dequant", "triton", "cublas"),

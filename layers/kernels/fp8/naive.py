@@ -10,6 +10,20 @@ FP8_MAX = 448.0  # the largest finite e4m3 value
 # an all-zero group or block gets this amax instead of 0 (no division by zero; its values stay 0)
 AMAX_FLOOR = 1e-10
 ACT_GROUP = 128  # columns per activation scale (1 x 128 groups)
+# linear's FP8 paths by rows (linear.MAX_TUNED_TOKENS is GEMV_MAX_ROWS): up to GEMV_MAX_ROWS the GEMV /
+# skinny GEMM take x as it is; above, the fp8_gemm setting's GEMM. "dequant" (the weight dequantized
+# for cuBLAS's bf16 GEMM, x as it is) from DEQUANT_MIN_ROWS rows: it moves 5 bytes a weight to the W8A8
+# GEMM's 1, so decode batches below it keep the W8A8 GEMM (H200, FP8 decode step: batch 64 13.23 ms
+# W8A8 against 13.98 dequant, batch 256 24.57 against 23.58; the crossover interpolated at ~150 rows)
+GEMV_MAX_ROWS = 16
+DEQUANT_MIN_ROWS = 128
+
+
+def gemm_quantizes_x(rows: int, fp8_gemm: str) -> bool:
+    """Whether linear with an FP8 weight quantizes its `rows`-row input (per row and 1 x 128 group)
+    under the fp8_gemm setting ("dequant", "triton", "cublas"): the W8A8 GEMMs do, the GEMVs and the
+    dequantized weight's GEMM do not."""
+    return rows > GEMV_MAX_ROWS and (fp8_gemm != "dequant" or rows < DEQUANT_MIN_ROWS)
 
 
 def quantize_act(*, x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from .. import norm as norm_kernels
 from ..device import DeviceInfo, device_info, tuned_for
+from ..fp8.naive import DEQUANT_MIN_ROWS, gemm_quantizes_x
 from ..low_rank import PairLowRank
 from ..options import RowTile
 from . import naive
@@ -54,17 +55,19 @@ def linear(
         row_gemv: a half-precision CUDA row (M = 1) takes the one-row GEMV (else the skinny GEMM).
         row_tiles: one-row GEMV tiles overriding the tuned ones for the shapes they name.
         few_rows: a half-precision CUDA call of 2..few_rows rows takes the few-row GEMV (0: none).
-        fp8_gemm: an FP8 weight's GEMM above MAX_TUNED_TOKENS rows: "dequant" (the weight
-            dequantized to x's dtype, cuBLAS's GEMM on x as it is: W8A16, as the GEMV and skinny
-            paths below it), "triton" (our block-scaled W8A8 GEMM) or "cublas" (cuBLAS's block-scaled
-            W8A8 GEMM where it takes the weight: triton_fp8.cublas_fp8_ok; else ours).
+        fp8_gemm: an FP8 weight's GEMM above MAX_TUNED_TOKENS rows: "dequant" (from
+            fp8.naive.DEQUANT_MIN_ROWS rows the weight dequantized to x's dtype, cuBLAS's GEMM on x as
+            it is: W8A16, as the GEMV and skinny paths; fewer rows take ours), "triton" (our
+            block-scaled W8A8 GEMM) or "cublas" (cuBLAS's block-scaled W8A8 GEMM where it takes the
+            weight: triton_fp8.cublas_fp8_ok; else ours).
 
     Returns:
         [M, N (+ N_tail)] in x's dtype. The path: gemm_path (one row, 2..few_rows rows, <=
         MAX_TOKENS rows or a tuned shape on CUDA: Triton; otherwise F.linear). An FP8 weight: up
         to MAX_TUNED_TOKENS rows the Triton GEMV / skinny GEMM with the weight dequantized in
-        registers, x as it is; above, fp8_gemm's GEMM: "dequant" takes x as it is, the W8A8 ones
-        quantize it per row and 1 x 128 group (fp8.quantize_act), and the CPU reference likewise.
+        registers, x as it is; above, fp8_gemm's GEMM: the W8A8 ones quantize x per row and 1 x 128
+        group (fp8.quantize_act), "dequant" takes it as it is (fp8.naive.gemm_quantizes_x), and the
+        CPU reference likewise.
     """
     if weight_scale is not None:
         return _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles, fp8_gemm)
@@ -94,17 +97,18 @@ def _check_plain(weight: torch.Tensor, weight_tail: torch.Tensor | None) -> None
 
 def _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles, fp8_gemm) -> torch.Tensor:
     """linear with an FP8 weight: the path by rows (see linear)."""
-    gemm = x.shape[0] > MAX_TUNED_TOKENS
+    rows = x.shape[0]
     if not x.is_cuda or x.dim() != 2:
-        quantize_x = gemm and fp8_gemm != "dequant"
+        quantize_x = gemm_quantizes_x(rows, fp8_gemm)
         return naive.linear(
             x=x, weight=weight, bias=bias, weight_scale=weight_scale, weight_tail=weight_tail, quantize_x=quantize_x
         )
-    if gemm:
+    if rows > MAX_TUNED_TOKENS:
         from .triton_fp8 import fp8_linear
 
+        backend = "triton" if fp8_gemm == "dequant" and rows < DEQUANT_MIN_ROWS else fp8_gemm
         return fp8_linear(
-            x=x, weight=weight, weight_scale=weight_scale, bias=bias, weight_tail=weight_tail, pdl=pdl, backend=fp8_gemm
+            x=x, weight=weight, weight_scale=weight_scale, bias=bias, weight_tail=weight_tail, pdl=pdl, backend=backend
         )
     args = dict(x=x, weight=weight, bias=bias, weight_scale=weight_scale, weight_tail=weight_tail, pdl=pdl)
     if _path(x, weight.shape[0], row_gemv) == "row":

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import norm
-from ..fp8.naive import ACT_GROUP, dequantize_weight, expand_scale, quantize_act
+from ..fp8.naive import ACT_GROUP, dequantize_weight, expand_scale, gemm_quantizes_x, quantize_act
 from ..low_rank import PairLowRank, low_rank_rows
 from ..precision import acc_dtype
 
@@ -125,9 +125,9 @@ def fused_moe(
     """The reference of moe.fused_moe: float32 throughout, one rounding at the end. FP8 weights
     (w13_scale / w2_scale: their block scales) are dequantized; above PAIRS_PATH_MAX routed pairs
     (the GPU's sorted path) the expert inputs (x, and silu(gate) * up) are quantized per row and
-    1 x 128 group first (unless fp8_quantize_acts is False), as on the GPU (`quantize` forces the
-    path: the reference of a path the test forced); the shared expert's down projection takes its
-    activation as it is on both paths. The deltas read the unquantized activations."""
+    1 x 128 group first (unless fp8_quantize_acts is False) and the shared expert's down projection
+    takes linear's path for its rows, as on the GPU (`quantize` forces the path: the reference of
+    a path the test forced). The deltas read the unquantized activations."""
     check_fp8(w13, w2, w13_scale, w2_scale)
     num_local, inter = w13.shape[0], w2.shape[2]
     acc = acc_dtype(hidden)
@@ -166,7 +166,8 @@ def fused_moe(
         out.index_add_(0, token_idx, y * topk_weights[token_idx, k_idx, None].to(acc))
     if shared is not None:
         check_shared(shared, hidden.shape[0], hidden.shape[1])
-        combined = shared_expert_combine(routed=out, **shared._asdict())
+        quantize_shared = quantize and gemm_quantizes_x(hidden.shape[0], "dequant")  # linear's default
+        combined = shared_expert_combine(routed=out, **shared._asdict(), quantize_x=quantize_shared)
         return apply_add_norm(combined.to(hidden.dtype), add_norm)
     return apply_add_norm(out.to(hidden.dtype), add_norm)
 
@@ -203,17 +204,19 @@ def routed_moe(
 
 def shared_expert_combine(
     *, routed: torch.Tensor, gate_up: torch.Tensor, w2: torch.Tensor, gate_logit: torch.Tensor,
-    w2_scale: torch.Tensor | None = None, lora: PairLowRank | None = None,
+    w2_scale: torch.Tensor | None = None, lora: PairLowRank | None = None, quantize_x: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """routed + sigmoid(gate_logit) * down(silu(gate) * up): the shared expert's down projection,
     its sigmoid gate and the sum with the routed experts' output, in float32.
     routed: [T, H]; gate_up: [T, 2 * I] (gate columns then up); w2: [H, I]; gate_logit: [T, 1];
-    w2_scale: w2 is FP8 with these block scales (the activation not quantized: the GPU's sorted path
-    runs this projection through linear's default fp8_gemm, dequant). lora: SharedExpert.lora.
-    Returns [T, H] in routed's dtype."""
+    w2_scale: w2 is FP8 with these block scales. lora: SharedExpert.lora. quantize_x (FP8): the
+    activation is quantized per 1 x 128 group first (the sorted path's down projection runs through
+    linear with its default fp8_gemm: fp8.naive.gemm_quantizes_x). Returns [T, H] in routed's dtype."""
     inter = w2.shape[1]
     acc = acc_dtype(routed, gate_up)
     act = F.silu(gate_up[:, :inter].to(acc)) * gate_up[:, inter:].to(acc)
+    if w2_scale is not None and quantize_x:  # the GPU stores act in the activations' dtype, then quantizes it
+        act = _fake_quant(act.to(gate_up.dtype), acc)
     shared = act @ _weight(w2, w2_scale, acc).t()
     if lora is not None:
         shared = shared + low_rank_rows(lora, acc)
