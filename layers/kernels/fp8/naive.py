@@ -13,8 +13,9 @@ ACT_GROUP = 128  # columns per activation scale (1 x 128 groups)
 # linear's FP8 paths by rows (linear.MAX_TUNED_TOKENS is GEMV_MAX_ROWS): up to GEMV_MAX_ROWS the GEMV /
 # skinny GEMM take x as it is; above, the fp8_gemm setting's GEMM. "dequant" (the weight dequantized
 # for cuBLAS's bf16 GEMM, x as it is) from DEQUANT_MIN_ROWS rows: it moves 5 bytes a weight to the W8A8
-# GEMM's 1, so decode batches below it keep the W8A8 GEMM (H200, FP8 decode step: batch 64 13.23 ms
-# W8A8 against 13.98 dequant, batch 256 24.57 against 23.58; the crossover interpolated at ~150 rows)
+# GEMM's 1, so decode batches below it keep the W8A8 GEMM (H200, FP8 decode step, two sessions apart:
+# batch 64 13.23 ms W8A8 at 3b42315 against 13.98 dequant at 4ff468f, batch 256 24.57 against 23.58,
+# bf16 alike in both; the crossover interpolated at ~150 rows, unmeasured: docs/PERF.md stages it)
 GEMV_MAX_ROWS = 16
 DEQUANT_MIN_ROWS = 128
 
