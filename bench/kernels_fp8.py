@@ -4,6 +4,9 @@ against the bf16 kernel the model runs without FP8, timed in the same run:
 - fp8_linear[graph] at 1 and 16 rows: the FP8 row GEMV / skinny GEMM (weights dequantized in
   registers) against our bf16 ones, CALLS calls on distinct weights in one CUDA graph (cold weights,
   no launch gaps); the floor is the FP8 weights' bytes.
+- fp8_linear[graph,w8a8-vs-dequant] at 32 / 64 / 128 / 256 rows (decode batches): our W8A8 GEMM
+  against the dequantized weight on cuBLAS (fp8_gemm=dequant, which takes passes from
+  fp8.naive.DEQUANT_MIN_ROWS rows), CALLS calls on distinct weights in one CUDA graph.
 - fp8_linear at 2,048 and 8,192 rows: activation quantization + the block-scaled FP8 GEMM against
   cuBLAS bf16, TFLOP/s; the peer: the same on cuBLAS's block-scaled FP8 GEMM (fp8_gemm=cublas).
 - fp8_moe: the fused MoE with FP8 experts against bf16 experts (pairs path at 1 and 8 tokens in a
@@ -24,7 +27,7 @@ import torch.nn.functional as F
 from deltaserve.bench.kernel_cases import Case, graphed
 from deltaserve.layers.kernels import fp8 as fp8_kernels
 from deltaserve.layers.kernels import linear as linear_kernels
-from deltaserve.layers.kernels.linear import naive
+from deltaserve.layers.kernels.linear import naive, triton_fp8
 from deltaserve.layers.kernels.moe import naive as moe_naive
 from deltaserve.layers.kernels.moe import triton_moe as tm
 
@@ -84,6 +87,43 @@ def _linear_cases(label: str, n: int, tail: int, k: int) -> list[Case]:
                 bytes_moved=calls * (n * k + tail * k * 2 + m * k * 2 + m * (n + tail) * 2),
                 flops=calls * 2 * m * (n + tail) * k,
                 target="faster than bf16",
+            )
+        )
+    for m in (32, 64, 128, 256):  # decode batches: where fp8.naive.DEQUANT_MIN_ROWS belongs
+        g = torch.Generator(device="cuda").manual_seed(m)
+        x = torch.randn(m, k, device="cuda", dtype=DTYPE, generator=g)
+        calls = max(20, len(copies))
+        pick = [copies[i % len(copies)] for i in range(calls)]
+        q, s, t, _ = copies[0]
+        cases.append(
+            Case(
+                op="fp8_linear[graph,w8a8-vs-dequant]",
+                shape=f"{label} M={m} N={n}+{tail} K={k} x{calls}",
+                ours=graphed(
+                    [
+                        lambda c=c, x=x: linear_kernels.linear(
+                            x=x, weight=c[0], weight_scale=c[1], weight_tail=c[2], fp8_gemm="triton"
+                        )
+                        for c in pick
+                    ]
+                ),
+                reference=graphed(
+                    [
+                        lambda c=c, x=x: triton_fp8.fp8_linear(
+                            x=x, weight=c[0], weight_scale=c[1], weight_tail=c[2], backend="dequant"
+                        )
+                        for c in pick
+                    ]
+                ),
+                reference_label="dequantized weight + cuBLAS bf16",
+                check=lambda x=x, q=q, s=s, t=t: _rel_err(
+                    linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t, fp8_gemm="triton"),
+                    naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, quantize_x=True),
+                ),
+                tolerance=TOLERANCE,
+                bytes_moved=calls * (n * k + tail * k * 2 + m * k * 2 + m * (n + tail) * 2),
+                flops=calls * 2 * m * (n + tail) * k,
+                target="the faster one sets DEQUANT_MIN_ROWS",
             )
         )
     for m in (2048, 8192):
