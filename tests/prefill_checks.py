@@ -10,7 +10,8 @@ from deltaserve.workers.context import build_forward_context
 
 class CheckedGraphs:
     """A runner's PrefillGraphs (captured, or the static forward) with each pass also run eagerly from
-    the same pools: records the largest logit and pool differences (scratch page and slot left out)."""
+    the same pools: records the largest logit difference (over the logits' largest magnitude, at least 1)
+and pool difference (scratch page and slot left out)."""
 
     def __init__(self, runner, graphs):
         self.runner, self.graphs = runner, graphs
@@ -47,8 +48,9 @@ class CheckedGraphs:
             want = runner.model.compute_logits(hidden[ctx.logits_indices]) if len(indices) else None
         self.passes += 1
         self.with_captures += plan.captures is not None and len(plan.captures) > 0
-        if want is not None:
-            self.logit_diff = max(self.logit_diff, float((got - want).abs().max()))
+        if want is not None:  # relative to the logits' scale: float32 sums over padded and unpadded rows
+            scale = max(1.0, float(want.abs().max()))
+            self.logit_diff = max(self.logit_diff, float((got - want).abs().max()) / scale)
         for a, b in zip(self._compared(after_graph), self._compared(self._pools()), strict=True):
             self.pool_diff = max(self.pool_diff, float((a.double() - b.double()).abs().max()))
         return got

@@ -40,7 +40,8 @@ def ids(n: int, seed: int) -> list[int]:
 
 def same_outputs(got, want, atol: float = 1e-4) -> None:
     """Identical greedy tokens, logprobs within atol: against an engine without the cache, whose float32
-    sums run over other row counts (CheckedGraphs holds each graphed pass to 1e-5 of its eager run)."""
+    sums run over other row counts (CheckedGraphs holds each graphed pass to 1e-5 of its eager run, relative
+    to the logits' scale)."""
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     for a, b in zip(got, want, strict=True):
         assert_entries_close(a.outputs[0].logprobs, b.outputs[0].logprobs, atol=atol)
