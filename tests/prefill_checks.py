@@ -10,8 +10,8 @@ from deltaserve.workers.context import build_forward_context
 
 class CheckedGraphs:
     """A runner's PrefillGraphs (captured, or the static forward) with each pass also run eagerly from
-    the same pools: records the largest logit difference (over the logits' largest magnitude, at least 1)
-and pool difference (scratch page and slot left out)."""
+    the same pools: records the largest logit difference (over the logits' largest magnitude, at
+    least 1) and pool difference (scratch page and slot left out)."""
 
     def __init__(self, runner, graphs):
         self.runner, self.graphs = runner, graphs
