@@ -40,7 +40,7 @@ def inputs(num_tokens, hk=1, hv=2, kd=8, vd=12, lead=()):
     return q, k, v, g, beta
 
 
-def prefix_state(q, k, v, g, beta, start, offset, init):
+def prefix_state(q, k, v, g, beta, start, offset, init, l2norm=True):
     """The state after `offset` tokens of a sequence starting at row `start`, from `init` (or zeros)."""
     hv, kd, vd = v.shape[1], q.shape[2], v.shape[2]
     pool = torch.zeros(1, hv, kd, vd, device=DEVICE) if init is None else init[None].clone()
@@ -49,7 +49,7 @@ def prefix_state(q, k, v, g, beta, start, offset, init):
         q=q[rows], k=k[rows], v=v[rows], g=g[rows], beta=beta[rows],
         cu_seqlens=torch.tensor([0, offset], device=DEVICE), state_pool=pool,
         state_slots=torch.zeros(1, dtype=torch.int32, device=DEVICE),
-        has_initial_state=torch.tensor([init is not None], device=DEVICE),
+        has_initial_state=torch.tensor([init is not None], device=DEVICE), use_qk_l2norm=l2norm,
     )  # fmt: skip
     return pool[0]
 
@@ -58,13 +58,13 @@ def prefix_state(q, k, v, g, beta, start, offset, init):
 # sequence (its chunks and rows past the first one's) with an initial state: at its start and one
 # token on (an initial-state store, then a copy of it and a replay), on the first chunk boundary, two
 # past it in one chunk (copies of the boundary's stored state, then replays), the sequence end (a
-# last chunk that is not full). Replays kept short: the interpreter runs them token by token.
+# last chunk that is not full). The kernels replay on the chunked op's own WY rows (advance.py).
 BOUNDS = [0, 1, 71]
 CAPTURES = [(0, 0), (0, 1), (1, 0), (1, 1), (1, 64), (1, 66), (1, 69), (1, 70)]
 
 
-@pytest.mark.parametrize("impl", ["naive", "fused", "split32"])
-def test_chunk_captures_match_the_prefix_state(nan_fill, impl):
+@pytest.mark.parametrize("impl, l2norm", [("naive", True), ("fused", True), ("split32", True), ("split32", False)])
+def test_chunk_captures_match_the_prefix_state(nan_fill, impl, l2norm):
     torch.manual_seed(0)
     q, k, v, g, beta = inputs(BOUNDS[-1])
     num_seqs = len(BOUNDS) - 1
@@ -78,6 +78,7 @@ def test_chunk_captures_match_the_prefix_state(nan_fill, impl):
     plan = gdn_state.plan_captures(captures, 64)  # every way of serving a capture is taken
     assert plan.chunk_stores and plan.initial_stores and plan.copies and plan.replays
     args = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu, state_slots=slots, has_initial_state=has_init)
+    args["use_qk_l2norm"] = l2norm
     plain_pool = pool.clone()
     if impl == "naive":
         plain = naive.chunk_gated_delta_rule(state_pool=plain_pool, **args)
@@ -89,8 +90,30 @@ def test_chunk_captures_match_the_prefix_state(nan_fill, impl):
     assert torch.equal(out, plain)
     assert torch.equal(pool[:num_seqs], plain_pool[:num_seqs])
     for i, (n, off) in enumerate(CAPTURES):
-        want = prefix_state(q, k, v, g, beta, BOUNDS[n], off, init[n] if bool(has_init[n]) else None)
+        want = prefix_state(q, k, v, g, beta, BOUNDS[n], off, init[n] if bool(has_init[n]) else None, l2norm)
         assert rel_err(pool[num_seqs + i], want) < TOL, (n, off)
+
+
+@pytest.mark.parametrize("impl", ["fused", "split32"])
+def test_replays_over_value_blocks_and_head_groups(nan_fill, impl):
+    """Replays of 1, 17 and 63 tokens (the longest a chunk leaves) from boundary states, on value
+    heads sharing key heads and over two value blocks of the replay kernel (V = 40), and captures
+    sharing one boundary (copies before the replays): each the state its own prefix leaves."""
+    torch.manual_seed(6)
+    bounds = [0, 130, 200]
+    q, k, v, g, beta = inputs(bounds[-1], hk=2, hv=4, kd=8, vd=40)
+    caps = [(0, 1), (0, 81), (0, 127), (1, 64), (1, 65), (1, 69)]
+    pool = torch.randn(2 + len(caps), 4, 8, 40, device=DEVICE)
+    init = pool[:2].clone()
+    captures = StateCaptures(tuple(StateCapture(n, off, 2 + i) for i, (n, off) in enumerate(caps)), (130, 70))
+    chunk_module.chunk_gated_delta_rule(
+        q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=DEVICE),
+        state_pool=pool, state_slots=torch.arange(2, dtype=torch.int32, device=DEVICE),
+        has_initial_state=torch.tensor([True, False], device=DEVICE), captures=captures, variant=impl,
+    )  # fmt: skip
+    for i, (n, off) in enumerate(caps):
+        want = prefix_state(q, k, v, g, beta, bounds[n], off, init[n] if n == 0 else None)
+        assert rel_err(pool[2 + i], want) < TOL, (n, off)
 
 
 # the Triton verify also over two value blocks (bv32 at V = 40): only the first block of a head
@@ -283,28 +306,3 @@ def test_slot_copies_skip_unused_entries(device, from_seq):
     got = pool.clone()
     slot_copy.copy_state_slots(pool=got, dst=dst, used=used, **kw)
     assert torch.equal(ref, want) and torch.equal(got, want)
-
-
-def test_replay_rows_match_the_reference(device):
-    """replay_rows (Triton, one launch) against the reference: every entry's rows from its first
-    token (clamped at the pass's last row), g and beta zero past its count (none, some, all), each
-    output bit-equal; strided q / k / v (views of one projection, as the layer passes them) and odd
-    widths that take several steps of a row."""
-    from deltaserve.layers.kernels.gdn import replay_rows
-
-    g = torch.Generator().manual_seed(5)
-    tokens, hk, dk, hv, dv, steps = 23, 3, 5, 6, 7, 9
-    mixed = torch.randn(tokens, 2 * hk * dk + hv * dv + 3, generator=g).to(device)
-    q = mixed[:, : hk * dk].view(tokens, hk, dk)
-    k = mixed[:, hk * dk : 2 * hk * dk].view(tokens, hk, dk)
-    v = mixed[:, 2 * hk * dk : 2 * hk * dk + hv * dv].view(tokens, hv, dv)
-    gate = torch.randn(tokens, hv, generator=g).to(device)
-    beta = torch.rand(tokens, hv, generator=g).to(device=device, dtype=torch.bfloat16)
-    first = torch.tensor([0, 4, 19, 22], device=device)
-    count = torch.tensor([9, 3, 0, 1], device=device)
-    kw = dict(q=q, k=k, v=v, g=gate, beta=beta, first=first, count=count, steps=steps)
-    want = naive.replay_rows(**kw)
-    got = replay_rows.replay_rows(**kw)
-    for a, b in zip(got, want, strict=True):
-        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-    assert torch.equal(want[0][steps * 2 + 5], q[22]) and bool((want[3][steps * 2 : steps * 3] == 0).all())

@@ -226,7 +226,8 @@ def compile_warmup(runner: ModelRunner, pool: StatePool) -> int:
             _catch_up(head, plan, *forward)
         if pool.sizes.num_snapshots >= 2 and len(streams) in CAPTURE_WARMUP_ROWS:
             # again with prefix-cache captures: a chunk-boundary store and a replayed remainder
-            # (the chunk kernel variant this batch picks, compiled with its capture store)
+            # (the chunk kernel variant this batch picks, compiled with its capture store, and the
+            # replay kernel of that design, gdn/advance.py)
             first = plan.num_decode_rows
             new = int(plan.query_start_loc[first + 1] - plan.query_start_loc[first])
             plan.captures = np.array(
@@ -238,10 +239,6 @@ def compile_warmup(runner: ModelRunner, pool: StatePool) -> int:
             )
             runner._forward(plan, pool)
             passes += 1
-            if new >= 80:  # replays of 16 tokens and of 1: Triton's other integer classes
-                plan.captures[:, 1] = (65, 80)
-                runner._forward(plan, pool)
-                passes += 1
     if runner.lora is not None:
         passes += _lora_warmup(runner, pool)
     if head is not None:

@@ -31,16 +31,15 @@ bench/kernels_gdn.py times others. NOTES.md has the resources and the measuremen
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
 
 from ..device import DeviceInfo, device_info, stages_that_fit
+from .advance import advance_within_chunks
 from .chunk_prepare import _intra_kernel, _solve_kernel
 from .chunk_state import _output_kernel, _recur_kernel, _state_kernel
 from .fixed_captures import FixedCaptures
-from .replay_rows import replay_rows
 from .slot_copy import copy_state_slots
 from .state import StateCaptures
 
@@ -86,10 +85,6 @@ VARIANTS = {
     # the split design (few, long sequences)
     "split32": ChunkVariant(split=True, block_v=32, num_warps=4),
 }
-# capture replays (one partial chunk a stream, a few streams): "fused" at a fixed block_v, so that
-# the warm-up's replays compile what any count of replays runs (block_v 0 widens with the count)
-REPLAY_VARIANT = ChunkVariant(split=False, block_v=32, num_warps=4, num_stages=2, prefetch=False)
-
 
 # From CUDA graphs on the H200 (0a1f871, `bench kernels --only gdn --match "gdn_chunk[graph]"`), one
 # sequence, us a call: split32 against fused 50 / 54 at T=512, 80 / 104 at 1k, 134 / 188 at 2k, and
@@ -129,8 +124,9 @@ def chunk_gated_delta_rule(
 ) -> torch.Tensor:  # fmt: skip
     """gdn.chunk_gated_delta_rule (chunks of 64 only). variant: a VARIANTS name or a ChunkVariant;
     None: pick_variant's. captures: the sequential kernel stores the state after the chunks they name
-    (one int per chunk), the rest is replayed after it (state.py; FixedCaptures: the same from device
-    tensors, fixed_captures.py); no host sync."""
+    (one int per chunk); a capture inside a chunk is that chunk's first tokens replayed on the
+    kernels' own intermediates (advance.py; state.py; FixedCaptures: the same from device tensors,
+    fixed_captures.py); no host sync."""
     if chunk_size != CHUNK:
         raise ValueError(f"chunk_size must be {CHUNK}, got {chunk_size}")
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
@@ -227,13 +223,20 @@ def chunk_gated_delta_rule(
             num_warps=seq_warps, num_stages=stages,
         )  # fmt: skip
 
+    replays = None
     if on_device is not None:
-        replay = functools.partial(chunk_gated_delta_rule, variant=REPLAY_VARIANT)
-        on_device.finish_chunked(
-            q, k, v, g, beta, state_pool, scale, use_qk_l2norm, replay, copy_state_slots, replay_rows
-        )
-    if prepared is not None:
-        _finish_captures(prepared, q, k, v, g, beta, state_pool, scale, use_qk_l2norm)
+        on_device.copies(state_pool, copy_state_slots)
+        replays = on_device.replay_fields()
+    elif prepared is not None:
+        for src, dst in prepared.plan.copies:
+            state_pool[dst] = state_pool[src]
+        if prepared.plan.replays:
+            replays = dict(first=prepared.replay_first, count=prepared.replay_count, slots=prepared.replay_slots)
+    if replays is not None:  # after the copies: each replay starts from the boundary state on its slot
+        advance_within_chunks(
+            k=k, w=w, u=u, gcum=gcum, rnorm=rnorm, state_pool=state_pool, v_new=cfg.split, l2norm=use_qk_l2norm,
+            chunk=CHUNK, **replays,
+        )  # fmt: skip
     if chunk_states_out is not None:
         counts = ((cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK).tolist()
         start = 0
@@ -249,23 +252,3 @@ def _store_initial_states(stores, state_pool, state_slots, has_initial_state) ->
     for seq, dst in stores:
         src = state_pool[state_slots[seq].long()]
         state_pool[dst] = torch.where(has_initial_state[seq].bool(), src, torch.zeros_like(src))
-
-
-def _finish_captures(prepared, q, k, v, g, beta, state_pool, scale, use_qk_l2norm) -> None:
-    """After the kernels: copies for captures that share a stored state, then the tokens between each
-    capture's chunk boundary and its offset, all replays in one chunked call: each a stream of its own
-    (one partial chunk) from the boundary state on its slot, its final state stored back there."""
-    for src, dst in prepared.plan.copies:
-        state_pool[dst] = state_pool[src]
-    if not prepared.plan.replays:
-        return
-    rows = prepared.replay_rows
-
-    def take(x: torch.Tensor) -> torch.Tensor:
-        return x.index_select(0, rows)
-
-    chunk_gated_delta_rule(
-        q=take(q), k=take(k), v=take(v), g=take(g), beta=take(beta), cu_seqlens=prepared.replay_cu,
-        state_pool=state_pool, state_slots=prepared.replay_slots, has_initial_state=prepared.replay_has_initial,
-        scale=scale, use_qk_l2norm=use_qk_l2norm, variant=REPLAY_VARIANT,
-    )  # fmt: skip

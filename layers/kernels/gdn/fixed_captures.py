@@ -6,11 +6,10 @@ slot), but every position and slot sits in a device tensor of fixed size that th
 before each replay, so that one captured graph serves any capture points of its pass.
 
 Up to `capacity` entries of each kind. An entry a pass does not use names the scratch slot and
-a stream without initial state and replays no token: it runs the same ops and changes nothing
-but scratch. A replay gathers CHUNK - 1 token rows from its start and keeps only its count of
-them: the kernels run every entry as one chunk of the chunked op (the rows past the count made
-no-ops, beta = 0 and g = 0: the eager path's chunked replay), the reference as recurrent steps
-(the recurrent op's `lengths`).
+a stream without initial state and replays no token: it changes nothing but scratch (the copies
+skip it, the replay kernel's program for it returns). The kernels replay an entry on the chunked
+op's own intermediates (advance.py), the reference as recurrent steps (the recurrent op's
+`lengths`, over CHUNK - 1 gathered rows of which it keeps the entry's count).
 """
 
 from __future__ import annotations
@@ -94,18 +93,14 @@ class FixedCaptures:
     # ---- device side: device ops only (no host sync), the same on every GDN layer ----------------
     def _index(self, name: str, num_tokens: int, width: int) -> torch.Tensor:
         """Index tensors shared by the layers: 'replay' [C, CHUNK - 1] token rows (the reference's);
-        'replay_streams' the chunked replay's cu_seqlens [C + 1] int32 and has_initial_state [C]
-        (entries with tokens); 'window' [C, W - 1] token rows, whether each is the stream's own, and
-        the column of the slot's old window otherwise."""
+        'window' [C, W - 1] token rows, whether each is the stream's own, and the column of the slot's
+        old window otherwise."""
         key = (name, num_tokens, width)
         if key not in self._derived:
             f = self.fields
-            steps = torch.arange(CHUNK - 1, device=f.device)
             if name == "replay":
+                steps = torch.arange(CHUNK - 1, device=f.device)
                 self._derived[key] = (f[REPLAY_FIRST, :, None] + steps).clamp(max=num_tokens - 1)
-            elif name == "replay_streams":
-                cu = torch.arange(self.capacity + 1, device=f.device, dtype=torch.int32) * (CHUNK - 1)
-                self._derived[key] = (cu, f[REPLAY_COUNT] > 0)
             else:
                 j = torch.arange(width, device=f.device)
                 rows = f[WIN_END, :, None] - width + j
@@ -123,7 +118,8 @@ class FixedCaptures:
         copy_slots(pool=state_pool, dst=f[INIT_SLOT], used=f[INIT_USED], src=f[INIT_SEQ], slots=state_slots,
                    keep=has_initial)  # fmt: skip
 
-    def _copies(self, state_pool: torch.Tensor, copy_slots) -> None:
+    def copies(self, state_pool: torch.Tensor, copy_slots) -> None:
+        """After the chunked kernel: copies of boundary states shared by several captures."""
         f = self.fields
         copy_slots(pool=state_pool, dst=f[COPY_DST], used=f[COPY_USED], src=f[COPY_SRC])
 
@@ -134,7 +130,7 @@ class FixedCaptures:
         recurrent call, token by token (inputs as the chunked op's: q, k [T, Hk, K], v [T, Hv, V], g,
         beta [T, Hv]; `recurrent`: a fused_recurrent_gated_delta_rule, the reference's here)."""
         f = self.fields
-        self._copies(state_pool, copy_slots)
+        self.copies(state_pool, copy_slots)
         rows = self._index("replay", q.shape[0], 0)
         flat = rows.reshape(-1)
         c, n = rows.shape
@@ -147,25 +143,11 @@ class FixedCaptures:
             state_slots=f[REPLAY_SLOT], scale=scale, use_qk_l2norm=use_qk_l2norm, lengths=f[REPLAY_COUNT],
         )  # fmt: skip
 
-    def finish_chunked(
-        self, q, k, v, g, beta, state_pool: torch.Tensor, scale, use_qk_l2norm: bool, chunk, copy_slots, take_rows
-    ) -> None:
-        """finish, the replays through the chunked op (`chunk`: the caller's chunk_gated_delta_rule):
-        each entry's CHUNK - 1 gathered rows a stream of its own, one chunk, from the state on its slot
-        back to that slot, instead of up to CHUNK - 1 dependent recurrent steps. Rows past an entry's
-        count carry beta = 0 and g = 0, which leave a state as it is (shapes stay fixed); an unused
-        entry starts from zeros on the scratch slot. `take_rows`: a replay_rows (naive.py's or
-        replay_rows.py's) gathering them."""
+    def replay_fields(self) -> dict:
+        """The replay entries as advance.advance_within_chunks takes them: first, count, slots
+        (unused entries: count 0)."""
         f = self.fields
-        self._copies(state_pool, copy_slots)
-        cu_seqlens, has_initial = self._index("replay_streams", q.shape[0], 0)
-        rq, rk, rv, rg, rbeta = take_rows(
-            q=q, k=k, v=v, g=g, beta=beta, first=f[REPLAY_FIRST], count=f[REPLAY_COUNT], steps=CHUNK - 1
-        )
-        chunk(
-            q=rq, k=rk, v=rv, g=rg, beta=rbeta, cu_seqlens=cu_seqlens, state_pool=state_pool,
-            state_slots=f[REPLAY_SLOT], has_initial_state=has_initial, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        )  # fmt: skip
+        return dict(first=f[REPLAY_FIRST], count=f[REPLAY_COUNT], slots=f[REPLAY_SLOT])
 
     def window_fields(self) -> dict:
         """The conv window entries as a triton_conv1d.capture_windows takes them: seq, start, end, dst."""

@@ -145,33 +145,6 @@ def copy_state_slots(
             pool[int(dst[c])] = pool[int(slots[s])] if bool(keep[s]) else 0
 
 
-def replay_rows(
-    *,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    first: torch.Tensor,
-    count: torch.Tensor,
-    steps: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rows capture replays run on: for entry c (first, count [C]) and step i < steps, row
-    c * steps + i of each output is row min(first[c] + i, T - 1) of q, k, v [T, H, D], g, beta [T, H];
-    g and beta are zero in the rows with i >= count[c] (no-ops for the chunked op). Outputs contiguous."""
-    steps_ = torch.arange(steps, device=first.device)
-    rows = (first[:, None] + steps_).clamp(max=q.shape[0] - 1).reshape(-1)
-    live = (steps_ < count[:, None]).reshape(-1, 1)
-    zero = torch.zeros((), dtype=g.dtype, device=g.device)
-    return (
-        q.index_select(0, rows),
-        k.index_select(0, rows),
-        v.index_select(0, rows),
-        torch.where(live, g.index_select(0, rows), zero),
-        torch.where(live, beta.index_select(0, rows), zero.to(beta.dtype)),
-    )
-
-
 def _recurrent_step(state, k, v, g, beta):
     """One token of the recurrence for all heads: state [..., H, K, V]; k [..., H, K]; v [..., H, V];
     g, beta [..., H]. Returns (new state, delta [..., H, V])."""

@@ -4,10 +4,11 @@ decoding share.
 Captures (prefix caching, the seed's MidchunkCapture): a prefill pass also writes the recurrent state
 after `offset` tokens of one of its sequences into another pool slot (a snapshot slot). The chunked
 kernel stores the state at the 64-token boundary at or before the offset; the tokens after that
-boundary are replayed from there (the kernels: all of a pass's replays in one chunked call, each a
-stream of one partial chunk; the reference: token by token), so a capture never changes how the
-sequence itself is chunked (its outputs are the same with and without captures). The conv window at the offset is the
-last W - 1 inputs before it (`conv_windows_at`), taken before the conv kernel updates the slot.
+boundary are replayed from there (the kernels: all of a pass's replays in one launch on the chunked
+op's own WY rows, advance.py; the reference: token by token), so a capture never changes how the
+sequence itself is chunked (its outputs are the same with and without captures). The conv window
+at the offset is the last W - 1 inputs before it (`conv_windows_at`), taken before the conv kernel
+updates the slot.
 
 Verify tables (speculative decoding, the seed's VERIFY_WY tables): a verify over L = k + 1 tokens
 leaves each slot's state as it was and writes, per token, what one recurrent step adds: the
@@ -57,23 +58,21 @@ class StateCaptures:
 
     def prepared(self, chunk: int, device: torch.device) -> PreparedCaptures:
         """plan_captures(self, chunk) with its chunk stores as a device array (one int per chunk: the
-        slot to store the state after that chunk in, or -1) and the replays as device tensors (their
-        slots, token rows and cu_seqlens: the replays as streams of their own): uploaded once (pinned,
-        non-blocking), then reused by every layer of the pass."""
+        slot to store the state after that chunk in, or -1) and the replays as device tensors (each
+        one's chunk start row, token count and slot): uploaded once (pinned, non-blocking), then
+        reused by every layer of the pass."""
         key = (chunk, str(device))
         if key not in self._prepared:
             plan = plan_captures(self, chunk)
             num_chunks = max(1, sum(-(-n // chunk) for n in self.seq_lens))
             starts = self.starts()
+            first = [starts[seq] + start for seq, start, _, _ in plan.replays]
+            count = [n for _, _, n, _ in plan.replays]
             slots = [slot for *_, slot in plan.replays]
-            rows = [starts[seq] + first + i for seq, first, count, _ in plan.replays for i in range(count)]
-            cu = [0]
-            for _, _, count, _ in plan.replays:
-                cu.append(cu[-1] + count)
             chunk_slots = [-1] * num_chunks
             for index, slot in plan.chunk_stores.items():
                 chunk_slots[index] = slot
-            parts = (chunk_slots, slots, rows, cu, [1] * len(slots))
+            parts = (chunk_slots, first, count, slots)
             host = torch.tensor([x for part in parts for x in part], dtype=torch.int32)
             if torch.device(device).type == "cuda":
                 host = host.pin_memory()
@@ -285,16 +284,14 @@ def conv_accept(
 @dataclass(frozen=True)
 class PreparedCaptures:
     """A CapturePlan with what the kernels read on the device, all int32: chunk_slots [num_chunks]
-    (the slot to store the state after each chunk in, -1: none); for the R replays, as streams of
-    their own: replay_slots [R], replay_rows [their tokens] (rows of the op's inputs), replay_cu
-    [R + 1] (cu_seqlens over replay_rows) and replay_has_initial [R] (ones)."""
+    (the slot to store the state after each chunk in, -1: none); for the R replays: replay_first [R]
+    (the row of the op's inputs their chunk starts at), replay_count [R] (tokens), replay_slots [R]."""
 
     plan: CapturePlan
     chunk_slots: torch.Tensor
+    replay_first: torch.Tensor
+    replay_count: torch.Tensor
     replay_slots: torch.Tensor
-    replay_rows: torch.Tensor
-    replay_cu: torch.Tensor
-    replay_has_initial: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -307,7 +304,7 @@ class CapturePlan:
     initial_stores: tuple[tuple[int, int], ...]
     # (source slot, destination slot): copies after the kernel, for captures that share a stored state
     copies: tuple[tuple[int, int], ...]
-    # (sequence, first token (sequence-relative), count, slot): token-by-token replays after the copies
+    # (sequence, first token (sequence-relative: a chunk's start), count, slot): replays after the copies
     replays: tuple[tuple[int, int, int, int], ...]
 
 
