@@ -6,6 +6,7 @@ the CPU): they change grids, not the launches.
 
     python -m deltaserve.bench.launches --preset qwen3_5_35b_a3b --batch 1 --adapters 0,1,8
     python -m deltaserve.bench.launches --adapters "" --spec-k 3 --by-kernel   # a speculative step
+    python -m deltaserve.bench.launches --adapters "" --prefill 2048 --by-kernel   # a fresh 2k prompt
 
 A CUDA graph replays exactly these launches, so the count is what a decode step's graph holds
 (torch ops: one launch an op, an estimate; Triton: exact). Per kernel name with --by-kernel.
@@ -160,6 +161,46 @@ def decode_launches(
     return counts
 
 
+def _prefill_plan(tokens: int, block_size: int, captures: tuple[int, ...], first_snapshot: int) -> PassPlan:
+    pages = -(-tokens // block_size)
+    plan = PassPlan(
+        pass_id=0, req_ids=["p0"], num_decode_rows=0, input_ids=np.ones(tokens, np.int32),
+        positions=np.arange(tokens, dtype=np.int32), slot_mapping=np.arange(tokens, dtype=np.int64),
+        query_start_loc=np.array([0, tokens], np.int32), seq_lens=np.array([tokens], np.int32),
+        block_tables=np.arange(pages, dtype=np.int32)[None], state_slots=np.zeros(1, np.int32),
+        has_initial_state=np.zeros(1, bool), sample_rows=np.ones(1, bool), prompt_logprob_rows=np.zeros(1, bool),
+    )  # fmt: skip
+    if captures:
+        plan.captures = np.array([[0, off, first_snapshot + i] for i, off in enumerate(captures)], np.int32)
+    return plan
+
+
+def prefill_launches(preset: str, tokens: int, captures: tuple[int, ...] = ()) -> collections.Counter:
+    """Launches of one eager prefill pass of one fresh prompt of `tokens` tokens at the preset's shape
+    (bfloat16), with prefix-cache captures at these offsets (a fresh prompt's usual ones: every 1,024
+    tokens, its last block boundary and its end)."""
+    config = preset_config(preset)
+    counts: collections.Counter = collections.Counter()
+    block_size = 16
+    with fake_cuda() as mode:
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = HybridModel(config)
+            sizes = PoolSizes(-(-tokens // block_size) + 1, block_size, 1, num_snapshots=max(1, len(captures)))
+            pool = StatePool(model, sizes, dtype=torch.bfloat16, device="cpu")
+            plan = _prefill_plan(tokens, block_size, captures, first_snapshot=1)
+            indices, _ = logits_rows(plan)
+            with _disable_current_modes():
+                ctx = build_forward_context(plan, model.config, model.layout, "cpu", indices)
+            ctx = _faked(ctx, mode)
+            with torch.no_grad(), count_launches(counts):
+                hidden = model(ctx, pool.layer_states)
+                model.compute_logits(hidden[ctx.logits_indices])
+        finally:
+            torch.set_default_dtype(torch.float32)
+    return counts
+
+
 def spec_step_launches(preset: str, batch: int, k: int, *, context: int = 64) -> collections.Counter:
     """Launches of one eager speculative step (what the engine's verify graph holds: the target over
     k + 1 tokens a row, the argmax, the acceptance, write-on-accept, the MTP head's catch-up and its
@@ -212,11 +253,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--adapters", default="0,1,8", help="distinct adapters (0: none), comma list")
     p.add_argument("--spec-k", type=int, default=0, help="also one speculative step with k drafts (MTP head)")
+    p.add_argument("--prefill", type=int, default=0, help="also one prefill pass of a fresh prompt of this many tokens")
     p.add_argument("--by-kernel", action="store_true")
     args = p.parse_args(argv)
     for n in (int(a) for a in args.adapters.split(",") if a):
         counts = decode_launches(args.preset, args.batch, n)
         _print_counts(f"batch {args.batch}, {n} adapter(s)", counts, args.by_kernel)
+    if args.prefill:
+        n = args.prefill
+        caps = tuple(sorted({*range(1024, n, 1024), (n - 1) // 16 * 16, n}))
+        counts = prefill_launches(args.preset, n, caps)
+        _print_counts(f"prefill of {n} tokens, captures at {caps}", counts, args.by_kernel)
     if args.spec_k:
         counts = spec_step_launches(args.preset, args.batch, args.spec_k)
         _print_counts(f"batch {args.batch}, speculative step k = {args.spec_k}", counts, args.by_kernel)

@@ -56,3 +56,19 @@ def test_speculative_step_launches():
     torch_ops = sum(v for k, v in counts.items() if k.startswith("torch."))
     assert torch_ops < 60, {k: v for k, v in counts.items() if k.startswith("torch.")}
     assert not any(isinstance(t, FakeTensor) for bufs in base._ROW_STARTS.values() for t in bufs)
+
+
+def test_fresh_prompt_captures_cost_two_launches_a_gdn_layer():
+    """A fresh 2k prompt's eager pass with its usual prefix-cache captures (every 1,024 tokens, its
+    last block boundary, inside the last chunk, and its end): each GDN layer adds one replay launch
+    (on the chunked op's own WY rows) and one conv-window launch for all of them, and no torch glue
+    (no copies, gathers or index ops per capture)."""
+    from deltaserve.bench.launches import prefill_launches
+
+    with_caps = prefill_launches("qwen3_5_35b_a3b", 2048, (1024, 2032, 2048))
+    plain = prefill_launches("qwen3_5_35b_a3b", 2048)
+    gdn_layers = plain["triton._conv_varlen_kernel"]
+    assert gdn_layers == 30
+    assert with_caps["triton._advance_kernel"] == with_caps["triton._capture_windows_kernel"] == gdn_layers
+    added = {k: with_caps[k] - plain.get(k, 0) for k in with_caps if with_caps[k] != plain.get(k, 0)}
+    assert added == {"triton._advance_kernel": gdn_layers, "triton._capture_windows_kernel": gdn_layers}, added

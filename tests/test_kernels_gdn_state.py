@@ -207,6 +207,29 @@ def test_fixed_capture_windows_kernel_matches_the_torch_path(device):
     assert not torch.equal(want[3:8], pool[3:8])  # the captures' slots were written
 
 
+def test_eager_capture_windows_kernel_matches_the_torch_path(device):
+    """An eager pass's captures (StateCaptures, their entries uploaded once with the pass's plan)
+    through triton_conv1d.capture_windows, as the CUDA path takes them, bit for bit against
+    conv_windows_at's torch ops: inside a stream, reaching into the slot's old window with and without
+    initial state, at a stream's first token."""
+    from deltaserve.layers.kernels.conv1d.triton_conv1d import capture_windows
+
+    g = torch.Generator().manual_seed(7)
+    w1, channels, lens = 3, 300, (30, 2, 8)
+    x = torch.randn(40, channels + 5, generator=g).to(device)[:, :channels]
+    slots = torch.tensor([0, 1, 2], device=device, dtype=torch.int32)
+    has_init = torch.tensor([True, True, False], device=device)
+    pool = torch.randn(8, channels, w1, generator=g).to(device)
+    caps = StateCaptures((StateCapture(0, 10, 3), StateCapture(0, 1, 4), StateCapture(1, 2, 5),
+                          StateCapture(2, 2, 6), StateCapture(0, 0, 7)), lens)  # fmt: skip
+    want = pool.clone()
+    gdn_state.conv_windows_at(x=x, conv_state_pool=want, state_slots=slots, has_initial_state=has_init, captures=caps)
+    got = pool.clone()
+    fields = caps.prepared(64, torch.device(device)).window_fields()
+    capture_windows(x=x, conv_state_pool=got, state_slots=slots, has_initial_state=has_init, **fields)
+    assert torch.equal(got, want) and not torch.equal(want[3:8], pool[3:8])
+
+
 @pytest.mark.parametrize("impl", ["op", "naive", "triton"])
 @pytest.mark.parametrize(("length", "w1"), [(4, 3), (2, 3), (5, 1)])
 def test_conv_accept_picks_the_window_after_the_last_accepted_input(impl, length, w1):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..gdn.fixed_captures import FixedCaptures
+from ..gdn.fixed_captures import CHUNK, FixedCaptures
 from ..gdn.state import StateCaptures, conv_windows_at
 from . import naive
 
@@ -35,7 +35,8 @@ def causal_conv1d_varlen(
         has_initial_state: [N] bool (False: the window is zeros, the slot is not read).
         activation: "silu" (or "swish") or None.
         captures: also write the window after each capture's offset into its slot (prefix-cache
-            snapshots; gdn/state.py; FixedCaptures: from device tensors), gathered before the slots move on.
+            snapshots; gdn/state.py; FixedCaptures: from device tensors), gathered before the slots
+            move on (CUDA: one launch for all of them, triton_conv1d.capture_windows).
         update_state: False leaves the slots' windows as they were (a speculative verify: its
             write-on-accept, gdn_state.conv_accept, rebuilds them from there).
         save_inputs: [T, C] (channels contiguous): also a copy of x's rows, from the same launch
@@ -49,12 +50,13 @@ def causal_conv1d_varlen(
         raise ValueError(
             f"save_inputs: expected {list(x.shape)} with contiguous channels, got {list(save_inputs.shape)}"
         )
-    if isinstance(captures, FixedCaptures) and x.is_cuda:
+    if captures is not None and x.is_cuda and (isinstance(captures, FixedCaptures) or captures.items):
         from .triton_conv1d import capture_windows
 
+        fields = captures if isinstance(captures, FixedCaptures) else captures.prepared(CHUNK, x.device)
         capture_windows(
             x=x, conv_state_pool=conv_state_pool, state_slots=state_slots, has_initial_state=has_initial_state,
-            **captures.window_fields(),
+            **fields.window_fields(),
         )  # fmt: skip
     elif isinstance(captures, FixedCaptures):
         captures.conv_windows(x, conv_state_pool, state_slots, has_initial_state)

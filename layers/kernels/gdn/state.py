@@ -58,9 +58,10 @@ class StateCaptures:
 
     def prepared(self, chunk: int, device: torch.device) -> PreparedCaptures:
         """plan_captures(self, chunk) with its chunk stores as a device array (one int per chunk: the
-        slot to store the state after that chunk in, or -1) and the replays as device tensors (each
-        one's chunk start row, token count and slot): uploaded once (pinned, non-blocking), then
-        reused by every layer of the pass."""
+        slot to store the state after that chunk in, or -1), the replays (each one's chunk start row,
+        token count and slot) and the conv windows (each capture's stream, its first row, the capture
+        row and slot) as device tensors: uploaded once (pinned, non-blocking), then reused by every
+        layer of the pass."""
         key = (chunk, str(device))
         if key not in self._prepared:
             plan = plan_captures(self, chunk)
@@ -72,7 +73,8 @@ class StateCaptures:
             chunk_slots = [-1] * num_chunks
             for index, slot in plan.chunk_stores.items():
                 chunk_slots[index] = slot
-            parts = (chunk_slots, first, count, slots)
+            windows = [(c.seq, starts[c.seq], starts[c.seq] + c.offset, c.slot) for c in self.items]
+            parts = (chunk_slots, first, count, slots, *(list(column) for column in zip(*windows, strict=True)))
             host = torch.tensor([x for part in parts for x in part], dtype=torch.int32)
             if torch.device(device).type == "cuda":
                 host = host.pin_memory()
@@ -285,13 +287,23 @@ def conv_accept(
 class PreparedCaptures:
     """A CapturePlan with what the kernels read on the device, all int32: chunk_slots [num_chunks]
     (the slot to store the state after each chunk in, -1: none); for the R replays: replay_first [R]
-    (the row of the op's inputs their chunk starts at), replay_count [R] (tokens), replay_slots [R]."""
+    (the row of the op's inputs their chunk starts at), replay_count [R] (tokens), replay_slots [R];
+    for the C captures' conv windows: win_seq, win_start (the stream's first row), win_end (the
+    capture's row), win_slot [C]."""
 
     plan: CapturePlan
     chunk_slots: torch.Tensor
     replay_first: torch.Tensor
     replay_count: torch.Tensor
     replay_slots: torch.Tensor
+    win_seq: torch.Tensor
+    win_start: torch.Tensor
+    win_end: torch.Tensor
+    win_slot: torch.Tensor
+
+    def window_fields(self) -> dict:
+        """The conv windows as a triton_conv1d.capture_windows takes them: seq, start, end, dst."""
+        return dict(seq=self.win_seq, start=self.win_start, end=self.win_end, dst=self.win_slot)
 
 
 @dataclass(frozen=True)
