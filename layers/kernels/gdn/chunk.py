@@ -132,6 +132,8 @@ def chunk_gated_delta_rule(
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     num_tokens, num_k_heads, key_dim = q.shape
     num_v_heads, value_dim = v.shape[1], v.shape[2]
+    if state_pool.stride()[1:] != (key_dim * value_dim, value_dim, 1):
+        raise ValueError("state_pool: each slot's [Hv, K, V] state must be contiguous")
     num_seqs = cu_seqlens.shape[0] - 1
     scale = key_dim**-0.5 if scale is None else scale
     device, dt = v.device, k.dtype
@@ -202,7 +204,7 @@ def chunk_gated_delta_rule(
     if cfg.split:
         _recur_kernel[seq_grid](
             k, w, u, qscale, gcum, h, cs_arg, cap_arg, state_pool, cu_seqlens, state_slots, has_initial_state,
-            num_seqs, k.stride(0), k.stride(1), *state_pool.stride(),
+            num_seqs, k.stride(0), k.stride(1), state_pool.stride(0),
             HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BK=bk, BV=bv, BT=CHUNK, BLOCK_N=BLOCK_N,
             STORE_CHUNK_STATES=chunk_states is not None, STORE_CAPTURE=capture_arg is not None,
             num_warps=seq_warps, num_stages=stages,
@@ -217,7 +219,7 @@ def chunk_gated_delta_rule(
     else:
         _state_kernel[seq_grid](
             q, w, u, kd, scores, qscale, gcum, out, cs_arg, cap_arg, state_pool,
-            cu_seqlens, state_slots, has_initial_state, num_seqs, q.stride(0), q.stride(1), *state_pool.stride(),
+            cu_seqlens, state_slots, has_initial_state, num_seqs, q.stride(0), q.stride(1), state_pool.stride(0),
             HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BK=bk, BV=bv, BT=CHUNK, BLOCK_N=BLOCK_N,
             STORE_CHUNK_STATES=chunk_states is not None, PREFETCH=cfg.prefetch, STORE_CAPTURE=capture_arg is not None,
             num_warps=seq_warps, num_stages=stages,

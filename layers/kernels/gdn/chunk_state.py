@@ -23,37 +23,40 @@ def _first_chunk_decay_log(gcum, hv, bos, eos, HV: tl.constexpr, BT: tl.constexp
 
 @triton.jit
 def _walk_start(
-    cu_seqlens, pool, slots, has_initial_state, stride_ps, stride_ph, stride_pk, stride_pv, HV: tl.constexpr,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    cu_seqlens, pool, slots, has_initial_state, stride_ps, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
 ):  # fmt: skip
     """Where this program's walk starts: its sequence n, value head and state tile (varlen.value_block),
-    the sequence's tokens [bos, eos) and chunk count, and its pool slot's state tile (address and
-    float32 value; zeros without an initial state: an empty row range, so the slot's old contents
-    are never read)."""
+    the sequence's tokens [bos, eos) and chunk count, its pool slot, the tile's offsets inside a
+    [K, V] state (o_k V + o_v: the pool's slots hold contiguous [HV, K, V] states, as the h and
+    chunk-state buffers, so that every store of the tile shares one offset tensor, not a [BK, BV]
+    tensor of 64-bit addresses each) and its float32 value (zeros without an initial state: an
+    empty row range, so the slot's old contents are never read)."""
     n, hv, o_k, o_v, m_k, m_v = value_block(tl.program_id(0), HV, K, V, BK, BV)
     bos = tl.load(cu_seqlens + n).to(tl.int32)
     eos = tl.load(cu_seqlens + n + 1).to(tl.int32)
     num_chunks = (eos - bos + BT - 1) // BT
     slot = tl.load(slots + n).to(tl.int64)
     k_init = tl.where(tl.load(has_initial_state + n) != 0, K, 0)
-    p_pool = pool + slot * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
-    state = tl.load(p_pool, mask=(o_k < k_init)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-    return n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, p_pool, state
+    tile = o_k[:, None] * V + o_v[None, :]
+    p_state = pool + slot * stride_ps + hv * (K * V)
+    state = tl.load(p_state + tile, mask=(o_k < k_init)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    return n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, slot, tile, state
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state", "capture"])
 def _state_kernel(
     q, w, u, kd, scores, qscale, gcum, o, chunk_states, capture, pool, cu_seqlens, slots, has_initial_state, num_seqs,
-    stride_qt, stride_qh, stride_ps, stride_ph, stride_pk, stride_pv, HV: tl.constexpr, GROUP: tl.constexpr,
+    stride_qt, stride_qh, stride_ps, HV: tl.constexpr, GROUP: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
     STORE_CHUNK_STATES: tl.constexpr, PREFETCH: tl.constexpr, STORE_CAPTURE: tl.constexpr,
 ):  # fmt: skip
     """The fused sequential kernel (output inside the chunk loop). PREFETCH: the chunk's qscale and
     decay are loaded one chunk ahead (at the end of the previous iteration) instead of in the middle
     of the dot chain, where each costs a full memory latency per chunk."""
-    n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, p_pool, state = _walk_start(
-        cu_seqlens, pool, slots, has_initial_state, stride_ps, stride_ph, stride_pk, stride_pv, HV, K, V, BK, BV, BT
+    n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, slot, tile, state = _walk_start(
+        cu_seqlens, pool, slots, has_initial_state, stride_ps, HV, K, V, BK, BV, BT
     )
     m_kv = m_k[:, None] & m_v[None, :]
     o_t = tl.arange(0, BT)
@@ -61,8 +64,7 @@ def _state_kernel(
     if STORE_CHUNK_STATES or STORE_CAPTURE:
         first = chunks_before(cu_seqlens, n, BT, BLOCK_N)
     if STORE_CHUNK_STATES:
-        p_cs = chunk_states + (first * HV + hv).to(tl.int64) * (K * V)
-        p_cs += o_k[:, None] * V + o_v[None, :]
+        p_cs = chunk_states + (first * HV + hv).to(tl.int64) * (K * V) + tile
     if PREFETCH:
         b_qs_next = tl.load(qscale + bos.to(tl.int64) * HV + hv + o_t * HV, mask=o_t < eos - bos, other=0.0)
         g_last_next = _first_chunk_decay_log(gcum, hv, bos, eos, HV, BT)
@@ -102,8 +104,7 @@ def _state_kernel(
         if STORE_CAPTURE:  # a prefix-cache snapshot of the state after this chunk (gdn/state.py)
             dst = tl.load(capture + first + c).to(tl.int64)
             if dst >= 0:
-                p_dst = pool + dst * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
-                tl.store(p_dst, state.to(pool.dtype.element_ty), mask=m_kv)
+                tl.store(pool + dst * stride_ps + hv * (K * V) + tile, state.to(pool.dtype.element_ty), mask=m_kv)
         if PREFETCH:
             # the next chunk's (the last chunk's again on the last iteration: always in bounds)
             t1 = bos + tl.minimum(c + 1, num_chunks - 1) * BT
@@ -111,14 +112,14 @@ def _state_kernel(
             b_qs_next = tl.load(qscale + row1 + o_t * HV, mask=o_t < eos - t1, other=0.0)
             g_last_next = tl.load(gcum + row1 + (tl.minimum(eos - t1, BT) - 1) * HV)
     if num_chunks > 0:
-        tl.store(p_pool, state.to(pool.dtype.element_ty), mask=m_kv)
+        tl.store(pool + slot * stride_ps + hv * (K * V) + tile, state.to(pool.dtype.element_ty), mask=m_kv)
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state", "capture"])
 def _recur_kernel(
     k, w, u, kscale, gcum, h, chunk_states, capture, pool, cu_seqlens, slots, has_initial_state, num_seqs, stride_kt,
-    stride_kh, stride_ps, stride_ph, stride_pk, stride_pv, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
+    stride_kh, stride_ps, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
     V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
     STORE_CHUNK_STATES: tl.constexpr, STORE_CAPTURE: tl.constexpr,
 ):  # fmt: skip
@@ -126,16 +127,16 @@ def _recur_kernel(
     entering the chunk (h, input dtype) for _output_kernel, turns u into v_new = u - w S in place, and
     updates S = exp(gamma_last) S + k^T (kscale * v_new) with the raw keys (kscale folds the key norm
     and the decay to the chunk end into v_new's rows). Two dependent matmuls per chunk."""
-    n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, p_pool, state = _walk_start(
-        cu_seqlens, pool, slots, has_initial_state, stride_ps, stride_ph, stride_pk, stride_pv, HV, K, V, BK, BV, BT
+    n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, slot, tile, state = _walk_start(
+        cu_seqlens, pool, slots, has_initial_state, stride_ps, HV, K, V, BK, BV, BT
     )
     m_kv = m_k[:, None] & m_v[None, :]
     o_t = tl.arange(0, BT)
     dt = w.dtype.element_ty
     first = chunks_before(cu_seqlens, n, BT, BLOCK_N)
-    p_h = h + (first * HV + hv).to(tl.int64) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    p_h = h + (first * HV + hv).to(tl.int64) * (K * V) + tile
     if STORE_CHUNK_STATES:
-        p_cs = chunk_states + (first * HV + hv).to(tl.int64) * (K * V) + o_k[:, None] * V + o_v[None, :]
+        p_cs = chunk_states + (first * HV + hv).to(tl.int64) * (K * V) + tile
     p_k = k + (hv // GROUP) * stride_kh + o_t[:, None] * stride_kt + o_k[None, :]
     b_ks_next = tl.load(kscale + bos.to(tl.int64) * HV + hv + o_t * HV, mask=o_t < eos - bos, other=0.0)
     g_last_next = _first_chunk_decay_log(gcum, hv, bos, eos, HV, BT)
@@ -160,15 +161,14 @@ def _recur_kernel(
         if STORE_CAPTURE:  # a prefix-cache snapshot of the state after this chunk (gdn/state.py)
             dst = tl.load(capture + first + c).to(tl.int64)
             if dst >= 0:
-                p_dst = pool + dst * stride_ps + hv * stride_ph + o_k[:, None] * stride_pk + o_v[None, :] * stride_pv
-                tl.store(p_dst, state.to(pool.dtype.element_ty), mask=m_kv)
+                tl.store(pool + dst * stride_ps + hv * (K * V) + tile, state.to(pool.dtype.element_ty), mask=m_kv)
         # the next chunk's small vectors, fetched a chunk ahead (the last chunk's again at the end)
         t1 = bos + tl.minimum(c + 1, num_chunks - 1) * BT
         row1 = t1.to(tl.int64) * HV + hv
         b_ks_next = tl.load(kscale + row1 + o_t * HV, mask=o_t < eos - t1, other=0.0)
         g_last_next = tl.load(gcum + row1 + (tl.minimum(eos - t1, BT) - 1) * HV)
     if num_chunks > 0:
-        tl.store(p_pool, state.to(pool.dtype.element_ty), mask=m_kv)
+        tl.store(pool + slot * stride_ps + hv * (K * V) + tile, state.to(pool.dtype.element_ty), mask=m_kv)
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
