@@ -117,18 +117,23 @@ def h200_pickers():
         yield
 
 
-def recorded_pass(preset: str, *, prefill: int = 0, decode: int = 0) -> list[Launch]:
-    """The distinct Triton launches of one eager pass at the preset's shape (bfloat16): a fresh
-    prompt of `prefill` tokens with its usual captures, or a decode step of `decode` rows."""
+def recorded_pass(preset: str, *, prefill: int = 0, decode: int = 0, fp8: bool = False) -> list[Launch]:
+    """The distinct Triton launches of one eager pass at the preset's shape (bfloat16; fp8: its
+    projections and experts in block FP8, as `quantization="fp8"` loads them): a fresh prompt of
+    `prefill` tokens with its usual captures, or a decode step of `decode` rows."""
     import triton.runtime.jit as jit
     from torch.utils._python_dispatch import _disable_current_modes
 
+    from deltaserve.layers.config import Fp8Scheme
     from deltaserve.layers.model import HybridModel
+    from deltaserve.layers.quant import apply_scheme
     from deltaserve.workers.context import build_forward_context, logits_rows
     from deltaserve.workers.plan import PoolSizes
     from deltaserve.workers.state_pool import StatePool
 
     config = preset_config(preset)
+    if fp8:
+        config = dataclasses.replace(config, quantization=Fp8Scheme())
     seen: dict[Launch, None] = {}
 
     def run(self, *args, grid, warmup=False, **kwargs):
@@ -139,6 +144,8 @@ def recorded_pass(preset: str, *, prefill: int = 0, decode: int = 0) -> list[Lau
         torch.set_default_dtype(torch.bfloat16)
         try:
             model = HybridModel(config)
+            if fp8:
+                apply_scheme(model.fp8_projections(), config.quantization, "cpu", torch.bfloat16)
             if prefill:
                 caps = tuple(sorted({*range(1024, prefill, 1024), (prefill - 1) // 16 * 16, prefill}))
                 sizes = PoolSizes(-(-prefill // block_size) + 1, block_size, 1, num_snapshots=len(caps))
@@ -188,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="qwen3_5_35b_a3b", choices=sorted(PRESETS))
     p.add_argument("--prefill", type=int, action="append", default=[], help="a fresh prompt of this many tokens")
     p.add_argument("--decode", type=int, action="append", default=[], help="a decode step of this many rows")
+    p.add_argument("--fp8", action="store_true", help="block-FP8 weights (quantization fp8)")
     p.add_argument("--allow-spills", default="", help="kernels whose spills are known (comma list): exit 0 on them")
     args = p.parse_args(argv)
     allowed = {name for name in args.allow_spills.split(",") if name}
@@ -196,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     passes += [(f"decode {n}", dict(decode=n)) for n in args.decode]
     spilled = 0
     for label, kw in passes or [("prefill 2048", dict(prefill=2048))]:
-        launches = recorded_pass(args.preset, **kw)
+        launches = recorded_pass(args.preset, fp8=args.fp8, **kw)
         print(f"{label}: {len(launches)} distinct launches (sm_90: registers, stack and local bytes, shared KB)")
         for launch in launches:
             try:
