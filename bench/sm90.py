@@ -125,8 +125,7 @@ def recorded_pass(preset: str, *, prefill: int = 0, decode: int = 0, fp8: bool =
     from torch.utils._python_dispatch import _disable_current_modes
 
     from deltaserve.layers.config import Fp8Scheme
-    from deltaserve.layers.model import HybridModel
-    from deltaserve.layers.quant import apply_scheme
+    from deltaserve.layers.loader import build_model
     from deltaserve.workers.context import build_forward_context, logits_rows
     from deltaserve.workers.plan import PoolSizes
     from deltaserve.workers.state_pool import StatePool
@@ -143,9 +142,7 @@ def recorded_pass(preset: str, *, prefill: int = 0, decode: int = 0, fp8: bool =
     with fake_cuda() as mode, h200_pickers(), mock.patch.object(jit.JITFunction, "run", run):
         torch.set_default_dtype(torch.bfloat16)
         try:
-            model = HybridModel(config)
-            if fp8:
-                apply_scheme(model.fp8_projections(), config.quantization, "cpu", torch.bfloat16)
+            model = build_model(config, dtype=torch.bfloat16, device="cpu")  # the family's model class
             if prefill:
                 caps = tuple(sorted({*range(1024, prefill, 1024), (prefill - 1) // 16 * 16, prefill}))
                 sizes = PoolSizes(-(-prefill // block_size) + 1, block_size, 1, num_snapshots=len(caps))
