@@ -30,6 +30,7 @@ from deltaserve.layers import lora as lora_layers
 from deltaserve.layers.kernels import device as kernel_device
 from deltaserve.layers.kernels.linear import triton_linear
 from deltaserve.layers.kernels.rotary import triton_rotary
+from deltaserve.layers.loader import build_model
 from deltaserve.layers.model import HybridModel
 from deltaserve.workers.context import build_forward_context, logits_rows
 from deltaserve.workers.plan import PassPlan, PoolSizes
@@ -125,43 +126,63 @@ def _decode_plan(batch: int, context: int, block_size: int, lora_slots) -> PassP
     )  # fmt: skip
 
 
+def fake_pass(
+    config, plan: PassPlan, sizes: PoolSizes, launches: contextlib.AbstractContextManager, prepare=None
+) -> None:
+    """One eager forward of `plan` and its logits at `config`'s shape (bfloat16, the family's model
+    class) on fake tensors that report CUDA, run inside `launches` (what records them). prepare(model):
+    the model's set-up before the pass (adapters), returning build_forward_context's extra kwargs."""
+    with fake_cuda() as mode:
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = build_model(config, dtype=torch.bfloat16, device="cpu")
+            extra = prepare(model) if prepare is not None else {}
+            pool = StatePool(model, sizes, dtype=torch.bfloat16, device="cpu")
+            indices, _ = logits_rows(plan)
+            with _disable_current_modes():  # made on the host, then faked
+                ctx = build_forward_context(plan, model.config, model.layout, "cpu", indices, **extra)
+            ctx = _faked(ctx, mode)
+            with torch.no_grad(), launches:
+                hidden = model(ctx, pool.layer_states)
+                model.compute_logits(hidden[ctx.logits_indices])
+        finally:
+            torch.set_default_dtype(torch.float32)
+
+
 def decode_launches(
     preset: str, batch: int, adapters: int, *, rank: int = 16, context: int = 64
 ) -> collections.Counter:
     """Launches of one eager decode step of `batch` rows on `adapters` distinct adapters (0: none)
     at the preset's shape (bfloat16, adapters on every projection and routed expert)."""
-    config = preset_config(preset)
     counts: collections.Counter = collections.Counter()
     block_size = 16
-    with fake_cuda() as mode:
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = HybridModel(config)
-            pool = StatePool(model, PoolSizes(batch * (context // block_size + 2), block_size, batch),
-                             dtype=torch.bfloat16, device="cpu")  # fmt: skip
-            lora = {}
-            slots = None
-            if adapters:
-                lora_layers.enable_lora(model, max_loras=adapters, max_lora_rank=rank)
-                for s in range(adapters):
-                    for owner_slots in lora_layers._all_slots(model):
-                        owner_slots.present[s] = True
-                slots = np.arange(batch, dtype=np.int32) % adapters
-                lora = dict(num_lora_slots=adapters, moe_lora_route=lora_layers.MoeLoraRoute.FOLD)
-            plan = _decode_plan(batch, context, block_size, slots)
-            indices, _ = logits_rows(plan)
-            with _disable_current_modes():  # made on the host, then faked
-                ctx = build_forward_context(plan, model.config, model.layout, "cpu", indices, **lora)
-            ctx = _faked(ctx, mode)
-            with torch.no_grad(), count_launches(counts):
-                hidden = model(ctx, pool.layer_states)
-                model.compute_logits(hidden[ctx.logits_indices])
-        finally:
-            torch.set_default_dtype(torch.float32)
+    slots = np.arange(batch, dtype=np.int32) % adapters if adapters else None
+
+    def with_adapters(model) -> dict:
+        if not adapters:
+            return {}
+        lora_layers.enable_lora(model, max_loras=adapters, max_lora_rank=rank)
+        for s in range(adapters):
+            for owner_slots in lora_layers._all_slots(model):
+                owner_slots.present[s] = True
+        return dict(num_lora_slots=adapters, moe_lora_route=lora_layers.MoeLoraRoute.FOLD)
+
+    sizes = PoolSizes(batch * (context // block_size + 2), block_size, batch)
+    plan = _decode_plan(batch, context, block_size, slots)
+    fake_pass(preset_config(preset), plan, sizes, count_launches(counts), prepare=with_adapters)
     return counts
 
 
-def _prefill_plan(tokens: int, block_size: int, captures: tuple[int, ...], first_snapshot: int) -> PassPlan:
+def fresh_prompt_captures(tokens: int) -> tuple[int, ...]:
+    """A fresh prompt's usual prefix-cache captures (CapturePolicy's defaults, 16-token blocks):
+    every 1,024 tokens, its last block boundary before its last token, its end."""
+    return tuple(sorted({*range(1024, tokens, 1024), (tokens - 1) // 16 * 16, tokens}))
+
+
+def prefill_pass(tokens: int, captures: tuple[int, ...]) -> tuple[PassPlan, PoolSizes]:
+    """One fresh prompt of `tokens` tokens on 16-token pages and slot 0, with captures at these offsets
+    into snapshot slots 1.., and the pool sizes it needs."""
+    block_size = 16
     pages = -(-tokens // block_size)
     plan = PassPlan(
         pass_id=0, req_ids=["p0"], num_decode_rows=0, input_ids=np.ones(tokens, np.int32),
@@ -171,33 +192,16 @@ def _prefill_plan(tokens: int, block_size: int, captures: tuple[int, ...], first
         has_initial_state=np.zeros(1, bool), sample_rows=np.ones(1, bool), prompt_logprob_rows=np.zeros(1, bool),
     )  # fmt: skip
     if captures:
-        plan.captures = np.array([[0, off, first_snapshot + i] for i, off in enumerate(captures)], np.int32)
-    return plan
+        plan.captures = np.array([[0, off, 1 + i] for i, off in enumerate(captures)], np.int32)
+    return plan, PoolSizes(pages + 1, block_size, 1, num_snapshots=max(1, len(captures)))
 
 
 def prefill_launches(preset: str, tokens: int, captures: tuple[int, ...] = ()) -> collections.Counter:
     """Launches of one eager prefill pass of one fresh prompt of `tokens` tokens at the preset's shape
-    (bfloat16), with prefix-cache captures at these offsets (a fresh prompt's usual ones: every 1,024
-    tokens, its last block boundary and its end)."""
-    config = preset_config(preset)
+    (bfloat16), with prefix-cache captures at these offsets (fresh_prompt_captures: the usual ones)."""
     counts: collections.Counter = collections.Counter()
-    block_size = 16
-    with fake_cuda() as mode:
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = HybridModel(config)
-            sizes = PoolSizes(-(-tokens // block_size) + 1, block_size, 1, num_snapshots=max(1, len(captures)))
-            pool = StatePool(model, sizes, dtype=torch.bfloat16, device="cpu")
-            plan = _prefill_plan(tokens, block_size, captures, first_snapshot=1)
-            indices, _ = logits_rows(plan)
-            with _disable_current_modes():
-                ctx = build_forward_context(plan, model.config, model.layout, "cpu", indices)
-            ctx = _faked(ctx, mode)
-            with torch.no_grad(), count_launches(counts):
-                hidden = model(ctx, pool.layer_states)
-                model.compute_logits(hidden[ctx.logits_indices])
-        finally:
-            torch.set_default_dtype(torch.float32)
+    plan, sizes = prefill_pass(tokens, captures)
+    fake_pass(preset_config(preset), plan, sizes, count_launches(counts))
     return counts
 
 
@@ -261,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         _print_counts(f"batch {args.batch}, {n} adapter(s)", counts, args.by_kernel)
     if args.prefill:
         n = args.prefill
-        caps = tuple(sorted({*range(1024, n, 1024), (n - 1) // 16 * 16, n}))
+        caps = fresh_prompt_captures(n)
         counts = prefill_launches(args.preset, n, caps)
         _print_counts(f"prefill of {n} tokens, captures at {caps}", counts, args.by_kernel)
     if args.spec_k:

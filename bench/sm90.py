@@ -32,7 +32,7 @@ import torch
 
 from deltaserve.layers.kernels import device as kernel_device
 
-from .launches import _decode_plan, _faked, _prefill_plan, fake_cuda
+from .launches import _decode_plan, fake_pass, fresh_prompt_captures, prefill_pass
 from .presets import PRESETS, preset_config
 
 H200_INFO = kernel_device.DeviceInfo(kernel_device.H200, 132, 227 * 1024, (9, 0))
@@ -122,13 +122,9 @@ def recorded_pass(preset: str, *, prefill: int = 0, decode: int = 0, fp8: bool =
     projections and experts in block FP8, as `quantization="fp8"` loads them): a fresh prompt of
     `prefill` tokens with its usual captures, or a decode step of `decode` rows."""
     import triton.runtime.jit as jit
-    from torch.utils._python_dispatch import _disable_current_modes
 
     from deltaserve.layers.config import Fp8Scheme
-    from deltaserve.layers.loader import build_model
-    from deltaserve.workers.context import build_forward_context, logits_rows
     from deltaserve.workers.plan import PoolSizes
-    from deltaserve.workers.state_pool import StatePool
 
     config = preset_config(preset)
     if fp8:
@@ -138,28 +134,14 @@ def recorded_pass(preset: str, *, prefill: int = 0, decode: int = 0, fp8: bool =
     def run(self, *args, grid, warmup=False, **kwargs):
         seen.setdefault(record(self, args, kwargs))
 
-    block_size = 16
-    with fake_cuda() as mode, h200_pickers(), mock.patch.object(jit.JITFunction, "run", run):
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = build_model(config, dtype=torch.bfloat16, device="cpu")  # the family's model class
-            if prefill:
-                caps = tuple(sorted({*range(1024, prefill, 1024), (prefill - 1) // 16 * 16, prefill}))
-                sizes = PoolSizes(-(-prefill // block_size) + 1, block_size, 1, num_snapshots=len(caps))
-                plan = _prefill_plan(prefill, block_size, caps, first_snapshot=1)
-            else:
-                sizes = PoolSizes(decode * (64 // block_size + 2), block_size, decode)
-                plan = _decode_plan(decode, 64, block_size, None)
-            pool = StatePool(model, sizes, dtype=torch.bfloat16, device="cpu")
-            indices, _ = logits_rows(plan)
-            with _disable_current_modes():
-                ctx = build_forward_context(plan, model.config, model.layout, "cpu", indices)
-            ctx = _faked(ctx, mode)
-            with torch.no_grad():
-                hidden = model(ctx, pool.layer_states)
-                model.compute_logits(hidden[ctx.logits_indices])
-        finally:
-            torch.set_default_dtype(torch.float32)
+    if prefill:
+        plan, sizes = prefill_pass(prefill, fresh_prompt_captures(prefill))
+    else:
+        plan, sizes = _decode_plan(decode, 64, 16, None), PoolSizes(decode * (64 // 16 + 2), 16, decode)
+    recording = contextlib.ExitStack()
+    recording.enter_context(h200_pickers())
+    recording.enter_context(mock.patch.object(jit.JITFunction, "run", run))
+    fake_pass(config, plan, sizes, recording)
     return list(seen)
 
 
