@@ -8,7 +8,7 @@ engine runs it, on the kv heads, cuDNN), and the KV write.
     python -m deltaserve.bench.kernels_attention --sweep   # decode tile / split sweep at batch 64
     python -m deltaserve.bench.kernels_attention --sweep --batch 1 --ctx 512 --table-pages 4096
     python -m deltaserve.bench.kernels_attention --sweep --ctx 16384 --kv-fp8   # over e4m3 pages
-    python -m deltaserve.bench.kernels_attention --sweep-prefill   # prefill tile sweep at 8192 tokens
+    python -m deltaserve.bench.kernels_attention --sweep-prefill   # prefill tile sweep (one 2,048-token prompt)
 
 The [graph] rows and the decode sweep time back-to-back calls (each its own KV pool, so that the KV
 comes from HBM) captured in one CUDA graph, with PDL as in serving: batch-1 decode is launch- and
@@ -369,7 +369,7 @@ def sweep(
         print(f"{cfg}  {us:8.1f} us  {100 * frac:5.1f}% of copy BW  err {err:.1e}{mark}", flush=True)
 
 
-def sweep_prefill(num_tokens: int = 8192) -> None:
+def sweep_prefill(num_tokens: int = 2048) -> None:
     """Prefill tile configs at one sequence of num_tokens new tokens: time, TFLOP/s, error."""
     import triton.testing
 
@@ -404,6 +404,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-prefill", action="store_true")
+    parser.add_argument(
+        "--prefill-tokens", type=int, default=2048, help="the prefill sweep's prompt (the paged kernel serves < 4,096)"
+    )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--table-pages", type=int, default=0)
@@ -416,4 +419,4 @@ if __name__ == "__main__":
         grid = {k: [int(v) for v in getattr(a, k).split(",")] for k in GRID_KEYS if getattr(a, k)}
         sweep(a.batch, a.ctx, a.table_pages, torch.float8_e4m3fn if a.kv_fp8 else DTYPE, grid, not a.bf16_dots)
     if a.sweep_prefill:
-        sweep_prefill()
+        sweep_prefill(a.prefill_tokens)
