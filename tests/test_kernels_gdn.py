@@ -418,6 +418,43 @@ def test_chunk_bf16_real_shapes(nan_fill, variant):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("variant", ["fused", "fused_pf", "split32"])
+def test_chunk_captures_bf16_real_shapes(nan_fill, variant):
+    """Prefix-cache captures at the model's shapes in bf16: stores after chunks (the sequential walks'
+    one-offset-tensor stores) and replays inside them (advance.py's wgmma dots at K = V = 128), two
+    sequences, each capture against the float32 reference run on just its prefix; the pass's own
+    outputs and final states unchanged by them, bit for bit."""
+    from deltaserve.layers.kernels.gdn.state import StateCapture, StateCaptures
+
+    torch.manual_seed(12)
+    bounds = [0, 300, 700]
+    q, k, v, g, beta = make_inputs(bounds[-1], 16, 32, 128, 128, dtype=torch.bfloat16)
+    caps = [(0, 0), (0, 1), (0, 64), (0, 127), (0, 250), (0, 300), (1, 5), (1, 192), (1, 333), (1, 400)]
+    pool = torch.randn(2 + len(caps), 32, 128, 128, device=DEVICE) * 0.1
+    init = pool[:2].clone()
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    has_init = torch.tensor([True, False], device=DEVICE)
+    captures = StateCaptures(tuple(StateCapture(n, off, 2 + i) for i, (n, off) in enumerate(caps)), (300, 400))
+    kw = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu, state_slots=slots, has_initial_state=has_init)
+    plain = pool.clone()
+    want_out = chunk_module.chunk_gated_delta_rule(state_pool=plain, variant=variant, **kw)
+    out = chunk_module.chunk_gated_delta_rule(state_pool=pool, captures=captures, variant=variant, **kw)
+    assert torch.equal(out, want_out) and torch.equal(pool[:2], plain[:2])
+    for i, (n, off) in enumerate(caps):
+        ref = torch.zeros(1, 32, 128, 128, device=DEVICE) if n == 1 else init[:1].clone()
+        rows = slice(bounds[n], bounds[n] + off)
+        naive.chunk_gated_delta_rule(
+            q=q[rows], k=k[rows], v=v[rows], g=g[rows], beta=beta[rows], state_pool=ref,
+            cu_seqlens=torch.tensor([0, off], dtype=torch.int32, device=DEVICE),
+            state_slots=torch.zeros(1, dtype=torch.int32, device=DEVICE),
+            has_initial_state=torch.tensor([n == 0], device=DEVICE),
+        )  # fmt: skip
+        assert rel_err(pool[2 + i], ref[0]) < BF16_TOL, (n, off)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("length", [1, 4])
 @pytest.mark.parametrize("variant", [None, *RECURRENT_VARIANTS.values()])
 def test_recurrent_bf16_real_shapes(nan_fill, length, variant):
