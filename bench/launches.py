@@ -155,10 +155,24 @@ def decode_launches(
     """Launches of one eager decode step of `batch` rows on `adapters` distinct adapters (0: none)
     at the preset's shape (bfloat16, adapters on every projection and routed expert)."""
     counts: collections.Counter = collections.Counter()
+    plan, sizes = decode_pass(batch, adapters, context=context)
+    fake_pass(preset_config(preset), plan, sizes, count_launches(counts), prepare=with_adapters(adapters, rank))
+    return counts
+
+
+def decode_pass(batch: int, adapters: int = 0, *, context: int = 64) -> tuple[PassPlan, PoolSizes]:
+    """A decode step of `batch` rows at `context` tokens on 16-token pages (rows on `adapters`
+    distinct adapter slots, 0: none), and the pool sizes it needs."""
     block_size = 16
     slots = np.arange(batch, dtype=np.int32) % adapters if adapters else None
+    return _decode_plan(batch, context, block_size, slots), PoolSizes(batch * (context // block_size + 2), 16, batch)
 
-    def with_adapters(model) -> dict:
+
+def with_adapters(adapters: int, rank: int = 16):
+    """fake_pass's `prepare`: `adapters` rank-`rank` adapter slots on every projection and routed
+    expert, all present (0: none)."""
+
+    def prepare(model) -> dict:
         if not adapters:
             return {}
         lora_layers.enable_lora(model, max_loras=adapters, max_lora_rank=rank)
@@ -167,10 +181,7 @@ def decode_launches(
                 owner_slots.present[s] = True
         return dict(num_lora_slots=adapters, moe_lora_route=lora_layers.MoeLoraRoute.FOLD)
 
-    sizes = PoolSizes(batch * (context // block_size + 2), block_size, batch)
-    plan = _decode_plan(batch, context, block_size, slots)
-    fake_pass(preset_config(preset), plan, sizes, count_launches(counts), prepare=with_adapters)
-    return counts
+    return prepare
 
 
 def fresh_prompt_captures(tokens: int) -> tuple[int, ...]:

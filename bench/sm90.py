@@ -32,7 +32,7 @@ import torch
 
 from deltaserve.layers.kernels import device as kernel_device
 
-from .launches import _decode_plan, fake_pass, fresh_prompt_captures, prefill_pass
+from .launches import decode_pass, fake_pass, fresh_prompt_captures, prefill_pass, with_adapters
 from .presets import PRESETS, preset_config
 
 H200_INFO = kernel_device.DeviceInfo(kernel_device.H200, 132, 227 * 1024, (9, 0))
@@ -117,14 +117,16 @@ def h200_pickers():
         yield
 
 
-def recorded_pass(preset: str, *, prefill: int = 0, decode: int = 0, fp8: bool = False) -> list[Launch]:
+def recorded_pass(
+    preset: str, *, prefill: int = 0, decode: int = 0, fp8: bool = False, adapters: int = 0
+) -> list[Launch]:
     """The distinct Triton launches of one eager pass at the preset's shape (bfloat16; fp8: its
     projections and experts in block FP8, as `quantization="fp8"` loads them): a fresh prompt of
-    `prefill` tokens with its usual captures, or a decode step of `decode` rows."""
+    `prefill` tokens with its usual captures, or a decode step of `decode` rows (on `adapters`
+    distinct rank-16 adapters)."""
     import triton.runtime.jit as jit
 
     from deltaserve.layers.config import Fp8Scheme
-    from deltaserve.workers.plan import PoolSizes
 
     config = preset_config(preset)
     if fp8:
@@ -137,11 +139,11 @@ def recorded_pass(preset: str, *, prefill: int = 0, decode: int = 0, fp8: bool =
     if prefill:
         plan, sizes = prefill_pass(prefill, fresh_prompt_captures(prefill))
     else:
-        plan, sizes = _decode_plan(decode, 64, 16, None), PoolSizes(decode * (64 // 16 + 2), 16, decode)
+        plan, sizes = decode_pass(decode, adapters)
     recording = contextlib.ExitStack()
     recording.enter_context(h200_pickers())
     recording.enter_context(mock.patch.object(jit.JITFunction, "run", run))
-    fake_pass(config, plan, sizes, recording)
+    fake_pass(config, plan, sizes, recording, prepare=with_adapters(0 if prefill else adapters))
     return list(seen)
 
 
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", type=int, action="append", default=[], help="a fresh prompt of this many tokens")
     p.add_argument("--decode", type=int, action="append", default=[], help="a decode step of this many rows")
     p.add_argument("--fp8", action="store_true", help="block-FP8 weights (quantization fp8)")
+    p.add_argument("--adapters", type=int, default=0, help="decode rows on this many distinct LoRA adapters")
     p.add_argument("--allow-spills", default="", help="kernels whose spills are known (comma list): exit 0 on them")
     args = p.parse_args(argv)
     allowed = {name for name in args.allow_spills.split(",") if name}
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     passes += [(f"decode {n}", dict(decode=n)) for n in args.decode]
     spilled = 0
     for label, kw in passes or [("prefill 2048", dict(prefill=2048))]:
-        launches = recorded_pass(args.preset, fp8=args.fp8, **kw)
+        launches = recorded_pass(args.preset, fp8=args.fp8, adapters=args.adapters, **kw)
         print(f"{label}: {len(launches)} distinct launches (sm_90: registers, stack and local bytes, shared KB)")
         for launch in launches:
             try:
