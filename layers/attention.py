@@ -36,6 +36,13 @@ SDPA_MIN_QUERIES = 4096
 SDPA_MAX_KEYS = 32768
 
 
+def sdpa_chunk(mode: str, max_query_len: int, max_seq_len: int) -> bool:
+    """Whether a one-sequence prefill chunk of these sizes takes SDPA under `prefill_attention`
+    mode (a prefill graph's one fresh stream, its padding included, too: only "sdpa" asks for it
+    there, its graphs' sizes being under SDPA_MIN_QUERIES)."""
+    return mode == "sdpa" or (mode == "auto" and max_query_len >= SDPA_MIN_QUERIES and max_seq_len <= SDPA_MAX_KEYS)
+
+
 class GatedAttention(nn.Module):
     lora_slots = NO_SLOTS  # adapter slots of "in" (q | k | v) and "out" (o_proj), once enabled (layers/lora.py)
 
@@ -180,14 +187,13 @@ class GatedAttention(nn.Module):
             prefill = ctx.prefill
             # one sequence's chunk: SDPA over its keys (its own, or all of them out of the pages when
             # some are cached) when the options ask for it; not over FP8 pages, where every query
-            # reads the keys and values as the cache holds them
+            # reads the keys and values as the cache holds them. A graph's fresh stream and its
+            # padding after it: causal over all of them (the padding's rows are dropped)
             own_kv = None
-            mode = ctx.kernels.prefill_attention
-            sdpa = mode == "sdpa" or (
-                mode == "auto" and prefill.max_query_len >= SDPA_MIN_QUERIES and prefill.max_seq_len <= SDPA_MAX_KEYS
-            )
-            if sdpa and prefill.num_seqs == 1 and not attn_kernels.is_fp8_cache(state.k_cache):
-                if prefill.max_query_len == prefill.max_seq_len:
+            sdpa = sdpa_chunk(ctx.kernels.prefill_attention, prefill.max_query_len, prefill.max_seq_len)
+            one_sequence = prefill.num_seqs == 1 or prefill.one_fresh_stream
+            if sdpa and one_sequence and not attn_kernels.is_fp8_cache(state.k_cache):
+                if prefill.one_fresh_stream or prefill.max_query_len == prefill.max_seq_len:
                     own_kv = (kv[0][num_decode:], kv[1][num_decode:])
                 else:
                     own_kv = attn_kernels.sequence_kv(

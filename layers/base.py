@@ -133,7 +133,9 @@ class BatchedAttnMetadata:
     positions, slot_mapping: [T]; cu_seqlens: [N + 1] int32 query starts; block_tables:
     [N, max_pages]; seq_lens: [N] tokens cached after this chunk; state_slots: [N];
     has_initial_state: [N] bool (the stream has earlier tokens, so its GDN slot holds state);
-    max_query_len / max_seq_len: host ints, for kernel grids."""
+    max_query_len / max_seq_len: host ints, for kernel grids; one_fresh_stream: the first stream has
+    no cached tokens and every later one is padding (a prefill graph's idle stream), so causal
+    attention over all of the chunk's tokens is exact for the first stream's queries."""
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor
@@ -144,6 +146,7 @@ class BatchedAttnMetadata:
     has_initial_state: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    one_fresh_stream: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -236,3 +236,34 @@ def test_too_many_captures_are_refused():
     fields = np.zeros((NUM_FIELDS, CAPTURE_CAPACITY), np.int64)
     chunk_slots = np.zeros(max_chunks(201, 2), np.int32)
     assert not FixedCaptures.stage(fields, chunk_slots, StateCaptures(items, lens), 3, 1)
+
+
+def test_fresh_row_takes_sdpa_over_its_padded_tokens(tiny_checkpoints, monkeypatch):
+    """prefill_attention "sdpa": a fresh prompt's graphed pass (its one row, then the idle stream)
+    attends by causal SDPA over all of its bucket's tokens, exact for the row's queries (the idle
+    stream's rows are dropped): the eager pass's logits and pools. A prefix hit's graphed pass (keys
+    cached before its row) keeps the paged kernel."""
+    from deltaserve.layers.kernels.attention import naive as attn_naive
+
+    monkeypatch.setenv("DELTASERVE_PREFILL_ATTENTION", "sdpa")
+    path, _ = tiny_checkpoints["qwen3_5_moe"]
+    kw = dict(max_num_seqs=2, max_num_batched_tokens=256, max_model_len=1024, dtype="float32", num_kv_blocks=160)
+    on = LLM(str(path), prefix_snapshot_interval=128, num_prefix_snapshots=16, **kw)
+    runner = on.engine.executor.runner
+    graphs = runner._capture_prefill_graphs(capture=False)
+    assert graphs.fresh_buckets == set(graphs.buckets) and (64, 1, True, True) in graphs.keys
+    runner.prefill_graphs = checked = CheckedGraphs(runner, graphs)
+    taken = []
+    real = attn_naive.causal_sdpa
+    monkeypatch.setattr(
+        attn_naive, "causal_sdpa", lambda **a: taken.append((a["q"].shape[0], a["k"].shape[0])) or real(**a)
+    )
+    on.generate([ids(50, seed=21)], GREEDY, use_tqdm=False)
+    # the graph's pass: 50 tokens and 15 idle ones, causal over all 65; then its eager check: 50 over 50
+    assert taken[:2] == [(65, 65), (65, 65)] and taken[2:4] == [(50, 50), (50, 50)]
+    assert checked.passes == 1 and checked.logit_diff <= 1e-5 and checked.pool_diff <= 1e-5
+    taken.clear()
+    on.generate([ids(50, seed=21) + ids(30, seed=22)], GREEDY, use_tqdm=False)  # a hit on the first's blocks
+    assert checked.passes == 2 and checked.logit_diff <= 1e-5 and checked.pool_diff <= 1e-5
+    # the graph's pass paged; only its eager check takes SDPA, over the 80 keys (cached ones first)
+    assert len(taken) == 2 and all(q < k == 80 for q, k in taken), taken

@@ -2,7 +2,7 @@
 
 An eager prefill pass is bound by the host (hundreds of kernel launches at tens of microseconds
 each) once it has few tokens; such a pass replays one graph instead. A graph is captured per
-(token bucket, rows, with captures) over static buffers; at run time the plan's arrays are staged
+(token bucket, rows, with captures, one fresh row) over static buffers; at run time the plan's arrays are staged
 into those buffers and the pass is padded to its bucket with one more stream, the idle stream:
 bucket + 1 - real tokens tokens (at least one, so that no stream is empty), on the reserved scratch
 state slot without initial state, its KV written to the reserved scratch page (its block-table row
@@ -27,6 +27,7 @@ import logging
 import numpy as np
 import torch
 
+from deltaserve.layers.attention import sdpa_chunk
 from deltaserve.layers.base import BatchedAttnMetadata, ForwardContext
 from deltaserve.layers.kernels.gdn.fixed_captures import NUM_FIELDS, FixedCaptures, max_chunks
 from deltaserve.layers.kernels.gdn.state import StateCapture, StateCaptures
@@ -121,11 +122,16 @@ class PrefillGraphs:
         self.has_initial = torch.zeros(streams, dtype=torch.bool, device=self.device)
         self.chunk_slots = torch.full((self._chunks,), -1, dtype=torch.int32, device=self.device)
         self.block_tables = torch.full((streams, width), scratch_page, dtype=torch.int32, device=self.device)
+        # one fresh row (no cached tokens) may attend by SDPA over all the bucket's tokens where the
+        # kernel options would take SDPA for a chunk of that size (layers/attention.py): its own graphs
+        span = self.table_width * self.block_size
+        self.fresh_buckets = {b for b in self.buckets if sdpa_chunk(kernels.prefill_attention, b + 1, span)}
         self.keys = [
-            (bucket, rows, caps)
+            (bucket, rows, caps, fresh)
             for bucket in self.buckets
             for rows in range(1, max_rows + 1)
             for caps in ((False, True) if with_captures else (False,))
+            for fresh in ((False, True) if rows == 1 and bucket in self.fresh_buckets else (False,))
         ]
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple, torch.Tensor] = {}
@@ -142,7 +148,7 @@ class PrefillGraphs:
     def _context(self, key: tuple) -> ForwardContext:
         """The static context of a key's graph (a fresh FixedCaptures each call: its derived index
         tensors belong to one forward)."""
-        bucket, rows, caps = key
+        bucket, rows, caps, fresh = key
         tokens, streams = bucket + 1, rows + 1
         prefill = BatchedAttnMetadata(
             positions=self.positions[:tokens],
@@ -154,6 +160,7 @@ class PrefillGraphs:
             has_initial_state=self.has_initial[:streams],
             max_query_len=tokens,
             max_seq_len=self.table_width * self.block_size,
+            one_fresh_stream=fresh,
         )
         captures = None
         if caps:
@@ -202,7 +209,7 @@ class PrefillGraphs:
 
     def _stage(self, key: tuple, plan: PassPlan | None, indices: np.ndarray | None = None) -> None:
         """Stage a pass (None: a placeholder of one token a row on scratch) into the static buffers."""
-        bucket, rows, caps = key
+        bucket, rows, caps, _ = key
         tokens, page = bucket + 1, self.block_size
         turn = self._turn
         self._turn ^= 1
@@ -264,7 +271,9 @@ class PrefillGraphs:
         """Logits [len(indices), vocab] of the plan's logits rows (`indices`: each sampling row's last
         token, context.logits_rows), None when there are none."""
         bucket = next(b for b in self.buckets if b >= plan.num_tokens)
-        key = (bucket, plan.num_rows, plan.captures is not None and len(plan.captures) > 0)
+        caps = plan.captures is not None and len(plan.captures) > 0
+        fresh = bucket in self.fresh_buckets and plan.num_rows == 1 and int(plan.seq_lens[0]) == plan.num_tokens
+        key = (bucket, plan.num_rows, caps, fresh)
         self._stage(key, plan, indices)
         self.replays += 1
         if key in self.graphs:
