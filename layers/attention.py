@@ -38,8 +38,8 @@ SDPA_MAX_KEYS = 32768
 
 def sdpa_chunk(mode: str, max_query_len: int, max_seq_len: int) -> bool:
     """Whether a one-sequence prefill chunk of these sizes takes SDPA under `prefill_attention`
-    mode (a prefill graph's one fresh stream, its padding included, too: only "sdpa" asks for it
-    there, its graphs' sizes being under SDPA_MIN_QUERIES)."""
+    mode (a prefill graph's one fresh stream too, its padding counted: "auto" from graphs of
+    SDPA_MIN_QUERIES tokens, prefill_graph_max_tokens 4,096 or more)."""
     return mode == "sdpa" or (mode == "auto" and max_query_len >= SDPA_MIN_QUERIES and max_seq_len <= SDPA_MAX_KEYS)
 
 
@@ -190,7 +190,8 @@ class GatedAttention(nn.Module):
             # reads the keys and values as the cache holds them. A graph's fresh stream and its
             # padding after it: causal over all of them (the padding's rows are dropped)
             own_kv = None
-            sdpa = sdpa_chunk(ctx.kernels.prefill_attention, prefill.max_query_len, prefill.max_seq_len)
+            keys = prefill.max_query_len if prefill.one_fresh_stream else prefill.max_seq_len
+            sdpa = sdpa_chunk(ctx.kernels.prefill_attention, prefill.max_query_len, keys)
             one_sequence = prefill.num_seqs == 1 or prefill.one_fresh_stream
             if sdpa and one_sequence and not attn_kernels.is_fp8_cache(state.k_cache):
                 if prefill.one_fresh_stream or prefill.max_query_len == prefill.max_seq_len:

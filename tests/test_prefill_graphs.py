@@ -232,7 +232,8 @@ def test_fixed_captures_write_what_state_captures_write(items, initial, impl):
 
 def test_too_many_captures_are_refused():
     lens = (200, 1)
-    items = tuple(StateCapture(0, offset, 5 + i) for i, offset in enumerate((10, 80, 150, 190, 200)))
+    offsets = range(200 - 10 * CAPTURE_CAPACITY, 201, 10)  # one more than the graphs hold
+    items = tuple(StateCapture(0, offset, 5 + i) for i, offset in enumerate(offsets))
     fields = np.zeros((NUM_FIELDS, CAPTURE_CAPACITY), np.int64)
     chunk_slots = np.zeros(max_chunks(201, 2), np.int32)
     assert not FixedCaptures.stage(fields, chunk_slots, StateCaptures(items, lens), 3, 1)
@@ -267,3 +268,17 @@ def test_fresh_row_takes_sdpa_over_its_padded_tokens(tiny_checkpoints, monkeypat
     assert checked.passes == 2 and checked.logit_diff <= 1e-5 and checked.pool_diff <= 1e-5
     # the graph's pass paged; only its eager check takes SDPA, over the 80 keys (cached ones first)
     assert len(taken) == 2 and all(q < k == 80 for q, k in taken), taken
+
+
+def test_auto_takes_sdpa_in_graphs_from_its_threshold(tiny_checkpoints, monkeypatch):
+    """prefill_attention "auto" (the default): fresh rows' graphs take SDPA from SDPA_MIN_QUERIES tokens
+    (their padding counted; 100 here); smaller buckets stay paged."""
+    from deltaserve.layers import attention as attention_layer
+
+    monkeypatch.setattr(attention_layer, "SDPA_MIN_QUERIES", 100)
+    path, _ = tiny_checkpoints["qwen3_5_moe"]
+    kw = dict(max_num_seqs=2, max_num_batched_tokens=256, max_model_len=1024, dtype="float32", num_kv_blocks=160)
+    llm = LLM(str(path), **kw)
+    graphs = llm.engine.executor.runner._capture_prefill_graphs(capture=False)
+    assert graphs.fresh_buckets == {128, 256} and (128, 1, True, True) in graphs.keys
+    assert (64, 1, True, True) not in graphs.keys

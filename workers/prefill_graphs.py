@@ -41,8 +41,10 @@ log = logging.getLogger(__name__)
 # up to 2k: on the H200 a 2k prompt's pass from its graph took 46.7-49.5 ms against 57.6-95.4 ms eagerly
 # (the 35B shape, docs/PERF.md)
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-# captures a graphed pass may hold (a hit's prompt end and last block, a divergence, an interval)
-CAPTURE_CAPACITY = 4
+# captures a graphed pass may hold: a hit's prompt end and last block, a divergence, and a fresh 8k
+# prompt's seven 1,024-token intervals with its last block and end (prefill_graph_max_tokens 8192);
+# an entry a pass leaves unused costs a program that returns in each capture kernel
+CAPTURE_CAPACITY = 16
 
 
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
@@ -124,8 +126,7 @@ class PrefillGraphs:
         self.block_tables = torch.full((streams, width), scratch_page, dtype=torch.int32, device=self.device)
         # one fresh row (no cached tokens) may attend by SDPA over all the bucket's tokens where the
         # kernel options would take SDPA for a chunk of that size (layers/attention.py): its own graphs
-        span = self.table_width * self.block_size
-        self.fresh_buckets = {b for b in self.buckets if sdpa_chunk(kernels.prefill_attention, b + 1, span)}
+        self.fresh_buckets = {b for b in self.buckets if sdpa_chunk(kernels.prefill_attention, b + 1, b + 1)}
         self.keys = [
             (bucket, rows, caps, fresh)
             for bucket in self.buckets
