@@ -1,11 +1,13 @@
 """align_pairs (the sorted MoE path's grouping of (token, slot) pairs by local expert) against a
 plain-torch stable sort by expert: the single-launch kernel exactly (ascending pairs within an
-expert), the 4-op path above ALIGN_ONE_LAUNCH_MAX as a grouping (its order within an expert is
-free). Interpreted on CPU tensors without CUDA, compiled on the GPU with it."""
+expert), the two-launch path above ALIGN_ONE_LAUNCH_MAX as a grouping (its order within an expert
+is free), its counters back at zero after each call. Interpreted on CPU tensors without CUDA,
+compiled on the GPU with it."""
 
 import pytest
 import torch
 
+from deltaserve.layers.kernels.device import ticket_buffers
 from deltaserve.layers.kernels.moe import align as tm
 
 # conftest: TRITON_INTERPRET without CUDA, the `device` fixture; nan_fill: torch.empty hands out
@@ -95,8 +97,9 @@ def test_align_pairs_one_launch_edges(device):
 
 
 def check_grouping(ids, num_experts, expert_offset, block_m, out):
-    """The 4-op path: the same offsets, block_expert and padding as the reference, and the same set
-    of pairs per expert (their order within an expert is free)."""
+    """The two-launch path: the same offsets, block_expert and padding as the reference, the same set
+    of pairs per expert (their order within an expert is free), and its counters (experts' and the
+    ticket) left at zero for the next call."""
     sorted_ids, block_expert, offsets = (t.cpu() for t in out)
     ref_sorted, ref_block_expert, ref_offsets = reference_align_pairs(
         topk_ids=ids.cpu(), num_experts=num_experts, expert_offset=expert_offset, block_m=block_m
@@ -106,17 +109,21 @@ def check_grouping(ids, num_experts, expert_offset, block_m, out):
     for e in range(num_experts):
         lo, hi = int(offsets[e]), int(offsets[e + 1])
         assert torch.equal(sorted_ids[lo:hi].sort().values, ref_sorted[lo:hi].sort().values)
+    for buf in ticket_buffers("moe_align", ids.device):
+        assert not buf.any()
 
 
 @pytest.mark.parametrize("num_experts,total,offset,block_m", [(256, 256, 0, 16), (8, 16, 8, 32)])
-def test_align_pairs_four_op_path_above_threshold(device, num_experts, total, offset, block_m):
+def test_align_pairs_two_launch_path_above_threshold(device, num_experts, total, offset, block_m):
     ids = make_ids(tm.ALIGN_ONE_LAUNCH_MAX + 1, top_k=1, lo=0, hi=total, seed=5).to(device)
     out = tm.align_pairs(topk_ids=ids, num_experts=num_experts, expert_offset=offset, block_m=block_m)
     check_grouping(ids, num_experts, offset, block_m, out)
 
 
-def test_align_pairs_four_op_path_forced(device):
-    """The 4-op path where the single launch would run (one_launch=False): the same grouping."""
+def test_align_pairs_two_launch_path_forced(device):
+    """The two-launch path where the single launch would run (one_launch=False): the same grouping,
+    twice in a row on the same counters (the second call starts from the zeros the first left)."""
     ids = make_ids(128, top_k=8, lo=0, hi=48, seed=9).to(device)
-    out = tm.align_pairs(topk_ids=ids, num_experts=16, expert_offset=16, block_m=16, one_launch=False)
-    check_grouping(ids, 16, 16, 16, out)
+    for _ in range(2):
+        out = tm.align_pairs(topk_ids=ids, num_experts=16, expert_offset=16, block_m=16, one_launch=False)
+        check_grouping(ids, 16, 16, 16, out)

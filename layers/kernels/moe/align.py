@@ -1,8 +1,10 @@
 """The sorted path's pair grouping (moe_align style, on the device): the (token, slot) pairs of a
 top-k routing grouped per local expert into BLOCK_M-row blocks padded with a sentinel, so that the
 grouped GEMMs (sorted.py) take one expert per block. Up to ALIGN_ONE_LAUNCH_MAX pairs one
-single-program kernel (histogram + scan + one in-register sort, deterministic); above it zeros ->
-count -> scan -> scatter, 4 launches. No host sync."""
+single-program kernel (histogram + scan + one in-register sort, deterministic); above it two
+launches: count (atomic ranks per expert; its last program to arrive scans the padded offsets) and
+place (the scatter, the padding, the blocks' experts; each expert's counter reset by the program
+that reads it, so the counters, a device buffer of tickets, are zero between calls). No host sync."""
 
 from __future__ import annotations
 
@@ -10,38 +12,45 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import ticket_counters
 from ..pdl import pdl_launch, pdl_wait
+from ..tickets import last_to_arrive
 
 # at or under this many routed pairs (batch 128 at top-8) align_pairs is the single-program launch
 # holding every pair's sort key in registers; its sort does not spread over programs, so beyond
-# 2,048 keys it would near the 4-launch form's cost (moe/NOTES.md)
+# 2,048 keys it would near the two-launch form's cost (moe/NOTES.md)
 ALIGN_ONE_LAUNCH_MAX = 1024
+
+
+@triton.jit
+def _scan(counts, offsets, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """offsets[e] = start of expert e's padded rows; offsets[E] = all padded rows. .cg: other
+    programs' atomics wrote the counts."""
+    e = tl.arange(0, BLOCK_E)
+    c = tl.load(counts + e, mask=e < num_experts, other=0, cache_modifier=".cg")
+    padded = tl.cdiv(c, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(offsets + e, ends - padded, mask=e < num_experts)
+    tl.store(offsets + num_experts, tl.sum(padded, 0))
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_pairs"])
 def _count_kernel(
-    topk_ids, counts, ranks, expert_offset, num_experts, num_pairs, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
-):
-    """Per pair: its rank within its expert (atomic increment; order within an expert is free)."""
+    topk_ids, counts, ticket, ranks, offsets, expert_offset, num_experts, num_pairs, BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Per pair: its rank within its expert (atomic increment on counters at zero; order within an
+    expert is free); the last program to arrive scans the counts into offsets."""
     pdl_wait(USE_PDL)
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(topk_ids + p, mask=p < num_pairs, other=-1).to(tl.int32) - expert_offset
     local = (p < num_pairs) & (e >= 0) & (e < num_experts)
     rank = tl.atomic_add(counts + e, 1, mask=local, sem="relaxed")
     tl.store(ranks + p, rank, mask=local)
-
-
-@triton.jit
-def _scan_kernel(counts, offsets, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):
-    """offsets[e] = start of expert e's padded rows; offsets[E] = all padded rows."""
-    pdl_wait(USE_PDL)
-    e = tl.arange(0, BLOCK_E)
-    c = tl.load(counts + e, mask=e < num_experts, other=0)
-    padded = tl.cdiv(c, BLOCK_M) * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    tl.store(offsets + e, ends - padded, mask=e < num_experts)
-    tl.store(offsets + num_experts, tl.sum(padded, 0))
+    tl.debug_barrier()  # this program's increments before its arrival
+    if last_to_arrive(ticket, tl.num_programs(0)):
+        _scan(counts, offsets, num_experts, BLOCK_M, BLOCK_E)
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
@@ -52,7 +61,8 @@ def _place_kernel(
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program i: scatters pairs chunk i to their rows, fills expert chunk i's padding rows with the
-    sentinel num_pairs, and maps block chunk i to its expert (-1 past the last padded row)."""
+    sentinel num_pairs (and sets those experts' counters back to zero: no other program reads them),
+    and maps block chunk i to its expert (-1 past the last padded row)."""
     pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -65,6 +75,7 @@ def _place_kernel(
     ec_ok = ec < num_experts
     fill_from = tl.load(offsets + ec, mask=ec_ok, other=0) + tl.load(counts + ec, mask=ec_ok, other=0)
     fill_to = tl.load(offsets + ec + 1, mask=ec_ok, other=0)
+    tl.store(counts + ec, tl.zeros_like(ec), mask=ec_ok)
     pad = fill_from[:, None] + tl.arange(0, BLOCK_M)[None, :]
     tl.store(sorted_ids + pad, tl.zeros_like(pad) + num_pairs, mask=ec_ok[:, None] & (pad < fill_to[:, None]))
 
@@ -137,8 +148,8 @@ def align_pairs(
     offsets [E + 1] (padded row start per expert; offsets[E] = total padded rows). max_blocks bounds
     sum_e cdiv(count_e, block_m) from shapes alone, so nothing syncs with the host.
     Up to ALIGN_ONE_LAUNCH_MAX pairs: one single-program launch, pairs in ascending order within an
-    expert; above it zeros + count + scan + place (order within an expert free). `one_launch`
-    overrides the choice (tests)."""
+    expert; above it count (+ scan) and place, two launches (order within an expert free).
+    `one_launch` overrides the choice (tests)."""
     num_pairs = topk_ids.numel()
     device = topk_ids.device
     max_blocks = triton.cdiv(num_pairs, block_m) + min(num_pairs, num_experts)
@@ -155,22 +166,17 @@ def align_pairs(
             BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=block_e, CHUNK_B=512, num_warps=8, **pdl_launch(topk_ids, pdl),
         )  # fmt: skip
         return sorted_ids, block_expert, offsets
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    # the experts' counters, then the count launch's ticket: zero before and after a call
+    tickets = ticket_counters(device, num_experts + 1, "moe_align")
+    counts, ticket = tickets[:num_experts], tickets[num_experts:]
     ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
     block_p = 1024 if device.type == "cuda" else 64
     chunk_e = max(1, 2048 // block_m)
     chunk_b = max(1, 4096 // block_e)
     _count_kernel[(triton.cdiv(num_pairs, block_p),)](
-        topk_ids,
-        counts,
-        ranks,
-        expert_offset,
-        num_experts,
-        num_pairs,
-        BLOCK=block_p,
-        **pdl_launch(topk_ids, pdl),
-    )
-    _scan_kernel[(1,)](counts, offsets, num_experts, BLOCK_M=block_m, BLOCK_E=block_e, **pdl_launch(counts, pdl))
+        topk_ids, counts, ticket, ranks, offsets, expert_offset, num_experts, num_pairs, BLOCK=block_p,
+        BLOCK_M=block_m, BLOCK_E=block_e, **pdl_launch(topk_ids, pdl),
+    )  # fmt: skip
     grid = max(triton.cdiv(num_pairs, block_p), triton.cdiv(num_experts, chunk_e), triton.cdiv(max_blocks, chunk_b))
     _place_kernel[(grid,)](
         topk_ids, counts, ranks, offsets, sorted_ids, block_expert, expert_offset, num_experts, num_pairs, max_blocks,
