@@ -9,13 +9,10 @@ chunk of every prefill). In a child process without TRITON_INTERPRET (the confte
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
-import triton
 
 from deltaserve.layers.kernels.gdn import advance, chunk_state
 
@@ -32,38 +29,23 @@ def test_gdn_capture_kernels_compile_for_sm90_without_spills():
     assert done.stdout.split()[-2:] == ["compiled", str(len(CASES))], done.stdout[-1500:]
 
 
-def _cuobjdump() -> str:
-    import triton.backends.nvidia as nvidia
+def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    """fn compiled to a cubin by bench.sm90 (pointers as typed, other arguments i32, pointers and
+    strides 16-divisible as the JIT finds them at these shapes); asserts it fits the H200's shared
+    memory and spills nothing; returns its resources."""
+    from deltaserve.bench.sm90 import Launch
+    from deltaserve.bench.sm90 import compile_sm90 as compiled
 
-    path = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
-    assert os.path.exists(path), f"the Triton wheel's cuobjdump: {path}"
-    return path
-
-
-def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> str:
-    """fn compiled to a cubin (pointers as typed, other arguments i32, pointers and strides
-    16-divisible as the JIT finds them at these shapes); asserts it fits the H200's shared memory and
-    spills nothing; returns its resource line."""
-    sig, attrs = {}, {}
+    sig, attrs = [], []
     for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            sig[name] = "constexpr"
-        else:
-            sig[name] = pointers.get(name, "i32")
-            if name in pointers or name.startswith(("s_", "stride")):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = triton.compiler.ASTSource(fn, sig, constexprs, attrs)
-    target = triton.backends.compiler.GPUTarget("cuda", 90, 32)
-    kernel = triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
-    assert kernel.metadata.shared <= H200_SMEM, (fn.__name__, kernel.metadata.shared, constexprs)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name], capture_output=True, text=True)
-    line = next(x.strip() for x in usage.stdout.splitlines() if "REG:" in x)
-    stack, local = (int(re.search(rf"{key}:(\d+)", line).group(1)) for key in ("STACK", "LOCAL"))
-    assert stack == 0 and local == 0, (fn.__name__, constexprs, line)
-    return line
+        sig.append((name, "constexpr" if name in constexprs else pointers.get(name, "i32")))
+        if name not in constexprs and (name in pointers or name.startswith(("s_", "stride"))):
+            attrs.append(((i,), (("tt.divisibility", 16),)))
+    options = (("num_stages", num_stages), ("num_warps", num_warps))
+    r = compiled(Launch(fn, tuple(sig), tuple(constexprs.items()), tuple(attrs), options))
+    assert r["smem"] <= H200_SMEM, (fn.__name__, r, constexprs)
+    assert r["stack"] == 0 and r["local"] == 0, (fn.__name__, constexprs, r)
+    return r
 
 
 def replay(v_new: bool, entries: str):
