@@ -1,13 +1,19 @@
 """Causal conv1d kernel cases at Qwen3.5-35B-A3B shapes: the GDN layer's conv over q, k, v
-(C = 2 * 16 * 128 + 32 * 128 = 8192 channels, width 4, bf16 inputs and window, silu)."""
+(C = 2 * 16 * 128 + 32 * 128 = 8192 channels, width 4, bf16 inputs and window, silu).
+
+    python -m deltaserve.bench.kernels_conv1d --sweep --tokens 2048,8192   # the prefill kernel's tiles
+"""
 
 from __future__ import annotations
+
+import argparse
+import itertools
 
 import torch
 
 from deltaserve.bench.kernel_cases import Case
 from deltaserve.layers.kernels.conv1d import naive
-from deltaserve.layers.kernels.conv1d.triton_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from deltaserve.layers.kernels.conv1d.triton_conv1d import VARLEN_TILES, causal_conv1d_update, causal_conv1d_varlen
 
 CHANNELS, WIDTH = 2 * 16 * 128 + 32 * 128, 4
 TOLERANCE = 1e-2  # bf16 outputs, relative to the reference's magnitude
@@ -84,3 +90,42 @@ def _update_case(num_seqs: int) -> Case:
 def cases() -> list[Case]:
     torch.manual_seed(0)
     return [_varlen_case(8192), _update_case(64), _update_case(256)]
+
+
+def sweep(tokens: list[int]) -> None:
+    """The prefill kernel's tiles (tokens, channels, warps a program) on one sequence of each length:
+    us a call, TB/s of the copy floor's bytes (x in, y out), the error against the reference."""
+    import triton.testing
+
+    for num_tokens in tokens:
+        x = torch.randn(num_tokens, CHANNELS, device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn(CHANNELS, WIDTH, device="cuda", dtype=torch.bfloat16) * 0.5
+        pool = torch.randn(4, CHANNELS, WIDTH - 1, device="cuda", dtype=torch.bfloat16)
+        kw = dict(x=x, weight=weight, bias=None, cu_seqlens=torch.tensor([0, num_tokens], dtype=torch.int32,
+                  device="cuda"), state_slots=torch.tensor([1], dtype=torch.int32, device="cuda"),
+                  has_initial_state=torch.tensor([True], device="cuda"))  # fmt: skip
+        ref = naive.causal_conv1d_varlen(conv_state_pool=pool.clone(), **kw)
+        work = pool.clone()  # the timed calls' windows: the values move on, the cost does not
+        print(f"T={num_tokens} C={CHANNELS} W={WIDTH} (default tiles {VARLEN_TILES})")
+        for tiles in itertools.product((16, 32, 64, 128), (64, 128, 256), (2, 4, 8)):
+
+            def run(tiles=tiles, work=work, kw=kw) -> torch.Tensor:
+                return causal_conv1d_varlen(conv_state_pool=work, tiles=tiles, **kw)
+
+            try:
+                err = _rel_err(causal_conv1d_varlen(conv_state_pool=pool.clone(), tiles=tiles, **kw), ref)
+                ms = triton.testing.do_bench(run, rep=50, return_mode="median")
+            except Exception as e:  # a tile that does not compile is reported, not fatal
+                print(f"  {tiles} failed: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            tb_s = 2 * num_tokens * CHANNELS * 2 / (ms * 1e-3) / 1e12
+            print(f"  {tiles}  {ms * 1e3:8.1f} us  {tb_s:5.2f} TB/s  err {err:.1e}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--tokens", default="2048,8192")
+    args = parser.parse_args()
+    if args.sweep:
+        sweep([int(t) for t in args.tokens.split(",")])

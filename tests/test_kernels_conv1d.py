@@ -20,8 +20,15 @@ def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("width", [4, 2])
-@pytest.mark.parametrize("activation, with_bias", [("silu", False), (None, True)])
-def test_varlen_matches_naive(nan_fill, width, activation, with_bias):
+@pytest.mark.parametrize(
+    "activation, with_bias, tiles",
+    [
+        ("silu", False, triton_conv1d.VARLEN_TILES),
+        (None, True, triton_conv1d.VARLEN_TILES),
+        ("silu", False, (16, 64, 2)),
+    ],
+)  # the tiles bench.kernels_conv1d --sweep times: chunks of 16 tokens, 64 channels (four blocks, one partial)
+def test_varlen_matches_naive(nan_fill, width, activation, with_bias, tiles):
     torch.manual_seed(0)
     bounds = [0, 1, 70, 72, 203, 203, 260]  # a 1-token and a 2-token sequence (shorter than the window), an empty one
     num_seqs, channels = len(bounds) - 1, 200  # two channel blocks, the second partial
@@ -33,7 +40,7 @@ def test_varlen_matches_naive(nan_fill, width, activation, with_bias):
     has_init = torch.tensor([True, False, True, False, True, True], device=DEVICE)
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
     outs = []
-    for impl in (naive.causal_conv1d_varlen, triton_conv1d.causal_conv1d_varlen):
+    for impl, kw in ((naive.causal_conv1d_varlen, {}), (triton_conv1d.causal_conv1d_varlen, {"tiles": tiles})):
         p = pool.clone()
         y = impl(
             x=x,
@@ -44,6 +51,7 @@ def test_varlen_matches_naive(nan_fill, width, activation, with_bias):
             state_slots=slots,
             has_initial_state=has_init,
             activation=activation,
+            **kw,
         )
         outs.append((y, p))
     (ref, ref_pool), (out, out_pool) = outs

@@ -21,6 +21,10 @@ from .naive import is_silu
 
 BLOCK_T = 64  # tokens per prefill program
 BLOCK_C = 128  # channels per prefill program: 256-byte bf16 rows
+# the prefill kernel's (tokens, channels, warps) a program; compiled for sm_90 (bench.sm90): 104
+# registers, 2 programs / 16 warps an SM. (32, 128, 4) holds 76 (6 / 24), for a streaming kernel more
+# bytes in flight: `python -m deltaserve.bench.kernels_conv1d --sweep` times them on a GPU
+VARLEN_TILES = (BLOCK_T, BLOCK_C, 8)
 BLOCK_N = 64  # sequences scanned per step when locating chunks
 UPDATE_BLOCK_C = 256  # channels per decode program
 
@@ -149,9 +153,11 @@ def _conv_update_kernel(
 
 def causal_conv1d_varlen(
     *, x, weight, bias, cu_seqlens, conv_state_pool, state_slots, has_initial_state, activation="silu",
-    update_state=True, save_inputs=None,
+    update_state=True, save_inputs=None, tiles=VARLEN_TILES,
 ):  # fmt: skip
-    """conv1d.causal_conv1d_varlen: grid (T // BLOCK_T + N, C / BLOCK_C), no host sync."""
+    """conv1d.causal_conv1d_varlen: grid (T // block_t + N, C / block_c), no host sync. tiles:
+    (block_t, block_c, num_warps), powers of two."""
+    block_t, block_c, num_warps = tiles
     silu = is_silu(activation)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
@@ -161,14 +167,14 @@ def causal_conv1d_varlen(
     y = torch.empty((num_tokens, channels), dtype=x.dtype, device=x.device)
     if num_seqs == 0 or channels == 0:
         return y
-    grid = (num_tokens // BLOCK_T + num_seqs, triton.cdiv(channels, BLOCK_C))
+    grid = (num_tokens // block_t + num_seqs, triton.cdiv(channels, block_c))
     _conv_varlen_kernel[grid](
         x, weight, weight if bias is None else bias, y, conv_state_pool, cu_seqlens, state_slots, has_initial_state,
         y if save_inputs is None else save_inputs, num_seqs, channels, x.stride(0), y.stride(0),
         *conv_state_pool.stride(), weight.stride(0), 0 if save_inputs is None else save_inputs.stride(0),
-        W=width, BW=triton.next_power_of_2(max(width - 1, 1)), BT=BLOCK_T, BC=BLOCK_C, BLOCK_N=BLOCK_N,
+        W=width, BW=triton.next_power_of_2(max(width - 1, 1)), BT=block_t, BC=block_c, BLOCK_N=BLOCK_N,
         HAS_BIAS=bias is not None, SILU=silu, UPDATE_STATE=update_state, SAVE_X=save_inputs is not None,
-        num_warps=8,
+        num_warps=num_warps,
     )  # fmt: skip
     return y
 
