@@ -369,24 +369,26 @@ def sweep(
         print(f"{cfg}  {us:8.1f} us  {100 * frac:5.1f}% of copy BW  err {err:.1e}{mark}", flush=True)
 
 
-def sweep_prefill(num_tokens: int = 2048) -> None:
-    """Prefill tile configs at one sequence of num_tokens new tokens: time, TFLOP/s, error."""
+def sweep_prefill(num_tokens: int = 2048, context: int = 0) -> None:
+    """Prefill tile configs at one sequence of num_tokens new tokens after `context` cached ones (a
+    prefix-cache hit's pass): time, TFLOP/s, error."""
     import triton.testing
 
-    k_cache, v_cache, block_tables = _pool(1, num_tokens, seed=7)
+    k_cache, v_cache, block_tables = _pool(1, context + num_tokens, seed=7)
     q = torch.randn(num_tokens, HQ, D, device="cuda", dtype=DTYPE)
     args = dict(
         q=q,
         k_cache=k_cache,
         v_cache=v_cache,
         cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device="cuda"),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([context + num_tokens], dtype=torch.int32, device="cuda"),
         block_tables=block_tables,
         scale=SCALE,
     )
     ref = naive.paged_attention(**args)
-    flops = 2 * HQ * num_tokens * num_tokens * D
-    print(f"T={num_tokens}  default {ta._prefill_config(D, HQ // HKV, 2, device_info(q.device))}")
+    flops = 4 * HQ * num_tokens * (context + num_tokens / 2) * D  # causal: QK^T and PV over the keys seen
+    default = ta._prefill_config(D, HQ // HKV, 2, device_info(q.device))
+    print(f"T={num_tokens} after {context} cached  default {default}")
     for block_m, block_n, warps, stages in itertools.product([64, 128], [32, 64], [4, 8], [2, 3]):
         cfg = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
         try:
@@ -407,6 +409,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--prefill-tokens", type=int, default=2048, help="the prefill sweep's prompt (the paged kernel serves < 4,096)"
     )
+    parser.add_argument("--prefill-context", type=int, default=0, help="cached tokens before the sweep's prompt")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--table-pages", type=int, default=0)
@@ -419,4 +422,4 @@ if __name__ == "__main__":
         grid = {k: [int(v) for v in getattr(a, k).split(",")] for k in GRID_KEYS if getattr(a, k)}
         sweep(a.batch, a.ctx, a.table_pages, torch.float8_e4m3fn if a.kv_fp8 else DTYPE, grid, not a.bf16_dots)
     if a.sweep_prefill:
-        sweep_prefill(a.prefill_tokens)
+        sweep_prefill(a.prefill_tokens, a.prefill_context)
