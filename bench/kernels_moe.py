@@ -259,8 +259,10 @@ def _sweep_configs(path: str, num_tokens: int = 1, kernel: str = "up", fp8: bool
         configs = [dict(block_m=bm, up=_tiles(*up), down=_tiles(*down)) for bm, up, down in grid]
         default = _default(num_tokens, fp8)
         return configs + ([] if default in configs else [default])
+    if path == "sorted" and kernel == "persistent":
+        return _persistent_configs(_default(num_tokens, fp8))
     if fp8:
-        raise SystemExit("--fp8: with --kernel both on the sorted path")
+        raise SystemExit("--fp8: with --kernel both or persistent on the sorted path")
     if path == "sorted" and kernel == "order":  # the default tiles, row-block-major against N-major grids
         default = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")))
         return [{**default, "n_major": False}, {**default, "n_major": True}]
@@ -286,6 +288,20 @@ def _sweep_configs(path: str, num_tokens: int = 1, kernel: str = "up", fp8: bool
     return [
         dict(block_m=bm, up=_tiles(bn, bk, w, s), down=_tiles(bn, bk, w, s))
         for bm, bn, bk, w, s in itertools.product([16, 32], [64, 128], [64, 128], [4, 8], [3, 4])
+    ]
+
+
+def _persistent_configs(default: dict) -> list[dict]:
+    """The default tiles as one program a tile, then as persistent programs (sorted._grid: as many a
+    multiprocessor as their shared memory allows): "loop" (each tile's K loop pipelined alone), "flat"
+    (one pipelined loop over tiles and K steps), and "flat" with a stage less (the flattened loop
+    holds the next tile's operands too: 224 KB of shared memory at the 8k tiles, sm_90)."""
+    fewer = {name: {**default[name], "num_stages": max(2, default[name]["num_stages"] - 1)} for name in ("up", "down")}
+    return [
+        {**default, "persistent": ""},
+        {**default, "persistent": "loop"},
+        {**default, "persistent": "flat"},
+        {**default, **fewer, "persistent": "flat"},
     ]
 
 
@@ -386,14 +402,17 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--path", choices=["pairs", "sorted"], default=None)
     parser.add_argument(
-        "--kernel", choices=["up", "down", "both", "order", "tma", "grouped"], default="up",
+        "--kernel", choices=["up", "down", "both", "order", "tma", "persistent", "grouped"], default="up",
         help="sorted path: the GEMM swept at prefill sizes, both (block_m against each one's best tiles), or "
         "order (the default tiles on row-block-major and N-major grids), tma (their weights by pointers or TMA), "
-        "grouped (ours against torch's grouped GEMM)",
+        "persistent (the default tiles as one program a tile against persistent programs), grouped (ours "
+        "against torch's grouped GEMM)",
     )  # fmt: skip
     parser.add_argument("--compile-only", action="store_true", help="run the shard's configs once, untimed")
     parser.add_argument("--shard", default="0/1", help="with --compile-only: i/n, every n-th config from the i-th")
-    parser.add_argument("--fp8", action="store_true", help="FP8 experts (block-quantized; with --kernel both)")
+    parser.add_argument(
+        "--fp8", action="store_true", help="FP8 experts (block-quantized; with --kernel both or persistent)"
+    )
     a = parser.parse_args()
     if a.sweep and a.kernel == "grouped":
         grouped_ab(a.tokens)

@@ -29,6 +29,7 @@ from deltaserve.layers import base as layer_base
 from deltaserve.layers import lora as lora_layers
 from deltaserve.layers.kernels import device as kernel_device
 from deltaserve.layers.kernels.linear import triton_linear
+from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.kernels.rotary import triton_rotary
 from deltaserve.layers.loader import build_model
 from deltaserve.layers.model import HybridModel
@@ -127,11 +128,17 @@ def _decode_plan(batch: int, context: int, block_size: int, lora_slots) -> PassP
 
 
 def fake_pass(
-    config, plan: PassPlan, sizes: PoolSizes, launches: contextlib.AbstractContextManager, prepare=None
+    config,
+    plan: PassPlan,
+    sizes: PoolSizes,
+    launches: contextlib.AbstractContextManager,
+    prepare=None,
+    kernels: KernelOptions | None = None,
 ) -> None:
     """One eager forward of `plan` and its logits at `config`'s shape (bfloat16, the family's model
     class) on fake tensors that report CUDA, run inside `launches` (what records them). prepare(model):
-    the model's set-up before the pass (adapters), returning build_forward_context's extra kwargs."""
+    the model's set-up before the pass (adapters), returning build_forward_context's extra kwargs;
+    kernels: the kernel options of the pass (default: the defaults)."""
     with fake_cuda() as mode:
         torch.set_default_dtype(torch.bfloat16)
         try:
@@ -140,7 +147,7 @@ def fake_pass(
             pool = StatePool(model, sizes, dtype=torch.bfloat16, device="cpu")
             indices, _ = logits_rows(plan)
             with _disable_current_modes():  # made on the host, then faked
-                ctx = build_forward_context(plan, model.config, model.layout, "cpu", indices, **extra)
+                ctx = build_forward_context(plan, model.config, model.layout, "cpu", indices, kernels=kernels, **extra)
             ctx = _faked(ctx, mode)
             with torch.no_grad(), launches:
                 hidden = model(ctx, pool.layer_states)

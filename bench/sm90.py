@@ -12,7 +12,9 @@ The GPU machines run Triton 3.6: put its wheel first on PYTHONPATH to see what t
     python -m deltaserve.bench.sm90 --prefill 2048                # a fresh 2k prompt, its captures
     python -m deltaserve.bench.sm90 --decode 1 --decode 64        # decode steps
 
-Exit status 1 when a kernel fails to compile or spills (other than those --allow-spills names).
+Exit status 1 when a kernel fails to compile, spills (other than those --allow-spills names) or asks
+for more shared memory than a program may have. `--options "moe_sorted_persistent=1"`: the pass
+under those kernel options.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from unittest import mock
 import torch
 
 from deltaserve.layers.kernels import device as kernel_device
+from deltaserve.layers.kernels.options import KernelOptions
 
 from .launches import decode_pass, fake_pass, fresh_prompt_captures, prefill_pass, with_adapters
 from .presets import PRESETS, preset_config
@@ -118,12 +121,18 @@ def h200_pickers():
 
 
 def recorded_pass(
-    preset: str, *, prefill: int = 0, decode: int = 0, fp8: bool = False, adapters: int = 0
+    preset: str,
+    *,
+    prefill: int = 0,
+    decode: int = 0,
+    fp8: bool = False,
+    adapters: int = 0,
+    kernels: KernelOptions | None = None,
 ) -> list[Launch]:
     """The distinct Triton launches of one eager pass at the preset's shape (bfloat16; fp8: its
     projections and experts in block FP8, as `quantization="fp8"` loads them): a fresh prompt of
     `prefill` tokens with its usual captures, or a decode step of `decode` rows (on `adapters`
-    distinct rank-16 adapters)."""
+    distinct rank-16 adapters), under these kernel options (default: the defaults)."""
     import triton.runtime.jit as jit
 
     from deltaserve.layers.config import Fp8Scheme
@@ -143,7 +152,7 @@ def recorded_pass(
     recording = contextlib.ExitStack()
     recording.enter_context(h200_pickers())
     recording.enter_context(mock.patch.object(jit.JITFunction, "run", run))
-    fake_pass(config, plan, sizes, recording, prepare=with_adapters(0 if prefill else adapters))
+    fake_pass(config, plan, sizes, recording, prepare=with_adapters(0 if prefill else adapters), kernels=kernels)
     return list(seen)
 
 
@@ -179,14 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fp8", action="store_true", help="block-FP8 weights (quantization fp8)")
     p.add_argument("--adapters", type=int, default=0, help="decode rows on this many distinct LoRA adapters")
     p.add_argument("--allow-spills", default="", help="kernels whose spills are known (comma list): exit 0 on them")
+    p.add_argument(
+        "--options", default="", help='kernel options of the passes, "name=value,..." (KernelOptions fields)'
+    )
     args = p.parse_args(argv)
+    settings = dict(pair.split("=", 1) for pair in args.options.split(",") if pair)
+    kernels = KernelOptions().with_settings(settings)
     allowed = {name for name in args.allow_spills.split(",") if name}
     os.environ.pop("TRITON_INTERPRET", None)
     passes = [(f"prefill {n}", dict(prefill=n)) for n in args.prefill]
     passes += [(f"decode {n}", dict(decode=n)) for n in args.decode]
     spilled = 0
     for label, kw in passes or [("prefill 2048", dict(prefill=2048))]:
-        launches = recorded_pass(args.preset, fp8=args.fp8, adapters=args.adapters, **kw)
+        launches = recorded_pass(args.preset, fp8=args.fp8, adapters=args.adapters, kernels=kernels, **kw)
         print(f"{label}: {len(launches)} distinct launches (sm_90: registers, stack and local bytes, shared KB)")
         for launch in launches:
             try:
@@ -196,10 +210,11 @@ def main(argv: list[str] | None = None) -> int:
                 spilled += 1
                 continue
             flag = "  SPILLS" if r["local"] or r["stack"] and r["regs"] >= SPILL_REGS else ""
+            flag += "  SHARED MEMORY" if r["smem"] > H200_INFO.smem_per_block else ""
             options = " ".join(f"{k}={v}" for k, v in launch.options if k != "launch_pdl")
             sizes = f"{r['regs']:4d} {r['stack']:5d} {r['local']:5d} {r['smem'] / 1024:6.1f}"
             print(f"  {launch.name:32s} {sizes}  {options}{flag}")
-            spilled += bool(flag) and launch.name not in allowed
+            spilled += bool(flag) and (launch.name not in allowed or "SHARED" in flag)
     return 1 if spilled else 0
 
 

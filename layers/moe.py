@@ -290,6 +290,7 @@ class SparseMoeBlock(nn.Module):
             add_norm=fused_norm,
             route_in_up_max_tokens=ctx.kernels.route_in_up_max_tokens,
             sorted_block_m=ctx.kernels.moe_sorted_block_m,
+            sorted_persistent=ctx.kernels.moe_sorted_persistent,
             pdl=ctx.kernels.pdl,
             deltas=deltas,
             fp8_quantize_acts=ctx.kernels.moe_fp8_activations == "quantized",

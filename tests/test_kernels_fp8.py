@@ -355,6 +355,12 @@ def test_routed_moe_fp8_sorted_prefill(device):
     )  # fmt: skip
     tol = fp8_dot_roundings(device)
     assert rows_close(summed.cpu(), ref.residual, tol) and rows_close(normed.cpu(), ref.normed, tol)
+    # the GEMMs as persistent programs (each looping over tiles): the same bits
+    add_norm = AddNorm(residual, g, EPS)
+    again = triton_moe.routed_moe(
+        **args, router_logits=logits, top_k=2, renormalize=True, add_norm=add_norm, sorted_persistent="flat"
+    )
+    assert torch.equal(again.normed, normed) and torch.equal(again.residual, summed)
 
 
 def test_routed_moe_fp8_with_next_norm(device):
@@ -491,6 +497,26 @@ def test_gpu_routed_moe_fp8_real_shapes_with_next_norm(t):
         **args, router_logits=logits, top_k=8, renormalize=True, add_norm=AddNorm(residual.clone(), g, EPS)
     )
     assert real_close(summed, ref.residual) and real_close(normed, ref.normed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["loop", "flat"])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("t", [2048, 8192])
+def test_gpu_sorted_moe_persistent_equals_one_program_a_tile(t, fp8, how):
+    """The sorted path's GEMMs as persistent programs (each looping over tiles; "flat": the tile and K
+    loops as one pipelined loop) write the bits of one program a tile, bf16 and FP8 experts at the
+    model's shape."""
+    args, _, _, logits = moe_case(
+        t, 256, 2048, 512, 8, (128, 128), (128, 128), 512, device="cuda", dtype=torch.bfloat16
+    )
+    if not fp8:  # the same experts in bf16, no shared expert
+        bf16 = functools.partial(fp8_naive.dequantize_weight, dtype=torch.bfloat16)
+        args = dict(args, w13=bf16(args["w13"], args["w13_scale"]), w2=bf16(args["w2"], args["w2_scale"]))
+        args.update(w13_scale=None, w2_scale=None, shared=None)
+    kw = dict(router_logits=logits, top_k=8, renormalize=True)
+    plain = triton_moe.routed_moe(**args, **kw)
+    assert torch.equal(triton_moe.routed_moe(**args, **kw, sorted_persistent=how), plain)
 
 
 @pytest.mark.gpu

@@ -71,8 +71,9 @@ def test_fused_moe(device, path, tokens, hidden, inter, local, total, top_k, off
 
 @pytest.mark.parametrize("local, offset", [(6, 0), (4, 2)])  # all experts; an EP rank's slice of them
 def test_fused_moe_sorted_grid_orders_and_weight_descriptors_agree(device, local, offset):
-    """The sorted path's two program orders (row blocks major, N slices major) and its weights read
-    through TMA descriptors write the same output, bit for bit, and the reference's: several row blocks
+    """The sorted path's program orders (row blocks major, N slices major, persistent programs each
+    looping over tiles) and its weights read through TMA descriptors write the same output, bit for
+    bit, and the reference's: several row blocks
     per expert and several N blocks, an expert width and hidden size that are not multiples of the tiles
     (a tile's rows past an expert's width, K tails past the row)."""
     from deltaserve.layers.kernels.device import device_info
@@ -86,6 +87,10 @@ def test_fused_moe_sorted_grid_orders_and_weight_descriptors_agree(device, local
     cols = tm.fused_moe(**args, path="sorted", config={**cfg, "n_major": True})
     tma = tm.fused_moe(**args, path="sorted", config={**cfg, "w_tma": True})
     assert torch.equal(rows, cols) and torch.equal(rows, tma)
+    # fewer programs than tiles (the interpreter's 4 "SMs"): every program takes several tiles
+    for how, tma_on in (("loop", False), ("flat", True)):
+        persistent = tm.fused_moe(**args, path="sorted", config={**cfg, "persistent": how, "w_tma": tma_on})
+        assert torch.equal(rows, persistent), f"persistent {how}, TMA {tma_on}"
     assert rel_err(tma, naive.fused_moe(**args)) < tol(device)
 
 

@@ -107,6 +107,16 @@ class KernelOptions:
             "choices": (0, 16, 32, 64, 128),
         },
     )
+    moe_sorted_persistent: str = field(
+        default="",
+        metadata={
+            "env": "DELTASERVE_MOE_SORTED_PERSISTENT",
+            "help": "the MoE sorted path's GEMMs as persistent programs, each looping over tiles: loop (each tile's "
+            "K loop pipelined as now), flat (the tile and K loops as one pipelined loop: a tile's first loads "
+            "during the last steps of the one before); empty: one program a tile",
+            "choices": ("", "loop", "flat"),
+        },
+    )
     moe_prefill_gemm: str = field(
         default="triton",
         metadata={

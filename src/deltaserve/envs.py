@@ -82,6 +82,13 @@ ENV_VARS: dict[str, EnvVar] = {
             "rows of the MoE sorted path's tiles (16, 32, 64, 128); 0: by the rows per expert",
         ),
         EnvVar(
+            "DELTASERVE_MOE_SORTED_PERSISTENT",
+            "",
+            "the MoE sorted path's GEMMs as persistent programs, each looping over tiles: loop (each tile's K loo"
+            "p pipelined as now), flat (the tile and K loops as one pipelined loop: a tile's first loads during t"
+            "he last steps of the one before); unset: one program a tile",
+        ),
+        EnvVar(
             "DELTASERVE_MOE_PREFILL_GEMM",
             "triton",
             "the routed experts' GEMMs on the MoE's sorted path (prefill, bf16): triton (ours, x gathered inside), "

@@ -109,6 +109,7 @@ def routed_moe(
     w2_scale: torch.Tensor | None = None,
     route_in_up_max_tokens: int = KernelOptions.route_in_up_max_tokens,
     sorted_block_m: int = 0,
+    sorted_persistent: str = "",
     pdl: bool = True,
     deltas: PairDeltas | None = None,
     fp8_quantize_acts: bool = True,
@@ -122,6 +123,8 @@ def routed_moe(
             inside the experts' up GEMV (no router launch); 0 always launches the router.
         sorted_block_m: CUDA: the sorted path's tile rows (tiles.SORTED_TILES' entry of that
             block_m); 0: the entry for the rows per expert.
+        sorted_persistent: CUDA: the sorted path's GEMMs as persistent programs, "loop" or "flat"
+            (KernelOptions.moe_sorted_persistent); "": one program a tile.
         the rest: as fused_moe.
 
     Returns:
@@ -136,7 +139,8 @@ def routed_moe(
         from .triton_moe import routed_moe as impl
 
         return impl(
-            **args, route_in_up_max_tokens=route_in_up_max_tokens, sorted_block_m=sorted_block_m, pdl=pdl,
+            **args, route_in_up_max_tokens=route_in_up_max_tokens, sorted_block_m=sorted_block_m,
+            sorted_persistent=sorted_persistent, pdl=pdl,
             prefill_gemm=prefill_gemm,
         )  # fmt: skip
     return naive.routed_moe(**args)

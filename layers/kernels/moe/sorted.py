@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .. import linear as linear_kernels
+from ..device import SMEM_SCRATCH, DeviceInfo, device_info
 from ..fp8 import ACT_GROUP, quantize_act, scale_block
 from ..norm.triton_norm import add_rms_norm_row
 from ..pdl import pdl_launch, pdl_wait
@@ -66,8 +67,13 @@ def _block_ids(N_MAJOR: tl.constexpr):
 MAX_GRID_Y = 65535
 
 
-def _grid(row_blocks: int, n_blocks: int, n_major: bool) -> tuple[tuple[int, int], bool]:
-    """The launch grid and whether it is N-major (not when the row blocks outnumber a grid's y)."""
+def _grid(
+    row_blocks: int, n_blocks: int, n_major: bool, per_sm: int = 0, num_sms: int = 1
+) -> tuple[tuple[int, ...], bool]:
+    """The launch grid and whether it is N-major (not when the row blocks outnumber a grid's y);
+    per_sm > 0: persistent programs, per_sm a multiprocessor and at most one a tile (N-major)."""
+    if per_sm > 0:
+        return (min(row_blocks * n_blocks, per_sm * num_sms),), True
     n_major = n_major and row_blocks <= MAX_GRID_Y
     return ((n_blocks, row_blocks) if n_major else (row_blocks, n_blocks)), n_major
 
@@ -79,7 +85,8 @@ def _up_kernel(
     w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr, INTER: tl.constexpr,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
-    QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr, W_DESC: tl.constexpr,
+    QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr, W_DESC: tl.constexpr, PERSISTENT: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n] = silu(x @ gate^T) * (x @ up^T) for one block of pairs of one expert and one
     BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e].
@@ -94,12 +101,44 @@ def _up_kernel(
     N_MAJOR: the N slices of a row block are neighbouring programs (grid (N blocks, row blocks)):
     they read its gathered rows while those are still in L2. W_DESC (bf16 experts): the gate and up
     tiles through w_desc, a TMA descriptor of w13 as [E * 2 * INTER, HIDDEN] with [BLOCK_N, BLOCK_K]
-    boxes (rows past an expert's INTER only feed columns the store masks; K tails read zeros)."""
+    boxes (rows past an expert's INTER only feed columns the store masks; K tails read zeros).
+    PERSISTENT: grid (programs,), each program taking tiles p, p + programs, ... of the row blocks'
+    N slices in N-major order: no programs past the padded rows (the grid's bound is the most row
+    blocks any routing needs); FLATTEN: the tile loop and the K loop as one pipelined loop, so that a
+    tile's first loads are in flight while the tile before it ends (sm_90, Triton 3.6: 224 KB of
+    shared memory and 255 registers at the 8k tiles, against 192 KB and 168 / 183 one program a tile)."""
     pdl_wait(USE_PDL)
-    pid_m, pid_n = _block_ids(N_MAJOR)
+    if PERSISTENT:
+        n_blocks = tl.cdiv(INTER, BLOCK_N)
+        tiles = tl.cdiv(tl.load(num_padded), BLOCK_M) * n_blocks
+        # FLATTEN: one loop with the tile's K loop, so the pipeline loads the next tile's first steps early
+        for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
+            _up_tile(
+                hidden, w13, w_desc, act, sorted_ids, block_expert, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs,
+                w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, tile // n_blocks, tile % n_blocks,
+                HIDDEN, INTER, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT,
+                W_DESC,
+            )  # fmt: skip
+    else:
+        pid_m, pid_n = _block_ids(N_MAJOR)
+        if pid_m * BLOCK_M < tl.load(num_padded):
+            _up_tile(
+                hidden, w13, w_desc, act, sorted_ids, block_expert, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs,
+                w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n, HIDDEN, INTER, TOPK,
+                BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT, W_DESC,
+            )  # fmt: skip
+
+
+@triton.jit
+def _up_tile(
+    hidden, w13, w_desc, act, sorted_ids, block_expert, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs, w_scale,
+    s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr,
+    QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr,
+):  # fmt: skip
+    """_up_kernel's tile (row block pid_m, N slice pid_n)."""
     rows = tl.arange(0, BLOCK_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded):
-        return
     e = tl.load(block_expert + pid_m)
     pair = tl.load(sorted_ids + pid_m * BLOCK_M + rows)
     row_ok = pair < num_pairs
@@ -161,17 +200,45 @@ def _down_kernel(
     act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr,
     INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
-    QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr, W_DESC: tl.constexpr,
+    QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr, W_DESC: tl.constexpr, PERSISTENT: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):  # fmt: skip
     """y[pair, n] = weight[pair] * (act[pair] @ w2[e, n]^T (+ the pair's low-rank delta, lora_b
     [G, HIDDEN, LORA_RANK], as _up_kernel's)) for one block of sorted pairs. FP8: act quantized per
     row and GROUP columns (act_scale), w2 float8 with block scales, as _up_kernel (the delta's
     shrink read the unquantized act); without QUANT_ACT act as it is, as _up_kernel's W8A16. N_MAJOR
-    and W_DESC (w2 as [E * HIDDEN, INTER]) as _up_kernel's."""
+    and W_DESC (w2 as [E * HIDDEN, INTER]), PERSISTENT and FLATTEN as _up_kernel's."""
     pdl_wait(USE_PDL)
-    pid_m, pid_n = _block_ids(N_MAJOR)
-    if pid_m * BLOCK_M >= tl.load(num_padded):
-        return
+    if PERSISTENT:
+        n_blocks = tl.cdiv(HIDDEN, BLOCK_N)
+        tiles = tl.cdiv(tl.load(num_padded), BLOCK_M) * n_blocks
+        # FLATTEN: one loop with the tile's K loop, so the pipeline loads the next tile's first steps early
+        for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
+            _down_tile(
+                act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp,
+                act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, tile // n_blocks,
+                tile % n_blocks, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK,
+                QUANT_ACT, W_DESC,
+            )  # fmt: skip
+    else:
+        pid_m, pid_n = _block_ids(N_MAJOR)
+        if pid_m * BLOCK_M < tl.load(num_padded):
+            _down_tile(
+                act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp,
+                act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n,
+                HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT, W_DESC,
+            )  # fmt: skip
+
+
+@triton.jit
+def _down_tile(
+    act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp, act_scale, s_as,
+    w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n, HIDDEN: tl.constexpr,
+    INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr,
+    QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr,
+):  # fmt: skip
+    """_down_kernel's tile (row block pid_m, N slice pid_n)."""
     e = tl.load(block_expert + pid_m)
     pair = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = pair < num_pairs
@@ -305,27 +372,37 @@ def moe_sorted(
     up_k = min(up["block_k"], up_sc[3], ACT_GROUP) if fp8 else up["block_k"]
     up_lora = low_rank_args(None if deltas is None else deltas.low_rank_gate_up(topk_ids), act)
     tma = cfg.get("w_tma", False) and not fp8 and _tma_ok(w13) and _tma_ok(w2)
-    grid, n_major = _grid(max_blocks, triton.cdiv(inter, up["block_n"]), cfg.get("n_major", False))
+    persistent = cfg.get("persistent", "") if deltas is None else ""  # no low-rank loop inside the tile loop
+    info = device_info(hidden.device)
+    per_sm = _programs_per_sm(persistent, up, block_m, 2, x.element_size(), w13.element_size(), info)
+    grid, n_major = _grid(
+        max_blocks, triton.cdiv(inter, up["block_n"]), cfg.get("n_major", False), per_sm, info.num_sms
+    )
     up_desc = _weight_desc(w13, up["block_n"], up["block_k"]) if tma else w13
     _up_kernel[grid](
         x, w13, up_desc, act, sorted_ids, block_expert, num_padded, num_pairs, x.stride(0), w13.stride(0),
         w13.stride(1), act.stride(0), x_scale, x_scale.stride(0), *up_sc[:3], *up_lora[:6], HIDDEN=hidden_size,
         INTER=inter, TOPK=top_k, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up_k, FP8=fp8, SCALE_N=up_sc[4],
         SCALE_K=up_sc[3], GROUP=ACT_GROUP, LORA_RANK=up_lora[6], QUANT_ACT=quant, N_MAJOR=n_major, W_DESC=tma,
+        PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat",
         num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl_launch(hidden, pdl),
     )  # fmt: skip
     down_lora = low_rank_args(None if deltas is None else deltas.low_rank_down(act), act)
     a, a_scale = quantize_act(x=act, group=ACT_GROUP, pdl=pdl) if quant else (act, act)
     down_sc = _scale_args(w2_scale, w2, hidden)
     down_k = min(down["block_k"], down_sc[3], ACT_GROUP) if fp8 else down["block_k"]
-    grid, n_major = _grid(max_blocks, triton.cdiv(hidden_size, down["block_n"]), cfg.get("n_major", False))
+    per_sm = _programs_per_sm(persistent, down, block_m, 1, a.element_size(), w2.element_size(), info)
+    grid, n_major = _grid(
+        max_blocks, triton.cdiv(hidden_size, down["block_n"]), cfg.get("n_major", False), per_sm, info.num_sms
+    )
     down_desc = _weight_desc(w2, down["block_n"], down_k) if tma else w2
     _down_kernel[grid](
         a, w2, down_desc, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, a.stride(0),
         w2.stride(0), w2.stride(1), y.stride(0), a_scale, a_scale.stride(0), *down_sc[:3], *down_lora[:6],
         HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m, BLOCK_N=down["block_n"], BLOCK_K=down_k, FP8=fp8,
         SCALE_N=down_sc[4], SCALE_K=down_sc[3], GROUP=ACT_GROUP, LORA_RANK=down_lora[6], QUANT_ACT=quant,
-        N_MAJOR=n_major, W_DESC=tma, num_warps=down["num_warps"], num_stages=down["num_stages"],
+        N_MAJOR=n_major, W_DESC=tma, PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat",
+        num_warps=down["num_warps"], num_stages=down["num_stages"],
         **pdl_launch(act, pdl),
     )  # fmt: skip
     _sum(hidden, y, topk_ids, expert_offset, num_experts, out, shared, norm, pdl)
@@ -359,6 +436,23 @@ def _sum(hidden, y, topk_ids, expert_offset, num_experts, out, shared, norm, pdl
         HAS_SHARED=shared is not None, ADD_NORM=norm is not None, LORA_RANK=shared_lora[6],
         BY_ROW=by_row is not None, num_warps=8 if shared_lora[6] else 4, **pdl_launch(y, pdl),
     )  # fmt: skip
+
+
+# persistent programs a multiprocessor: at most this many, as many as their pipelines' shared memory allows
+MAX_PROGRAMS_PER_SM = 4
+SM_SHARED_MEMORY = 228 * 1024  # sm_90: a multiprocessor's, of which one program may take 227 KB
+
+
+def _programs_per_sm(
+    persistent: str, tiles: dict, block_m: int, operands: int, a_elem: int, w_elem: int, info: DeviceInfo
+) -> int:
+    """0 (one program a tile) unless `persistent`; else how many programs of these tiles (`operands`
+    weight tiles a K step: gate and up, or down) fit a multiprocessor's shared memory."""
+    if not persistent:
+        return 0
+    per_stage = tiles["block_k"] * (a_elem * block_m + operands * w_elem * tiles["block_n"])
+    need = tiles["num_stages"] * per_stage + SMEM_SCRATCH
+    return max(1, min(MAX_PROGRAMS_PER_SM, SM_SHARED_MEMORY // need))
 
 
 def _tma_ok(w: torch.Tensor) -> bool:

@@ -73,7 +73,7 @@ def pairs_config(hidden_size: int, inter: int, info: DeviceInfo, fp8: bool = Fal
 
 def sorted_config(
     num_pairs: int, num_experts: int, elem: int, info: DeviceInfo, fp8: bool = False, block_m: int = 0,
-    quantized_acts: bool = True,
+    quantized_acts: bool = True, persistent: str = "",
 ) -> dict:  # fmt: skip
     """The sorted path's tiles for this device: block_m, n_major (the grid's program order:
     sorted._grid), w_tma (bf16 experts' weights through TMA descriptors), and up / down block_n,
@@ -82,10 +82,11 @@ def sorted_config(
     SORTED_TILES_FP8 where it has entries; otherwise the bf16 tiles with twice the K step, at most
     one 128-column scale group; each pipeline as deep as fits (quantized_acts False: the activations keep `elem`
     bytes, and the weights converted for the dot take one more unpipelined buffer). block_m: the
-    entry with these tile rows (0: the entry for the mean rows per expert)."""
+    entry with these tile rows (0: the entry for the mean rows per expert). persistent: "loop" or
+    "flat", the GEMMs as persistent programs looping over tiles (sorted._grid); "": the entry's."""
     if info.is_interpreter:
         tiles = dict(block_n=16, block_k=16, num_warps=4, num_stages=1)
-        return dict(block_m=16, up=tiles, down=dict(tiles))
+        return dict(block_m=16, up=tiles, down=dict(tiles), persistent=persistent)
     tuned = tuned_for(SORTED_TILES, info)
     rows = num_pairs / max(1, num_experts)
     table = tuned or SORTED_TILES[H200]
@@ -99,7 +100,10 @@ def sorted_config(
     else:
         entry = next(cfg for most, cfg in table if most is None or rows <= most)
     block_m = entry["block_m"]
-    cfg = dict(block_m=block_m, n_major=entry.get("n_major", False), w_tma=entry.get("w_tma", False))
+    cfg = dict(
+        block_m=block_m, n_major=entry.get("n_major", False), w_tma=entry.get("w_tma", False),
+        persistent=persistent or entry.get("persistent", ""),
+    )  # fmt: skip
     for name, operands in (("up", 2), ("down", 1)):  # up reads the gate and the up tile
         block_n, block_k, warps, stages = entry[name]
         fixed = SMEM_SCRATCH
