@@ -14,15 +14,26 @@ against the bf16 kernel the model runs without FP8, timed in the same run:
 - quantize_act: per-token 1 x 128 groups at prefill sizes.
 
     python -m deltaserve.bench.kernels --only fp8
+    python -m deltaserve.bench.kernels_fp8 --row-sweep    # batch 1: the FP8 one-row GEMV's tiles
+
+The row sweep (FP8 decode at batch 1 is bound by its ~270 kernels' latency, not its bytes: 2.18 ms
+against a 0.87 ms floor at 4ff468f, bf16 2.23): every (block_n, num_warps) tile of the one-row kernel
+with the weights loaded before or after the PDL wait, graph-timed on cold FP8 weights, us per call and
+share of the FP8 bytes at copy bandwidth, beside the bf16 kernel's tuned tile on the same rows; it
+prints TUNED_ROW_FP8 lines for kernels/linear/tuned.py where the best beats the current pick by 3%.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.testing
 
 from deltaserve.bench.kernel_cases import Case, graphed
 from deltaserve.layers.kernels import fp8 as fp8_kernels
@@ -219,6 +230,91 @@ def _quant_case(m: int) -> Case:
     )
 
 
+# (block_n, num_warps): the one-row kernel's FP8 tiles, up to its registers' bound (MAX_ELEMS_PER_THREAD)
+FP8_ROW_TILES = [(1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (16, 8)]
+
+
+def row_sweep() -> None:
+    """Batch 1, each model shape's FP8 projection (its tail rows in bf16, as the model holds them):
+    the one-row kernel at every FP8_ROW_TILES tile, preloaded or not, against the bf16 one-row
+    kernel's pick on the same rows (bf16 weights), each graph-timed over cold copies."""
+    from deltaserve.bench.kernels import measure_copy_bandwidth
+
+    bandwidth = measure_copy_bandwidth()
+    for label, n, tail, k in SHAPES:
+        _row_sweep_shape(label, n, tail, k, bandwidth)
+
+
+def _row_sweep_shape(label: str, n: int, tail: int, k: int, bandwidth: float) -> None:
+    from deltaserve.layers.kernels.device import device_info
+    from deltaserve.layers.kernels.linear import triton_row
+
+    copies = _weights(n, tail, k)
+    calls = max(20, len(copies))
+    pick = [copies[i % len(copies)] for i in range(calls)]
+    x = torch.randn(1, k, device="cuda", dtype=DTYPE, generator=torch.Generator(device="cuda").manual_seed(1))
+    fp8_bytes = n * k + tail * k * 2 + q_scale_bytes(copies[0][1])
+    ref = naive.linear(x=x.float(), weight=copies[0][3].float())
+
+    def time_us(fn) -> float:
+        replay = graphed([lambda c=c: fn(c) for c in pick])
+        return triton.testing.do_bench(replay, warmup=10, rep=50, return_mode="median") * 1e3 / calls
+
+    def fp8_row(c, cfg: dict, preload: bool) -> torch.Tensor:
+        return triton_row.row_gemv(x=x, weight=c[0], weight_scale=c[1], weight_tail=c[2], config=cfg, preload=preload)[
+            0
+        ]
+
+    bf16_us = time_us(lambda c: triton_row.row_gemv(x=x, weight=c[3])[0])
+    current = triton_row.pick_config(n + tail, k, device_info(torch.device("cuda")), fp8=True)
+    print(f"{label} N8={n} tail={tail} K={k}: bf16 row GEMV {bf16_us:6.2f} us; FP8 pick {current}", flush=True)
+    rows = []
+    for block_n, warps in FP8_ROW_TILES:
+        if block_n * triton.next_power_of_2(k) > triton_row.MAX_ELEMS_PER_THREAD * 32 * warps:
+            continue
+        for preload in (True, False):
+            fn = functools.partial(fp8_row, cfg=dict(block_n=block_n, num_warps=warps), preload=preload)
+            try:
+                err = _rel_err(fn(copies[0]), ref)
+                us = time_us(fn)
+            except Exception as e:  # a tile that does not compile, or that the tail's rows cannot take
+                print(f"  n{block_n} w{warps}: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            rows.append((us, block_n, warps, preload, err))
+    rows.sort()
+    for us, block_n, warps, preload, err in rows[:8]:
+        share = fp8_bytes / bandwidth / (us * 1e-6)
+        mark = "  <- pick" if (block_n, warps) == (current["block_n"], current["num_warps"]) and preload else ""
+        when = "preload" if preload else "after-wait"
+        print(f"  n{block_n} w{warps} {when}: {us:6.2f} us  {100 * share:5.1f}% of copy BW  err {err:.1e}{mark}")
+    now = next((r[0] for r in rows if (r[1], r[2], r[3]) == (current["block_n"], current["num_warps"], True)), None)
+    if rows and now is not None and rows[0][0] < 0.97 * now and rows[0][3]:
+        print(f"  TUNED_ROW_FP8[H200][({n + tail}, {k})] = dict(block_n={rows[0][1]}, num_warps={rows[0][2]})")
+
+
+def q_scale_bytes(scale: torch.Tensor) -> int:
+    return scale.numel() * scale.element_size()
+
+
 def cases() -> list[Case]:
     out = [c for label, n, tail, k in SHAPES for c in _linear_cases(label, n, tail, k)]
     return out + _moe_cases() + [_quant_case(m) for m in (2048, 8192)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--row-sweep", action="store_true", help="batch 1: the FP8 one-row GEMV's tiles")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.kernels_fp8 needs a CUDA device", file=sys.stderr)
+        return 2
+    if args.row_sweep:
+        row_sweep()
+        return 0
+    from deltaserve.bench import kernels
+
+    return kernels.main(["--only", "fp8"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -261,8 +261,8 @@ def _sweep_configs(path: str, num_tokens: int = 1, kernel: str = "up", fp8: bool
         return configs + ([] if default in configs else [default])
     if path == "sorted" and kernel == "persistent":
         return _persistent_configs(_default(num_tokens, fp8))
-    if fp8:
-        raise SystemExit("--fp8: with --kernel both or persistent on the sorted path")
+    if fp8 and path != "pairs":
+        raise SystemExit("--fp8: on the pairs path, or with --kernel both or persistent on the sorted path")
     if path == "sorted" and kernel == "order":  # the default tiles, row-block-major against N-major grids
         default = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")))
         return [{**default, "n_major": False}, {**default, "n_major": True}]
@@ -280,11 +280,12 @@ def _sweep_configs(path: str, num_tokens: int = 1, kernel: str = "up", fp8: bool
         other = "down" if kernel == "up" else "up"
         return [{"block_m": bm, kernel: _tiles(bn, bk, w, st), other: default[other]} for bm, bn, bk, w, st in grid]
     if path == "pairs":
-        ups = [dict(block_n=n, block_k=k, num_warps=w) for n, k, w in itertools.product([2, 4, 8], [512, 1024], [2, 4])]
+        chunks = [512, 1024, 2048] if fp8 else [512, 1024]  # FP8: the same bytes in twice the columns
+        ups = [dict(block_n=n, block_k=k, num_warps=w) for n, k, w in itertools.product([2, 4, 8], chunks, [2, 4])]
         downs = [dict(block_h=h, block_i=512, num_warps=w) for h, w in itertools.product([1, 2, 4, 8], [1, 2, 4])]
         # the up and down kernels are independent: sweep each against the other's default
-        default = tiles.pairs_config(H, INTER, device_info(torch.device("cuda")))
-        return [dict(up=u, down=default["down"]) for u in ups] + [dict(up=default["up"], down=d) for d in downs]
+        default = tiles.pairs_config(H, INTER, device_info(torch.device("cuda")), fp8=fp8)
+        return [{**default, "up": u} for u in ups] + [{**default, "down": d} for d in downs]
     return [
         dict(block_m=bm, up=_tiles(bn, bk, w, s), down=_tiles(bn, bk, w, s))
         for bm, bn, bk, w, s in itertools.product([16, 32], [64, 128], [64, 128], [4, 8], [3, 4])
@@ -337,7 +338,7 @@ def sweep(
     ref = naive.fused_moe(**sets[0])
     info = device_info(torch.device("cuda"))
     if path == "pairs":
-        default = tiles.pairs_config(H, INTER, info)
+        default = tiles.pairs_config(H, INTER, info, fp8=fp8)
     else:
         default = tiles.sorted_config(num_tokens * TOP_K, E, 2, info, fp8=fp8)
     print(f"T={num_tokens} path={path}{' fp8' if fp8 else ''} default {default}")

@@ -575,3 +575,16 @@ def test_block_scaled_gemm_tiles_stream_decode_batches():
     cfg = triton_fp8.pick_config(64, 2048, 4096, info)
     assert (cfg["block_m"], cfg["block_n"], cfg["split_k"]) == (64, 64, 16)
     assert triton_fp8.pick_config(2048, 2048, 4096, info)["split_k"] == 1
+
+
+def test_row_gemv_fp8_tiles_from_their_own_table(monkeypatch):
+    """An FP8 one-row projection takes TUNED_ROW_FP8's tile for its shape (the FP8 row sweep's
+    output), else twice the bf16 entry's rows; bf16 keeps its own entry."""
+    from deltaserve.layers.kernels.linear import tuned
+
+    info = DeviceInfo(H200, 132, 227 * 1024, (9, 0))
+    bf16 = triton_row.pick_config(12352, 2048, info)
+    assert triton_row.pick_config(12352, 2048, info, fp8=True) == dict(bf16, block_n=2 * bf16["block_n"])
+    monkeypatch.setitem(tuned.TUNED_ROW_FP8, H200, {(12352, 2048): dict(block_n=8, num_warps=8)})
+    assert triton_row.pick_config(12352, 2048, info, fp8=True) == dict(block_n=8, num_warps=8)
+    assert triton_row.pick_config(12352, 2048, info) == bf16

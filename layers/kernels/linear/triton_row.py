@@ -28,7 +28,7 @@ from ..device import DeviceInfo, device_info, tuned_for
 from ..fp8 import scale_block
 from ..options import RowTile
 from ..pdl import pdl_launch, pdl_wait
-from .tuned import TUNED_ROW
+from .tuned import TUNED_ROW, TUNED_ROW_FP8
 
 # the whole row is one register tile: at most this many weight elements per thread
 MAX_ELEMS_PER_THREAD = 64
@@ -227,13 +227,16 @@ X_ROW_MIN_BLOCK_N = 8
 
 
 def pick_config(n: int, k: int, info: DeviceInfo, row_tiles: tuple[RowTile, ...] = (), fp8: bool = False) -> dict:
-    """block_n rows per program and num_warps: a row_tiles entry for [n, k], the device's TUNED_ROW
-    (measured in bf16; an FP8 weight takes twice its rows: the same bytes a program, unmeasured),
+    """block_n rows per program and num_warps: a row_tiles entry for [n, k], for an FP8 weight the
+    device's TUNED_ROW_FP8, the device's TUNED_ROW (measured in bf16; an FP8 weight takes twice its
+    rows: the same bytes a program, unmeasured),
     else keep the [block_n, K] tile within MAX_ELEMS_PER_THREAD elements per thread with ~4+
     programs per SM at the model's shapes (registers only: right on any GPU)."""
     for tile in row_tiles:
         if (tile.n, tile.k) == (n, k):
             return dict(block_n=tile.block_n, num_warps=tile.num_warps)
+    if fp8 and (tuned := (tuned_for(TUNED_ROW_FP8, info) or {}).get((n, k))) is not None:
+        return dict(tuned)
     tuned = (tuned_for(TUNED_ROW, info) or {}).get((n, k))
     if tuned is not None:
         return dict(tuned, block_n=2 * tuned["block_n"]) if fp8 else dict(tuned)

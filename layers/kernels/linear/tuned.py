@@ -35,6 +35,11 @@ TUNED_ROW: dict[str, dict[tuple[int, int], dict]] = {
 }
 
 
+# the one-row GEMV on FP8 weights (tails included in N), from `python -m deltaserve.bench.kernels_fp8
+# --row-sweep`; shapes missing here take twice the bf16 entry's rows (the same bytes a program)
+TUNED_ROW_FP8: dict[str, dict[tuple[int, int], dict]] = {H200: {}}
+
+
 def tuned_key(num_rows: int, n: int, k: int) -> tuple[int, int, int]:
     """The TUNED key of an M-row call: GEMV buckets 1, 2, 4; 16 for 5..16 rows."""
     bucket = 1 if num_rows <= 1 else 2 if num_rows <= 2 else 4 if num_rows <= 4 else 16
