@@ -4,6 +4,8 @@ against the bf16 kernel the model runs without FP8, timed in the same run:
 - fp8_linear[graph] at 1 and 16 rows: the FP8 row GEMV / skinny GEMM (weights dequantized in
   registers) against our bf16 ones, CALLS calls on distinct weights in one CUDA graph (cold weights,
   no launch gaps); the floor is the FP8 weights' bytes.
+- fp8_linear[graph,w8a8-vs-gemv] at 1 and 16 rows: the W8A8 tensor-core GEMM (its quantize launch
+  included) against the decode GEMVs that widen the weights in registers.
 - fp8_linear[graph,w8a8-vs-dequant] at 32 / 64 / 128 / 256 rows (decode batches): our W8A8 GEMM
   against the dequantized weight on cuBLAS (fp8_gemm=dequant, which takes passes from
   fp8.naive.DEQUANT_MIN_ROWS rows), CALLS calls on distinct weights in one CUDA graph.
@@ -98,6 +100,41 @@ def _linear_cases(label: str, n: int, tail: int, k: int) -> list[Case]:
                 bytes_moved=calls * (n * k + tail * k * 2 + m * k * 2 + m * (n + tail) * 2),
                 flops=calls * 2 * m * (n + tail) * k,
                 target="faster than bf16",
+            )
+        )
+    for m in (1, 16):  # batch 1 and 16: the W8A8 tensor-core GEMM (with its quantize launch) against the GEMVs
+        g = torch.Generator(device="cuda").manual_seed(m)
+        x = torch.randn(m, k, device="cuda", dtype=DTYPE, generator=g)
+        calls = max(20, len(copies))
+        pick = [copies[i % len(copies)] for i in range(calls)]
+        q, s, t, _ = copies[0]
+        cases.append(
+            Case(
+                op="fp8_linear[graph,w8a8-vs-gemv]",
+                shape=f"{label} M={m} N={n}+{tail} K={k} x{calls}",
+                ours=graphed(
+                    [
+                        lambda c=c, x=x: triton_fp8.fp8_linear(
+                            x=x, weight=c[0], weight_scale=c[1], weight_tail=c[2], backend="triton"
+                        )
+                        for c in pick
+                    ]
+                ),
+                reference=graphed(
+                    [
+                        lambda c=c, x=x: linear_kernels.linear(x=x, weight=c[0], weight_scale=c[1], weight_tail=c[2])
+                        for c in pick
+                    ]
+                ),
+                reference_label="the decode GEMV (weights widened in registers)",
+                check=lambda x=x, q=q, s=s, t=t: _rel_err(
+                    triton_fp8.fp8_linear(x=x, weight=q, weight_scale=s, weight_tail=t, backend="triton"),
+                    naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, quantize_x=True),
+                ),
+                tolerance=TOLERANCE,
+                bytes_moved=calls * (n * k + tail * k * 2 + m * k * 2 + m * (n + tail) * 2),
+                flops=calls * 2 * m * (n + tail) * k,
+                target="faster than the GEMV: then a W8A8 decode GEMV (x quantized inside) is worth building",
             )
         )
     for m in (32, 64, 128, 256):  # decode batches: where fp8.naive.DEQUANT_MIN_ROWS belongs
