@@ -29,20 +29,22 @@ def test_prefill_and_decode_kernels_compile_for_sm90_without_new_spills():
     assert not any("failed" in line for line in lines), done.stdout
 
 
-@pytest.mark.parametrize(
-    "how, allowed",
-    [("loop", "_prefill_kernel"), ("flat", "_prefill_kernel,_down_kernel")],  # flat's down: 32 B under 3.9, 0 under 3.6
-)
-def test_persistent_moe_gemms_compile_for_sm90(how, allowed):
-    """The MoE sorted path's GEMMs as persistent programs (KernelOptions.moe_sorted_persistent) at a
-    2k prompt's tiles: they compile, fit the H200's shared memory (the flattened loop holds 224 KB),
-    and spill nowhere but where named."""
+def test_persistent_moe_gemms_compile_for_sm90():
+    """The MoE sorted path's GEMMs as persistent programs with the tile and K loops flattened
+    (KernelOptions.moe_sorted_persistent "flat"; "loop" shares the tile bodies) at a 2k prompt's
+    tiles: they compile and fit the H200's shared memory (the flattened loop holds 224 KB); the down
+    GEMM's 32 spilled bytes under Triton 3.9 (none under 3.6, the GPU machines') are let through."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA back end")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "deltaserve.bench.sm90", "--prefill", "2048", "--options",
-           f"moe_sorted_persistent={how}", "--allow-spills", allowed]  # fmt: skip
+           "moe_sorted_persistent=flat", "--allow-spills", "_prefill_kernel,_down_kernel"]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     # exit 0: every kernel compiled, none asked for more shared memory than a program may have
-    moe = {line.split()[0] for line in done.stdout.splitlines() if line.startswith(("  _up_kernel", "  _down_kernel"))}
-    assert moe == {"_up_kernel", "_down_kernel"}, done.stdout
+    moe = {
+        fields[0]: float(fields[4])
+        for fields in (line.split() for line in done.stdout.splitlines())
+        if fields[:1] in (["_up_kernel"], ["_down_kernel"])
+    }
+    # the flattened loop's pipeline holds a tile more than one program a tile does (192 KB at these tiles)
+    assert moe.keys() == {"_up_kernel", "_down_kernel"} and min(moe.values()) > 200, done.stdout
