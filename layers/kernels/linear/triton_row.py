@@ -54,19 +54,20 @@ def _row_gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     WRITE_NORMED: tl.constexpr, HAS_BIAS: tl.constexpr, PRELOAD: tl.constexpr, DEFER_NORM: tl.constexpr,
     PERSISTENT: tl.constexpr, EVEN_K: tl.constexpr, X_ROW: tl.constexpr, FP8: tl.constexpr, HAS_TAIL: tl.constexpr,
-    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, USE_PDL: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, TAIL_BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """FP8 (weight float8 with block scales `scale`, SCALE_N x SCALE_K): the weights are widened and
     scaled in registers after the PDL wait. HAS_TAIL: rows N8.. of the output come from `tail` (in
-    x's dtype, rows of stride s_tn), one program per BLOCK_N of them after the FP8 rows' programs
-    (N8 a multiple of BLOCK_N)."""
+    x's dtype, rows of stride s_tn), one program per TAIL_BLOCK_N of them after the FP8 rows' programs
+    (N8 a multiple of BLOCK_N; TAIL_BLOCK_N rows of the tail are BLOCK_N rows' bytes of e4m3, so that
+    both paths of the kernel hold the same weight registers)."""
     pid = tl.program_id(0)
     if HAS_TAIL:
         tail_block = pid - N8 // BLOCK_N
         if tail_block >= 0:
             _row_gemv_body(
                 x, residual, norm_weight, tail, scale, bias + N8, out + N8, res_out, normed_out, tail_block, pid == 0,
-                N - N8, 0, s_tn, eps, K, BLOCK_N, BLOCK_K, NORM, HAS_RESIDUAL, WRITE_NORMED, HAS_BIAS, PRELOAD,
+                N - N8, 0, s_tn, eps, K, TAIL_BLOCK_N, BLOCK_K, NORM, HAS_RESIDUAL, WRITE_NORMED, HAS_BIAS, PRELOAD,
                 DEFER_NORM, False, EVEN_K, X_ROW, False, SCALE_N, SCALE_K, USE_PDL,
             )  # fmt: skip
             return
@@ -290,7 +291,9 @@ def row_gemv(
     cfg = dict(config or pick_config(n, k, info, row_tiles, fp8=fp8))
     if weight_tail is not None:  # the tail's programs start after whole row blocks
         cfg["block_n"] = dividing_block(cfg["block_n"], n8)
-    blocks = triton.cdiv(n8, cfg["block_n"]) + (0 if weight_tail is None else triton.cdiv(n - n8, cfg["block_n"]))
+    # a tail row of x's dtype holds two e4m3 rows' bytes: half the rows a tail program
+    tail_block_n = max(1, cfg["block_n"] // 2) if fp8 else cfg["block_n"]
+    blocks = triton.cdiv(n8, cfg["block_n"]) + (0 if weight_tail is None else triton.cdiv(n - n8, tail_block_n))
     per_sm = cfg.get("persistent")
     programs = min(blocks, per_sm * info.num_sms) if per_sm else blocks
     assert programs == blocks or (not fp8 and weight_tail is None), "FP8 weights and tails: no persistent loop"
@@ -311,7 +314,8 @@ def row_gemv(
         BLOCK_K=triton.next_power_of_2(k), NORM=norm, HAS_RESIDUAL=residual is not None,
         WRITE_NORMED=normed is not None, HAS_BIAS=bias is not None, PRELOAD=preload, DEFER_NORM=defer_norm,
         PERSISTENT=programs < blocks, EVEN_K=triton.next_power_of_2(k) == k, X_ROW=x_row, FP8=fp8,
-        HAS_TAIL=weight_tail is not None, SCALE_N=scale_n, SCALE_K=scale_k, num_warps=cfg["num_warps"],
+        HAS_TAIL=weight_tail is not None, SCALE_N=scale_n, SCALE_K=scale_k, TAIL_BLOCK_N=tail_block_n,
+        num_warps=cfg["num_warps"],
         num_stages=1, **pdl_launch(x, pdl),
     )  # fmt: skip
     return out, normed, res_out
