@@ -75,12 +75,23 @@ def _inputs(num_tokens: int, seed: int, fp8: bool = False) -> dict:
     return dict(hidden=hidden, **experts, topk_weights=weights.to(DTYPE), topk_ids=ids, expert_offset=0)
 
 
+def _routed(args: dict, seed: int) -> dict:
+    """_inputs' case as routed_moe takes it: router logits (the same generator's) instead of the routing."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(args["hidden"].shape[0], E, device="cuda", generator=g).to(DTYPE)
+    out = {k: v for k, v in args.items() if k not in ("topk_weights", "topk_ids")}
+    return dict(out, router_logits=logits, top_k=TOP_K, renormalize=True)
+
+
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max |out - ref| over max |ref|: the outputs' scale depends on the routing."""
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
 def _moe_bytes(args: dict) -> int:
+    if "router_logits" in args:  # a routed case (_routed): its routing, as the router picks it
+        _, ids = naive.route_topk_softmax(router_logits=args["router_logits"].float(), top_k=TOP_K, renormalize=True)
+        args = dict(args, topk_ids=ids)
     num_tokens = args["hidden"].shape[0]
     routed = torch.unique(args["topk_ids"]).numel()
     expert_bytes = EXPERT_BYTES // args["w13"].element_size() if "w13_scale" in args else EXPERT_BYTES
@@ -279,6 +290,11 @@ def _sweep_configs(path: str, num_tokens: int = 1, kernel: str = "up", fp8: bool
         grid = itertools.product([32, 64, 128], [64, 128, 256], [64, 128], [4, 8], [3, 4])
         other = "down" if kernel == "up" else "up"
         return [{"block_m": bm, kernel: _tiles(bn, bk, w, st), other: default[other]} for bm, bn, bk, w, st in grid]
+    if path == "pairs" and kernel == "route":  # the routing up GEMV (batches up to route_in_up_max_tokens)
+        default = tiles.pairs_config(H, INTER, device_info(torch.device("cuda")), fp8=fp8)
+        chunks = [512, 1024, 2048] if fp8 else [512, 1024]
+        grid = itertools.product([1, 2], chunks, [1, 2])
+        return [{**default, "up_route": dict(block_n=n, block_k=k, num_warps=w)} for n, k, w in grid]
     if path == "pairs":
         chunks = [512, 1024, 2048] if fp8 else [512, 1024]  # FP8: the same bytes in twice the columns
         ups = [dict(block_n=n, block_k=k, num_warps=w) for n, k, w in itertools.product([2, 4, 8], chunks, [2, 4])]
@@ -334,8 +350,10 @@ def sweep(
     bandwidth = measure_copy_bandwidth()
     calls = GRAPH_CALLS if num_tokens <= 256 else 4
     sets = [_inputs(num_tokens, seed=1000 * num_tokens + i, fp8=fp8) for i in range(calls)]
+    if kernel == "route":  # routed by the up GEMV from the router's logits (as decode at batch 1 runs it)
+        sets = [_routed(a, seed=1000 * num_tokens + i) for i, a in enumerate(sets)]
     floor_bytes = sum(_moe_bytes(a) for a in sets)
-    ref = naive.fused_moe(**sets[0])
+    ref = naive.routed_moe(**sets[0]) if kernel == "route" else naive.fused_moe(**sets[0])
     info = device_info(torch.device("cuda"))
     if path == "pairs":
         default = tiles.pairs_config(H, INTER, info, fp8=fp8)
@@ -343,10 +361,11 @@ def sweep(
         default = tiles.sorted_config(num_tokens * TOP_K, E, 2, info, fp8=fp8)
     print(f"T={num_tokens} path={path}{' fp8' if fp8 else ''} default {default}")
     rows = []
+    run = tm.routed_moe if kernel == "route" else tm.fused_moe
     for cfg in _sweep_configs(path, num_tokens, kernel, fp8):
         try:
-            err = _rel_err(tm.fused_moe(**sets[0], path=path, config=cfg), ref)
-            replay = graphed([lambda a=a, cfg=cfg: tm.fused_moe(**a, path=path, config=cfg) for a in sets])
+            err = _rel_err(run(**sets[0], path=path, config=cfg), ref)
+            replay = graphed([lambda a=a, cfg=cfg: run(**a, path=path, config=cfg) for a in sets])
             ms = triton.testing.do_bench(replay, warmup=10, rep=50, return_mode="median") / calls
         except Exception as e:  # a config that does not compile or fit is reported, not fatal
             print(f"{cfg} failed: {type(e).__name__}: {str(e)[:80]}")
@@ -403,11 +422,11 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--path", choices=["pairs", "sorted"], default=None)
     parser.add_argument(
-        "--kernel", choices=["up", "down", "both", "order", "tma", "persistent", "grouped"], default="up",
+        "--kernel", choices=["up", "down", "both", "order", "tma", "persistent", "route", "grouped"], default="up",
         help="sorted path: the GEMM swept at prefill sizes, both (block_m against each one's best tiles), or "
         "order (the default tiles on row-block-major and N-major grids), tma (their weights by pointers or TMA), "
         "persistent (the default tiles as one program a tile against persistent programs), grouped (ours "
-        "against torch's grouped GEMM)",
+        "against torch's grouped GEMM); pairs path: route (the routing up GEMV's tiles, from router logits)",
     )  # fmt: skip
     parser.add_argument("--compile-only", action="store_true", help="run the shard's configs once, untimed")
     parser.add_argument("--shard", default="0/1", help="with --compile-only: i/n, every n-th config from the i-th")

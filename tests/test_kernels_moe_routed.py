@@ -108,3 +108,21 @@ def test_only_small_batches_route_in_the_up_gemv(device, monkeypatch):
     del one["topk_weights"], one["topk_ids"]
     tm.routed_moe(**one, router_logits=logits[:1], top_k=2, renormalize=True, route_in_up_max_tokens=0)
     assert launched == [cut + 1, 1]
+
+
+def test_routing_up_gemv_tiles_from_config(device):
+    """routed_moe's `config` (the pairs sweep's `--kernel route`) sets the routing up GEMV's tiles:
+    other tiles (another K chunk: another summation order), the reference's result."""
+    from deltaserve.layers.kernels.device import device_info
+    from deltaserve.layers.kernels.moe import tiles
+
+    args = make(tokens=2, hidden=40, inter=16, shared_inter=16, local=6, total=6, top_k=2, offset=0, device=device)
+    del args["topk_weights"], args["topk_ids"]
+    logits = torch.randn(2, 6, generator=torch.Generator().manual_seed(9)).to(device)
+    kw = dict(router_logits=logits, top_k=2, renormalize=True, path="pairs", route_in_up_max_tokens=2)
+    default = tm.routed_moe(**args, **kw)
+    cfg = tiles.pairs_config(40, 16, device_info(logits.device))
+    other = tm.routed_moe(**args, **kw, config={**cfg, "up_route": dict(block_n=2, block_k=16, num_warps=2)})
+    ref = naive.routed_moe(**args, router_logits=logits, top_k=2, renormalize=True)
+    assert ((other - ref).norm() / ref.norm()).item() < (1e-5 if device.type == "cpu" else 5e-3)
+    assert ((other - default).norm() / default.norm()).item() < (1e-5 if device.type == "cpu" else 5e-3)

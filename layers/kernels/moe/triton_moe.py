@@ -90,12 +90,12 @@ def fused_moe(
 def routed_moe(
     *, hidden, w13, w2, router_logits, top_k, renormalize, expert_offset=0, shared=None, add_norm=None,
     route_in_up_max_tokens=ROUTE_IN_UP_MAX_TOKENS, path=None, w13_scale=None, w2_scale=None, sorted_block_m=0,
-    pdl=True, deltas=None, fp8_quantize_acts=True, prefill_gemm="triton", sorted_persistent="",
+    pdl=True, deltas=None, fp8_quantize_acts=True, prefill_gemm="triton", sorted_persistent="", config=None,
 ):  # fmt: skip
     """moe.routed_moe: on the pairs path, up to route_in_up_max_tokens tokens, the up GEMV routes
     (one launch fewer); otherwise (and with deltas, whose shrink reads the routing) the router
     kernel, then fused_moe. `path` forces one ("pairs" routes in the up GEMV within the token limit;
-    "sorted" routes first)."""
+    "sorted" routes first); `config` forces the path's tiles (tuning sweeps)."""
     num_tokens = hidden.shape[0]
     path = path or ("pairs" if num_tokens * top_k <= PAIRS_PATH_MAX else "sorted")
     route_in_up = 0 < num_tokens <= route_in_up_max_tokens and router_logits.shape[1] <= MAX_ROUTED_EXPERTS
@@ -105,7 +105,7 @@ def routed_moe(
             hidden=hidden, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, expert_offset=expert_offset,
             shared=shared, add_norm=add_norm, path=path, w13_scale=w13_scale, w2_scale=w2_scale,
             sorted_block_m=sorted_block_m, pdl=pdl, deltas=deltas, fp8_quantize_acts=fp8_quantize_acts,
-            prefill_gemm=prefill_gemm, sorted_persistent=sorted_persistent,
+            prefill_gemm=prefill_gemm, sorted_persistent=sorted_persistent, config=config,
         )  # fmt: skip
     assert 0 < top_k <= router_logits.shape[1], "top_k must be in 1..num_experts"
     assert router_logits.shape[0] == num_tokens, "router_logits: one row per token"
@@ -115,7 +115,9 @@ def routed_moe(
     ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=hidden.device)
     out = torch.empty_like(hidden)
     norm = fused_norm(add_norm, hidden)
-    cfg = pairs_config(hidden.shape[1], w13.shape[1] // 2, device_info(hidden.device), fp8=w13_scale is not None)
+    cfg = config or pairs_config(
+        hidden.shape[1], w13.shape[1] // 2, device_info(hidden.device), fp8=w13_scale is not None
+    )
     moe_pairs(
         hidden, w13, w2, weights, ids, expert_offset, out, cfg, shared, norm, pdl, route=(logits, renormalize),
         scales=(w13_scale, w2_scale),
