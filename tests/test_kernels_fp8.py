@@ -588,3 +588,19 @@ def test_row_gemv_fp8_tiles_from_their_own_table(monkeypatch):
     monkeypatch.setitem(tuned.TUNED_ROW_FP8, H200, {(12352, 2048): dict(block_n=8, num_warps=8)})
     assert triton_row.pick_config(12352, 2048, info, fp8=True) == dict(block_n=8, num_warps=8)
     assert triton_row.pick_config(12352, 2048, info) == bf16
+
+
+def test_pairs_path_fp8_tiles_from_their_own_table(monkeypatch):
+    """FP8 experts on the pairs path take PAIRS_TILES_FP8's measured kernels, the rest bf16's with the
+    up GEMVs' K chunk doubled; bf16 experts keep their own."""
+    from deltaserve.layers.kernels.moe import tiles
+
+    info = DeviceInfo(H200, 132, 227 * 1024, (9, 0))
+    bf16 = tiles.pairs_config(2048, 512, info)
+    fp8 = tiles.pairs_config(2048, 512, info, fp8=True)
+    assert fp8["up_route"]["block_k"] == min(2 * bf16["up_route"]["block_k"], 2048) and fp8["down"] == bf16["down"]
+    route = dict(block_n=2, block_k=1024, num_warps=2)
+    monkeypatch.setitem(tiles.PAIRS_TILES_FP8, H200, {"up_route": route})
+    assert tiles.pairs_config(2048, 512, info, fp8=True)["up_route"] == route
+    assert tiles.pairs_config(2048, 512, info, fp8=True)["up"] == fp8["up"]
+    assert tiles.pairs_config(2048, 512, info) == bf16

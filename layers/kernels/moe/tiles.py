@@ -20,6 +20,11 @@ PAIRS_TILES = {
     )
 }
 
+# The pairs path over FP8 experts: per kernel ("up", "up_route", "down"), tiles measured on FP8 weights
+# (bench kernels_moe --sweep --path pairs --fp8, and --kernel route); a kernel missing here takes the
+# bf16 entry with the up GEMVs' K chunk doubled (pairs_config)
+PAIRS_TILES_FP8: dict[str, dict[str, dict]] = {H200: {}}
+
 # The sorted path (tensor cores), by the mean routed rows per expert (rows at most, tiles): block_m at
 # about twice the mean, so that most experts' rows sit in one block and their weights are read once (up
 # to 64 rows a prefill is bound by the weights' bytes). Swept jointly at 512 / 1k / 2k / 4k / 8k tokens
@@ -53,9 +58,10 @@ SORTED_TILES_FP8 = {
 
 
 def pairs_config(hidden_size: int, inter: int, info: DeviceInfo, fp8: bool = False) -> dict:
-    """The pairs path's tiles for this device (other GPUs: the H200's). fp8 (unmeasured): the up
-    GEMVs' K chunk doubled (the same bytes a chunk as bf16); the down GEMV keeps its tile (4 rows
-    spilled in Triton 3.6's sm_90 build at 2 warps)."""
+    """The pairs path's tiles for this device (other GPUs: the H200's). fp8: PAIRS_TILES_FP8's
+    kernels, the others as bf16's with the up GEMVs' K chunk doubled (the same bytes a chunk as
+    bf16, unmeasured); the down GEMV keeps its tile (4 rows spilled in Triton 3.6's sm_90 build at
+    2 warps)."""
     if info.is_interpreter:
         block_k = min(64, triton.next_power_of_2(hidden_size))
         block_i = min(64, triton.next_power_of_2(inter))
@@ -64,11 +70,17 @@ def pairs_config(hidden_size: int, inter: int, info: DeviceInfo, fp8: bool = Fal
     tiles = tuned_for(PAIRS_TILES, info) or PAIRS_TILES[H200]
     k, i = triton.next_power_of_2(hidden_size), triton.next_power_of_2(inter)
     wide = 2 if fp8 else 1
-    return dict(
+    cfg = dict(
         up={**tiles["up"], "block_k": min(wide * tiles["up"]["block_k"], k)},
         up_route={**tiles["up_route"], "block_k": min(wide * tiles["up_route"]["block_k"], k)},
         down={**tiles["down"], "block_i": min(tiles["down"]["block_i"], i)},
     )
+    measured = (tuned_for(PAIRS_TILES_FP8, info) or {}) if fp8 else {}
+    for name, tile in measured.items():
+        limit = i if name == "down" else k
+        chunk = "block_i" if name == "down" else "block_k"
+        cfg[name] = {**tile, chunk: min(tile[chunk], limit)}
+    return cfg
 
 
 def sorted_config(
