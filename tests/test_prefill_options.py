@@ -110,6 +110,7 @@ def test_prefill_options_reach_their_ops(moe_model, monkeypatch):
         (moe_kernels, "routed_moe", "sorted_block_m"),
         (moe_kernels, "routed_moe", "fp8_quantize_acts"),
         (moe_kernels, "routed_moe", "prefill_gemm"),
+        (moe_kernels, "routed_moe", "sorted_persistent"),
         (gdn_kernels, "chunk_gated_delta_rule", "variant"),
         (attn_kernels, "paged_attention", "own_kv"),
     ):
@@ -122,14 +123,28 @@ def test_prefill_options_reach_their_ops(moe_model, monkeypatch):
         monkeypatch.setattr(module, name, spy)
     opts = KernelOptions(
         prefill_attention="sdpa", moe_sorted_block_m=64, gdn_chunk_variant="split32", moe_fp8_activations="unquantized",
-        moe_prefill_gemm="torch",
+        moe_prefill_gemm="torch", moe_sorted_persistent="flat",
     )  # fmt: skip
     seqs = Sequences(moe_model, kernels=opts)
     seqs.add("a")
     seqs.run([("a", _prompt(9, 2))])
     assert set(seen["sorted_block_m"]) == {64} and set(seen["variant"]) == {"split32"}
     assert set(seen["fp8_quantize_acts"]) == {False} and set(seen["prefill_gemm"]) == {"torch"}
+    assert set(seen["sorted_persistent"]) == {"flat"}
     assert all(kv is not None for kv in seen["own_kv"])
+
+
+def test_persistent_moe_gemms_give_the_same_logits(moe_model):
+    """A prompt whose MoE runs the sorted path (48 tokens, top-2 of the tiny model's experts: more pairs
+    than the pairs path takes) gives the same logits with the grouped GEMMs as persistent programs,
+    both forms, as with one program a tile (the interpreter's 4 "SMs": programs loop over tiles)."""
+    ids = _prompt(48, 3)
+    logits = {}
+    for how in ("", "loop", "flat"):
+        seqs = Sequences(moe_model, kernels=KernelOptions(moe_sorted_persistent=how))
+        seqs.add("a")
+        logits[how] = seqs.run([("a", ids)])[0]
+    assert torch.equal(logits["loop"], logits[""]) and torch.equal(logits["flat"], logits[""])
 
 
 def test_sorted_block_m_picks_the_tile_entry():
@@ -172,6 +187,7 @@ def test_option_values_are_checked():
         {"moe_sorted_block_m": "48"},
         {"gdn_chunk_variant": "x"},
         {"sdpa_backend": "fa3"},
+        {"moe_sorted_persistent": "yes"},
     )
     for settings in bad:
         with pytest.raises(ValueError, match=next(iter(settings))):
