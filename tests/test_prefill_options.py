@@ -134,19 +134,6 @@ def test_prefill_options_reach_their_ops(moe_model, monkeypatch):
     assert all(kv is not None for kv in seen["own_kv"])
 
 
-def test_persistent_moe_gemms_give_the_same_logits(moe_model):
-    """A prompt whose MoE runs the sorted path (48 tokens, top-2 of the tiny model's experts: more pairs
-    than the pairs path takes) gives the same logits with the grouped GEMMs as persistent programs,
-    both forms, as with one program a tile (the interpreter's 4 "SMs": programs loop over tiles)."""
-    ids = _prompt(48, 3)
-    logits = {}
-    for how in ("", "loop", "flat"):
-        seqs = Sequences(moe_model, kernels=KernelOptions(moe_sorted_persistent=how))
-        seqs.add("a")
-        logits[how] = seqs.run([("a", ids)])[0]
-    assert torch.equal(logits["loop"], logits[""]) and torch.equal(logits["flat"], logits[""])
-
-
 def test_sorted_block_m_picks_the_tile_entry():
     info = DeviceInfo(H200, 132, 227 * 1024, (9, 0))
     assert sorted_config(16384, 256, 2, info)["block_m"] == 128  # 64 rows per expert (a 2k prefill)
