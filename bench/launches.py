@@ -157,14 +157,24 @@ def fake_pass(
 
 
 def decode_launches(
-    preset: str, batch: int, adapters: int, *, rank: int = 16, context: int = 64
+    preset: str, batch: int, adapters: int, *, rank: int = 16, context: int = 64, fp8: bool = False
 ) -> collections.Counter:
     """Launches of one eager decode step of `batch` rows on `adapters` distinct adapters (0: none)
-    at the preset's shape (bfloat16, adapters on every projection and routed expert)."""
+    at the preset's shape (bfloat16, adapters on every projection and routed expert; fp8: block-FP8
+    projections and experts, as `quantization="fp8"` loads them)."""
     counts: collections.Counter = collections.Counter()
     plan, sizes = decode_pass(batch, adapters, context=context)
-    fake_pass(preset_config(preset), plan, sizes, count_launches(counts), prepare=with_adapters(adapters, rank))
+    config = _config(preset, fp8)
+    fake_pass(config, plan, sizes, count_launches(counts), prepare=with_adapters(adapters, rank))
     return counts
+
+
+def _config(preset: str, fp8: bool):
+    """The preset's config, its projections and experts in block FP8 when asked."""
+    from deltaserve.layers.config import Fp8Scheme
+
+    config = preset_config(preset)
+    return dataclasses.replace(config, quantization=Fp8Scheme()) if fp8 else config
 
 
 def decode_pass(batch: int, adapters: int = 0, *, context: int = 64) -> tuple[PassPlan, PoolSizes]:
@@ -214,12 +224,15 @@ def prefill_pass(tokens: int, captures: tuple[int, ...]) -> tuple[PassPlan, Pool
     return plan, PoolSizes(pages + 1, block_size, 1, num_snapshots=max(1, len(captures)))
 
 
-def prefill_launches(preset: str, tokens: int, captures: tuple[int, ...] = ()) -> collections.Counter:
+def prefill_launches(
+    preset: str, tokens: int, captures: tuple[int, ...] = (), *, fp8: bool = False
+) -> collections.Counter:
     """Launches of one eager prefill pass of one fresh prompt of `tokens` tokens at the preset's shape
-    (bfloat16), with prefix-cache captures at these offsets (fresh_prompt_captures: the usual ones)."""
+    (bfloat16; fp8 as decode_launches), with prefix-cache captures at these offsets
+    (fresh_prompt_captures: the usual ones)."""
     counts: collections.Counter = collections.Counter()
     plan, sizes = prefill_pass(tokens, captures)
-    fake_pass(preset_config(preset), plan, sizes, count_launches(counts))
+    fake_pass(_config(preset, fp8), plan, sizes, count_launches(counts))
     return counts
 
 
@@ -276,15 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapters", default="0,1,8", help="distinct adapters (0: none), comma list")
     p.add_argument("--spec-k", type=int, default=0, help="also one speculative step with k drafts (MTP head)")
     p.add_argument("--prefill", type=int, default=0, help="also one prefill pass of a fresh prompt of this many tokens")
+    p.add_argument("--fp8", action="store_true", help="block-FP8 projections and experts (quantization fp8)")
     p.add_argument("--by-kernel", action="store_true")
     args = p.parse_args(argv)
     for n in (int(a) for a in args.adapters.split(",") if a):
-        counts = decode_launches(args.preset, args.batch, n)
+        counts = decode_launches(args.preset, args.batch, n, fp8=args.fp8)
         _print_counts(f"batch {args.batch}, {n} adapter(s)", counts, args.by_kernel)
     if args.prefill:
         n = args.prefill
         caps = fresh_prompt_captures(n)
-        counts = prefill_launches(args.preset, n, caps)
+        counts = prefill_launches(args.preset, n, caps, fp8=args.fp8)
         _print_counts(f"prefill of {n} tokens, captures at {caps}", counts, args.by_kernel)
     if args.spec_k:
         counts = spec_step_launches(args.preset, args.batch, args.spec_k)

@@ -72,3 +72,14 @@ def test_fresh_prompt_captures_cost_two_launches_a_gdn_layer():
     assert with_caps["triton._advance_kernel"] == with_caps["triton._capture_windows_kernel"] == gdn_layers
     added = {k: with_caps[k] - plain.get(k, 0) for k in with_caps if with_caps[k] != plain.get(k, 0)}
     assert added == {"triton._advance_kernel": gdn_layers, "triton._capture_windows_kernel": gdn_layers}, added
+
+
+def test_fp8_decode_at_batch_1_launches_what_bf16_does():
+    """Block-FP8 projections and experts at batch 1: the GEMVs widen the weights in registers, so the
+    step launches the same kernels as bf16 (no activation quantization, no dequantized copy); at 16 rows
+    the sorted path's W8A8 GEMMs add two quantize launches a layer."""
+    bf16, fp8 = decode_launches("qwen3_5_35b_a3b", 1, 0), decode_launches("qwen3_5_35b_a3b", 1, 0, fp8=True)
+    assert fp8 == bf16
+    at16 = decode_launches("qwen3_5_35b_a3b", 16, 0, fp8=True)
+    assert at16["triton._quant_kernel"] == 2 * 40
+    assert sum(at16.values()) - sum(decode_launches("qwen3_5_35b_a3b", 16, 0).values()) == 2 * 40
