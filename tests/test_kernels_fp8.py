@@ -227,13 +227,16 @@ def test_dequantize_weight_bit_for_bit(device, n, k, block, extra):
     wide = torch.zeros(n, k + 16, dtype=q.dtype, device=device)
     wide[:, :k] = q
     out = torch.empty(n + extra, k, dtype=torch.bfloat16, device=device)
-    dequantize_weight(q=wide[:, :k], scale=s, block=block, out=out)
+    tail = rand(extra, k, dtype=torch.bfloat16, device=device) if extra else None  # copied in the same launch
+    dequantize_weight(q=wide[:, :k], scale=s, block=block, out=out, tail=tail)
     ref = fp8_naive.dequantize_weight(q.cpu(), s.cpu(), dtype=torch.bfloat16)
     if device.type == "cuda":
         assert torch.equal(out[:n].cpu(), ref)
     else:
         exact = fp8_naive.dequantize_weight(q.cpu(), s.cpu())
         assert ((out[:n].float() - exact).abs() <= exact.abs() * 2.0**-7).all() and not out[:n].isnan().any()
+    if extra:
+        assert torch.equal(out[n:], tail)
 
 
 @pytest.mark.parametrize(("m", "n", "k", "block", "tail"), [(33, 40, 200, (128, 128), 0), (17, 48, 96, (16, 32), 3)])

@@ -152,9 +152,11 @@ def fp8_linear(
         from ..fp8.triton_dequant import dequantize_weight
 
         full = torch.empty((n, k), dtype=x.dtype, device=x.device)
-        dequantize_weight(q=weight, scale=weight_scale, block=scale_block(n8, k, tuple(weight_scale.shape)), out=full)
-        if weight_tail is not None:
-            full[n8:] = weight_tail
+        tail = (
+            None if weight_tail is None else (weight_tail if weight_tail.stride(1) == 1 else weight_tail.contiguous())
+        )
+        block = scale_block(n8, k, tuple(weight_scale.shape))
+        dequantize_weight(q=weight, scale=weight_scale, block=block, out=full, tail=tail)  # the tail rows too
         return F.linear(x, full, bias)
     if backend == "cublas" and cublas_fp8_ok(weight, weight_scale):
         main = _cublas_fp8(x, weight, weight_scale, pdl)
