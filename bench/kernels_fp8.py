@@ -72,6 +72,38 @@ def _weights(n: int, tail: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor
     return out
 
 
+def _graphed_pair(
+    op: str, label: str, m: int, copies: list, ours, reference, reference_label: str, target: str
+) -> Case:
+    """ours(x=, weight=, weight_scale=, weight_tail=) against reference(...) at m rows, each as calls on
+    the distinct weight copies in one CUDA graph; ours checked against the W8A8 reference (x quantized)."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, copies[0][0].shape[1], device="cuda", dtype=DTYPE, generator=g)
+    calls = max(20, len(copies))
+    pick = [copies[i % len(copies)] for i in range(calls)]
+    q, s, t, _ = copies[0]
+    n, k = q.shape
+    tail = 0 if t is None else t.shape[0]
+
+    def run(fn, c):
+        return fn(x=x, weight=c[0], weight_scale=c[1], weight_tail=c[2])
+
+    return Case(
+        op=op,
+        shape=f"{label} M={m} N={n}+{tail} K={k} x{calls}",
+        ours=graphed([functools.partial(run, ours, c) for c in pick]),
+        reference=graphed([functools.partial(run, reference, c) for c in pick]),
+        reference_label=reference_label,
+        check=lambda: _rel_err(
+            run(ours, copies[0]), naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, quantize_x=True)
+        ),
+        tolerance=TOLERANCE,
+        bytes_moved=calls * (n * k + tail * k * 2 + m * k * 2 + m * (n + tail) * 2),
+        flops=calls * 2 * m * (n + tail) * k,
+        target=target,
+    )
+
+
 def _linear_cases(label: str, n: int, tail: int, k: int) -> list[Case]:
     copies = _weights(n, tail, k)
     cases = []
@@ -102,78 +134,24 @@ def _linear_cases(label: str, n: int, tail: int, k: int) -> list[Case]:
                 target="faster than bf16",
             )
         )
+    w8a8 = functools.partial(triton_fp8.fp8_linear, backend="triton")
     for m in (1, 16):  # batch 1 and 16: the W8A8 tensor-core GEMM (with its quantize launch) against the GEMVs
-        g = torch.Generator(device="cuda").manual_seed(m)
-        x = torch.randn(m, k, device="cuda", dtype=DTYPE, generator=g)
-        calls = max(20, len(copies))
-        pick = [copies[i % len(copies)] for i in range(calls)]
-        q, s, t, _ = copies[0]
         cases.append(
-            Case(
-                op="fp8_linear[graph,w8a8-vs-gemv]",
-                shape=f"{label} M={m} N={n}+{tail} K={k} x{calls}",
-                ours=graphed(
-                    [
-                        lambda c=c, x=x: triton_fp8.fp8_linear(
-                            x=x, weight=c[0], weight_scale=c[1], weight_tail=c[2], backend="triton"
-                        )
-                        for c in pick
-                    ]
-                ),
-                reference=graphed(
-                    [
-                        lambda c=c, x=x: linear_kernels.linear(x=x, weight=c[0], weight_scale=c[1], weight_tail=c[2])
-                        for c in pick
-                    ]
-                ),
-                reference_label="the decode GEMV (weights widened in registers)",
-                check=lambda x=x, q=q, s=s, t=t: _rel_err(
-                    triton_fp8.fp8_linear(x=x, weight=q, weight_scale=s, weight_tail=t, backend="triton"),
-                    naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, quantize_x=True),
-                ),
-                tolerance=TOLERANCE,
-                bytes_moved=calls * (n * k + tail * k * 2 + m * k * 2 + m * (n + tail) * 2),
-                flops=calls * 2 * m * (n + tail) * k,
-                target="faster than the GEMV: then a W8A8 decode GEMV (x quantized inside) is worth building",
+            _graphed_pair(
+                "fp8_linear[graph,w8a8-vs-gemv]", label, m, copies, w8a8, linear_kernels.linear,
+                "the decode GEMV (weights widened in registers)",
+                "faster than the GEMV: then a W8A8 decode GEMV (x quantized inside) is worth building",
             )
-        )
+        )  # fmt: skip
     for m in (32, 64, 128, 256):  # decode batches: where fp8.naive.DEQUANT_MIN_ROWS belongs
-        g = torch.Generator(device="cuda").manual_seed(m)
-        x = torch.randn(m, k, device="cuda", dtype=DTYPE, generator=g)
-        calls = max(20, len(copies))
-        pick = [copies[i % len(copies)] for i in range(calls)]
-        q, s, t, _ = copies[0]
         cases.append(
-            Case(
-                op="fp8_linear[graph,w8a8-vs-dequant]",
-                shape=f"{label} M={m} N={n}+{tail} K={k} x{calls}",
-                ours=graphed(
-                    [
-                        lambda c=c, x=x: linear_kernels.linear(
-                            x=x, weight=c[0], weight_scale=c[1], weight_tail=c[2], fp8_gemm="triton"
-                        )
-                        for c in pick
-                    ]
-                ),
-                reference=graphed(
-                    [
-                        lambda c=c, x=x: triton_fp8.fp8_linear(
-                            x=x, weight=c[0], weight_scale=c[1], weight_tail=c[2], backend="dequant"
-                        )
-                        for c in pick
-                    ]
-                ),
-                reference_label="dequantized weight + cuBLAS bf16",
-                check=lambda x=x, q=q, s=s, t=t: _rel_err(
-                    linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t, fp8_gemm="triton"),
-                    naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, quantize_x=True),
-                ),
-                tolerance=TOLERANCE,
-                bytes_moved=calls * (n * k + tail * k * 2 + m * k * 2 + m * (n + tail) * 2),
-                flops=calls * 2 * m * (n + tail) * k,
-                target="the faster one sets DEQUANT_MIN_ROWS",
+            _graphed_pair(
+                "fp8_linear[graph,w8a8-vs-dequant]", label, m, copies,
+                functools.partial(linear_kernels.linear, fp8_gemm="triton"),
+                functools.partial(triton_fp8.fp8_linear, backend="dequant"), "dequantized weight + cuBLAS bf16",
+                "the faster one sets DEQUANT_MIN_ROWS",
             )
-        )
+        )  # fmt: skip
     for m in (2048, 8192):
         g = torch.Generator(device="cuda").manual_seed(m)
         x = torch.randn(m, k, device="cuda", dtype=DTYPE, generator=g)
