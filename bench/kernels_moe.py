@@ -65,13 +65,15 @@ def _fp8_weights() -> dict:
     return dict(w13=_WEIGHTS["q13"], w2=_WEIGHTS["q2"], w13_scale=_WEIGHTS["s13"], w2_scale=_WEIGHTS["s2"])
 
 
-def _inputs(num_tokens: int, seed: int, fp8: bool = False) -> dict:
+def _inputs(num_tokens: int, seed: int, fp8: bool = False, w8a16: bool = False) -> dict:
     w13, w2 = _weights()
     g = torch.Generator(device="cuda").manual_seed(seed)
     hidden = torch.randn(num_tokens, H, device="cuda", dtype=DTYPE, generator=g)
     logits = torch.randn(num_tokens, E, device="cuda", generator=g)
     weights, ids = naive.route_topk_softmax(router_logits=logits, top_k=TOP_K, renormalize=True)
     experts = _fp8_weights() if fp8 else dict(w13=w13, w2=w2)
+    if fp8 and w8a16:  # the sorted path's FP8 experts on unquantized activations (moe_fp8_activations)
+        experts["fp8_quantize_acts"] = False
     return dict(hidden=hidden, **experts, topk_weights=weights.to(DTYPE), topk_ids=ids, expert_offset=0)
 
 
@@ -260,18 +262,22 @@ FP8_JOINT_UP = [(64, 128, 4, 3), (64, 128, 8, 4), (128, 128, 8, 3), (128, 128, 4
 FP8_JOINT_DOWN = [(128, 128, 4, 3), (128, 128, 8, 4), (256, 128, 8, 3), (64, 128, 4, 4)]
 
 
-def _default(num_tokens: int, fp8: bool) -> dict:
-    return tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")), fp8=fp8)
+def _default(num_tokens: int, fp8: bool, w8a16: bool = False) -> dict:
+    info = device_info(torch.device("cuda"))
+    return tiles.sorted_config(num_tokens * TOP_K, E, 2, info, fp8=fp8, quantized_acts=not w8a16)
 
 
-def _sweep_configs(path: str, num_tokens: int = 1, kernel: str = "up", fp8: bool = False) -> list[dict]:
+def _sweep_configs(
+    path: str, num_tokens: int = 1, kernel: str = "up", fp8: bool = False, w8a16: bool = False
+) -> list[dict]:
     if path == "sorted" and kernel == "both" and fp8:
-        grid = itertools.product([32, 64, 128], FP8_JOINT_UP, FP8_JOINT_DOWN)
+        # 16-row tiles: decode batches (9..64 tokens: 0.3-2 rows an expert)
+        grid = itertools.product([16, 32, 64, 128], FP8_JOINT_UP, FP8_JOINT_DOWN)
         configs = [dict(block_m=bm, up=_tiles(*up), down=_tiles(*down)) for bm, up, down in grid]
-        default = _default(num_tokens, fp8)
+        default = _default(num_tokens, fp8, w8a16)
         return configs + ([] if default in configs else [default])
     if path == "sorted" and kernel == "persistent":
-        return _persistent_configs(_default(num_tokens, fp8))
+        return _persistent_configs(_default(num_tokens, fp8, w8a16))
     if fp8 and path != "pairs":
         raise SystemExit("--fp8: on the pairs path, or with --kernel both or persistent on the sorted path")
     if path == "sorted" and kernel == "order":  # the default tiles, row-block-major against N-major grids
@@ -324,14 +330,15 @@ def _persistent_configs(default: dict) -> list[dict]:
 
 def sweep(
     num_tokens: int, path: str | None, kernel: str = "up", compile_only: bool = False, shard: str = "0/1",
-    fp8: bool = False,
+    fp8: bool = False, w8a16: bool = False,
 ) -> None:  # fmt: skip
     """Tile configs of one path at this batch, each timed as graph-captured calls with distinct
     routings (GRAPH_CALLS; 4 at prefill sizes): time per call, share of copy BW, TFLOP/s, error.
     kernel: at prefill sizes, the sorted GEMM whose tiles are swept (the other keeps its default).
     compile_only: each config of shard "i/n" (every n-th from the i-th) run once, untimed: several
     such processes fill Triton's on-disk cache side by side, so that the timed sweep only loads.
-    fp8: the experts block-quantized (W8A8 on the sorted path), against their float32 reference."""
+    fp8: the experts block-quantized (W8A8 on the sorted path; w8a16: the activations left unquantized),
+    against their float32 reference."""
     import triton.testing
 
     from deltaserve.bench.kernels import measure_copy_bandwidth
@@ -339,8 +346,8 @@ def sweep(
     path = path or ("pairs" if num_tokens * TOP_K <= tm.PAIRS_PATH_MAX else "sorted")
     if compile_only:
         index, count = (int(v) for v in shard.split("/"))
-        args = _inputs(num_tokens, seed=0, fp8=fp8)
-        for cfg in _sweep_configs(path, num_tokens, kernel, fp8)[index::count]:
+        args = _inputs(num_tokens, seed=0, fp8=fp8, w8a16=w8a16)
+        for cfg in _sweep_configs(path, num_tokens, kernel, fp8, w8a16)[index::count]:
             try:
                 tm.fused_moe(**args, path=path, config=cfg)
             except Exception as e:
@@ -349,7 +356,7 @@ def sweep(
         return
     bandwidth = measure_copy_bandwidth()
     calls = GRAPH_CALLS if num_tokens <= 256 else 4
-    sets = [_inputs(num_tokens, seed=1000 * num_tokens + i, fp8=fp8) for i in range(calls)]
+    sets = [_inputs(num_tokens, seed=1000 * num_tokens + i, fp8=fp8, w8a16=w8a16) for i in range(calls)]
     if kernel == "route":  # routed by the up GEMV from the router's logits (as decode at batch 1 runs it)
         sets = [_routed(a, seed=1000 * num_tokens + i) for i, a in enumerate(sets)]
     floor_bytes = sum(_moe_bytes(a) for a in sets)
@@ -358,11 +365,12 @@ def sweep(
     if path == "pairs":
         default = tiles.pairs_config(H, INTER, info, fp8=fp8)
     else:
-        default = tiles.sorted_config(num_tokens * TOP_K, E, 2, info, fp8=fp8)
-    print(f"T={num_tokens} path={path}{' fp8' if fp8 else ''} default {default}")
+        default = tiles.sorted_config(num_tokens * TOP_K, E, 2, info, fp8=fp8, quantized_acts=not w8a16)
+    form = " fp8 w8a16" if fp8 and w8a16 else " fp8" if fp8 else ""
+    print(f"T={num_tokens} path={path}{form} default {default}")
     rows = []
     run = tm.routed_moe if kernel == "route" else tm.fused_moe
-    for cfg in _sweep_configs(path, num_tokens, kernel, fp8):
+    for cfg in _sweep_configs(path, num_tokens, kernel, fp8, w8a16):
         try:
             err = _rel_err(run(**sets[0], path=path, config=cfg), ref)
             replay = graphed([lambda a=a, cfg=cfg: run(**a, path=path, config=cfg) for a in sets])
@@ -433,8 +441,9 @@ if __name__ == "__main__":
     parser.add_argument(
         "--fp8", action="store_true", help="FP8 experts (block-quantized; with --kernel both or persistent)"
     )
+    parser.add_argument("--w8a16", action="store_true", help="with --fp8: the activations left unquantized (W8A16)")
     a = parser.parse_args()
     if a.sweep and a.kernel == "grouped":
         grouped_ab(a.tokens)
     elif a.sweep:
-        sweep(a.tokens, a.path, a.kernel, a.compile_only, a.shard, a.fp8)
+        sweep(a.tokens, a.path, a.kernel, a.compile_only, a.shard, a.fp8, a.w8a16)
