@@ -293,7 +293,9 @@ class SparseMoeBlock(nn.Module):
             sorted_persistent=ctx.kernels.moe_sorted_persistent,
             pdl=ctx.kernels.pdl,
             deltas=deltas,
-            fp8_quantize_acts=ctx.kernels.moe_fp8_activations == "quantized",
+            fp8_quantize_acts=moe_kernels.quantizes_fp8_acts(
+                ctx.kernels.moe_fp8_activations, x.shape[0] * self.top_k, self.w13.shape[0]
+            ),
             prefill_gemm=ctx.kernels.moe_prefill_gemm,
         )
         if fused_norm is not None or add_norm is None and self.layout.tp_size == 1:

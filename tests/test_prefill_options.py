@@ -134,6 +134,37 @@ def test_prefill_options_reach_their_ops(moe_model, monkeypatch):
     assert all(kv is not None for kv in seen["own_kv"])
 
 
+def test_auto_fp8_activations_quantize_where_the_tiles_take_wgmma(moe_model, monkeypatch):
+    """moe_fp8_activations="auto": the MoE block quantizes its experts' activations only above
+    FP8_ACT_QUANT_MIN_ROWS routed rows an expert, exactly where the H200's FP8 sorted tiles turn to 64
+    rows and up (wgmma on e4m3); "quantized" / "unquantized" decide alone."""
+    from deltaserve.layers.kernels.moe.naive import FP8_ACT_QUANT_MIN_ROWS
+
+    info = DeviceInfo(H200, 132, 227 * 1024, (9, 0))
+    for rows in (FP8_ACT_QUANT_MIN_ROWS, FP8_ACT_QUANT_MIN_ROWS + 1):
+        wgmma = sorted_config(rows * 256, 256, 2, info, fp8=True)["block_m"] >= 64
+        assert wgmma == moe_kernels.quantizes_fp8_acts("auto", rows * 256, 256) == (rows > FP8_ACT_QUANT_MIN_ROWS)
+    assert moe_kernels.quantizes_fp8_acts("quantized", 8, 256) and not moe_kernels.quantizes_fp8_acts(
+        "unquantized", 1 << 20, 256
+    )
+    seen = []
+    real = moe_kernels.routed_moe
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["fp8_quantize_acts"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe_kernels, "routed_moe", spy)
+    experts, top_k = moe_model.config.num_experts, moe_model.config.num_experts_per_tok
+    few = FP8_ACT_QUANT_MIN_ROWS * experts // top_k  # tokens: exactly the cut's rows an expert
+    for tokens, quantized in ((few, False), (few + experts, True)):
+        seen.clear()
+        seqs = Sequences(moe_model, kernels=KernelOptions(moe_fp8_activations="auto"))
+        seqs.add("a")
+        seqs.run([("a", _prompt(tokens, 4))])
+        assert seen and set(seen) == {quantized}, (tokens, seen)
+
+
 def test_sorted_block_m_picks_the_tile_entry():
     info = DeviceInfo(H200, 132, 227 * 1024, (9, 0))
     assert sorted_config(16384, 256, 2, info)["block_m"] == 128  # 64 rows per expert (a 2k prefill)
@@ -175,6 +206,7 @@ def test_option_values_are_checked():
         {"gdn_chunk_variant": "x"},
         {"sdpa_backend": "fa3"},
         {"moe_sorted_persistent": "yes"},
+        {"moe_fp8_activations": "w8a8"},
     )
     for settings in bad:
         with pytest.raises(ValueError, match=next(iter(settings))):

@@ -130,10 +130,12 @@ class KernelOptions:
         default="quantized",
         metadata={
             "env": "DELTASERVE_MOE_FP8_ACTIVATIONS",
-            "help": "FP8 experts on the MoE's sorted path (prefill): quantized: x and silu(gate) * up quantized "
-            "per 1 x 128 group for FP8 dots (W8A8); unquantized: the weights converted in registers, dots in the "
-            "activations' dtype (W8A16)",
-            "choices": ("quantized", "unquantized"),
+            "help": "FP8 experts on the MoE's sorted path: quantized: x and silu(gate) * up quantized per 1 x 128 "
+            "group for FP8 dots (W8A8); unquantized: the weights converted in registers, dots in the activations' "
+            "dtype (W8A16); auto: quantized only above 24 routed rows an expert, where the tiles are 64 rows or "
+            "more and the dots take FP8 tensor cores (prefill), unquantized below (decode batches, whose 16-row "
+            "tiles widen e4m3 to f16 either way)",
+            "choices": ("quantized", "unquantized", "auto"),
         },
     )
     fp8_gemm: str = field(

@@ -97,8 +97,9 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar(
             "DELTASERVE_MOE_FP8_ACTIVATIONS",
             "quantized",
-            "FP8 experts on the MoE's sorted path (prefill): quantized: x and the activation quantized per 1 x 128 "
-            "group for FP8 dots (W8A8); unquantized: the weights converted in registers (W8A16)",
+            "FP8 experts on the MoE's sorted path: quantized: x and the activation quantized per 1 x 128 group for "
+            "FP8 dots (W8A8); unquantized: the weights converted in registers (W8A16); auto: quantized only above "
+            "24 routed rows an expert (64-row tiles and up: FP8 tensor cores), unquantized below",
         ),
         EnvVar(
             "DELTASERVE_GDN_CHUNK_VARIANT",

@@ -11,11 +11,20 @@ import torch
 
 from ..options import KernelOptions
 from . import naive
-from .naive import PAIRS_PATH_MAX, AddNorm, NormedOut, PairDeltas, PairLowRank, SharedExpert, apply_add_norm
+from .naive import (
+    PAIRS_PATH_MAX,
+    AddNorm,
+    NormedOut,
+    PairDeltas,
+    PairLowRank,
+    SharedExpert,
+    apply_add_norm,
+    quantizes_fp8_acts,
+)
 
 __all__ = [
     "PAIRS_PATH_MAX", "AddNorm", "NormedOut", "PairDeltas", "PairLowRank", "SharedExpert", "apply_add_norm",
-    "fused_moe", "route_topk_softmax", "routed_moe",
+    "fused_moe", "quantizes_fp8_acts", "route_topk_softmax", "routed_moe",
 ]  # fmt: skip
 
 

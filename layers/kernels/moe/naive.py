@@ -118,6 +118,21 @@ def route_topk_softmax(*, router_logits, top_k, renormalize):
     return weights, ids
 
 
+# FP8 experts' activations under moe_fp8_activations="auto": quantized above this many routed rows an
+# expert, where tiles.SORTED_TILES_FP8's tiles start (64 rows and up: wgmma on e4m3); below, the tiles have
+# 16 or 32 rows and Triton widens e4m3 operands to f16 for mma.sync, so quantizing buys nothing
+FP8_ACT_QUANT_MIN_ROWS = 24
+
+
+def quantizes_fp8_acts(mode: str, num_pairs: int, num_experts: int) -> bool:
+    """Whether the sorted path's FP8 GEMMs quantize their activations (W8A8) for `num_pairs` routed
+    pairs over `num_experts` local experts, under KernelOptions.moe_fp8_activations `mode`. A rule of
+    shapes alone, so that every device and the CPU reference decide alike."""
+    if mode == "auto":
+        return num_pairs / max(1, num_experts) > FP8_ACT_QUANT_MIN_ROWS
+    return mode == "quantized"
+
+
 def fused_moe(
     *, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, shared=None, add_norm=None, w13_scale=None,
     w2_scale=None, deltas=None, quantize: bool | None = None, fp8_quantize_acts: bool = True,
