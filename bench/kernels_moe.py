@@ -283,9 +283,14 @@ def _sweep_configs(
     if path == "sorted" and kernel == "order":  # the default tiles, row-block-major against N-major grids
         default = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")))
         return [{**default, "n_major": False}, {**default, "n_major": True}]
-    if path == "sorted" and kernel == "tma":  # the default tiles, weights by pointers against TMA descriptors
+    if path == "sorted" and kernel == "tma":  # the default tiles: weights by pointers or TMA, act gathered or TMA
         default = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")))
-        return [{**default, "w_tma": False}, {**default, "w_tma": True}]
+        return [
+            {**default, "w_tma": False},
+            {**default, "w_tma": True},
+            {**default, "w_tma": True, "a_tma": True},
+            {**default, "w_tma": True, "a_tma": True, "persistent": "flat"},
+        ]
     if path == "sorted" and kernel == "both":
         grid = itertools.product([16, 32, 64, 128], JOINT_UP, JOINT_DOWN)
         configs = [dict(block_m=bm, up=_tiles(*up), down=_tiles(*down)) for bm, up, down in grid]
@@ -432,7 +437,8 @@ if __name__ == "__main__":
     parser.add_argument(
         "--kernel", choices=["up", "down", "both", "order", "tma", "persistent", "route", "grouped"], default="up",
         help="sorted path: the GEMM swept at prefill sizes, both (block_m against each one's best tiles), or "
-        "order (the default tiles on row-block-major and N-major grids), tma (their weights by pointers or TMA), "
+        "order (the default tiles on row-block-major and N-major grids), tma (their weights by pointers or TMA, "
+        "the down GEMM's activations gathered or in sorted order through TMA), "
         "persistent (the default tiles as one program a tile against persistent programs), grouped (ours "
         "against torch's grouped GEMM); pairs path: route (the routing up GEMV's tiles, from router logits)",
     )  # fmt: skip

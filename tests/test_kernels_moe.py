@@ -72,8 +72,8 @@ def test_fused_moe(device, path, tokens, hidden, inter, local, total, top_k, off
 @pytest.mark.parametrize("local, offset", [(6, 0), (4, 2)])  # all experts; an EP rank's slice of them
 def test_fused_moe_sorted_grid_orders_and_weight_descriptors_agree(device, local, offset):
     """The sorted path's program orders (row blocks major, N slices major, persistent programs each
-    looping over tiles) and its weights read through TMA descriptors write the same output, bit for
-    bit, and the reference's: several row blocks
+    looping over tiles), its weights read through TMA descriptors and its activations kept in sorted
+    order for the down GEMM's TMA write the same output, bit for bit, and the reference's: several row blocks
     per expert and several N blocks, an expert width and hidden size that are not multiples of the tiles
     (a tile's rows past an expert's width, K tails past the row)."""
     from deltaserve.layers.kernels.device import device_info
@@ -91,6 +91,10 @@ def test_fused_moe_sorted_grid_orders_and_weight_descriptors_agree(device, local
     for how, tma_on in (("loop", False), ("flat", True)):
         persistent = tm.fused_moe(**args, path="sorted", config={**cfg, "persistent": how, "w_tma": tma_on})
         assert torch.equal(rows, persistent), f"persistent {how}, TMA {tma_on}"
+    # the activations in sorted order, read by the down GEMM through TMA (padding rows never stored)
+    for extra in ({}, {"w_tma": True}, {"persistent": "flat"}):
+        sorted_act = tm.fused_moe(**args, path="sorted", config={**cfg, "a_tma": True, **extra})
+        assert torch.equal(rows, sorted_act), f"a_tma with {extra}"
     assert rel_err(tma, naive.fused_moe(**args)) < tol(device)
 
 
@@ -302,6 +306,23 @@ def test_gpu_fused_moe_bf16(tokens):
         seed=tokens,
     )
     assert rel_err(tm.fused_moe(**args), naive.fused_moe(**args)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [2048, 8192])
+def test_gpu_sorted_activations_through_tma_bf16(tokens):
+    """The activations in sorted order, read by the down GEMM through TMA (tile key a_tma), alone and
+    with the persistent flattened GEMMs: the bits of the default tiles at the model's shape."""
+    from deltaserve.layers.kernels.device import device_info
+
+    args = make_inputs(
+        tokens=tokens, hidden=2048, inter=512, local=256, total=256, top_k=8, offset=0, dtype=torch.bfloat16,
+        device="cuda", seed=tokens,
+    )  # fmt: skip
+    cfg = tiles.sorted_config(tokens * 8, 256, 2, device_info(torch.device("cuda")))
+    plain = tm.fused_moe(**args, path="sorted", config=cfg)
+    for extra in ({"a_tma": True}, {"a_tma": True, "persistent": "flat"}):
+        assert torch.equal(tm.fused_moe(**args, path="sorted", config={**cfg, **extra}), plain), extra
 
 
 @pytest.mark.gpu

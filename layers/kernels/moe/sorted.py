@@ -86,7 +86,7 @@ def _up_kernel(
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
     QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr, W_DESC: tl.constexpr, PERSISTENT: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, ACT_SORTED: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n] = silu(x @ gate^T) * (x @ up^T) for one block of pairs of one expert and one
     BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e].
@@ -106,7 +106,9 @@ def _up_kernel(
     N slices in N-major order: no programs past the padded rows (the grid's bound is the most row
     blocks any routing needs); FLATTEN: the tile loop and the K loop as one pipelined loop, so that a
     tile's first loads are in flight while the tile before it ends (sm_90, Triton 3.6: 224 KB of
-    shared memory and 255 registers at the 8k tiles, against 192 KB and 168 / 183 one program a tile)."""
+    shared memory and 255 registers at the 8k tiles, against 192 KB and 168 / 183 one program a tile).
+    ACT_SORTED: act's rows in the sorted list's order (row r of row block r // BLOCK_M; padding rows
+    unwritten) instead of by pair, so that the down GEMM reads whole row blocks through TMA."""
     pdl_wait(USE_PDL)
     if PERSISTENT:
         n_blocks = tl.cdiv(INTER, BLOCK_N)
@@ -117,7 +119,7 @@ def _up_kernel(
                 hidden, w13, w_desc, act, sorted_ids, block_expert, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs,
                 w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, tile // n_blocks, tile % n_blocks,
                 HIDDEN, INTER, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT,
-                W_DESC,
+                W_DESC, ACT_SORTED,
             )  # fmt: skip
     else:
         pid_m, pid_n = _block_ids(N_MAJOR)
@@ -125,7 +127,7 @@ def _up_kernel(
             _up_tile(
                 hidden, w13, w_desc, act, sorted_ids, block_expert, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs,
                 w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n, HIDDEN, INTER, TOPK,
-                BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT, W_DESC,
+                BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT, W_DESC, ACT_SORTED,
             )  # fmt: skip
 
 
@@ -135,7 +137,7 @@ def _up_tile(
     s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n, HIDDEN: tl.constexpr, INTER: tl.constexpr,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr,
-    QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr,
+    QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr, ACT_SORTED: tl.constexpr,
 ):  # fmt: skip
     """_up_kernel's tile (row block pid_m, N slice pid_n)."""
     rows = tl.arange(0, BLOCK_M)
@@ -189,7 +191,8 @@ def _up_tile(
         acc_g += _block_low_rank(*low, n, n_ok, 0, LORA_RANK, BLOCK_M, BLOCK_N)
         acc_u += _block_low_rank(*low, n + INTER, n_ok, LORA_RANK, LORA_RANK, BLOCK_M, BLOCK_N)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
-    dst = act + pair.to(tl.int64)[:, None] * s_at + n[None, :]
+    out_row = (pid_m * BLOCK_M + rows).to(tl.int64) if ACT_SORTED else pair.to(tl.int64)
+    dst = act + out_row[:, None] * s_at + n[None, :]
     tl.store(dst, h.to(act.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
@@ -201,13 +204,15 @@ def _down_kernel(
     INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
     QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr, W_DESC: tl.constexpr, PERSISTENT: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, A_DESC: tl.constexpr,
 ):  # fmt: skip
     """y[pair, n] = weight[pair] * (act[pair] @ w2[e, n]^T (+ the pair's low-rank delta, lora_b
     [G, HIDDEN, LORA_RANK], as _up_kernel's)) for one block of sorted pairs. FP8: act quantized per
     row and GROUP columns (act_scale), w2 float8 with block scales, as _up_kernel (the delta's
     shrink read the unquantized act); without QUANT_ACT act as it is, as _up_kernel's W8A16. N_MAJOR
-    and W_DESC (w2 as [E * HIDDEN, INTER]), PERSISTENT and FLATTEN as _up_kernel's."""
+    and W_DESC (w2 as [E * HIDDEN, INTER]), PERSISTENT and FLATTEN as _up_kernel's. A_DESC: act is a
+    TMA descriptor of the activations in sorted order (_up_kernel's ACT_SORTED; bf16, no low-rank
+    addition) with [BLOCK_M, BLOCK_K] boxes: each row block read whole, no gather."""
     pdl_wait(USE_PDL)
     if PERSISTENT:
         n_blocks = tl.cdiv(HIDDEN, BLOCK_N)
@@ -218,7 +223,7 @@ def _down_kernel(
                 act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp,
                 act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, tile // n_blocks,
                 tile % n_blocks, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK,
-                QUANT_ACT, W_DESC,
+                QUANT_ACT, W_DESC, A_DESC,
             )  # fmt: skip
     else:
         pid_m, pid_n = _block_ids(N_MAJOR)
@@ -227,6 +232,7 @@ def _down_kernel(
                 act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp,
                 act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n,
                 HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT, W_DESC,
+                A_DESC,
             )  # fmt: skip
 
 
@@ -236,7 +242,7 @@ def _down_tile(
     w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n, HIDDEN: tl.constexpr,
     INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr,
-    QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr,
+    QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr, A_DESC: tl.constexpr,
 ):  # fmt: skip
     """_down_kernel's tile (row block pid_m, N slice pid_n)."""
     e = tl.load(block_expert + pid_m)
@@ -245,7 +251,8 @@ def _down_tile(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < HIDDEN
     k = tl.arange(0, BLOCK_K)
-    a_ptr = act + pair.to(tl.int64)[:, None] * s_at + k[None, :]
+    if not A_DESC:
+        a_ptr = act + pair.to(tl.int64)[:, None] * s_at + k[None, :]
     b_ptr = w2 + e.to(tl.int64) * s_we + n[None, :] * s_wn + k[:, None]
     as_ptr = act_scale + tl.where(row_ok, pair, 0).to(tl.int64) * s_as
     bs_ptr = w_scale + e.to(tl.int64) * s_se + (tl.minimum(n, HIDDEN - 1) // SCALE_N) * s_sn
@@ -253,7 +260,9 @@ def _down_tile(
     w_row = e * HIDDEN + pid_n * BLOCK_N
     for k0 in range(0, INTER, BLOCK_K):
         k_ok = k0 + k < INTER
-        if INTER % BLOCK_K == 0:
+        if A_DESC:  # the row block whole (its padding rows feed only rows the store masks)
+            a = act.load([pid_m * BLOCK_M, k0])
+        elif INTER % BLOCK_K == 0:
             a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -270,7 +279,8 @@ def _down_tile(
             acc += tl.dot(a, b.to(a.dtype)) * tl.load(bs_ptr + k0 // SCALE_K)[None, :]
         else:
             acc = tl.dot(a, b, acc)
-        a_ptr += BLOCK_K
+        if not A_DESC:
+            a_ptr += BLOCK_K
         b_ptr += BLOCK_K
     if LORA_RANK > 0:
         low = (lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pair, row_ok)
@@ -361,11 +371,15 @@ def moe_sorted(
     )
     num_padded = offsets[num_experts:]
     max_blocks = block_expert.shape[0]
-    act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
-    y = torch.empty((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
     up, down = cfg["up"], cfg["down"]
     w13_scale, w2_scale = scales
     fp8 = w13_scale is not None
+    # a_tma (bf16 experts, no deltas): act in the sorted order, a row a sorted position, so that the
+    # down GEMM reads whole row blocks through TMA
+    a_tma = cfg.get("a_tma", False) and not fp8 and deltas is None and (inter * hidden.element_size()) % 16 == 0
+    act_rows = max_blocks * block_m if a_tma else num_pairs
+    act = torch.empty((act_rows, inter), dtype=hidden.dtype, device=hidden.device)
+    y = torch.empty((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
     quant = fp8 and quantize_acts
     x, x_scale = quantize_act(x=hidden, group=ACT_GROUP, pdl=pdl) if quant else (hidden, hidden)
     up_sc = _scale_args(w13_scale, w13, hidden)
@@ -384,7 +398,7 @@ def moe_sorted(
         w13.stride(1), act.stride(0), x_scale, x_scale.stride(0), *up_sc[:3], *up_lora[:6], HIDDEN=hidden_size,
         INTER=inter, TOPK=top_k, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up_k, FP8=fp8, SCALE_N=up_sc[4],
         SCALE_K=up_sc[3], GROUP=ACT_GROUP, LORA_RANK=up_lora[6], QUANT_ACT=quant, N_MAJOR=n_major, W_DESC=tma,
-        PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat",
+        PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat", ACT_SORTED=a_tma,
         num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl_launch(hidden, pdl),
     )  # fmt: skip
     down_lora = low_rank_args(None if deltas is None else deltas.low_rank_down(act), act)
@@ -396,12 +410,13 @@ def moe_sorted(
         max_blocks, triton.cdiv(hidden_size, down["block_n"]), cfg.get("n_major", False), per_sm, info.num_sms
     )
     down_desc = _weight_desc(w2, down["block_n"], down_k) if tma else w2
+    a_in = _row_desc(a, block_m, down_k) if a_tma else a
     _down_kernel[grid](
-        a, w2, down_desc, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, a.stride(0),
+        a_in, w2, down_desc, y, topk_weights, sorted_ids, block_expert, num_padded, num_pairs, a.stride(0),
         w2.stride(0), w2.stride(1), y.stride(0), a_scale, a_scale.stride(0), *down_sc[:3], *down_lora[:6],
         HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m, BLOCK_N=down["block_n"], BLOCK_K=down_k, FP8=fp8,
         SCALE_N=down_sc[4], SCALE_K=down_sc[3], GROUP=ACT_GROUP, LORA_RANK=down_lora[6], QUANT_ACT=quant,
-        N_MAJOR=n_major, W_DESC=tma, PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat",
+        N_MAJOR=n_major, W_DESC=tma, PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat", A_DESC=a_tma,
         num_warps=down["num_warps"], num_stages=down["num_stages"],
         **pdl_launch(act, pdl),
     )  # fmt: skip
@@ -466,6 +481,13 @@ def _weight_desc(w: torch.Tensor, block_n: int, block_k: int):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
+
+
+def _row_desc(a: torch.Tensor, block_m: int, block_k: int):
+    """Activations [R, C] (rows in sorted order) as a TMA descriptor with [block_m, block_k] boxes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(a, [block_m, block_k])
 
 
 def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor, dummy: torch.Tensor) -> tuple:

@@ -35,6 +35,9 @@ PAIRS_TILES_FP8: dict[str, dict[str, dict]] = {H200: {}}
 # same 1,106 us a layer as row blocks major (1,100; bench kernels_moe --kernel order, 04d376d), and
 # what the end-to-end figures at 04d376d ran with. w_tma (the bf16 weights' tiles through TMA
 # descriptors): at 8k 1,049.7 us a layer against 1,110.0 by pointers (bench kernels_moe --kernel tma, c0eef08).
+# a_tma (unmeasured, off): the up GEMM writes the activations in sorted order and the down GEMM reads
+# whole row blocks through TMA instead of gathering them by pair (sm_90 build at 8k: no cp.async left,
+# 183 -> 173 registers; Triton's TMA pipeline still syncs the CTA twice a K step); --kernel tma times it.
 SORTED_TILES = {
     H200: (
         (12, dict(block_m=16, up=(64, 128, 4, 4), down=(64, 128, 4, 4))),
@@ -88,7 +91,8 @@ def sorted_config(
     quantized_acts: bool = True, persistent: str = "",
 ) -> dict:  # fmt: skip
     """The sorted path's tiles for this device: block_m, n_major (the grid's program order:
-    sorted._grid), w_tma (bf16 experts' weights through TMA descriptors), and up / down block_n,
+    sorted._grid), w_tma (bf16 experts' weights through TMA descriptors), a_tma (the activations in
+    sorted order, through TMA for the down GEMM), and up / down block_n,
     block_k, num_warps, num_stages. Other GPUs: the H200's,
     each pipeline as deep as their shared memory holds. fp8 (one-byte weights): W8A8 from
     SORTED_TILES_FP8 where it has entries; otherwise the bf16 tiles with twice the K step, at most
@@ -114,7 +118,7 @@ def sorted_config(
     block_m = entry["block_m"]
     cfg = dict(
         block_m=block_m, n_major=entry.get("n_major", False), w_tma=entry.get("w_tma", False),
-        persistent=persistent or entry.get("persistent", ""),
+        a_tma=entry.get("a_tma", False), persistent=persistent or entry.get("persistent", ""),
     )  # fmt: skip
     for name, operands in (("up", 2), ("down", 1)):  # up reads the gate and the up tile
         block_n, block_k, warps, stages = entry[name]
