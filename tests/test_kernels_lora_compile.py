@@ -78,8 +78,11 @@ def sorted_path_kernels(rank, fp8=False, quant_act=True, tokens=0, tma=False):
                       N_MAJOR=cfg["n_major"], BLOCK_M=cfg["block_m"], BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
                       FP8=fp8, GROUP=128, W_DESC=tma, **scales)  # fmt: skip
         ptrs = {**ptrs, "w_desc": f"tensordesc<bf16[{t['block_n']}, {t['block_k']}]>" if tma else w}
+        consts.update(PERSISTENT=False, FLATTEN=False)  # one program a tile: the adapters' path
         if name == "up":
-            consts["TOPK"] = 8
+            consts.update(TOPK=8, ACT_SORTED=False)
+        else:
+            consts["A_DESC"] = False
         compile_sm90(kernel, ptrs, consts, num_warps=t["num_warps"], num_stages=t["num_stages"])
     sum_ptrs = {n: BF16 for n in ("y", "out", "shared", "gate_logit", "residual", "norm_weight", "normed_out")}
     sum_ptrs |= {"res_out": BF16, "topk_ids": "*i64", "y_row": "*i32", "topk_weights": "*fp32", **LOW_RANK}
