@@ -381,6 +381,31 @@ def test_routed_moe_fp8_with_next_norm(device):
     assert close(summed.cpu(), ref.residual, 4) and close(normed.cpu(), ref.normed, 8)
 
 
+
+# the pairs path's FP8 up GEMVs with K chunks of 128: four 32-column scale groups a chunk (each
+# group summed, then scaled once) or one group of a 128 x 128 block, a 12-column K tail (hidden 140)
+FP8_GROUPED_TILES = dict(
+    up=dict(block_n=2, block_k=128, num_warps=2),
+    up_route=dict(block_n=1, block_k=128, num_warps=1),
+    down=dict(block_h=4, block_i=32, num_warps=2),
+)
+
+
+@pytest.mark.parametrize("b13", [(4, 32), (128, 128)])
+def test_fused_moe_fp8_pairs_grouped_scales(device, b13):
+    """The FP8 up GEMV's per-group scaling, routing first and routing in the up GEMV, against the
+    dequantized float32 reference (x as it is)."""
+    args, weights, ids, logits = moe_case(3, 6, 140, 40, 2, b13, (4, 16), 0, device=device, dtype=torch.float32)
+    out = triton_moe.fused_moe(
+        **args, topk_weights=weights.to(device), topk_ids=ids.to(device), path="pairs", config=FP8_GROUPED_TILES
+    )
+    ref = moe_naive.fused_moe(**on_cpu(args), topk_weights=weights, topk_ids=ids)
+    assert rows_close(out.cpu(), ref)
+    routed = triton_moe.routed_moe(
+        **args, router_logits=logits, top_k=2, renormalize=True, path="pairs", config=FP8_GROUPED_TILES
+    )
+    assert rows_close(routed.cpu(), ref)
+
 # ---- the model's shapes on the GPU ---------------------------------------------------------------
 # (N8, tail, K): GDN in_proj, attention q_gate | k | v, o_proj / out_proj, MoE in_proj, shared down
 REAL_LINEAR = [(12288, 64, 2048), (9216, 0, 2048), (2048, 0, 4096), (1024, 264, 2048), (2048, 0, 512)]

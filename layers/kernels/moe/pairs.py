@@ -36,6 +36,61 @@ def _low_rank(keys, v, b, s_v, s_bg, s_bn, pair, n, n_ok, V_OFFSET: tl.constexpr
 
 
 @triton.jit
+def _gate_up(x_row, w_rows, n, n_ok, s_wn, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_K: tl.constexpr):
+    """([len(n)], [len(n)]) float32: x . gate[n] and x . up[n] (gate row n of w_rows, up row n + INTER).
+    The K loop is unrolled and accumulates [len(n), BLOCK_K] partial products, reduced once at the
+    end, so no barrier separates one chunk's loads from the next."""
+    k = tl.arange(0, BLOCK_K)
+    g_ptr = w_rows + n[:, None] * s_wn + k[None, :]
+    u_ptr = g_ptr + INTER * s_wn
+    acc_g = tl.zeros([n.shape[0], BLOCK_K], tl.float32)
+    acc_u = tl.zeros([n.shape[0], BLOCK_K], tl.float32)
+    for k0 in tl.static_range(0, HIDDEN, BLOCK_K):
+        k_ok = k0 + k < HIDDEN
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_row + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        u = tl.load(u_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        acc_g += g * x[None, :]
+        acc_u += u * x[None, :]
+    return tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+
+
+@triton.jit
+def _fp8_gate_up(
+    x_row, w_rows, w_scales, n, n_ok, s_wn, s_sn, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+):  # fmt: skip
+    """_gate_up over float8 rows with block scales w_scales [rows / SCALE_N, HIDDEN / SCALE_K] (row
+    stride s_sn; SCALE_K a power of two). Each K chunk is G groups of GK columns, each inside one
+    scale block: the products are summed within a group, then the group's sum is scaled (G
+    multiplies a row and chunk, not one a weight, and no scale broadcast across lanes)."""
+    GK: tl.constexpr = BLOCK_K if BLOCK_K < SCALE_K else SCALE_K
+    G: tl.constexpr = BLOCK_K // GK
+    grp = tl.arange(0, G)
+    kk = grp[:, None] * GK + tl.arange(0, GK)[None, :]
+    g_ptr = w_rows + n[:, None, None] * s_wn + kk[None, :, :]
+    u_ptr = g_ptr + INTER * s_wn
+    n_sc = tl.minimum(n, INTER - 1)  # rows past INTER (never stored) take the last row's scales
+    gs_ptr = w_scales + (n_sc // SCALE_N)[:, None, None] * s_sn
+    us_ptr = w_scales + ((n_sc + INTER) // SCALE_N)[:, None, None] * s_sn
+    acc_g = tl.zeros([n.shape[0], G], tl.float32)
+    acc_u = tl.zeros([n.shape[0], G], tl.float32)
+    for k0 in tl.static_range(0, HIDDEN, BLOCK_K):
+        k_ok = k0 + kk < HIDDEN
+        w_ok = n_ok[:, None, None] & k_ok[None, :, :]
+        x = tl.load(x_row + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        u = tl.load(u_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        # [rows, G, 1] scales, summed over the unit axis into the layout of the group sums
+        block = ((k0 + grp * GK) // SCALE_K)[None, :, None]
+        s_ok = (k0 + grp * GK < HIDDEN)[None, :, None]
+        acc_g += tl.sum(g * x[None, :, :], 2) * tl.sum(tl.load(gs_ptr + block, mask=s_ok, other=0.0), 2)
+        acc_u += tl.sum(u * x[None, :, :], 2) * tl.sum(tl.load(us_ptr + block, mask=s_ok, other=0.0), 2)
+    return tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+
+
+@triton.jit
 def _up_gemv_kernel(
     hidden, w13, act, topk_ids, expert_offset, num_experts, s_ht, s_we, s_wn, s_at, router_logits, topk_weights,
     num_routed, s_lt, w13_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, HIDDEN: tl.constexpr,
@@ -76,56 +131,15 @@ def _up_gemv_kernel(
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
-    k = tl.arange(0, BLOCK_K)
-    x_ptr = hidden + (pair // TOPK).to(tl.int64) * s_ht + k
-    g_ptr = w13 + e.to(tl.int64) * s_we + n[:, None] * s_wn + k[None, :]
-    u_ptr = g_ptr + INTER * s_wn
-    # FP8: a tile whose gate rows (and up rows) lie in one scale row scales x's chunk by that row's
-    # blocks (one multiply a column); otherwise each weight is scaled (n_sc: rows past INTER, never
-    # stored, take the last row's scales)
-    ROW_SCALE: tl.constexpr = FP8 and BLOCK_N <= SCALE_N and INTER % BLOCK_N == 0
-    n_sc = tl.minimum(n, INTER - 1)
-    first = tl.program_id(1) * BLOCK_N
-    e_scale = w13_scale + e.to(tl.int64) * s_se
-    if ROW_SCALE:
-        gs_ptr = e_scale + (first // SCALE_N) * s_sn
-        us_ptr = e_scale + ((first + INTER) // SCALE_N) * s_sn
+    x_row = hidden + (pair // TOPK).to(tl.int64) * s_ht
+    w_rows = w13 + e.to(tl.int64) * s_we
+    if FP8:
+        gate, up = _fp8_gate_up(
+            x_row, w_rows, w13_scale + e.to(tl.int64) * s_se, n, n_ok, s_wn, s_sn, HIDDEN, INTER, BLOCK_K, SCALE_N,
+            SCALE_K,
+        )  # fmt: skip
     else:
-        gs_ptr = e_scale + (n_sc // SCALE_N)[:, None] * s_sn
-        us_ptr = e_scale + ((n_sc + INTER) // SCALE_N)[:, None] * s_sn
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in tl.static_range(0, HIDDEN, BLOCK_K):
-        if HIDDEN % BLOCK_K == 0:
-            x = tl.load(x_ptr + k0).to(tl.float32)
-            if INTER % BLOCK_N == 0:
-                g = tl.load(g_ptr + k0, eviction_policy="evict_first")
-                u = tl.load(u_ptr + k0, eviction_policy="evict_first")
-            else:
-                g = tl.load(g_ptr + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-                u = tl.load(u_ptr + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-        else:
-            k_ok = k0 + k < HIDDEN
-            x = tl.load(x_ptr + k0, mask=k_ok, other=0.0).to(tl.float32)
-            w_ok = n_ok[:, None] & k_ok[None, :]
-            g = tl.load(g_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first")
-            u = tl.load(u_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first")
-        g = g.to(tl.float32)
-        u = u.to(tl.float32)
-        xg, xu = x, x
-        if ROW_SCALE:
-            group, k_in = (k0 + k) // SCALE_K, k0 + k < HIDDEN
-            xg = x * tl.load(gs_ptr + group, mask=k_in, other=0.0)
-            xu = x * tl.load(us_ptr + group, mask=k_in, other=0.0)
-        elif FP8:  # the chunk's scales: one value per element, identical addresses within a block
-            group = ((k0 + k) // SCALE_K)[None, :]
-            k_in = (k0 + k < HIDDEN)[None, :]
-            g *= tl.load(gs_ptr + group, mask=k_in, other=0.0)
-            u *= tl.load(us_ptr + group, mask=k_in, other=0.0)
-        acc_g += g * xg[None, :]
-        acc_u += u * xu[None, :]
-    gate = tl.sum(acc_g, 1)
-    up = tl.sum(acc_u, 1)
+        gate, up = _gate_up(x_row, w_rows, n, n_ok, s_wn, HIDDEN, INTER, BLOCK_K)
     if LORA_RANK > 0:
         gate += _low_rank(lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pair, n, n_ok, 0, LORA_RANK)
         up += _low_rank(lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pair, n + INTER, n_ok, LORA_RANK, LORA_RANK)
