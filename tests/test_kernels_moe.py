@@ -309,10 +309,12 @@ def test_gpu_fused_moe_bf16(tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [2048, 8192])
+@pytest.mark.parametrize("tokens", [16, 2048, 8192])
 def test_gpu_sorted_activations_through_tma_bf16(tokens):
     """The activations in sorted order, read by the down GEMM through TMA (tile key a_tma), alone and
-    with the persistent flattened GEMMs: the bits of the default tiles at the model's shape."""
+    with the persistent GEMMs (flattened or not): the bits of the default tiles at the model's shape.
+    16 tokens: a few tiles for a grid sized by the most any routing needs, so most persistent programs
+    have none (where a flattened loop's hoisted loads faulted in the engine)."""
     from deltaserve.layers.kernels.device import device_info
 
     args = make_inputs(
@@ -321,7 +323,8 @@ def test_gpu_sorted_activations_through_tma_bf16(tokens):
     )  # fmt: skip
     cfg = tiles.sorted_config(tokens * 8, 256, 2, device_info(torch.device("cuda")))
     plain = tm.fused_moe(**args, path="sorted", config=cfg)
-    for extra in ({"a_tma": True}, {"a_tma": True, "persistent": "flat"}):
+    forms = ({"a_tma": True}, {"a_tma": True, "persistent": "flat"}, {"persistent": "flat"}, {"persistent": "loop"})
+    for extra in forms:
         assert torch.equal(tm.fused_moe(**args, path="sorted", config={**cfg, **extra}), plain), extra
 
 

@@ -114,7 +114,11 @@ def _up_kernel(
         n_blocks = tl.cdiv(INTER, BLOCK_N)
         tiles = tl.cdiv(tl.load(num_padded), BLOCK_M) * n_blocks
         # FLATTEN: one loop with the tile's K loop, so the pipeline loads the next tile's first steps early
+        last = tl.maximum(tiles - 1, 0)
         for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
+            # a flattened pipeline may load a tile's indices ahead of the loop's bound (triton-lang/triton
+            # #11601: loads hoisted above zero-trip loops): any such tile reads a real block's
+            tile = tl.minimum(tile, last)
             _up_tile(
                 hidden, w13, w_desc, act, sorted_ids, block_expert, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs,
                 w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, tile // n_blocks, tile % n_blocks,
@@ -141,9 +145,9 @@ def _up_tile(
 ):  # fmt: skip
     """_up_kernel's tile (row block pid_m, N slice pid_n)."""
     rows = tl.arange(0, BLOCK_M)
-    e = tl.load(block_expert + pid_m)
+    e = tl.maximum(tl.load(block_expert + pid_m), 0)  # >= 0 on every real block; guards speculated ones
     pair = tl.load(sorted_ids + pid_m * BLOCK_M + rows)
-    row_ok = pair < num_pairs
+    row_ok = (pair >= 0) & (pair < num_pairs)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
     k = tl.arange(0, BLOCK_K)
@@ -218,7 +222,11 @@ def _down_kernel(
         n_blocks = tl.cdiv(HIDDEN, BLOCK_N)
         tiles = tl.cdiv(tl.load(num_padded), BLOCK_M) * n_blocks
         # FLATTEN: one loop with the tile's K loop, so the pipeline loads the next tile's first steps early
+        last = tl.maximum(tiles - 1, 0)
         for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
+            # a flattened pipeline may load a tile's indices ahead of the loop's bound (triton-lang/triton
+            # #11601: loads hoisted above zero-trip loops): any such tile reads a real block's
+            tile = tl.minimum(tile, last)
             _down_tile(
                 act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp,
                 act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, tile // n_blocks,
@@ -245,9 +253,9 @@ def _down_tile(
     QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr, A_DESC: tl.constexpr,
 ):  # fmt: skip
     """_down_kernel's tile (row block pid_m, N slice pid_n)."""
-    e = tl.load(block_expert + pid_m)
+    e = tl.maximum(tl.load(block_expert + pid_m), 0)  # as _up_tile's
     pair = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pair < num_pairs
+    row_ok = (pair >= 0) & (pair < num_pairs)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < HIDDEN
     k = tl.arange(0, BLOCK_K)
