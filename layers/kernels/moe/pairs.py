@@ -36,7 +36,30 @@ def _low_rank(keys, v, b, s_v, s_bg, s_bn, pair, n, n_ok, V_OFFSET: tl.constexpr
 
 
 @triton.jit
-def _gate_up(x_row, w_rows, n, n_ok, s_wn, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_K: tl.constexpr):
+def _chunk_loads(x_ptr, g_ptr, u_ptr, k_ok, rows_ok, w_ok, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """A K chunk of x and of the gate and up rows, as float32: rows_ok / w_ok the rows' and the
+    tile's masks. EVEN_K (the chunk inside the row): x unmasked, and the weights masked only without
+    EVEN_N (rows past the weight's): unmasked loads need no zeroed destination registers."""
+    if EVEN_K:
+        x = tl.load(x_ptr)
+        if EVEN_N:
+            g = tl.load(g_ptr, eviction_policy="evict_first")
+            u = tl.load(u_ptr, eviction_policy="evict_first")
+        else:
+            g = tl.load(g_ptr, mask=rows_ok, other=0.0, eviction_policy="evict_first")
+            u = tl.load(u_ptr, mask=rows_ok, other=0.0, eviction_policy="evict_first")
+    else:
+        x = tl.load(x_ptr, mask=k_ok, other=0.0)
+        g = tl.load(g_ptr, mask=w_ok, other=0.0, eviction_policy="evict_first")
+        u = tl.load(u_ptr, mask=w_ok, other=0.0, eviction_policy="evict_first")
+    return x.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+
+
+@triton.jit
+def _gate_up(
+    x_row, w_rows, n, n_ok, s_wn, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+):  # fmt: skip
     """([len(n)], [len(n)]) float32: x . gate[n] and x . up[n] (gate row n of w_rows, up row n + INTER).
     The K loop is unrolled and accumulates [len(n), BLOCK_K] partial products, reduced once at the
     end, so no barrier separates one chunk's loads from the next."""
@@ -48,9 +71,10 @@ def _gate_up(x_row, w_rows, n, n_ok, s_wn, HIDDEN: tl.constexpr, INTER: tl.const
     for k0 in tl.static_range(0, HIDDEN, BLOCK_K):
         k_ok = k0 + k < HIDDEN
         w_ok = n_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_row + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        u = tl.load(u_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        x, g, u = _chunk_loads(
+            x_row + k0 + k, g_ptr + k0, u_ptr + k0, k_ok, n_ok[:, None], w_ok, HIDDEN % BLOCK_K == 0,
+            EVEN_N,
+        )  # fmt: skip
         acc_g += g * x[None, :]
         acc_u += u * x[None, :]
     return tl.sum(acc_g, 1), tl.sum(acc_u, 1)
@@ -59,7 +83,7 @@ def _gate_up(x_row, w_rows, n, n_ok, s_wn, HIDDEN: tl.constexpr, INTER: tl.const
 @triton.jit
 def _fp8_gate_up(
     x_row, w_rows, w_scales, n, n_ok, s_wn, s_sn, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):  # fmt: skip
     """_gate_up over float8 rows with block scales w_scales [rows / SCALE_N, HIDDEN / SCALE_K] (row
     stride s_sn; SCALE_K a power of two). Each K chunk is G groups of GK columns, each inside one
@@ -79,9 +103,10 @@ def _fp8_gate_up(
     for k0 in tl.static_range(0, HIDDEN, BLOCK_K):
         k_ok = k0 + kk < HIDDEN
         w_ok = n_ok[:, None, None] & k_ok[None, :, :]
-        x = tl.load(x_row + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        u = tl.load(u_ptr + k0, mask=w_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        x, g, u = _chunk_loads(
+            x_row + k0 + kk, g_ptr + k0, u_ptr + k0, k_ok, n_ok[:, None, None], w_ok, HIDDEN % BLOCK_K == 0,
+            EVEN_N,
+        )  # fmt: skip
         # [rows, G, 1] scales, summed over the unit axis into the layout of the group sums
         block = ((k0 + grp * GK) // SCALE_K)[None, :, None]
         s_ok = (k0 + grp * GK < HIDDEN)[None, :, None]
@@ -136,10 +161,10 @@ def _up_gemv_kernel(
     if FP8:
         gate, up = _fp8_gate_up(
             x_row, w_rows, w13_scale + e.to(tl.int64) * s_se, n, n_ok, s_wn, s_sn, HIDDEN, INTER, BLOCK_K, SCALE_N,
-            SCALE_K,
+            SCALE_K, INTER % BLOCK_N == 0,
         )  # fmt: skip
     else:
-        gate, up = _gate_up(x_row, w_rows, n, n_ok, s_wn, HIDDEN, INTER, BLOCK_K)
+        gate, up = _gate_up(x_row, w_rows, n, n_ok, s_wn, HIDDEN, INTER, BLOCK_K, INTER % BLOCK_N == 0)
     if LORA_RANK > 0:
         gate += _low_rank(lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pair, n, n_ok, 0, LORA_RANK)
         up += _low_rank(lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pair, n + INTER, n_ok, LORA_RANK, LORA_RANK)
