@@ -381,7 +381,6 @@ def test_routed_moe_fp8_with_next_norm(device):
     assert close(summed.cpu(), ref.residual, 4) and close(normed.cpu(), ref.normed, 8)
 
 
-
 # the pairs path's FP8 up GEMVs with K chunks of 128: four 32-column scale groups a chunk (each
 # group summed, then scaled once) or one group of a 128 x 128 block, a 12-column K tail (hidden 140)
 FP8_GROUPED_TILES = dict(
@@ -405,6 +404,7 @@ def test_fused_moe_fp8_pairs_grouped_scales(device, b13):
         **args, router_logits=logits, top_k=2, renormalize=True, path="pairs", config=FP8_GROUPED_TILES
     )
     assert rows_close(routed.cpu(), ref)
+
 
 # ---- the model's shapes on the GPU ---------------------------------------------------------------
 # (N8, tail, K): GDN in_proj, attention q_gate | k | v, o_proj / out_proj, MoE in_proj, shared down
