@@ -118,10 +118,10 @@ def _up_kernel(
         for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
             # a flattened pipeline may load a tile's indices ahead of the loop's bound (triton-lang/triton
             # #11601: loads hoisted above zero-trip loops): any such tile reads a real block's
-            tile = tl.minimum(tile, last)
+            real = tl.minimum(tile, last)
             _up_tile(
                 hidden, w13, w_desc, act, sorted_ids, block_expert, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs,
-                w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, tile // n_blocks, tile % n_blocks,
+                w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, real // n_blocks, real % n_blocks,
                 HIDDEN, INTER, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT,
                 W_DESC, ACT_SORTED,
             )  # fmt: skip
@@ -226,11 +226,11 @@ def _down_kernel(
         for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
             # a flattened pipeline may load a tile's indices ahead of the loop's bound (triton-lang/triton
             # #11601: loads hoisted above zero-trip loops): any such tile reads a real block's
-            tile = tl.minimum(tile, last)
+            real = tl.minimum(tile, last)
             _down_tile(
                 act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp,
-                act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, tile // n_blocks,
-                tile % n_blocks, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK,
+                act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, real // n_blocks,
+                real % n_blocks, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK,
                 QUANT_ACT, W_DESC, A_DESC,
             )  # fmt: skip
     else:
