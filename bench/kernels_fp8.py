@@ -246,7 +246,7 @@ def _quant_case(m: int) -> Case:
 
 
 # (block_n, num_warps): the one-row kernel's FP8 tiles, up to twice its bf16 bound (MAX_ELEMS_PER_THREAD)
-FP8_ROW_TILES = [(1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (16, 8)]
+FP8_ROW_TILES = [(1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (8, 4), (8, 8), (16, 8), (16, 16), (32, 16)]
 
 
 def row_sweep() -> None:
