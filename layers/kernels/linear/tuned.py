@@ -37,7 +37,16 @@ TUNED_ROW: dict[str, dict[tuple[int, int], dict]] = {
 
 # the one-row GEMV on FP8 weights (tails included in N), from `python -m deltaserve.bench.kernels_fp8
 # --row-sweep`; shapes missing here take twice the bf16 entry's rows (the same bytes a program)
-TUNED_ROW_FP8: dict[str, dict[tuple[int, int], dict]] = {H200: {}}
+# H200, bench.kernels_fp8 --row-sweep (eca8251), graph-timed on cold weights, the best tile whose
+# weights load before the PDL wait: GDN in_proj 8.60 us (4 rows, 8 warps before: 9.5+), attention
+# q/k/v 7.38 (7.4+), o_proj 3.88 (4.11)
+TUNED_ROW_FP8: dict[str, dict[tuple[int, int], dict]] = {
+    H200: {
+        (12352, 2048): dict(block_n=4, num_warps=4),
+        (9216, 2048): dict(block_n=4, num_warps=4),
+        (2048, 4096): dict(block_n=4, num_warps=8),
+    }
+}
 
 
 def tuned_key(num_rows: int, n: int, k: int) -> tuple[int, int, int]:
