@@ -24,14 +24,8 @@ PAIRS_TILES = {
 # (bench kernels_moe --sweep --path pairs --fp8, and --kernel route); a kernel missing here takes the
 # bf16 entry with the up GEMVs' K chunk doubled (pairs_config)
 # H200 (bench kernels_moe --sweep --tokens 1 --path pairs --kernel route --fp8, eca8251): the routing
-# up GEMV at 4 rows a program over 512-column chunks, 14.9 us a layer (up + down) against 16.4 at 1 row;
-# then (--path pairs --fp8, 0af3d2c) the down GEMV at one hidden row a one-warp program, 13.7 us against 14.9
-PAIRS_TILES_FP8: dict[str, dict[str, dict]] = {
-    H200: {
-        "up_route": dict(block_n=4, block_k=512, num_warps=1),
-        "down": dict(block_h=1, block_i=512, num_warps=1),
-    }
-}
+# up GEMV at 4 rows a program over 512-column chunks, 14.9 us a layer (up + down) against 16.4 at 1 row
+PAIRS_TILES_FP8: dict[str, dict[str, dict]] = {H200: {"up_route": dict(block_n=4, block_k=512, num_warps=1)}}
 
 # The sorted path (tensor cores), by the mean routed rows per expert (rows at most, tiles): block_m at
 # about twice the mean, so that most experts' rows sit in one block and their weights are read once (up
