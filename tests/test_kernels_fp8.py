@@ -337,8 +337,12 @@ def test_fused_moe_fp8_sorted_unquantized_activations(device, case, dtype):
     )
     assert rows_close(out.cpu(), ref) if dtype == torch.float32 else close(out.cpu(), ref, 4)
     quantized = moe_naive.fused_moe(**on_cpu(args), topk_weights=weights, topk_ids=ids, quantize=True)
-    # the activations' quantization moves the result by far more: the flag is what the kernels followed
-    assert (quantized.float() - ref.float()).abs().max().item() > 1e-3 * ref.float().abs().max().item()
+    moved = (quantized.float() - ref.float()).abs().max().item()
+    if moe_naive.fp8_dots_fit(args["w13"], args["w13_scale"], args["w2"], args["w2_scale"]):
+        # the activations' quantization moves the result by far more: the flag is what the kernels followed
+        assert moved > 1e-3 * ref.float().abs().max().item()
+    else:  # scale blocks narrower than an FP8 dot's K: the activations stay unquantized either way
+        assert moved == 0.0
 
 
 def test_routed_moe_fp8_sorted_prefill(device):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import norm
-from ..fp8.naive import ACT_GROUP, dequantize_weight, expand_scale, gemm_quantizes_x, quantize_act
+from ..fp8.naive import ACT_GROUP, dequantize_weight, expand_scale, gemm_quantizes_x, quantize_act, scale_block
 from ..low_rank import PairLowRank, low_rank_rows
 from ..precision import acc_dtype
 
@@ -149,7 +149,7 @@ def fused_moe(
     if quantize is None:
         quantize = topk_ids.numel() > PAIRS_PATH_MAX
     quantize = quantize and w13_scale is not None  # the sorted path over FP8 experts
-    quant_acts = quantize and fp8_quantize_acts
+    quant_acts = quantize and fp8_quantize_acts and fp8_dots_fit(w13, w13_scale, w2, w2_scale)
     out = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
     local_ids = topk_ids - expert_offset
     top_k = topk_ids.shape[1]
@@ -185,6 +185,21 @@ def fused_moe(
         combined = shared_expert_combine(routed=out, **shared._asdict(), quantize_x=quantize_shared)
         return apply_add_norm(combined.to(hidden.dtype), add_norm)
     return apply_add_norm(out.to(hidden.dtype), add_norm)
+
+
+# the fewest K columns of an FP8 (e4m3) dot (Triton's bound on sm_89+): the sorted path's K step is one
+# scale block, so narrower blocks leave the activations unquantized
+FP8_DOT_MIN_K = 32
+
+
+def fp8_dots_fit(w13: torch.Tensor, w13_scale, w2: torch.Tensor, w2_scale) -> bool:
+    """Whether the sorted path's GEMMs over these FP8 experts run FP8 dots on quantized activations:
+    both weights' scale blocks span at least FP8_DOT_MIN_K columns."""
+    if w13_scale is None or w2_scale is None:
+        return False
+    up = scale_block(w13.shape[-2], w13.shape[-1], tuple(w13_scale.shape[-2:]))
+    down = scale_block(w2.shape[-2], w2.shape[-1], tuple(w2_scale.shape[-2:]))
+    return min(up[1], down[1]) >= FP8_DOT_MIN_K
 
 
 # at or under this many routed pairs the GPU takes the pairs path (FP8 weights: x as it is), above

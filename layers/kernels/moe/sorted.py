@@ -20,6 +20,7 @@ from .activation import silu_mul
 from .align import align_pairs
 from .fused_norm import norm_kernel_args
 from .grouped import grouped_gemms
+from .naive import fp8_dots_fit
 from .pairs import low_rank_args
 
 _NO_KEY = tl.constexpr(2147483647)  # past every key: a row without a low-rank addition, or one already added
@@ -182,8 +183,8 @@ def _up_tile(
             acc_g += tl.dot(a, g) * xs * tl.load(gs_ptr + k0 // SCALE_K)[None, :]
             acc_u += tl.dot(a, u) * xs * tl.load(us_ptr + k0 // SCALE_K)[None, :]
         elif FP8:
-            acc_g += tl.dot(a, g.to(a.dtype)) * tl.load(gs_ptr + k0 // SCALE_K)[None, :]
-            acc_u += tl.dot(a, u.to(a.dtype)) * tl.load(us_ptr + k0 // SCALE_K)[None, :]
+            acc_g += _converted_dot(a, g) * tl.load(gs_ptr + k0 // SCALE_K)[None, :]
+            acc_u += _converted_dot(a, u) * tl.load(us_ptr + k0 // SCALE_K)[None, :]
         else:
             acc_g = tl.dot(a, g, acc_g)
             acc_u = tl.dot(a, u, acc_u)
@@ -284,7 +285,7 @@ def _down_tile(
             scale = tl.load(as_ptr + k0 // GROUP)[:, None] * tl.load(bs_ptr + k0 // SCALE_K)[None, :]
             acc += tl.dot(a, b) * scale
         elif FP8:
-            acc += tl.dot(a, b.to(a.dtype)) * tl.load(bs_ptr + k0 // SCALE_K)[None, :]
+            acc += _converted_dot(a, b) * tl.load(bs_ptr + k0 // SCALE_K)[None, :]
         else:
             acc = tl.dot(a, b, acc)
         if not A_DESC:
@@ -354,17 +355,27 @@ def _sum_kernel(
         tl.store(out + t.to(tl.int64) * s_ot + h, acc.to(out.dtype.element_ty), mask=h < HIDDEN)
 
 
+@triton.jit
+def _converted_dot(a, w):
+    """a @ w.to(a.dtype) (W8A16: FP8 weights converted for a dot in the activations' dtype); float32
+    activations take IEEE dots (tf32's rounding is not float32's)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, w.to(a.dtype), input_precision="ieee")
+    return tl.dot(a, w.to(a.dtype))
+
+
 def moe_sorted(
     hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=(None, None),
     deltas=None, quantize_acts=True, grouped=False,
 ) -> None:  # fmt: skip
     """The sorted path into `out` (or, with norm, into norm.out): group, up GEMM, down GEMM, sum.
     scales: (w13_scale, w2_scale) of FP8 experts: x and act are quantized per 1 x 128 group for
-    the FP8 dots (one launch each; quantize_acts False: neither is, the kernels convert the weights
-    for dots in the activations' dtype). deltas (PairDeltas): added to each pair's gate / up and down
-    projections (adapters) in their low-rank form, expanded inside the two GEMMs (in full precision
-    beside the FP8 dots; their two shrinks are the only launches they add). grouped: the two GEMMs are
-    torch's grouped GEMM (grouped.py: bf16 experts, no deltas; cfg unused), the same sum kernel after."""
+    the FP8 dots (one launch each; quantize_acts False, or scale blocks too narrow for an FP8 dot
+    (naive.fp8_dots_fit): neither is, the kernels convert the weights for dots in the activations'
+    dtype). deltas (PairDeltas): added to each pair's gate / up and down projections (adapters) in
+    their low-rank form, expanded inside the two GEMMs (in full precision beside the FP8 dots; their
+    two shrinks are the only launches they add). grouped: the two GEMMs are torch's grouped GEMM
+    (grouped.py: bf16 experts, no deltas; cfg unused), the same sum kernel after."""
     if grouped:
         y, y_row = grouped_gemms(hidden=hidden, w13=w13, w2=w2, topk_ids=topk_ids, expert_offset=expert_offset, pdl=pdl)
         _sum(hidden, y, topk_ids, expert_offset, w13.shape[0], out, shared, norm, pdl, (y_row, topk_weights))
@@ -388,9 +399,10 @@ def moe_sorted(
     act_rows = max_blocks * block_m if a_tma else num_pairs
     act = torch.empty((act_rows, inter), dtype=hidden.dtype, device=hidden.device)
     y = torch.empty((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
-    quant = fp8 and quantize_acts
-    x, x_scale = quantize_act(x=hidden, group=ACT_GROUP, pdl=pdl) if quant else (hidden, hidden)
     up_sc = _scale_args(w13_scale, w13, hidden)
+    down_sc = _scale_args(w2_scale, w2, hidden)
+    quant = fp8 and quantize_acts and fp8_dots_fit(w13, w13_scale, w2, w2_scale)
+    x, x_scale = quantize_act(x=hidden, group=ACT_GROUP, pdl=pdl) if quant else (hidden, hidden)
     up_k = min(up["block_k"], up_sc[3], ACT_GROUP) if fp8 else up["block_k"]
     up_lora = low_rank_args(None if deltas is None else deltas.low_rank_gate_up(topk_ids), act)
     tma = cfg.get("w_tma", False) and not fp8 and _tma_ok(w13) and _tma_ok(w2)
@@ -411,7 +423,6 @@ def moe_sorted(
     )  # fmt: skip
     down_lora = low_rank_args(None if deltas is None else deltas.low_rank_down(act), act)
     a, a_scale = quantize_act(x=act, group=ACT_GROUP, pdl=pdl) if quant else (act, act)
-    down_sc = _scale_args(w2_scale, w2, hidden)
     down_k = min(down["block_k"], down_sc[3], ACT_GROUP) if fp8 else down["block_k"]
     per_sm = _programs_per_sm(persistent, down, block_m, 1, a.element_size(), w2.element_size(), info)
     grid, n_major = _grid(
