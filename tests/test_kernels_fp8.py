@@ -18,7 +18,7 @@ from deltaserve.layers.kernels import linear as linear_kernels
 from deltaserve.layers.kernels.device import H200, DeviceInfo
 from deltaserve.layers.kernels.fp8 import naive as fp8_naive
 from deltaserve.layers.kernels.fp8.triton_quant import quantize_act
-from deltaserve.layers.kernels.linear import naive, triton_fp8, triton_linear, triton_row
+from deltaserve.layers.kernels.linear import naive, triton_fp8, triton_linear, triton_row, triton_rows
 from deltaserve.layers.kernels.moe import naive as moe_naive
 from deltaserve.layers.kernels.moe import triton_moe
 from deltaserve.layers.kernels.moe.naive import AddNorm, SharedExpert
@@ -164,6 +164,58 @@ def test_row_gemv_fp8_fused_norm(device, block_n):
     ref_normed = norm_naive.rms_norm(x=ref_sum, weight=g, eps=EPS)
     assert close(summed, ref_sum, 1) and close(normed, ref_normed, 2)
     assert close(out, naive.linear(x=ref_normed, weight=q, weight_scale=s, weight_tail=t))
+
+
+# the few-row GEMV over FP8 weights (2..FEW_ROWS_MAX rows: small decode batches, speculative verifies):
+# rows past a group, the scale grids and tails of the one-row cases, forced tiles with blocks past N
+@pytest.mark.parametrize(("n", "k", "tail", "block"), [(20, 200, 0, (16, 128)), (32, 128, 6, (16, 32))])
+@pytest.mark.parametrize(("m", "cfg"), [(2, None), (5, None), (3, dict(block_n=8, num_warps=2, group=2))])
+@pytest.mark.parametrize("preload", [True, False])
+def test_rows_gemv_fp8(device, n, k, tail, block, m, cfg, preload):
+    q, s = weight(n, k, block, device=device)
+    t = rand(tail, k, device=device, scale=k**-0.5) if tail else None
+    x, b = rand(m, k, device=device), rand(n + tail, device=device)
+    out, _, _ = triton_rows.rows_gemv(
+        x=x, weight=q, weight_scale=s, weight_tail=t, bias=b, config=cfg, preload=preload
+    )  # fmt: skip
+    assert out.shape == (m, n + tail)
+    assert close(out, naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t, bias=b))
+
+
+def test_rows_gemv_fp8_fused_norm(device):
+    """The few-row GEMV's residual add + norm in front of an FP8 dot (the MoE input at a small batch):
+    every row's sum and normed row written, the projection the composition's, tail rows included."""
+    m, n, k, tail = 3, 32, 96, 3
+    q, s = weight(n, k, (8, 32), device=device)
+    t = rand(tail, k, device=device, scale=k**-0.5)
+    x, res, g = rand(m, k, device=device), rand(m, k, device=device, seed=2), rand(k, device=device, scale=0.1)
+    out, normed, summed = triton_rows.rows_gemv(
+        x=x, weight=q, weight_scale=s, weight_tail=t, residual=res, norm_weight=g, eps=EPS, write_normed=True,
+        config=dict(block_n=4, num_warps=2, group=2),
+    )  # fmt: skip
+    ref_sum = (x.float() + res.float()).to(x.dtype)
+    ref_normed = norm_naive.rms_norm(x=ref_sum, weight=g, eps=EPS)
+    assert close(summed, ref_sum, 1) and close(normed, ref_normed, 2)
+    assert close(out, naive.linear(x=ref_normed, weight=q, weight_scale=s, weight_tail=t))
+
+
+def test_fp8_dispatch_by_rows(monkeypatch):
+    """An FP8 weight on CUDA: one row the one-row GEMV, 2..few_rows rows the few-row GEMV (scales and
+    tail passed on), more the skinny GEMM; few_rows = 0 keeps 2 rows on the skinny GEMM."""
+    calls = []
+    monkeypatch.setattr(linear_kernels, "_path", lambda x, n, row_gemv, few_rows=0: "rows" if few_rows else "skinny")
+    monkeypatch.setattr(triton_rows, "rows_gemv", lambda **kw: calls.append(("rows", kw)) or (kw["x"], None, None))
+    monkeypatch.setattr(triton_linear, "linear", lambda **kw: calls.append(("skinny", kw)) or kw["x"])
+
+    class Cuda(torch.Tensor):  # passes _linear_fp8's device test; the kernels are stubbed above
+        is_cuda = True
+
+    x = torch.zeros(2, 8).as_subclass(Cuda)
+    q, s, t = torch.zeros(16, 8, dtype=torch.float8_e4m3fn), torch.ones(1, 1), torch.zeros(3, 8)
+    linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t)
+    linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t, few_rows=0)
+    assert [c[0] for c in calls] == ["rows", "skinny"]
+    assert calls[0][1]["weight_scale"] is s and calls[0][1]["weight_tail"] is t
 
 
 SKINNY = {

@@ -155,8 +155,8 @@ def test_fused_norm(device, m, n, k, with_residual, cfg):
 
 def test_rms_norm_linear_takes_the_fused_few_rows(monkeypatch):
     """rms_norm_linear on 2..few_rows rows of a weight of at most FUSED_NORM_MAX_N rows runs the
-    norm inside the few-row GEMV (no norm kernel), and never with few_rows = 0, few_rows_norm off
-    or an FP8 weight."""
+    norm inside the few-row GEMV (no norm kernel), FP8 weights included, and never with few_rows = 0
+    or few_rows_norm off."""
     from deltaserve.layers.kernels import linear as lk
     from deltaserve.layers.kernels import norm as norm_kernels
 
@@ -176,5 +176,5 @@ def test_rms_norm_linear_takes_the_fused_few_rows(monkeypatch):
     lk.rms_norm_linear(**kw, few_rows_norm=False)
     assert calls == ["norm", "linear"]
     calls.clear()
-    lk.rms_norm_linear(**kw, weight_scale=torch.ones(1, 1))
-    assert calls == ["norm", "linear"]
+    lk.rms_norm_linear(**kw, weight_scale=torch.ones(1, 1))  # FP8 weights take it too
+    assert calls == ["fused"]

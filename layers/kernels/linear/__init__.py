@@ -70,7 +70,7 @@ def linear(
         CPU reference likewise.
     """
     if weight_scale is not None:
-        return _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles, fp8_gemm)
+        return _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles, fp8_gemm, few_rows)
     _check_plain(weight, weight_tail)
     path = _path(x, weight.shape[0], row_gemv, few_rows)
     if path == "row":
@@ -95,7 +95,9 @@ def _check_plain(weight: torch.Tensor, weight_tail: torch.Tensor | None) -> None
         raise ValueError("weight_tail: only with an FP8 weight (weight_scale)")
 
 
-def _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles, fp8_gemm) -> torch.Tensor:
+def _linear_fp8(
+    x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_tiles, fp8_gemm, few_rows
+) -> torch.Tensor:  # fmt: skip
     """linear with an FP8 weight: the path by rows (see linear)."""
     rows = x.shape[0]
     if not x.is_cuda or x.dim() != 2:
@@ -111,10 +113,15 @@ def _linear_fp8(x, weight, bias, weight_scale, weight_tail, pdl, row_gemv, row_t
             x=x, weight=weight, weight_scale=weight_scale, bias=bias, weight_tail=weight_tail, pdl=pdl, backend=backend
         )
     args = dict(x=x, weight=weight, bias=bias, weight_scale=weight_scale, weight_tail=weight_tail, pdl=pdl)
-    if _path(x, weight.shape[0], row_gemv) == "row":
+    path = _path(x, weight.shape[0], row_gemv, few_rows)
+    if path == "row":
         from .triton_row import row_gemv as impl
 
         return impl(**args, row_tiles=row_tiles)[0]
+    if path == "rows":
+        from .triton_rows import rows_gemv
+
+        return rows_gemv(**args)[0]
     from .triton_linear import linear as impl
 
     return impl(**args)
@@ -193,13 +200,14 @@ def rms_norm_linear(
     if weight_scale is None:
         _check_plain(weight, weight_tail)
     assert low_rank is None or residual is not None, "rms_norm_linear: low_rank needs the residual"
-    path = _path(x, weight.shape[0], row_gemv, few_rows if weight_scale is None else 0)
-    if low_rank is None and path == "rows" and few_rows_norm and _fuses_norm(weight.shape[0]):
+    path = _path(x, weight.shape[0], row_gemv, few_rows)
+    n = weight.shape[0] + (0 if weight_tail is None else weight_tail.shape[0])
+    if low_rank is None and path == "rows" and few_rows_norm and _fuses_norm(n):
         from .triton_rows import rows_gemv
 
         out, normed, summed = rows_gemv(
             x=x, weight=weight, bias=bias, residual=residual, norm_weight=norm_weight, eps=eps,
-            write_normed=write_normed, pdl=pdl,
+            write_normed=write_normed, pdl=pdl, weight_scale=weight_scale, weight_tail=weight_tail,
         )  # fmt: skip
         return NormLinearOut(out, normed, x if summed is None else summed)
     if low_rank is None and path == "row" and _fuses_norm(weight.shape[0]):

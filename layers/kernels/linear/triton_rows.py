@@ -26,7 +26,9 @@ import triton
 import triton.language as tl
 
 from ..device import DeviceInfo, device_info
+from ..fp8 import scale_block
 from ..pdl import pdl_launch, pdl_wait
+from .triton_row import dividing_block
 
 MAX_K = 8192
 # registers a thread spends: the weight tile's elements, and a group's float32 products
@@ -37,12 +39,43 @@ NORM_GROUP = 2
 
 @triton.jit
 def _rows_gemv_kernel(
-    x, residual, norm_weight, w, bias, out, res_out, normed_out, M, N, s_xm, s_rm, s_wn, s_om, eps,
-    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_NORMED: tl.constexpr,
-    PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
+    x, residual, norm_weight, w, scale, tail, bias, out, res_out, normed_out, M, N, N8, s_xm, s_rm, s_wn, s_sn,
+    s_tn, s_om, eps, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    WRITE_NORMED: tl.constexpr, PRELOAD: tl.constexpr, FP8: tl.constexpr, HAS_TAIL: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, TAIL_BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """FP8 (w float8 with block scales `scale`, SCALE_N x SCALE_K, row stride s_sn): each program
+    widens and scales its weight tile once, then every row reuses it. HAS_TAIL: output columns N8..
+    come from `tail` (x's dtype, row stride s_tn), TAIL_BLOCK_N rows a program, in the programs after
+    the FP8 rows' (N8 a multiple of BLOCK_N)."""
     pid = tl.program_id(0)
+    if HAS_TAIL:
+        tail_block = pid - N8 // BLOCK_N
+        if tail_block >= 0:
+            _rows_body(
+                x, residual, norm_weight, tail, scale, bias + N8, out + N8, res_out, normed_out, tail_block, pid == 0,
+                M, N - N8, s_xm, s_rm, s_tn, 0, s_om, eps, K, TAIL_BLOCK_N, BLOCK_K, GROUP, EVEN_K, HAS_BIAS, NORM,
+                HAS_RESIDUAL, WRITE_NORMED, PRELOAD, False, SCALE_N, SCALE_K, USE_PDL,
+            )  # fmt: skip
+            return
+    _rows_body(
+        x, residual, norm_weight, w, scale, bias, out, res_out, normed_out, pid, pid == 0, M, N8 if HAS_TAIL else N,
+        s_xm, s_rm, s_wn, s_sn, s_om, eps, K, BLOCK_N, BLOCK_K, GROUP, EVEN_K, HAS_BIAS, NORM, HAS_RESIDUAL,
+        WRITE_NORMED, PRELOAD, FP8, SCALE_N, SCALE_K, USE_PDL,
+    )  # fmt: skip
+
+
+@triton.jit
+def _rows_body(
+    x, residual, norm_weight, w, scale, bias, out, res_out, normed_out, pid, writer, M, N, s_xm, s_rm, s_wn, s_sn,
+    s_om, eps, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    WRITE_NORMED: tl.constexpr, PRELOAD: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Row block `pid` of an N-row weight w (out, bias: its first column's); `writer`: this program
+    writes the residual and normed rows."""
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ld = tl.minimum(n, N - 1).to(tl.int64)
     k = tl.arange(0, BLOCK_K)
@@ -51,22 +84,24 @@ def _rows_gemv_kernel(
     # layout reaches the loads, so neither operand needs a layout conversion
     w_ptr = w + n_ld[None, :, None] * s_wn + k[None, None, :]
     k_ok = k[None, None, :] < K
+    # FP8: one factor an element, from its block (identical addresses within a block), read once a program
+    s_ptr = scale + (n_ld // SCALE_N)[None, :, None] * s_sn + (k // SCALE_K)[None, None, :]
     if PRELOAD:  # weights are constant during the pass: fetch them while the previous kernel ends
-        if EVEN_K:
-            wt = tl.load(w_ptr, eviction_policy="evict_first")
-        else:
-            wt = tl.load(w_ptr, mask=k_ok, other=0.0, eviction_policy="evict_first")
+        wt = _load_tile(w_ptr, k_ok, EVEN_K)
+        if FP8:
+            sc = tl.load(s_ptr, mask=k_ok, other=0.0)
     pdl_wait(USE_PDL)
     if not PRELOAD:
-        if EVEN_K:
-            wt = tl.load(w_ptr, eviction_policy="evict_first")
-        else:
-            wt = tl.load(w_ptr, mask=k_ok, other=0.0, eviction_policy="evict_first")
+        wt = _load_tile(w_ptr, k_ok, EVEN_K)
+        if FP8:
+            sc = tl.load(s_ptr, mask=k_ok, other=0.0)
     wf = wt.to(tl.float32)
+    if FP8:
+        wf = wf * sc
     if HAS_BIAS:
         b = tl.load(bias + n_ld).to(tl.float32)
     if NORM:
-        scale = 1.0 + tl.load(norm_weight + k[None, None, :], mask=k_ok, other=0.0).to(tl.float32)
+        norm_scale = 1.0 + tl.load(norm_weight + k[None, None, :], mask=k_ok, other=0.0).to(tl.float32)
     for m0 in range(0, M, GROUP):
         m = m0 + g
         m_ld = tl.minimum(m, M - 1).to(tl.int64)[:, None, None]
@@ -76,13 +111,20 @@ def _rows_gemv_kernel(
         else:
             xt = tl.load(x_ptr, mask=k_ok, other=0.0)
         if NORM:
-            xt = _add_norm(xt, residual + m_ld * s_rm + k[None, None, :], scale, res_out, normed_out,
-                           m, M, k, k_ok, pid == 0, eps, K, HAS_RESIDUAL, WRITE_NORMED)  # fmt: skip
+            xt = _add_norm(xt, residual + m_ld * s_rm + k[None, None, :], norm_scale, res_out, normed_out,
+                           m, M, k, k_ok, writer, eps, K, HAS_RESIDUAL, WRITE_NORMED)  # fmt: skip
         acc = tl.sum(wf * xt.to(tl.float32), 2)  # [GROUP, BLOCK_N]
         if HAS_BIAS:
             acc += b[None, :]
         mask = (m < M)[:, None] & (n < N)[None, :]
         tl.store(out + m.to(tl.int64)[:, None] * s_om + n[None, :], acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_tile(ptr, k_ok, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(ptr, eviction_policy="evict_first")
+    return tl.load(ptr, mask=k_ok, other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -109,7 +151,8 @@ def _add_norm(
 
 
 def supports(num_rows: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether a call of this shape can take the few-row kernel (plain half-precision weights)."""
+    """Whether a call of this shape can take the few-row kernel (x in half precision; the weight in
+    x's dtype or FP8 with block scales)."""
     return num_rows >= 1 and 0 < k <= MAX_K and dtype in (torch.bfloat16, torch.float16)
 
 
@@ -141,19 +184,28 @@ def rows_gemv(
     *, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None,
     preload: bool = True, pdl: bool = True, residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None, eps: float = 1e-6, write_normed: bool = False,
+    weight_scale: torch.Tensor | None = None, weight_tail: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """x [M, K] (last dim contiguous; rows may be strided) @ weight [N, K].T (+ bias [N]) -> [M, N]
     in x's dtype. `config` forces block_n / num_warps / group (powers of two; the bench sweeps them).
     With norm_weight: y = rms_norm(x + residual) * (1 + norm_weight) (residual [M, K] or None) in
     front, as triton_row.row_gemv. Returns (out, y if write_normed else None, x + residual if
-    residual is given else None)."""
+    residual is given else None).
+    weight_scale: weight is float8 with these block scales (fp8.scale_block), dequantized in
+    registers once a program; weight_tail [N_tail, K] in x's dtype: rows appended after weight's (the
+    output has N + N_tail columns; block_n shrinks to a power of two dividing N)."""
+    fp8 = weight_scale is not None
     assert x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1], "x [M, K], weight [N, K]"
-    assert x.dtype == weight.dtype, "x and weight share a dtype"
+    assert fp8 or x.dtype == weight.dtype, "x and weight share a dtype (or weight is FP8 with its scales)"
+    assert weight_tail is None or (fp8 and weight_tail.dtype == x.dtype), "weight_tail: FP8 weights', in x's dtype"
     num_rows, k = x.shape
-    n = weight.shape[0]
+    n8 = weight.shape[0]
+    n = n8 + (0 if weight_tail is None else weight_tail.shape[0])
     assert k <= MAX_K, f"K = {k} is over the few-row kernel's {MAX_K}"
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    if weight_tail is not None and weight_tail.stride(1) != 1:
+        weight_tail = weight_tail.contiguous()
     norm = norm_weight is not None
     if residual is not None:
         assert norm and residual.shape == x.shape and residual.dtype == x.dtype, "residual [M, K] like x"
@@ -168,14 +220,21 @@ def rows_gemv(
             out = out + bias.to(out.dtype) if bias is not None else out
         return out, normed, res_out
     cfg = dict(config or pick_config(num_rows, n, k, device_info(x.device), norm=norm))
+    if weight_tail is not None:  # the tail's programs start after whole row blocks
+        cfg["block_n"] = dividing_block(cfg["block_n"], n8)
+    blocks = triton.cdiv(n8, cfg["block_n"]) + (0 if weight_tail is None else triton.cdiv(n - n8, cfg["block_n"]))
+    scale_n, scale_k = scale_block(n8, k, tuple(weight_scale.shape)) if fp8 else (1, 1)
     block_k = triton.next_power_of_2(k)
-    _rows_gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
+    _rows_gemv_kernel[(blocks,)](
         x, residual if residual is not None else x, norm_weight if norm else x, weight,
+        weight_scale if fp8 else out, weight_tail if weight_tail is not None else weight,
         bias if bias is not None else out, out, res_out if res_out is not None else out,
-        normed if normed is not None else out, num_rows, n, x.stride(0),
-        residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0), eps,
+        normed if normed is not None else out, num_rows, n, n8, x.stride(0),
+        residual.stride(0) if residual is not None else 0, weight.stride(0), weight_scale.stride(0) if fp8 else 0,
+        weight_tail.stride(0) if weight_tail is not None else 0, out.stride(0), eps,
         K=k, BLOCK_N=cfg["block_n"], BLOCK_K=block_k, GROUP=cfg["group"], EVEN_K=block_k == k,
         HAS_BIAS=bias is not None, NORM=norm, HAS_RESIDUAL=residual is not None, WRITE_NORMED=normed is not None,
-        PRELOAD=preload, num_warps=cfg["num_warps"], num_stages=1, **pdl_launch(x, pdl),
+        PRELOAD=preload, FP8=fp8, HAS_TAIL=weight_tail is not None, SCALE_N=scale_n, SCALE_K=scale_k,
+        TAIL_BLOCK_N=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=1, **pdl_launch(x, pdl),
     )  # fmt: skip
     return out, normed, res_out
