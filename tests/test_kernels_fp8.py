@@ -199,6 +199,33 @@ def test_rows_gemv_fp8_fused_norm(device):
     assert close(out, naive.linear(x=ref_normed, weight=q, weight_scale=s, weight_tail=t))
 
 
+def test_rows_gemv_fp8_tiles():
+    """FP8 tiles on the H200 at the model's shapes: FP8_W_PER_THREAD weights a thread, at least a program
+    an SM, the group at most the rows and FP8_MAX_GROUP."""
+    info = DeviceInfo(H200, num_sms=132, smem_per_block=232448, capability=(9, 0))
+    for n, k in [(12352, 2048), (9216, 2048), (2048, 4096), (1288, 2048), (64, 2048)]:
+        for m in (2, 3, 4, 8):
+            cfg = triton_rows.pick_config(m, n, k, info, fp8=True)
+            assert cfg["block_n"] * k <= triton_rows.FP8_W_PER_THREAD * 32 * cfg["num_warps"]
+            assert cfg["block_n"] == 1 or n >= cfg["block_n"] * info.num_sms
+            assert cfg["group"] <= min(triton_rows.triton.next_power_of_2(m), triton_rows.FP8_MAX_GROUP)
+    assert triton_rows.pick_config(2, 12352, 2048, info, fp8=True) == dict(block_n=8, num_warps=4, group=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 3, 4, 8])
+@pytest.mark.parametrize(("n", "tail", "k"), [(12288, 64, 2048), (9216, 0, 2048), (2048, 0, 4096), (1024, 264, 2048)])
+def test_gpu_rows_gemv_fp8_real_shapes(m, n, tail, k):
+    """The model's FP8 projections at 2..8 rows: the linear op takes the few-row GEMV (bit for bit)
+    and matches the dequantized reference."""
+    q, s = weight(n, k, device="cuda")
+    t = rand(tail, k, device="cuda", scale=k**-0.5) if tail else None
+    x = rand(m, k, device="cuda")
+    out = linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t)
+    assert torch.equal(out, triton_rows.rows_gemv(x=x, weight=q, weight_scale=s, weight_tail=t)[0])
+    assert close(out, naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t))
+
+
 def test_fp8_dispatch_by_rows(monkeypatch):
     """An FP8 weight on CUDA: one row the one-row GEMV, 2..few_rows rows the few-row GEMV (scales and
     tail passed on), more the skinny GEMM; few_rows = 0 keeps 2 rows on the skinny GEMM."""
@@ -668,6 +695,7 @@ def test_row_gemv_fp8_tiles_from_their_own_table(monkeypatch):
 
     info = DeviceInfo(H200, 132, 227 * 1024, (9, 0))
     bf16 = triton_row.pick_config(12352, 2048, info)
+    monkeypatch.setitem(tuned.TUNED_ROW_FP8, H200, {})
     assert triton_row.pick_config(12352, 2048, info, fp8=True) == dict(bf16, block_n=2 * bf16["block_n"])
     monkeypatch.setitem(tuned.TUNED_ROW_FP8, H200, {(12352, 2048): dict(block_n=8, num_warps=8)})
     assert triton_row.pick_config(12352, 2048, info, fp8=True) == dict(block_n=8, num_warps=8)
@@ -681,6 +709,7 @@ def test_pairs_path_fp8_tiles_from_their_own_table(monkeypatch):
 
     info = DeviceInfo(H200, 132, 227 * 1024, (9, 0))
     bf16 = tiles.pairs_config(2048, 512, info)
+    monkeypatch.setitem(tiles.PAIRS_TILES_FP8, H200, {})
     fp8 = tiles.pairs_config(2048, 512, info, fp8=True)
     assert fp8["up_route"]["block_k"] == min(2 * bf16["up_route"]["block_k"], 2048) and fp8["down"] == bf16["down"]
     route = dict(block_n=2, block_k=1024, num_warps=2)

@@ -84,8 +84,9 @@ def _rows_body(
     # layout reaches the loads, so neither operand needs a layout conversion
     w_ptr = w + n_ld[None, :, None] * s_wn + k[None, None, :]
     k_ok = k[None, None, :] < K
-    # FP8: one factor an element, from its block (identical addresses within a block), read once a program
-    s_ptr = scale + (n_ld // SCALE_N)[None, :, None] * s_sn + (k // SCALE_K)[None, None, :]
+    # FP8: the tile lies in one scale row (BLOCK_N divides SCALE_N): its factors as one row [1, 1, BLOCK_K]
+    # (identical addresses within a block), read once a program and broadcast over the tile's rows
+    s_ptr = scale + ((pid * BLOCK_N) // SCALE_N) * s_sn + (k // SCALE_K)[None, None, :]
     if PRELOAD:  # weights are constant during the pass: fetch them while the previous kernel ends
         wt = _load_tile(w_ptr, k_ok, EVEN_K)
         if FP8:
@@ -156,7 +157,7 @@ def supports(num_rows: int, k: int, dtype: torch.dtype) -> bool:
     return num_rows >= 1 and 0 < k <= MAX_K and dtype in (torch.bfloat16, torch.float16)
 
 
-def pick_config(num_rows: int, n: int, k: int, info: DeviceInfo, norm: bool = False) -> dict:
+def pick_config(num_rows: int, n: int, k: int, info: DeviceInfo, norm: bool = False, fp8: bool = False) -> dict:
     """block_n, num_warps and group (rows per reduction) from the shape: 8 warps; the weight tile
     within MAX_W_PER_THREAD elements a thread (two rows of a 2048-wide weight, one of a 4096-wide),
     fewer rows where N would leave under ~2 programs per SM; the group as large as the product's
@@ -167,6 +168,8 @@ def pick_config(num_rows: int, n: int, k: int, info: DeviceInfo, norm: bool = Fa
     rows = triton.next_power_of_2(max(1, num_rows))
     if info.is_interpreter:
         return dict(block_n=4, num_warps=1, group=min(rows, 4))
+    if fp8:
+        return _fp8_config(rows, n, block_k, info)
     num_warps = 4 if block_k <= 1024 else 8
     threads = 32 * num_warps
     block_n = 1
@@ -178,6 +181,24 @@ def pick_config(num_rows: int, n: int, k: int, info: DeviceInfo, norm: bool = Fa
     if norm:
         group = min(group, NORM_GROUP)
     return dict(block_n=block_n, num_warps=num_warps, group=group)
+
+
+# FP8 weights: a thread's share of the weight tile. The sm_90 build (Triton 3.6) puts the kernel's cost in
+# issued instructions (widening, the scale row, the reductions: a fixed part a program), so a program
+# takes more of the weight than bf16's tiles: 8 rows of K 2048 over 4 warps, ~7 us for GDN in_proj at
+# 2 rows by the build's instruction count, against 15.8 measured on the skinny GEMM (H200, 879cbbc)
+FP8_W_PER_THREAD = 128
+FP8_MAX_GROUP = 4
+
+
+def _fp8_config(rows: int, n: int, block_k: int, info: DeviceInfo) -> dict:
+    """FP8 tiles: FP8_W_PER_THREAD weights a thread, 8 rows a program where N leaves a program per SM,
+    the group as many rows as FP8_MAX_GROUP."""
+    num_warps = 4 if block_k <= 2048 else 8
+    block_n = max(1, min(8, FP8_W_PER_THREAD * 32 * num_warps // block_k))
+    while block_n > 1 and n < block_n * info.num_sms:
+        block_n //= 2
+    return dict(block_n=block_n, num_warps=num_warps, group=min(rows, FP8_MAX_GROUP))
 
 
 def rows_gemv(
@@ -219,11 +240,13 @@ def rows_gemv(
             out.zero_()
             out = out + bias.to(out.dtype) if bias is not None else out
         return out, normed, res_out
-    cfg = dict(config or pick_config(num_rows, n, k, device_info(x.device), norm=norm))
+    cfg = dict(config or pick_config(num_rows, n, k, device_info(x.device), norm=norm, fp8=fp8))
     if weight_tail is not None:  # the tail's programs start after whole row blocks
         cfg["block_n"] = dividing_block(cfg["block_n"], n8)
-    blocks = triton.cdiv(n8, cfg["block_n"]) + (0 if weight_tail is None else triton.cdiv(n - n8, cfg["block_n"]))
     scale_n, scale_k = scale_block(n8, k, tuple(weight_scale.shape)) if fp8 else (1, 1)
+    if fp8:  # a tile within one scale row
+        cfg["block_n"] = min(cfg["block_n"], scale_n)
+    blocks = triton.cdiv(n8, cfg["block_n"]) + (0 if weight_tail is None else triton.cdiv(n - n8, cfg["block_n"]))
     block_k = triton.next_power_of_2(k)
     _rows_gemv_kernel[(blocks,)](
         x, residual if residual is not None else x, norm_weight if norm else x, weight,

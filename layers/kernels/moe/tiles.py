@@ -23,9 +23,11 @@ PAIRS_TILES = {
 # The pairs path over FP8 experts: per kernel ("up", "up_route", "down"), tiles measured on FP8 weights
 # (bench kernels_moe --sweep --path pairs --fp8, and --kernel route); a kernel missing here takes the
 # bf16 entry with the up GEMVs' K chunk doubled (pairs_config)
-# H200 (bench kernels_moe --sweep --tokens 1 --path pairs --kernel route --fp8, eca8251): the routing
-# up GEMV at 4 rows a program over 512-column chunks, 14.9 us a layer (up + down) against 16.4 at 1 row
-PAIRS_TILES_FP8: dict[str, dict[str, dict]] = {H200: {"up_route": dict(block_n=4, block_k=512, num_warps=1)}}
+# H200, 2026-12-05: the sweep's best routing tile (4 rows a program over 512-column chunks, 14.9 us a layer
+# with the down GEMV against 16.4, eca8251) ran 9.34 us a layer in the engine against 9.17 at 1 row, and
+# the down GEMV's (one row, one warp: 13.7 against 14.9 in the sweep) 13.44 against 9.91 (the engine's
+# fused norm): neither kept
+PAIRS_TILES_FP8: dict[str, dict[str, dict]] = {H200: {}}
 
 # The sorted path (tensor cores), by the mean routed rows per expert (rows at most, tiles): block_m at
 # about twice the mean, so that most experts' rows sit in one block and their weights are read once (up
