@@ -90,6 +90,11 @@ def pairs_config(hidden_size: int, inter: int, info: DeviceInfo, fp8: bool = Fal
     return cfg
 
 
+# shared memory the flattened persistent loop takes beyond its pipeline (sm_90 builds, Triton 3.6: 2 to 32 KB
+# over one program a tile; the 1k tile's 216 KB became 232 and failed to launch at 227 KB a program)
+FLAT_SMEM = 32 * 1024
+
+
 def sorted_config(
     num_pairs: int, num_experts: int, elem: int, info: DeviceInfo, fp8: bool = False, block_m: int = 0,
     quantized_acts: bool = True, persistent: str = "",
@@ -126,14 +131,14 @@ def sorted_config(
     )  # fmt: skip
     for name, operands in (("up", 2), ("down", 1)):  # up reads the gate and the up tile
         block_n, block_k, warps, stages = entry[name]
-        fixed = SMEM_SCRATCH
+        fixed = SMEM_SCRATCH + (FLAT_SMEM if cfg["persistent"] == "flat" else 0)
         if fp8:
             block_k = min(128, 2 * block_k)
             a_elem = 1 if quantized_acts else elem
             per_stage = block_k * (a_elem * block_m + operands * block_n)
             fixed += 0 if quantized_acts else elem * block_k * operands * block_n
             stages = stages_that_fit(stages, per_stage, fixed, info)
-        elif tuned is None:
+        elif tuned is None or cfg["persistent"] == "flat":
             per_stage = elem * block_k * (block_m + operands * block_n)
             stages = stages_that_fit(stages, per_stage, fixed, info)
         cfg[name] = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
