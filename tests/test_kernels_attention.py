@@ -574,3 +574,24 @@ def test_paged_decode_attention_fp8_cache_fp16_dots(device):
             cfg["fp16_dots"] = fp16_dots
         out = td.paged_decode_attention(**batch, scale=0.2, config=cfg)
         assert out.dtype == torch.bfloat16 and rel_err(out.float(), ref) < 1e-2, (splits, fp16_dots)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("t", "h", "d"), [(5, 3, 40), (2, 4, 64)])
+def test_output_gate_kernel(device, dtype, t, h, d):
+    """The SDPA path's output gate: o * sigmoid(gate) over a gate that is a strided view of the fused
+    q / gate projection (per head [q | gate]), one rounding, written over o (D not a power of two)."""
+    from deltaserve.layers.kernels.attention.triton_gate import apply_output_gate
+
+    g = torch.Generator().manual_seed(t * h + d)
+    o = torch.randn(t, h, d, generator=g).to(device=device, dtype=dtype)
+    q_gate = (torch.randn(t, h, 2 * d, generator=g) * 3).to(device=device, dtype=dtype)
+    gate = q_gate[..., d:]
+    before = o.cpu().clone()
+    ref = naive.output_gated(before, gate.cpu())
+    got = apply_output_gate(o=o, gate=gate)
+    assert got.data_ptr() == o.data_ptr() and not got.isnan().any()
+    eps = torch.finfo(dtype).eps
+    assert (got.cpu().float() - ref.float()).abs().max() <= eps * ref.float().abs().max()
+    exact = before.float() * torch.sigmoid(gate.cpu().float())
+    assert (ref.float() - exact).abs().max() <= eps * exact.abs().max()  # the reference: one rounding

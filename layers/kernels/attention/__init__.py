@@ -65,7 +65,7 @@ def paged_attention(
             copy out of the pages; its queries are the last T): causal attention over them with
             torch's SDPA (flash on CUDA) instead of reading the pages; the caller vouches for them.
         output_gate: [T, Hq, D] (D contiguous): the result times sigmoid(output_gate), one rounding
-            (the SDPA path: two).
+            (the SDPA path: its output's, then the gated one's).
         sdpa_backend: the SDPA path's backend on CUDA (naive.causal_sdpa: flash, or cudnn).
 
     Returns:
@@ -74,7 +74,13 @@ def paged_attention(
     """
     if own_kv is not None:
         out = naive.causal_sdpa(q=q, k=own_kv[0], v=own_kv[1], scale=scale, backend=sdpa_backend)
-        return out if output_gate is None else out * torch.sigmoid(output_gate)
+        if output_gate is None:
+            return out
+        if out.is_cuda:
+            from .triton_gate import apply_output_gate
+
+            return apply_output_gate(o=out, gate=output_gate)
+        return naive.output_gated(out, output_gate)
     impl = naive.paged_attention
     if q.is_cuda:
         from .triton_attention import paged_attention as impl

@@ -52,6 +52,11 @@ def paged_attention(
                   output_gate, q.dtype)  # fmt: skip
 
 
+def output_gated(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The reference of triton_gate.apply_output_gate: o * sigmoid(gate) in float32, one rounding to o's dtype."""
+    return _gated(o.float(), gate, o.dtype)
+
+
 def _gated(out: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """out * sigmoid(gate) in out's (accumulation) dtype, then the one rounding to `dtype`."""
     return (out * torch.sigmoid(gate.to(out.dtype))).to(dtype)
