@@ -32,7 +32,7 @@ def test_prefill_and_decode_kernels_compile_for_sm90_without_new_spills():
 def test_persistent_moe_gemms_compile_for_sm90():
     """The MoE sorted path's GEMMs as persistent programs with the tile and K loops flattened
     (KernelOptions.moe_sorted_persistent "flat"; "loop" shares the tile bodies) at a 2k prompt's
-    tiles: they compile and fit the H200's shared memory (the flattened loop holds 224 KB); the down
+    tiles: they compile and fit the H200's shared memory (with tiles.FLAT_SMEM reserved); the down
     GEMM's 32 spilled bytes under Triton 3.9 (none under 3.6, the GPU machines') are let through."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA back end")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -46,5 +46,7 @@ def test_persistent_moe_gemms_compile_for_sm90():
         for fields in (line.split() for line in done.stdout.splitlines())
         if fields[:1] in (["_up_kernel"], ["_down_kernel"])
     }
-    # the flattened loop's pipeline holds a tile more than one program a tile does (192 KB at these tiles)
-    assert moe.keys() == {"_up_kernel", "_down_kernel"} and min(moe.values()) > 200, done.stdout
+    # three stages of these tiles (144 KB: tiles.FLAT_SMEM keeps the fourth out) and the flattened loop's
+    # own 32 KB, within a program's 227 KB
+    assert moe.keys() == {"_up_kernel", "_down_kernel"}, done.stdout
+    assert all(160 < kb <= 227 for kb in moe.values()), done.stdout
