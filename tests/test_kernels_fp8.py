@@ -216,19 +216,21 @@ def test_rows_gemv_fp8_tiles():
 @pytest.mark.parametrize("m", [2, 3, 4, 8])
 @pytest.mark.parametrize(("n", "tail", "k"), [(12288, 64, 2048), (9216, 0, 2048), (2048, 0, 4096), (1024, 264, 2048)])
 def test_gpu_rows_gemv_fp8_real_shapes(m, n, tail, k):
-    """The model's FP8 projections at 2..8 rows: the linear op takes the few-row GEMV (bit for bit)
-    and matches the dequantized reference."""
+    """The model's FP8 projections at 2..8 rows: the few-row GEMV matches the dequantized reference,
+    and the linear op takes it up to FP8_FEW_ROWS_MAX rows."""
     q, s = weight(n, k, device="cuda")
     t = rand(tail, k, device="cuda", scale=k**-0.5) if tail else None
     x = rand(m, k, device="cuda")
-    out = linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t)
-    assert torch.equal(out, triton_rows.rows_gemv(x=x, weight=q, weight_scale=s, weight_tail=t)[0])
+    out = triton_rows.rows_gemv(x=x, weight=q, weight_scale=s, weight_tail=t)[0]
+    if m <= linear_kernels.FP8_FEW_ROWS_MAX:  # the op takes it, bit for bit
+        assert torch.equal(out, linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t))
     assert close(out, naive.linear(x=x, weight=q, weight_scale=s, weight_tail=t))
 
 
 def test_fp8_dispatch_by_rows(monkeypatch):
-    """An FP8 weight on CUDA: one row the one-row GEMV, 2..few_rows rows the few-row GEMV (scales and
-    tail passed on), more the skinny GEMM; few_rows = 0 keeps 2 rows on the skinny GEMM."""
+    """An FP8 weight on CUDA: one row the one-row GEMV, 2..min(few_rows, FP8_FEW_ROWS_MAX) rows the
+    few-row GEMV (scales and tail passed on), more the skinny GEMM; few_rows = 0 keeps 2 rows on the
+    skinny GEMM."""
     calls = []
     monkeypatch.setattr(linear_kernels, "_path", lambda x, n, row_gemv, few_rows=0: "rows" if few_rows else "skinny")
     monkeypatch.setattr(triton_rows, "rows_gemv", lambda **kw: calls.append(("rows", kw)) or (kw["x"], None, None))
@@ -242,6 +244,10 @@ def test_fp8_dispatch_by_rows(monkeypatch):
     linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t)
     linear_kernels.linear(x=x, weight=q, weight_scale=s, weight_tail=t, few_rows=0)
     assert [c[0] for c in calls] == ["rows", "skinny"]
+    seen = []  # the rows bound the FP8 path asks for: FP8_FEW_ROWS_MAX at most
+    monkeypatch.setattr(linear_kernels, "_path", lambda x, n, row_gemv, few_rows=0: seen.append(few_rows) or "skinny")
+    linear_kernels.linear(x=x, weight=q, weight_scale=s, few_rows=8)
+    assert seen == [linear_kernels.FP8_FEW_ROWS_MAX]
     assert calls[0][1]["weight_scale"] is s and calls[0][1]["weight_tail"] is t
 
 

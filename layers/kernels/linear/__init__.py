@@ -24,6 +24,9 @@ MAX_TUNED_TOKENS = 16
 # 2..this many rows of a plain half-precision weight take the few-row GEMV (triton_rows: the weight
 # read once, every row reusing its register tile); KernelOptions.few_rows_gemv sets it per engine
 FEW_ROWS_MAX = 8
+# FP8 weights: at most this many rows (2 and 4 rows ran slower than bf16 on the skinny GEMM, H200
+# d82cab0; at 8 the skinny GEMM already beat bf16: it keeps 5..8 rows until the few-row form is timed)
+FP8_FEW_ROWS_MAX = 4
 
 Path = Literal["row", "rows", "skinny", "torch"]
 
@@ -54,7 +57,8 @@ def linear(
         pdl: CUDA: the Triton kernels launch under programmatic dependent launch (sm_90+).
         row_gemv: a half-precision CUDA row (M = 1) takes the one-row GEMV (else the skinny GEMM).
         row_tiles: one-row GEMV tiles overriding the tuned ones for the shapes they name.
-        few_rows: a half-precision CUDA call of 2..few_rows rows takes the few-row GEMV (0: none).
+        few_rows: a half-precision CUDA call of 2..few_rows rows takes the few-row GEMV (0: none; an
+            FP8 weight at most FP8_FEW_ROWS_MAX rows).
         fp8_gemm: an FP8 weight's GEMM above MAX_TUNED_TOKENS rows: "dequant" (from
             fp8.naive.DEQUANT_MIN_ROWS rows the weight dequantized to x's dtype, cuBLAS's GEMM on x as
             it is: W8A16, as the GEMV and skinny paths; fewer rows take ours), "triton" (our
@@ -113,7 +117,7 @@ def _linear_fp8(
             x=x, weight=weight, weight_scale=weight_scale, bias=bias, weight_tail=weight_tail, pdl=pdl, backend=backend
         )
     args = dict(x=x, weight=weight, bias=bias, weight_scale=weight_scale, weight_tail=weight_tail, pdl=pdl)
-    path = _path(x, weight.shape[0], row_gemv, few_rows)
+    path = _path(x, weight.shape[0], row_gemv, min(few_rows, FP8_FEW_ROWS_MAX))
     if path == "row":
         from .triton_row import row_gemv as impl
 
@@ -200,7 +204,7 @@ def rms_norm_linear(
     if weight_scale is None:
         _check_plain(weight, weight_tail)
     assert low_rank is None or residual is not None, "rms_norm_linear: low_rank needs the residual"
-    path = _path(x, weight.shape[0], row_gemv, few_rows)
+    path = _path(x, weight.shape[0], row_gemv, few_rows if weight_scale is None else min(few_rows, FP8_FEW_ROWS_MAX))
     n = weight.shape[0] + (0 if weight_tail is None else weight_tail.shape[0])
     if low_rank is None and path == "rows" and few_rows_norm and _fuses_norm(n):
         from .triton_rows import rows_gemv
