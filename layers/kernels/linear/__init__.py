@@ -117,7 +117,7 @@ def _linear_fp8(
             x=x, weight=weight, weight_scale=weight_scale, bias=bias, weight_tail=weight_tail, pdl=pdl, backend=backend
         )
     args = dict(x=x, weight=weight, bias=bias, weight_scale=weight_scale, weight_tail=weight_tail, pdl=pdl)
-    path = _path(x, weight.shape[0], row_gemv, min(few_rows, FP8_FEW_ROWS_MAX))
+    path = _path(x, weight.shape[0], row_gemv, _few_rows(few_rows, fp8=True))
     if path == "row":
         from .triton_row import row_gemv as impl
 
@@ -148,6 +148,11 @@ def gemm_path(
     half = dtype in (torch.bfloat16, torch.float16)
     tuned = tuned_for(TUNED, info) or {}
     return "skinny" if half and num_rows <= MAX_TUNED_TOKENS and tuned_key(num_rows, n, k) in tuned else "torch"
+
+
+def _few_rows(few_rows: int, fp8: bool) -> int:
+    """The most rows that take the few-row GEMV: the option's, for an FP8 weight at most FP8_FEW_ROWS_MAX."""
+    return min(few_rows, FP8_FEW_ROWS_MAX) if fp8 else few_rows
 
 
 def _path(x: torch.Tensor, n: int, row_gemv: bool, few_rows: int = 0) -> Path:
@@ -198,13 +203,13 @@ def rms_norm_linear(
     Returns:
         NormLinearOut(out [M, N], y [M, K] or None, s [M, K]), in x's dtype. A CUDA row whose
         weight has at most triton_row.FUSED_NORM_MAX_N rows (where the fusion measured faster) runs
-        the norm inside the one-row GEMV, and 2..few_rows rows of a plain weight as small inside the
+        the norm inside the one-row GEMV, and 2..few_rows rows (FP8: _few_rows) of such a weight inside the
         few-row GEMV; otherwise the norm kernel, then `linear`.
     """
     if weight_scale is None:
         _check_plain(weight, weight_tail)
     assert low_rank is None or residual is not None, "rms_norm_linear: low_rank needs the residual"
-    path = _path(x, weight.shape[0], row_gemv, few_rows if weight_scale is None else min(few_rows, FP8_FEW_ROWS_MAX))
+    path = _path(x, weight.shape[0], row_gemv, _few_rows(few_rows, fp8=weight_scale is not None))
     n = weight.shape[0] + (0 if weight_tail is None else weight_tail.shape[0])
     if low_rank is None and path == "rows" and few_rows_norm and _fuses_norm(n):
         from .triton_rows import rows_gemv

@@ -43,11 +43,11 @@ def _rows_gemv_kernel(
     s_tn, s_om, eps, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     WRITE_NORMED: tl.constexpr, PRELOAD: tl.constexpr, FP8: tl.constexpr, HAS_TAIL: tl.constexpr,
-    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, TAIL_BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """FP8 (w float8 with block scales `scale`, SCALE_N x SCALE_K, row stride s_sn): each program
     widens and scales its weight tile once, then every row reuses it. HAS_TAIL: output columns N8..
-    come from `tail` (x's dtype, row stride s_tn), TAIL_BLOCK_N rows a program, in the programs after
+    come from `tail` (x's dtype, row stride s_tn), BLOCK_N rows a program, in the programs after
     the FP8 rows' (N8 a multiple of BLOCK_N)."""
     pid = tl.program_id(0)
     if HAS_TAIL:
@@ -55,7 +55,7 @@ def _rows_gemv_kernel(
         if tail_block >= 0:
             _rows_body(
                 x, residual, norm_weight, tail, scale, bias + N8, out + N8, res_out, normed_out, tail_block, pid == 0,
-                M, N - N8, s_xm, s_rm, s_tn, 0, s_om, eps, K, TAIL_BLOCK_N, BLOCK_K, GROUP, EVEN_K, HAS_BIAS, NORM,
+                M, N - N8, s_xm, s_rm, s_tn, 0, s_om, eps, K, BLOCK_N, BLOCK_K, GROUP, EVEN_K, HAS_BIAS, NORM,
                 HAS_RESIDUAL, WRITE_NORMED, PRELOAD, False, SCALE_N, SCALE_K, USE_PDL,
             )  # fmt: skip
             return
@@ -258,6 +258,6 @@ def rows_gemv(
         K=k, BLOCK_N=cfg["block_n"], BLOCK_K=block_k, GROUP=cfg["group"], EVEN_K=block_k == k,
         HAS_BIAS=bias is not None, NORM=norm, HAS_RESIDUAL=residual is not None, WRITE_NORMED=normed is not None,
         PRELOAD=preload, FP8=fp8, HAS_TAIL=weight_tail is not None, SCALE_N=scale_n, SCALE_K=scale_k,
-        TAIL_BLOCK_N=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=1, **pdl_launch(x, pdl),
+        num_warps=cfg["num_warps"], num_stages=1, **pdl_launch(x, pdl),
     )  # fmt: skip
     return out, normed, res_out
