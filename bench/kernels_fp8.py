@@ -17,6 +17,7 @@ against the bf16 kernel the model runs without FP8, timed in the same run:
 
     python -m deltaserve.bench.kernels --only fp8
     python -m deltaserve.bench.kernels_fp8 --row-sweep    # batch 1: the FP8 one-row GEMV's tiles
+    python -m deltaserve.bench.kernels_fp8 --rows-sweep --tokens 2,4,8   # the few-row FP8 tiles
 
 The row sweep (FP8 decode at batch 1 is bound by its ~270 kernels' latency, not its bytes: 2.18 ms
 against a 0.87 ms floor at 4ff468f, bf16 2.23): every (block_n, num_warps) tile of the one-row kernel
@@ -308,6 +309,62 @@ def _row_sweep_shape(label: str, n: int, tail: int, k: int, bandwidth: float) ->
         print(f"  TUNED_ROW_FP8[H200][({n + tail}, {k})] = dict(block_n={rows[0][1]}, num_warps={rows[0][2]})")
 
 
+# (block_n, num_warps, group): the few-row kernel's FP8 tiles, 32 to 256 weights a thread
+FP8_FEW_ROW_TILES = [(bn, w, g) for bn, w in ((2, 1), (4, 2), (4, 4), (8, 4), (8, 8), (16, 8)) for g in (1, 2, 4)]
+
+
+def rows_sweep(tokens: list[int]) -> None:
+    """2..8 rows, each model shape's FP8 projection (tail rows in bf16): the few-row kernel's FP8 tiles
+    (rows a program, warps, rows a reduction group) with the weights loaded before the PDL wait, against
+    its default tile, the skinny GEMM (the FP8 path above FP8_FEW_ROWS_MAX rows) and the bf16 few-row
+    kernel on the same rows; graph-timed over cold copies, us per call."""
+    from deltaserve.bench.kernels import measure_copy_bandwidth
+    from deltaserve.layers.kernels.device import device_info
+    from deltaserve.layers.kernels.linear import triton_linear, triton_rows
+
+    bandwidth = measure_copy_bandwidth()
+    info = device_info(torch.device("cuda"))
+    for label, n, tail, k in SHAPES:
+        copies = _weights(n, tail, k)
+        calls = max(20, len(copies))
+        pick = [copies[i % len(copies)] for i in range(calls)]
+        fp8_bytes = n * k + tail * k * 2 + q_scale_bytes(copies[0][1])
+
+        def time_us(fn, pick=pick, calls=calls) -> float:
+            replay = graphed([lambda c=c: fn(c) for c in pick])
+            return triton.testing.do_bench(replay, warmup=10, rep=50, return_mode="median") * 1e3 / calls
+
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda", dtype=DTYPE, generator=torch.Generator(device="cuda").manual_seed(m))
+            ref = naive.linear(x=x.float(), weight=copies[0][3].float())
+
+            def rows(c, cfg=None, x=x):
+                return triton_rows.rows_gemv(x=x, weight=c[0], weight_scale=c[1], weight_tail=c[2], config=cfg)[0]
+
+            skinny = time_us(lambda c, x=x: triton_linear.linear(x=x, weight=c[0], weight_scale=c[1], weight_tail=c[2]))
+            bf16 = time_us(lambda c, x=x: triton_rows.rows_gemv(x=x, weight=c[3])[0])
+            default = triton_rows.pick_config(m, n + tail, k, info, fp8=True)
+            default_us = time_us(rows)
+            print(
+                f"{label} M={m} N8={n} tail={tail} K={k}: FP8 few-row default {default} {default_us:6.2f} us "
+                f"(err {_rel_err(rows(copies[0]), ref):.1e}); skinny {skinny:6.2f}; bf16 few-row {bf16:6.2f}",
+                flush=True,
+            )
+            found = []
+            for block_n, warps, group in FP8_FEW_ROW_TILES:
+                if group > triton.next_power_of_2(m):
+                    continue
+                cfg = dict(block_n=block_n, num_warps=warps, group=group)
+                try:
+                    found.append((time_us(functools.partial(rows, cfg=cfg)), cfg))
+                except Exception as e:  # a tile that does not compile or fit
+                    print(f"  {cfg}: {type(e).__name__}: {str(e)[:80]}")
+            for us, cfg in sorted(found, key=lambda r: r[0])[:5]:
+                share = fp8_bytes / bandwidth / (us * 1e-6)
+                tile = f"n{cfg['block_n']} w{cfg['num_warps']} g{cfg['group']}"
+                print(f"  {tile}: {us:6.2f} us  {100 * share:5.1f}% of copy BW")
+
+
 def q_scale_bytes(scale: torch.Tensor) -> int:
     return scale.numel() * scale.element_size()
 
@@ -320,12 +377,17 @@ def cases() -> list[Case]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--row-sweep", action="store_true", help="batch 1: the FP8 one-row GEMV's tiles")
+    parser.add_argument("--rows-sweep", action="store_true", help="2..8 rows (--tokens): the few-row FP8 tiles")
+    parser.add_argument("--tokens", default="2,4,8", help="comma-separated rows for --rows-sweep")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.kernels_fp8 needs a CUDA device", file=sys.stderr)
         return 2
     if args.row_sweep:
         row_sweep()
+        return 0
+    if args.rows_sweep:
+        rows_sweep([int(t) for t in args.tokens.split(",")])
         return 0
     from deltaserve.bench import kernels
 
