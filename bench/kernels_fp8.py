@@ -203,7 +203,7 @@ def _moe_cases() -> list[Case]:
         bf16 = [lambda r=r: tm.fused_moe(**r, w13=w13, w2=w2) for r in routes]
         distinct = sum(torch.unique(r["topk_ids"]).numel() for r in routes)
         r0 = routes[0]
-        w8a16 = None  # the sorted path's other FP8 form (moe_fp8_activations=unquantized): prefill sizes
+        w8a16 = None  # the sorted path's other FP8 form (fp8_activations=unquantized): prefill sizes
         if tokens * TOP_K > moe_naive.PAIRS_PATH_MAX:
             w8a16 = functools.partial(
                 tm.fused_moe, **r0, w13=q13, w2=q2, w13_scale=s13, w2_scale=s2, fp8_quantize_acts=False

@@ -72,7 +72,7 @@ def _inputs(num_tokens: int, seed: int, fp8: bool = False, w8a16: bool = False) 
     logits = torch.randn(num_tokens, E, device="cuda", generator=g)
     weights, ids = naive.route_topk_softmax(router_logits=logits, top_k=TOP_K, renormalize=True)
     experts = _fp8_weights() if fp8 else dict(w13=w13, w2=w2)
-    if fp8 and w8a16:  # the sorted path's FP8 experts on unquantized activations (moe_fp8_activations)
+    if fp8 and w8a16:  # the sorted path's FP8 experts on unquantized activations (fp8_activations)
         experts["fp8_quantize_acts"] = False
     return dict(hidden=hidden, **experts, topk_weights=weights.to(DTYPE), topk_ids=ids, expert_offset=0)
 

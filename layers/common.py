@@ -38,7 +38,7 @@ def project(
     return linear_kernels.linear(
         x=x, weight=weight, bias=bias, weight_scale=scale_of(weight), weight_tail=tail_of(weight), pdl=kernels.pdl,
         row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles, few_rows=kernels.few_rows_gemv,
-        fp8_gemm=kernels.fp8_gemm,
+        fp8_gemm=kernels.linear_fp8_gemm(),
     )  # fmt: skip
 
 

@@ -62,7 +62,7 @@ def norm_project(
         x=x, residual=residual, norm_weight=norm.weight, eps=norm.eps, weight=weight, bias=bias,
         write_normed=write_normed, weight_scale=scale_of(weight), weight_tail=tail_of(weight), pdl=kernels.pdl,
         row_gemv=kernels.row_gemv, row_tiles=kernels.row_tiles, low_rank=low_rank, few_rows=kernels.few_rows_gemv,
-        few_rows_norm=kernels.few_rows_norm, fp8_gemm=kernels.fp8_gemm,
+        few_rows_norm=kernels.few_rows_norm, fp8_gemm=kernels.linear_fp8_gemm(),
     )  # fmt: skip
 
 

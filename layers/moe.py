@@ -294,7 +294,7 @@ class SparseMoeBlock(nn.Module):
             pdl=ctx.kernels.pdl,
             deltas=deltas,
             fp8_quantize_acts=moe_kernels.quantizes_fp8_acts(
-                ctx.kernels.moe_fp8_activations, x.shape[0] * self.top_k, self.w13.shape[0]
+                ctx.kernels.fp8_activations, x.shape[0] * self.top_k, self.w13.shape[0]
             ),
             prefill_gemm=ctx.kernels.moe_prefill_gemm,
         )

@@ -27,6 +27,7 @@ from deltaserve.layers.config import ConfigError, Fp8Scheme, ModelConfig
 from deltaserve.layers.kernels import fp8 as fp8_kernels
 from deltaserve.layers.kernels.linear import naive as linear_naive
 from deltaserve.layers.kernels.moe import naive as moe_naive
+from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.loader import CheckpointError, load_model
 from deltaserve.layers.parallel import ParallelLayout
 from deltaserve.layers.quant import layout
@@ -45,9 +46,9 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist()
 
 
-def logits(model, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+def logits(model, ids: list[int], chunk: int | None = None, kernels: KernelOptions | None = None) -> torch.Tensor:
     """Logits of a prompt in one pass, or in passes of `chunk` tokens."""
-    seqs = Sequences(model)
+    seqs = Sequences(model, kernels=kernels)
     seqs.add("a")
     chunk = chunk or len(ids)
     return torch.cat([seqs.run([("a", ids[i : i + chunk])])[0] for i in range(0, len(ids), chunk)])
@@ -180,6 +181,45 @@ def test_greedy_tokens_against_the_twin(qwen_like):
     whole = sum(a == b for a, b in zip(ours, ref, strict=True))
     print(f"quantized prefill: first tokens equal to the twin's {first}/12, whole continuations {whole}/12")
     assert first >= 8
+
+
+UNQUANTIZED = KernelOptions(fp8_activations="unquantized")
+
+
+@pytest.mark.parametrize("chunk", [None, 97, 40, 10])
+def test_unquantized_activations_give_the_twin_at_every_pass_size(qwen_like, chunk):
+    """fp8_activations="unquantized": no path quantizes an activation, so the FP8 model gives its
+    dequantized twin's logits to float32 rounding in passes of every size: 200 rows (the dense
+    projections on the dequantized weight), 97 and 40 (the default's W8A8 dense GEMM and sorted MoE),
+    10 (the GEMVs and the pairs path)."""
+    fp8_dir, twin_dir, _ = qwen_like
+    ids = prompt(200, seed=5)
+    want = logits(load_model(twin_dir), ids)
+    assert rel_err(logits(load_model(fp8_dir), ids, chunk, UNQUANTIZED), want) < EXACT
+
+
+def test_unquantized_activations_speculation_and_batching_change_no_token(qwen_like):
+    """Under the default a decode row's activations are quantized when its pass is prefill-sized, so
+    a request's tokens follow what shares its passes: four requests decoded together with MTP drafts
+    (verify rows beside prompt chunks in 24-token passes) part from the same run without drafts on 2
+    of the 4 (measured at commit time, within 12 tokens). Under "unquantized" they give the tokens of
+    each request run alone, with drafts or without."""
+    fp8_dir = str(qwen_like[0])
+    prompts = [prompt(n, seed=30 + n) for n in (3, 20, 9, 40)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    batched = dict(max_num_seqs=4, max_num_batched_tokens=24, enable_prefix_caching=False, kernels=UNQUANTIZED)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+
+    def run(**settings) -> list[list[int]]:
+        llm = LLM(fp8_dir, **settings)
+        try:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+
+    alone = run(**{**batched, "max_num_seqs": 1, "max_num_batched_tokens": 64})
+    assert run(**batched) == alone
+    assert run(**batched, speculative_config=spec) == alone
 
 
 def test_quantization_fp8_round_trips(qwen_like):

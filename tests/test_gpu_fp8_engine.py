@@ -35,11 +35,11 @@ def fp8_dir(tmp_path_factory):
     return str(root / "fp8")
 
 
-def gpu_and_cpu(fp8_dir: str, budget: int) -> list[float]:
+def gpu_and_cpu(fp8_dir: str, budget: int, **settings) -> list[float]:
     """Prompt-logprob gaps of the GPU (float32 activations, IEEE dots) against the CPU path, the same
     passes on both sides: which rows quantize their activations is decided per pass."""
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    same = dict(max_num_batched_tokens=budget, max_num_seqs=16)
+    same = dict(max_num_batched_tokens=budget, max_num_seqs=16, **settings)
     prompts = engine_prompts()
     cpu = LLM(fp8_dir, device="cpu", **same).generate(prompts, params, use_tqdm=False)
     gpu = LLM(fp8_dir, device="cuda", dtype="float32", **same, **POOL).generate(prompts, params, use_tqdm=False)
@@ -66,6 +66,16 @@ def test_fp8_prefill_passes_within_quantization_noise_of_cpu(fp8_dir, monkeypatc
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     gaps = gpu_and_cpu(fp8_dir, 97)
     assert gaps[len(gaps) // 2] < PREFILL_MEDIAN_GAP
+
+
+def test_fp8_unquantized_activations_match_cpu_at_prefill_sizes(fp8_dir, monkeypatch):
+    """fp8_activations="unquantized": passes of up to 97 rows take every activation as it is (the
+    dense projections on the dequantized weight, the sorted MoE and the shared expert in W8A16), so
+    the CPU path's logprobs to float32 rounding, as decode-sized passes."""
+    from deltaserve.layers.kernels.options import KernelOptions
+
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    assert max(gpu_and_cpu(fp8_dir, 97, kernels=KernelOptions(fp8_activations="unquantized"))) < 1e-3
 
 
 def test_fp8_cuda_graphs_give_the_eager_tokens(fp8_dir, monkeypatch):

@@ -338,20 +338,22 @@ def test_fp8_linear_dequant_backend(device, m, n, k, block, tail):
 
 def test_which_fp8_passes_quantize_x():
     """linear's FP8 paths by rows: the GEMVs (up to 16 rows) and the dequantized weight's GEMM (from
-    DEQUANT_MIN_ROWS) take x as it is; the W8A8 GEMMs quantize it, and take dequant's decode batches."""
+    DEQUANT_MIN_ROWS) take x as it is; the W8A8 GEMMs quantize it, and take dequant's decode batches;
+    "w8a16" never does."""
     rule = fp8_naive.gemm_quantizes_x
     assert fp8_naive.GEMV_MAX_ROWS == linear_kernels.MAX_TUNED_TOKENS
     assert [rule(m, "dequant") for m in (1, 16, 17, 127, 128, 2048)] == [False, False, True, True, False, False]
     assert [rule(m, "triton") for m in (16, 17, 128, 2048)] == [False, True, True, True]
     assert rule(2048, "cublas")
+    assert not any(rule(m, "w8a16") for m in (1, 16, 17, 127, 128, 2048))  # fp8_activations="unquantized"
 
 
-@pytest.mark.parametrize("fp8_gemm", ["dequant", "triton"])
+@pytest.mark.parametrize("fp8_gemm", ["dequant", "triton", "w8a16"])
 @pytest.mark.parametrize("m", [1, 4, 16, 17, 130])
 def test_linear_op_fp8_paths(device, m, fp8_gemm):
     """The op: up to 16 rows x as it is (GEMV / skinny on CUDA); above, the GEMM: x quantized for
-    the W8A8 one and dequant's decode batches, as it is on the dequantized weight from 128 rows (the
-    CPU reference alike)."""
+    the W8A8 one and dequant's decode batches, as it is on the dequantized weight from 128 rows and,
+    under w8a16, at every size (the CPU reference alike)."""
     q, s = weight(40, 128, device=device)
     x = rand(m, 128, device=device)
     out = linear_kernels.linear(x=x, weight=q, weight_scale=s, fp8_gemm=fp8_gemm)

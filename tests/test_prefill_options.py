@@ -1,5 +1,5 @@
 """The prefill kernel choices (KernelOptions: prefill_attention, moe_sorted_block_m,
-moe_fp8_activations, gdn_chunk_variant) that `bench offline --variants` A/Bs on the GPU: each reaches its op, and the
+fp8_activations, gdn_chunk_variant) that `bench offline --variants` A/Bs on the GPU: each reaches its op, and the
 SDPA prefill attention gives the paged kernel's logits where it applies (one sequence's chunk: the
 whole prompt, or a chunk after cached tokens over its keys copied out of the pages) and stays out
 where it does not (several sequences)."""
@@ -122,7 +122,7 @@ def test_prefill_options_reach_their_ops(moe_model, monkeypatch):
 
         monkeypatch.setattr(module, name, spy)
     opts = KernelOptions(
-        prefill_attention="sdpa", moe_sorted_block_m=64, gdn_chunk_variant="split32", moe_fp8_activations="unquantized",
+        prefill_attention="sdpa", moe_sorted_block_m=64, gdn_chunk_variant="split32", fp8_activations="unquantized",
         moe_prefill_gemm="torch", moe_sorted_persistent="flat",
     )  # fmt: skip
     seqs = Sequences(moe_model, kernels=opts)
@@ -135,7 +135,7 @@ def test_prefill_options_reach_their_ops(moe_model, monkeypatch):
 
 
 def test_auto_fp8_activations_quantize_where_the_tiles_take_wgmma(moe_model, monkeypatch):
-    """moe_fp8_activations="auto": the MoE block quantizes its experts' activations only above
+    """fp8_activations="auto": the MoE block quantizes its experts' activations only above
     FP8_ACT_QUANT_MIN_ROWS routed rows an expert, exactly where the H200's FP8 sorted tiles turn to 64
     rows and up (wgmma on e4m3); "quantized" / "unquantized" decide alone."""
     from deltaserve.layers.kernels.moe.naive import FP8_ACT_QUANT_MIN_ROWS
@@ -159,7 +159,7 @@ def test_auto_fp8_activations_quantize_where_the_tiles_take_wgmma(moe_model, mon
     few = FP8_ACT_QUANT_MIN_ROWS * experts // top_k  # tokens: exactly the cut's rows an expert
     for tokens, quantized in ((few, False), (few + experts, True)):
         seen.clear()
-        seqs = Sequences(moe_model, kernels=KernelOptions(moe_fp8_activations="auto"))
+        seqs = Sequences(moe_model, kernels=KernelOptions(fp8_activations="auto"))
         seqs.add("a")
         seqs.run([("a", _prompt(tokens, 4))])
         assert seen and set(seen) == {quantized}, (tokens, seen)
@@ -206,7 +206,7 @@ def test_option_values_are_checked():
         {"gdn_chunk_variant": "x"},
         {"sdpa_backend": "fa3"},
         {"moe_sorted_persistent": "yes"},
-        {"moe_fp8_activations": "w8a8"},
+        {"fp8_activations": "w8a8"},
     )
     for settings in bad:
         with pytest.raises(ValueError, match=next(iter(settings))):

@@ -126,15 +126,18 @@ class KernelOptions:
             "choices": ("triton", "torch"),
         },
     )
-    moe_fp8_activations: str = field(
+    fp8_activations: str = field(
         default="quantized",
         metadata={
-            "env": "DELTASERVE_MOE_FP8_ACTIVATIONS",
-            "help": "FP8 experts on the MoE's sorted path: quantized: x and silu(gate) * up quantized per 1 x 128 "
-            "group for FP8 dots (W8A8); unquantized: the weights converted in registers, dots in the activations' "
-            "dtype (W8A16); auto: quantized only above 24 routed rows an expert, where the tiles are 64 rows or "
-            "more and the dots take FP8 tensor cores (prefill), unquantized below (decode batches, whose 16-row "
-            "tiles widen e4m3 to f16 either way)",
+            "env": "DELTASERVE_FP8_ACTIVATIONS",
+            "help": "the activations of FP8 projections: quantized: per row and 1 x 128 group where an FP8 "
+            "tensor-core GEMM takes them (the MoE's sorted path: prefill and decode batches over 8; dense "
+            "projections of 17 to 127 rows), as they are in the decode GEMVs (W8A16), so a token's numerics "
+            "depend on its pass's size; unquantized: never (W8A16 at every size: the sorted MoE converts the "
+            "weights in registers, dense projections over 16 rows take the dequantized weight): the FP8 weights' "
+            "exact function, whatever shares a request's passes or chunks its prompt, so speculative decoding "
+            "and batching change no token (slower prefill); auto: as quantized, the MoE only above 24 routed "
+            "rows an expert (64-row tiles and up: FP8 tensor cores)",
             "choices": ("quantized", "unquantized", "auto"),
         },
     )
@@ -167,6 +170,11 @@ class KernelOptions:
             choices = f.metadata.get("choices")
             if choices is not None and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name}: must be one of {choices}, got {getattr(self, f.name)!r}")
+
+    def linear_fp8_gemm(self) -> str:
+        """linear's fp8_gemm for the dense projections: "w8a16" (no path quantizes x) when the FP8
+        activations stay unquantized, else the fp8_gemm option."""
+        return "w8a16" if self.fp8_activations == "unquantized" else self.fp8_gemm
 
     def row_tile(self, n: int, k: int) -> RowTile | None:
         for tile in self.row_tiles:

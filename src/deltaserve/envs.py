@@ -95,11 +95,14 @@ ENV_VARS: dict[str, EnvVar] = {
             "or torch (torch's grouped GEMM, CUTLASS on sm_90, on x gathered into expert order first)",
         ),
         EnvVar(
-            "DELTASERVE_MOE_FP8_ACTIVATIONS",
+            "DELTASERVE_FP8_ACTIVATIONS",
             "quantized",
-            "FP8 experts on the MoE's sorted path: quantized: x and the activation quantized per 1 x 128 group for "
-            "FP8 dots (W8A8); unquantized: the weights converted in registers (W8A16); auto: quantized only above "
-            "24 routed rows an expert (64-row tiles and up: FP8 tensor cores), unquantized below",
+            "the activations of FP8 projections: quantized: per row and 1 x 128 group where an FP8 tensor-core GEMM"
+            " takes them (the MoE's sorted path; dense projections of 17 to 127 rows), as they are in the decode "
+            "GEMVs, so a token's numerics depend on its pass's size; unquantized: never (W8A16 at every size): "
+            "the FP8 weights' exact function whatever shares a request's passes, so speculative decoding and "
+            "batching change no token (slower prefill); auto: as quantized, the MoE only above 24 routed rows an "
+            "expert",
         ),
         EnvVar(
             "DELTASERVE_GDN_CHUNK_VARIANT",

@@ -22,8 +22,10 @@ DEQUANT_MIN_ROWS = 128
 
 def gemm_quantizes_x(rows: int, fp8_gemm: str) -> bool:
     """Whether linear with an FP8 weight quantizes its `rows`-row input (per row and 1 x 128 group)
-    under the fp8_gemm setting ("dequant", "triton", "cublas"): the W8A8 GEMMs do, the GEMVs and the
-    dequantized weight's GEMM do not."""
+    under its fp8_gemm ("dequant", "triton", "cublas", or "w8a16": the dequantized weight's GEMM at
+    every size above the GEMVs): the W8A8 GEMMs do, the GEMVs and the dequantized weight's GEMM do not."""
+    if fp8_gemm == "w8a16":
+        return False
     return rows > GEMV_MAX_ROWS and (fp8_gemm != "dequant" or rows < DEQUANT_MIN_ROWS)
 
 

@@ -61,9 +61,10 @@ def linear(
             FP8 weight at most FP8_FEW_ROWS_MAX rows).
         fp8_gemm: an FP8 weight's GEMM above MAX_TUNED_TOKENS rows: "dequant" (from
             fp8.naive.DEQUANT_MIN_ROWS rows the weight dequantized to x's dtype, cuBLAS's GEMM on x as
-            it is: W8A16, as the GEMV and skinny paths; fewer rows take ours), "triton" (our
-            block-scaled W8A8 GEMM) or "cublas" (cuBLAS's block-scaled W8A8 GEMM where it takes the
-            weight: triton_fp8.cublas_fp8_ok; else ours).
+            it is: W8A16, as the GEMV and skinny paths; fewer rows take ours), "w8a16" (the dequantized
+            weight's GEMM at every size: x never quantized), "triton" (our block-scaled W8A8 GEMM) or
+            "cublas" (cuBLAS's block-scaled W8A8 GEMM where it takes the weight:
+            triton_fp8.cublas_fp8_ok; else ours).
 
     Returns:
         [M, N (+ N_tail)] in x's dtype. The path: gemm_path (one row, 2..few_rows rows, <=
@@ -112,7 +113,10 @@ def _linear_fp8(
     if rows > MAX_TUNED_TOKENS:
         from .triton_fp8 import fp8_linear
 
-        backend = "triton" if fp8_gemm == "dequant" and rows < DEQUANT_MIN_ROWS else fp8_gemm
+        if fp8_gemm == "w8a16":
+            backend = "dequant"
+        else:
+            backend = "triton" if fp8_gemm == "dequant" and rows < DEQUANT_MIN_ROWS else fp8_gemm
         return fp8_linear(
             x=x, weight=weight, weight_scale=weight_scale, bias=bias, weight_tail=weight_tail, pdl=pdl, backend=backend
         )

@@ -118,7 +118,7 @@ def route_topk_softmax(*, router_logits, top_k, renormalize):
     return weights, ids
 
 
-# FP8 experts' activations under moe_fp8_activations="auto": quantized above this many routed rows an
+# FP8 experts' activations under fp8_activations="auto": quantized above this many routed rows an
 # expert, where tiles.SORTED_TILES_FP8's tiles start (64 rows and up: wgmma on e4m3); below, the tiles have
 # 16 or 32 rows and Triton widens e4m3 operands to f16 for mma.sync, so quantizing buys nothing
 FP8_ACT_QUANT_MIN_ROWS = 24
@@ -126,7 +126,7 @@ FP8_ACT_QUANT_MIN_ROWS = 24
 
 def quantizes_fp8_acts(mode: str, num_pairs: int, num_experts: int) -> bool:
     """Whether the sorted path's FP8 GEMMs quantize their activations (W8A8) for `num_pairs` routed
-    pairs over `num_experts` local experts, under KernelOptions.moe_fp8_activations `mode`. A rule of
+    pairs over `num_experts` local experts, under KernelOptions.fp8_activations `mode`. A rule of
     shapes alone, so that every device and the CPU reference decide alike."""
     if mode == "auto":
         return num_pairs / max(1, num_experts) > FP8_ACT_QUANT_MIN_ROWS
@@ -181,10 +181,17 @@ def fused_moe(
         out.index_add_(0, token_idx, y * topk_weights[token_idx, k_idx, None].to(acc))
     if shared is not None:
         check_shared(shared, hidden.shape[0], hidden.shape[1])
-        quantize_shared = quantize and gemm_quantizes_x(hidden.shape[0], "dequant")  # linear's default
+        # linear's rule for its rows (the sorted path's fp8_gemm: shared_fp8_gemm)
+        quantize_shared = quantize and gemm_quantizes_x(hidden.shape[0], shared_fp8_gemm(fp8_quantize_acts))
         combined = shared_expert_combine(routed=out, **shared._asdict(), quantize_x=quantize_shared)
         return apply_add_norm(combined.to(hidden.dtype), add_norm)
     return apply_add_norm(out.to(hidden.dtype), add_norm)
+
+
+def shared_fp8_gemm(quantize_acts: bool) -> str:
+    """linear's fp8_gemm for the shared expert's down projection on the sorted path: its default, or
+    "w8a16" (x never quantized) when the block's experts leave their activations unquantized."""
+    return "dequant" if quantize_acts else "w8a16"
 
 
 # the fewest K columns of an FP8 (e4m3) dot (Triton's bound on sm_89+): the sorted path's K step is one
@@ -241,7 +248,7 @@ def shared_expert_combine(
     routed: [T, H]; gate_up: [T, 2 * I] (gate columns then up); w2: [H, I]; gate_logit: [T, 1];
     w2_scale: w2 is FP8 with these block scales. lora: SharedExpert.lora. quantize_x (FP8): the
     activation is quantized per 1 x 128 group first (the sorted path's down projection runs through
-    linear with its default fp8_gemm: fp8.naive.gemm_quantizes_x). Returns [T, H] in routed's dtype."""
+    linear: fp8.naive.gemm_quantizes_x, shared_fp8_gemm). Returns [T, H] in routed's dtype."""
     inter = w2.shape[1]
     acc = acc_dtype(routed, gate_up)
     act = F.silu(gate_up[:, :inter].to(acc)) * gate_up[:, inter:].to(acc)

@@ -20,7 +20,7 @@ from .activation import silu_mul
 from .align import align_pairs
 from .fused_norm import norm_kernel_args
 from .grouped import grouped_gemms
-from .naive import fp8_dots_fit
+from .naive import fp8_dots_fit, shared_fp8_gemm
 from .pairs import low_rank_args
 
 _NO_KEY = tl.constexpr(2147483647)  # past every key: a row without a low-rank addition, or one already added
@@ -439,12 +439,15 @@ def moe_sorted(
         num_warps=down["num_warps"], num_stages=down["num_stages"],
         **pdl_launch(act, pdl),
     )  # fmt: skip
-    _sum(hidden, y, topk_ids, expert_offset, num_experts, out, shared, norm, pdl)
+    _sum(hidden, y, topk_ids, expert_offset, num_experts, out, shared, norm, pdl, quantize_acts=quantize_acts)
 
 
-def _sum(hidden, y, topk_ids, expert_offset, num_experts, out, shared, norm, pdl, by_row=None) -> None:
+def _sum(
+    hidden, y, topk_ids, expert_offset, num_experts, out, shared, norm, pdl, by_row=None, quantize_acts=True
+) -> None:  # fmt: skip
     """Each token's local slots of y summed (by_row: (y_row, topk_weights), the grouped GEMMs' rows
-    and the weights they leave out), the shared expert and the next norm when asked: into out / norm."""
+    and the weights they leave out), the shared expert and the next norm when asked: into out / norm.
+    quantize_acts False: the shared expert's FP8 down projection leaves its activation unquantized too."""
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     shared_out = gate_logit = None
@@ -453,7 +456,10 @@ def _sum(hidden, y, topk_ids, expert_offset, num_experts, out, shared, norm, pdl
         if shared.w2_scale is None:
             shared_out = F.linear(shared_act, shared.w2)
         else:
-            shared_out = linear_kernels.linear(x=shared_act, weight=shared.w2, weight_scale=shared.w2_scale, pdl=pdl)
+            shared_out = linear_kernels.linear(
+                x=shared_act, weight=shared.w2, weight_scale=shared.w2_scale, pdl=pdl,
+                fp8_gemm=shared_fp8_gemm(quantize_acts),
+            )  # fmt: skip
         gate_logit = shared.gate_logit
     # with the norm a program takes a whole row (a norm needs all of it); the shared expert's adapter
     # (a rank column at a time over the row) spills at 4 warps (ptxas, sm_90: 528 bytes)
