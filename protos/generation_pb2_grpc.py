@@ -72,7 +72,8 @@ class GenerationServicer:
     """
 
     def Generate(self, request, context):
-        """Streams GenerateResponse.chunk messages as tokens are produced, then one GenerateResponse.final.
+        """Streams GenerateResponse.chunk messages as tokens are produced, and a GenerateResponse.final as each
+        completion ends (n of them: sampling_params.n; `index` says which completion a message is of).
         Errors: INVALID_ARGUMENT (a bad field, named first in the message; also bytes that are not a
         GenerateRequest), NOT_FOUND (lora_name names no loaded adapter), RESOURCE_EXHAUSTED (the waiting
         queue is full, or a message over the size limit), UNAVAILABLE (the engine is down, or failed this

@@ -50,7 +50,9 @@ def llm(tiny_checkpoints):
         ({"stop": ["x"] * 40}, "stop"),
         ({"seed": -1}, "seed"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
+        ({"n": True}, "n"),
     ],
 )
 def test_sampling_params_name_the_field(kwargs, field):

@@ -234,7 +234,8 @@ def test_32_concurrent_streams(served, reference):
         ("hi", {"stop_token_ids": [3] * 40}, "stop_token_ids"),
         ("hi", {"logprobs": 50}, "logprobs"),
         ("hi", {"prompt_logprobs": -1}, "prompt_logprobs"),
-        ("hi", {"n": 2}, "n"),
+        ("hi", {"n": 0}, "n"),
+        ("hi", {"n": 129}, "n"),
         ("hi", {"request_id": "r" * 300}, "request_id"),
         ("hi", {"request_id": "r" * 20_000}, "request_id"),
     ],
@@ -490,6 +491,16 @@ def test_stream_to_terminal(served, reference):
     out, err = io.StringIO(), io.StringIO()
     assert stream_to_terminal(served.target, "hello", out=out, err=err, top_p=2.0) == 1
     assert err.getvalue().startswith("error: INVALID_ARGUMENT: top_p:")
+    # n > 1: completion 0 streams, the others follow under their index, a summary line each
+    out, err = io.StringIO(), io.StringIO()
+    sampled = dict(temperature=1.0, seed=4, max_tokens=6, ignore_eos=True, n=3)
+    assert stream_to_terminal(served.target, "hello there", out=out, err=err, **sampled) == 0
+    (expected,) = reference.generate(["hello there"], SamplingParams(**sampled), use_tqdm=False)
+    texts = [c.text for c in expected.outputs]
+    assert out.getvalue() == f"{texts[0]}\n[completion 1]\n{texts[1]}\n[completion 2]\n{texts[2]}\n"
+    lines = err.getvalue().splitlines()
+    assert [line.split("]")[0] for line in lines] == ["[completion 0", "[completion 1", "[completion 2"]
+    assert all("+ 6 completion tokens" in line for line in lines)
 
 
 # ---- the Ray backend ---------------------------------------------------------------------------------------

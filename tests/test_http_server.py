@@ -181,6 +181,52 @@ def test_completions_equal_grpc_and_llm_generate(server, client, reference):
     assert grpc_tokens(server, prompt, max_tokens=12, temperature=0, ignore_eos=True) == (want_ids, want_text)
 
 
+def test_n_completions_through_every_door(server, client, reference):
+    """n = 3, seeded: completion i is LLM.generate's completion i, as the choice of index i whole or
+    streamed (each choice's deltas under its index, one finish reason each), chat alike (a role chunk
+    per choice), and over gRPC (chunks under their index, a Final per completion)."""
+    prompt, sampling = "the quick brown fox", dict(temperature=1.0, seed=9, max_tokens=8)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    (want,) = reference.generate([prompt], SamplingParams(**sampling, n=3, ignore_eos=True), use_tqdm=False)
+    want_ids = [c.token_ids for c in want.outputs]
+    assert len({tuple(i) for i in want_ids}) > 1
+
+    whole = client.completions.create(model=MODEL, prompt=prompt, n=3, **sampling, extra_body=extra)
+    assert [(c.index, c.token_ids, c.text) for c in whole.choices] == [
+        (i, c.token_ids, c.text) for i, c in enumerate(want.outputs)
+    ]
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(want.prompt_token_ids), 24)
+    streamed, finishes = {i: [] for i in range(3)}, {i: [] for i in range(3)}
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, n=3, stream=True, **sampling, extra_body=extra):
+        for c in chunk.choices:
+            streamed[c.index] += c.token_ids or []
+            finishes[c.index] += [c.finish_reason] if c.finish_reason else []
+    assert [streamed[i] for i in range(3)] == want_ids and all(f == ["length"] for f in finishes.values())
+
+    (chat_want,) = reference.chat(CHAT, SamplingParams(**sampling, n=2, ignore_eos=True), use_tqdm=False)
+    roles, contents = {}, {0: "", 1: ""}
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=CHAT, n=2, stream=True, **sampling, extra_body=extra
+    ):
+        for c in chunk.choices:
+            roles[c.index] = roles.get(c.index) or c.delta.role
+            contents[c.index] += c.delta.content or ""
+    assert roles == {0: "assistant", 1: "assistant"} and [contents[0], contents[1]] == [
+        c.text for c in chat_want.outputs
+    ]
+
+    chunks, finals = {}, {}
+    with GenerationClient(f"127.0.0.1:{server.grpc_port}") as grpc_client:
+        for item in grpc_client.generate(prompt, n=3, ignore_eos=True, **sampling):
+            if isinstance(item, Chunk):
+                chunks.setdefault(item.index, []).extend(item.token_ids)
+            else:
+                finals[item.index] = item
+    assert [chunks[i] for i in range(3)] == want_ids
+    assert sorted(finals) == [0, 1, 2] and {f.completion_tokens for f in finals.values()} == {8}
+    wait_idle(server)
+
+
 def test_chat_equals_grpc_chat_and_llm_chat(server, client, reference):
     (want,) = reference.chat(CHAT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     want_ids, want_text = want.outputs[0].token_ids, want.outputs[0].text
@@ -318,7 +364,8 @@ BAD = [
     ("completions", {"prompt": "hi", "max_tokenz": 4}, "max_tokenz"),  # an unknown field
     ("completions", {"prompt": "hi", "temperature": -1}, "temperature"),  # SamplingParams refuses it
     ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ("completions", {"prompt": "hi", "n": 2}, "n"),
+    ("completions", {"prompt": "hi", "n": 0}, "n"),
+    ("completions", {"prompt": "hi", "n": 129}, "n"),
     ("completions", {"prompt": [7] * 600}, "prompt"),  # over max_model_len
     ("completions", {"prompt": [400]}, "prompt_token_ids"),  # outside the vocabulary
     ("completions", {"prompt": "hi", "stop": ["x" * 20000]}, "stop"),  # a long value is not echoed

@@ -30,6 +30,7 @@ from deltaserve.workers.grammar import parse_grammar
 from deltaserve.workers.plan import GrammarSpec, PassPlan, RunnerOutput, TokenLogprobs
 
 from .allocator import BlockAllocator, StateSlotAllocator
+from .completions import CompletionGroup, completion_id
 from .lora import AdapterRegistry, LoRARequest
 from .prefix_cache import CapturePolicy, PrefixCache, SnapshotCache
 from .request import (
@@ -148,6 +149,9 @@ class EngineCore:
         )  # fmt: skip
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
+        # n > 1 requests by their id, and each completion's request id -> (its group, its index)
+        self._groups: dict[str, CompletionGroup] = {}
+        self._members: dict[str, tuple[CompletionGroup, int]] = {}
         self._checked_grammars: OrderedDict[str, None] = OrderedDict()
         self._grammar_lock = threading.Lock()  # make_request runs on the callers' threads too
         # speculative passes run synchronously: a verify's accepted count decides the next plan
@@ -262,11 +266,34 @@ class EngineCore:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> Request:
-        req = self.make_request(req_id, prompt, params, cache_salt, lora_request)
+        """Validate and queue a request (ValueError naming a bad field, or an id in use). n > 1: its
+        completions queue as requests of their own (completions.py); returns the first."""
+        if req_id in self._groups:
+            raise ValueError(f"request_id: {short(req_id, 80)} is already in use")
+        if params.n == 1:
+            return self._queue(self.make_request(req_id, prompt, params, cache_salt, lora_request), prompt)
+        first = self.make_request(completion_id(req_id, 0), prompt, params.for_completion(0), cache_salt, lora_request)
+        ids = [completion_id(req_id, i) for i in range(params.n)]
+        if any(i in self.scheduler.requests for i in ids):
+            raise ValueError(f"request_id: {short(req_id, 80)} is already in use")
+        group = CompletionGroup(req_id, params.n, prompt if isinstance(prompt, str) else None)
+        self._groups[req_id] = group
+        reqs = [first] + [
+            self.make_request(ids[i], first.prompt_token_ids, params.for_completion(i), cache_salt, lora_request)
+            for i in range(1, params.n)
+        ]
+        for i, req in enumerate(reqs):
+            req.prefill_leader = first if i else None
+            self._members[req.req_id] = (group, i)
+            self._queue(req, prompt)
+        return first
+
+    def _queue(self, req: Request, prompt: str | list[int]) -> Request:
         self.scheduler.add(req)
-        self._prompts[req_id] = prompt if isinstance(prompt, str) else None
+        self._prompts[req.req_id] = prompt if isinstance(prompt, str) else None
+        params = req.sampling_params
         if self.tokenizer is not None:
-            self._detok[req_id] = IncrementalDetokenizer(
+            self._detok[req.req_id] = IncrementalDetokenizer(
                 self.tokenizer,
                 req.prompt_token_ids,
                 skip_special_tokens=params.skip_special_tokens,
@@ -293,8 +320,18 @@ class EngineCore:
         return self.loras.lookup(name)
 
     def abort(self, req_id: str) -> RequestOutput | None:
-        req = self.scheduler.abort(req_id)
-        return None if req is None else self._output(req, [], "")
+        """End a request (an n > 1 request: every completion still running); its last output, None
+        when no such request runs."""
+        group = self._groups.get(req_id)
+        if group is None:
+            req = self.scheduler.abort(req_id)
+            return None if req is None else self._output(req, [], "")
+        out = None
+        for i in range(group.n):
+            req = self.scheduler.abort(completion_id(req_id, i))
+            if req is not None:
+                out = self._output(req, [], "") or out
+        return out
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None or self._restart_pending
@@ -308,7 +345,7 @@ class EngineCore:
         if self.async_scheduling:
             return self._step_async()
         plan = self.scheduler.schedule()
-        outputs = [self._output(req, [], self._flush(req)) for req in self.scheduler.pop_failed()]
+        outputs = self._outputs_of(self.scheduler.pop_failed())
         if plan is None:
             return outputs
         try:
@@ -320,7 +357,7 @@ class EngineCore:
     def _step_async(self) -> list[RequestOutput]:
         # plan and launch pass N+1 while pass N (launched by the previous step) still runs
         plan = self.scheduler.schedule()
-        outputs = [self._output(req, [], self._flush(req)) for req in self.scheduler.pop_failed()]
+        outputs = self._outputs_of(self.scheduler.pop_failed())
         launched = None
         if plan is not None:
             try:
@@ -359,7 +396,7 @@ class EngineCore:
             if out is not None:
                 outputs.append(out)
         # requests the output failed (a grammar that did not compile on the workers)
-        outputs += [self._output(req, [], self._flush(req)) for req in self.scheduler.pop_failed()]
+        outputs += self._outputs_of(self.scheduler.pop_failed())
         self._log_spec_stats()
         self._log_prefix_stats()
         return outputs
@@ -387,11 +424,10 @@ class EngineCore:
         are dropped."""
         self._in_flight = None
         self.scheduler.forget_in_flight()
-        outputs = []
-        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+        requests = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for req in requests:
             self.scheduler.finish(req, FinishReason.ERROR, error)
-            outputs.append(self._output(req, [], self._flush(req)))
-        return outputs
+        return self._outputs_of(requests)
 
     def _on_tokens(self, req: Request, count: int) -> RequestOutput | None:
         """The request's last `count` tokens (several from a speculative verify) into text; a stop
@@ -426,7 +462,27 @@ class EngineCore:
         detok = self._detok.get(req.req_id)
         return "" if detok is None else detok.flush()
 
-    def _output(self, req: Request, new_ids: list[int], delta: str) -> RequestOutput:
+    def _outputs_of(self, finished: list[Request]) -> list[RequestOutput]:
+        """The outputs of requests just ended outside a pass (failed, or their workers lost)."""
+        outputs = (self._output(req, [], self._flush(req)) for req in finished)
+        return [out for out in outputs if out is not None]
+
+    def _output(self, req: Request, new_ids: list[int], delta: str) -> RequestOutput | None:
+        """The request's output, or (a completion of an n > 1 request) its share of the request's:
+        None while the final-only request waits for other completions."""
+        out = self._request_output(req, new_ids, delta)
+        member = self._members.get(req.req_id)
+        if member is None:
+            return out
+        group, index = member
+        if out.finished:
+            del self._members[req.req_id]
+        gathered = group.gather(index, out, final_only=self.output_mode == "final")
+        if group.done:
+            del self._groups[group.req_id]
+        return gathered
+
+    def _request_output(self, req: Request, new_ids: list[int], delta: str) -> RequestOutput:
         """The request's output; lists are the request's own (it is not mutated once finished)."""
         finished = req.is_finished
         params = req.sampling_params

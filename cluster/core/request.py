@@ -89,6 +89,9 @@ class Request:
     grammar: GrammarSpec | None = None
     # speculative decoding: the MTP head's drafts after the latest token, for its next verify row
     draft_token_ids: list[int] = field(default_factory=list)
+    # completion 1.. of an n > 1 request: the first completion, whose prompt prefill it waits for
+    # (then it starts from the prefix cache: completions.py)
+    prefill_leader: Request | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -198,3 +201,10 @@ class RequestOutput:
     delta_logprobs: SampleLogprobs = field(default_factory=list)
     time_to_first_token_s: float | None = None
     error: str | None = None
+    # an n > 1 request (completions.py): the index of the completion the delta_* fields belong to
+    delta_index: int = 0
+
+    def completion(self, index: int) -> CompletionOutput:
+        """The completion at this index among `outputs` (a streamed n > 1 update holds only the one that
+        changed: `delta_index`)."""
+        return next(c for c in self.outputs if c.index == index)

@@ -3,6 +3,7 @@ StructuredOutputsParams, its constraint on the output's form (JSON schema, regex
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json as json_module
 import math
@@ -20,6 +21,7 @@ MAX_TOP_K = 2**31 - 1  # what the gRPC field holds; the sampler keeps every toke
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 MAX_GRAMMAR_CHARS = 512 * 1024  # a schema, regex, grammar or the choices together
 MAX_CHOICES = 1024
+MAX_N = 128  # completions of one request (OpenAI's bound)
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 _SCHEMA_FIELD = "response_format.json_schema.schema"
 
@@ -148,7 +150,8 @@ class SamplingParams:
     in it; `stop_token_ids` and the checkpoint's EOS end the output (EOS unless `ignore_eos`).
     `logprobs` / `prompt_logprobs`: how many top alternatives to return per position (0: only the
     chosen token's own logprob). `max_tokens` None: as many as fit in max_model_len; a number that
-    does not fit after the prompt is refused. `output_kind`: what the async API's outputs hold."""
+    does not fit after the prompt is refused. `output_kind`: what the async API's outputs hold.
+    `n`: completions of the prompt (cluster/core/completions.py: the prompt is prefilled once)."""
 
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -198,8 +201,8 @@ class SamplingParams:
             if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
                 bad(name, f"must be a finite float32 number, got {short(value)}")
             setattr(self, name, float(value))
-        if self.n != 1:
-            bad("n", f"must be 1 (got {short(self.n)}); several completions per request are not supported yet")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}], got {short(self.n)}")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1
         ):
@@ -244,6 +247,14 @@ class SamplingParams:
                 bad("structured_outputs", f"must be a StructuredOutputsParams, got {short(self.structured_outputs)}")
             if self.min_tokens:  # the grammar's end allows only EOS, which min_tokens forbids
                 bad("min_tokens", "must be 0 with structured_outputs (the grammar decides where the output ends)")
+
+    def for_completion(self, index: int) -> SamplingParams:
+        """The parameters of completion `index` of an n > 1 request, which runs as a request of its own:
+        n = 1, a given seed plus the index (each completion its own reproducible stream, as vLLM), and
+        the prompt's logprobs asked of the first completion only (they are every completion's)."""
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
     @property
     def greedy(self) -> bool:

@@ -384,14 +384,20 @@ class Scheduler:
             i += 1
 
         # then waiting requests, in arrival order (preempted ones were put back in front); those
-        # whose grammar the workers still compile are passed over
+        # whose grammar the workers still compile, and completions waiting for their leader's
+        # prompt, are passed over
+        passed: list[Request] = []
         compiling: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self.slots.num_free:
             req = self.waiting[0]
             if req.num_pending_outputs:
                 break  # preempted with a token in flight: it resumes once that token is known
+            if self._follows_leader(req):
+                passed.append(self.waiting.popleft())
+                continue
             if not self._grammar_ready(req):
                 compiling.append(self.waiting.popleft())
+                passed.append(compiling[-1])
                 continue
             want = self._admit(req, budget)
             if want is None:
@@ -403,9 +409,10 @@ class Scheduler:
             # nothing else would run: its pass waits for the compile, and stalls no one
             want = self._admit(compiling[0], budget)
             if want is not None:
-                scheduled.append((compiling.pop(0), want))
+                scheduled.append((compiling[0], want))
+                passed.remove(compiling[0])
                 budget -= want
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(passed))
 
         if not scheduled:
             if self.prefix is not None:
@@ -414,6 +421,17 @@ class Scheduler:
                 self._check_progress()
             return None
         return self._build_plan(scheduled)
+
+    def _follows_leader(self, req: Request) -> bool:
+        """A completion of an n > 1 request waits while its leader's prompt is still to be planned:
+        then it starts from the leader's cached pages and snapshot (with prefix caching on)."""
+        lead = req.prefill_leader
+        if lead is None or self.prefix is None or lead.is_finished:
+            return False
+        if lead.num_computed_tokens >= lead.num_prompt_tokens:
+            req.prefill_leader = None  # planned: nothing to wait for any more
+            return False
+        return True
 
     def _admit(self, req: Request, budget: int) -> int | None:
         """Take an adapter slot, pages and a state slot for a waiting request and make it running;

@@ -244,13 +244,14 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """vLLM's AsyncLLM.generate: RequestOutputs until the request finishes, whole so far
         (`output_kind` CUMULATIVE, the default), only what each step added (DELTA) or only the last
-        (FINAL_ONLY). Bad input raises ValueError naming the field before anything is queued;
+        (FINAL_ONLY). n > 1: each output before the last holds the completion that changed (its
+        `index`), the last one every completion. Bad input raises ValueError naming the field before anything is queued;
         leaving the loop early (or cancelling the task) aborts the request. `lora_request`: a loaded
         adapter to run on (by its name: AdapterNotFoundError when none of that name is loaded)."""
         lora_name = lora_request.lora_name if lora_request is not None else None
         await self.submit(request_id, prompt, sampling_params, lora_name)
         kind = sampling_params.output_kind
-        text, token_ids, logprobs = "", [], []
+        so_far: dict[int, tuple[str, list, list]] = {}  # each completion's text, ids and logprobs
         async with contextlib.aclosing(self.stream(request_id)) as outputs:
             async for out in outputs:
                 if kind is RequestOutputKind.FINAL_ONLY and not out.finished:
@@ -258,11 +259,13 @@ class AsyncEngine:
                 if kind is RequestOutputKind.DELTA:
                     yield _with_completion(out, out.delta_text, out.delta_token_ids, out.delta_logprobs)
                 elif out.finished:
-                    yield out  # a final output carries the whole completion
+                    yield out  # a final output carries every completion whole
                 else:
+                    text, token_ids, logprobs = so_far.get(out.delta_index, ("", [], []))
                     text += out.delta_text
-                    token_ids += out.delta_token_ids
-                    logprobs += out.delta_logprobs
+                    token_ids = token_ids + out.delta_token_ids
+                    logprobs = logprobs + out.delta_logprobs
+                    so_far[out.delta_index] = (text, token_ids, logprobs)
                     yield _with_completion(out, text, list(token_ids), list(logprobs))
 
     def render_chat(
@@ -456,11 +459,12 @@ def served_model_name(config: EngineConfig) -> str:
 
 
 def _with_completion(out: RequestOutput, text: str, token_ids: list[int], logprobs: list) -> RequestOutput:
-    """`out` with outputs[0] holding this text, these ids and logprobs (when the request asked)."""
-    done = out.outputs[0]
+    """`out` with one output, its completion `delta_index` holding this text, these ids and logprobs
+    (when the request asked)."""
+    done = out.completion(out.delta_index)
     asked = done.logprobs is not None or bool(logprobs)
     completion = CompletionOutput(
-        index=0,
+        index=done.index,
         text=text,
         token_ids=token_ids,
         cumulative_logprob=sum(next(iter(e.values())).logprob for e in logprobs) if asked else None,

@@ -183,6 +183,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "top_k": args.top_k,
         "seed": args.seed,
         "stop": args.stop or None,
+        "n": args.n,
     }
     from deltaserve import envs
 
@@ -358,6 +359,7 @@ def add_parsers(sub) -> None:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--n", type=int, default=None, help="completions of the prompt (printed one after another)")
     gen.add_argument("--stop", action="append", default=None)
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (the chat template)")
     gen.add_argument("--api-key", default=None, help="the server's --api-key (default: $DELTASERVE_API_KEY)")

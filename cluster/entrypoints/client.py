@@ -11,7 +11,8 @@ server's default); it yields a Chunk per engine step and a Final last. Logprobs 
 ({token id: Logprob}, the chosen token first). Errors are grpc.RpcError (`.code()`, `.details()`
 naming the bad field). Leaving the iteration early cancels the call, which aborts the request on the
 server. `api_key` sends `authorization: Bearer <key>`; `tls=True` (or `root_certificates`, a PEM
-file) connects over TLS.
+file) connects over TLS. With n > 1 the completions' chunks interleave (`index` on each) and every
+completion ends with its own Final.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Chunk:
     token_ids: list[int]
     text: str
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    index: int = 0  # the completion (n > 1)
 
 
 @dataclass
@@ -62,8 +64,9 @@ class Final:
     completion_tokens: int
     cached_tokens: int
     time_to_first_token_s: float | None
-    # when asked: entry i is prompt token i + 1 given the tokens before it
+    # when asked: entry i is prompt token i + 1 given the tokens before it (completion 0's final)
     prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    index: int = 0  # the completion (n > 1: a Final for each, the stream ends after the n-th)
 
 
 class _Connection:
@@ -208,27 +211,36 @@ def stream_to_terminal(
     **sampling,
 ) -> int:
     """Print the text as it arrives on `out` and a summary line on `err`; returns an exit status
-    (0, or 1 after printing the gRPC error). `connection`: GenerationClient's api_key / tls options."""
+    (0, or 1 after printing the gRPC error). `connection`: GenerationClient's api_key / tls options.
+    n > 1: completion 0 streams, the others print after it, each under a `[completion i]` line."""
     start = time.perf_counter()
+    texts: dict[int, str] = {}
+    finals: dict[int, Final] = {}
     with (
         GenerationClient(target, **(connection or {})) as client,
         closing(client.generate(prompt, **sampling)) as items,
     ):
         try:
             for item in items:
-                if isinstance(item, Chunk):
+                if isinstance(item, Final):
+                    finals[item.index] = item
+                elif item.index == 0:
                     out.write(item.text)
                     out.flush()
                 else:
-                    final = item
+                    texts[item.index] = texts.get(item.index, "") + item.text
         except grpc.RpcError as e:
             out.write("\n")
             print(f"error: {e.code().name}: {e.details()}", file=err)
             return 1
     elapsed = time.perf_counter() - start
     out.write("\n")
+    for index in sorted(i for i in finals if i):
+        out.write(f"[completion {index}]\n{texts.get(index, '')}\n")
     out.flush()
-    print(summary_line(final, elapsed), file=err)
+    for index in sorted(finals):
+        label = f"[completion {index}] " if len(finals) > 1 else ""
+        print(label + summary_line(finals[index], elapsed), file=err)
     return 0
 
 
@@ -266,7 +278,7 @@ def generate_request(
 def from_response(response: pb.GenerateResponse) -> Chunk | Final:
     if response.HasField("chunk"):
         chunk = response.chunk
-        return Chunk(list(chunk.token_ids), chunk.text, [_token_logprobs(lp) for lp in chunk.logprobs])
+        return Chunk(list(chunk.token_ids), chunk.text, [_token_logprobs(lp) for lp in chunk.logprobs], chunk.index)
     final = response.final
     stop_kind = final.WhichOneof("stop_reason")
     return Final(
@@ -278,6 +290,7 @@ def from_response(response: pb.GenerateResponse) -> Chunk | Final:
         cached_tokens=final.usage.cached_tokens,
         time_to_first_token_s=final.time_to_first_token_s if final.HasField("time_to_first_token_s") else None,
         prompt_logprobs=[_token_logprobs(lp) for lp in final.prompt_logprobs],
+        index=final.index,
     )
 
 

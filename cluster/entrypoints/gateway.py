@@ -24,7 +24,7 @@ import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from deltaserve.cluster.core.request import Logprob, RequestOutput, top_logprobs
+from deltaserve.cluster.core.request import CompletionOutput, Logprob, RequestOutput, top_logprobs
 from deltaserve.cluster.core.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.protos import generation_pb2 as pb
 from deltaserve.protos import generation_pb2_grpc
@@ -221,14 +221,19 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
         k = params.logprobs
         try:
             async with contextlib.aclosing(self._engine.stream(req_id)) as outputs:
+                ended: set[int] = set()  # completions whose final was sent
                 async for out in outputs:
-                    completion = out.outputs[0]
-                    if completion.finish_reason == "error":
+                    if out.completion(out.delta_index).finish_reason == "error":
                         await _abort(context, grpc.StatusCode.UNAVAILABLE, out.error or "the engine failed the request")
                     if out.delta_token_ids or out.delta_text:
                         yield pb.GenerateResponse(request_id=req_id, chunk=_chunk(out, k))
-                    if out.finished:
-                        yield pb.GenerateResponse(request_id=req_id, final=_final(out, params.prompt_logprobs))
+                    # a completion's final as it ends (n > 1: the request's last output holds them all)
+                    for completion in out.outputs if out.finished else [out.completion(out.delta_index)]:
+                        if completion.finish_reason is None or completion.index in ended:
+                            continue
+                        ended.add(completion.index)
+                        asked = params.prompt_logprobs if completion.index == 0 else None
+                        yield pb.GenerateResponse(request_id=req_id, final=_final(out, completion, asked))
         except EngineUnavailableError as e:  # the Ray driver died under the stream
             await _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
 
@@ -385,15 +390,16 @@ def _token_logprob(entry: dict[int, Logprob], k: int) -> pb.TokenLogprob:
 
 
 def _chunk(out: RequestOutput, k: int | None) -> pb.GenerateChunk:
-    chunk = pb.GenerateChunk(token_ids=out.delta_token_ids, text=out.delta_text)
+    chunk = pb.GenerateChunk(token_ids=out.delta_token_ids, text=out.delta_text, index=out.delta_index)
     if k is not None:
         chunk.logprobs.extend(_token_logprob(entry, k) for entry in out.delta_logprobs)
     return chunk
 
 
-def _final(out: RequestOutput, k: int | None) -> pb.GenerateFinal:
-    completion = out.outputs[0]
+def _final(out: RequestOutput, completion: CompletionOutput, k: int | None) -> pb.GenerateFinal:
+    """The end of one completion; k: the prompt logprobs asked for (None: none sent)."""
     final = pb.GenerateFinal(
+        index=completion.index,
         finish_reason=_FINISH_REASONS[completion.finish_reason],
         usage=pb.Usage(
             prompt_tokens=len(out.prompt_token_ids),

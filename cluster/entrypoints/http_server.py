@@ -267,6 +267,7 @@ def _job(engine: AsyncEngine, body: api.SamplingFields, prefix: str, *, chat: bo
         return_token_ids=body.return_token_ids,
         include_usage=bool(options and options.include_usage),
         continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
+        n=body.n,
     )
 
 

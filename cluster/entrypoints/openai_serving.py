@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from deltaserve.cluster.core.request import Logprob, RequestOutput, top_logprobs
+from deltaserve.cluster.core.request import CompletionOutput, Logprob, RequestOutput, top_logprobs
 
 from . import openai_protocol as api
 from .async_engine import AsyncEngine, EngineUnavailableError
@@ -32,6 +32,7 @@ class Job:
     return_token_ids: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
+    n: int = 1  # completions (choices) of the prompt
 
 
 def _value(lp: Logprob) -> float:
@@ -82,82 +83,79 @@ def chat_logprobs(entries: list[dict[int, Logprob]], k: int) -> api.ChatLogprobs
 
 
 async def collect(job: Job) -> api.CompletionResponse | api.ChatCompletionResponse:
-    """Wait for the whole answer (leaving early aborts the request)."""
+    """Wait for the whole answer, a choice per completion (leaving early aborts the request)."""
     last = None
     async with contextlib.aclosing(job.engine.stream(job.req_id)) as outputs:
         async for out in outputs:
-            if out.outputs[0].finish_reason == "error":
+            if out.completion(out.delta_index).finish_reason == "error":
                 raise RequestFailedError(out.error or "the engine failed the request")
             last = out
-    c = last.outputs[0]
-    lps = c.logprobs if job.logprobs is not None else None
-    ids = c.token_ids if job.return_token_ids else None
-    common = dict(id=job.req_id, created=api.now(), model=job.model, usage=usage(last, len(c.token_ids)))
+    completions = sorted(last.outputs, key=lambda c: c.index)
+    tokens = sum(len(c.token_ids) for c in completions)
+    common = dict(id=job.req_id, created=api.now(), model=job.model, usage=usage(last, tokens))
     if job.chat:
-        choice = api.ChatChoice(
-            message=api.ChatResponseMessage(content=c.text),
-            logprobs=chat_logprobs(lps, job.logprobs) if lps is not None else None,
+        choices = [
+            api.ChatChoice(
+                index=c.index,
+                message=api.ChatResponseMessage(content=c.text),
+                logprobs=chat_logprobs(c.logprobs, job.logprobs) if _asked(job, c) else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                token_ids=c.token_ids if job.return_token_ids else None,
+            )
+            for c in completions
+        ]
+        prompt_ids = last.prompt_token_ids if job.return_token_ids else None
+        return api.ChatCompletionResponse(choices=choices, prompt_token_ids=prompt_ids, **common)
+    choices = [
+        api.CompletionChoice(
+            index=c.index,
+            text=c.text,
+            logprobs=completion_logprobs(c.logprobs, job.logprobs, 0) if _asked(job, c) else None,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
-            token_ids=ids,
+            token_ids=c.token_ids if job.return_token_ids else None,
+            prompt_token_ids=last.prompt_token_ids if job.return_token_ids else None,
         )
-        prompt_ids = last.prompt_token_ids if job.return_token_ids else None
-        return api.ChatCompletionResponse(choices=[choice], prompt_token_ids=prompt_ids, **common)
-    choice = api.CompletionChoice(
-        text=c.text,
-        logprobs=completion_logprobs(lps, job.logprobs, 0) if lps is not None else None,
-        finish_reason=c.finish_reason,
-        stop_reason=c.stop_reason,
-        token_ids=ids,
-        prompt_token_ids=last.prompt_token_ids if job.return_token_ids else None,
-    )
-    return api.CompletionResponse(choices=[choice], **common)
+        for c in completions
+    ]
+    return api.CompletionResponse(choices=choices, **common)
+
+
+def _asked(job: Job, completion: CompletionOutput) -> bool:
+    return job.logprobs is not None and completion.logprobs is not None
 
 
 async def stream_events(job: Job) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per engine step, the finish reason, the usage when asked, [DONE].
-    A failure after the first byte is an error event (the status line is already sent)."""
-    created, tokens, offset = api.now(), 0, 0
+    """Server-sent events: a chunk per engine step and completion (`index`: which of the n), each
+    completion's finish reason, the usage when asked, [DONE]. A failure after the first byte is an
+    error event (the status line is already sent)."""
+    created, tokens = api.now(), 0
+    offsets: dict[int, int] = {}  # each completion's text so far (legacy logprobs' text offsets)
+    ended: set[int] = set()
     try:
-        if job.chat:  # OpenAI's first chat chunk names the role
-            yield _event(
-                _chat_chunk(job, created, api.ChatStreamChoice(delta=api.DeltaMessage(role="assistant", content="")))
-            )
+        if job.chat:  # OpenAI's first chat chunk of each choice names the role
+            for index in range(job.n):
+                role = api.DeltaMessage(role="assistant", content="")
+                yield _event(_chat_chunk(job, created, api.ChatStreamChoice(index=index, delta=role)))
         async with contextlib.aclosing(job.engine.stream(job.req_id)) as outputs:
             async for out in outputs:
-                c = out.outputs[0]
+                index = out.delta_index
+                c = out.completion(index)
                 if c.finish_reason == "error":
                     raise RequestFailedError(out.error or "the engine failed the request")
                 tokens += len(out.delta_token_ids)
-                if not (out.delta_text or out.delta_token_ids or out.finished):
-                    continue
-                finish = c.finish_reason if out.finished else None
-                stop = c.stop_reason if out.finished else None
-                ids = out.delta_token_ids if job.return_token_ids else None
-                lps = out.delta_logprobs if job.logprobs is not None else None
                 step_usage = usage(out, tokens) if job.continuous_usage else None
-                if job.chat:
-                    choice = api.ChatStreamChoice(
-                        delta=api.DeltaMessage(content=out.delta_text),
-                        logprobs=chat_logprobs(lps, job.logprobs) if lps is not None else None,
-                        finish_reason=finish,
-                        stop_reason=stop,
-                        token_ids=ids,
-                    )
-                    chunk = _chat_chunk(job, created, choice, step_usage)
-                else:
-                    choice = api.CompletionChoice(
-                        text=out.delta_text,
-                        logprobs=completion_logprobs(lps, job.logprobs, offset) if lps is not None else None,
-                        finish_reason=finish,
-                        stop_reason=stop,
-                        token_ids=ids,
-                    )
-                    chunk = api.CompletionResponse(
-                        id=job.req_id, created=created, model=job.model, choices=[choice], usage=step_usage
-                    )
-                offset += len(out.delta_text)
-                yield _event(chunk)
+                if out.delta_text or out.delta_token_ids or (c.finish_reason is not None and index not in ended):
+                    yield _event(_step_chunk(job, created, out, c, offsets.get(index, 0), step_usage))
+                    offsets[index] = offsets.get(index, 0) + len(out.delta_text)
+                    if c.finish_reason is not None:
+                        ended.add(index)
+                if out.finished:  # completions that ended without a step of their own here (an abort)
+                    for other in out.outputs:
+                        if other.finish_reason is not None and other.index not in ended:
+                            ended.add(other.index)
+                            yield _event(_step_chunk(job, created, None, other, 0, None))
                 if out.finished and job.include_usage:
                     final_usage = usage(out, tokens)
                     if job.chat:
@@ -172,6 +170,35 @@ async def stream_events(job: Job) -> AsyncIterator[str]:
         error = api.ErrorResponse(error=api.ErrorInfo(message=str(e)[:512], type="server_error", code="503"))
         yield _event(error)
     yield "data: [DONE]\n\n"
+
+
+def _step_chunk(
+    job: Job, created: int, out: RequestOutput | None, c: CompletionOutput, offset: int, step_usage: api.Usage | None
+) -> api.ChatCompletionChunk | api.CompletionResponse:
+    """One completion's step (out's delta; None: only its end) as a stream chunk."""
+    text = out.delta_text if out is not None else ""
+    finish, stop = c.finish_reason, c.stop_reason
+    ids = (out.delta_token_ids if out is not None else []) if job.return_token_ids else None
+    lps = (out.delta_logprobs if out is not None else []) if job.logprobs is not None else None
+    if job.chat:
+        choice = api.ChatStreamChoice(
+            index=c.index,
+            delta=api.DeltaMessage(content=text),
+            logprobs=chat_logprobs(lps, job.logprobs) if lps is not None else None,
+            finish_reason=finish,
+            stop_reason=stop,
+            token_ids=ids,
+        )
+        return _chat_chunk(job, created, choice, step_usage)
+    choice = api.CompletionChoice(
+        index=c.index,
+        text=text,
+        logprobs=completion_logprobs(lps, job.logprobs, offset) if lps is not None else None,
+        finish_reason=finish,
+        stop_reason=stop,
+        token_ids=ids,
+    )
+    return api.CompletionResponse(id=job.req_id, created=created, model=job.model, choices=[choice], usage=step_usage)
 
 
 def _chat_chunk(job: Job, created: int, choice, step_usage: api.Usage | None = None) -> api.ChatCompletionChunk:
