@@ -41,6 +41,8 @@ from deltaserve.workers.config import (
 
 EXECUTORS = ("auto", "local", "ray")
 ROUTING = ("least_loaded", "prefix_aware")
+REASONING_PARSERS = ("qwen3",)  # chat completions' reasoning into reasoning_content (vLLM's names)
+TOOL_CALL_PARSERS = ("hermes", "qwen3_coder")  # their tool calls into tool_calls
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,24 @@ class ServingConfig:
     chat_template: str | None = setting(
         None, help="a Jinja chat template (a file or the text) instead of the checkpoint's own"
     )
+    reasoning_parser: str | None = setting(
+        None,
+        check=lambda v: _one_of(v, REASONING_PARSERS),
+        help="chat completions: the reasoning (qwen3: <think> ... </think>) goes to reasoning_content",
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        check=lambda v: _one_of(v, TOOL_CALL_PARSERS),
+        help="chat completions given tools: the calls in the text go to tool_calls (hermes: JSON in <tool_call> "
+        "tags, Qwen3's and the demo's; qwen3_coder: <function=...> <parameter=...> blocks, Qwen3.5's)",
+    )
 
     def __post_init__(self) -> None:
         validate_fields(self)
+
+
+def _one_of(value: str | None, names: tuple[str, ...]) -> str | None:
+    return None if value is None or value in names else f"must be one of {', '.join(names)}; got {value!r}"
 
 
 @dataclass(frozen=True)

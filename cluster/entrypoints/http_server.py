@@ -32,6 +32,7 @@ from deltaserve.workers.config import short
 from . import openai_protocol as api
 from . import validation
 from .async_engine import AdapterNotFoundError, AsyncEngine
+from .chat_parsing import opens_reasoning, tool_schemas
 from .metrics import CONTENT_TYPE
 from .openai_serving import Job, RequestFailedError, collect, stream_events
 from .validation import ErrorKind, ModelNotFoundError
@@ -194,6 +195,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
                 tools=body.tools if body.tool_choice != "none" else None,
                 chat_template_kwargs=body.chat_template_kwargs,
             )
+            job.parsing = _parsing(engine, body, prompt)
             # the rendered prompt is the messages' doing
             await _submit(
                 job, prompt, params, lora, {"prompt": "messages", "prompt_token_ids": "messages"} | _renames(body)
@@ -203,6 +205,18 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
         return await _answer(job, body.stream, request)
 
     return app
+
+
+def _parsing(engine: AsyncEngine, body: api.ChatCompletionRequest, prompt: str) -> dict:
+    """How the chat's completions are read (--reasoning-parser; --tool-call-parser when tools are offered)."""
+    serving = engine.config.serving
+    tools = serving.tool_call_parser is not None and bool(body.tools) and body.tool_choice != "none"
+    return dict(
+        reasoning=serving.reasoning_parser is not None,
+        in_reasoning=opens_reasoning(prompt),
+        tool_parser=serving.tool_call_parser if tools else None,
+        schemas=tool_schemas(body.tools),
+    )
 
 
 async def _adapter_for(engine: AsyncEngine, model: str | None) -> str | None:

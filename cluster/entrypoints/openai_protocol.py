@@ -238,9 +238,29 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallItem(BaseModel):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(BaseModel):
+    index: int  # the call's place among the completion's calls
+    id: str | None = None
+    type: str | None = "function"
+    function: FunctionCall | None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser (vLLM's field)
+    tool_calls: list[ToolCallItem] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -265,6 +285,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -11,6 +11,7 @@ from deltaserve.cluster.core.request import CompletionOutput, Logprob, RequestOu
 
 from . import openai_protocol as api
 from .async_engine import AsyncEngine, EngineUnavailableError
+from .chat_parsing import ChatParser, Parsed
 
 # JSON has no -inf: a token the sampler ruled out gets vLLM's floor
 LOGPROB_FLOOR = -9999.0
@@ -33,6 +34,11 @@ class Job:
     include_usage: bool = False
     continuous_usage: bool = False
     n: int = 1  # completions (choices) of the prompt
+    # chat: how each completion's text is read (reasoning, tool calls: chat_parsing.ChatParser's settings)
+    parsing: dict | None = None
+
+    def parser(self) -> ChatParser:
+        return ChatParser(**(self.parsing or {}))
 
 
 def _value(lp: Logprob) -> float:
@@ -94,17 +100,26 @@ async def collect(job: Job) -> api.CompletionResponse | api.ChatCompletionRespon
     tokens = sum(len(c.token_ids) for c in completions)
     common = dict(id=job.req_id, created=api.now(), model=job.model, usage=usage(last, tokens))
     if job.chat:
-        choices = [
-            api.ChatChoice(
+        choices = []
+        for c in completions:
+            parser = job.parser()
+            parsed = parser.feed(c.text)
+            parsed += parser.finish()
+            calls = [_tool_call(call) for call in parsed.tool_calls]
+            message = api.ChatResponseMessage(
+                content=parsed.content or (None if calls else ""),
+                reasoning_content=parsed.reasoning or None,
+                tool_calls=calls,
+            )
+            choice = api.ChatChoice(
                 index=c.index,
-                message=api.ChatResponseMessage(content=c.text),
+                message=message,
                 logprobs=chat_logprobs(c.logprobs, job.logprobs) if _asked(job, c) else None,
-                finish_reason=c.finish_reason,
+                finish_reason=_finish_reason(c.finish_reason, parser),
                 stop_reason=c.stop_reason,
                 token_ids=c.token_ids if job.return_token_ids else None,
             )
-            for c in completions
-        ]
+            choices.append(choice)
         prompt_ids = last.prompt_token_ids if job.return_token_ids else None
         return api.ChatCompletionResponse(choices=choices, prompt_token_ids=prompt_ids, **common)
     choices = [
@@ -126,6 +141,15 @@ def _asked(job: Job, completion: CompletionOutput) -> bool:
     return job.logprobs is not None and completion.logprobs is not None
 
 
+def _tool_call(call) -> api.ToolCallItem:
+    return api.ToolCallItem(id=call.id, function=api.FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _finish_reason(reason: str | None, parser: ChatParser) -> str | None:
+    """OpenAI's: a completion that ended by itself after tool calls ended for them."""
+    return "tool_calls" if reason == "stop" and parser.num_tool_calls else reason
+
+
 async def stream_events(job: Job) -> AsyncIterator[str]:
     """Server-sent events: a chunk per engine step and completion (`index`: which of the n), each
     completion's finish reason, the usage when asked, [DONE]. A failure after the first byte is an
@@ -133,6 +157,7 @@ async def stream_events(job: Job) -> AsyncIterator[str]:
     created, tokens = api.now(), 0
     offsets: dict[int, int] = {}  # each completion's text so far (legacy logprobs' text offsets)
     ended: set[int] = set()
+    parsers: dict[int, ChatParser] = {}  # chat: each completion's reading of its text
     try:
         if job.chat:  # OpenAI's first chat chunk of each choice names the role
             for index in range(job.n):
@@ -147,7 +172,9 @@ async def stream_events(job: Job) -> AsyncIterator[str]:
                 tokens += len(out.delta_token_ids)
                 step_usage = usage(out, tokens) if job.continuous_usage else None
                 if out.delta_text or out.delta_token_ids or (c.finish_reason is not None and index not in ended):
-                    yield _event(_step_chunk(job, created, out, c, offsets.get(index, 0), step_usage))
+                    parser = parsers.setdefault(index, job.parser())
+                    step = _read(parser, out.delta_text, c.finish_reason is not None) if job.chat else None
+                    yield _event(_step_chunk(job, created, out, c, offsets.get(index, 0), step_usage, step, parser))
                     offsets[index] = offsets.get(index, 0) + len(out.delta_text)
                     if c.finish_reason is not None:
                         ended.add(index)
@@ -155,7 +182,9 @@ async def stream_events(job: Job) -> AsyncIterator[str]:
                     for other in out.outputs:
                         if other.finish_reason is not None and other.index not in ended:
                             ended.add(other.index)
-                            yield _event(_step_chunk(job, created, None, other, 0, None))
+                            parser = parsers.setdefault(other.index, job.parser())
+                            step = _read(parser, "", True) if job.chat else None
+                            yield _event(_step_chunk(job, created, None, other, 0, None, step, parser))
                 if out.finished and job.include_usage:
                     final_usage = usage(out, tokens)
                     if job.chat:
@@ -172,20 +201,46 @@ async def stream_events(job: Job) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
+def _read(parser: ChatParser, text: str, last: bool) -> Parsed:
+    """What a step's text adds to its completion's message (the rest of it too at the end)."""
+    step = parser.feed(text)
+    if last:
+        step += parser.finish()
+    return step
+
+
 def _step_chunk(
-    job: Job, created: int, out: RequestOutput | None, c: CompletionOutput, offset: int, step_usage: api.Usage | None
+    job: Job,
+    created: int,
+    out: RequestOutput | None,
+    c: CompletionOutput,
+    offset: int,
+    step_usage: api.Usage | None,
+    step: Parsed | None = None,
+    parser: ChatParser | None = None,
 ) -> api.ChatCompletionChunk | api.CompletionResponse:
-    """One completion's step (out's delta; None: only its end) as a stream chunk."""
+    """One completion's step (out's delta; None: only its end) as a stream chunk; chat: `step`, what
+    its text added to the message (read by `parser`)."""
     text = out.delta_text if out is not None else ""
     finish, stop = c.finish_reason, c.stop_reason
     ids = (out.delta_token_ids if out is not None else []) if job.return_token_ids else None
     lps = (out.delta_logprobs if out is not None else []) if job.logprobs is not None else None
     if job.chat:
+        first = parser.num_tool_calls - len(step.tool_calls)
+        calls = [
+            api.DeltaToolCall(
+                index=first + i, id=call.id, function=api.FunctionCall(name=call.name, arguments=call.arguments)
+            )
+            for i, call in enumerate(step.tool_calls)
+        ]
+        delta = api.DeltaMessage(
+            content=step.content, reasoning_content=step.reasoning or None, tool_calls=calls or None
+        )
         choice = api.ChatStreamChoice(
             index=c.index,
-            delta=api.DeltaMessage(content=text),
+            delta=delta,
             logprobs=chat_logprobs(lps, job.logprobs) if lps is not None else None,
-            finish_reason=finish,
+            finish_reason=_finish_reason(finish, parser),
             stop_reason=stop,
             token_ids=ids,
         )

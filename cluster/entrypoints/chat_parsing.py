@@ -1,0 +1,219 @@
+"""What a chat completion's text holds besides its answer, in OpenAI's fields: the reasoning
+(`--reasoning-parser qwen3`: Qwen's `<think> ... </think>`, into `reasoning_content`) and the tool calls
+(`--tool-call-parser hermes`: a JSON object in `<tool_call>` tags, as Qwen3 and the demo's template ask;
+`qwen3_coder`: Qwen3-Coder's and Qwen3.5's `<function=NAME>` with `<parameter=NAME>` blocks), into
+`tool_calls`. vLLM's parser names and shapes.
+
+`ChatParser` reads one completion's text as it streams (`feed`, then `finish`) and returns what each
+piece adds; a whole text is the same calls at once, so a stream and a whole answer always agree. A tag
+split across two steps is held back until it is whole; a tool call goes out once its closing tag is
+read; a block that does not parse stays text of the answer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from deltaserve.cluster.config import TOOL_CALL_PARSERS
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+_JSON_TYPES = {
+    "integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list, "null": type(None),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: OpenAI's id, the function's name, its arguments as JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class Parsed:
+    """What a piece of the text added (or, from `parse`, the whole message)."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def __iadd__(self, other: Parsed) -> Parsed:
+        self.content += other.content
+        self.reasoning += other.reasoning
+        self.tool_calls += other.tool_calls
+        return self
+
+
+def opens_reasoning(prompt: str) -> bool:
+    """Whether the rendered prompt ends inside an open `<think>` block (Qwen's generation prompt opens
+    one; with thinking off it writes an empty, closed one): the completion then starts in its reasoning."""
+    return prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
+
+
+def tool_schemas(tools: list[dict] | None) -> dict[str, dict]:
+    """Each offered function's parameter properties by name (OpenAI's `tools`), for typing the XML
+    format's values."""
+    out = {}
+    for tool in tools or []:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            params = function.get("parameters")
+            props = params.get("properties") if isinstance(params, dict) else None
+            out[function["name"]] = props if isinstance(props, dict) else {}
+    return out
+
+
+class ChatParser:
+    """One completion's text into content, reasoning and tool calls. `reasoning`: the qwen3 reasoning
+    parser is on, and `in_reasoning` whether the text starts inside the reasoning (opens_reasoning);
+    `tool_parser`: a TOOL_CALL_PARSERS name (None: no tool calls parsed), `schemas`: tool_schemas."""
+
+    def __init__(
+        self,
+        *,
+        reasoning: bool = False,
+        in_reasoning: bool = False,
+        tool_parser: str | None = None,
+        schemas: dict[str, dict] | None = None,
+    ):
+        if tool_parser is not None and tool_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser: must be one of {TOOL_CALL_PARSERS}, got {tool_parser!r}")
+        self._reasoning = reasoning
+        self._state = "reasoning" if reasoning and in_reasoning else "start" if reasoning else "content"
+        self._tool_parser = tool_parser
+        self._schemas = schemas or {}
+        self._pending = ""  # text read but not yet given out (a tag may begin in it)
+        self._after_think = False  # the newlines after </think> are the template's, not the answer's
+        self.num_tool_calls = 0
+
+    def feed(self, text: str) -> Parsed:
+        self._pending += text
+        return self._drain(final=False)
+
+    def finish(self) -> Parsed:
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> Parsed:
+        out = Parsed()
+        while True:
+            step = self._step(final)
+            if step is None:
+                return out
+            out += step
+
+    def _step(self, final: bool) -> Parsed | None:
+        """Give out what the pending text settles (None: nothing more until more text arrives)."""
+        text = self._pending
+        if self._state == "start":  # does the completion open its own reasoning block?
+            stripped = text.lstrip()
+            if stripped.startswith(THINK_OPEN):
+                self._pending, self._state = stripped[len(THINK_OPEN) :], "reasoning"
+                return Parsed()
+            if not final and THINK_OPEN.startswith(stripped):
+                return None
+            self._state = "content"
+            return Parsed()
+        if self._state == "reasoning":
+            end = text.find(THINK_CLOSE)
+            if end >= 0:
+                self._pending, self._state, self._after_think = text[end + len(THINK_CLOSE) :], "content", True
+                return Parsed(reasoning=text[:end])
+            keep = 0 if final else _partial_tag(text, THINK_CLOSE)
+            if len(text) == keep:
+                return None
+            self._pending = text[len(text) - keep :]
+            return Parsed(reasoning=text[: len(text) - keep])
+        if self._state == "content":
+            if self._after_think:
+                text = text.lstrip("\n")
+                if not text and not final:
+                    self._pending = ""
+                    return None
+                self._after_think = False
+            start = text.find(CALL_OPEN) if self._tool_parser else -1
+            if start >= 0:
+                self._pending, self._state = text[start + len(CALL_OPEN) :], "call"
+                return Parsed(content=self._between_calls(text[:start]))
+            keep = 0 if final or not self._tool_parser else _partial_tag(text, CALL_OPEN)
+            self._pending = text[len(text) - keep :]
+            if len(text) == keep:
+                return None
+            return Parsed(content=self._between_calls(text[: len(text) - keep]))
+        end = text.find(CALL_CLOSE)  # state "call": a block, given out whole
+        if end < 0 and not final:
+            return None
+        block = text[:end] if end >= 0 else text
+        self._pending = text[end + len(CALL_CLOSE) :] if end >= 0 else ""
+        self._state = "content"
+        call = self._parse_block(block)
+        if call is None:  # not a call after all: the answer's text, tags and all
+            closing = CALL_CLOSE if end >= 0 else ""
+            return Parsed(content=CALL_OPEN + block + closing)
+        self.num_tool_calls += 1
+        return Parsed(tool_calls=[call])
+
+    def _between_calls(self, text: str) -> str:
+        """Whitespace between and after tool calls is the format's, not the answer's."""
+        return "" if self.num_tool_calls and not text.strip() else text
+
+    def _parse_block(self, block: str) -> ToolCall | None:
+        if self._tool_parser == "hermes":
+            try:
+                value = json.loads(block)
+            except ValueError:
+                return None
+            if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+                return None
+            args = value.get("arguments", value.get("parameters", {}))
+            text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+            return ToolCall(_call_id(), value["name"], text)
+        match = _FUNCTION.search(block)
+        if match is None:
+            return None
+        name = match.group(1).strip()
+        props = self._schemas.get(name, {})
+        args = {}
+        for param in _PARAMETER.finditer(match.group(2)):
+            key = param.group(1).strip()
+            args[key] = _typed(_strip_one_newline(param.group(2)), props.get(key))
+        return ToolCall(_call_id(), name, json.dumps(args, ensure_ascii=False))
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could begin `tag` (to be held back)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _strip_one_newline(value: str) -> str:
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def _typed(value: str, schema) -> object:
+    """A parameter's text as its schema's type (strings, and anything that does not parse, stay text)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind in (None, "string") or isinstance(kind, list):
+        return value
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return value
+    ok = _JSON_TYPES.get(kind)
+    if ok is None or (kind in ("integer", "number") and isinstance(parsed, bool)):
+        return value
+    return parsed if isinstance(parsed, ok) else value
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"

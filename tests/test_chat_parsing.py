@@ -1,0 +1,186 @@
+"""Reasoning and tool calls out of a chat completion's text (`--reasoning-parser qwen3`,
+`--tool-call-parser hermes | qwen3_coder`): the parser on texts in Qwen's formats, whole and cut into
+every stream of pieces (the same message either way); then through the HTTP server with the real
+`openai` client, the tiny model's output forced into those formats by a structured-output regex, whole
+and streamed: `reasoning_content`, `tool_calls` and finish reason `tool_calls`, as vLLM gives them."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+
+from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.entrypoints.chat_parsing import ChatParser, Parsed, opens_reasoning, tool_schemas
+from deltaserve.cluster.entrypoints.front_doors import FrontDoors
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_http_limits import MODEL, Served  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}},
+        },
+    },
+}
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+XML_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"
+    "</parameter>\n<parameter=metric>\ntrue\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+def parse(text: str, pieces: list[str] | None = None, **settings) -> Parsed:
+    parser = ChatParser(**settings)
+    out = Parsed()
+    for piece in pieces if pieces is not None else [text]:
+        out += parser.feed(piece)
+    out += parser.finish()
+    return out
+
+
+def streams(text: str, seed: int = 0) -> list[list[str]]:
+    """The text whole, a character at a time, cut once at every place, and cut at random places."""
+    rng = random.Random(seed)
+    cuts = [[text], list(text)] + [[text[:i], text[i:]] for i in range(1, len(text))]
+    for _ in range(20):
+        marks = sorted(rng.sample(range(1, len(text)), min(6, len(text) - 1)))
+        cuts.append([text[a:b] for a, b in zip([0, *marks], [*marks, len(text)], strict=True)])
+    return cuts
+
+
+def as_tuple(p: Parsed) -> tuple:
+    return p.content, p.reasoning, [(c.name, json.loads(c.arguments)) for c in p.tool_calls]
+
+
+REASONING = dict(reasoning=True, in_reasoning=True)
+PARIS = ("get_weather", {"city": "Paris", "days": 3})
+NEW_YORK = {"city": "New York", "days": 3, "metric": True}
+BAD_JSON = "<tool_call>\n{not json}\n</tool_call> then text"
+UNCLOSED = "<tool_call>\n<function=f>\n<parameter=a>\n1"
+CASES = [
+    # (text, parser settings, content, reasoning, calls)
+    ("Let me think.\n</think>\n\nThe answer is 4.", REASONING, "The answer is 4.", "Let me think.\n", []),
+    ("<think>hmm</think>\n\nyes", dict(reasoning=True), "yes", "hmm", []),
+    ("no tags at all", dict(reasoning=True), "no tags at all", "", []),
+    ("cut off while thinking", REASONING, "", "cut off while thinking", []),
+    ("a < b </think> c", dict(), "a < b </think> c", "", []),
+    (f"Checking.\n{HERMES_CALL}\n{HERMES_CALL}\n", dict(tool_parser="hermes"), "Checking.\n", "", [PARIS] * 2),
+    (BAD_JSON, dict(tool_parser="hermes"), BAD_JSON, "", []),
+    (f"x\n{HERMES_CALL}", dict(), f"x\n{HERMES_CALL}", "", []),
+    (
+        f"plan\n</think>\n\n{XML_CALL}",
+        dict(REASONING, tool_parser="qwen3_coder", schemas=tool_schemas([WEATHER])),
+        "",
+        "plan\n",
+        [("get_weather", NEW_YORK)],
+    ),
+    (
+        XML_CALL,
+        dict(tool_parser="qwen3_coder"),
+        "",
+        "",
+        [("get_weather", {k: str(v).lower() if k != "city" else v for k, v in NEW_YORK.items()})],
+    ),
+    (UNCLOSED, dict(tool_parser="qwen3_coder"), UNCLOSED, "", []),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_every_stream_of_the_text_gives_the_whole_message(case):
+    text, settings, content, reasoning, calls = CASES[case]
+    want = (content, reasoning, calls)
+    assert as_tuple(parse(text, **settings)) == want
+    for pieces in streams(text, seed=case):
+        assert as_tuple(parse(text, pieces, **settings)) == want, pieces
+
+
+def test_a_prompt_that_opens_the_reasoning_and_tool_schemas():
+    assert opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off
+    assert not opens_reasoning("<|im_start|>assistant\n")
+    assert tool_schemas([WEATHER, {"type": "function"}, "junk"]) == {
+        "get_weather": WEATHER["function"]["parameters"]["properties"]
+    }
+    calls = parse(HERMES_CALL * 2, tool_parser="hermes").tool_calls
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_chat_model):
+    doors = FrontDoors(host="127.0.0.1", grpc_port=None, http_port=0, grace_s=1)
+    settings = dict(served_model_name=MODEL, max_model_len=2048, reasoning_parser="qwen3", tool_call_parser="hermes")
+    server = Served(EngineConfig.from_kwargs(model=str(tiny_chat_model), **settings), doors)
+    yield server
+    server.stop()
+
+
+def forced(pattern: str) -> dict:
+    return {"structured_outputs": {"regex": pattern}, "chat_template_kwargs": {"enable_thinking": True}}
+
+
+def test_reasoning_and_tool_calls_over_http(served):
+    client = openai.OpenAI(base_url=served.url() + "/v1", api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    text = f"I should call it.\n</think>\n\n<tool_call>\n{call}\n</tool_call>"
+    pattern = text.replace("{", r"\{").replace("}", r"\}").replace(".", r"\.")
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=200, temperature=0, extra_body=forced(pattern)
+    )
+    (choice,) = whole.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.reasoning_content == "I should call it.\n"
+    (call,) = choice.message.tool_calls
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == (
+        "function",
+        "get_weather",
+        {"city": "Paris"},
+    )
+
+    reasoning, content, calls, finish = "", "", [], None
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=200, temperature=0, stream=True,
+        extra_body=forced(pattern),
+    )  # fmt: skip
+    for chunk in stream:
+        for c in chunk.choices:
+            delta = c.delta.model_dump()
+            reasoning += delta.get("reasoning_content") or ""
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert (reasoning, content, finish) == ("I should call it.\n", "", "tool_calls")
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+        (0, "get_weather", {"city": "Paris"})
+    ]
+
+    # without tools offered the call stays text; thinking off leaves no reasoning
+    plain = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=200, temperature=0,
+        extra_body={"structured_outputs": {"regex": "Sunny\\."}, "chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    message = plain.choices[0].message
+    assert (message.content, message.reasoning_content, message.tool_calls, plain.choices[0].finish_reason) == (
+        "Sunny.",
+        None,
+        [],
+        "stop",
+    )
+
+
+def test_unknown_parsers_name_the_setting():
+    with pytest.raises(ValueError, match="^reasoning_parser: "):
+        EngineConfig.from_kwargs(reasoning_parser="deepseek_r1")
+    with pytest.raises(ValueError, match="^tool_call_parser: "):
+        EngineConfig.from_kwargs(tool_call_parser="mistral")
