@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from deltaserve.cluster.config import EngineConfig
-from deltaserve.cluster.entrypoints.chat_parsing import ChatParser, Parsed, opens_reasoning, tool_schemas
+from deltaserve.cluster.entrypoints.chat_parsing import ChatParser, Parsed, forced_tools, opens_reasoning, tool_schemas
 from deltaserve.cluster.entrypoints.front_doors import FrontDoors
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -184,3 +184,70 @@ def test_unknown_parsers_name_the_setting():
         EngineConfig.from_kwargs(reasoning_parser="deepseek_r1")
     with pytest.raises(ValueError, match="^tool_call_parser: "):
         EngineConfig.from_kwargs(tool_call_parser="mistral")
+
+
+def test_forced_tool_choice_schemas_and_errors():
+    named = forced_tools({"type": "function", "function": {"name": "get_weather"}}, [WEATHER])
+    assert named.name == "get_weather" and named.schema == WEATHER["function"]["parameters"]
+    required = forced_tools("required", [WEATHER])
+    assert required.name is None and required.schema["type"] == "array" and required.schema["minItems"] == 1
+    assert "maxItems" not in required.schema and forced_tools("required", [WEATHER], False).schema["maxItems"] == 1
+    assert forced_tools("auto", [WEATHER]) is None and forced_tools("none", [WEATHER]) is None
+    with pytest.raises(ValueError, match="^tool_choice: names no function"):
+        forced_tools({"type": "function", "function": {"name": "nope"}}, [WEATHER])
+    with pytest.raises(ValueError, match="^tool_choice: forcing a call needs `tools`"):
+        forced_tools("required", None)
+    # what the constrained output reads back as
+    (call,) = parse('{"city": "Rome"}', forced=named).tool_calls
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Rome"})
+    calls = parse('[{"name": "get_weather", "parameters": {"city": "Oslo"}}]', forced=required).tool_calls
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    assert parse('{"city": "Ro', forced=named) == Parsed(content='{"city": "Ro')  # cut short: the text
+
+
+def test_forced_tool_choice_over_http(served):
+    """tool_choice "required" or one named function: the output is held to the calls' JSON (the tiny
+    random model writes whatever the schema allows) and comes back as the calls, whole and streamed;
+    bad choices are 400 naming tool_choice."""
+    client = openai.OpenAI(base_url=served.url() + "/v1", api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "weather?"}]
+    strict = {"type": "function", "function": {**WEATHER["function"], "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False,
+    }}}  # fmt: skip
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, finish in ((named, "stop"), ("required", "tool_calls")):
+        whole = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=[strict],
+            tool_choice=choice,
+            max_tokens=100,
+            temperature=0,
+            parallel_tool_calls=False,
+        )
+        (c,) = whole.choices
+        assert c.finish_reason == finish and not c.message.content
+        assert [
+            (t.function.name, json.loads(t.function.arguments)["city"] in ("Paris", "Rome"))
+            for t in c.message.tool_calls
+        ][:1] == [("get_weather", True)]
+        streamed = []
+        for chunk in client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=[strict],
+            tool_choice=choice,
+            max_tokens=100,
+            temperature=0,
+            parallel_tool_calls=False,
+            stream=True,
+        ):
+            streamed += [t for ch in chunk.choices for t in ch.delta.tool_calls or []]
+        assert [(t.function.name, t.function.arguments) for t in streamed] == [
+            (t.function.name, t.function.arguments) for t in c.message.tool_calls
+        ]
+    for bad in ({"type": "function", "function": {"name": "nope"}}, "sometimes"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=messages, tools=[strict], tool_choice=bad)
+        assert "tool_choice" in e.value.body["message"]

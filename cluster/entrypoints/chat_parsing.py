@@ -2,7 +2,9 @@
 (`--reasoning-parser qwen3`: Qwen's `<think> ... </think>`, into `reasoning_content`) and the tool calls
 (`--tool-call-parser hermes`: a JSON object in `<tool_call>` tags, as Qwen3 and the demo's template ask;
 `qwen3_coder`: Qwen3-Coder's and Qwen3.5's `<function=NAME>` with `<parameter=NAME>` blocks), into
-`tool_calls`. vLLM's parser names and shapes.
+`tool_calls`. vLLM's parser names and shapes. A `tool_choice` that forces calls ("required", or one named
+function) needs no parser: the output is constrained to JSON (`ForcedTools.schema`, structured output)
+and read back as the calls, as vLLM does.
 
 `ChatParser` reads one completion's text as it streams (`feed`, then `finish`) and returns what each
 piece adds; a whole text is the same calls at once, so a stream and a whole answer always agree. A tag
@@ -52,6 +54,68 @@ class Parsed:
         return self
 
 
+@dataclass(frozen=True)
+class ForcedTools:
+    """A tool_choice that forces calls: `name` one function (the output is its arguments), or None:
+    "required", one or more calls of any offered function (the output is a JSON array of
+    {"name", "parameters"})."""
+
+    name: str | None
+    schema: dict  # the JSON schema the output is held to
+
+    def calls(self, text: str) -> list[ToolCall] | None:
+        """The calls the constrained text makes (None: it is not such JSON: cut short, say)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.name is not None:
+            return (
+                [ToolCall(_call_id(), self.name, json.dumps(value, ensure_ascii=False))]
+                if isinstance(value, dict)
+                else None
+            )
+        if not isinstance(value, list) or not all(
+            isinstance(v, dict) and isinstance(v.get("name"), str) for v in value
+        ):
+            return None
+        return [ToolCall(_call_id(), v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
+
+
+def forced_tools(tool_choice, tools: list[dict] | None, parallel: bool | None = None) -> ForcedTools | None:
+    """The calls a request's tool_choice forces ("required", or {"type": "function", "function":
+    {"name": ...}}), None for "auto", "none" or unset; ValueError naming tool_choice when it names no
+    offered function or none is offered. parallel False (OpenAI's parallel_tool_calls): one call."""
+    if tool_choice in (None, "auto", "none"):
+        return None
+    schemas = {name: {"type": "object", "properties": props} for name, props in tool_schemas(tools).items()}
+    for tool in tools or []:  # the whole parameters schema where one is given (required fields too)
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            isinstance(function, dict)
+            and isinstance(function.get("parameters"), dict)
+            and function.get("name") in schemas
+        ):
+            schemas[function["name"]] = function["parameters"]
+    if not schemas:
+        raise ValueError("tool_choice: forcing a call needs `tools` with at least one function")
+    if tool_choice == "required":
+        one = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": schema},
+                "required": ["name", "parameters"],
+            }
+            for name, schema in schemas.items()
+        ]
+        most = {"maxItems": 1} if parallel is False else {}
+        return ForcedTools(None, {"type": "array", "minItems": 1, **most, "items": {"anyOf": one}})
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if name not in schemas:
+        raise ValueError(f"tool_choice: names no function of `tools` ({', '.join(sorted(schemas))[:200]})")
+    return ForcedTools(name, schemas[name])
+
+
 def opens_reasoning(prompt: str) -> bool:
     """Whether the rendered prompt ends inside an open `<think>` block (Qwen's generation prompt opens
     one; with thinking off it writes an empty, closed one): the completion then starts in its reasoning."""
@@ -83,9 +147,11 @@ class ChatParser:
         in_reasoning: bool = False,
         tool_parser: str | None = None,
         schemas: dict[str, dict] | None = None,
+        forced: ForcedTools | None = None,
     ):
         if tool_parser is not None and tool_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser: must be one of {TOOL_CALL_PARSERS}, got {tool_parser!r}")
+        self._forced = forced
         self._reasoning = reasoning
         self._state = "reasoning" if reasoning and in_reasoning else "start" if reasoning else "content"
         self._tool_parser = tool_parser
@@ -94,11 +160,26 @@ class ChatParser:
         self._after_think = False  # the newlines after </think> are the template's, not the answer's
         self.num_tool_calls = 0
 
+    @property
+    def ends_in_calls(self) -> bool:
+        """Whether a completion that stopped by itself ended for its tool calls (finish reason
+        tool_calls): parsed ones, or "required"'s; a named function's ends as "stop" (vLLM's)."""
+        return self.num_tool_calls > 0 and (self._forced is None or self._forced.name is None)
+
     def feed(self, text: str) -> Parsed:
         self._pending += text
+        if self._forced is not None:  # the whole JSON first
+            return Parsed()
         return self._drain(final=False)
 
     def finish(self) -> Parsed:
+        if self._forced is not None:
+            text, self._pending = self._pending, ""
+            calls = self._forced.calls(text)
+            if calls is None:
+                return Parsed(content=text)
+            self.num_tool_calls = len(calls)
+            return Parsed(tool_calls=calls)
         return self._drain(final=True)
 
     def _drain(self, final: bool) -> Parsed:

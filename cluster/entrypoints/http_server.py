@@ -25,14 +25,15 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
-from deltaserve.cluster.core.sampling_params import SamplingParams
+from deltaserve.cluster.core.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.workers.config import short
 
 from . import openai_protocol as api
 from . import validation
 from .async_engine import AdapterNotFoundError, AsyncEngine
-from .chat_parsing import opens_reasoning, tool_schemas
+from .chat_parsing import THINK_CLOSE, ForcedTools, forced_tools, opens_reasoning, tool_schemas
 from .metrics import CONTENT_TYPE
 from .openai_serving import Job, RequestFailedError, collect, stream_events
 from .validation import ErrorKind, ModelNotFoundError
@@ -185,7 +186,9 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
         try:
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             k = (body.top_logprobs or 0) if body.logprobs else None
-            params = validation.sampling_params(body.sampling_fields(max_tokens, k))
+            fields = body.sampling_fields(max_tokens, k)
+            forced = _force_calls(body, fields)
+            params = validation.sampling_params(fields)
             lora = await _adapter_for(engine, body.model)
             job = _job(engine, body, "chatcmpl", chat=True, logprobs=k)
             prompt = engine.render_chat(
@@ -195,11 +198,14 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
                 tools=body.tools if body.tool_choice != "none" else None,
                 chat_template_kwargs=body.chat_template_kwargs,
             )
-            job.parsing = _parsing(engine, body, prompt)
+            if forced is not None and opens_reasoning(prompt):  # forced calls come first: thinking off
+                prompt += f"\n{THINK_CLOSE}\n\n"
+            job.parsing = _parsing(engine, body, prompt, forced)
             # the rendered prompt is the messages' doing
-            await _submit(
-                job, prompt, params, lora, {"prompt": "messages", "prompt_token_ids": "messages"} | _renames(body)
-            )
+            renames = {"prompt": "messages", "prompt_token_ids": "messages"} | _renames(body)
+            if forced is not None:  # the constraint is the tools' doing
+                renames |= {"structured_outputs.json": "tools", "structured_outputs": "tools"}
+            await _submit(job, prompt, params, lora, renames)
         except Exception as e:
             return await response_for(engine, e)
         return await _answer(job, body.stream, request)
@@ -207,8 +213,27 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
     return app
 
 
-def _parsing(engine: AsyncEngine, body: api.ChatCompletionRequest, prompt: str) -> dict:
-    """How the chat's completions are read (--reasoning-parser; --tool-call-parser when tools are offered)."""
+def _force_calls(body: api.ChatCompletionRequest, fields: dict) -> ForcedTools | None:
+    """A tool_choice that forces calls holds the output to their JSON (a structured-output constraint
+    in `fields`); errors name tool_choice or tools."""
+    choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel) else body.tool_choice
+    forced = forced_tools(choice, body.tools, body.parallel_tool_calls)
+    if forced is None:
+        return None
+    if "structured_outputs" in fields:
+        raise ValueError("tool_choice: a forced call cannot be combined with response_format or structured_outputs")
+    try:
+        fields["structured_outputs"] = StructuredOutputsParams(json=forced.schema, disable_any_whitespace=True)
+    except ValueError as e:
+        raise ValueError(f"tools: a function's parameters are not a usable JSON schema ({e})") from None
+    return forced
+
+
+def _parsing(engine: AsyncEngine, body: api.ChatCompletionRequest, prompt: str, forced: ForcedTools | None) -> dict:
+    """How the chat's completions are read (--reasoning-parser; --tool-call-parser when tools are offered;
+    a forced tool_choice's JSON as its calls)."""
+    if forced is not None:
+        return dict(forced=forced)
     serving = engine.config.serving
     tools = serving.tool_call_parser is not None and bool(body.tools) and body.tool_choice != "none"
     return dict(

@@ -141,6 +141,15 @@ class ChatMessage(BaseModel):
         return {k: v for k, v in self.model_dump(include=set(keys)).items() if v is not None}
 
 
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -148,7 +157,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    # "required" or {"type": "function", "function": {"name": ...}} force calls (chat_parsing.forced_tools)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # vLLM's extensions
     chat_template_kwargs: dict[str, Any] | None = None

@@ -147,7 +147,7 @@ def _tool_call(call) -> api.ToolCallItem:
 
 def _finish_reason(reason: str | None, parser: ChatParser) -> str | None:
     """OpenAI's: a completion that ended by itself after tool calls ended for them."""
-    return "tool_calls" if reason == "stop" and parser.num_tool_calls else reason
+    return "tool_calls" if reason == "stop" and parser.ends_in_calls else reason
 
 
 async def stream_events(job: Job) -> AsyncIterator[str]:
