@@ -444,6 +444,17 @@ def test_a_client_that_leaves_a_stream_aborts_its_request(server, client):
     assert server.metric("vllm:generation_tokens_total") - generated < 400
 
 
+def test_a_client_that_leaves_an_n_completion_stream_aborts_them_all(server, client):
+    aborted = server.metric("vllm:request_success_total", finished_reason="abort")
+    stream = client.completions.create(model=MODEL, prompt="hello", stream=True, n=3, **LONG)
+    for i, _ in enumerate(stream):
+        if i == 4:
+            break
+    stream.close()
+    wait_idle(server)  # every completion's pages and state slot freed
+    assert server.metric("vllm:request_success_total", finished_reason="abort") == aborted + 1
+
+
 def test_a_client_that_leaves_a_whole_request_aborts_it(server):
     aborted = server.metric("vllm:request_success_total", finished_reason="abort")
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
