@@ -251,3 +251,33 @@ def test_forced_tool_choice_over_http(served):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=messages, tools=[strict], tool_choice=bad)
         assert "tool_choice" in e.value.body["message"]
+
+
+def test_a_constrained_answer_after_free_reasoning_over_http(served):
+    """Under --reasoning-parser a constraint holds the answer after the reasoning block: the greedy tiny
+    model's first tokens are free reasoning (the same as without the constraint, and otherwise than a
+    JSON object would start), not JSON forced from the first token; with thinking off the answer is the
+    JSON."""
+    client = openai.OpenAI(base_url=served.url() + "/v1", api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "a point?"}]
+    schema = {
+        "type": "object",
+        "properties": {"x": {"enum": [1, 2, 3]}},
+        "required": ["x"],
+        "additionalProperties": False,
+    }
+    point = {"json": schema, "disable_any_whitespace": True}
+    thinking = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={"structured_outputs": point}
+    )
+    free = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    (c,) = thinking.choices
+    assert c.finish_reason == "length" and not c.message.content
+    assert c.message.reasoning_content == free.choices[0].message.reasoning_content  # the same free tokens
+    assert not c.message.reasoning_content.lstrip().startswith("{")
+    off = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=60, temperature=0,
+        extra_body={"structured_outputs": point, "chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    message = off.choices[0].message
+    assert message.reasoning_content is None and json.loads(message.content)["x"] in (1, 2, 3)

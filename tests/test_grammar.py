@@ -155,6 +155,35 @@ def test_a_request_grammar_replays_its_history_and_ends_at_eos(demo):
     assert wrong.start().startswith("structured_outputs: token")
 
 
+def test_a_constraint_after_the_reasoning(demo):
+    """reasoning_end (the HTTP server's under --reasoning-parser): any text up to the first end of the
+    reasoning block, then the constraint; on the real vocabulary, the reasoning's tokens (a `{` among
+    them) pass, the answer is held to the schema, and the request ends after it."""
+    end = "</think>\n\n"
+    for constraint, answer, wrong in (
+        (dict(json=POINT), '{"x": 3}', "[3]"),
+        (dict(choice=["yes", "no"]), "no", "maybe"),
+    ):
+        after = spec(**constraint, reasoning_end=end)
+        assert after.key != spec(**constraint).key
+        grammar = parse_grammar(after)
+        assert accepts(grammar, "Let me {think} < a </think> bit.\n" + end + answer)
+        assert not accepts(grammar, answer)  # the reasoning comes first
+        assert not accepts(grammar, "x" + end + wrong)
+        assert not accepts(grammar, "x" + end + "y" + end + answer)  # the first end closes the reasoning
+    tokenizer, compiler, eos = demo
+    after = spec(json=POINT, disable_any_whitespace=True, reasoning_end=end)
+    grammar = RequestGrammar(after.key, compiler.prepare(after), tokenizer.encode("{hmm} ok\n" + end))
+    assert grammar.start() is None
+    for t in tokenizer.encode('{"x": 7}'):
+        assert grammar.accept(t) is None
+    assert allowed_tokens(mask_of(grammar.matcher), VOCAB_SIZE)[0].nonzero().view(-1).tolist() == sorted(eos)
+    wrong = RequestGrammar(after.key, compiler.prepare(after), tokenizer.encode("ok" + end + "[1]"))
+    assert wrong.start().startswith("structured_outputs: token")
+    with pytest.raises(ValueError, match="^structured_outputs.reasoning_end: "):
+        StructuredOutputsParams(json=POINT, reasoning_end="")
+
+
 def test_the_sampler_masks_greedy_and_sampled_rows_to_what_xgrammar_allows(demo):
     tokenizer, compiler, _ = demo
     sampler = Sampler(VOCAB_SIZE, grammars=compiler)

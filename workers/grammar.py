@@ -60,7 +60,19 @@ def choice_ebnf(choices: Sequence[str]) -> str:
 
 def parse_grammar(spec: GrammarSpec) -> xgrammar.Grammar:
     """The spec as an xgrammar Grammar (parsing only: no vocabulary, milliseconds). Raises ValueError
-    naming the field `structured_outputs.<kind>` when it does not compile."""
+    naming the field `structured_outputs.<kind>` when it does not compile. `spec.after`: any text
+    up to the first `after` (a reasoning block and its end), then the constraint."""
+    grammar = _constraint(spec)
+    if not spec.after:
+        return grammar
+    from xgrammar import structural_tag as st
+
+    free = st.TagFormat(begin="", content=st.AnyTextFormat(), end=spec.after)
+    tail = st.GrammarFormat(grammar=str(grammar), syntax="ebnf")
+    return _xgr().Grammar.from_structural_tag(st.StructuralTag(format=st.SequenceFormat(elements=[free, tail])))
+
+
+def _constraint(spec: GrammarSpec) -> xgrammar.Grammar:
     xgr = _xgr()
     try:
         if spec.kind == "json":

@@ -31,16 +31,18 @@ GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 class GrammarSpec:
     """A structured-output constraint in canonical text (`workers/grammar.py` compiles it with
     xgrammar): `json` a JSON schema (compact, keys in the user's order), `json_object` any JSON object (text
-    empty), `regex`, `choice` a JSON list of the strings, `grammar` EBNF. Equal texts share one
+    empty), `regex`, `choice` a JSON list of the strings, `grammar` EBNF; `after`: the constraint
+    starts once free text has ended with this (a reasoning block's end). Equal texts share one
     compile on each worker, through `key`."""
 
     kind: str
     text: str
     any_whitespace: bool = True
+    after: str = ""  # free text (the model's reasoning) up to this end first, then the constraint
 
     @property
     def key(self) -> str:
-        raw = f"{self.kind}\0{int(self.any_whitespace)}\0{self.text}".encode()
+        raw = f"{self.kind}\0{int(self.any_whitespace)}\0{self.after}\0{self.text}".encode()
         return hashlib.sha256(raw).hexdigest()[:32]
 
 

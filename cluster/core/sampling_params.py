@@ -22,6 +22,7 @@ FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence
 MAX_GRAMMAR_CHARS = 512 * 1024  # a schema, regex, grammar or the choices together
 MAX_CHOICES = 1024
 MAX_N = 128  # completions of one request (OpenAI's bound)
+MAX_REASONING_END = 64
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 _SCHEMA_FIELD = "response_format.json_schema.schema"
 
@@ -41,6 +42,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    # deltaserve's: the constraint holds after free text ending with this (a thinking model's reasoning
+    # and its end, "</think>\n\n"; the HTTP server sets it under --reasoning-parser)
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         self.to_grammar_spec()
@@ -59,6 +63,9 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs: give only one constraint, got {' and '.join(given)}")
         if not isinstance(self.disable_any_whitespace, bool):
             bad("disable_any_whitespace", f"must be a bool, got {short(self.disable_any_whitespace)}")
+        end = self.reasoning_end
+        if end is not None and not (isinstance(end, str) and 0 < len(end) <= MAX_REASONING_END):
+            bad("reasoning_end", f"must be a string of 1..{MAX_REASONING_END} characters, got {short(end)}")
         kind = given[0]
         value = getattr(self, kind)
         if kind == "json":
@@ -94,7 +101,8 @@ class StructuredOutputsParams:
         if len(text) > MAX_GRAMMAR_CHARS:
             bad(kind, f"at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
         json_like = kind in ("json", "json_object")
-        return GrammarSpec(kind, text, any_whitespace=not (json_like and self.disable_any_whitespace))
+        whitespace = not (json_like and self.disable_any_whitespace)
+        return GrammarSpec(kind, text, any_whitespace=whitespace, after=self.reasoning_end or "")
 
     @classmethod
     def from_response_format(cls, response_format: dict[str, Any] | None) -> StructuredOutputsParams | None:

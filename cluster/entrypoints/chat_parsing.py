@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from deltaserve.cluster.config import TOOL_CALL_PARSERS
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+REASONING_END = THINK_CLOSE + "\n\n"  # how Qwen's templates close a reasoning block before the answer
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)

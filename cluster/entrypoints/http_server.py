@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import re
@@ -33,7 +34,7 @@ from deltaserve.workers.config import short
 from . import openai_protocol as api
 from . import validation
 from .async_engine import AdapterNotFoundError, AsyncEngine
-from .chat_parsing import THINK_CLOSE, ForcedTools, forced_tools, opens_reasoning, tool_schemas
+from .chat_parsing import REASONING_END, THINK_CLOSE, ForcedTools, forced_tools, opens_reasoning, tool_schemas
 from .metrics import CONTENT_TYPE
 from .openai_serving import Job, RequestFailedError, collect, stream_events
 from .validation import ErrorKind, ModelNotFoundError
@@ -200,6 +201,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
             )
             if forced is not None and opens_reasoning(prompt):  # forced calls come first: thinking off
                 prompt += f"\n{THINK_CLOSE}\n\n"
+            params = _after_reasoning(engine, params, prompt)
             job.parsing = _parsing(engine, body, prompt, forced)
             # the rendered prompt is the messages' doing
             renames = {"prompt": "messages", "prompt_token_ids": "messages"} | _renames(body)
@@ -211,6 +213,18 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
         return await _answer(job, body.stream, request)
 
     return app
+
+
+def _after_reasoning(engine: AsyncEngine, params: SamplingParams, prompt: str) -> SamplingParams:
+    """Under --reasoning-parser, a constrained chat that opens with its reasoning thinks freely first:
+    the constraint holds the answer after the reasoning block (as vLLM's reasoning-aware structured
+    outputs), unless it spells out the block's end itself (it constrains the reasoning too)."""
+    constraint = params.structured_outputs
+    if constraint is None or engine.config.serving.reasoning_parser is None or not opens_reasoning(prompt):
+        return params
+    if THINK_CLOSE in constraint.to_grammar_spec().text:
+        return params
+    return dataclasses.replace(params, structured_outputs=dataclasses.replace(constraint, reasoning_end=REASONING_END))
 
 
 def _force_calls(body: api.ChatCompletionRequest, fields: dict) -> ForcedTools | None:
