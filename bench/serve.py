@@ -22,6 +22,11 @@ resending the whole history with 128 new user tokens; the report gives the prefi
     deltaserve bench serve --num-prompts 32 --num-turns 4 --shared-prefix-len 2048 --input-len 128 \
         --output-len 128 --max-concurrency 16
 
+Several completions of each prompt (`--n 8`: output tokens count all of them; with prefix caching on the
+server the prompt is prefilled once; compare a server started with `--no-enable-prefix-caching`):
+
+    deltaserve bench serve --target 127.0.0.1:50051 --num-prompts 64 --n 8 --input-len 2048 --output-len 128
+
 Multi-node: 4 client actors on each alive node of the Ray cluster, their records merged into one report
 (the entrypoint, and so the JSON file, runs on the head node; deltaserve must be installed on every node):
 
@@ -81,6 +86,7 @@ class BenchSettings:
     seed: int = 0
     temperature: float = 0.0
     ignore_eos: bool = True
+    n: int = 1  # completions of each prompt (SamplingParams.n: the prompt prefilled once)
     request_timeout_s: float | None = None
     clients_per_node: int | None = None  # either of these two runs the clients as Ray actors
     num_client_nodes: int | None = None
@@ -106,6 +112,10 @@ class BenchSettings:
             raise ValueError("prompt_format text needs a dataset_path (random prompts are token ids)")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be positive (inf: all at once), got {self.request_rate}")
+        if not 1 <= self.n <= 128:
+            raise ValueError(f"n must be in [1, 128], got {self.n}")
+        if self.n > 1 and self.num_turns > 1:
+            raise ValueError("n > 1 and num_turns > 1 do not combine (which completion would the next turn carry?)")
         if self.num_warmups < 0:
             raise ValueError(f"num_warmups must be at least 0, got {self.num_warmups}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -373,6 +383,8 @@ class LoadClient:
         sampling = dict(
             max_tokens=request.output_len, ignore_eos=self.settings.ignore_eos, temperature=self.settings.temperature
         )
+        if self.settings.n > 1:
+            sampling["n"] = self.settings.n
         chunk_times: list[float] = []
         completion_tokens = 0
         final: Final | None = None
@@ -385,11 +397,11 @@ class LoadClient:
                     if isinstance(item, Chunk):
                         if item.token_ids:
                             chunk_times.append(time.perf_counter())
-                            completion_tokens += len(item.token_ids)
+                            completion_tokens += len(item.token_ids)  # every completion's (n > 1)
                             if reply is not None:
                                 reply += item.token_ids
                     else:
-                        final = item
+                        final = item  # n > 1: the last completion's
         except Exception as e:
             known = failure(e)
             if known is None:
@@ -598,6 +610,7 @@ def add_parser(sub) -> None:
         help="send dataset windows as token ids (exact lengths) or as text for the server to tokenize",
     )
     g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--n", type=int, default=1, help="completions of each prompt (its tokens all count as output)")
     g.add_argument(
         "--ignore-eos", action=argparse.BooleanOptionalAction, default=True, help="generate exactly the output length"
     )
@@ -638,6 +651,7 @@ def _main(args: argparse.Namespace) -> int:
         num_warmups=args.num_warmups,
         seed=args.seed,
         temperature=args.temperature,
+        n=args.n,
         ignore_eos=args.ignore_eos,
         request_timeout_s=args.request_timeout,
         num_turns=args.num_turns,

@@ -113,6 +113,18 @@ def test_fixed_lengths_through_the_cli(target, tmp_path, capsys):
     assert max(r.start_s + r.e2e_s for r in records) == pytest.approx(duration)
 
 
+def test_n_completions_count_every_completion(target, tmp_path):
+    """--n 3: each request streams three completions of its prompt; the report counts all their
+    tokens as output."""
+    path = tmp_path / "n.json"
+    argv = ["bench", "serve", "--target", target, "--num-prompts", "4", "--n", "3", "--max-concurrency", "2"]
+    argv += ["--input-len", "20", "--output-len", "5", "--json", str(path), "--save-requests", "--num-warmups", "0"]
+    assert main(argv) == 0
+    report = json.loads(path.read_text())
+    assert (report["completed"], report["failed"], report["total_output_tokens"]) == (4, 0, 4 * 3 * 5)
+    assert all(r["completion_tokens"] == 15 and r["finish_reason"] == "length" for r in report["requests"])
+
+
 def test_multi_turn_conversations_hit_the_prefix_cache(target, tmp_path):
     """Each turn resends the shared prefix, the history and the replies: the report counts every turn,
     and from the second turn on the server skips what it has seen."""

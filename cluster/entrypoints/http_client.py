@@ -94,7 +94,7 @@ class OpenAIHttpClient:
                     text = (choice["delta"].get("content") if chat else choice.get("text")) or ""
                     ids = choice.get("token_ids") or []
                     if text or ids:
-                        yield Chunk(ids, text)
+                        yield Chunk(ids, text, index=choice.get("index", 0))
                     if choice.get("finish_reason"):
                         finish, stop = choice["finish_reason"], choice.get("stop_reason")
                 usage = event.get("usage")
