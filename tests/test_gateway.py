@@ -236,6 +236,7 @@ def test_32_concurrent_streams(served, reference):
         ("hi", {"prompt_logprobs": -1}, "prompt_logprobs"),
         ("hi", {"n": 0}, "n"),
         ("hi", {"n": 129}, "n"),
+        ("hi", {"logit_bias": {VOCAB_SIZE: 1.0}}, "logit_bias"),
         ("hi", {"request_id": "r" * 300}, "request_id"),
         ("hi", {"request_id": "r" * 20_000}, "request_id"),
     ],

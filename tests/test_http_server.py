@@ -272,6 +272,14 @@ def test_sampling_fields_reach_the_engine(client, reference):
     ).choices[0]
     assert (got.text, got.finish_reason, got.stop_reason) == (want.text, "stop", stop)
     assert len(got.text) <= 6
+    # logit_bias (OpenAI's, token ids as keys): as LLM.generate's, through HTTP and gRPC
+    bias = {"77": 100.0, "12": -5.0}
+    want = reference.generate(
+        [prompt], SamplingParams(**fields, max_tokens=5, logit_bias={77: 100.0, 12: -5.0}), use_tqdm=False
+    )[0].outputs[0]
+    assert want.token_ids == [77] * 5
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, logit_bias=bias, **fields)
+    assert got.choices[0].text == want.text
 
 
 def test_logprobs_equal_llm_generate(client, reference):
@@ -366,6 +374,8 @@ BAD = [
     ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "hi", "n": 0}, "n"),
     ("completions", {"prompt": "hi", "n": 129}, "n"),
+    ("completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"3": 500}}, "logit_bias"),
     ("completions", {"prompt": [7] * 600}, "prompt"),  # over max_model_len
     ("completions", {"prompt": [400]}, "prompt_token_ids"),  # outside the vocabulary
     ("completions", {"prompt": "hi", "stop": ["x" * 20000]}, "stop"),  # a long value is not echoed

@@ -187,6 +187,62 @@ def test_penalties_applied_as_defined():
     assert tokens == [int(expected.argmax())]
 
 
+def test_logit_bias_comes_before_the_penalties_and_leaves_the_logprobs():
+    """OpenAI's logit_bias: added to the logits, then the repetition penalty on the biased values; the
+    logprobs stay the model's (vLLM's default)."""
+    sampler = Sampler(vocab_size=6)
+    params = SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={2: 3.0, 4: -1.5}, logprobs=0)
+    sampler.add(NewRequestData("r", [0, 1], [2], params.to_spec()))
+    logits = torch.tensor([[1.0, -1.0, 0.5, 2.0, 0.0, 0.1]])
+    expected = logits.clone()
+    expected[0, 2] += 3.0
+    expected[0, 4] -= 1.5
+    for t in (0, 1, 2):
+        expected[0, t] = expected[0, t] / 2 if expected[0, t] > 0 else expected[0, t] * 2
+    biased = logits.clone()
+    sampler._apply_penalties(biased, [sampler.states["r"]])
+    assert torch.allclose(biased, expected)
+    tokens, lps = sampler.sample(["r"], logits)
+    assert tokens == [3] and lps["r"].logprob == pytest.approx(torch.log_softmax(logits[0], 0)[3].item())
+
+
+def test_logit_bias_through_the_engine(moe):
+    """+100 forces a token, -100 bans the greedy ones; bad keys and values name the field."""
+    llm, _ = moe
+    p = some_prompts(1)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    (plain,) = llm.generate(p, greedy, use_tqdm=False)
+    (forced,) = llm.generate(p, SamplingParams(**{**vars(greedy), "logit_bias": {77: 100.0}}), use_tqdm=False)
+    assert forced.outputs[0].token_ids == [77] * 6
+    banned = {t: -100.0 for t in plain.outputs[0].token_ids}
+    (other,) = llm.generate(p, SamplingParams(**{**vars(greedy), "logit_bias": banned}), use_tqdm=False)
+    assert not set(other.outputs[0].token_ids) & set(banned)
+    for bias, why in (({VOCAB_SIZE: 1.0}, "outside"), ({3: 101.0}, "must be in"), ({"3": 1.0}, "outside")):
+        with pytest.raises(ValueError, match=f"^logit_bias: .*{why}"):
+            llm.generate(p, SamplingParams(max_tokens=2, logit_bias=bias), use_tqdm=False)
+
+
+def test_a_logit_bias_decodes_without_drafts(tiny_checkpoints, moe):
+    """A biased request beside drafting ones in a speculating engine: its tokens are the plain
+    engine's (the verify sampler applies no bias, so it decodes one token at a time)."""
+    path = str(tiny_checkpoints["qwen3_5_moe"][0])
+    llm, _ = moe
+    prompts = some_prompts(2)
+    params = [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={5: 2.0, 7: -3.0, 77: 1.5}),
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    ]
+    want = llm.generate(prompts, params, use_tqdm=False)
+    spec = LLM(path, max_num_seqs=8, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    try:
+        got = spec.generate(prompts, params, use_tqdm=False)
+        drafts = spec.engine.speculative_stats()
+    finally:
+        spec.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == [w.outputs[0].token_ids for w in want]
+    assert drafts["num_drafts"] > 0  # the other request did speculate
+
+
 def test_seeded_noise_is_a_function_of_seed_and_step():
     a = seeded_exponentials(42, 3, 1000, "cpu")
     assert torch.equal(a, seeded_exponentials(42, 3, 1000, "cpu"))

@@ -84,6 +84,8 @@ class SamplingSpec:
     min_tokens_banned_ids: list[int] = field(default_factory=list)
     # structured output: the worker masks the logits to what the grammar allows next
     grammar: GrammarSpec | None = None
+    # [token id, bias] pairs added to the logits first (OpenAI's logit_bias)
+    logit_bias: list[list] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.grammar, dict):  # as msgpack brings it

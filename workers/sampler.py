@@ -378,8 +378,8 @@ class Sampler:
         pending_rows: Sequence[int] = (),
         pending_tokens: Callable[[], torch.Tensor] | None = None,
     ) -> None:
-        """In place on logits [R, V] (contiguous), row i for states[i]: the repetition penalty, then
-        presence and frequency penalties, then min_tokens bans; built as flat index lists on the host
+        """In place on logits [R, V] (contiguous), row i for states[i]: the logit bias, the repetition
+        penalty, then presence and frequency penalties, then min_tokens bans; built as flat index lists on the host
         and applied with device-side fills (no host sync). A penalty that overflows float32 leaves the
         largest finite value (an infinite logit would make the draw's softmax NaN)."""
         device, vocab = logits.device, logits.shape[1]
@@ -397,6 +397,13 @@ class Sampler:
                 pending_ids = pending_tokens()
             at, offsets = upload([np.asarray([pending[r] for r in mine]), np.asarray(mine) * vocab], device)
             return offsets, pending_ids.index_select(0, at)
+
+        biased = [i for i, s in enumerate(states) if s.spec.logit_bias]
+        if biased:  # OpenAI's logit_bias, before the penalties
+            ids = np.concatenate([i * vocab + np.asarray([t for t, _ in states[i].spec.logit_bias]) for i in biased])
+            values = np.concatenate([np.asarray([b for _, b in states[i].spec.logit_bias]) for i in biased])
+            flat, values = upload([ids], device) + upload([values], device, logits.dtype)
+            flat_logits.index_add_(0, flat, values)
 
         rep = [i for i, s in enumerate(states) if s.spec.repetition_penalty != 1.0]
         if rep:
@@ -484,6 +491,7 @@ def _needs_penalties(state: RequestSamplingState) -> bool:
     return (
         spec.repetition_penalty != 1.0
         or bool(spec.presence_penalty or spec.frequency_penalty)
+        or bool(spec.logit_bias)
         or (state.num_sampled < spec.min_tokens and bool(spec.min_tokens_banned_ids))
     )
 

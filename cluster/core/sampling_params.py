@@ -23,6 +23,8 @@ MAX_GRAMMAR_CHARS = 512 * 1024  # a schema, regex, grammar or the choices togeth
 MAX_CHOICES = 1024
 MAX_N = 128  # completions of one request (OpenAI's bound)
 MAX_REASONING_END = 64
+MAX_LOGIT_BIAS = 1024  # biased tokens of one request
+MAX_BIAS = 100.0  # OpenAI's bound on each bias
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 _SCHEMA_FIELD = "response_format.json_schema.schema"
 
@@ -159,7 +161,9 @@ class SamplingParams:
     `logprobs` / `prompt_logprobs`: how many top alternatives to return per position (0: only the
     chosen token's own logprob). `max_tokens` None: as many as fit in max_model_len; a number that
     does not fit after the prompt is refused. `output_kind`: what the async API's outputs hold.
-    `n`: completions of the prompt (cluster/core/completions.py: the prompt is prefilled once)."""
+    `n`: completions of the prompt (cluster/core/completions.py: the prompt is prefilled once).
+    `logit_bias`: {token id: bias in [-100, 100]} added to the logits before penalties and sampling
+    (OpenAI's; such a request decodes without speculation)."""
 
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -181,6 +185,7 @@ class SamplingParams:
     n: int = 1
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -250,11 +255,26 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
                 bad(name, f"must be in [0, {MAX_LOGPROBS}] or None, got {short(value)}")
+        if self.logit_bias is not None:
+            self._check_logit_bias(vocab_size)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", f"must be a StructuredOutputsParams, got {short(self.structured_outputs)}")
             if self.min_tokens:  # the grammar's end allows only EOS, which min_tokens forbids
                 bad("min_tokens", "must be 0 with structured_outputs (the grammar decides where the output ends)")
+
+    def _check_logit_bias(self, vocab_size: int | None) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias: must be a mapping of token id to bias, got {short(bias)}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+        for token, value in bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < (vocab_size or 2**31):
+                vocab = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "the token ids [0, 2**31)"
+                raise ValueError(f"logit_bias: token id {short(token)} is outside {vocab}")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not -MAX_BIAS <= value <= MAX_BIAS:
+                raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {short(value)}")
 
     def for_completion(self, index: int) -> SamplingParams:
         """The parameters of completion `index` of an n > 1 request, which runs as a request of its own:
@@ -282,4 +302,5 @@ class SamplingParams:
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             grammar=self.structured_outputs.to_grammar_spec() if self.structured_outputs is not None else None,
+            logit_bias=[[token, float(value)] for token, value in sorted((self.logit_bias or {}).items())],
         )

@@ -4,8 +4,8 @@ setting itself, `speculative_config`, is RunnerConfig's).
 A speculating request decodes in verify rows: its last token and the k drafts the MTP head proposed
 after the previous pass, verified by the target in one pass (the worker keeps the drafts up to the
 first disagreement and the target's token after them). Requests whose sampling needs each position's
-own history (repetition / presence / frequency penalties, min_tokens bans still in force) or a
-grammar (structured output) decode one token at a time in the same passes.
+own history (repetition / presence / frequency penalties, min_tokens bans still in force), a
+grammar (structured output) or a logit bias decode one token at a time in the same passes.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ def speculates(req: Request) -> bool:
     step would sample it, with no per-position history)."""
     params = req.sampling_params
     if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        return False
+    if params.logit_bias:  # the verify sampler applies no per-request logit processing
         return False
     if req.grammar is not None:
         # each position's mask follows the grammar after the drafts before it: workers/grammar.py's

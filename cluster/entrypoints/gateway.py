@@ -366,6 +366,8 @@ def _sampling_params(message: pb.SamplingParams) -> SamplingParams:
     for name in ("stop", "stop_token_ids"):
         if name in fields:
             fields[name] = list(fields[name])
+    if "logit_bias" in fields:
+        fields["logit_bias"] = dict(fields["logit_bias"])
     if "structured_outputs" in fields:
         constraint = {descriptor.name: value for descriptor, value in fields["structured_outputs"].ListFields()}
         if "choice" in constraint:

@@ -41,6 +41,17 @@ class StructuredOutputs(Strict):
     disable_any_whitespace: bool = False
 
 
+def token_biases(logit_bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON object keys) with integer keys; ValueError naming it."""
+    out = {}
+    for key, value in logit_bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ValueError(f"logit_bias: keys must be token ids, got {key[:40]!r}") from None
+    return out
+
+
 class SamplingFields(Strict):
     """What completions and chat completions share; every field maps onto SamplingParams."""
 
@@ -73,8 +84,6 @@ class SamplingFields(Strict):
 
     def sampling_fields(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         """The SamplingParams fields this request sets (the rest keep SamplingParams' defaults)."""
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported")
         fields: dict[str, Any] = {
             "max_tokens": max_tokens,
             "frequency_penalty": self.frequency_penalty,
@@ -97,6 +106,8 @@ class SamplingFields(Strict):
             "stop_token_ids": self.stop_token_ids,
         }
         fields.update({name: value for name, value in optional.items() if value is not None})
+        if self.logit_bias:
+            fields["logit_bias"] = token_biases(self.logit_bias)
         constraint = StructuredOutputsParams.from_response_format(self.response_format)
         if self.structured_outputs is not None:
             if constraint is not None:
