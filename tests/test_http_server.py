@@ -227,6 +227,30 @@ def test_n_completions_through_every_door(server, client, reference):
     wait_idle(server)
 
 
+def test_echo_and_a_list_of_prompts_as_lm_eval_sends_them(server, client, reference):
+    """lm-eval-harness's loglikelihood request: several prompts, echo, logprobs 1, max_tokens 1. Each
+    choice, in prompt order, is its prompt then its completion: the text, and the token logprobs (the
+    first token's null) equal to LLM.generate's prompt_logprobs and logprobs; usage adds up."""
+    prompts = ["the quick brown fox", "hello world", "the quick brown fox jumps"]
+    got = client.completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1)
+    want = reference.generate(prompts, params, use_tqdm=False)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    for choice, w, text in zip(got.choices, want, prompts, strict=True):
+        assert choice.text == text + w.outputs[0].text
+        lp, n = choice.logprobs, len(w.prompt_token_ids)
+        assert len(lp.tokens) == n + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        expected = [next(iter(e.values())).logprob for e in w.prompt_logprobs[1:]] + [w.outputs[0].cumulative_logprob]
+        assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert got.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want) and got.usage.completion_tokens == 3
+    for body, field in (({"stream": True, "echo": False}, "prompt"), ({"stream": True, "prompt": "hi"}, "echo")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**{"model": MODEL, "prompt": prompts, "echo": True, **body})
+        assert e.value.body["message"].startswith(field + ":")
+    wait_idle(server)
+
+
 def test_chat_equals_grpc_chat_and_llm_chat(server, client, reference):
     (want,) = reference.chat(CHAT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     want_ids, want_text = want.outputs[0].token_ids, want.outputs[0].text

@@ -204,6 +204,11 @@ class AsyncEngine:
     def _token_ids(self, prompt: str | list[int]) -> list[int] | None:
         if not isinstance(prompt, str):
             return list(prompt) if isinstance(prompt, list | tuple) else None
+        tokenizer = self._local_tokenizer()
+        return None if tokenizer is None else tokenizer.encode(prompt)
+
+    def _local_tokenizer(self):
+        """The model's tokenizer in this process (loaded on first use; None without tokenizer.json)."""
         if self._tokenizer is None:
             from deltaserve.cluster.core.tokenizer import Tokenizer
 
@@ -211,7 +216,18 @@ class AsyncEngine:
             if model is None or not (Path(model) / "tokenizer.json").is_file():
                 return None
             self._tokenizer = Tokenizer(model)
-        return self._tokenizer.encode(prompt)
+        return self._tokenizer
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of these tokens (special ones kept; "" without a tokenizer)."""
+        tokenizer = self._local_tokenizer()
+        return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token's text (as the detokenizer writes a lone token; "" without a tokenizer): what
+        an echoed prompt shows."""
+        tokenizer = self._local_tokenizer()
+        return [""] * len(token_ids) if tokenizer is None else tokenizer.decode_each(token_ids)
 
     async def stream(self, req_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of a submitted request until it finishes (each carries what its step added in the

@@ -36,10 +36,12 @@ from . import validation
 from .async_engine import AdapterNotFoundError, AsyncEngine
 from .chat_parsing import REASONING_END, THINK_CLOSE, ForcedTools, forced_tools, opens_reasoning, tool_schemas
 from .metrics import CONTENT_TYPE
-from .openai_serving import Job, RequestFailedError, collect, stream_events
+from .openai_serving import Job, RequestFailedError, collect, merged, stream_events
 from .validation import ErrorKind, ModelNotFoundError
 
 log = logging.getLogger(__name__)
+
+MAX_PROMPTS = 256  # prompts of one /v1/completions request
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|[A-Z]\w*)$|\[")
 _STATUS = {ErrorKind.INVALID: 400, ErrorKind.NOT_FOUND: 404, ErrorKind.QUEUE_FULL: 429, ErrorKind.UNAVAILABLE: 503}
@@ -172,14 +174,26 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request):
+        jobs: list[Job] = []
         try:
-            prompt = _single_prompt(body)
-            params = validation.sampling_params(body.sampling_fields(body.max_tokens, body.logprobs))
+            prompts = _prompt_list(body)
+            fields = body.sampling_fields(body.max_tokens, body.logprobs)
+            if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs too
+                fields["prompt_logprobs"] = body.logprobs
+            params = validation.sampling_params(fields)
             lora = await _adapter_for(engine, body.model)
             job = _job(engine, body, "cmpl", chat=False, logprobs=body.logprobs)
-            await _submit(job, prompt, params, lora, _renames(body))
+            job.echo = body.echo
+            for i, prompt in enumerate(prompts):
+                one = job if len(prompts) == 1 else dataclasses.replace(job, req_id=f"{job.req_id}-{i}")
+                await _submit(one, prompt, params, lora, _renames(body))
+                jobs.append(one)
         except Exception as e:
+            for queued in jobs:  # a later prompt was refused: the earlier ones go too
+                await engine.discard(queued.req_id)
             return await response_for(engine, e)
+        if len(jobs) > 1:
+            return await _answer_all(jobs, job.req_id, request)
         return await _answer(job, body.stream, request)
 
     @app.post("/v1/chat/completions")
@@ -291,19 +305,22 @@ async def _submit(
         raise
 
 
-def _single_prompt(body: api.CompletionRequest) -> str | list[int]:
-    if body.echo:
-        raise ValueError("echo: not supported")
+def _prompt_list(body: api.CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: one, or a list (answered whole, choices in prompt order, as OpenAI)."""
+    if body.echo and body.stream:
+        raise ValueError("echo: only with stream=false")
     if body.suffix is not None:
         raise ValueError("suffix: not supported")
     if body.best_of not in (None, 1):
         raise ValueError("best_of: must be 1")
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise ValueError(f"prompt: one prompt per request, got {len(prompt)}")
-        prompt = prompt[0]
-    return prompt
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list)):
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts a request, got {len(prompt)}")
+    if len(prompt) > 1 and body.stream:
+        raise ValueError("prompt: a list of prompts is answered whole (stream=false); stream one prompt a request")
+    return list(prompt)
 
 
 def _job(engine: AsyncEngine, body: api.SamplingFields, prefix: str, *, chat: bool, logprobs: int | None) -> Job:
@@ -359,6 +376,27 @@ async def _answer(job: Job, stream: bool, request: Request):
     finally:
         gone.cancel()
         await job.engine.discard(job.req_id)
+
+
+async def _answer_all(jobs: list[Job], req_id: str, request: Request):
+    """A list of prompts' answers as one response; a client that leaves aborts them all."""
+    task = asyncio.ensure_future(asyncio.gather(*(collect(job) for job in jobs)))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            return Response(status_code=499)
+        try:
+            return merged(task.result(), req_id, jobs[0].n)
+        except Exception as e:
+            return await response_for(jobs[0].engine, e)
+    finally:
+        gone.cancel()
+        for job in jobs:
+            await job.engine.discard(job.req_id)
 
 
 async def _disconnected(request: Request) -> None:

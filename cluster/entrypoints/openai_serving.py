@@ -34,6 +34,7 @@ class Job:
     include_usage: bool = False
     continuous_usage: bool = False
     n: int = 1  # completions (choices) of the prompt
+    echo: bool = False  # completions: each choice starts with the prompt (its logprobs too, when asked)
     # chat: how each completion's text is read (reasoning, tool calls: chat_parsing.ChatParser's settings)
     parsing: dict | None = None
 
@@ -59,10 +60,20 @@ def usage(out: RequestOutput, completion_tokens: int) -> api.Usage:
     )
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]], k: int, offset: int) -> api.CompletionLogprobs:
-    """OpenAI's legacy logprobs: per token its text, logprob, top-k alternatives and text offset."""
+def completion_logprobs(
+    entries: list[dict[int, Logprob] | None], k: int, offset: int, first_text: str = ""
+) -> api.CompletionLogprobs:
+    """OpenAI's legacy logprobs: per token its text, logprob, top-k alternatives and text offset (an
+    echoed prompt's first token has none: `first_text` names it, its logprob null)."""
     out = api.CompletionLogprobs()
     for entry in entries:
+        if entry is None:
+            out.tokens.append(first_text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(first_text)
+            continue
         chosen = next(iter(entry.values()))
         out.tokens.append(_text(chosen))
         out.token_logprobs.append(_value(chosen))
@@ -122,19 +133,42 @@ async def collect(job: Job) -> api.CompletionResponse | api.ChatCompletionRespon
             choices.append(choice)
         prompt_ids = last.prompt_token_ids if job.return_token_ids else None
         return api.ChatCompletionResponse(choices=choices, prompt_token_ids=prompt_ids, **common)
+    echoed, prompt_entries, first = "", [], ""
+    if job.echo:  # the prompt's text (and logprobs) before each choice's own
+        echoed = last.prompt if last.prompt is not None else job.engine.decode(last.prompt_token_ids)
+        prompt_entries = last.prompt_logprobs or []
+        first = job.engine.token_texts(last.prompt_token_ids[:1])[0] if prompt_entries else ""
     choices = [
         api.CompletionChoice(
             index=c.index,
-            text=c.text,
-            logprobs=completion_logprobs(c.logprobs, job.logprobs, 0) if _asked(job, c) else None,
+            text=echoed + c.text,
+            logprobs=completion_logprobs(prompt_entries + (c.logprobs or []), job.logprobs, 0, first)
+            if _asked(job, c)
+            else None,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
-            token_ids=c.token_ids if job.return_token_ids else None,
+            token_ids=(last.prompt_token_ids if job.echo else []) + c.token_ids if job.return_token_ids else None,
             prompt_token_ids=last.prompt_token_ids if job.return_token_ids else None,
         )
         for c in completions
     ]
     return api.CompletionResponse(choices=choices, **common)
+
+
+def merged(answers: list[api.CompletionResponse], req_id: str, n: int) -> api.CompletionResponse:
+    """The answers to a list of prompts as one (OpenAI's order: prompt i's choices at i * n + index)."""
+    choices = [
+        choice.model_copy(update={"index": i * n + choice.index}) for i, a in enumerate(answers) for choice in a.choices
+    ]
+    usage = api.Usage(
+        prompt_tokens=sum(a.usage.prompt_tokens for a in answers),
+        completion_tokens=sum(a.usage.completion_tokens for a in answers),
+        total_tokens=sum(a.usage.total_tokens for a in answers),
+        prompt_tokens_details=api.PromptTokensDetails(
+            cached_tokens=sum(a.usage.prompt_tokens_details.cached_tokens for a in answers)
+        ),
+    )
+    return answers[0].model_copy(update={"id": req_id, "choices": choices, "usage": usage})
 
 
 def _asked(job: Job, completion: CompletionOutput) -> bool:
