@@ -217,36 +217,20 @@ def test_forced_tool_choice_over_http(served):
     }}}  # fmt: skip
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice, finish in ((named, "stop"), ("required", "tool_calls")):
-        whole = client.chat.completions.create(
-            model=MODEL,
-            messages=messages,
-            tools=[strict],
-            tool_choice=choice,
-            max_tokens=100,
-            temperature=0,
+        request = dict(
+            model=MODEL, messages=messages, tools=[strict], tool_choice=choice, max_tokens=100, temperature=0,
             parallel_tool_calls=False,
-        )
-        (c,) = whole.choices
+        )  # fmt: skip
+        (c,) = client.chat.completions.create(**request).choices
         assert c.finish_reason == finish and not c.message.content
-        assert [
-            (t.function.name, json.loads(t.function.arguments)["city"] in ("Paris", "Rome"))
-            for t in c.message.tool_calls
-        ][:1] == [("get_weather", True)]
-        streamed = []
-        for chunk in client.chat.completions.create(
-            model=MODEL,
-            messages=messages,
-            tools=[strict],
-            tool_choice=choice,
-            max_tokens=100,
-            temperature=0,
-            parallel_tool_calls=False,
-            stream=True,
-        ):
-            streamed += [t for ch in chunk.choices for t in ch.delta.tool_calls or []]
-        assert [(t.function.name, t.function.arguments) for t in streamed] == [
-            (t.function.name, t.function.arguments) for t in c.message.tool_calls
+        calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+        assert [(name, json.loads(args)["city"] in ("Paris", "Rome")) for name, args in calls] == [
+            ("get_weather", True)
         ]
+        streamed = []
+        for chunk in client.chat.completions.create(**request, stream=True):
+            streamed += [t for ch in chunk.choices for t in ch.delta.tool_calls or []]
+        assert [(t.function.name, t.function.arguments) for t in streamed] == calls
     for bad in ({"type": "function", "function": {"name": "nope"}}, "sometimes"):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=messages, tools=[strict], tool_choice=bad)
