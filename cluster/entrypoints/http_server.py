@@ -182,8 +182,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
                 fields["prompt_logprobs"] = body.logprobs
             params = validation.sampling_params(fields)
             lora = await _adapter_for(engine, body.model)
-            job = _job(engine, body, "cmpl", chat=False, logprobs=body.logprobs)
-            job.echo = body.echo
+            job = dataclasses.replace(_job(engine, body, "cmpl", chat=False, logprobs=body.logprobs), echo=body.echo)
             for i, prompt in enumerate(prompts):
                 one = job if len(prompts) == 1 else dataclasses.replace(job, req_id=f"{job.req_id}-{i}")
                 await _submit(one, prompt, params, lora, _renames(body))

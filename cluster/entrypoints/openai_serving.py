@@ -206,7 +206,7 @@ async def stream_events(job: Job) -> AsyncIterator[str]:
                 tokens += len(out.delta_token_ids)
                 step_usage = usage(out, tokens) if job.continuous_usage else None
                 if out.delta_text or out.delta_token_ids or (c.finish_reason is not None and index not in ended):
-                    parser = parsers.setdefault(index, job.parser())
+                    parser = _parser_of(parsers, index, job)
                     step = _read(parser, out.delta_text, c.finish_reason is not None) if job.chat else None
                     yield _event(_step_chunk(job, created, out, c, offsets.get(index, 0), step_usage, step, parser))
                     offsets[index] = offsets.get(index, 0) + len(out.delta_text)
@@ -216,7 +216,7 @@ async def stream_events(job: Job) -> AsyncIterator[str]:
                     for other in out.outputs:
                         if other.finish_reason is not None and other.index not in ended:
                             ended.add(other.index)
-                            parser = parsers.setdefault(other.index, job.parser())
+                            parser = _parser_of(parsers, other.index, job)
                             step = _read(parser, "", True) if job.chat else None
                             yield _event(_step_chunk(job, created, None, other, 0, None, step, parser))
                 if out.finished and job.include_usage:
@@ -233,6 +233,15 @@ async def stream_events(job: Job) -> AsyncIterator[str]:
         error = api.ErrorResponse(error=api.ErrorInfo(message=str(e)[:512], type="server_error", code="503"))
         yield _event(error)
     yield "data: [DONE]\n\n"
+
+
+def _parser_of(parsers: dict[int, ChatParser], index: int, job: Job) -> ChatParser | None:
+    """Completion `index`'s parser (chat only), made at its first step."""
+    if not job.chat:
+        return None
+    if index not in parsers:
+        parsers[index] = job.parser()
+    return parsers[index]
 
 
 def _read(parser: ChatParser, text: str, last: bool) -> Parsed:
