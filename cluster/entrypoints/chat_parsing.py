@@ -89,15 +89,12 @@ def forced_tools(tool_choice, tools: list[dict] | None, parallel: bool | None = 
     offered function or none is offered. parallel False (OpenAI's parallel_tool_calls): one call."""
     if tool_choice in (None, "auto", "none"):
         return None
-    schemas = {name: {"type": "object", "properties": props} for name, props in tool_schemas(tools).items()}
-    for tool in tools or []:  # the whole parameters schema where one is given (required fields too)
+    schemas = {}  # each offered function's whole parameters schema (required fields too)
+    for tool in tools or []:
         function = tool.get("function") if isinstance(tool, dict) else None
-        if (
-            isinstance(function, dict)
-            and isinstance(function.get("parameters"), dict)
-            and function.get("name") in schemas
-        ):
-            schemas[function["name"]] = function["parameters"]
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            params = function.get("parameters")
+            schemas[function["name"]] = params if isinstance(params, dict) else {"type": "object"}
     if not schemas:
         raise ValueError("tool_choice: forcing a call needs `tools` with at least one function")
     if tool_choice == "required":
@@ -153,7 +150,6 @@ class ChatParser:
         if tool_parser is not None and tool_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser: must be one of {TOOL_CALL_PARSERS}, got {tool_parser!r}")
         self._forced = forced
-        self._reasoning = reasoning
         self._state = "reasoning" if reasoning and in_reasoning else "start" if reasoning else "content"
         self._tool_parser = tool_parser
         self._schemas = schemas or {}
