@@ -261,13 +261,15 @@ class AsyncEngine:
         """vLLM's AsyncLLM.generate: RequestOutputs until the request finishes, whole so far
         (`output_kind` CUMULATIVE, the default), only what each step added (DELTA) or only the last
         (FINAL_ONLY). n > 1: each output before the last holds the completion that changed (its
-        `index`), the last one every completion. Bad input raises ValueError naming the field before anything is queued;
-        leaving the loop early (or cancelling the task) aborts the request. `lora_request`: a loaded
+        `index`), the last one every completion. Bad input raises ValueError naming the field before
+        anything is queued; leaving the loop early (or cancelling the task) aborts the request. `lora_request`: a loaded
         adapter to run on (by its name: AdapterNotFoundError when none of that name is loaded)."""
         lora_name = lora_request.lora_name if lora_request is not None else None
         await self.submit(request_id, prompt, sampling_params, lora_name)
         kind = sampling_params.output_kind
-        so_far: dict[int, tuple[str, list, list]] = {}  # each completion's text, ids and logprobs
+        texts: dict[int, str] = {}  # each completion's text, ids and logprobs so far
+        ids: dict[int, list[int]] = {}
+        lps: dict[int, list] = {}
         async with contextlib.aclosing(self.stream(request_id)) as outputs:
             async for out in outputs:
                 if kind is RequestOutputKind.FINAL_ONLY and not out.finished:
@@ -277,12 +279,11 @@ class AsyncEngine:
                 elif out.finished:
                     yield out  # a final output carries every completion whole
                 else:
-                    text, token_ids, logprobs = so_far.get(out.delta_index, ("", [], []))
-                    text += out.delta_text
-                    token_ids = token_ids + out.delta_token_ids
-                    logprobs = logprobs + out.delta_logprobs
-                    so_far[out.delta_index] = (text, token_ids, logprobs)
-                    yield _with_completion(out, text, list(token_ids), list(logprobs))
+                    i = out.delta_index
+                    texts[i] = texts.get(i, "") + out.delta_text
+                    ids.setdefault(i, []).extend(out.delta_token_ids)
+                    lps.setdefault(i, []).extend(out.delta_logprobs)
+                    yield _with_completion(out, texts[i], list(ids[i]), list(lps[i]))
 
     def render_chat(
         self,
