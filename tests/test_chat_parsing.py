@@ -77,6 +77,8 @@ CASES = [
     ("a < b </think> c", dict(), "a < b </think> c", "", []),
     (f"Checking.\n{HERMES_CALL}\n{HERMES_CALL}\n", dict(tool_parser="hermes"), "Checking.\n", "", [PARIS] * 2),
     (BAD_JSON, dict(tool_parser="hermes"), BAD_JSON, "", []),
+    # whitespace after a call is the format's, unless the answer goes on after it (before the next call)
+    (f"{HERMES_CALL} x {HERMES_CALL}\n", dict(tool_parser="hermes"), " x ", "", [PARIS] * 2),
     (f"x\n{HERMES_CALL}", dict(), f"x\n{HERMES_CALL}", "", []),
     (
         f"plan\n</think>\n\n{XML_CALL}",
@@ -265,3 +267,25 @@ def test_a_constrained_answer_after_free_reasoning_over_http(served):
     )  # fmt: skip
     message = off.choices[0].message
     assert message.reasoning_content is None and json.loads(message.content)["x"] in (1, 2, 3)
+
+
+FRAGMENTS = [
+    "<think>", "</think>", "<tool_call>", "</tool_call>", "<", "</", "think", "tool", "\n", "\n\n", " ", "a", "{",
+    "}", '{"name": "f", "arguments": {"x": 1}}', "<function=f>", "</function>", "<parameter=x>", "</parameter>",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_texts_stream_as_they_parse_whole(seed):
+    """Texts made of the formats' pieces in any order, under random settings: any cut of the stream
+    gives the whole text's message."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 30)))
+    settings = dict(
+        reasoning=rng.random() < 0.7,
+        in_reasoning=rng.random() < 0.5,
+        tool_parser=rng.choice([None, "hermes", "qwen3_coder"]),
+    )
+    want = as_tuple(parse(text, **settings))
+    for pieces in streams(text, seed=seed)[:12]:
+        assert as_tuple(parse(text, pieces, **settings)) == want, (text, pieces, settings)

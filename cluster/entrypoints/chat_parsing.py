@@ -155,6 +155,7 @@ class ChatParser:
         self._schemas = schemas or {}
         self._pending = ""  # text read but not yet given out (a tag may begin in it)
         self._after_think = False  # the newlines after </think> are the template's, not the answer's
+        self._segment_has_text = False  # answer text since the last tool call
         self.num_tool_calls = 0
 
     @property
@@ -219,12 +220,14 @@ class ChatParser:
             start = text.find(CALL_OPEN) if self._tool_parser else -1
             if start >= 0:
                 self._pending, self._state = text[start + len(CALL_OPEN) :], "call"
-                return Parsed(content=self._between_calls(text[:start]))
+                return Parsed(content=self._segment(text[:start], ended=True))
             keep = 0 if final or not self._tool_parser else _partial_tag(text, CALL_OPEN)
+            emit = text[: len(text) - keep]
+            if not emit or (self._format_space(emit) and not final):
+                self._pending = text
+                return None  # whitespace after a call: kept only if the answer goes on
             self._pending = text[len(text) - keep :]
-            if len(text) == keep:
-                return None
-            return Parsed(content=self._between_calls(text[: len(text) - keep]))
+            return Parsed(content=self._segment(emit, ended=final))
         end = text.find(CALL_CLOSE)  # state "call": a block, given out whole
         if end < 0 and not final:
             return None
@@ -236,11 +239,20 @@ class ChatParser:
             closing = CALL_CLOSE if end >= 0 else ""
             return Parsed(content=CALL_OPEN + block + closing)
         self.num_tool_calls += 1
+        self._segment_has_text = False
         return Parsed(tool_calls=[call])
 
-    def _between_calls(self, text: str) -> str:
-        """Whitespace between and after tool calls is the format's, not the answer's."""
-        return "" if self.num_tool_calls and not text.strip() else text
+    def _format_space(self, text: str) -> bool:
+        """Whether `text` is whitespace that opens the text after a tool call (the format's, not the
+        answer's, unless more of the answer follows it before the next call)."""
+        return self.num_tool_calls > 0 and not self._segment_has_text and not text.strip()
+
+    def _segment(self, text: str, ended: bool) -> str:
+        """Answer text read after the last tool call; a segment of whitespace alone is dropped."""
+        if ended and self._format_space(text):
+            return ""
+        self._segment_has_text = self._segment_has_text or bool(text.strip())
+        return text
 
     def _parse_block(self, block: str) -> ToolCall | None:
         if self._tool_parser == "hermes":
