@@ -41,6 +41,7 @@ from deltaserve.workers.config import (
 
 EXECUTORS = ("auto", "local", "ray")
 ROUTING = ("least_loaded", "prefix_aware")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 REASONING_PARSERS = ("qwen3",)  # chat completions' reasoning into reasoning_content (vLLM's names)
 TOOL_CALL_PARSERS = ("hermes", "qwen3_coder")  # their tool calls into tool_calls
 
@@ -59,6 +60,12 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = setting(True, help="split prompts longer than the token budget across passes")
     async_scheduling: bool | None = setting(
         None, help="plan the next pass while the current one runs; default: wherever the executor can overlap passes"
+    )
+    scheduling_policy: str = setting(
+        "fcfs",
+        choices=SCHEDULING_POLICIES,
+        help="fcfs: requests in arrival order; priority: by each request's `priority` (lower first, then arrival),"
+        " a waiting request preempting running ones of a lower priority when it does not fit",
     )
 
     def __post_init__(self) -> None:

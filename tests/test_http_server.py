@@ -411,6 +411,9 @@ BAD = [
     ("chat/completions", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ("chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"prompt": "hi", "request_id": "r" * 300}, "request_id"),
+    ("completions", {"prompt": "hi", "priority": 1}, "priority"),  # the server schedules fcfs
+    ("chat/completions", {"messages": CHAT, "priority": 2**40}, "priority"),
+    ("completions", {"prompt": "hi", "cache_salt": "s" * 300}, "cache_salt"),
     ("chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
     ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     (
@@ -444,6 +447,25 @@ def test_bad_input_is_400_naming_the_field(server, client, route, body, field):
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].finish_reason
 
 
+def test_cache_salt_keeps_prefix_cache_entries_apart(server, client):
+    """A prompt again under its salt reuses its cached blocks; under another salt, or none, it does
+    not (vLLM's `cache_salt`); gRPC's field the same."""
+    prompt = [5 + (i * 7) % 250 for i in range(150)]
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body=extra)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") >= 128
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+    with GenerationClient(f"127.0.0.1:{server.grpc_port}") as grpc_client:
+        finals = [list(grpc_client.generate(prompt, max_tokens=2, cache_salt=s))[-1] for s in ("tenant-b", "c")]
+    assert [f.cached_tokens for f in finals] == [finals[0].cached_tokens, 0] and finals[0].cached_tokens >= 128
+
+
 def test_grpc_chat_checks_the_same_way(server):
     import grpc
 
@@ -454,6 +476,11 @@ def test_grpc_chat_checks_the_same_way(server):
         ]:
             with pytest.raises(grpc.RpcError) as error:
                 list(grpc_client.generate(messages, max_tokens=2))
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert error.value.details().startswith(f"{field}: ")
+        for options, field in [({"priority": 3}, "priority"), ({"cache_salt": "s" * 257}, "cache_salt")]:
+            with pytest.raises(grpc.RpcError) as error:
+                list(grpc_client.generate("hi", max_tokens=2, **options))
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert error.value.details().startswith(f"{field}: ")
 

@@ -13,6 +13,7 @@ from test_model_vs_transformers import prompt
 
 from deltaserve import SamplingParams
 from deltaserve.cluster.config import EngineConfig
+from deltaserve.cluster.core.request import RequestOptions
 from deltaserve.cluster.entrypoints.async_engine import AdapterNotFoundError, AsyncEngine
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -58,7 +59,7 @@ def test_adapters_reach_every_replica(ray_session, tiny_checkpoints, tmp_path):
             assert got == expected
             assert [r.routed for r in engine.replica_infos()] == [2, 2]
             with pytest.raises(AdapterNotFoundError, match="lora_name"):
-                await engine.submit("nope", rows[0], GREEDY, "nope")
+                await engine.submit("nope", rows[0], GREEDY, RequestOptions("nope"))
 
             # refused (no such folder): on no replica afterwards, and the name stays free
             with pytest.raises(ValueError, match="missing"):
@@ -81,7 +82,7 @@ def test_adapters_reach_every_replica(ray_session, tiny_checkpoints, tmp_path):
             await engine.unload_lora("b")
             assert await held(engine) == [[], []]
             with pytest.raises(AdapterNotFoundError, match="lora_name"):
-                await engine.submit("gone", rows[0], GREEDY, "b")
+                await engine.submit("gone", rows[0], GREEDY, RequestOptions("b"))
             with pytest.raises(AdapterNotFoundError):
                 await engine.unload_lora("b")
         finally:

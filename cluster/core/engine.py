@@ -32,7 +32,7 @@ from deltaserve.workers.plan import GrammarSpec, PassPlan, RunnerOutput, TokenLo
 from .allocator import BlockAllocator, StateSlotAllocator
 from .completions import CompletionGroup, completion_id
 from .lora import AdapterRegistry, LoRARequest
-from .prefix_cache import CapturePolicy, PrefixCache, SnapshotCache
+from .prefix_cache import CapturePolicy, PrefixCache, SnapshotCache, cache_key_of
 from .request import (
     CompletionOutput,
     FinishReason,
@@ -40,6 +40,7 @@ from .request import (
     PromptLogprobs,
     Request,
     RequestMetrics,
+    RequestOptions,
     RequestOutput,
     SampleLogprobs,
 )
@@ -188,12 +189,17 @@ class EngineCore:
         params: SamplingParams,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validate and build a request (raises ValueError naming the bad field); queues nothing.
         cache_salt: requests share prefix-cache entries only with requests of the same salt.
-        lora_request: the adapter it runs on (registered and checked on first use)."""
+        lora_request: the adapter it runs on (registered and checked on first use). priority: lower
+        first, under scheduling_policy="priority" (fcfs takes only 0, as vLLM)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: must be a SamplingParams, got {type(params).__name__}")
+        RequestOptions(priority=priority, cache_salt=cache_salt).check()
+        if priority and self.config.scheduler.scheduling_policy != "priority":
+            raise ValueError("priority: only 0 unless the engine runs with scheduling_policy='priority'")
         params.validate(self.model_config.vocab_size)
         if isinstance(prompt, str):
             if not prompt:
@@ -220,8 +226,6 @@ class EngineCore:
             )
         if params.min_tokens > room:
             raise ValueError(f"min_tokens: {short(params.min_tokens)} after a {len(ids)}-token prompt exceeds {room}")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 256):
-            raise ValueError("cache_salt: must be a string of at most 256 characters")
         grammar = self._check_grammar(params)
         adapter = self.loras.resolve(lora_request)
         req = Request(
@@ -232,11 +236,10 @@ class EngineCore:
             eos_token_ids=self.model_config.eos_token_ids,
             lora=adapter,
             grammar=grammar,
+            priority=priority,
         )
         # requests on different adapters (or none) never share cached blocks or GDN snapshots
-        keys = [adapter.cache_key] if adapter is not None else []
-        keys += ["salt:" + cache_salt] if cache_salt else []
-        req.cache_key = "|".join(keys)
+        req.cache_key = cache_key_of(adapter.cache_key if adapter is not None else None, cache_salt)
         return req
 
     def _check_grammar(self, params: SamplingParams) -> GrammarSpec | None:
@@ -265,21 +268,26 @@ class EngineCore:
         params: SamplingParams,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validate and queue a request (ValueError naming a bad field, or an id in use). n > 1: its
         completions queue as requests of their own (completions.py); returns the first."""
         if req_id in self._groups:
             raise ValueError(f"request_id: {short(req_id, 80)} is already in use")
         if params.n == 1:
-            return self._queue(self.make_request(req_id, prompt, params, cache_salt, lora_request), prompt)
-        first = self.make_request(completion_id(req_id, 0), prompt, params.for_completion(0), cache_salt, lora_request)
+            return self._queue(self.make_request(req_id, prompt, params, cache_salt, lora_request, priority), prompt)
+        first = self.make_request(
+            completion_id(req_id, 0), prompt, params.for_completion(0), cache_salt, lora_request, priority
+        )
         ids = [completion_id(req_id, i) for i in range(params.n)]
         if any(i in self.scheduler.requests for i in ids):
             raise ValueError(f"request_id: {short(req_id, 80)} is already in use")
         group = CompletionGroup(req_id, params.n, prompt if isinstance(prompt, str) else None)
         self._groups[req_id] = group
         reqs = [first] + [
-            self.make_request(ids[i], first.prompt_token_ids, params.for_completion(i), cache_salt, lora_request)
+            self.make_request(
+                ids[i], first.prompt_token_ids, params.for_completion(i), cache_salt, lora_request, priority
+            )
             for i in range(1, params.n)
         ]
         for i, req in enumerate(reqs):

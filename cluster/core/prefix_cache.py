@@ -31,6 +31,14 @@ import numpy as np
 _HASH_BYTES = 16
 
 
+def cache_key_of(adapter_key: str | None = None, cache_salt: str | None = None) -> str:
+    """A request's cache key: what keeps its blocks and snapshots apart from other requests' (its
+    adapter's key, its salt; "" for neither)."""
+    keys = [adapter_key] if adapter_key is not None else []
+    keys += ["salt:" + cache_salt] if cache_salt else []
+    return "|".join(keys)
+
+
 def root_hash(cache_key: str = "") -> bytes:
     """The chain's start for requests of one cache key (adapter, salt): different keys never share."""
     return hashlib.sha256(b"deltaserve-prefix\x00" + cache_key.encode()).digest()[:_HASH_BYTES]

@@ -20,6 +20,33 @@ if TYPE_CHECKING:  # only a field's type: the adapter registry imports torch, th
     from .lora import Adapter
 
 
+PRIORITY_LIMIT = 2**31  # |priority| below it: the gRPC field is an int32
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a front door passes with a request besides its prompt and sampling parameters, from the
+    API down to the engine loop: the loaded adapter it runs on (by name; None: the base model), its
+    scheduling priority (lower first, under `scheduling_policy="priority"`) and its prefix-cache
+    salt (requests share cached blocks and GDN snapshots only with requests of the same salt)."""
+
+    lora_name: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+    def check(self) -> None:
+        """ValueError naming the field (a value is never echoed whole)."""
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority: must be an integer, got {type(self.priority).__name__}")
+        if not -PRIORITY_LIMIT < self.priority < PRIORITY_LIMIT:
+            raise ValueError(f"priority: must be within +-(2**31 - 1), got {str(self.priority)[:24]}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or len(self.cache_salt) > 256):
+            raise ValueError("cache_salt: must be a string of at most 256 characters")
+
+
+NO_OPTIONS = RequestOptions()
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -92,6 +119,8 @@ class Request:
     # completion 1.. of an n > 1 request: the first completion, whose prompt prefill it waits for
     # (then it starts from the prefix cache: completions.py)
     prefill_leader: Request | None = None
+    # scheduling_policy="priority": lower first (vLLM's meaning); ties by arrival
+    priority: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -6,6 +6,11 @@ cached requests first (decode rows), then the prefill streams batched into one c
 When pages run out, the newest running request is preempted: its pages and slot are freed and it
 is recomputed later from its prompt and the tokens it already produced.
 
+`scheduling_policy="priority"` (vLLM's): running and waiting requests are planned in one order, by
+`Request.priority` (lower first), then arrival; pages run out on the lowest running request first,
+and a waiting request that does not fit (sequences, state slots, pages, adapter slots) preempts the
+running ones of a lower priority.
+
 Speculative decoding (`num_speculative_tokens` k > 0, cluster/core/speculative.py): a decoding request
 with k drafts runs a verify row of k + 1 tokens; those rows become the pass's decode rows and the
 other one-token rows join the prefill streams. A row after which the MTP head drafts holds pages
@@ -25,6 +30,7 @@ compile. When nothing else would run it is admitted at once (its pass waits, sta
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import time
@@ -55,6 +61,12 @@ class SchedulerStats:
     num_passes: int = 0
     # sampled tokens dropped because their request finished while the pass ran (async scheduling)
     num_discarded_tokens: int = 0
+
+
+def rank(req: Request) -> tuple[int, float, str]:
+    """A request's place under scheduling_policy="priority": priority, then arrival (the id breaks
+    ties, so that the order is total)."""
+    return req.priority, req.arrival_time, req.req_id
 
 
 class Scheduler:
@@ -95,6 +107,7 @@ class Scheduler:
         self._grammars_ready: OrderedDict[str, None] = OrderedDict()
         self._grammars_sent: set[str] = set()
         self._grammars_to_send: dict[str, GrammarSpec] = {}
+        self._by_priority = config.scheduling_policy == "priority"
         self.k = num_speculative_tokens
         self.spec_stats = SpecStats(self.k) if self.k else None
         # this plan's rows by request id: verify rows, and rows after which the head drafts
@@ -105,11 +118,18 @@ class Scheduler:
         self.drafter = None
 
     # ---- queue -----------------------------------------------------------------------------
+    def _enqueue(self, queue: deque[Request] | list[Request], req: Request) -> None:
+        """Append (fcfs), or insert in (priority, arrival) order (priority)."""
+        if self._by_priority:
+            bisect.insort(queue, req, key=rank)
+        else:
+            queue.append(req)
+
     def add(self, req: Request) -> None:
         if req.req_id in self.requests:
             raise ValueError(f"request_id: {short(req.req_id, 80)} is already in use")
         self.requests[req.req_id] = req
-        self.waiting.append(req)
+        self._enqueue(self.waiting, req)
         if req.grammar is not None and req.grammar.key not in self._grammars_sent:
             self._grammars_to_send[req.grammar.key] = req.grammar
 
@@ -341,7 +361,10 @@ class Scheduler:
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         victim.needs_worker_state = True
-        self.waiting.appendleft(victim)
+        if self._by_priority:
+            self._enqueue(self.waiting, victim)
+        else:
+            self.waiting.appendleft(victim)
         self.stats.num_preemptions += 1
         # the worker drops its sampler state; the request's token history is resent on resume
         self._finished_since_last_plan.append(victim.req_id)
@@ -349,70 +372,22 @@ class Scheduler:
 
     # ---- one pass ----------------------------------------------------------------------------
     def schedule(self) -> PassPlan | None:
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         self._restores, self._page_copies = [], []
         self._verify, self._drafting = set(), set()
-
-        # running requests first, oldest first; preempt the newest when pages run out
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            want = min(self._tokens_wanted(req), budget)
-            if want <= 0:
-                i += 1
-                continue
-            if self._verifies(req, want, budget):
-                want = self.k + 1
-                self._verify.add(req.req_id)
-            # a verify row's pages also hold the head's k - 1 draft steps after it
-            need = req.num_computed_tokens + want + (self.k - 1 if req.req_id in self._verify else 0)
-            if self.blocks.pages_needed(req, need):  # most decode steps need none
-                while not self.blocks.can_grow(req, need):
-                    victim = self.running[-1]
-                    self._preempt(victim)
-                    if victim is req:
-                        break
-                if req.status is not RequestStatus.RUNNING:
-                    self._verify.discard(req.req_id)
-                    break  # req itself was the newest and got preempted
-                self.blocks.grow(req, need)
-            self._plan_drafting(req, want)
-            scheduled.append((req, want))
-            budget -= want
-            i += 1
-
-        # then waiting requests, in arrival order (preempted ones were put back in front); those
-        # whose grammar the workers still compile, and completions waiting for their leader's
-        # prompt, are passed over
-        passed: list[Request] = []
         compiling: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self.slots.num_free:
-            req = self.waiting[0]
-            if req.num_pending_outputs:
-                break  # preempted with a token in flight: it resumes once that token is known
-            if self._follows_leader(req):
-                passed.append(self.waiting.popleft())
-                continue
-            if not self._grammar_ready(req):
-                compiling.append(self.waiting.popleft())
-                passed.append(compiling[-1])
-                continue
-            want = self._admit(req, budget)
-            if want is None:
-                break
-            self.waiting.popleft()
-            scheduled.append((req, want))
-            budget -= want
+        if self._by_priority:
+            budget = self._plan_by_priority(budget, scheduled, compiling)
+        else:
+            budget = self._plan_in_arrival_order(budget, scheduled, compiling)
         if compiling and not scheduled and not self.running:
             # nothing else would run: its pass waits for the compile, and stalls no one
             want = self._admit(compiling[0], budget)
             if want is not None:
+                self.waiting.remove(compiling[0])
                 scheduled.append((compiling[0], want))
-                passed.remove(compiling[0])
                 budget -= want
-        self.waiting.extendleft(reversed(passed))
 
         if not scheduled:
             if self.prefix is not None:
@@ -421,6 +396,129 @@ class Scheduler:
                 self._check_progress()
             return None
         return self._build_plan(scheduled)
+
+    def _plan_in_arrival_order(
+        self, budget: int, scheduled: list[tuple[Request, int]], compiling: list[Request]
+    ) -> int:
+        """fcfs: the running requests first, oldest first, then waiting ones in arrival order
+        (preempted ones were put back in front) while they fit; those whose grammar the workers
+        still compile (into `compiling`), and completions waiting for their leader's prompt, are
+        passed over. Returns the budget left."""
+        cfg = self.config
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            want = self._plan_running(req, budget)
+            if want is None:
+                break  # req itself was the newest and got preempted
+            if want:
+                scheduled.append((req, want))
+                budget -= want
+            i += 1
+
+        passed: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self.slots.num_free:
+            req = self.waiting[0]
+            if req.num_pending_outputs:
+                break  # preempted with a token in flight: it resumes once that token is known
+            if self._follows_leader(req):
+                passed.append(self.waiting.popleft())
+                continue
+            if not self._grammar_ready(req):
+                compiling.append(req)
+                passed.append(self.waiting.popleft())
+                continue
+            want = self._admit(req, budget)
+            if want is None:
+                break
+            self.waiting.popleft()
+            scheduled.append((req, want))
+            budget -= want
+        self.waiting.extendleft(reversed(passed))
+        return budget
+
+    def _plan_by_priority(self, budget: int, scheduled: list[tuple[Request, int]], compiling: list[Request]) -> int:
+        """priority: running and waiting requests in one order, by (priority, arrival), so that a
+        request's tokens come before those of every lower-priority one; a waiting request that does
+        not fit preempts the running ones of a lower priority, lowest first. Both lists are kept in
+        that order, so the lowest running request (the victim) is never one already planned."""
+        todo = list(self.running)
+        ri = wi = 0
+        admitting = True
+        admitted: set[str] = set()
+        while budget > 0:
+            while ri < len(todo) and (todo[ri].status is not RequestStatus.RUNNING or todo[ri].req_id in admitted):
+                ri += 1  # preempted by an earlier request of this pass (and maybe admitted again)
+            run = todo[ri] if ri < len(todo) else None
+            wait = self.waiting[wi] if admitting and wi < len(self.waiting) else None
+            if run is None and wait is None:
+                break
+            if wait is None or (run is not None and rank(run) < rank(wait)):
+                ri += 1
+                want = self._plan_running(run, budget)
+                if want:
+                    scheduled.append((run, want))
+                    budget -= want
+                continue
+            if wait.num_pending_outputs:
+                admitting = False  # preempted with a token in flight: it resumes once that token is known
+                continue
+            if self._follows_leader(wait):
+                wi += 1
+                continue
+            if not self._grammar_ready(wait):
+                compiling.append(wait)
+                wi += 1
+                continue
+            want = self._admit_outranking(wait, budget)
+            if want is None:
+                admitting = False
+                continue
+            del self.waiting[wi]
+            admitted.add(wait.req_id)
+            scheduled.append((wait, want))
+            budget -= want
+        return budget
+
+    def _admit_outranking(self, req: Request, budget: int) -> int | None:
+        """Admit a waiting request, preempting running ones of a lower priority (lowest first) while
+        it does not fit; None when it still does not."""
+        cfg = self.config
+        while True:
+            if len(self.running) < cfg.max_num_seqs and self.slots.num_free:
+                want = self._admit(req, budget)
+                if want is not None:
+                    return want
+            if not cfg.enable_chunked_prefill and req.num_tokens - req.num_computed_tokens > budget:
+                return None  # the budget, not room, is short: preempting frees no budget
+            if not self.running or self.running[-1].priority <= req.priority:
+                return None
+            self._preempt(self.running[-1])
+
+    def _plan_running(self, req: Request, budget: int) -> int | None:
+        """A running request's tokens in this pass (0: none), its pages grown; when pages run out the
+        last running request (fcfs: the newest; priority: the lowest) is preempted, until they fit or
+        `req` itself was (None)."""
+        want = min(self._tokens_wanted(req), budget)
+        if want <= 0:
+            return 0
+        if self._verifies(req, want, budget):
+            want = self.k + 1
+            self._verify.add(req.req_id)
+        # a verify row's pages also hold the head's k - 1 draft steps after it
+        need = req.num_computed_tokens + want + (self.k - 1 if req.req_id in self._verify else 0)
+        if self.blocks.pages_needed(req, need):  # most decode steps need none
+            while not self.blocks.can_grow(req, need):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                self._verify.discard(req.req_id)
+                return None
+            self.blocks.grow(req, need)
+        self._plan_drafting(req, want)
+        return want
 
     def _follows_leader(self, req: Request) -> bool:
         """A completion of an n > 1 request waits while its leader's prompt is still to be planned:
@@ -457,7 +555,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
-        self.running.append(req)
+        self._enqueue(self.running, req)
         self._plan_drafting(req, want)
         return want
 

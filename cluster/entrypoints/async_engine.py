@@ -32,7 +32,8 @@ from pathlib import Path
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.core.engine import ModelInfo, ReplicaInfo
 from deltaserve.cluster.core.lora import LoRARequest
-from deltaserve.cluster.core.request import CompletionOutput, RequestOutput
+from deltaserve.cluster.core.prefix_cache import cache_key_of
+from deltaserve.cluster.core.request import NO_OPTIONS, CompletionOutput, RequestOptions, RequestOutput
 from deltaserve.cluster.core.sampling_params import RequestOutputKind, SamplingParams
 from deltaserve.cluster.core.speculative import SpeculativeInfo
 from deltaserve.workers.config import short
@@ -133,13 +134,14 @@ class AsyncEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     async def submit(
-        self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None
+        self, req_id: str, prompt: str | list[int], params: SamplingParams, options: RequestOptions = NO_OPTIONS
     ) -> int:
         """Queue a request on the replica the router picks (ValueError / AdapterNotFoundError /
-        QueueFullError / EngineUnavailableError before queueing). lora_name: the loaded adapter it runs
-        on (None: the base model)."""
+        QueueFullError / EngineUnavailableError before queueing). options: the loaded adapter it runs
+        on (None: the base model), its priority and prefix-cache salt."""
         try:
             self._check_up()
+            options.check()
             if req_id in self._streams:  # replacing the queue would cut the live request's stream off
                 raise ValueError(f"request_id: {short(req_id, 80)} is already in use")
         except Exception as e:
@@ -150,13 +152,13 @@ class AsyncEngine:
         tried: set[int] = set()
         try:
             while True:
-                replica = self._route(prompt, tried, lora_name)
+                replica = self._route(prompt, tried, options)
                 # owned before the call: its first outputs may come back before the call returns
                 self._owner[req_id] = replica
                 replica.in_flight += 1
                 self._submitting.add(req_id)
                 try:
-                    num_prompt_tokens = await replica.submit(req_id, prompt, params, lora_name)
+                    num_prompt_tokens = await replica.submit(req_id, prompt, params, options)
                 except ReplicaUnreachable as e:
                     self._release(req_id)
                     tried.add(replica.index)
@@ -183,9 +185,10 @@ class AsyncEngine:
         if kind is not None:
             self.metrics.refused(kind.value)
 
-    def _route(self, prompt: str | list[int], tried: set[int], lora_name: str | None = None) -> Replica:
+    def _route(self, prompt: str | list[int], tried: set[int], options: RequestOptions) -> Replica:
         """The replica for a request: among those answering (suspect ones only when no other is) that
         hold its adapter."""
+        lora_name = options.lora_name
         lacking = False
         for states in (("up",), ("suspect",)):
             candidates = [r for r in self._replicas if r.state in states and r.index not in tried]
@@ -194,9 +197,10 @@ class AsyncEngine:
                 lacking |= len(holding) < len(candidates)
                 candidates = holding
             if candidates:
-                # a request on an adapter has other block hashes than the mirrors know (its key is per engine)
-                ids = self._token_ids(prompt) if self._router.needs_token_ids and lora_name is None else None
-                return candidates[self._router.choose(candidates, ids)]
+                # a request on an adapter has block hashes of a key per engine, which no mirror can follow
+                routed = self._router.needs_token_ids and lora_name is None
+                ids = self._token_ids(prompt) if routed else None
+                return candidates[self._router.choose(candidates, ids, cache_key_of(None, options.cache_salt))]
         if lacking:
             raise AdapterNotFoundError(f"lora_name: no adapter named {short(lora_name, 80)} is loaded")
         raise EngineUnavailableError(self._why_down())
@@ -257,15 +261,18 @@ class AsyncEngine:
         sampling_params: SamplingParams,
         request_id: str,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """vLLM's AsyncLLM.generate: RequestOutputs until the request finishes, whole so far
         (`output_kind` CUMULATIVE, the default), only what each step added (DELTA) or only the last
         (FINAL_ONLY). n > 1: each output before the last holds the completion that changed (its
         `index`), the last one every completion. Bad input raises ValueError naming the field before
         anything is queued; leaving the loop early (or cancelling the task) aborts the request. `lora_request`: a loaded
-        adapter to run on (by its name: AdapterNotFoundError when none of that name is loaded)."""
+        adapter to run on (by its name: AdapterNotFoundError when none of that name is loaded); `priority`: lower
+        first (scheduling_policy="priority"); `cache_salt`: shares the prefix cache only with the same salt."""
         lora_name = lora_request.lora_name if lora_request is not None else None
-        await self.submit(request_id, prompt, sampling_params, lora_name)
+        await self.submit(request_id, prompt, sampling_params, RequestOptions(lora_name, priority, cache_salt))
         kind = sampling_params.output_kind
         texts: dict[int, str] = {}  # each completion's text, ids and logprobs so far
         ids: dict[int, list[int]] = {}

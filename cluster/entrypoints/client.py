@@ -104,11 +104,16 @@ class GenerationClient(_Connection):
         request_id: str = "",
         timeout_s: float | None = None,
         lora_name: str = "",
+        priority: int = 0,
+        cache_salt: str = "",
         **sampling,
     ) -> Iterator[Chunk | Final]:
         """Chunks as they arrive, then the Final; `timeout_s` bounds the whole stream; `lora_name`: a
-        loaded adapter to run on."""
-        request = generate_request(prompt, request_id, lora_name=lora_name, **sampling)
+        loaded adapter to run on; `priority`: lower first (a server under --scheduling-policy priority);
+        `cache_salt`: share the prefix cache only with requests of this salt."""
+        request = generate_request(
+            prompt, request_id, lora_name=lora_name, priority=priority, cache_salt=cache_salt, **sampling
+        )
         call = self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
         try:
             for response in call:
@@ -165,9 +170,13 @@ class AsyncGenerationClient(_Connection):
         request_id: str = "",
         timeout_s: float | None = None,
         lora_name: str = "",
+        priority: int = 0,
+        cache_salt: str = "",
         **sampling,
     ) -> AsyncIterator[Chunk | Final]:
-        request = generate_request(prompt, request_id, lora_name=lora_name, **sampling)
+        request = generate_request(
+            prompt, request_id, lora_name=lora_name, priority=priority, cache_salt=cache_salt, **sampling
+        )
         call = self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
         try:
             async for response in call:
@@ -255,15 +264,26 @@ def summary_line(final: Final, elapsed_s: float) -> str:
 
 
 def generate_request(
-    prompt: str | Sequence[int] | Sequence[dict], request_id: str = "", *, lora_name: str = "", **sampling
+    prompt: str | Sequence[int] | Sequence[dict],
+    request_id: str = "",
+    *,
+    lora_name: str = "",
+    priority: int = 0,
+    cache_salt: str = "",
+    **sampling,
 ) -> pb.GenerateRequest:
     """The GenerateRequest for a prompt (text, token ids or chat messages), the adapter to run on ("" the
-    base model) and SamplingParams keywords (None: the server's default)."""
+    base model), its priority and prefix-cache salt, and SamplingParams keywords (None: the server's
+    default)."""
     sampling = {name: value for name, value in sampling.items() if value is not None}
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
     request = pb.GenerateRequest(
-        request_id=request_id, sampling_params=pb.SamplingParams(**sampling), lora_name=lora_name
+        request_id=request_id,
+        sampling_params=pb.SamplingParams(**sampling),
+        lora_name=lora_name,
+        priority=priority,
+        cache_salt=cache_salt,
     )
     if isinstance(prompt, str):
         request.text = prompt

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.core.engine import EngineCore, ModelInfo
 from deltaserve.cluster.core.lora import LoRARequest
-from deltaserve.cluster.core.request import RequestOutput
+from deltaserve.cluster.core.request import NO_OPTIONS, RequestOptions, RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
 from deltaserve.workers.config import short
 
@@ -54,6 +54,8 @@ class AddRequest:
     prompt: str | list[int]
     params: SamplingParams
     lora_request: LoRARequest | None = None
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -88,14 +90,16 @@ class EngineLoop:
         self._thread.start()
 
     # ---- called from other threads -----------------------------------------------------------
-    def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None) -> int:
+    def submit(
+        self, req_id: str, prompt: str | list[int], params: SamplingParams, options: RequestOptions = NO_OPTIONS
+    ) -> int:
         """Validate and queue a request; returns its prompt length. Raises ValueError naming a bad
         field, AdapterNotFoundError for an adapter not loaded, QueueFullError when the waiting queue is
         full, EngineUnavailableError when stopped."""
         if self._stop.is_set() or self.failure is not None:
             raise EngineUnavailableError(self.failure or "the engine is shutting down")
-        lora = self.lora_request(lora_name) if lora_name else None
-        req = self.engine.make_request(req_id, prompt, params, lora_request=lora)
+        lora = self.lora_request(options.lora_name) if options.lora_name else None
+        req = self.engine.make_request(req_id, prompt, params, options.cache_salt, lora, options.priority)
         with self._lock:
             if req_id in self._live:
                 raise ValueError(f"request_id: {short(req_id, 80)} is already in use")
@@ -104,7 +108,7 @@ class EngineLoop:
                 raise QueueFullError(f"the waiting queue is full ({limit} requests)")
             self._pending += 1
             self._live.add(req_id)
-        self._inbox.put(AddRequest(req_id, prompt, params, lora))
+        self._inbox.put(AddRequest(req_id, prompt, params, lora, options.priority, options.cache_salt))
         self._wake.set()
         return req.num_prompt_tokens
 
@@ -190,7 +194,12 @@ class EngineLoop:
                     self._pending -= 1
                 try:
                     self.engine.add_request(
-                        message.req_id, message.prompt, message.params, lora_request=message.lora_request
+                        message.req_id,
+                        message.prompt,
+                        message.params,
+                        message.cache_salt,
+                        message.lora_request,
+                        message.priority,
                     )
                 except ValueError as e:  # e.g. a request id reused while the first is running
                     log.warning("rejected %s: %s", message.req_id, e)
@@ -281,8 +290,10 @@ class Driver:
         """None once the engine is up (workers, weights, pools), else why it failed to start."""
         return self._start_error
 
-    def submit(self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None) -> int:
-        return self.loop.submit(req_id, prompt, params, lora_name)
+    def submit(
+        self, req_id: str, prompt: str | list[int], params: SamplingParams, options: RequestOptions = NO_OPTIONS
+    ) -> int:
+        return self.loop.submit(req_id, prompt, params, options)
 
     def load_lora(self, name: str, path: str, lora_int_id: int | None = None) -> LoRARequest:
         return self.loop.load_lora(name, path, lora_int_id)

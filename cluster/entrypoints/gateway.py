@@ -24,7 +24,7 @@ import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from deltaserve.cluster.core.request import CompletionOutput, Logprob, RequestOutput, top_logprobs
+from deltaserve.cluster.core.request import CompletionOutput, Logprob, RequestOptions, RequestOutput, top_logprobs
 from deltaserve.cluster.core.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.protos import generation_pb2 as pb
 from deltaserve.protos import generation_pb2_grpc
@@ -215,7 +215,8 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             req_id = validation.request_id(request.request_id)
             params = _sampling_params(request.sampling_params)
-            await self._engine.submit(req_id, _prompt(request, self._engine), params, request.lora_name or None)
+            options = RequestOptions(request.lora_name or None, request.priority, request.cache_salt or None)
+            await self._engine.submit(req_id, _prompt(request, self._engine), params, options)
         except Exception as e:
             await self._abort_with(context, e)
         k = params.logprobs

@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from deltaserve.cluster.core.request import RequestOptions
 from deltaserve.cluster.core.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.workers.config import short
 
@@ -185,7 +186,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
             job = dataclasses.replace(_job(engine, body, "cmpl", chat=False, logprobs=body.logprobs), echo=body.echo)
             for i, prompt in enumerate(prompts):
                 one = job if len(prompts) == 1 else dataclasses.replace(job, req_id=f"{job.req_id}-{i}")
-                await _submit(one, prompt, params, lora, _renames(body))
+                await _submit(one, prompt, params, lora, body, _renames(body))
                 jobs.append(one)
         except Exception as e:
             for queued in jobs:  # a later prompt was refused: the earlier ones go too
@@ -220,7 +221,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
             renames = {"prompt": "messages", "prompt_token_ids": "messages"} | _renames(body)
             if forced is not None:  # the constraint is the tools' doing
                 renames |= {"structured_outputs.json": "tools", "structured_outputs": "tools"}
-            await _submit(job, prompt, params, lora, renames)
+            await _submit(job, prompt, params, lora, body, renames)
         except Exception as e:
             return await response_for(engine, e)
         return await _answer(job, body.stream, request)
@@ -290,11 +291,17 @@ def _renames(body: api.SamplingFields) -> dict[str, str]:
 
 
 async def _submit(
-    job: Job, prompt: str | list[int], params: SamplingParams, lora: str | None, renames: dict[str, str]
+    job: Job,
+    prompt: str | list[int],
+    params: SamplingParams,
+    lora: str | None,
+    body: api.SamplingFields,
+    renames: dict[str, str],
 ) -> None:
-    """Queue the job's request; an error names the field as this request spelled it."""
+    """Queue the job's request (its adapter, priority and cache salt from the body); an error names the
+    field as this request spelled it."""
     try:
-        await job.engine.submit(job.req_id, prompt, params, lora)
+        await job.engine.submit(job.req_id, prompt, params, RequestOptions(lora, body.priority, body.cache_salt))
     except AdapterNotFoundError:  # unloaded since the lookup
         raise ModelNotFoundError(f"model: {validation.brief(lora, 100)!r} is no longer loaded") from None
     except ValueError as e:

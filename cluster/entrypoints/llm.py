@@ -55,11 +55,13 @@ class LLM:
         *,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}); returns
         the final outputs in prompt order. `lora_request`: the adapter of every prompt, or one per
-        prompt (None: the base model); an adapter not registered yet is registered (add_lora). Bad
-        input raises ValueError naming the field before anything runs."""
+        prompt (None: the base model); an adapter not registered yet is registered (add_lora).
+        `priority`: one per prompt, lower first (needs scheduling_policy="priority"). Bad input
+        raises ValueError naming the field before anything runs."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -75,11 +77,14 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
+        ranks = [0] * len(prompts) if priority is None else list(priority)
+        if len(ranks) != len(prompts):
+            raise ValueError(f"priority: {len(ranks)} given for {len(prompts)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        for i, (p, salt), sp, lora in zip(ids, prompts, params, loras, strict=True):
-            self.engine.make_request(i, p, sp, salt, lora)  # validate all before queueing any
-        for req_id, (prompt, salt), sp, lora in zip(ids, prompts, params, loras, strict=True):
-            self.engine.add_request(req_id, prompt, sp, salt, lora)
+        for i, (p, salt), sp, lora, rank in zip(ids, prompts, params, loras, ranks, strict=True):
+            self.engine.make_request(i, p, sp, salt, lora, rank)  # validate all before queueing any
+        for req_id, (prompt, salt), sp, lora, rank in zip(ids, prompts, params, loras, ranks, strict=True):
+            self.engine.add_request(req_id, prompt, sp, salt, lora, rank)
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2, unit="req") as bar:
             while len(final) < len(ids):

@@ -78,6 +78,8 @@ class SamplingFields(Strict):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     request_id: str | None = None
+    priority: int = 0  # lower first, under --scheduling-policy priority
+    cache_salt: str | None = None  # share the prefix cache only with requests of this salt
     # OpenAI's (chat completions; vLLM takes it on completions too) and vLLM's constraint on the output
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputs | None = None

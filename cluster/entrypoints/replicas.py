@@ -30,7 +30,7 @@ from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.core.engine import ModelInfo, ReplicaInfo
 from deltaserve.cluster.core.lora import LoRARequest
 from deltaserve.cluster.core.prefix_cache import PrefixMirror
-from deltaserve.cluster.core.request import RequestOutput
+from deltaserve.cluster.core.request import NO_OPTIONS, RequestOptions, RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
 from deltaserve.cluster.executors import runs_in_process
 
@@ -95,7 +95,7 @@ class Replica:
         """A call to it failed: take no new requests until it answers again (no-op in this process)."""
 
     async def submit(
-        self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None
+        self, req_id: str, prompt: str | list[int], params: SamplingParams, options: RequestOptions = NO_OPTIONS
     ) -> int:
         raise NotImplementedError
 
@@ -151,9 +151,9 @@ class LocalReplica(Replica):
         return self.loop_engine.failure
 
     async def submit(
-        self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None
+        self, req_id: str, prompt: str | list[int], params: SamplingParams, options: RequestOptions = NO_OPTIONS
     ) -> int:
-        return self.loop_engine.submit(req_id, prompt, params, lora_name)
+        return self.loop_engine.submit(req_id, prompt, params, options)
 
     async def abort(self, req_id: str) -> None:
         self.loop_engine.abort(req_id)
@@ -317,9 +317,9 @@ class RayReplica(Replica):
             raise ReplicaUnreachable(f"{self.where()}: {type(e).__name__}") from e
 
     async def submit(
-        self, req_id: str, prompt: str | list[int], params: SamplingParams, lora_name: str | None = None
+        self, req_id: str, prompt: str | list[int], params: SamplingParams, options: RequestOptions = NO_OPTIONS
     ) -> int:
-        submitted = asyncio.ensure_future(self._call(self._driver.submit, req_id, prompt, params, lora_name))
+        submitted = asyncio.ensure_future(self._call(self._driver.submit, req_id, prompt, params, options))
         try:
             return await asyncio.shield(submitted)
         except asyncio.CancelledError:

@@ -33,7 +33,7 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._turn = 0
 
-    def choose(self, replicas: Sequence[Routable], token_ids: Sequence[int] | None = None) -> int:
+    def choose(self, replicas: Sequence[Routable], token_ids: Sequence[int] | None = None, cache_key: str = "") -> int:
         """The index (into `replicas`, not empty) of the replica to take the request."""
         low = min(r.in_flight for r in replicas)
         tied = [i for i, r in enumerate(replicas) if r.in_flight == low]
@@ -44,13 +44,13 @@ class LeastLoaded:
 class PrefixAware:
     needs_token_ids = True
 
-    def __init__(self, block_size: int, cache_key: str = "") -> None:
+    def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.cache_key = cache_key
         self._least_loaded = LeastLoaded()
 
-    def choose(self, replicas: Sequence[Routable], token_ids: Sequence[int] | None = None) -> int:
-        hashes = prompt_block_hashes(token_ids, self.block_size, self.cache_key) if token_ids else []
+    def choose(self, replicas: Sequence[Routable], token_ids: Sequence[int] | None = None, cache_key: str = "") -> int:
+        """As LeastLoaded's; `cache_key`: the request's (its salt's), under which its blocks hash."""
+        hashes = prompt_block_hashes(token_ids, self.block_size, cache_key) if token_ids else []
         low = min(r.in_flight for r in replicas)
         slack = max(PREFIX_SLACK_REQUESTS, int(PREFIX_SLACK_SHARE * low))
         best, best_blocks = None, 0
