@@ -244,10 +244,63 @@ def test_echo_and_a_list_of_prompts_as_lm_eval_sends_them(server, client, refere
         assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
         assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     assert got.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want) and got.usage.completion_tokens == 3
-    for body, field in (({"stream": True, "echo": False}, "prompt"), ({"stream": True, "prompt": "hi"}, "echo")):
-        with pytest.raises(openai.BadRequestError) as e:
-            client.completions.create(**{"model": MODEL, "prompt": prompts, "echo": True, **body})
-        assert e.value.body["message"].startswith(field + ":")
+    # streamed: the same choices, as the chunks of each index put together, under one id
+    streamed = client.completions.create(
+        model=MODEL,
+        prompt=prompts,
+        echo=True,
+        logprobs=1,
+        max_tokens=1,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert_streamed_equal(list(streamed), got)
+    wait_idle(server)
+
+
+def assert_streamed_equal(chunks, whole) -> None:
+    """Chunks put together by choice index equal the whole response's choices (text, logprobs, ids,
+    finish reasons) and usage; one id throughout."""
+    assert len({c.id for c in chunks}) == 1
+    text, lps, ids, finish = {}, {}, {}, {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            i = choice.index
+            text[i] = text.get(i, "") + choice.text
+            if choice.logprobs is not None:
+                entry = lps.setdefault(i, {"tokens": [], "token_logprobs": [], "text_offset": []})
+                for key in entry:
+                    entry[key] += getattr(choice.logprobs, key)
+            ids.setdefault(i, []).extend(getattr(choice, "token_ids", None) or [])
+            finish[i] = choice.finish_reason or finish.get(i)
+    assert sorted(text) == [c.index for c in whole.choices]
+    for choice in whole.choices:
+        i = choice.index
+        assert (text[i], finish[i]) == (choice.text, choice.finish_reason)
+        if choice.logprobs is not None:
+            assert lps[i]["tokens"] == choice.logprobs.tokens and lps[i]["text_offset"] == choice.logprobs.text_offset
+            assert lps[i]["token_logprobs"] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-5)
+        assert ids[i] == (getattr(choice, "token_ids", None) or [])
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[-1].model_dump() == whole.usage.model_dump()
+
+
+def test_a_list_of_prompts_streams_with_n_and_echo(server, client):
+    """Two token-id prompts, n = 2, echo, token ids: choice i * 2 + index; each index's chunks put together
+    are the whole response's choice (seeded: the same draws)."""
+    body = dict(model=MODEL, prompt=[[11, 12, 13, 14], [21, 22, 23]], n=2, max_tokens=5, seed=3)
+    body |= dict(echo=True, extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.completions.create(**body)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert whole.choices[1].token_ids[:4] == [11, 12, 13, 14] and whole.choices[3].token_ids[:3] == [21, 22, 23]
+    chunks = list(client.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+    assert_streamed_equal(chunks, whole)
+    firsts = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            firsts.setdefault(choice.index, choice)
+    assert [firsts[i].prompt_token_ids is not None for i in range(4)] == [True] * 4  # vLLM's: with the first chunk
     wait_idle(server)
 
 
@@ -514,6 +567,17 @@ def test_a_client_that_leaves_an_n_completion_stream_aborts_them_all(server, cli
     stream.close()
     wait_idle(server)  # every completion's pages and state slot freed
     assert server.metric("vllm:request_success_total", finished_reason="abort") == aborted + 1
+
+
+def test_a_client_that_leaves_a_streamed_list_of_prompts_aborts_them_all(server, client):
+    aborted = server.metric("vllm:request_success_total", finished_reason="abort")
+    stream = client.completions.create(model=MODEL, prompt=["hello", "world", "again"], stream=True, **LONG)
+    for i, _ in enumerate(stream):
+        if i == 6:
+            break
+    stream.close()
+    wait_idle(server)  # every prompt's pages and state slot freed
+    assert server.metric("vllm:request_success_total", finished_reason="abort") == aborted + 3
 
 
 def test_a_client_that_leaves_a_whole_request_aborts_it(server):

@@ -512,7 +512,9 @@ class EngineCore:
             completion = CompletionOutput(
                 index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None, finish_reason=None
             )
-            prompt_logprobs = None
+            # as vLLM's delta outputs: the prompt's logprobs with the first tokens (all known by then)
+            first = bool(new_ids) and len(req.output_token_ids) == len(new_ids)
+            prompt_logprobs = self._prompt_logprobs(req) if first and params.prompt_logprobs is not None else None
         out = RequestOutput(
             request_id=req.req_id,
             prompt=self._prompts.get(req.req_id),

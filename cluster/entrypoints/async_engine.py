@@ -277,6 +277,7 @@ class AsyncEngine:
         texts: dict[int, str] = {}  # each completion's text, ids and logprobs so far
         ids: dict[int, list[int]] = {}
         lps: dict[int, list] = {}
+        prompt_lps = None  # the prompt's logprobs come with the first tokens: cumulative outputs keep them
         async with contextlib.aclosing(self.stream(request_id)) as outputs:
             async for out in outputs:
                 if kind is RequestOutputKind.FINAL_ONLY and not out.finished:
@@ -290,7 +291,9 @@ class AsyncEngine:
                     texts[i] = texts.get(i, "") + out.delta_text
                     ids.setdefault(i, []).extend(out.delta_token_ids)
                     lps.setdefault(i, []).extend(out.delta_logprobs)
-                    yield _with_completion(out, texts[i], list(ids[i]), list(lps[i]))
+                    prompt_lps = out.prompt_logprobs or prompt_lps
+                    whole = _with_completion(out, texts[i], list(ids[i]), list(lps[i]))
+                    yield dataclasses.replace(whole, prompt_logprobs=prompt_lps)
 
     def render_chat(
         self,

@@ -185,16 +185,22 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
             lora = await _adapter_for(engine, body.model)
             job = dataclasses.replace(_job(engine, body, "cmpl", chat=False, logprobs=body.logprobs), echo=body.echo)
             for i, prompt in enumerate(prompts):
-                one = job if len(prompts) == 1 else dataclasses.replace(job, req_id=f"{job.req_id}-{i}")
+                one = job
+                if len(prompts) > 1:  # a request of its own under the response's id, its choices from i * n
+                    one = dataclasses.replace(
+                        job, req_id=f"{job.req_id}-{i}", parent_id=job.req_id, index_base=i * job.n
+                    )
                 await _submit(one, prompt, params, lora, body, _renames(body))
                 jobs.append(one)
         except Exception as e:
             for queued in jobs:  # a later prompt was refused: the earlier ones go too
                 await engine.discard(queued.req_id)
             return await response_for(engine, e)
+        if body.stream:
+            return _EngineStream(jobs)
         if len(jobs) > 1:
             return await _answer_all(jobs, job.req_id, request)
-        return await _answer(job, body.stream, request)
+        return await _answer(job, False, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: api.ChatCompletionRequest, request: Request):
@@ -313,8 +319,6 @@ async def _submit(
 
 def _prompt_list(body: api.CompletionRequest) -> list[str | list[int]]:
     """The request's prompts: one, or a list (answered whole, choices in prompt order, as OpenAI)."""
-    if body.echo and body.stream:
-        raise ValueError("echo: only with stream=false")
     if body.suffix is not None:
         raise ValueError("suffix: not supported")
     if body.best_of not in (None, 1):
@@ -324,8 +328,6 @@ def _prompt_list(body: api.CompletionRequest) -> list[str | list[int]]:
         return [prompt]
     if len(prompt) > MAX_PROMPTS:
         raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts a request, got {len(prompt)}")
-    if len(prompt) > 1 and body.stream:
-        raise ValueError("prompt: a list of prompts is answered whole (stream=false); stream one prompt a request")
     return list(prompt)
 
 
@@ -348,24 +350,25 @@ def _job(engine: AsyncEngine, body: api.SamplingFields, prefix: str, *, chat: bo
 
 
 class _EngineStream(StreamingResponse):
-    """Server-sent events of a queued request; however the response ends (even before its first
-    byte), the request is not left running."""
+    """Server-sent events of queued requests (a list of prompts': one each); however the response ends
+    (even before its first byte), none is left running."""
 
-    def __init__(self, job: Job):
-        super().__init__(stream_events(job), media_type="text/event-stream")
-        self.job = job
+    def __init__(self, jobs: list[Job]):
+        super().__init__(stream_events(jobs), media_type="text/event-stream")
+        self.jobs = jobs
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()  # a stream cut off mid-way closes (and aborts) now, not at GC
-            await self.job.engine.discard(self.job.req_id)
+            for job in self.jobs:
+                await job.engine.discard(job.req_id)
 
 
 async def _answer(job: Job, stream: bool, request: Request):
     if stream:
-        return _EngineStream(job)
+        return _EngineStream([job])
     task = asyncio.ensure_future(collect(job))
     gone = asyncio.ensure_future(_disconnected(request))
     try:

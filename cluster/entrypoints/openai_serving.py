@@ -3,6 +3,7 @@ event chunks, with usage and logprobs in OpenAI's shapes (from vLLM-shaped Reque
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -37,6 +38,14 @@ class Job:
     echo: bool = False  # completions: each choice starts with the prompt (its logprobs too, when asked)
     # chat: how each completion's text is read (reasoning, tool calls: chat_parsing.ChatParser's settings)
     parsing: dict | None = None
+    # one of a list of prompts: the response's id, and its first choice's index (prompt i: i * n)
+    parent_id: str | None = None
+    index_base: int = 0
+    final_usage: api.Usage | None = None  # set by its stream once the request finished
+
+    @property
+    def response_id(self) -> str:
+        return self.parent_id or self.req_id
 
     def parser(self) -> ChatParser:
         return ChatParser(**(self.parsing or {}))
@@ -160,14 +169,7 @@ def merged(answers: list[api.CompletionResponse], req_id: str, n: int) -> api.Co
     choices = [
         choice.model_copy(update={"index": i * n + choice.index}) for i, a in enumerate(answers) for choice in a.choices
     ]
-    usage = api.Usage(
-        prompt_tokens=sum(a.usage.prompt_tokens for a in answers),
-        completion_tokens=sum(a.usage.completion_tokens for a in answers),
-        total_tokens=sum(a.usage.total_tokens for a in answers),
-        prompt_tokens_details=api.PromptTokensDetails(
-            cached_tokens=sum(a.usage.prompt_tokens_details.cached_tokens for a in answers)
-        ),
-    )
+    usage = _summed([a.usage for a in answers])
     return answers[0].model_copy(update={"id": req_id, "choices": choices, "usage": usage})
 
 
@@ -184,55 +186,152 @@ def _finish_reason(reason: str | None, parser: ChatParser) -> str | None:
     return "tool_calls" if reason == "stop" and parser.ends_in_calls else reason
 
 
-async def stream_events(job: Job) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per engine step and completion (`index`: which of the n), each
-    completion's finish reason, the usage when asked, [DONE]. A failure after the first byte is an
-    error event (the status line is already sent)."""
-    created, tokens = api.now(), 0
-    offsets: dict[int, int] = {}  # each completion's text so far (legacy logprobs' text offsets)
-    ended: set[int] = set()
-    parsers: dict[int, ChatParser] = {}  # chat: each completion's reading of its text
+async def stream_events(jobs: list[Job]) -> AsyncIterator[str]:
+    """Server-sent events of one request, or of a list of prompts' (chunks as each prompt's engine steps
+    come, choice i * n + index for prompt i's completion index, one id): a chunk per engine step and
+    completion, each completion's finish reason, the usage when asked (summed over the prompts), [DONE].
+    A failure after the first byte is an error event (the status line is already sent)."""
+    created = api.now()
+    head = jobs[0]
     try:
-        if job.chat:  # OpenAI's first chat chunk of each choice names the role
-            for index in range(job.n):
-                role = api.DeltaMessage(role="assistant", content="")
-                yield _event(_chat_chunk(job, created, api.ChatStreamChoice(index=index, delta=role)))
-        async with contextlib.aclosing(job.engine.stream(job.req_id)) as outputs:
-            async for out in outputs:
-                index = out.delta_index
-                c = out.completion(index)
-                if c.finish_reason == "error":
-                    raise RequestFailedError(out.error or "the engine failed the request")
-                tokens += len(out.delta_token_ids)
-                step_usage = usage(out, tokens) if job.continuous_usage else None
-                if out.delta_text or out.delta_token_ids or (c.finish_reason is not None and index not in ended):
-                    parser = _parser_of(parsers, index, job)
-                    step = _read(parser, out.delta_text, c.finish_reason is not None) if job.chat else None
-                    yield _event(_step_chunk(job, created, out, c, offsets.get(index, 0), step_usage, step, parser))
-                    offsets[index] = offsets.get(index, 0) + len(out.delta_text)
-                    if c.finish_reason is not None:
-                        ended.add(index)
-                if out.finished:  # completions that ended without a step of their own here (an abort)
-                    for other in out.outputs:
-                        if other.finish_reason is not None and other.index not in ended:
-                            ended.add(other.index)
-                            parser = _parser_of(parsers, other.index, job)
-                            step = _read(parser, "", True) if job.chat else None
-                            yield _event(_step_chunk(job, created, None, other, 0, None, step, parser))
-                if out.finished and job.include_usage:
-                    final_usage = usage(out, tokens)
-                    if job.chat:
-                        yield _event(_chat_chunk(job, created, None, final_usage))
-                    else:
-                        yield _event(
-                            api.CompletionResponse(
-                                id=job.req_id, created=created, model=job.model, choices=[], usage=final_usage
-                            )
-                        )
+        chunks = _job_chunks(head, created) if len(jobs) == 1 else _merged(jobs, created)
+        async with contextlib.aclosing(chunks) as items:
+            async for item in items:
+                yield _event(item)
+        if head.include_usage:
+            total = _summed([job.final_usage for job in jobs])
+            if head.chat:
+                yield _event(_chat_chunk(head, created, None, total))
+            else:
+                end = api.CompletionResponse(id=head.response_id, created=created, model=head.model, choices=[])
+                yield _event(end.model_copy(update={"usage": total}))
     except (RequestFailedError, EngineUnavailableError) as e:
         error = api.ErrorResponse(error=api.ErrorInfo(message=str(e)[:512], type="server_error", code="503"))
         yield _event(error)
     yield "data: [DONE]\n\n"
+
+
+async def _merged(jobs: list[Job], created: int) -> AsyncIterator[api.CompletionResponse]:
+    """Several prompts' chunks as they come (each prompt's in its own order); the first failure ends
+    them all (leaving aborts every prompt's request)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    ended = object()
+
+    async def pump(job: Job) -> None:
+        try:
+            async with contextlib.aclosing(_job_chunks(job, created)) as items:
+                async for item in items:
+                    await queue.put(item)
+        except Exception as e:
+            await queue.put(e)
+            return
+        await queue.put(ended)
+
+    tasks = [asyncio.ensure_future(pump(job)) for job in jobs]
+    try:
+        left = len(jobs)
+        while left:
+            item = await queue.get()
+            if item is ended:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _job_chunks(job: Job, created: int) -> AsyncIterator[api.CompletionResponse | api.ChatCompletionChunk]:
+    """One request's stream chunks; its usage (prompt, completion tokens, cache hit) in `job.final_usage`
+    once it finished. Echo: each completion's first chunk starts with the prompt (its text, and its
+    logprobs and ids when asked)."""
+    tokens = 0
+    offsets: dict[int, int] = {}  # each completion's text so far (legacy logprobs' text offsets)
+    ended: set[int] = set()
+    parsers: dict[int, ChatParser] = {}  # chat: each completion's reading of its text
+    echo = _Echo(job) if job.echo else None
+    if job.chat:  # OpenAI's first chat chunk of each choice names the role
+        for index in range(job.n):
+            role = api.DeltaMessage(role="assistant", content="")
+            yield _chat_chunk(job, created, api.ChatStreamChoice(index=index, delta=role))
+    async with contextlib.aclosing(job.engine.stream(job.req_id)) as outputs:
+        async for out in outputs:
+            index = out.delta_index
+            c = out.completion(index)
+            if c.finish_reason == "error":
+                raise RequestFailedError(out.error or "the engine failed the request")
+            tokens += len(out.delta_token_ids)
+            step_usage = usage(out, tokens) if job.continuous_usage else None
+            if echo is not None:
+                echo.saw(out)
+            if out.delta_text or out.delta_token_ids or (c.finish_reason is not None and index not in ended):
+                parser = _parser_of(parsers, index, job)
+                step = _read(parser, out.delta_text, c.finish_reason is not None) if job.chat else None
+                head = echo.head(index) if echo is not None else None
+                yield _step_chunk(job, created, out, c, offsets.get(index, 0), step_usage, step, parser, head)
+                offsets[index] = offsets.get(index, 0) + len(out.delta_text) + (len(head.text) if head else 0)
+                if c.finish_reason is not None:
+                    ended.add(index)
+            if out.finished:  # completions that ended without a step of their own here (an abort)
+                job.final_usage = usage(out, tokens)
+                for other in out.outputs:
+                    if other.finish_reason is not None and other.index not in ended:
+                        ended.add(other.index)
+                        parser = _parser_of(parsers, other.index, job)
+                        step = _read(parser, "", True) if job.chat else None
+                        head = echo.head(other.index) if echo is not None else None
+                        yield _step_chunk(job, created, None, other, 0, None, step, parser, head)
+
+
+@dataclass
+class EchoHead:
+    """What an echoed completion's first chunk starts with."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list  # the prompt's entries (the first is None), when logprobs were asked
+    first_text: str  # the prompt's first token's text (its entry has no logprob)
+
+
+class _Echo:
+    """The prompt, put before each completion's first streamed chunk (once per completion)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.prompt: RequestOutput | None = None
+        self.prompt_logprobs: list | None = None
+        self.done: set[int] = set()
+
+    def saw(self, out: RequestOutput) -> None:
+        self.prompt = self.prompt or out
+        if out.prompt_logprobs is not None:  # with the first tokens of the completion that asked
+            self.prompt_logprobs = out.prompt_logprobs
+
+    def head(self, index: int) -> EchoHead | None:
+        if index in self.done or self.prompt is None:
+            return None
+        self.done.add(index)
+        out, engine = self.prompt, self.job.engine
+        text = out.prompt if out.prompt is not None else engine.decode(out.prompt_token_ids)
+        entries = self.prompt_logprobs or []
+        first = engine.token_texts(out.prompt_token_ids[:1])[0] if entries else ""
+        return EchoHead(text, list(out.prompt_token_ids), entries, first)
+
+
+def _summed(usages: list[api.Usage | None]) -> api.Usage:
+    """The usage of several prompts' requests as one."""
+    done = [u for u in usages if u is not None]
+    return api.Usage(
+        prompt_tokens=sum(u.prompt_tokens for u in done),
+        completion_tokens=sum(u.completion_tokens for u in done),
+        total_tokens=sum(u.total_tokens for u in done),
+        prompt_tokens_details=api.PromptTokensDetails(
+            cached_tokens=sum(u.prompt_tokens_details.cached_tokens for u in done)
+        ),
+    )
 
 
 def _parser_of(parsers: dict[int, ChatParser], index: int, job: Job) -> ChatParser | None:
@@ -261,9 +360,11 @@ def _step_chunk(
     step_usage: api.Usage | None,
     step: Parsed | None = None,
     parser: ChatParser | None = None,
+    head: EchoHead | None = None,
 ) -> api.ChatCompletionChunk | api.CompletionResponse:
     """One completion's step (out's delta; None: only its end) as a stream chunk; chat: `step`, what
-    its text added to the message (read by `parser`)."""
+    its text added to the message (read by `parser`); completions: `head`, the echoed prompt before a
+    completion's first step."""
     text = out.delta_text if out is not None else ""
     finish, stop = c.finish_reason, c.stop_reason
     ids = (out.delta_token_ids if out is not None else []) if job.return_token_ids else None
@@ -288,20 +389,30 @@ def _step_chunk(
             token_ids=ids,
         )
         return _chat_chunk(job, created, choice, step_usage)
+    first_text, prompt_ids = "", None
+    if head is not None:
+        text = head.text + text
+        ids = head.token_ids + ids if ids is not None else None
+        lps = head.logprobs + lps if lps is not None else None
+        first_text = head.first_text
+        prompt_ids = head.token_ids if job.return_token_ids else None
     choice = api.CompletionChoice(
-        index=c.index,
+        index=job.index_base + c.index,
         text=text,
-        logprobs=completion_logprobs(lps, job.logprobs, offset) if lps is not None else None,
+        logprobs=completion_logprobs(lps, job.logprobs, offset, first_text) if lps is not None else None,
         finish_reason=finish,
         stop_reason=stop,
         token_ids=ids,
+        prompt_token_ids=prompt_ids,
     )
-    return api.CompletionResponse(id=job.req_id, created=created, model=job.model, choices=[choice], usage=step_usage)
+    return api.CompletionResponse(
+        id=job.response_id, created=created, model=job.model, choices=[choice], usage=step_usage
+    )
 
 
 def _chat_chunk(job: Job, created: int, choice, step_usage: api.Usage | None = None) -> api.ChatCompletionChunk:
     return api.ChatCompletionChunk(
-        id=job.req_id, created=created, model=job.model, choices=[choice] if choice else [], usage=step_usage
+        id=job.response_id, created=created, model=job.model, choices=[choice] if choice else [], usage=step_usage
     )
 
 
