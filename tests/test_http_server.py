@@ -25,6 +25,7 @@ import pytest
 from logprob_checks import assert_entries_close
 from prometheus_client.parser import text_string_to_metric_families
 
+import deltaserve
 from deltaserve import LLM, SamplingParams, StructuredOutputsParams
 from deltaserve.cli import main
 from deltaserve.cluster.entrypoints.client import Chunk, Final, GenerationClient
@@ -395,6 +396,36 @@ def test_grpc_logprobs_are_vllm_shaped(server, reference):
     with GenerationClient(f"127.0.0.1:{server.grpc_port}") as grpc_client:
         chunks = [c for c in grpc_client.generate("hello there", **params) if isinstance(c, Chunk)]
     assert_entries_close([e for c in chunks for e in c.logprobs], want.outputs[0].logprobs)
+
+
+def test_tokenize_and_detokenize_as_the_engine_does(server, client, reference):
+    """/tokenize gives the ids a completion's prompt runs on (a chat's: the chat completion's own
+    prompt_token_ids), /detokenize their text back; bad input is a 400 naming the field."""
+    text = "the quick brown fox <|im_end|> jumps"
+    got = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    ids = reference.tokenizer.encode(text)
+    assert (got["tokens"], got["count"], got["max_model_len"]) == (ids, len(ids), 512)
+    assert "".join(got["token_strs"]) == text
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": ids, "model": MODEL}).json() == {"prompt": text}
+
+    ask = {"return_token_ids": True}
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, extra_body=ask)
+    got = httpx.post(f"{server.url}/tokenize", json={"messages": CHAT}).json()
+    assert got["tokens"] == chat.prompt_token_ids and got["count"] == chat.usage.prompt_tokens
+    no_prompt = httpx.post(f"{server.url}/tokenize", json={"messages": CHAT, "add_generation_prompt": False}).json()
+    assert no_prompt["tokens"] == got["tokens"][: no_prompt["count"]] and no_prompt["count"] < got["count"]
+
+    for route, body, field in [
+        ("tokenize", {}, "prompt"),
+        ("tokenize", {"prompt": "a", "messages": CHAT}, "prompt"),
+        ("tokenize", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        ("detokenize", {"tokens": [5, 10**9]}, "tokens"),
+        ("detokenize", {"tokens": [5], "model": "nope"}, "model"),
+    ]:
+        response = httpx.post(f"{server.url}/{route}", json=body)
+        assert response.status_code in (400, 404), response.text
+        assert response.json()["error"]["message"].startswith(field), response.text
+    assert httpx.get(f"{server.url}/version").json() == {"version": deltaserve.__version__}
 
 
 def test_models_and_an_unknown_model(server, client):

@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from deltaserve import __version__
 from deltaserve.cluster.core.request import RequestOptions
 from deltaserve.cluster.core.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.workers.config import short
@@ -149,11 +150,41 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
     async def tokenize(body: api.TokenizeRequest):
         try:
             await _adapter_for(engine, body.model)
-            tokens = await engine.tokenize(body.prompt)
+            if (body.prompt is None) == (body.messages is None):
+                raise ValueError("prompt: give either prompt or messages")
+            text = body.prompt
+            if body.messages is not None:
+                text = engine.render_chat(
+                    [m.for_template() for m in body.messages],
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                    tools=body.tools,
+                    chat_template_kwargs=body.chat_template_kwargs,
+                )
+            tokens = await engine.tokenize(text) if text else []
             info = await engine.info()
         except Exception as e:
             return await response_for(engine, e)
-        return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
+        answer = {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
+        if body.return_token_strs:
+            answer["token_strs"] = engine.token_texts(tokens)
+        return answer
+
+    @app.post("/detokenize")
+    async def detokenize(body: api.DetokenizeRequest):
+        try:
+            await _adapter_for(engine, body.model)
+            info = await engine.info()
+            bad = next((t for t in body.tokens if not 0 <= t < info.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"tokens: token id {short(bad)} is outside the vocabulary [0, {info.vocab_size})")
+        except Exception as e:
+            return await response_for(engine, e)
+        return {"prompt": engine.decode(body.tokens)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: api.LoadLoraAdapterRequest):

@@ -180,9 +180,23 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(Strict):
-    """vLLM's /tokenize (text prompts only)."""
+    """vLLM's /tokenize: a prompt's ids, or a chat's (rendered by the chat template as a chat
+    completion renders it)."""
 
-    prompt: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    model: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Strict):
+    """vLLM's /detokenize: the text of token ids (special tokens kept)."""
+
+    tokens: list[int]
     model: str | None = None
 
 
