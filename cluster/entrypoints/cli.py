@@ -278,7 +278,8 @@ async def _demo(config: EngineConfig, args: argparse.Namespace, started: float) 
 
 
 async def _demo_http(url: str, max_tokens: int) -> bool:
-    """One completion and one chat completion over the OpenAI-compatible HTTP server, streamed."""
+    """One completion and one chat completion over the OpenAI-compatible HTTP server, streamed, and one
+    response of the Responses API, whole."""
     from .client import Final
     from .http_client import OpenAIHttpClient
 
@@ -298,6 +299,11 @@ async def _demo_http(url: str, max_tokens: int) -> bool:
             ok = ok and final is not None and final.completion_tokens > 0
             tokens = final.completion_tokens if final else 0
             print(f"  [HTTP {label} -> {info.served_name!r}: {tokens} tok, {final and final.finish_reason}] {text!r}")
+        answer = await client.respond("Name a hybrid attention model.", max_output_tokens=max_tokens, temperature=0.8)
+        said = "".join(p["text"] for item in answer["output"] if item["type"] == "message" for p in item["content"])
+        tokens = answer["usage"]["output_tokens"]
+        ok = ok and tokens > 0
+        print(f"  [HTTP POST /v1/responses -> {info.served_name!r}: {tokens} tok, {answer['status']}] {said!r}")
     return ok
 
 

@@ -102,6 +102,10 @@ class OpenAIHttpClient:
                     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                     yield Final(rid, finish, stop, usage["prompt_tokens"], usage["completion_tokens"], cached, None)
 
+    async def respond(self, text: str, **fields) -> dict:
+        """One whole answer of the Responses API (`POST /v1/responses`): the response object."""
+        return await self._json("POST", "/v1/responses", json={"model": self.model, "input": text, **fields})
+
     async def close(self) -> None:
         await self._http.aclose()
 

@@ -21,6 +21,7 @@ import hmac
 import logging
 import re
 import socket
+from collections.abc import AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -34,11 +35,12 @@ from deltaserve.cluster.core.sampling_params import SamplingParams, StructuredOu
 from deltaserve.workers.config import short
 
 from . import openai_protocol as api
+from . import openai_responses as responses
 from . import validation
 from .async_engine import AdapterNotFoundError, AsyncEngine
 from .chat_parsing import REASONING_END, THINK_CLOSE, ForcedTools, forced_tools, opens_reasoning, tool_schemas
 from .metrics import CONTENT_TYPE
-from .openai_serving import Job, RequestFailedError, collect, merged, stream_events
+from .openai_serving import Job, RequestFailedError, collect, merged, response_events, stream_events
 from .validation import ErrorKind, ModelNotFoundError
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,7 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
 
 def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: bool = False) -> FastAPI:
     app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None, openapi_url=None)
+    stored = responses.ResponseStore()  # the Responses API's, for previous_response_id
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -236,34 +239,98 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: api.ChatCompletionRequest, request: Request):
         try:
-            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            k = (body.top_logprobs or 0) if body.logprobs else None
-            fields = body.sampling_fields(max_tokens, k)
-            forced = _force_calls(body, fields)
-            params = validation.sampling_params(fields)
-            lora = await _adapter_for(engine, body.model)
-            job = _job(engine, body, "chatcmpl", chat=True, logprobs=k)
-            prompt = engine.render_chat(
-                [m.for_template() for m in body.messages],
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                tools=body.tools if body.tool_choice != "none" else None,
-                chat_template_kwargs=body.chat_template_kwargs,
-            )
-            if forced is not None and opens_reasoning(prompt):  # forced calls come first: thinking off
-                prompt += f"\n{THINK_CLOSE}\n\n"
-            params = _after_reasoning(engine, params, prompt)
-            job.parsing = _parsing(engine, body, prompt, forced)
-            # the rendered prompt is the messages' doing
-            renames = {"prompt": "messages", "prompt_token_ids": "messages"} | _renames(body)
-            if forced is not None:  # the constraint is the tools' doing
-                renames |= {"structured_outputs.json": "tools", "structured_outputs": "tools"}
+            job, prompt, params, lora, renames = await _chat_job(engine, body, "chatcmpl")
             await _submit(job, prompt, params, lora, body, renames)
         except Exception as e:
             return await response_for(engine, e)
         return await _answer(job, body.stream, request)
 
+    @app.post("/v1/responses")
+    async def create_response(body: responses.ResponsesRequest, request: Request):
+        try:
+            chat, messages = responses.to_chat(body, stored)
+            job, prompt, params, lora, renames = await _chat_job(engine, chat, "resp_")
+            await _submit(job, prompt, params, lora, chat, renames)
+        except Exception as e:
+            return await response_for(engine, _renamed(e, responses.RENAMES))
+        shell = responses.shell(body, job.req_id, job.model)
+        in_reasoning = opens_reasoning(prompt)
+
+        def keep(done: responses.Response) -> None:
+            if body.store:
+                stored.put(done, messages + responses.output_messages(done.output))
+
+        if body.stream:
+            events = responses.ResponseEvents(shell, engine.decode, in_reasoning)
+            return _EngineStream([job], response_events(job, events, keep))
+
+        def shape(chat_answer: api.ChatCompletionResponse) -> responses.Response:
+            done = responses.response_of(shell, chat_answer, engine.decode, in_reasoning)
+            keep(done)
+            return done
+
+        return await _answer(job, False, request, shape)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        item = stored.get(response_id)
+        if item is None:
+            return error_response(404, f"response_id: no stored response {short(response_id, 80)}", "response_id")
+        return item[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        if not stored.delete(response_id):
+            return error_response(404, f"response_id: no stored response {short(response_id, 80)}", "response_id")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
     return app
+
+
+async def _chat_job(
+    engine: AsyncEngine, body: api.ChatCompletionRequest, prefix: str
+) -> tuple[Job, str, SamplingParams, str | None, dict[str, str]]:
+    """A chat completion request as a job to submit: the job, its rendered prompt, its sampling
+    parameters, its adapter and the renames that make an engine error name the request's field."""
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    fields = body.sampling_fields(max_tokens, k)
+    forced = _force_calls(body, fields)
+    params = validation.sampling_params(fields)
+    lora = await _adapter_for(engine, body.model)
+    job = _job(engine, body, prefix, chat=True, logprobs=k)
+    prompt = engine.render_chat(
+        [m.for_template() for m in body.messages],
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        tools=body.tools if body.tool_choice != "none" else None,
+        chat_template_kwargs=body.chat_template_kwargs,
+    )
+    if forced is not None and opens_reasoning(prompt):  # forced calls come first: thinking off
+        prompt += f"\n{THINK_CLOSE}\n\n"
+    params = _after_reasoning(engine, params, prompt)
+    job.parsing = _parsing(engine, body, prompt, forced)
+    # the rendered prompt is the messages' doing
+    renames = {"prompt": "messages", "prompt_token_ids": "messages"} | _renames(body)
+    if forced is not None:  # the constraint is the tools' doing
+        renames |= {"structured_outputs.json": "tools", "structured_outputs": "tools"}
+    return job, prompt, params, lora, renames
+
+
+def _renamed(error: BaseException, renames: dict[str, str]) -> BaseException:
+    """A ValueError naming a field of the request the route built, reworded to name the client's own
+    (a message of the chat is named by the whole `input`)."""
+    if not isinstance(error, ValueError) or isinstance(error, ModelNotFoundError):
+        return error
+    message = str(error)
+    field = validation.field_of(message)
+    if field is None:
+        return error
+    for ours, theirs in renames.items():
+        if field == ours or field.startswith((ours + ".", ours + "[")):
+            renamed = theirs if ours == "messages" else theirs + field[len(ours) :]
+            return ValueError(renamed + message[len(field) :])
+    return error
 
 
 def _after_reasoning(engine: AsyncEngine, params: SamplingParams, prompt: str) -> SamplingParams:
@@ -381,11 +448,12 @@ def _job(engine: AsyncEngine, body: api.SamplingFields, prefix: str, *, chat: bo
 
 
 class _EngineStream(StreamingResponse):
-    """Server-sent events of queued requests (a list of prompts': one each); however the response ends
-    (even before its first byte), none is left running."""
+    """Server-sent events of queued requests (a list of prompts': one each; `events`: another form
+    of them than stream_events'); however the response ends (even before its first byte), none is
+    left running."""
 
-    def __init__(self, jobs: list[Job]):
-        super().__init__(stream_events(jobs), media_type="text/event-stream")
+    def __init__(self, jobs: list[Job], events: AsyncIterator[str] | None = None):
+        super().__init__(events if events is not None else stream_events(jobs), media_type="text/event-stream")
         self.jobs = jobs
 
     async def __call__(self, scope, receive, send) -> None:
@@ -397,10 +465,11 @@ class _EngineStream(StreamingResponse):
                 await job.engine.discard(job.req_id)
 
 
-async def _answer(job: Job, stream: bool, request: Request):
+async def _answer(job: Job, stream: bool, request: Request, shape=None):
+    """The job's answer: streamed, or whole (`shape` turns the collected response into another)."""
     if stream:
         return _EngineStream([job])
-    task = asyncio.ensure_future(collect(job))
+    task = asyncio.ensure_future(_collect(job, shape))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -416,6 +485,11 @@ async def _answer(job: Job, stream: bool, request: Request):
     finally:
         gone.cancel()
         await job.engine.discard(job.req_id)
+
+
+async def _collect(job: Job, shape=None):
+    whole = await collect(job)
+    return whole if shape is None else shape(whole)
 
 
 async def _answer_all(jobs: list[Job], req_id: str, request: Request):

@@ -217,7 +217,8 @@ class UnloadLoraAdapterRequest(Strict):
 
 # ---- responses ------------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """OpenAI's id shape: "chatcmpl-<hex>", "cmpl-<hex>"; a prefix ending in "_" joins as is ("resp_<hex>")."""
+    return f"{prefix}{'' if prefix.endswith('_') else '-'}{uuid.uuid4().hex}"
 
 
 def now() -> int:

@@ -13,6 +13,7 @@ from deltaserve.cluster.core.request import CompletionOutput, Logprob, RequestOu
 from . import openai_protocol as api
 from .async_engine import AsyncEngine, EngineUnavailableError
 from .chat_parsing import ChatParser, Parsed
+from .openai_responses import ResponseEvents
 
 # JSON has no -inf: a token the sampler ruled out gets vLLM's floor
 LOGPROB_FLOOR = -9999.0
@@ -209,6 +210,24 @@ async def stream_events(jobs: list[Job]) -> AsyncIterator[str]:
         error = api.ErrorResponse(error=api.ErrorInfo(message=str(e)[:512], type="server_error", code="503"))
         yield _event(error)
     yield "data: [DONE]\n\n"
+
+
+async def response_events(job: Job, events: ResponseEvents, on_done) -> AsyncIterator[str]:
+    """The Responses API's events of a chat job (`events` reads its chunks); `on_done(response)` gets
+    the finished response (to store it). A failure after the first byte is a response.failed event."""
+    for event in events.start():
+        yield event
+    try:
+        async with contextlib.aclosing(_job_chunks(job, api.now())) as chunks:
+            async for chunk in chunks:
+                for event in events.chunk(chunk):
+                    yield event
+        tail, done = events.end(job.final_usage)
+        on_done(done)
+        for event in tail:
+            yield event
+    except (RequestFailedError, EngineUnavailableError) as e:
+        yield events.failed(str(e))
 
 
 async def _merged(jobs: list[Job], created: int) -> AsyncIterator[api.CompletionResponse]:
