@@ -15,7 +15,15 @@ import openai
 import pytest
 
 from deltaserve.cluster.config import EngineConfig
-from deltaserve.cluster.entrypoints.chat_parsing import ChatParser, Parsed, forced_tools, opens_reasoning, tool_schemas
+from deltaserve.cluster.entrypoints.chat_parsing import (
+    CALL_CLOSE,
+    ChatParser,
+    Parsed,
+    forced_tools,
+    merge_calls,
+    opens_reasoning,
+    tool_schemas,
+)
 from deltaserve.cluster.entrypoints.front_doors import FrontDoors
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -59,8 +67,21 @@ def streams(text: str, seed: int = 0) -> list[list[str]]:
     return cuts
 
 
+def arguments(text: str):
+    """The arguments' JSON value, or their text when cut short."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def as_tuple(p: Parsed) -> tuple:
-    return p.content, p.reasoning, [(c.name, json.loads(c.arguments)) for c in p.tool_calls]
+    calls = merge_calls(p.tool_calls)
+    firsts = [d for d in p.tool_calls if d.id is not None]
+    # each call's first piece names it, and only its first; calls are numbered in order
+    assert [d.index for d in firsts] == list(range(len(calls))) and all(d.name for d in firsts)
+    assert all(d.name is None for d in p.tool_calls if d.id is None)
+    return p.content, p.reasoning, [(c.name, arguments(c.arguments)) for c in calls]
 
 
 REASONING = dict(reasoning=True, in_reasoning=True)
@@ -94,8 +115,20 @@ CASES = [
         "",
         [("get_weather", {k: str(v).lower() if k != "city" else v for k, v in NEW_YORK.items()})],
     ),
-    (UNCLOSED, dict(tool_parser="qwen3_coder"), UNCLOSED, "", []),
-]
+    # cut short inside a call: a call with the arguments so far (OpenAI's at max_tokens)
+    (UNCLOSED, dict(tool_parser="qwen3_coder"), "", "", [("f", '{"a": "1')]),
+    ('<tool_call>\n{"name": "f", "arguments": {"s": "a}\\"b", "n": [1, {', dict(tool_parser="hermes"), "", "",
+     [("f", '{"s": "a}\\"b", "n": [1, {')]),
+    # a block whose name does not come first is read whole (hermes: a string of arguments too)
+    ('<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>', dict(tool_parser="hermes"), "", "",
+     [("f", {"x": 1})]),
+    ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 2}"}</tool_call>', dict(tool_parser="hermes"), "", "",
+     [("f", {"x": 2})]),
+    # a string parameter's text escaped as JSON; parameters of no schema are text
+    ("<tool_call><function=f><parameter=q>\nsay \"hi\"\n\n</parameter><parameter=n>7</parameter></function>",
+     dict(tool_parser="qwen3_coder"), "", "", [("f", {"q": 'say "hi"\n', "n": "7"})]),
+    ("<tool_call><function=f></function></tool_call>", dict(tool_parser="qwen3_coder"), "", "", [("f", {})]),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -107,6 +140,27 @@ def test_every_stream_of_the_text_gives_the_whole_message(case):
         assert as_tuple(parse(text, pieces, **settings)) == want, pieces
 
 
+def test_a_call_streams_its_arguments_as_they_come():
+    """The name goes out as soon as it is read, the arguments piece by piece before the block closes."""
+    for text, settings, name in [
+        (HERMES_CALL, dict(tool_parser="hermes"), "get_weather"),
+        (XML_CALL, dict(tool_parser="qwen3_coder", schemas=tool_schemas([WEATHER])), "get_weather"),
+    ]:
+        parser = ChatParser(**settings)
+        steps = [parser.feed(ch) for ch in text]
+        steps.append(parser.finish())
+        named = next(i for i, step in enumerate(steps) if step.tool_calls)
+        assert steps[named].tool_calls[0].name == name and named <= text.index(name) + len(name) + len(
+            '", "arguments": {'
+        )
+        pieces = [i for i, step in enumerate(steps) for d in step.tool_calls if d.arguments]
+        assert len(pieces) > 3 and pieces[-1] < len(text) - len(CALL_CLOSE) + 1
+    # the XML format's string parameter streams its text before </parameter>
+    parser = ChatParser(tool_parser="qwen3_coder", schemas=tool_schemas([WEATHER]))
+    got = parser.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew Yo")
+    assert "".join(d.arguments for d in got.tool_calls) == '{"city": "New Yo'
+
+
 def test_a_prompt_that_opens_the_reasoning_and_tool_schemas():
     assert opens_reasoning("<|im_start|>assistant\n<think>\n")
     assert not opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off
@@ -114,7 +168,7 @@ def test_a_prompt_that_opens_the_reasoning_and_tool_schemas():
     assert tool_schemas([WEATHER, {"type": "function"}, "junk"]) == {
         "get_weather": WEATHER["function"]["parameters"]["properties"]
     }
-    calls = parse(HERMES_CALL * 2, tool_parser="hermes").tool_calls
+    calls = merge_calls(parse(HERMES_CALL * 2, tool_parser="hermes").tool_calls)
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
 
 
@@ -163,9 +217,13 @@ def test_reasoning_and_tool_calls_over_http(served):
             calls += c.delta.tool_calls or []
             finish = c.finish_reason or finish
     assert (reasoning, content, finish) == ("I should call it.\n", "", "tool_calls")
-    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
-        (0, "get_weather", {"city": "Paris"})
-    ]
+    # OpenAI's stream shape: the first piece has the id, type and name, the rest more arguments
+    assert len(calls) > 2 and calls[0].id.startswith("call_") and calls[0].type == "function"
+    assert all(t.index == 0 and t.id is None and t.function.name is None for t in calls[1:])
+    assert (calls[0].function.name, json.loads("".join(t.function.arguments for t in calls))) == (
+        "get_weather",
+        {"city": "Paris"},
+    )
 
     # without tools offered the call stays text; thinking off leaves no reasoning
     plain = client.chat.completions.create(

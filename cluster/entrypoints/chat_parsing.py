@@ -7,9 +7,14 @@ function) needs no parser: the output is constrained to JSON (`ForcedTools.schem
 and read back as the calls, as vLLM does.
 
 `ChatParser` reads one completion's text as it streams (`feed`, then `finish`) and returns what each
-piece adds; a whole text is the same calls at once, so a stream and a whole answer always agree. A tag
-split across two steps is held back until it is whole; a tool call goes out once its closing tag is
-read; a block that does not parse stays text of the answer.
+piece adds; a whole text goes through the same reading at once, so a stream and a whole answer always
+agree. A tag split across two steps is held back until it is whole. A tool call streams as vLLM's do:
+once its function's name is read (hermes: `{"name": ..., "arguments": {` ; qwen3_coder: `<function=...>`)
+its id and name go out, then its arguments as they come (hermes: the JSON object's text as written;
+qwen3_coder: `{`, each parameter as `"name": value` once it closes (a string's text as it comes), `}`),
+so a call cut short (max_tokens) is a call with partial arguments, as OpenAI's. A block whose name is
+not read first is read whole at its closing tag: a call (hermes: the arguments re-serialized), or, when
+it does not parse, text of the answer.
 """
 
 from __future__ import annotations
@@ -40,13 +45,35 @@ class ToolCall:
     arguments: str
 
 
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of tool call `index` (the completion's calls counted from 0): its first piece carries
+    the id and the function's name, every piece more of the arguments' JSON text (OpenAI's stream
+    shape; `merge_calls` puts the pieces together)."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+def merge_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:
+    """The whole calls the pieces make, by index."""
+    calls: dict[int, list] = {}
+    for d in deltas:
+        call = calls.setdefault(d.index, [d.id, d.name, ""])
+        call[0], call[1] = call[0] or d.id, call[1] or d.name
+        call[2] += d.arguments
+    return [ToolCall(calls[i][0] or "", calls[i][1] or "", calls[i][2]) for i in sorted(calls)]
+
+
 @dataclass
 class Parsed:
     """What a piece of the text added (or, from `parse`, the whole message)."""
 
     content: str = ""
     reasoning: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     def __iadd__(self, other: Parsed) -> Parsed:
         self.content += other.content
@@ -157,6 +184,14 @@ class ChatParser:
         self._after_think = False  # the newlines after </think> are the template's, not the answer's
         self._segment_has_text = False  # answer text since the last tool call
         self.num_tool_calls = 0
+        # the call being streamed: its index, JSON scan (hermes: depth, in a string, after a backslash),
+        # parameters so far, the open parameter's schema and what goes before its value (qwen3_coder)
+        self._index = 0
+        self._scan = (0, False, False)
+        self._params = 0
+        self._schema = None
+        self._head = ""
+        self._at_start = False
 
     @property
     def ends_in_calls(self) -> bool:
@@ -177,7 +212,7 @@ class ChatParser:
             if calls is None:
                 return Parsed(content=text)
             self.num_tool_calls = len(calls)
-            return Parsed(tool_calls=calls)
+            return Parsed(tool_calls=[ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(calls)])
         return self._drain(final=True)
 
     def _drain(self, final: bool) -> Parsed:
@@ -228,7 +263,29 @@ class ChatParser:
                 return None  # whitespace after a call: kept only if the answer goes on
             self._pending = text[len(text) - keep :]
             return Parsed(content=self._segment(emit, ended=final))
-        end = text.find(CALL_CLOSE)  # state "call": a block, given out whole
+        if self._state == "call":  # a block opened: is its function's name read first?
+            head = _hermes_head(text) if self._tool_parser == "hermes" else _xml_head(text)
+            if head == "wait" and CALL_CLOSE not in text and not final:
+                return None
+            if isinstance(head, tuple):
+                name, start = head
+                self._index, self._state = self.num_tool_calls, self._tool_parser
+                self.num_tool_calls += 1
+                self._segment_has_text = False
+                if self._state == "hermes":
+                    self._pending, self._scan = text[start:], (0, False, False)
+                    return self._delta(_call_id(), name)
+                self._pending, self._params, self._schema = text[start:], 0, self._schemas.get(name, {})
+                return self._delta(_call_id(), name, "{")
+            return self._whole_block(text, final)
+        return self._call_step(text, final)
+
+    def _delta(self, call_id: str | None = None, name: str | None = None, arguments: str = "") -> Parsed:
+        return Parsed(tool_calls=[ToolCallDelta(self._index, call_id, name, arguments)])
+
+    def _whole_block(self, text: str, final: bool) -> Parsed | None:
+        """A block whose name was not read first: a call once it closes, if it parses; else text."""
+        end = text.find(CALL_CLOSE)
         if end < 0 and not final:
             return None
         block = text[:end] if end >= 0 else text
@@ -238,9 +295,126 @@ class ChatParser:
         if call is None:  # not a call after all: the answer's text, tags and all
             closing = CALL_CLOSE if end >= 0 else ""
             return Parsed(content=CALL_OPEN + block + closing)
+        self._index = self.num_tool_calls
         self.num_tool_calls += 1
         self._segment_has_text = False
-        return Parsed(tool_calls=[call])
+        return self._delta(call.id, call.name, call.arguments)
+
+    def _call_step(self, text: str, final: bool) -> Parsed | None:
+        """The streamed call's next piece (states: hermes, hermes_tail; qwen3_coder, xml_string,
+        xml_typed, xml_tail)."""
+        if not text:
+            return None
+        state = self._state
+        if state in ("hermes_tail", "xml_tail"):  # the format's closing text, up to the block's end
+            end = text.find(CALL_CLOSE)
+            if end >= 0:
+                self._pending, self._state = text[end + len(CALL_CLOSE) :], "content"
+                return Parsed()
+            self._pending = "" if final else text[len(text) - _partial_tag(text, CALL_CLOSE) :]
+            return Parsed() if final else None
+        if state == "hermes":  # the arguments object's text, to its closing brace
+            end = text.find(CALL_CLOSE)
+            if end >= 0:
+                region = text[:end]
+            else:
+                region = text if final else text[: len(text) - _partial_tag(text, CALL_CLOSE)]
+            used, closed = self._scan_json(region)
+            if closed:
+                self._pending, self._state = text[used:], "hermes_tail"
+                return self._delta(arguments=region[:used])
+            if end >= 0:  # the block ended inside the object
+                self._pending, self._state = text[end + len(CALL_CLOSE) :], "content"
+                return self._delta(arguments=region)
+            self._pending = text[len(region) :]
+            if not region:
+                return None
+            return self._delta(arguments=region)
+        if state == "qwen3_coder":  # between parameters
+            tags = (PARAM_OPEN, FUNCTION_CLOSE, CALL_CLOSE)
+            p, tag = _first_tag(text, tags)
+            if tag is None:  # the format's whitespace between parameters
+                self._pending = "" if final else text[len(text) - _partial_any(text, tags) :]
+                return Parsed() if final else None
+            if tag == PARAM_OPEN:
+                close = text.find(">", p)
+                if close < 0:
+                    if final:
+                        self._pending = ""
+                        return Parsed()
+                    self._pending = text[p:]
+                    return None
+                key = text[p + len(PARAM_OPEN) : close].strip()
+                self._pending = text[close + 1 :]
+                sep = ", " if self._params else ""
+                self._params += 1
+                self._head = sep + json.dumps(key, ensure_ascii=False) + ": "
+                schema = self._schema.get(key)
+                if _is_text(schema):
+                    self._state, self._at_start = "xml_string", True
+                    return self._delta(arguments=self._head + '"')
+                self._state, self._param_schema = "xml_typed", schema
+                return Parsed()
+            self._pending = text[p + len(tag) :]
+            self._state = "xml_tail" if tag == FUNCTION_CLOSE else "content"
+            return self._delta(arguments="}")
+        ends = (PARAM_CLOSE, FUNCTION_CLOSE, CALL_CLOSE)
+        if state == "xml_string":  # a text parameter's value, JSON-escaped as it comes
+            if self._at_start:
+                self._at_start = False
+                if text.startswith("\n"):
+                    text = self._pending = text[1:]
+                    if not text:
+                        return Parsed()
+            p, tag = _first_tag(text, ends)
+            if tag is not None:
+                value = text[:p]
+                value = value[:-1] if value.endswith("\n") else value
+                self._pending = text[p + len(tag) :] if tag == PARAM_CLOSE else text[p:]
+                self._state = "qwen3_coder"
+                return self._delta(arguments=_escaped(value) + '"')
+            keep = 0 if final else _partial_any(text, ends)
+            body = text[: len(text) - keep]
+            if body.endswith("\n") and not final:  # the value's last newline is the format's
+                body = body[:-1]
+            self._pending = text[len(body) :]
+            if not body:
+                return None
+            return self._delta(arguments=_escaped(body))
+        # xml_typed: a typed parameter's value, given out once it closes
+        p, tag = _first_tag(text, ends)
+        if tag is None:
+            if final:
+                self._pending = ""
+                return Parsed()
+            return None
+        value = _typed(_strip_one_newline(text[:p]), self._param_schema)
+        self._pending = text[p + len(tag) :] if tag == PARAM_CLOSE else text[p:]
+        self._state = "qwen3_coder"
+        return self._delta(arguments=self._head + json.dumps(value, ensure_ascii=False))
+
+    def _scan_json(self, text: str) -> tuple[int, bool]:
+        """How much of `text` belongs to the arguments object (to its closing brace) and whether it closed."""
+        depth, quoted, escaped = self._scan
+        for i, ch in enumerate(text):
+            if quoted:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    quoted = False
+            elif ch == '"':
+                quoted = True
+            elif ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 0:
+                    self._scan = (0, False, False)
+                    return i + 1, True
+        self._scan = (depth, quoted, escaped)
+        return len(text), False
 
     def _format_space(self, text: str) -> bool:
         """Whether `text` is whitespace that opens the text after a tool call (the format's, not the
@@ -275,6 +449,77 @@ class ChatParser:
             key = param.group(1).strip()
             args[key] = _typed(_strip_one_newline(param.group(2)), props.get(key))
         return ToolCall(_call_id(), name, json.dumps(args, ensure_ascii=False))
+
+
+PARAM_OPEN, PARAM_CLOSE, FUNCTION_CLOSE = "<parameter=", "</parameter>", "</function>"
+
+
+def _hermes_head(text: str) -> tuple[str, int] | str | None:
+    """(name, where the arguments object starts) once a block's text reads `{"name": "...",
+    "arguments": {` (or "parameters"); "wait" while it still may; None when it is another shape."""
+    i, n, name = 0, len(text), ""
+    for token in ("{", '"name"', ":", "NAME", ",", "ARGS", ":", "{"):
+        while i < n and text[i].isspace():
+            i += 1
+        if i >= n:
+            return "wait"
+        if token == "NAME":
+            if text[i] != '"':
+                return None
+            j = i + 1
+            while j < n and text[j] not in '"\\\n':
+                j += 1
+            if j >= n:
+                return "wait"
+            if text[j] != '"':
+                return None
+            name, i = text[i + 1 : j], j + 1
+            continue
+        options = ('"arguments"', '"parameters"') if token == "ARGS" else (token,)
+        rest = text[i:]
+        hit = next((o for o in options if rest.startswith(o)), None)
+        if hit is None:
+            return "wait" if any(o.startswith(rest) for o in options) else None
+        i += len(hit)
+    return name, i - 1
+
+
+def _xml_head(text: str) -> tuple[str, int] | str | None:
+    """(name, where its parameters start) once a block's text reads `<function=NAME>`; "wait" while it
+    still may; None when it is another shape."""
+    rest = text.lstrip()
+    opening = "<function="
+    if not rest.startswith(opening):
+        return "wait" if opening.startswith(rest) else None
+    close = rest.find(">")
+    bad = next((i for i, ch in enumerate(rest) if ch in "\n<" and i >= len(opening)), -1)
+    if close < 0:
+        return "wait" if bad < 0 else None
+    if 0 <= bad < close:
+        return None
+    return rest[len(opening) : close].strip(), len(text) - len(rest) + close + 1
+
+
+def _first_tag(text: str, tags: tuple[str, ...]) -> tuple[int, str | None]:
+    """The earliest of `tags` in `text` (position, tag), or (-1, None)."""
+    found = [(text.find(t), t) for t in tags]
+    found = [f for f in found if f[0] >= 0]
+    return min(found) if found else (-1, None)
+
+
+def _partial_any(text: str, tags: tuple[str, ...]) -> int:
+    return max(_partial_tag(text, t) for t in tags)
+
+
+def _is_text(schema) -> bool:
+    """Whether a parameter's value is a JSON string (its schema says string, or says no one type)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return kind in (None, "string") or isinstance(kind, list)
+
+
+def _escaped(text: str) -> str:
+    """Text as the inside of a JSON string (pieces escape as the whole does)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
 def _partial_tag(text: str, tag: str) -> int:

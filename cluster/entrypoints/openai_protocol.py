@@ -287,11 +287,16 @@ class ToolCallItem(BaseModel):
     function: FunctionCall
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # with the call's first piece
+    arguments: str = ""  # more of the arguments' JSON text
+
+
 class DeltaToolCall(BaseModel):
     index: int  # the call's place among the completion's calls
-    id: str | None = None
+    id: str | None = None  # with the call's first piece
     type: str | None = "function"
-    function: FunctionCall | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatResponseMessage(BaseModel):

@@ -428,7 +428,19 @@ class ResponseEvents:
             return []
         index, text = len(self.output), self._text
         events = []
-        if item["type"] == "reasoning":
+        if item["type"] == "function_call":
+            item_id, name = item["id"], item["name"]
+            item = call_item(item_id, item["call_id"], name, text)
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item_id,
+                    output_index=index,
+                    name=name,
+                    arguments=text,
+                )
+            )
+        elif item["type"] == "reasoning":
             item = reasoning_item(item["id"], text)
             part = {"type": "reasoning_text", "text": text}
             events.append(
@@ -490,6 +502,29 @@ class ResponseEvents:
         )
         return events
 
+    def _call_delta(self, call: api.DeltaToolCall) -> list[str]:
+        """A tool call's piece: its first (with the call's id) opens a function_call item."""
+        events: list[str] = []
+        index = len(self.output)
+        if call.id is not None:
+            events += self._close()
+            item_id = _item_id("fc")
+            name = call.function.name if call.function is not None else ""
+            self._open = {"id": item_id, "type": "function_call", "call_id": call.id, "name": name}
+            self._text = ""
+            added = call_item(item_id, call.id, name, "", "in_progress")
+            events.append(self._event("response.output_item.added", output_index=index, item=added))
+        arguments = call.function.arguments if call.function is not None else ""
+        if arguments and self._open is not None and self._open["type"] == "function_call":
+            self._text += arguments
+            item_id = self._open["id"]
+            events.append(
+                self._event(
+                    "response.function_call_arguments.delta", item_id=item_id, output_index=index, delta=arguments
+                )
+            )
+        return events
+
     def chunk(self, chunk: api.ChatCompletionChunk) -> list[str]:
         """A chat chunk's events (its usage-only last chunk: none)."""
         events: list[str] = []
@@ -501,33 +536,7 @@ class ResponseEvents:
             if delta.content:
                 events += self._text_delta("message", delta.content)
             for call in delta.tool_calls or []:
-                events += self._close()
-                index, item_id = len(self.output), _item_id("fc")
-                name, arguments = call.function.name, call.function.arguments
-                events.append(
-                    self._event(
-                        "response.output_item.added",
-                        output_index=index,
-                        item=call_item(item_id, call.id, name, "", "in_progress"),
-                    )
-                )
-                events.append(
-                    self._event(
-                        "response.function_call_arguments.delta", item_id=item_id, output_index=index, delta=arguments
-                    )
-                )
-                events.append(
-                    self._event(
-                        "response.function_call_arguments.done",
-                        item_id=item_id,
-                        output_index=index,
-                        name=name,
-                        arguments=arguments,
-                    )
-                )
-                item = call_item(item_id, call.id, name, arguments)
-                events.append(self._event("response.output_item.done", output_index=index, item=item))
-                self.output.append(item)
+                events += self._call_delta(call)
             if choice.finish_reason is not None:
                 self._finish = choice.finish_reason
         return events

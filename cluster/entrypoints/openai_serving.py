@@ -12,7 +12,7 @@ from deltaserve.cluster.core.request import CompletionOutput, Logprob, RequestOu
 
 from . import openai_protocol as api
 from .async_engine import AsyncEngine, EngineUnavailableError
-from .chat_parsing import ChatParser, Parsed
+from .chat_parsing import ChatParser, Parsed, merge_calls
 from .openai_responses import ResponseEvents
 
 # JSON has no -inf: a token the sampler ruled out gets vLLM's floor
@@ -126,7 +126,7 @@ async def collect(job: Job) -> api.CompletionResponse | api.ChatCompletionRespon
             parser = job.parser()
             parsed = parser.feed(c.text)
             parsed += parser.finish()
-            calls = [_tool_call(call) for call in parsed.tool_calls]
+            calls = [_tool_call(call) for call in merge_calls(parsed.tool_calls)]
             message = api.ChatResponseMessage(
                 content=parsed.content or (None if calls else ""),
                 reasoning_content=parsed.reasoning or None,
@@ -389,12 +389,14 @@ def _step_chunk(
     ids = (out.delta_token_ids if out is not None else []) if job.return_token_ids else None
     lps = (out.delta_logprobs if out is not None else []) if job.logprobs is not None else None
     if job.chat:
-        first = parser.num_tool_calls - len(step.tool_calls)
         calls = [
             api.DeltaToolCall(
-                index=first + i, id=call.id, function=api.FunctionCall(name=call.name, arguments=call.arguments)
+                index=d.index,
+                id=d.id,
+                type="function" if d.id is not None else None,
+                function=api.DeltaFunctionCall(name=d.name, arguments=d.arguments),
             )
-            for i, call in enumerate(step.tool_calls)
+            for d in step.tool_calls
         ]
         delta = api.DeltaMessage(
             content=step.content, reasoning_content=step.reasoning or None, tool_calls=calls or None
