@@ -330,6 +330,7 @@ def test_a_constrained_answer_after_free_reasoning_over_http(served):
 FRAGMENTS = [
     "<think>", "</think>", "<tool_call>", "</tool_call>", "<", "</", "think", "tool", "\n", "\n\n", " ", "a", "{",
     "}", '{"name": "f", "arguments": {"x": 1}}', "<function=f>", "</function>", "<parameter=x>", "</parameter>",
+    '{"name": "g", "arguments": {"s": "', '"', "\\", "]", "[", "<parameter=y>\n", "é",
 ]  # fmt: skip
 
 
