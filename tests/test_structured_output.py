@@ -15,8 +15,10 @@ import time
 
 import jsonschema
 import pytest
+from tiny_models import VOCAB_SIZE
 
 from deltaserve import LLM, SamplingParams
+from deltaserve.bench.spec_drafts import ReferenceDrafter
 from deltaserve.cluster.core.sampling_params import StructuredOutputsParams
 from deltaserve.workers.grammar import GrammarCompiler
 
@@ -240,28 +242,46 @@ def test_preempted_constrained_requests_resume_their_grammar(llm, demo_path):
     assert all(json_valid(o.outputs[0].text, schema) for o in squeezed)
 
 
-def test_constrained_requests_decode_one_token_at_a_time_beside_speculating_ones(tiny_checkpoints, monkeypatch):
-    """With MTP speculation the constrained requests never run verify rows (their masks follow the
-    grammar position by position), the free ones do; every token is the one without speculation."""
+@pytest.mark.parametrize("drafts", ["reference", "head"])
+def test_constrained_requests_speculate_with_the_tokens_of_decoding(tiny_checkpoints, monkeypatch, drafts):
+    """With MTP speculation constrained requests run verify rows like the free ones: each position is
+    masked to what the grammar allows after the drafts before it, and the accepted tokens advance the
+    grammar. Greedy and seeded, with drafts mostly right (the reference run's, at 0.8) or the head's
+    own, every token is the one decoding without speculation gives."""
     path = str(tiny_checkpoints["qwen3_5_moe"][0])  # a byte-level tokenizer and an MTP head
-    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18], [19, 20], [21, 22, 23]]
     free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    params = [free, constrained(0, regex="[a-z]{3,6}!"), free, constrained(4, choice=["yes", "no", "maybe so"])]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": INT(0, 999)}, "required": ["ok", "n"]}
+    params = [
+        free,
+        constrained(0, regex="[a-z]{3,9}!"),
+        free,
+        constrained(4, choice=["yes", "no", "maybe so"]),  # seeded
+        constrained(1, json=schema),
+        constrained(9, json=schema),  # seeded
+    ]
     plain = LLM(path, max_num_seqs=8)
     want = plain.generate(prompts, params, use_tqdm=False)
     plain.shutdown()
-    speculative = LLM(path, max_num_seqs=8, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    speculative = LLM(path, max_num_seqs=8, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     try:
+        if drafts == "reference":
+            reference = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, want, strict=True)}
+            speculative.engine.scheduler.drafter = ReferenceDrafter(reference, 0.8, VOCAB_SIZE)
         plans = _record_plans(speculative.engine, monkeypatch)
         got = speculative.generate(prompts, params, use_tqdm=False)
-        assert speculative.engine.speculative_stats()["num_drafts"] > 0
+        stats = speculative.engine.speculative_stats()
     finally:
         speculative.shutdown()
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert re.fullmatch("[a-z]{3,6}!", got[1].outputs[0].text) and got[3].outputs[0].text in ("yes", "no", "maybe so")
-    constrained_ids = {got[1].request_id, got[3].request_id}
+    assert re.fullmatch("[a-z]{3,9}!", got[1].outputs[0].text) and got[3].outputs[0].text in ("yes", "no", "maybe so")
+    for i in (4, 5):
+        jsonschema.validate(json.loads(got[i].outputs[0].text), schema)
+    constrained_ids = {got[i].request_id for i in (1, 3, 4, 5)}
     verified = {r for _, p in plans if p.num_spec_tokens for r in p.req_ids[: p.num_decode_rows]}
-    assert verified and not verified & constrained_ids
+    assert constrained_ids <= verified
+    if drafts == "reference":  # rows of several accepted tokens, constrained ones among them
+        assert stats["num_accepted_tokens"] > stats["num_drafts"] / 2
 
 
 class _SlowCompiles:

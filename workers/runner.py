@@ -427,8 +427,16 @@ class ModelRunner:
             if nv:
                 tokens = nv * (plan.num_spec_tokens + 1)
                 drafts = ctx.input_ids[:tokens].view(nv, -1)[:, 1:]
+                if self._unresolved and self.sampler.constrained(plan.req_ids[:nv]):
+                    while self._unresolved:  # a grammar's masks follow every token before the row
+                        self._resolve_oldest()
                 verify = self.sampler.sample_verify(
-                    plan.req_ids[:nv], logits[:tokens], drafts, copy, logprobs=self.is_driver_rank
+                    plan.req_ids[:nv],
+                    logits[:tokens],
+                    drafts,
+                    copy,
+                    logprobs=self.is_driver_rank,
+                    host_drafts=np.asarray(plan.input_ids[:tokens]).reshape(nv, -1)[:, 1:],
                 )
             index, j = [], 0
             for _, _, sampled_at in spans:
@@ -541,12 +549,13 @@ class PassOutput:
                 out.logprobs[req_id] = entries[0]
                 if len(entries) > 1:
                     out.extra_logprobs[req_id] = entries[1:]
+            out.grammar_errors = dict(self._verify.grammar_errors)
         if self._batch is not None:
             tokens, logprobs = self._batch.result()
             out.req_ids += list(self._batch.req_ids)
             out.sampled_token_ids += tokens
             out.logprobs.update(logprobs)
-            out.grammar_errors = self._batch.grammar_errors
+            out.grammar_errors = {**out.grammar_errors, **self._batch.grammar_errors}
         out.grammars_ready = self._runner.sampler.grammars.take_ready() if self._runner.is_driver_rank else {}
         if self._drafts is not None:
             drafting = [self._plan.req_ids[n] for n in np.flatnonzero(self._plan.draft_rows)]

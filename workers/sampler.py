@@ -30,7 +30,7 @@ import torch
 from deltaserve.layers.kernels import argmax as argmax_kernels
 from deltaserve.layers.kernels import bitmask as bitmask_kernels
 from deltaserve.workers.context import HostCopy, upload
-from deltaserve.workers.grammar import GrammarCompiler, RequestGrammar, fill_bitmasks
+from deltaserve.workers.grammar import GrammarCompiler, RequestGrammar, fill_bitmasks, fill_draft_bitmasks
 from deltaserve.workers.plan import FLOAT32_MAX, GrammarSpec, NewRequestData, SamplingSpec, TokenLogprobs
 from deltaserve.workers.rejection import accept_drafts
 
@@ -148,12 +148,23 @@ class VerifyBatch:
     emitted tokens (sampled[n, : num_accepted[n] + 1]) in its request's history and returns (the
     emitted ids per row, their logprobs by request id)."""
 
-    def __init__(self, req_ids, states, sampled, num_accepted, copy, logprob_rows, logprobs: LogprobParts | None):
+    def __init__(
+        self,
+        req_ids,
+        states,
+        sampled,
+        num_accepted,
+        copy,
+        logprob_rows,
+        logprobs: LogprobParts | None,
+        grammar_errors: dict[str, str] | None = None,
+    ):
         self.req_ids, self.states = req_ids, states
         self.sampled, self.num_accepted = sampled, num_accepted
         self._copy = copy
         self._slots = (copy.add(sampled), copy.add(num_accepted))
         self._logprob_rows, self._logprobs = logprob_rows, logprobs
+        self.grammar_errors: dict[str, str] = grammar_errors or {}
         self._result = None
 
     def result(self) -> tuple[list[list[int]], dict[str, list[TokenLogprobs]]]:
@@ -161,9 +172,14 @@ class VerifyBatch:
             sampled, accepted = (self._copy.get(s).tolist() for s in self._slots)
             length = len(sampled[0]) if sampled else 0
             emitted = [row[: a + 1] for row, a in zip(sampled, accepted, strict=True)]
-            for state, tokens in zip(self.states, emitted, strict=True):
+            for req_id, state, tokens in zip(self.req_ids, self.states, emitted, strict=True):
                 state.output_token_ids.extend(tokens)
                 state.num_sampled += len(tokens)
+                if state.grammar is not None:  # every emitted token, as decoding would have fed them
+                    for token in tokens:
+                        if state.grammar.accept(token) is not None:
+                            self.grammar_errors.setdefault(req_id, state.grammar.error)
+                            break
             logprobs: dict[str, list[TokenLogprobs]] = {}
             if self._logprobs is not None:
                 rows = self._logprob_rows  # expanded rows: request n's position i is n * length + i
@@ -202,6 +218,10 @@ class Sampler:
     def prepare_grammar(self, spec: GrammarSpec) -> None:
         """Start compiling a grammar that requests will need (in the background)."""
         self.grammars.prepare(spec)
+
+    def constrained(self, req_ids: Sequence[str]) -> bool:
+        """Whether one of these requests follows a grammar."""
+        return any(self.states[r].grammar is not None for r in req_ids)
 
     def needs_known_history(self, req_ids: Sequence[str]) -> bool:
         """Whether one of these requests is constrained and its latest sampled token is not known on
@@ -302,25 +322,62 @@ class Sampler:
         drafts: torch.Tensor,
         copy: HostCopy,
         logprobs: bool = True,
+        host_drafts: np.ndarray | None = None,
     ) -> VerifyBatch:
         """Speculative verify rows: logits [N * L, V] (each row's L = k + 1 positions in order), drafts
-        [N, k] on the device. Position i of a row is sampled as decoding would sample the request's
-        output number num_sampled + i (its seeded draw included); `accept_drafts` keeps the drafts up
-        to the first mismatch (workers/rejection.py says why that is the rejection scheme for greedy
-        drafts). Nothing waits for the device; the requests' counters move when the result is read.
-        Penalties need each position's history: such requests are never planned as verify rows."""
+        [N, k] on the device (and on the host, `host_drafts`, for constrained rows). Position i of a row
+        is sampled as decoding would sample the request's output number num_sampled + i (its seeded
+        draw included); `accept_drafts` keeps the drafts up to the first mismatch (workers/rejection.py
+        says why that is the rejection scheme for greedy drafts). A constrained row's position i is
+        masked to what its grammar allows after the drafts before it (the drafts past one the grammar
+        refuses are never accepted: the masked sample cannot equal it), so the emitted tokens are those
+        constrained decoding samples. Nothing waits for the device; the requests' counters (and
+        grammars) move when the result is read. Penalties need each position's history: such requests
+        are never planned as verify rows."""
         states = [self.states[r] for r in req_ids]
         if any(_needs_penalties(s) for s in states):
             raise ValueError("verify rows cannot apply penalties or min_tokens bans")
-        if any(s.grammar is not None for s in states):  # see grammar.fill_draft_bitmasks
-            raise ValueError("verify rows cannot follow a grammar yet")
         length = logits.shape[0] // max(1, len(states))
+        grammar_errors: dict[str, str] = {}
+        if any(s.grammar is not None for s in states):
+            if host_drafts is None:
+                raise ValueError("constrained verify rows need their drafts on the host")
+            logits = self._apply_verify_grammars(req_ids, states, logits, host_drafts, length, grammar_errors)
         expanded = [s for s in states for _ in range(length)]
         tokens = self._tokens(logits, expanded, [s.num_sampled + i for s in states for i in range(length)])
         sampled = tokens.view(len(states), length)
         num_accepted = accept_drafts(sampled, drafts)
         want, parts = self._logprob_parts(expanded, tokens, logits, copy, logprobs)
-        return VerifyBatch(req_ids, states, sampled, num_accepted, copy, want, parts)
+        return VerifyBatch(req_ids, states, sampled, num_accepted, copy, want, parts, grammar_errors)
+
+    def _apply_verify_grammars(
+        self, req_ids, states, logits: torch.Tensor, drafts: np.ndarray, length: int, errors: dict[str, str]
+    ) -> torch.Tensor:
+        """Mask the positions of each constrained verify row (logits [N * L, V], in place): position j
+        to what the grammar allows after the row's drafts[:j] (grammar.fill_draft_bitmasks)."""
+        owners = []
+        for n, state in enumerate(states):
+            grammar = state.grammar
+            if grammar is None:
+                continue
+            if grammar.start() is not None:
+                errors[req_ids[n]] = grammar.error  # sampled unconstrained; the driver fails the request
+            elif not grammar.terminated:
+                owners.append(n)
+        if not owners:
+            return logits
+        device = logits.device
+        words = -(-logits.shape[1] // 32)
+        host = torch.empty((len(owners) * length, words), dtype=torch.int32, pin_memory=device.type == "cuda")
+        for i, n in enumerate(owners):
+            fill_draft_bitmasks(states[n].grammar.matcher, drafts[n].tolist(), host, first_row=i * length)
+        mask = host.to(device, non_blocking=True)
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        (rows,) = upload([np.asarray([n * length + j for n in owners for j in range(length)])], device)
+        with torch.inference_mode():
+            bitmask_kernels.apply_token_bitmask(logits=logits, bitmask=mask, rows=rows)
+        return logits
 
     def is_plain_greedy(self, req_ids: Sequence[str]) -> bool:
         """Whether every request samples by argmax alone, without logprobs or penalties: their verify

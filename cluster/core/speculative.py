@@ -18,15 +18,12 @@ from .request import Request
 
 def speculates(req: Request) -> bool:
     """Whether the request's sampling allows verify rows (every position is sampled as a plain decode
-    step would sample it, with no per-position history)."""
+    step would sample it, with no per-position history; a grammar masks each position after the
+    drafts before it: workers/sampler.py's sample_verify)."""
     params = req.sampling_params
     if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
         return False
     if params.logit_bias:  # the verify sampler applies no per-request logit processing
-        return False
-    if req.grammar is not None:
-        # each position's mask follows the grammar after the drafts before it: workers/grammar.py's
-        # count_allowed_draft / fill_draft_bitmasks are the verify row's hooks, not wired in yet
         return False
     return len(req.output_token_ids) >= params.min_tokens
 
