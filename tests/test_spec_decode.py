@@ -150,6 +150,33 @@ def test_seeded_sampling_same_as_without_speculation(moe):
     assert llm.engine.speculative_stats()["num_drafts"] > 0
 
 
+def test_logit_bias_speculates_with_the_same_tokens(moe):
+    """A logit bias is the same at every position: biased requests run verify rows (greedy and seeded)
+    and give the tokens, and the logprobs (the model's, before the bias), of decoding without drafts."""
+    path, reference = moe
+    prompts, _ = workload()
+    bias = {7: 4.0, 11: 3.0, 19: -100.0}
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=bias, logprobs=1),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, logit_bias=bias),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={5: 2.5}),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={6: 1.0}),
+    ]  # every request biased: the drafts counted below are theirs
+    plain = engine(path, None).generate(prompts, params, use_tqdm=False)
+    unbiased = engine(path, None).generate(prompts[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert token_ids(plain)[0] != token_ids(unbiased)[0]  # the bias changes the output
+    biased_reference = {
+        tuple(p): list(o.outputs[0].token_ids) + [0] * EXTRA for p, o in zip(prompts, plain, strict=True)
+    }
+    llm = engine(path, 3)
+    llm.engine.scheduler.drafter = ReferenceDrafter(biased_reference, 0.8, VOCAB_SIZE)
+    ours = llm.generate(prompts, params, use_tqdm=False)
+    assert token_ids(ours) == token_ids(plain)
+    assert_entries_close(ours[0].outputs[0].logprobs, plain[0].outputs[0].logprobs, atol=1e-4)
+    stats = llm.engine.speculative_stats()
+    assert stats["num_drafts"] > 0 and stats["num_accepted_tokens"] > stats["num_drafts"] / 2
+
+
 def test_logprobs_match(moe):
     path, reference = moe
     prompts, _ = workload()

@@ -335,7 +335,7 @@ class Sampler:
         grammars) move when the result is read. Penalties need each position's history: such requests
         are never planned as verify rows."""
         states = [self.states[r] for r in req_ids]
-        if any(_needs_penalties(s) for s in states):
+        if any(_needs_history(s) for s in states):
             raise ValueError("verify rows cannot apply penalties or min_tokens bans")
         length = logits.shape[0] // max(1, len(states))
         grammar_errors: dict[str, str] = {}
@@ -344,10 +344,14 @@ class Sampler:
                 raise ValueError("constrained verify rows need their drafts on the host")
             logits = self._apply_verify_grammars(req_ids, states, logits, host_drafts, length, grammar_errors)
         expanded = [s for s in states for _ in range(length)]
+        raw = logits  # logprobs are the model's (masked), before the bias, as decoding reports them
+        if any(s.spec.logit_bias for s in states):  # the same bias at every position
+            logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            _add_logit_bias(logits, expanded)
         tokens = self._tokens(logits, expanded, [s.num_sampled + i for s in states for i in range(length)])
         sampled = tokens.view(len(states), length)
         num_accepted = accept_drafts(sampled, drafts)
-        want, parts = self._logprob_parts(expanded, tokens, logits, copy, logprobs)
+        want, parts = self._logprob_parts(expanded, tokens, raw, copy, logprobs)
         return VerifyBatch(req_ids, states, sampled, num_accepted, copy, want, parts, grammar_errors)
 
     def _apply_verify_grammars(
@@ -455,12 +459,7 @@ class Sampler:
             at, offsets = upload([np.asarray([pending[r] for r in mine]), np.asarray(mine) * vocab], device)
             return offsets, pending_ids.index_select(0, at)
 
-        biased = [i for i, s in enumerate(states) if s.spec.logit_bias]
-        if biased:  # OpenAI's logit_bias, before the penalties
-            ids = np.concatenate([i * vocab + np.asarray([t for t, _ in states[i].spec.logit_bias]) for i in biased])
-            values = np.concatenate([np.asarray([b for _, b in states[i].spec.logit_bias]) for i in biased])
-            flat, values = upload([ids], device) + upload([values], device, logits.dtype)
-            flat_logits.index_add_(0, flat, values)
+        _add_logit_bias(logits, states)  # OpenAI's logit_bias, before the penalties
 
         rep = [i for i, s in enumerate(states) if s.spec.repetition_penalty != 1.0]
         if rep:
@@ -544,13 +543,29 @@ class Sampler:
 
 
 def _needs_penalties(state: RequestSamplingState) -> bool:
+    return bool(state.spec.logit_bias) or _needs_history(state)
+
+
+def _needs_history(state: RequestSamplingState) -> bool:
+    """Whether a row's logits change with the request's own history (penalties, min_tokens bans)."""
     spec = state.spec
     return (
         spec.repetition_penalty != 1.0
         or bool(spec.presence_penalty or spec.frequency_penalty)
-        or bool(spec.logit_bias)
         or (state.num_sampled < spec.min_tokens and bool(spec.min_tokens_banned_ids))
     )
+
+
+def _add_logit_bias(logits: torch.Tensor, states: list[RequestSamplingState]) -> None:
+    """In place on logits [R, V] (contiguous): row i += states[i]'s logit_bias."""
+    biased = [i for i, s in enumerate(states) if s.spec.logit_bias]
+    if not biased:
+        return
+    vocab = logits.shape[1]
+    ids = np.concatenate([i * vocab + np.asarray([t for t, _ in states[i].spec.logit_bias]) for i in biased])
+    values = np.concatenate([np.asarray([b for _, b in states[i].spec.logit_bias]) for i in biased])
+    flat, values = upload([ids], logits.device) + upload([values], logits.device, logits.dtype)
+    logits.view(-1).index_add_(0, flat, values)
 
 
 def _filter(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:

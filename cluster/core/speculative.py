@@ -23,8 +23,6 @@ def speculates(req: Request) -> bool:
     params = req.sampling_params
     if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
         return False
-    if params.logit_bias:  # the verify sampler applies no per-request logit processing
-        return False
     return len(req.output_token_ids) >= params.min_tokens
 
 
