@@ -29,7 +29,8 @@ def spec(k: int) -> dict:
 
 def workload() -> tuple[list[list[int]], list[SamplingParams]]:
     """Prompts of several lengths (chunked under the small token budget, so prefills share passes
-    with verify rows), greedy, and one with a repetition penalty (decodes without drafts)."""
+    with verify rows), greedy, and one with a repetition penalty (its verify positions count the
+    drafts before them)."""
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (3, 30, 9, 17)]
     params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True) for _ in prompts]
@@ -173,6 +174,35 @@ def test_logit_bias_speculates_with_the_same_tokens(moe):
     ours = llm.generate(prompts, params, use_tqdm=False)
     assert token_ids(ours) == token_ids(plain)
     assert_entries_close(ours[0].outputs[0].logprobs, plain[0].outputs[0].logprobs, atol=1e-4)
+    stats = llm.engine.speculative_stats()
+    assert stats["num_drafts"] > 0 and stats["num_accepted_tokens"] > stats["num_drafts"] / 2
+
+
+def test_penalties_and_min_tokens_speculate_with_the_same_tokens(moe):
+    """Penalties and min_tokens bans follow each position's history: position j of a verify row counts
+    the drafts before it, so requests with repetition / presence / frequency penalties (greedy and
+    seeded) and a min_tokens ban run verify rows and give the tokens and logprobs of decoding without
+    drafts."""
+    path, _ = moe
+    prompts, _ = workload()
+    # a bias makes one token likely, so that the history rule decides many positions: its count so
+    # far (frequency), its having been seen (presence, repetition), the stop token's ban (min_tokens)
+    params = [
+        SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logit_bias={7: 4.0}, frequency_penalty=1.0),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=14, ignore_eos=True, logit_bias={9: 4.0},
+                       presence_penalty=2.0, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logit_bias={11: 3.0}, repetition_penalty=2.0),
+        SamplingParams(temperature=0, max_tokens=14, min_tokens=6, stop_token_ids=[13], logit_bias={13: 8.0}),
+    ]  # fmt: skip
+    plain = engine(path, None).generate(prompts, params, use_tqdm=False)
+    assert len(token_ids(plain)[3]) == 7 and token_ids(plain)[3][-1] == 13  # stopped at its first chance
+    assert all(t in ids for ids, t in zip(token_ids(plain)[:3], (7, 9, 11), strict=True))
+    reference = {tuple(p): list(o.outputs[0].token_ids) + [0] * EXTRA for p, o in zip(prompts, plain, strict=True)}
+    llm = engine(path, 3)
+    llm.engine.scheduler.drafter = ReferenceDrafter(reference, 0.8, VOCAB_SIZE)
+    ours = llm.generate(prompts, params, use_tqdm=False)
+    assert token_ids(ours) == token_ids(plain)
+    assert_entries_close(ours[1].outputs[0].logprobs, plain[1].outputs[0].logprobs, atol=1e-4)
     stats = llm.engine.speculative_stats()
     assert stats["num_drafts"] > 0 and stats["num_accepted_tokens"] > stats["num_drafts"] / 2
 

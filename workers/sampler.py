@@ -63,6 +63,20 @@ def seeded_exponentials(seed: int, step: int, vocab_size: int, device) -> torch.
     return (-torch.log(uniform)).float()
 
 
+class _AtDraft:
+    """A verify row's position as the decode step it stands for: the request's outputs followed by
+    the drafts before the position (what its penalties and min_tokens bans count)."""
+
+    __slots__ = ("spec", "prompt_token_ids", "output_token_ids", "num_sampled", "grammar")
+
+    def __init__(self, state: RequestSamplingState, drafts_before: list[int]):
+        self.spec = state.spec
+        self.prompt_token_ids = state.prompt_token_ids
+        self.output_token_ids = state.output_token_ids + drafts_before
+        self.num_sampled = state.num_sampled + len(drafts_before)
+        self.grammar = None
+
+
 class RequestSamplingState:
     def __init__(self, data: NewRequestData, grammar: RequestGrammar | None = None):
         self.spec: SamplingSpec = data.sampling
@@ -327,27 +341,32 @@ class Sampler:
         """Speculative verify rows: logits [N * L, V] (each row's L = k + 1 positions in order), drafts
         [N, k] on the device (and on the host, `host_drafts`, for constrained rows). Position i of a row
         is sampled as decoding would sample the request's output number num_sampled + i (its seeded
-        draw included); `accept_drafts` keeps the drafts up to the first mismatch (workers/rejection.py
-        says why that is the rejection scheme for greedy drafts). A constrained row's position i is
+        draw included), its penalties and min_tokens bans counting the drafts before it; `accept_drafts`
+        keeps the drafts up to the first mismatch (workers/rejection.py says why that is the rejection
+        scheme for greedy drafts). A constrained row's position i is
         masked to what its grammar allows after the drafts before it (the drafts past one the grammar
         refuses are never accepted: the masked sample cannot equal it), so the emitted tokens are those
         constrained decoding samples. Nothing waits for the device; the requests' counters (and
-        grammars) move when the result is read. Penalties need each position's history: such requests
-        are never planned as verify rows."""
+        grammars) move when the result is read."""
         states = [self.states[r] for r in req_ids]
-        if any(_needs_history(s) for s in states):
-            raise ValueError("verify rows cannot apply penalties or min_tokens bans")
         length = logits.shape[0] // max(1, len(states))
+        needs_drafts = any(s.grammar is not None or _needs_history(s) for s in states)
+        if needs_drafts and host_drafts is None:
+            raise ValueError("verify rows with a grammar, penalties or min_tokens bans need their drafts on the host")
         grammar_errors: dict[str, str] = {}
         if any(s.grammar is not None for s in states):
-            if host_drafts is None:
-                raise ValueError("constrained verify rows need their drafts on the host")
             logits = self._apply_verify_grammars(req_ids, states, logits, host_drafts, length, grammar_errors)
-        expanded = [s for s in states for _ in range(length)]
-        raw = logits  # logprobs are the model's (masked), before the bias, as decoding reports them
-        if any(s.spec.logit_bias for s in states):  # the same bias at every position
+        # position j of a row stands for the decode step after the row's drafts[:j]: its penalties and
+        # min_tokens bans count them
+        expanded = [
+            _AtDraft(s, host_drafts[n][:j].tolist()) if _needs_history(s) else s
+            for n, s in enumerate(states)
+            for j in range(length)
+        ]
+        raw = logits  # logprobs are the model's (masked), before bias and penalties, as decoding reports them
+        if any(_needs_penalties(s) for s in expanded):
             logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-            _add_logit_bias(logits, expanded)
+            self._apply_penalties(logits, expanded)
         tokens = self._tokens(logits, expanded, [s.num_sampled + i for s in states for i in range(length)])
         sampled = tokens.view(len(states), length)
         num_accepted = accept_drafts(sampled, drafts)

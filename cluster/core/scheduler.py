@@ -48,7 +48,7 @@ from .allocator import BlockAllocator, StateSlotAllocator
 from .lora import AdapterRegistry
 from .prefix_cache import Hit, PrefixCache, RequestHashes, Snapshot, root_hash
 from .request import FinishReason, Request, RequestStatus, SampleRef
-from .speculative import SpecStats, speculates
+from .speculative import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -592,13 +592,12 @@ class Scheduler:
             and len(req.draft_token_ids) == self.k
             and budget >= self.k + 1
             and req.num_tokens + self.k <= self.config.max_model_len
-            and speculates(req)
         )
 
     def _plan_drafting(self, req: Request, want: int) -> None:
         """A speculating request's sampling row drafts when its pages hold the head's draft steps
         (verify rows got them with their own); without room it decodes plainly next pass."""
-        if not self.k or not speculates(req):
+        if not self.k:
             return
         if req.req_id in self._verify:
             self._drafting.add(req.req_id)

@@ -1,29 +1,17 @@
-"""Speculative decoding on the driver: which requests speculate, and the acceptance counters (the
-setting itself, `speculative_config`, is RunnerConfig's).
+"""Speculative decoding on the driver: the acceptance counters (the setting itself,
+`speculative_config`, is RunnerConfig's).
 
-A speculating request decodes in verify rows: its last token and the k drafts the MTP head proposed
-after the previous pass, verified by the target in one pass (the worker keeps the drafts up to the
-first disagreement and the target's token after them). Requests whose sampling needs each position's
-own history (repetition / presence / frequency penalties, min_tokens bans still in force), a
-grammar (structured output) or a logit bias decode one token at a time in the same passes.
+Every request decodes in verify rows once it has drafts: its last token and the k drafts the MTP head
+proposed after the previous pass, verified by the target in one pass (the worker keeps the drafts up
+to the first disagreement and the target's token after them). Each position is sampled as the decode
+step after the drafts before it: its grammar mask, logit bias, penalties and min_tokens bans
+included (workers/sampler.py's sample_verify).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-from .request import Request
-
-
-def speculates(req: Request) -> bool:
-    """Whether the request's sampling allows verify rows (every position is sampled as a plain decode
-    step would sample it, with no per-position history; a grammar masks each position after the
-    drafts before it: workers/sampler.py's sample_verify)."""
-    params = req.sampling_params
-    if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
-        return False
-    return len(req.output_token_ids) >= params.min_tokens
 
 
 @dataclass(frozen=True)
