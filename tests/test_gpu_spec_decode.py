@@ -46,3 +46,30 @@ def test_verify_graphs_and_eager_give_plain_tokens(tiny_checkpoints, family, k, 
         assert out == [t[:24] for t in plain]
         stats = llm.engine.speculative_stats()
         assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+
+
+def test_every_sampling_speculates_on_the_device(tiny_checkpoints, monkeypatch):
+    """Constrained, penalised, min_tokens and biased requests beside plain greedy ones, with graphs on
+    (their passes run eager): the tokens of decoding without speculation."""
+    from deltaserve.cluster.core.sampling_params import StructuredOutputsParams
+
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    path = str(tiny_checkpoints["qwen3_5_moe"][0])
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=16, **POOL)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    params = [
+        greedy,
+        SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex="[a-z]{4,12}!")),
+        SamplingParams(temperature=0.9, seed=2, max_tokens=20, ignore_eos=True, presence_penalty=1.5),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logit_bias={7: 4.0}, frequency_penalty=1.0),
+        SamplingParams(temperature=0, max_tokens=20, min_tokens=6, stop_token_ids=[13], logit_bias={13: 8.0}),
+        greedy,
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.8),
+    ]
+    plain = LLM(path, **kw).generate(prompts(), params, use_tqdm=False)
+    reference = {tuple(p): list(o.outputs[0].token_ids) + [0] * 16 for p, o in zip(prompts(), plain, strict=True)}
+    llm = LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **kw)
+    llm.engine.scheduler.drafter = ReferenceDrafter(reference, 0.8, VOCAB_SIZE)
+    out = llm.generate(prompts(), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.speculative_stats()["num_accepted_tokens"] > 0
