@@ -204,12 +204,17 @@ def test_reasoning_and_tool_calls_over_http(served):
         {"city": "Paris"},
     )
 
-    reasoning, content, calls, finish = "", "", [], None
+    # OpenAI's usage detail: the output tokens before </think> (the thought's, not the call's)
+    thought = whole.usage.completion_tokens_details.reasoning_tokens
+    assert 0 < thought < whole.usage.completion_tokens
+
+    reasoning, content, calls, finish, usage = "", "", [], None, None
     stream = client.chat.completions.create(
         model=MODEL, messages=messages, tools=[WEATHER], max_tokens=200, temperature=0, stream=True,
-        extra_body=forced(pattern),
+        extra_body=forced(pattern), stream_options={"include_usage": True},
     )  # fmt: skip
     for chunk in stream:
+        usage = chunk.usage or usage
         for c in chunk.choices:
             delta = c.delta.model_dump()
             reasoning += delta.get("reasoning_content") or ""
@@ -217,6 +222,7 @@ def test_reasoning_and_tool_calls_over_http(served):
             calls += c.delta.tool_calls or []
             finish = c.finish_reason or finish
     assert (reasoning, content, finish) == ("I should call it.\n", "", "tool_calls")
+    assert usage.completion_tokens_details.reasoning_tokens == thought
     # OpenAI's stream shape: the first piece has the id, type and name, the rest more arguments
     assert len(calls) > 2 and calls[0].id.startswith("call_") and calls[0].type == "function"
     assert all(t.index == 0 and t.id is None and t.function.name is None for t in calls[1:])
@@ -231,6 +237,7 @@ def test_reasoning_and_tool_calls_over_http(served):
         extra_body={"structured_outputs": {"regex": "Sunny\\."}, "chat_template_kwargs": {"enable_thinking": False}},
     )  # fmt: skip
     message = plain.choices[0].message
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
     assert (message.content, message.reasoning_content, message.tool_calls, plain.choices[0].finish_reason) == (
         "Sunny.",
         None,

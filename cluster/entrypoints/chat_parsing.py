@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deltaserve.cluster.config import TOOL_CALL_PARSERS
@@ -145,6 +146,23 @@ def opens_reasoning(prompt: str) -> bool:
     """Whether the rendered prompt ends inside an open `<think>` block (Qwen's generation prompt opens
     one; with thinking off it writes an empty, closed one): the completion then starts in its reasoning."""
     return prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
+
+
+def reasoning_tokens(token_ids: list[int], decode: Callable[[list[int]], str], in_reasoning: bool) -> int:
+    """The output tokens whose text lies before the reasoning block's end (`</think>`; all of them while
+    it never ended, none for an answer that did not reason). `decode`: ids -> text, special tokens kept."""
+    text = decode(token_ids)
+    end = text.find(THINK_CLOSE)
+    if end < 0:
+        return len(token_ids) if in_reasoning else 0
+    low, high = 0, len(token_ids)  # the most leading tokens whose text ends at or before the tag
+    while low < high:
+        mid = (low + high + 1) // 2
+        if len(decode(token_ids[:mid])) <= end:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def tool_schemas(tools: list[dict] | None) -> dict[str, dict]:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from . import openai_protocol as api
-from .chat_parsing import THINK_CLOSE
+from .chat_parsing import reasoning_tokens
 from .openai_protocol import Strict
 
 STORED_RESPONSES = 1024  # responses kept for previous_response_id (least recently used go first)
@@ -311,23 +311,6 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
         "arguments": arguments,
         "status": status,
     }
-
-
-def reasoning_tokens(token_ids: list[int], decode: Callable[[list[int]], str], in_reasoning: bool) -> int:
-    """The output tokens whose text lies before the reasoning block's end (`</think>`; all of them while
-    it never ended, none for an answer that did not reason). `decode`: ids -> text, special tokens kept."""
-    text = decode(token_ids)
-    end = text.find(THINK_CLOSE)
-    if end < 0:
-        return len(token_ids) if in_reasoning else 0
-    low, high = 0, len(token_ids)  # the most leading tokens whose text ends at or before the tag
-    while low < high:
-        mid = (low + high + 1) // 2
-        if len(decode(token_ids[:mid])) <= end:
-            low = mid
-        else:
-            high = mid - 1
-    return low
 
 
 def shell(body: ResponsesRequest, response_id: str, model: str) -> Response:

@@ -12,7 +12,7 @@ from deltaserve.cluster.core.request import CompletionOutput, Logprob, RequestOu
 
 from . import openai_protocol as api
 from .async_engine import AsyncEngine, EngineUnavailableError
-from .chat_parsing import ChatParser, Parsed, merge_calls
+from .chat_parsing import ChatParser, Parsed, merge_calls, reasoning_tokens
 from .openai_responses import ResponseEvents
 
 # JSON has no -inf: a token the sampler ruled out gets vLLM's floor
@@ -60,14 +60,27 @@ def _text(lp: Logprob) -> str:
     return lp.decoded_token or ""
 
 
-def usage(out: RequestOutput, completion_tokens: int) -> api.Usage:
+def usage(out: RequestOutput, completion_tokens: int, reasoning: int | None = None) -> api.Usage:
+    """`reasoning`: the completions' reasoning tokens (None: not counted, no completion_tokens_details)."""
     prompt = len(out.prompt_token_ids)
     return api.Usage(
         prompt_tokens=prompt,
         completion_tokens=completion_tokens,
         total_tokens=prompt + completion_tokens,
         prompt_tokens_details=api.PromptTokensDetails(cached_tokens=out.num_cached_tokens),
+        completion_tokens_details=None
+        if reasoning is None
+        else api.CompletionTokensDetails(reasoning_tokens=reasoning),
     )
+
+
+def _reasoning(job: Job, completions: list[CompletionOutput]) -> int | None:
+    """A chat's reasoning tokens under --reasoning-parser (None otherwise), all completions together."""
+    parsing = job.parsing or {}
+    if not job.chat or not parsing.get("reasoning"):
+        return None
+    start = bool(parsing.get("in_reasoning"))
+    return sum(reasoning_tokens(list(c.token_ids), job.engine.decode, start) for c in completions)
 
 
 def completion_logprobs(
@@ -119,7 +132,9 @@ async def collect(job: Job) -> api.CompletionResponse | api.ChatCompletionRespon
             last = out
     completions = sorted(last.outputs, key=lambda c: c.index)
     tokens = sum(len(c.token_ids) for c in completions)
-    common = dict(id=job.req_id, created=api.now(), model=job.model, usage=usage(last, tokens))
+    common = dict(
+        id=job.req_id, created=api.now(), model=job.model, usage=usage(last, tokens, _reasoning(job, completions))
+    )
     if job.chat:
         choices = []
         for c in completions:
@@ -295,7 +310,7 @@ async def _job_chunks(job: Job, created: int) -> AsyncIterator[api.CompletionRes
                 if c.finish_reason is not None:
                     ended.add(index)
             if out.finished:  # completions that ended without a step of their own here (an abort)
-                job.final_usage = usage(out, tokens)
+                job.final_usage = usage(out, tokens, _reasoning(job, out.outputs))
                 for other in out.outputs:
                     if other.finish_reason is not None and other.index not in ended:
                         ended.add(other.index)
@@ -350,6 +365,11 @@ def _summed(usages: list[api.Usage | None]) -> api.Usage:
         prompt_tokens_details=api.PromptTokensDetails(
             cached_tokens=sum(u.prompt_tokens_details.cached_tokens for u in done)
         ),
+        completion_tokens_details=api.CompletionTokensDetails(
+            reasoning_tokens=sum(u.completion_tokens_details.reasoning_tokens for u in details)
+        )
+        if (details := [u for u in done if u.completion_tokens_details is not None])
+        else None,
     )
 
 
