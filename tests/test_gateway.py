@@ -492,6 +492,9 @@ def test_stream_to_terminal(served, reference):
     out, err = io.StringIO(), io.StringIO()
     assert stream_to_terminal(served.target, "hello", out=out, err=err, top_p=2.0) == 1
     assert err.getvalue().startswith("error: INVALID_ARGUMENT: top_p:")
+    out, err = io.StringIO(), io.StringIO()  # the CLI's --priority reaches the server (fcfs refuses it)
+    assert stream_to_terminal(served.target, "hello", out=out, err=err, priority=2, cache_salt="s") == 1
+    assert err.getvalue().startswith("error: INVALID_ARGUMENT: priority:")
     # n > 1: completion 0 streams, the others follow under their index, a summary line each
     out, err = io.StringIO(), io.StringIO()
     sampled = dict(temperature=1.0, seed=4, max_tokens=6, ignore_eos=True, n=3)

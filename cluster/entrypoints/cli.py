@@ -184,6 +184,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "stop": args.stop or None,
         "n": args.n,
+        "priority": args.priority,  # GenerateRequest's, beside the sampling parameters
+        "cache_salt": args.cache_salt,
     }
     from deltaserve import envs
 
@@ -367,6 +369,10 @@ def add_parsers(sub) -> None:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--n", type=int, default=None, help="completions of the prompt (printed one after another)")
     gen.add_argument("--stop", action="append", default=None)
+    gen.add_argument(
+        "--priority", type=int, default=None, help="lower first (a server under --scheduling-policy priority)"
+    )
+    gen.add_argument("--cache-salt", default=None, help="share the prefix cache only with requests of this salt")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (the chat template)")
     gen.add_argument("--api-key", default=None, help="the server's --api-key (default: $DELTASERVE_API_KEY)")
     gen.add_argument("--tls", action="store_true", help="connect over TLS (the system's roots)")
