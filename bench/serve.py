@@ -94,6 +94,9 @@ class BenchSettings:
     # replies, input_len new tokens); every request starts with the same shared_prefix_len tokens
     num_turns: int = 1
     shared_prefix_len: int = 0
+    # this share of the requests (drawn from the seed) is sent at priority 0, the rest at priority 1 (a
+    # server under --scheduling-policy priority serves the first first); 0: every request at 0
+    priority_fraction: float = 0.0
 
     @property
     def uses_ray(self) -> bool:
@@ -123,6 +126,8 @@ class BenchSettings:
         for name in ("clients_per_node", "num_client_nodes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if not 0.0 <= self.priority_fraction < 1.0:
+            raise ValueError(f"priority_fraction must be in [0, 1), got {self.priority_fraction}")
         if self.num_turns < 1 or self.shared_prefix_len < 0:
             raise ValueError("num_turns must be at least 1 and shared_prefix_len at least 0")
         if (self.num_turns > 1 or self.shared_prefix_len) and (
@@ -140,6 +145,7 @@ class PlannedRequest:
     arrival_s: float  # when to send it, seconds after the run's start
     # a conversation: the user tokens of its later turns (each turn sends prompt + replies + these)
     follow_ups: list[list[int]] = field(default_factory=list)
+    priority: int = 0
 
 
 @dataclass
@@ -159,6 +165,7 @@ class RequestRecord:
     ttft_s: float | None  # None when no token arrived
     e2e_s: float  # until the stream ended (or failed)
     itl_s: list[float] = field(default_factory=list)  # gaps between consecutive chunks
+    priority: int = 0
 
     @property
     def ok(self) -> bool:
@@ -240,8 +247,8 @@ async def plan_workload(
     """(the served model, the requests in arrival order), all drawn from settings.seed."""
     info = await client.model_info()
     # one stream each, so that a seed gives the same lengths and schedule whatever the prompts are
-    length_rng, prompt_rng, arrival_rng = (
-        np.random.default_rng(s) for s in np.random.SeedSequence(settings.seed).spawn(3)
+    length_rng, prompt_rng, arrival_rng, priority_rng = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(settings.seed).spawn(4)
     )
     n = settings.num_prompts
     input_lens = sample_lengths(length_rng, settings.input_len, settings.range_ratio, n)
@@ -275,6 +282,7 @@ async def plan_workload(
                 for start, length in zip(starts, input_lens, strict=True)
             ]
     arrivals = arrival_offsets(arrival_rng, n, settings.request_rate)
+    high = priority_rng.random(n)  # below priority_fraction: priority 0
     shared = prompt_rng.integers(0, info.vocab_size, settings.shared_prefix_len).tolist()
     workload = [
         PlannedRequest(
@@ -284,6 +292,7 @@ async def plan_workload(
             output_lens[i],
             arrivals[i],
             [prompt_rng.integers(0, info.vocab_size, input_lens[i]).tolist() for _ in range(settings.num_turns - 1)],
+            priority=int(high[i] >= settings.priority_fraction) if settings.priority_fraction else 0,
         )
         for i in range(n)
     ]
@@ -385,6 +394,8 @@ class LoadClient:
         )
         if self.settings.n > 1:
             sampling["n"] = self.settings.n
+        if request.priority:
+            sampling["priority"] = request.priority
         chunk_times: list[float] = []
         completion_tokens = 0
         final: Final | None = None
@@ -422,6 +433,7 @@ class LoadClient:
             ttft_s=chunk_times[0] - sent if chunk_times else None,
             e2e_s=ended - sent,
             itl_s=np.diff(chunk_times).tolist(),
+            priority=request.priority,
         )
 
 
@@ -535,6 +547,11 @@ def summarize(records: list[RequestRecord]) -> dict:
         # prompt tokens the server's prefix cache skipped, over all prompt tokens sent
         "prefix_cache_hit_rate": sum(r.cached_tokens for r in done) / input_tokens if input_tokens else 0.0,
         **{f"{name}_ms": latency_stats_ms(values) for name, values in latencies.items()},
+        # each priority's time to first token (a mixed-priority run): what the policy buys the first
+        "ttft_ms_by_priority": {
+            str(p): latency_stats_ms([r.ttft_s for r in done if r.priority == p and r.ttft_s is not None])
+            for p in sorted({r.priority for r in records})
+        },
     }
 
 
@@ -564,6 +581,10 @@ def format_report(result: BenchResult) -> str:
         stats = s[f"{name}_ms"]
         cells = "".join(f"{'-' if v is None else f'{v:.2f}':>14}" for v in stats.values())
         lines.append(f"{name.upper():<10}{cells}")
+    by_priority = s.get("ttft_ms_by_priority", {})
+    for priority, stats in by_priority.items() if len(by_priority) > 1 else ():
+        cells = "".join(f"{'-' if v is None else f'{v:.2f}':>14}" for v in stats.values())
+        lines.append(f"{'TTFT p' + priority:<10}{cells}")
     lines.append("=" * 66)
     return "\n".join(lines)
 
@@ -619,6 +640,13 @@ def add_parser(sub) -> None:
         "--num-turns", type=int, default=1, help="conversations of this many turns, each resending the history"
     )
     g.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every request starts with")
+    g.add_argument(
+        "--priority-fraction",
+        type=float,
+        default=0.0,
+        help="this share of the requests at priority 0, the rest at 1 (a server under --scheduling-policy"
+        " priority); the report gives each one's TTFT",
+    )
     g = p.add_argument_group("load")
     g.add_argument(
         "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)"
@@ -656,6 +684,7 @@ def _main(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         num_turns=args.num_turns,
         shared_prefix_len=args.shared_prefix_len,
+        priority_fraction=args.priority_fraction,
         clients_per_node=args.clients_per_node,
         num_client_nodes=args.num_client_nodes,
     )

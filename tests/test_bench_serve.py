@@ -125,6 +125,26 @@ def test_n_completions_count_every_completion(target, tmp_path):
     assert all(r["completion_tokens"] == 15 and r["finish_reason"] == "length" for r in report["requests"])
 
 
+def test_a_priority_mix_reports_each_priority(model_path, tmp_path):
+    """--priority-fraction 0.25 against a server under --scheduling-policy priority with two sequences:
+    a quarter of the requests (drawn from the seed) go at priority 0 and jump the queue of the others,
+    so their first tokens come sooner; the report gives each priority's TTFT."""
+    served = ServedGateway(EngineConfig.from_kwargs(model=model_path, max_num_seqs=2, scheduling_policy="priority"))
+    try:
+        path = tmp_path / "priority.json"
+        argv = ["bench", "serve", "--target", served.target, "--num-prompts", "16", "--priority-fraction", "0.25"]
+        argv += ["--input-len", "8", "--output-len", "12", "--json", str(path), "--save-requests"]
+        assert main(argv) == 0
+    finally:
+        served.stop()
+    report = json.loads(path.read_text())
+    assert (report["completed"], report["failed"]) == (16, 0)
+    priorities = [r["priority"] for r in report["requests"]]
+    assert set(priorities) == {0, 1} and 1 <= priorities.count(0) <= 8
+    by_priority = report["ttft_ms_by_priority"]
+    assert by_priority["0"]["p50"] < by_priority["1"]["p50"]
+
+
 def test_multi_turn_conversations_hit_the_prefix_cache(target, tmp_path):
     """Each turn resends the shared prefix, the history and the replies: the report counts every turn,
     and from the second turn on the server skips what it has seen."""
