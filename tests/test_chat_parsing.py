@@ -174,7 +174,7 @@ def test_a_prompt_that_opens_the_reasoning_and_tool_schemas():
 
 @pytest.fixture(scope="module")
 def served(tiny_chat_model):
-    doors = FrontDoors(host="127.0.0.1", grpc_port=None, http_port=0, grace_s=1)
+    doors = FrontDoors(host="127.0.0.1", grpc_port=0, http_port=0, grace_s=1)
     settings = dict(served_model_name=MODEL, max_model_len=2048, reasoning_parser="qwen3", tool_call_parser="hermes")
     server = Served(EngineConfig.from_kwargs(model=str(tiny_chat_model), **settings), doors)
     yield server
@@ -244,6 +244,41 @@ def test_reasoning_and_tool_calls_over_http(served):
         [],
         "stop",
     )
+
+
+def test_reasoning_and_tool_calls_over_grpc(served):
+    """A chat over gRPC is read as the HTTP server reads it: each chunk's reasoning, content and tool
+    call pieces, the final's tool_calls flag and reasoning tokens; `text` stays the raw text."""
+    from deltaserve.cluster.entrypoints.client import Chunk, GenerationClient
+
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    text = f"I should call it.\n</think>\n\n<tool_call>\n{call}\n</tool_call>"
+    pattern = text.replace("{", r"\{").replace("}", r"\}").replace(".", r"\.")
+    client = openai.OpenAI(base_url=served.url() + "/v1", api_key="unused", max_retries=0, timeout=60)
+    http = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=200, temperature=0, extra_body=forced(pattern)
+    )
+    with GenerationClient(f"127.0.0.1:{served.stack.ports['grpc']}") as grpc_client:
+        items = list(
+            grpc_client.generate(
+                messages, tools=[WEATHER], chat_template_kwargs={"enable_thinking": True}, max_tokens=200,
+                temperature=0, structured_outputs={"regex": pattern},
+            )
+        )  # fmt: skip
+    chunks, final = [i for i in items if isinstance(i, Chunk)], items[-1]
+    assert "".join(c.text for c in chunks) == text
+    assert "".join(c.reasoning for c in chunks) == "I should call it.\n" and "".join(c.content for c in chunks) == ""
+    pieces = [p for c in chunks for p in c.tool_calls]
+    assert pieces[0].id.startswith("call_") and pieces[0].name == "get_weather" and len(pieces) > 2
+    assert all(p.index == 0 and not p.id and not p.name for p in pieces[1:])
+    assert json.loads("".join(p.arguments for p in pieces)) == {"city": "Paris"}
+    assert (final.finish_reason, final.tool_calls) == ("stop", True)
+    assert final.reasoning_tokens == http.usage.completion_tokens_details.reasoning_tokens > 0
+    # a plain text prompt is not read as a chat
+    with GenerationClient(f"127.0.0.1:{served.stack.ports['grpc']}") as grpc_client:
+        plain = list(grpc_client.generate("hello", max_tokens=3, temperature=0))
+    assert all(c.content == c.reasoning == "" and not c.tool_calls for c in plain[:-1])
 
 
 def test_unknown_parsers_name_the_setting():

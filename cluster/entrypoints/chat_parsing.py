@@ -165,6 +165,18 @@ def reasoning_tokens(token_ids: list[int], decode: Callable[[list[int]], str], i
     return low
 
 
+def reading(reasoning_parser: str | None, tool_call_parser: str | None, prompt: str, tools: list | None) -> dict:
+    """ChatParser's settings for the completions of a chat rendered as `prompt` and offered `tools`
+    (None or empty: no tool calls read), under the server's parsers."""
+    offered = tool_call_parser is not None and bool(tools)
+    return dict(
+        reasoning=reasoning_parser is not None,
+        in_reasoning=opens_reasoning(prompt),
+        tool_parser=tool_call_parser if offered else None,
+        schemas=tool_schemas(tools),
+    )
+
+
 def tool_schemas(tools: list[dict] | None) -> dict[str, dict]:
     """Each offered function's parameter properties by name (OpenAI's `tools`), for typing the XML
     format's values."""

@@ -43,14 +43,29 @@ _FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True)
+class ToolCallPiece:
+    """A piece of tool call `index`: the first has the id and name, each more of the arguments' JSON."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
 @dataclass
 class Chunk:
-    """What one engine step added: token ids, the text delta and (when asked) their logprobs."""
+    """What one engine step added: token ids, the text delta and (when asked) their logprobs; for a
+    chat prompt also what it adds to the answer, the reasoning and the tool calls (the server's
+    parsers)."""
 
     token_ids: list[int]
     text: str
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     index: int = 0  # the completion (n > 1)
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallPiece] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +82,8 @@ class Final:
     # when asked: entry i is prompt token i + 1 given the tokens before it (completion 0's final)
     prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     index: int = 0  # the completion (n > 1: a Final for each, the stream ends after the n-th)
+    tool_calls: bool = False  # a chat's completion that stopped after its tool calls
+    reasoning_tokens: int = 0  # a chat's output tokens before </think> (under --reasoning-parser)
 
 
 class _Connection:
@@ -270,11 +287,16 @@ def generate_request(
     lora_name: str = "",
     priority: int = 0,
     cache_salt: str = "",
+    tools: Sequence[dict] | None = None,
+    chat_template_kwargs: dict | None = None,
     **sampling,
 ) -> pb.GenerateRequest:
-    """The GenerateRequest for a prompt (text, token ids or chat messages), the adapter to run on ("" the
-    base model), its priority and prefix-cache salt, and SamplingParams keywords (None: the server's
-    default)."""
+    """The GenerateRequest for a prompt (text, token ids or chat messages; a chat's `tools` and
+    `chat_template_kwargs` as OpenAI and vLLM write them), the adapter to run on ("" the base model),
+    its priority and prefix-cache salt, and SamplingParams keywords (None: the server's default)."""
+    chat = bool(prompt) and not isinstance(prompt, str) and isinstance(prompt[0], dict)
+    if (tools or chat_template_kwargs) and not chat:
+        raise ValueError("tools and chat_template_kwargs go with a chat prompt (a list of messages)")
     sampling = {name: value for name, value in sampling.items() if value is not None}
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
@@ -287,8 +309,8 @@ def generate_request(
     )
     if isinstance(prompt, str):
         request.text = prompt
-    elif prompt and isinstance(prompt[0], dict):
-        request.chat.CopyFrom(chat_message(prompt))
+    elif chat:
+        request.chat.CopyFrom(chat_message(prompt, tools=tools, chat_template_kwargs=chat_template_kwargs))
     else:
         request.token_ids.ids.extend(prompt)
         request.token_ids.SetInParent()  # an empty id list still selects token_ids (and is rejected)
@@ -298,7 +320,15 @@ def generate_request(
 def from_response(response: pb.GenerateResponse) -> Chunk | Final:
     if response.HasField("chunk"):
         chunk = response.chunk
-        return Chunk(list(chunk.token_ids), chunk.text, [_token_logprobs(lp) for lp in chunk.logprobs], chunk.index)
+        return Chunk(
+            list(chunk.token_ids),
+            chunk.text,
+            [_token_logprobs(lp) for lp in chunk.logprobs],
+            chunk.index,
+            chunk.content,
+            chunk.reasoning,
+            [ToolCallPiece(c.index, c.id, c.name, c.arguments) for c in chunk.tool_calls],
+        )
     final = response.final
     stop_kind = final.WhichOneof("stop_reason")
     return Final(
@@ -311,6 +341,8 @@ def from_response(response: pb.GenerateResponse) -> Chunk | Final:
         time_to_first_token_s=final.time_to_first_token_s if final.HasField("time_to_first_token_s") else None,
         prompt_logprobs=[_token_logprobs(lp) for lp in final.prompt_logprobs],
         index=final.index,
+        tool_calls=final.tool_calls,
+        reasoning_tokens=final.usage.reasoning_tokens,
     )
 
 

@@ -31,6 +31,7 @@ from deltaserve.protos import generation_pb2_grpc
 
 from . import validation
 from .async_engine import AsyncEngine, EngineUnavailableError
+from .chat_parsing import ChatParser, Parsed, reading, reasoning_tokens
 from .grpc_security import ApiKeyInterceptor, server_credentials
 from .validation import ErrorKind
 
@@ -216,25 +217,35 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
             req_id = validation.request_id(request.request_id)
             params = _sampling_params(request.sampling_params)
             options = RequestOptions(request.lora_name or None, request.priority, request.cache_salt or None)
-            await self._engine.submit(req_id, _prompt(request, self._engine), params, options)
+            prompt = _prompt(request, self._engine)
+            await self._engine.submit(req_id, prompt, params, options)
         except Exception as e:
             await self._abort_with(context, e)
         k = params.logprobs
+        chat = _ChatReading(request, prompt, self._engine) if request.WhichOneof("prompt") == "chat" else None
         try:
             async with contextlib.aclosing(self._engine.stream(req_id)) as outputs:
                 ended: set[int] = set()  # completions whose final was sent
                 async for out in outputs:
                     if out.completion(out.delta_index).finish_reason == "error":
                         await _abort(context, grpc.StatusCode.UNAVAILABLE, out.error or "the engine failed the request")
-                    if out.delta_token_ids or out.delta_text:
-                        yield pb.GenerateResponse(request_id=req_id, chunk=_chunk(out, k))
+                    step = chat.step(out, out.completion(out.delta_index)) if chat is not None else None
+                    if out.delta_token_ids or out.delta_text or step:
+                        yield pb.GenerateResponse(request_id=req_id, chunk=_chunk(out, k, step))
                     # a completion's final as it ends (n > 1: the request's last output holds them all)
                     for completion in out.outputs if out.finished else [out.completion(out.delta_index)]:
                         if completion.finish_reason is None or completion.index in ended:
                             continue
                         ended.add(completion.index)
+                        if chat is not None and completion.index != out.delta_index:  # its text was all sent
+                            rest = chat.step(None, completion)
+                            if rest:
+                                yield pb.GenerateResponse(request_id=req_id, chunk=_chunk(None, k, rest, completion))
                         asked = params.prompt_logprobs if completion.index == 0 else None
-                        yield pb.GenerateResponse(request_id=req_id, final=_final(out, completion, asked))
+                        final = _final(out, completion, asked)
+                        if chat is not None:
+                            chat.finish(final, completion)
+                        yield pb.GenerateResponse(request_id=req_id, final=final)
         except EngineUnavailableError as e:  # the Ray driver died under the stream
             await _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
 
@@ -392,10 +403,50 @@ def _token_logprob(entry: dict[int, Logprob], k: int) -> pb.TokenLogprob:
     )
 
 
-def _chunk(out: RequestOutput, k: int | None) -> pb.GenerateChunk:
-    chunk = pb.GenerateChunk(token_ids=out.delta_token_ids, text=out.delta_text, index=out.delta_index)
-    if k is not None:
-        chunk.logprobs.extend(_token_logprob(entry, k) for entry in out.delta_logprobs)
+class _ChatReading:
+    """A chat prompt's completions read as the HTTP server reads them (chat_parsing.ChatParser under
+    the server's --reasoning-parser / --tool-call-parser): what each step adds to the answer, the
+    reasoning and the tool calls, and how each completion ended."""
+
+    def __init__(self, request: pb.GenerateRequest, prompt: str, engine: AsyncEngine):
+        serving = engine.config.serving
+        tools = [json_format.MessageToDict(t) for t in request.chat.tools]
+        self.settings = reading(serving.reasoning_parser, serving.tool_call_parser, prompt, tools)
+        self.engine = engine
+        self.parsers: dict[int, ChatParser] = {}
+
+    def step(self, out: RequestOutput | None, completion: CompletionOutput) -> Parsed | None:
+        """What completion's step adds (out: its output; None: only its end); None when nothing."""
+        parser = self.parsers.setdefault(completion.index, ChatParser(**self.settings))
+        step = parser.feed(out.delta_text if out is not None else "")
+        if completion.finish_reason is not None:
+            step += parser.finish()
+        return step if step.content or step.reasoning or step.tool_calls else None
+
+    def finish(self, final: pb.GenerateFinal, completion: CompletionOutput) -> None:
+        parser = self.parsers.get(completion.index)
+        final.tool_calls = completion.finish_reason == "stop" and parser is not None and parser.ends_in_calls
+        if self.settings["reasoning"]:
+            start = self.settings["in_reasoning"]
+            final.usage.reasoning_tokens = reasoning_tokens(list(completion.token_ids), self.engine.decode, start)
+
+
+def _chunk(
+    out: RequestOutput | None, k: int | None, step: Parsed | None = None, ended: CompletionOutput | None = None
+) -> pb.GenerateChunk:
+    """A step's chunk (out: its output; None: only a chat completion's end, `ended`)."""
+    if out is None:
+        chunk = pb.GenerateChunk(index=ended.index)
+    else:
+        chunk = pb.GenerateChunk(token_ids=out.delta_token_ids, text=out.delta_text, index=out.delta_index)
+        if k is not None:
+            chunk.logprobs.extend(_token_logprob(entry, k) for entry in out.delta_logprobs)
+    if step is not None:
+        chunk.content, chunk.reasoning = step.content, step.reasoning
+        chunk.tool_calls.extend(
+            pb.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "", arguments=d.arguments)
+            for d in step.tool_calls
+        )
     return chunk
 
 

@@ -38,7 +38,7 @@ from . import openai_protocol as api
 from . import openai_responses as responses
 from . import validation
 from .async_engine import AdapterNotFoundError, AsyncEngine
-from .chat_parsing import REASONING_END, THINK_CLOSE, ForcedTools, forced_tools, opens_reasoning, tool_schemas
+from .chat_parsing import REASONING_END, THINK_CLOSE, ForcedTools, forced_tools, opens_reasoning, reading
 from .metrics import CONTENT_TYPE
 from .openai_serving import Job, RequestFailedError, collect, merged, response_events, stream_events
 from .validation import ErrorKind, ModelNotFoundError
@@ -367,13 +367,8 @@ def _parsing(engine: AsyncEngine, body: api.ChatCompletionRequest, prompt: str, 
     if forced is not None:
         return dict(forced=forced)
     serving = engine.config.serving
-    tools = serving.tool_call_parser is not None and bool(body.tools) and body.tool_choice != "none"
-    return dict(
-        reasoning=serving.reasoning_parser is not None,
-        in_reasoning=opens_reasoning(prompt),
-        tool_parser=serving.tool_call_parser if tools else None,
-        schemas=tool_schemas(body.tools),
-    )
+    tools = body.tools if body.tool_choice != "none" else None
+    return reading(serving.reasoning_parser, serving.tool_call_parser, prompt, tools)
 
 
 async def _adapter_for(engine: AsyncEngine, model: str | None) -> str | None:
