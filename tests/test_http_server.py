@@ -589,26 +589,22 @@ def test_a_client_that_leaves_a_stream_aborts_its_request(server, client):
     assert server.metric("vllm:generation_tokens_total") - generated < 400
 
 
-def test_a_client_that_leaves_an_n_completion_stream_aborts_them_all(server, client):
+@pytest.mark.parametrize(
+    "body, requests",
+    [({"prompt": "hello", "n": 3}, 1), ({"prompt": ["hello", "world", "again"]}, 3)],
+    ids=["n-completions", "list-of-prompts"],
+)
+def test_a_client_that_leaves_a_stream_of_several_aborts_them_all(server, client, body, requests):
+    """n completions (one request) or a list of prompts (a request each): a client that leaves the
+    stream aborts every one of them, and every page and state slot is freed."""
     aborted = server.metric("vllm:request_success_total", finished_reason="abort")
-    stream = client.completions.create(model=MODEL, prompt="hello", stream=True, n=3, **LONG)
-    for i, _ in enumerate(stream):
-        if i == 4:
-            break
-    stream.close()
-    wait_idle(server)  # every completion's pages and state slot freed
-    assert server.metric("vllm:request_success_total", finished_reason="abort") == aborted + 1
-
-
-def test_a_client_that_leaves_a_streamed_list_of_prompts_aborts_them_all(server, client):
-    aborted = server.metric("vllm:request_success_total", finished_reason="abort")
-    stream = client.completions.create(model=MODEL, prompt=["hello", "world", "again"], stream=True, **LONG)
+    stream = client.completions.create(model=MODEL, stream=True, **body, **LONG)
     for i, _ in enumerate(stream):
         if i == 6:
             break
     stream.close()
-    wait_idle(server)  # every prompt's pages and state slot freed
-    assert server.metric("vllm:request_success_total", finished_reason="abort") == aborted + 3
+    wait_idle(server)
+    assert server.metric("vllm:request_success_total", finished_reason="abort") == aborted + requests
 
 
 def test_a_client_that_leaves_a_whole_request_aborts_it(server):

@@ -166,14 +166,19 @@ def test_logit_bias_speculates_with_the_same_tokens(moe):
     plain = engine(path, None).generate(prompts, params, use_tqdm=False)
     unbiased = engine(path, None).generate(prompts[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert token_ids(plain)[0] != token_ids(unbiased)[0]  # the bias changes the output
-    biased_reference = {
-        tuple(p): list(o.outputs[0].token_ids) + [0] * EXTRA for p, o in zip(prompts, plain, strict=True)
-    }
+    assert_speculation_keeps(path, prompts, params, plain, logprobs_of=0)
+
+
+def assert_speculation_keeps(path, prompts, params, plain, logprobs_of: int) -> None:
+    """With drafts mostly right (0.8 of the plain run's tokens), the tokens of every request and the
+    logprobs of request `logprobs_of` are the plain run's, and rows accepted more than half their drafts
+    on average (every request of these runs has the rule under test: the counts are theirs)."""
+    reference = {tuple(p): list(o.outputs[0].token_ids) + [0] * EXTRA for p, o in zip(prompts, plain, strict=True)}
     llm = engine(path, 3)
-    llm.engine.scheduler.drafter = ReferenceDrafter(biased_reference, 0.8, VOCAB_SIZE)
+    llm.engine.scheduler.drafter = ReferenceDrafter(reference, 0.8, VOCAB_SIZE)
     ours = llm.generate(prompts, params, use_tqdm=False)
     assert token_ids(ours) == token_ids(plain)
-    assert_entries_close(ours[0].outputs[0].logprobs, plain[0].outputs[0].logprobs, atol=1e-4)
+    assert_entries_close(ours[logprobs_of].outputs[0].logprobs, plain[logprobs_of].outputs[0].logprobs, atol=1e-4)
     stats = llm.engine.speculative_stats()
     assert stats["num_drafts"] > 0 and stats["num_accepted_tokens"] > stats["num_drafts"] / 2
 
@@ -197,14 +202,7 @@ def test_penalties_and_min_tokens_speculate_with_the_same_tokens(moe):
     plain = engine(path, None).generate(prompts, params, use_tqdm=False)
     assert len(token_ids(plain)[3]) == 7 and token_ids(plain)[3][-1] == 13  # stopped at its first chance
     assert all(t in ids for ids, t in zip(token_ids(plain)[:3], (7, 9, 11), strict=True))
-    reference = {tuple(p): list(o.outputs[0].token_ids) + [0] * EXTRA for p, o in zip(prompts, plain, strict=True)}
-    llm = engine(path, 3)
-    llm.engine.scheduler.drafter = ReferenceDrafter(reference, 0.8, VOCAB_SIZE)
-    ours = llm.generate(prompts, params, use_tqdm=False)
-    assert token_ids(ours) == token_ids(plain)
-    assert_entries_close(ours[1].outputs[0].logprobs, plain[1].outputs[0].logprobs, atol=1e-4)
-    stats = llm.engine.speculative_stats()
-    assert stats["num_drafts"] > 0 and stats["num_accepted_tokens"] > stats["num_drafts"] / 2
+    assert_speculation_keeps(path, prompts, params, plain, logprobs_of=1)
 
 
 def test_logprobs_match(moe):

@@ -303,16 +303,8 @@ class Sampler:
         """Mask each constrained row of logits [R, V] to what its grammar allows next (in place; the
         logits returned are those masked). The masks are filled on the host into fresh pinned memory
         and copied without blocking: a buffer is never reused while a copy may still read it."""
-        rows, grammars = [], []
-        for i, state in enumerate(states):
-            grammar = state.grammar
-            if grammar is None:
-                continue
-            if grammar.start() is not None:
-                errors[req_ids[i]] = grammar.error  # sampled unconstrained; the driver fails the request
-            elif not grammar.terminated:  # past the end, the token is dropped on the driver
-                rows.append(i)
-                grammars.append(grammar)
+        rows = _constrained(req_ids, states, errors)
+        grammars = [states[i].grammar for i in rows]
         if not rows:
             return logits
         device = logits.device
@@ -378,15 +370,7 @@ class Sampler:
     ) -> torch.Tensor:
         """Mask the positions of each constrained verify row (logits [N * L, V], in place): position j
         to what the grammar allows after the row's drafts[:j] (grammar.fill_draft_bitmasks)."""
-        owners = []
-        for n, state in enumerate(states):
-            grammar = state.grammar
-            if grammar is None:
-                continue
-            if grammar.start() is not None:
-                errors[req_ids[n]] = grammar.error  # sampled unconstrained; the driver fails the request
-            elif not grammar.terminated:
-                owners.append(n)
+        owners = _constrained(req_ids, states, errors)
         if not owners:
             return logits
         device = logits.device
@@ -559,6 +543,22 @@ class Sampler:
         parts = LogprobParts(copy, tokens, logits[: len(next_tokens)], k)
         copy.record()
         return parts.result([k] * len(next_tokens))
+
+
+def _constrained(req_ids, states, errors: dict[str, str]) -> list[int]:
+    """The rows whose grammar masks them: started, not failed (a failed one goes into `errors`: it is
+    sampled unconstrained and the driver fails the request), not past its end (that token is dropped
+    on the driver)."""
+    rows = []
+    for i, state in enumerate(states):
+        grammar = state.grammar
+        if grammar is None:
+            continue
+        if grammar.start() is not None:
+            errors[req_ids[i]] = grammar.error
+        elif not grammar.terminated:
+            rows.append(i)
+    return rows
 
 
 def _needs_penalties(state: RequestSamplingState) -> bool:
