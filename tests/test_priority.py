@@ -235,3 +235,40 @@ def test_async_engine_carries_priority_and_salt(path, alone):
     cached = [s.num_cached_tokens for s in salted]
     assert cached[0] == cached[2] == cached[3] == 0 and cached[1] >= 128, cached
     assert all(list(s.outputs[0].token_ids) == alone(shared) for s in salted)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_arrivals_priorities_and_a_small_pool(path, alone, seed):
+    """Requests of random lengths and priorities arrive at random steps into three sequences, a 32-token
+    budget and a pool of ten 16-token pages (preemptions by priority and by pages both happen): each
+    gets the tokens it gets alone, and every page and slot is back at the end."""
+    import random
+
+    rng = random.Random(seed)
+    arrivals = sorted(
+        (rng.randint(0, 12), f"r{i}", prompt(rng.randint(5, 70), 100 + 10 * seed + i), rng.randint(-2, 3))
+        for i in range(10)
+    )
+    budget = dict(max_num_seqs=3, block_size=16, num_kv_blocks=10, max_num_batched_tokens=32)
+    llm = LLM(path, scheduling_policy="priority", async_scheduling=seed % 2 == 0, **budget)
+    engine = llm.engine
+    try:
+        params = {
+            name: SamplingParams(temperature=0, max_tokens=rng.randint(3, 12), ignore_eos=True)
+            for _, name, _, _ in arrivals
+        }
+        got: dict[str, list[int]] = {}
+        step = 0
+        while len(got) < len(arrivals):
+            for at, name, ids, priority in arrivals:
+                if at == step:
+                    engine.add_request(name, ids, params[name], priority=priority)
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = list(out.outputs[0].token_ids)
+            step += 1
+        assert engine.scheduler.stats.num_preemptions > 0
+        assert got == {name: alone(ids, params[name]) for _, name, ids, _ in arrivals}
+        assert engine.blocks.num_free == engine.blocks.capacity and engine.slots.num_free == engine.slots.capacity
+    finally:
+        llm.shutdown()
