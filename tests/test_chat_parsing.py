@@ -300,11 +300,21 @@ def test_forced_tool_choice_schemas_and_errors():
     with pytest.raises(ValueError, match="^tool_choice: forcing a call needs `tools`"):
         forced_tools("required", None)
     # what the constrained output reads back as
-    (call,) = parse('{"city": "Rome"}', forced=named).tool_calls
+    # a named function's arguments stream as the constrained text comes (a piece per feed)
+    pieces = parse('{"city": "Rome"}', ['{"ci', 'ty": "Ro', 'me"}'], forced=named).tool_calls
+    assert [(d.index, d.name, d.arguments) for d in pieces] == [
+        (0, "get_weather", '{"ci'),
+        (0, None, 'ty": "Ro'),
+        (0, None, 'me"}'),
+    ]
+    (call,) = merge_calls(parse('{"city": "Rome"}', forced=named).tool_calls)
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Rome"})
     calls = parse('[{"name": "get_weather", "parameters": {"city": "Oslo"}}]', forced=required).tool_calls
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
-    assert parse('{"city": "Ro', forced=named) == Parsed(content='{"city": "Ro')  # cut short: the text
+    # cut short: "required"'s array is text, a named function's call has the arguments so far
+    assert parse('[{"name": "get_weather", "para', forced=required) == Parsed(content='[{"name": "get_weather", "para')
+    (call,) = merge_calls(parse('{"city": "Ro', forced=named).tool_calls)
+    assert (call.name, call.arguments) == ("get_weather", '{"city": "Ro')
 
 
 def test_forced_tool_choice_over_http(served):
@@ -332,7 +342,13 @@ def test_forced_tool_choice_over_http(served):
         streamed = []
         for chunk in client.chat.completions.create(**request, stream=True):
             streamed += [t for ch in chunk.choices for t in ch.delta.tool_calls or []]
-        assert [(t.function.name, t.function.arguments) for t in streamed] == calls
+        whole = {}  # the pieces put together by index (a named function's arguments stream as they come)
+        for t in streamed:
+            name, arguments = whole.get(t.index, (None, ""))
+            whole[t.index] = (name or t.function.name, arguments + t.function.arguments)
+        assert list(whole.values()) == calls
+        if choice is named:
+            assert len(streamed) > 1 and streamed[0].function.name == "get_weather"
     for bad in ({"type": "function", "function": {"name": "nope"}}, "sometimes"):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=messages, tools=[strict], tool_choice=bad)

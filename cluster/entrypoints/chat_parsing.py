@@ -85,25 +85,19 @@ class Parsed:
 
 @dataclass(frozen=True)
 class ForcedTools:
-    """A tool_choice that forces calls: `name` one function (the output is its arguments), or None:
-    "required", one or more calls of any offered function (the output is a JSON array of
-    {"name", "parameters"})."""
+    """A tool_choice that forces calls: `name` one function (the output is its arguments, streamed as
+    they come), or None: "required", one or more calls of any offered function (the output is a JSON
+    array of {"name", "parameters"}, read once whole)."""
 
     name: str | None
     schema: dict  # the JSON schema the output is held to
 
     def calls(self, text: str) -> list[ToolCall] | None:
-        """The calls the constrained text makes (None: it is not such JSON: cut short, say)."""
+        """The calls "required"'s constrained text makes (None: it is not such JSON: cut short, say)."""
         try:
             value = json.loads(text)
         except ValueError:
             return None
-        if self.name is not None:
-            return (
-                [ToolCall(_call_id(), self.name, json.dumps(value, ensure_ascii=False))]
-                if isinstance(value, dict)
-                else None
-            )
         if not isinstance(value, list) or not all(
             isinstance(v, dict) and isinstance(v.get("name"), str) for v in value
         ):
@@ -230,12 +224,24 @@ class ChatParser:
         return self.num_tool_calls > 0 and (self._forced is None or self._forced.name is None)
 
     def feed(self, text: str) -> Parsed:
+        if self._forced is not None and self._forced.name is not None:  # the text is the arguments
+            if not text:
+                return Parsed()
+            first = self.num_tool_calls == 0
+            self.num_tool_calls = 1
+            return Parsed(
+                tool_calls=[
+                    ToolCallDelta(0, _call_id(), self._forced.name, text) if first else ToolCallDelta(0, arguments=text)
+                ]
+            )
         self._pending += text
-        if self._forced is not None:  # the whole JSON first
+        if self._forced is not None:  # "required": the whole JSON array first
             return Parsed()
         return self._drain(final=False)
 
     def finish(self) -> Parsed:
+        if self._forced is not None and self._forced.name is not None:
+            return Parsed()  # its pieces went out as they came
         if self._forced is not None:
             text, self._pending = self._pending, ""
             calls = self._forced.calls(text)
