@@ -203,3 +203,22 @@ def test_bad_input_is_400_naming_the_field(served, body, field):
     error = response.json()["error"]
     assert error["message"].startswith(f"{field}: ") and error["param"] == field, error
     assert len(error["message"]) < 600
+
+
+def test_the_store_evicts_the_least_recently_used():
+    from deltaserve.cluster.entrypoints.openai_responses import Response, ResponseStore
+
+    def response(i: int) -> Response:
+        return Response(id=f"resp_{i}", created_at=0, status="completed", model="m")
+
+    store = ResponseStore(capacity=3, max_chars=10**6)
+    for i in range(4):
+        store.put(response(i), [{"role": "user", "content": f"turn {i}"}])
+    assert store.get("resp_0") is None and store.get("resp_1") is not None  # 1 is now the most recent
+    store.put(response(4), [])
+    assert [store.get(f"resp_{i}") is not None for i in range(5)] == [False, True, False, True, True]
+    big = ResponseStore(capacity=100, max_chars=2000)
+    for i in range(5):
+        big.put(response(i), [{"role": "user", "content": "x" * 600}])
+    assert big.chars <= 2000 and big.get("resp_4") is not None and big.get("resp_0") is None
+    assert big.delete("resp_4") and not big.delete("resp_4") and big.get("resp_4") is None

@@ -23,6 +23,7 @@ from .chat_parsing import reasoning_tokens
 from .openai_protocol import Strict
 
 STORED_RESPONSES = 1024  # responses kept for previous_response_id (least recently used go first)
+STORED_CHARS = 64 * 2**20  # and at most this much of their conversations' text
 
 
 class ResponsesRequest(Strict):
@@ -90,17 +91,22 @@ class Response(BaseModel):
 
 class ResponseStore:
     """Stored responses and the chat each one ended (its messages, the answer included), least recently
-    used evicted past `capacity`."""
+    used evicted past `capacity` responses or `max_chars` characters of their conversations."""
 
-    def __init__(self, capacity: int = STORED_RESPONSES) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: int = STORED_RESPONSES, max_chars: int = STORED_CHARS) -> None:
+        self.capacity, self.max_chars = capacity, max_chars
         self._items: OrderedDict[str, tuple[Response, list[dict]]] = OrderedDict()
+        self._sizes: dict[str, int] = {}
+        self.chars = 0
 
     def put(self, response: Response, messages: list[dict]) -> None:
-        self._items[response.id] = (response, messages)
-        self._items.move_to_end(response.id)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        self.delete(response.id)
+        size = len(json.dumps(messages, ensure_ascii=False)) + len(response.model_dump_json())
+        self._items[response.id], self._sizes[response.id] = (response, messages), size
+        self.chars += size
+        while len(self._items) > self.capacity or (self.chars > self.max_chars and len(self._items) > 1):
+            oldest, _ = self._items.popitem(last=False)
+            self.chars -= self._sizes.pop(oldest)
 
     def get(self, response_id: str) -> tuple[Response, list[dict]] | None:
         item = self._items.get(response_id)
@@ -109,7 +115,10 @@ class ResponseStore:
         return item
 
     def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
+        if self._items.pop(response_id, None) is None:
+            return False
+        self.chars -= self._sizes.pop(response_id)
+        return True
 
 
 class ResponseNotFoundError(LookupError):
