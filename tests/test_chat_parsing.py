@@ -309,10 +309,25 @@ def test_forced_tool_choice_schemas_and_errors():
     ]
     (call,) = merge_calls(parse('{"city": "Rome"}', forced=named).tool_calls)
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Rome"})
-    calls = parse('[{"name": "get_weather", "parameters": {"city": "Oslo"}}]', forced=required).tool_calls
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
-    # cut short: "required"'s array is text, a named function's call has the arguments so far
-    assert parse('[{"name": "get_weather", "para', forced=required) == Parsed(content='[{"name": "get_weather", "para')
+    two = '[{"name":"get_weather","parameters":{"city":"Oslo"}},{"name":"get_weather","parameters":{"city":"R"}}]'
+    for pieces in streams(two, seed=3)[:40]:  # every cut of the stream: the same two calls
+        calls = merge_calls(parse(two, pieces, forced=required).tool_calls)
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+            ("get_weather", {"city": "Oslo"}),
+            ("get_weather", {"city": "R"}),
+        ], pieces
+    # each call's name goes out once read, its parameters as they come
+    parser = ChatParser(forced=required)
+    assert [
+        (d.index, d.name, d.arguments) for d in parser.feed('[{"name":"get_weather","parameters":{"ci').tool_calls
+    ] == [
+        (0, "get_weather", ""),
+        (0, None, '{"ci'),
+    ]
+    # cut short: a call with the arguments so far; before any name is read, the text
+    (call,) = merge_calls(parse('[{"name": "get_weather", "parameters": {"ci', forced=required).tool_calls)
+    assert (call.name, call.arguments) == ("get_weather", '{"ci')
+    assert parse('[{"name": "get_we', forced=required) == Parsed(content='[{"name": "get_we')
     (call,) = merge_calls(parse('{"city": "Ro', forced=named).tool_calls)
     assert (call.name, call.arguments) == ("get_weather", '{"city": "Ro')
 
@@ -342,13 +357,12 @@ def test_forced_tool_choice_over_http(served):
         streamed = []
         for chunk in client.chat.completions.create(**request, stream=True):
             streamed += [t for ch in chunk.choices for t in ch.delta.tool_calls or []]
-        whole = {}  # the pieces put together by index (a named function's arguments stream as they come)
+        whole = {}  # the pieces put together by index (the arguments stream as they come)
         for t in streamed:
             name, arguments = whole.get(t.index, (None, ""))
             whole[t.index] = (name or t.function.name, arguments + t.function.arguments)
         assert list(whole.values()) == calls
-        if choice is named:
-            assert len(streamed) > 1 and streamed[0].function.name == "get_weather"
+        assert len(streamed) > 1 and streamed[0].function.name == "get_weather"  # the arguments came in pieces
     for bad in ({"type": "function", "function": {"name": "nope"}}, "sometimes"):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=messages, tools=[strict], tool_choice=bad)

@@ -85,24 +85,12 @@ class Parsed:
 
 @dataclass(frozen=True)
 class ForcedTools:
-    """A tool_choice that forces calls: `name` one function (the output is its arguments, streamed as
-    they come), or None: "required", one or more calls of any offered function (the output is a JSON
-    array of {"name", "parameters"}, read once whole)."""
+    """A tool_choice that forces calls: `name` one function (the output is its arguments), or None:
+    "required", one or more calls of any offered function (the output is a JSON array of {"name",
+    "parameters"}). Either way the arguments stream as they come."""
 
     name: str | None
     schema: dict  # the JSON schema the output is held to
-
-    def calls(self, text: str) -> list[ToolCall] | None:
-        """The calls "required"'s constrained text makes (None: it is not such JSON: cut short, say)."""
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
-        if not isinstance(value, list) or not all(
-            isinstance(v, dict) and isinstance(v.get("name"), str) for v in value
-        ):
-            return None
-        return [ToolCall(_call_id(), v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
 
 
 def forced_tools(tool_choice, tools: list[dict] | None, parallel: bool | None = None) -> ForcedTools | None:
@@ -202,6 +190,9 @@ class ChatParser:
             raise ValueError(f"tool_call_parser: must be one of {TOOL_CALL_PARSERS}, got {tool_parser!r}")
         self._forced = forced
         self._state = "reasoning" if reasoning and in_reasoning else "start" if reasoning else "content"
+        if forced is not None and forced.name is None:
+            self._state = "array"  # "required": a JSON array of {"name", "parameters"}
+        self._seen = ""  # "required": the text so far (what it is, if no call comes of it)
         self._tool_parser = tool_parser
         self._schemas = schemas or {}
         self._pending = ""  # text read but not yet given out (a tag may begin in it)
@@ -235,21 +226,17 @@ class ChatParser:
                 ]
             )
         self._pending += text
-        if self._forced is not None:  # "required": the whole JSON array first
-            return Parsed()
+        if self._forced is not None:  # "required": the array's calls, each as its parameters come
+            self._seen += text
         return self._drain(final=False)
 
     def finish(self) -> Parsed:
         if self._forced is not None and self._forced.name is not None:
             return Parsed()  # its pieces went out as they came
-        if self._forced is not None:
-            text, self._pending = self._pending, ""
-            calls = self._forced.calls(text)
-            if calls is None:
-                return Parsed(content=text)
-            self.num_tool_calls = len(calls)
-            return Parsed(tool_calls=[ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(calls)])
-        return self._drain(final=True)
+        out = self._drain(final=True)
+        if self._forced is not None and not self.num_tool_calls:  # not the calls' JSON after all
+            return Parsed(content=self._seen)
+        return out
 
     def _drain(self, final: bool) -> Parsed:
         out = Parsed()
@@ -262,6 +249,8 @@ class ChatParser:
     def _step(self, final: bool) -> Parsed | None:
         """Give out what the pending text settles (None: nothing more until more text arrives)."""
         text = self._pending
+        if self._state in ("array", "element_tail", "array_end"):
+            return self._array_step(text, final)
         if self._state == "start":  # does the completion open its own reasoning block?
             stripped = text.lstrip()
             if stripped.startswith(THINK_OPEN):
@@ -316,6 +305,35 @@ class ChatParser:
             return self._whole_block(text, final)
         return self._call_step(text, final)
 
+    def _array_step(self, text: str, final: bool) -> Parsed | None:
+        """ "required"'s array: each element's name once read, then its parameters as they come (the
+        hermes states stream them), then the element's closing brace."""
+        if not text:
+            return None
+        if self._state == "array_end":
+            self._pending = ""
+            return None
+        if self._state == "element_tail":
+            end = text.find("}")
+            self._pending, self._state = (text[end + 1 :], "array") if end >= 0 else ("", self._state)
+            return Parsed() if end >= 0 else None
+        rest = text.lstrip(" \t\r\n[,")
+        if not rest:
+            self._pending = ""
+            return None
+        head = _hermes_head(rest) if rest[0] == "{" else None
+        if head == "wait":
+            self._pending = "" if final else rest
+            return None
+        if head is None:  # the array's end (or not this shape): nothing more is a call
+            self._pending, self._state = "", "array_end"
+            return Parsed()
+        name, start = head
+        self._index = self.num_tool_calls
+        self.num_tool_calls += 1
+        self._pending, self._scan, self._state = rest[start:], (0, False, False), "hermes"
+        return self._delta(_call_id(), name)
+
     def _delta(self, call_id: str | None = None, name: str | None = None, arguments: str = "") -> Parsed:
         return Parsed(tool_calls=[ToolCallDelta(self._index, call_id, name, arguments)])
 
@@ -356,8 +374,9 @@ class ChatParser:
             else:
                 region = text if final else text[: len(text) - _partial_tag(text, CALL_CLOSE)]
             used, closed = self._scan_json(region)
-            if closed:
-                self._pending, self._state = text[used:], "hermes_tail"
+            if closed:  # then the block's end, or (a "required" array) the element's
+                self._pending = text[used:]
+                self._state = "element_tail" if self._forced is not None else "hermes_tail"
                 return self._delta(arguments=region[:used])
             if end >= 0:  # the block ended inside the object
                 self._pending, self._state = text[end + len(CALL_CLOSE) :], "content"
