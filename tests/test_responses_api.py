@@ -165,6 +165,23 @@ def test_a_function_output_continues_as_the_chat_does(client, served):
     assert httpx.get(f"{served.url()}/v1/responses/{unstored.id}").status_code == 404
 
 
+def test_reasoning_effort_none_turns_thinking_off(client):
+    """OpenAI's reasoning.effort "none" (or "minimal") is the template's thinking off: the chat
+    completion with enable_thinking false; `include` is taken (nothing extra is produced)."""
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body=NO_THINKING
+    )
+    got = client.responses.create(
+        model=MODEL, input="hello there", max_output_tokens=6, temperature=0, reasoning={"effort": "none"},
+        include=["reasoning.encrypted_content"],
+    )  # fmt: skip
+    assert got.output_text == chat.choices[0].message.content and got.reasoning.effort == "none"
+    assert got.usage.input_tokens == chat.usage.prompt_tokens
+    thinking = client.responses.create(model=MODEL, input="hello there", max_output_tokens=6, temperature=0)
+    assert thinking.usage.input_tokens != got.usage.input_tokens  # the template's open think block
+
+
 def test_a_json_schema_format(client):
     schema = {
         "type": "object",
@@ -191,6 +208,8 @@ BAD = [
     ({"input": "hi", "tool_choice": {"type": "function"}}, "tool_choice"),
     ({"input": "hi", "previous_response_id": "resp_nope"}, "previous_response_id"),
     ({"input": "hi", "frobnicate": 1}, "frobnicate"),
+    ({"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"input": "hi", "include": ["file_search_call.results"]}, "include[0]"),
     ({"input": "the quick brown fox " * 600}, "input"),  # over max_model_len
     ({"input": []}, "input"),
 ]

@@ -26,6 +26,11 @@ STORED_RESPONSES = 1024  # responses kept for previous_response_id (least recent
 STORED_CHARS = 64 * 2**20  # and at most this much of their conversations' text
 
 
+class Reasoning(Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(Strict):
     """The request body; OpenAI's fields, and vLLM's sampling extensions."""
 
@@ -45,6 +50,12 @@ class ResponsesRequest(Strict):
     user: str | None = None
     text: dict[str, Any] | None = None
     truncation: Literal["disabled"] | None = None
+    # OpenAI's reasoning settings: effort "none" / "minimal" turns the template's thinking off (Qwen's
+    # enable_thinking); other efforts think as the template does; the reasoning is returned whole, as text
+    reasoning: Reasoning | None = None
+    # extra output OpenAI can add: none is produced here (reasoning items carry their text, not an
+    # encrypted form), so the values are taken and the response is the same
+    include: list[Literal["reasoning.encrypted_content", "message.output_text.logprobs"]] | None = None
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -87,6 +98,7 @@ class Response(BaseModel):
     metadata: dict[str, str] | None = None
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     store: bool = True
+    reasoning: dict[str, Any] | None = None
 
 
 class ResponseStore:
@@ -156,7 +168,7 @@ def to_chat(body: ResponsesRequest, store: ResponseStore) -> tuple[api.ChatCompl
         request_id=body.request_id,
         priority=body.priority,
         cache_salt=body.cache_salt,
-        chat_template_kwargs=body.chat_template_kwargs,
+        chat_template_kwargs=template_kwargs(body),
         tools=chat_tools(body.tools),
         tool_choice=chat_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
@@ -170,6 +182,15 @@ def to_chat(body: ResponsesRequest, store: ResponseStore) -> tuple[api.ChatCompl
         fields["stream_options"] = {"include_usage": True}
     chat = api.ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     return chat, messages
+
+
+def template_kwargs(body: ResponsesRequest) -> dict[str, Any] | None:
+    """The chat template's kwargs: the request's, with reasoning effort none / minimal as thinking off
+    (unless the kwargs say otherwise)."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning is not None and body.reasoning.effort in ("none", "minimal"):
+        kwargs.setdefault("enable_thinking", False)
+    return kwargs or None
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
@@ -340,6 +361,7 @@ def shell(body: ResponsesRequest, response_id: str, model: str) -> Response:
         metadata=body.metadata,
         text=body.text or {"format": {"type": "text"}},
         store=body.store,
+        reasoning=body.reasoning.model_dump() if body.reasoning is not None else None,
     )
 
 
