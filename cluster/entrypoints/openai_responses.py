@@ -14,6 +14,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -377,13 +378,16 @@ def finished(response: Response, output: list[dict], finish_reason: str | None, 
     )
 
 
-def usage_of(usage: api.Usage, reasoning: int) -> ResponseUsage:
+def usage_of(usage: api.Usage, reasoning: Callable[[], int]) -> ResponseUsage:
+    """The chat's usage in the Responses shape; `reasoning()` counts the reasoning tokens where the chat
+    path did not (no --reasoning-parser)."""
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details is not None else 0
+    details = usage.completion_tokens_details
     return ResponseUsage(
         input_tokens=usage.prompt_tokens,
         input_tokens_details={"cached_tokens": cached},
         output_tokens=usage.completion_tokens,
-        output_tokens_details={"reasoning_tokens": reasoning},
+        output_tokens_details={"reasoning_tokens": details.reasoning_tokens if details else reasoning()},
         total_tokens=usage.total_tokens,
     )
 
@@ -401,7 +405,7 @@ def response_of(
         output.append(message_item(_item_id("msg"), message.content))
     for call in message.tool_calls:
         output.append(call_item(_item_id("fc"), call.id, call.function.name, call.function.arguments))
-    reasoning = reasoning_tokens(choice.token_ids or [], decode, in_reasoning)
+    reasoning = partial(reasoning_tokens, choice.token_ids or [], decode, in_reasoning)
     return finished(response, output, choice.finish_reason, usage_of(chat.usage, reasoning))
 
 
@@ -559,7 +563,7 @@ class ResponseEvents:
         """The last events (response.completed, or response.incomplete when cut at max_output_tokens)
         and the finished response."""
         events = self._close()
-        reasoning = reasoning_tokens(self._token_ids, self.decode, self.in_reasoning)
+        reasoning = partial(reasoning_tokens, self._token_ids, self.decode, self.in_reasoning)
         zero = api.Usage(prompt_tokens=0, total_tokens=0)
         done = finished(self.response, self.output, self._finish, usage_of(usage or zero, reasoning))
         kind = "response.incomplete" if done.status == "incomplete" else "response.completed"
