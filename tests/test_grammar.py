@@ -23,7 +23,6 @@ from deltaserve.workers import grammar as grammar_module
 from deltaserve.workers.grammar import (
     GrammarCompiler,
     RequestGrammar,
-    count_allowed_draft,
     error_text,
     fill_draft_bitmasks,
     parse_grammar,
@@ -249,8 +248,6 @@ def test_draft_hooks_agree_with_fresh_matchers(demo):
                 break
             want = j
             masks.append(None if ref.is_terminated() else mask_of(ref))
-        assert count_allowed_draft(matcher, draft) == want, (start, draft)
-        assert torch.equal(mask_of(matcher), before)  # left as it was
         bitmask = torch.zeros((len(draft) + 1, WORDS), dtype=torch.int32)
         assert fill_draft_bitmasks(matcher, draft, bitmask) == want
         for j, mask in enumerate(masks):

@@ -273,20 +273,7 @@ def _batch_matcher():
 # ---- speculative decoding ----------------------------------------------------------------------
 # A verify pass over k draft tokens samples k + 1 positions: position j must be masked with what the
 # grammar allows after draft[:j], and drafts past the first token the grammar rejects are not
-# accepted whatever the model says. Both helpers leave the matcher as they found it (rollback).
-
-
-def count_allowed_draft(matcher, draft: Sequence[int]) -> int:
-    """How many leading tokens of `draft` the grammar accepts from the matcher's state (the rest
-    would be rejected whatever the target model samples)."""
-    accepted = 0
-    for token in draft:
-        if matcher.is_terminated() or not matcher.accept_token(int(token)):
-            break
-        accepted += 1
-    if accepted:
-        matcher.rollback(accepted)
-    return accepted
+# accepted whatever the model says. The helper leaves the matcher as it found it (rollback).
 
 
 def fill_draft_bitmasks(matcher, draft: Sequence[int], bitmask: torch.Tensor, first_row: int = 0) -> int:
