@@ -256,6 +256,47 @@ def test_draft_hooks_agree_with_fresh_matchers(demo):
         assert torch.equal(mask_of(matcher), before)
 
 
+def test_forced_drafts_follow_the_grammar_and_keep_what_it_allows(demo):
+    """Against the real vocabulary: a refused draft token becomes the next of xgrammar's jump-forward
+    tokens (the required key, its quotes and colon), an allowed one stays, the first refused token
+    with a choice ends the repair (the rest stays), the only allowed stop token ends the JSON, and
+    the matcher is left as it was."""
+    tokenizer, compiler, eos = demo
+    named = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    grammar = compiled(compiler, spec(json=named, disable_any_whitespace=True))
+    noise = tokenizer.encode(" zebra crossing")
+    bitmask = torch.zeros((1, WORDS), dtype=torch.int32)
+
+    def feed(tokens, grammar=grammar) -> xgr.GrammarMatcher:
+        matcher = xgr.GrammarMatcher(grammar)
+        for t in tokens:
+            assert matcher.accept_token(t)
+        return matcher
+
+    brace = tokenizer.encode("{")
+    matcher = feed(brace)
+    before = mask_of(matcher)
+    draft = noise * 2
+    got = grammar_module.forced_draft(matcher, draft, bitmask)
+    assert torch.equal(mask_of(matcher), before)
+    # '"name' and '":' forced; the space and quote after them have longer spellings: no jump token
+    assert tokenizer.decode(got[:2]) == '"name":' and got[2:] == draft[2:]
+    feed(brace + got[:2])
+    spelled = tokenizer.encode('"name": "')  # allowed as drafted, though the jump tokens differ
+    assert grammar_module.forced_draft(feed(brace), spelled, bitmask) == spelled
+    inside = feed(brace + spelled + tokenizer.encode("ab"))
+    raw_newline = [tokenizer.encode("\n")[0], *noise]  # refused in a string, where anything else goes
+    assert grammar_module.forced_draft(inside, raw_newline, bitmask) == raw_newline
+    closed = brace + spelled + tokenizer.encode('ab"}')
+    assert grammar_module.forced_draft(feed(closed), noise[:1], bitmask) == noise[:1]  # two stop tokens
+    one_stop = GrammarCompiler(compiler.tokenizer_dir, VOCAB_SIZE, eos[:1])
+    try:
+        single = compiled(one_stop, spec(json=named, disable_any_whitespace=True))
+        assert grammar_module.forced_draft(feed(closed, single), noise[:2], bitmask) == [eos[0], noise[1]]
+    finally:
+        one_stop.shutdown()
+
+
 # ---- the wire and the API ------------------------------------------------------------------------
 
 

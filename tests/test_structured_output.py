@@ -21,6 +21,7 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.bench.spec_drafts import ReferenceDrafter
 from deltaserve.cluster.core.sampling_params import StructuredOutputsParams
 from deltaserve.workers.grammar import GrammarCompiler
+from deltaserve.workers.sampler import Sampler
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -282,6 +283,37 @@ def test_constrained_requests_speculate_with_the_tokens_of_decoding(tiny_checkpo
     assert constrained_ids <= verified
     if drafts == "reference":  # rows of several accepted tokens, constrained ones among them
         assert stats["num_accepted_tokens"] > stats["num_drafts"] / 2
+
+
+def test_forced_tokens_replace_refused_drafts(tiny_checkpoints, monkeypatch):
+    """Where the grammar allows one token (a JSON key, its quotes and colon), that token replaces a
+    draft the grammar refuses: the head's random drafts are then accepted there, and every token is
+    still the one decoding without speculation gives (greedy and seeded)."""
+    path = str(tiny_checkpoints["qwen3_5_moe"][0])  # a byte-level tokenizer and an MTP head
+    keys = ["a_rather_long_key_name", "another_key_the_grammar_spells_out"]
+    schema = {"type": "object", "properties": {k: INT(0, 9) for k in keys}, "required": keys}
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    params = [constrained(i, max_tokens=100, json=schema, disable_any_whitespace=True) for i in (0, 3)]
+    params.append(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    plain = LLM(path, max_num_seqs=8)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    plain.shutdown()
+    runs = {}
+    for forced in (True, False):
+        if not forced:  # the head's drafts as they come
+            monkeypatch.setattr(Sampler, "grammar_drafts", lambda self, req_ids, drafts: drafts)
+        speculative = LLM(path, max_num_seqs=8, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+        try:
+            got = speculative.generate(prompts, params, use_tqdm=False)
+            runs[forced] = speculative.engine.speculative_stats()
+        finally:
+            speculative.shutdown()
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for o in got[:2]:
+        assert set(json.loads(o.outputs[0].text)) == set(keys)
+    forced_keys = sum(len(k) + 3 for k in keys)  # each key's characters, its quotes and colon: forced bytes
+    assert runs[True]["num_accepted_tokens"] - runs[False]["num_accepted_tokens"] >= forced_keys
+    assert runs[True]["num_drafts"] < runs[False]["num_drafts"]  # fewer verify passes for the same tokens
 
 
 class _SlowCompiles:

@@ -28,6 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from deltaserve.workers.plan import GrammarSpec
 
 if TYPE_CHECKING:
@@ -293,3 +295,45 @@ def fill_draft_bitmasks(matcher, draft: Sequence[int], bitmask: torch.Tensor, fi
     if accepted:
         matcher.rollback(accepted)
     return accepted
+
+
+def forced_draft(matcher, draft: Sequence[int], bitmask: torch.Tensor) -> list[int]:
+    """The draft with each token the grammar refuses replaced by the grammar's own next token where it
+    has one: the first of xgrammar's jump-forward tokens (the longest vocabulary tokens spelling what
+    the grammar forces next: a JSON key, its quotes and colon) or the only token it allows (a stop
+    token at its end). A refused draft is never accepted; where one token is allowed the masked target
+    samples it, so that draft always is. Kept from the first refused token without a replacement on.
+    bitmask: an int32 host row [1, words] to fill. Leaves the matcher as it found it (rollback)."""
+    out = [int(t) for t in draft]
+    advanced = 0
+    for j, token in enumerate(out):
+        if matcher.is_terminated():
+            break
+        if matcher.accept_token(token):
+            advanced += 1
+            continue
+        jump = matcher.find_jump_forward_tokens()
+        if jump:
+            guess = int(jump[0])
+        else:
+            matcher.fill_next_token_bitmask(bitmask, 0)
+            guess = only_allowed(bitmask[0])
+        if guess is None or not matcher.accept_token(guess):
+            break
+        out[j] = guess
+        advanced += 1
+    if advanced:
+        matcher.rollback(advanced)
+    return out
+
+
+def only_allowed(words: torch.Tensor) -> int | None:
+    """The token a bitmask row (int32 words, bit t % 32 of word t // 32) allows, if it allows one."""
+    row = words.numpy()
+    nonzero = np.flatnonzero(row)
+    if len(nonzero) != 1:
+        return None
+    word = int(row[nonzero[0]]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return None
+    return int(nonzero[0]) * 32 + word.bit_length() - 1

@@ -559,7 +559,10 @@ class PassOutput:
         out.grammars_ready = self._runner.sampler.grammars.take_ready() if self._runner.is_driver_rank else {}
         if self._drafts is not None:
             drafting = [self._plan.req_ids[n] for n in np.flatnonzero(self._plan.draft_rows)]
-            out.draft_token_ids = dict(zip(drafting, self._copy.get(self._drafts).tolist(), strict=True))
+            drafts = self._copy.get(self._drafts).tolist()
+            if self._runner.is_driver_rank:  # the plan carries them to every rank
+                drafts = self._runner.sampler.grammar_drafts(drafting, drafts)
+            out.draft_token_ids = dict(zip(drafting, drafts, strict=True))
         if self._events is not None:
             previous, start, end = self._events
             end.synchronize()  # done already when the pass had host copies (recorded before their event)

@@ -30,7 +30,13 @@ import torch
 from deltaserve.layers.kernels import argmax as argmax_kernels
 from deltaserve.layers.kernels import bitmask as bitmask_kernels
 from deltaserve.workers.context import HostCopy, upload
-from deltaserve.workers.grammar import GrammarCompiler, RequestGrammar, fill_bitmasks, fill_draft_bitmasks
+from deltaserve.workers.grammar import (
+    GrammarCompiler,
+    RequestGrammar,
+    fill_bitmasks,
+    fill_draft_bitmasks,
+    forced_draft,
+)
 from deltaserve.workers.plan import FLOAT32_MAX, GrammarSpec, NewRequestData, SamplingSpec, TokenLogprobs
 from deltaserve.workers.rejection import accept_drafts
 
@@ -385,6 +391,22 @@ class Sampler:
         with torch.inference_mode():
             bitmask_kernels.apply_token_bitmask(logits=logits, bitmask=mask, rows=rows)
         return logits
+
+    def grammar_drafts(self, req_ids: Sequence[str], drafts: list[list[int]]) -> list[list[int]]:
+        """The next pass's drafts, each constrained request's with the tokens its grammar forces in
+        place of those it refuses (grammar.forced_draft): a position with one allowed token is always
+        accepted, whatever the MTP head guessed. Read after this pass's tokens advanced the grammars;
+        the emitted tokens stay decoding's (a draft only decides how many of them one pass keeps)."""
+        bitmask = None
+        for n, req_id in enumerate(req_ids):
+            state = self.states.get(req_id)
+            grammar = None if state is None else state.grammar
+            if grammar is None or grammar.matcher is None or grammar.error is not None:
+                continue
+            if bitmask is None:
+                bitmask = torch.empty((1, -(-self.vocab_size // 32)), dtype=torch.int32)
+            drafts[n] = forced_draft(grammar.matcher, drafts[n], bitmask)
+        return drafts
 
     def is_plain_greedy(self, req_ids: Sequence[str]) -> bool:
         """Whether every request samples by argmax alone, without logprobs or penalties: their verify
