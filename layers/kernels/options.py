@@ -117,6 +117,16 @@ class KernelOptions:
             "choices": ("", "loop", "flat"),
         },
     )
+    moe_sorted_ws: bool = field(
+        default=False,
+        metadata={
+            "env": "DELTASERVE_MOE_SORTED_WS",
+            "help": "the MoE sorted path's down GEMM warp-specialized on sm_90 (Triton's automatic warp "
+            "specialization: a TMA producer and two consumer warp groups, no CTA barrier a K step), its "
+            "activations in sorted order and both operands through TMA (bf16 experts; not with "
+            "moe_sorted_persistent)",
+        },
+    )
     moe_prefill_gemm: str = field(
         default="triton",
         metadata={

@@ -209,7 +209,7 @@ def _down_kernel(
     INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
     QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr, W_DESC: tl.constexpr, PERSISTENT: tl.constexpr,
-    FLATTEN: tl.constexpr, A_DESC: tl.constexpr,
+    FLATTEN: tl.constexpr, A_DESC: tl.constexpr, WS: tl.constexpr,
 ):  # fmt: skip
     """y[pair, n] = weight[pair] * (act[pair] @ w2[e, n]^T (+ the pair's low-rank delta, lora_b
     [G, HIDDEN, LORA_RANK], as _up_kernel's)) for one block of sorted pairs. FP8: act quantized per
@@ -217,7 +217,10 @@ def _down_kernel(
     shrink read the unquantized act); without QUANT_ACT act as it is, as _up_kernel's W8A16. N_MAJOR
     and W_DESC (w2 as [E * HIDDEN, INTER]), PERSISTENT and FLATTEN as _up_kernel's. A_DESC: act is a
     TMA descriptor of the activations in sorted order (_up_kernel's ACT_SORTED; bf16, no low-rank
-    addition) with [BLOCK_M, BLOCK_K] boxes: each row block read whole, no gather."""
+    addition) with [BLOCK_M, BLOCK_K] boxes: each row block read whole, no gather. WS (A_DESC and
+    W_DESC, one program a tile): the K loop warp-specialized, TMA loads in a producer partition and the
+    dots in consumer warp groups, handing stages over by barriers (Triton's automatic warp
+    specialization; it splits no loop whose loads are gathers by pointer)."""
     pdl_wait(USE_PDL)
     if PERSISTENT:
         n_blocks = tl.cdiv(HIDDEN, BLOCK_N)
@@ -232,7 +235,7 @@ def _down_kernel(
                 act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp,
                 act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, real // n_blocks,
                 real % n_blocks, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK,
-                QUANT_ACT, W_DESC, A_DESC,
+                QUANT_ACT, W_DESC, A_DESC, False,
             )  # fmt: skip
     else:
         pid_m, pid_n = _block_ids(N_MAJOR)
@@ -241,7 +244,7 @@ def _down_kernel(
                 act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp,
                 act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n,
                 HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT, W_DESC,
-                A_DESC,
+                A_DESC, WS,
             )  # fmt: skip
 
 
@@ -251,7 +254,7 @@ def _down_tile(
     w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n, HIDDEN: tl.constexpr,
     INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr,
-    QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr, A_DESC: tl.constexpr,
+    QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr, A_DESC: tl.constexpr, WS: tl.constexpr,
 ):  # fmt: skip
     """_down_kernel's tile (row block pid_m, N slice pid_n)."""
     e = tl.maximum(tl.load(block_expert + pid_m), 0)  # as _up_tile's
@@ -267,7 +270,7 @@ def _down_tile(
     bs_ptr = w_scale + e.to(tl.int64) * s_se + (tl.minimum(n, HIDDEN - 1) // SCALE_N) * s_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     w_row = e * HIDDEN + pid_n * BLOCK_N
-    for k0 in range(0, INTER, BLOCK_K):
+    for k0 in tl.range(0, INTER, BLOCK_K, warp_specialize=WS):
         k_ok = k0 + k < INTER
         if A_DESC:  # the row block whole (its padding rows feed only rows the store masks)
             a = act.load([pid_m * BLOCK_M, k0])
@@ -436,6 +439,7 @@ def moe_sorted(
         HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m, BLOCK_N=down["block_n"], BLOCK_K=down_k, FP8=fp8,
         SCALE_N=down_sc[4], SCALE_K=down_sc[3], GROUP=ACT_GROUP, LORA_RANK=down_lora[6], QUANT_ACT=quant,
         N_MAJOR=n_major, W_DESC=tma, PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat", A_DESC=a_tma,
+        WS=cfg.get("down_ws", False) and a_tma and tma and per_sm == 0,
         num_warps=down["num_warps"], num_stages=down["num_stages"],
         **pdl_launch(act, pdl),
     )  # fmt: skip
