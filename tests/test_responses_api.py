@@ -8,7 +8,9 @@ is a 400 naming the Responses field."""
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -241,3 +243,106 @@ def test_the_store_evicts_the_least_recently_used():
         big.put(response(i), [{"role": "user", "content": "x" * 600}])
     assert big.chars <= 2000 and big.get("resp_4") is not None and big.get("resp_0") is None
     assert big.delete("resp_4") and not big.delete("resp_4") and big.get("resp_4") is None
+
+
+ANSWER = f"{THOUGHT}</think>\n\nIt is sunny."
+LOGPROBS = dict(include=["message.output_text.logprobs"], top_logprobs=2)
+
+
+def same_logprobs(a: list[dict], b: list[dict]) -> bool:
+    """The same tokens and alternatives, their logprobs to float32 noise (a cached prefix changes the
+    passes' shapes)."""
+
+    def close(x: dict, y: dict) -> bool:
+        return (x["token"], x["bytes"]) == (y["token"], y["bytes"]) and abs(x["logprob"] - y["logprob"]) < 1e-4
+
+    return len(a) == len(b) and all(
+        close(x, y) and len(x["top_logprobs"]) == len(y["top_logprobs"])
+        and all(close(u, v) for u, v in zip(x["top_logprobs"], y["top_logprobs"], strict=True))
+        for x, y in zip(a, b, strict=True)
+    )  # fmt: skip
+
+
+def test_output_text_logprobs_are_the_answers_tokens(client):
+    """include message.output_text.logprobs: the answer's tokens' logprobs (top_logprobs alternatives
+    each) are the chat completion's for the tokens after `</think>`, whole, streamed in the deltas and
+    in output_text.done; the reasoning's tokens are not among them."""
+    request = dict(model=MODEL, input="weather?", max_output_tokens=80, temperature=0, **LOGPROBS)
+    got = client.responses.create(**request, extra_body=regex(ANSWER))
+    assert [item.type for item in got.output] == ["reasoning", "message"] and got.output_text == "It is sunny."
+    lps = [lp.model_dump() for lp in got.output[1].content[0].logprobs]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "weather?"}], max_tokens=80, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body=regex(ANSWER),
+    )  # fmt: skip
+    entries = [e.model_dump() for e in chat.choices[0].logprobs.content]
+    first = len(entries) - len(lps)
+    assert lps and same_logprobs(lps, entries[first:])
+    assert "".join(e["token"] for e in entries[:first]) == THOUGHT + "</think>"  # the rest: the reasoning's
+    assert "".join(e["token"] for e in lps) == f"\n\n{got.output_text}<|im_end|>"  # the stop token's too, as chat
+    assert all(len(e["top_logprobs"]) == 2 for e in lps)
+    events = list(client.responses.create(**request, stream=True, extra_body=regex(ANSWER)))
+    streamed = [lp.model_dump() for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert same_logprobs(streamed, lps) and [lp.model_dump() for lp in done.logprobs] == streamed
+    plain = client.responses.create(model=MODEL, input="weather?", max_output_tokens=80, extra_body=regex(ANSWER))
+    assert plain.output[1].content[0].logprobs == []  # not asked: none
+
+
+def _finished(client: openai.OpenAI, response_id: str, timeout_s: float = 60):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = client.responses.retrieve(response_id)
+        if got.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+def test_background_responses_poll_stream_and_replay(client):
+    """background: the POST returns the queued response at once; polled, it ends as the foreground
+    answer; streamed, its events are a foreground stream's, and a GET with stream=true replays them
+    after any sequence number."""
+    request = dict(model=MODEL, input="hello there", max_output_tokens=9, temperature=0, extra_body=NO_THINKING)
+    want = client.responses.create(**request)
+    queued = client.responses.create(**request, background=True)
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    got = _finished(client, queued.id)
+    assert (got.status, got.output_text, got.background) == (want.status, want.output_text, True)
+    assert got.usage.output_tokens == want.usage.output_tokens
+    events = list(client.responses.create(**request, background=True, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == f"response.{want.status}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.output_text == want.output_text
+    response_id = events[0].response.id
+    assert client.responses.retrieve(response_id).output_text == want.output_text
+    replay = list(client.responses.retrieve(response_id, stream=True, starting_after=2))
+    assert [e.model_dump() for e in replay] == [e.model_dump() for e in events[3:]]
+
+
+def test_a_background_response_is_cancelled_and_its_request_leaves(client, served):
+    """cancel stops a running background response (status cancelled, again on a second cancel) and its
+    request leaves the engine; a foreground response cannot be cancelled, a background one must be
+    stored, and a running one cannot be continued."""
+    long = dict(model=MODEL, input="go on", max_output_tokens=1500, extra_body={**NO_THINKING, "ignore_eos": True})
+    queued = client.responses.create(**long, background=True)
+    follow_up = {"model": MODEL, "input": "and then?", "previous_response_id": queued.id}
+    busy = httpx.post(f"{served.url()}/v1/responses", json=follow_up)
+    assert busy.status_code == 400 and busy.json()["error"]["param"] == "previous_response_id"
+    assert client.responses.cancel(queued.id).status == "cancelled"
+    assert client.responses.retrieve(queued.id).status == "cancelled"
+    assert client.responses.cancel(queued.id).status == "cancelled"
+    deadline = time.monotonic() + 10
+    running = re.compile(r"^vllm:num_requests_running\{[^}]*\} 0\.0$", re.M)
+    while not running.search(httpx.get(f"{served.url()}/metrics").text):
+        assert time.monotonic() < deadline, "the cancelled request still runs"
+        time.sleep(0.05)
+    fg = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, extra_body=NO_THINKING)
+    refused = httpx.post(f"{served.url()}/v1/responses/{fg.id}/cancel")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_id"
+    unstored = httpx.post(f"{served.url()}/v1/responses", json={"model": MODEL, "input": "hi", "background": True,
+                                                                "store": False})  # fmt: skip
+    assert unstored.status_code == 400 and unstored.json()["error"]["param"] == "background"
+    again = httpx.get(f"{served.url()}/v1/responses/{fg.id}", params={"stream": "true"})
+    assert again.status_code == 400 and again.json()["error"]["param"] == "stream"
+    client.responses.create(**long, background=True)  # left running: the server's stop cancels it

@@ -147,6 +147,24 @@ def reasoning_tokens(token_ids: list[int], decode: Callable[[list[int]], str], i
     return low
 
 
+def answer_start(token_ids: list[int], decode: Callable[[list[int]], str], in_reasoning: bool) -> int:
+    """The first output token after the reasoning block (`</think>` included in the block): 0 for an
+    answer that did not reason, len(token_ids) while the block never ended. `decode` as reasoning_tokens'."""
+    text = decode(token_ids)
+    end = text.find(THINK_CLOSE)
+    if end < 0:
+        return len(token_ids) if in_reasoning else 0
+    close = end + len(THINK_CLOSE)
+    low, high = 0, len(token_ids)  # the fewest leading tokens whose text reaches past the tag
+    while low < high:
+        mid = (low + high) // 2
+        if len(decode(token_ids[:mid])) >= close:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
 def reading(reasoning_parser: str | None, tool_call_parser: str | None, prompt: str, tools: list | None) -> dict:
     """ChatParser's settings for the completions of a chat rendered as `prompt` and offered `tools`
     (None or empty: no tool calls read), under the server's parsers."""

@@ -98,6 +98,7 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
 def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: bool = False) -> FastAPI:
     app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None, openapi_url=None)
     stored = responses.ResponseStore()  # the Responses API's, for previous_response_id
+    runs = app.state.background_runs = responses.BackgroundRuns()  # cancelled when the server stops
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -248,6 +249,8 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
     @app.post("/v1/responses")
     async def create_response(body: responses.ResponsesRequest, request: Request):
         try:
+            if body.background and not body.store:
+                raise ValueError("background: a background response must be stored (store: true)")
             chat, messages = responses.to_chat(body, stored)
             job, prompt, params, lora, renames = await _chat_job(engine, chat, "resp_")
             await _submit(job, prompt, params, lora, chat, renames)
@@ -255,31 +258,84 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
             return await response_for(engine, _renamed(e, responses.RENAMES))
         shell = responses.shell(body, job.req_id, job.model)
         in_reasoning = opens_reasoning(prompt)
+        parsed = bool((job.parsing or {}).get("reasoning"))
 
         def keep(done: responses.Response) -> None:
             if body.store:
                 stored.put(done, messages + responses.output_messages(done.output))
 
-        if body.stream:
-            events = responses.ResponseEvents(shell, engine.decode, in_reasoning)
-            return _EngineStream([job], response_events(job, events, keep))
-
         def shape(chat_answer: api.ChatCompletionResponse) -> responses.Response:
-            done = responses.response_of(shell, chat_answer, engine.decode, in_reasoning)
+            done = responses.response_of(shell, chat_answer, engine.decode, in_reasoning, parsed)
             keep(done)
             return done
 
+        if body.background:
+            queued = shell.model_copy(update={"status": "queued"})
+            stored.put(queued, messages)
+            running = shell.model_copy(update={"status": "in_progress"})
+            events = responses.ResponseEvents(running, engine.decode, in_reasoning, parsed) if body.stream else None
+
+            async def work(run: responses.BackgroundRun) -> None:
+                stored.put(running, messages)
+                try:
+                    if events is None:
+                        await _collect(job, shape)
+                    else:
+                        async with contextlib.aclosing(response_events(job, events, keep)) as stream:
+                            async for event in stream:
+                                await run.add(event)
+                        now = stored.get(job.req_id)
+                        if now is not None and now[0].status == "in_progress":  # it streamed response.failed
+                            raise RequestFailedError("the engine failed the request")
+                except asyncio.CancelledError:
+                    output = [] if events is None else events.output
+                    stored.put(running.model_copy(update={"status": "cancelled", "output": output}), messages)
+                    raise
+                except Exception as e:
+                    error = {"code": "server_error", "message": str(e)[:512]}
+                    stored.put(running.model_copy(update={"status": "failed", "error": error}), messages)
+                finally:
+                    await engine.discard(job.req_id)
+
+            run = runs.start(job.req_id, work, streamed=body.stream)
+            if body.stream:
+                return StreamingResponse(run.follow(), media_type="text/event-stream")
+            return queued
+
+        if body.stream:
+            events = responses.ResponseEvents(shell, engine.decode, in_reasoning, parsed)
+            return _EngineStream([job], response_events(job, events, keep))
         return await _answer(job, False, request, shape)
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str):
+    async def get_response(response_id: str, stream: bool = False, starting_after: int | None = None):
         item = stored.get(response_id)
         if item is None:
             return error_response(404, f"response_id: no stored response {short(response_id, 80)}", "response_id")
+        if stream:
+            run = runs.get(response_id)
+            if run is None or not run.streamed:
+                return error_response(
+                    400, "stream: only a background response created with stream can be streamed again", "stream"
+                )
+            return StreamingResponse(run.follow(-1 if starting_after is None else starting_after),
+                                     media_type="text/event-stream")  # fmt: skip
         return item[0]
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        item = stored.get(response_id)
+        if item is None:
+            return error_response(404, f"response_id: no stored response {short(response_id, 80)}", "response_id")
+        if not item[0].background:
+            return error_response(400, "response_id: only a background response can be cancelled", "response_id")
+        await runs.cancel(response_id)
+        item = stored.get(response_id)
+        return item[0] if item is not None else error_response(404, "response_id: deleted", "response_id")
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
+        await runs.cancel(response_id)
         if not stored.delete(response_id):
             return error_response(404, f"response_id: no stored response {short(response_id, 80)}", "response_id")
         return {"id": response_id, "object": "response.deleted", "deleted": True}
@@ -531,7 +587,7 @@ class HttpServer:
     ):
         self.engine = engine
         self.host, self.port = host, port
-        app = build_app(engine, api_key=api_key, metrics_only=metrics_only)
+        app = self.app = build_app(engine, api_key=api_key, metrics_only=metrics_only)
         config = uvicorn.Config(
             app,
             log_level="warning",
@@ -577,6 +633,9 @@ class HttpServer:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self._task = None
+        runs = getattr(self.app.state, "background_runs", None)
+        if runs is not None:  # background responses outlive their connections, not the server
+            await runs.cancel_all()
 
 
 class _QuietSignals(uvicorn.Server):

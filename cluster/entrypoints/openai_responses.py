@@ -9,22 +9,26 @@ and `GET /v1/responses/{id}`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from . import openai_protocol as api
-from .chat_parsing import reasoning_tokens
+from .chat_parsing import answer_start, reasoning_tokens
 from .openai_protocol import Strict
 
 STORED_RESPONSES = 1024  # responses kept for previous_response_id (least recently used go first)
 STORED_CHARS = 64 * 2**20  # and at most this much of their conversations' text
+FINISHED_RUNS = 256  # ended background streams whose events a GET can still replay
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
 
 
 class Reasoning(Strict):
@@ -54,9 +58,16 @@ class ResponsesRequest(Strict):
     # OpenAI's reasoning settings: effort "none" / "minimal" turns the template's thinking off (Qwen's
     # enable_thinking); other efforts think as the template does; the reasoning is returned whole, as text
     reasoning: Reasoning | None = None
-    # extra output OpenAI can add: none is produced here (reasoning items carry their text, not an
-    # encrypted form), so the values are taken and the response is the same
+    # extra output: message.output_text.logprobs adds the answer's token logprobs (top_logprobs
+    # alternatives each); reasoning items carry their text, not an encrypted form
     include: list[Literal["reasoning.encrypted_content", "message.output_text.logprobs"]] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # run detached from the connection (store required): GET polls it, /cancel stops it, and a
+    # streamed one can be replayed (GET with stream=true, from starting_after)
+    background: bool = False
+    # OpenAI's cache routing hint and end-user id: taken (every prompt prefix is cached already)
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -100,6 +111,8 @@ class Response(BaseModel):
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     store: bool = True
     reasoning: dict[str, Any] | None = None
+    background: bool = False
+    top_logprobs: int = 0
 
 
 class ResponseStore:
@@ -149,6 +162,8 @@ def to_chat(body: ResponsesRequest, store: ResponseStore) -> tuple[api.ChatCompl
         stored = store.get(body.previous_response_id)
         if stored is None:
             raise ValueError(f"previous_response_id: no stored response {body.previous_response_id[:80]!r}")
+        if stored[0].status not in ("completed", "incomplete"):
+            raise ValueError(f"previous_response_id: that response is {stored[0].status}, not finished")
         messages += [m for m in stored[1] if m.get("role") != "system"]  # instructions are not carried over
     messages += input_messages(body.input)
     if not messages:
@@ -181,6 +196,8 @@ def to_chat(body: ResponsesRequest, store: ResponseStore) -> tuple[api.ChatCompl
     )
     if body.stream:
         fields["stream_options"] = {"include_usage": True}
+    if OUTPUT_LOGPROBS in (body.include or []):
+        fields.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     chat = api.ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     return chat, messages
 
@@ -326,10 +343,9 @@ def reasoning_item(item_id: str, text: str) -> dict:
     return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict:
-    content = (
-        [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
-    )
+def message_item(item_id: str, text: str, status: str = "completed", logprobs: list[dict] | None = None) -> dict:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    content = [part] if status == "completed" else []
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
@@ -363,6 +379,8 @@ def shell(body: ResponsesRequest, response_id: str, model: str) -> Response:
         text=body.text or {"format": {"type": "text"}},
         store=body.store,
         reasoning=body.reasoning.model_dump() if body.reasoning is not None else None,
+        background=body.background,
+        top_logprobs=body.top_logprobs or 0,
     )
 
 
@@ -393,16 +411,26 @@ def usage_of(usage: api.Usage, reasoning: Callable[[], int]) -> ResponseUsage:
 
 
 def response_of(
-    response: Response, chat: api.ChatCompletionResponse, decode: Callable[[list[int]], str], in_reasoning: bool
+    response: Response,
+    chat: api.ChatCompletionResponse,
+    decode: Callable[[list[int]], str],
+    in_reasoning: bool,
+    reasoning_parsed: bool = False,
 ) -> Response:
-    """The whole answer (a chat completion's one choice) as the finished response."""
+    """The whole answer (a chat completion's one choice) as the finished response. reasoning_parsed: the
+    server reads reasoning apart (its tokens' logprobs are then not the answer's)."""
     choice = chat.choices[0]
     message = choice.message
     output = []
     if message.reasoning_content:
         output.append(reasoning_item(_item_id("rs"), message.reasoning_content))
     if message.content:
-        output.append(message_item(_item_id("msg"), message.content))
+        entries = choice.logprobs.content if choice.logprobs is not None else None
+        logprobs = []
+        if entries:
+            start = answer_start(choice.token_ids or [], decode, in_reasoning) if reasoning_parsed else 0
+            logprobs = [e.model_dump() for e in entries[start:]]
+        output.append(message_item(_item_id("msg"), message.content, logprobs=logprobs))
     for call in message.tool_calls:
         output.append(call_item(_item_id("fc"), call.id, call.function.name, call.function.arguments))
     reasoning = partial(reasoning_tokens, choice.token_ids or [], decode, in_reasoning)
@@ -418,11 +446,22 @@ class ResponseEvents:
     """The Responses stream's events from a chat stream's chunks: each output item added, its deltas,
     its end, then response.completed (or incomplete) with the whole response."""
 
-    def __init__(self, response: Response, decode: Callable[[list[int]], str], in_reasoning: bool) -> None:
+    def __init__(
+        self,
+        response: Response,
+        decode: Callable[[list[int]], str],
+        in_reasoning: bool,
+        reasoning_parsed: bool = False,
+    ) -> None:
         self.response = response
         self.decode = decode
         self.in_reasoning = in_reasoning
+        self.reasoning_parsed = reasoning_parsed
         self.output: list[dict] = []
+        self._entries: list[dict] = []  # every output token's logprobs so far, when asked
+        self._answer_start: int | None = None  # the first token after the reasoning, once known
+        self._given = 0  # entries handed to output_text deltas (or passed over as reasoning)
+        self._item_logprobs: list[dict] = []  # the open message's
         self.sequence = 0
         self._open: dict | None = None  # the item whose deltas are arriving
         self._text = ""
@@ -472,7 +511,8 @@ class ResponseEvents:
                 )
             )
         else:
-            item = message_item(item["id"], text)
+            item = message_item(item["id"], text, logprobs=self._item_logprobs)
+            self._item_logprobs = []
             part = item["content"][0]
             events.append(
                 self._event(
@@ -481,7 +521,7 @@ class ResponseEvents:
                     output_index=index,
                     content_index=0,
                     text=text,
-                    logprobs=[],
+                    logprobs=part["logprobs"],
                 )
             )
             events.append(
@@ -514,11 +554,24 @@ class ResponseEvents:
             )
         self._text += delta
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {} if kind == "reasoning" else {"logprobs": self._answer_logprobs()}
         events.append(
             self._event(name, item_id=self._open["id"], output_index=index, content_index=0, delta=delta, **extra)
         )
         return events
+
+    def _answer_logprobs(self) -> list[dict]:
+        """The logprobs of the answer's tokens that arrived since the last output_text delta (none of the
+        reasoning's: they start after `</think>` when the server reads reasoning apart)."""
+        if not self._entries:
+            return []
+        if self._answer_start is None:
+            reasoned = self.reasoning_parsed
+            self._answer_start = answer_start(self._token_ids, self.decode, self.in_reasoning) if reasoned else 0
+        new = self._entries[max(self._given, self._answer_start) :]
+        self._given = len(self._entries)
+        self._item_logprobs += new
+        return new
 
     def _call_delta(self, call: api.DeltaToolCall) -> list[str]:
         """A tool call's piece: its first (with the call's id) opens a function_call item."""
@@ -549,6 +602,8 @@ class ResponseEvents:
         for choice in chunk.choices:
             delta = choice.delta
             self._token_ids += choice.token_ids or []
+            if choice.logprobs is not None and choice.logprobs.content:
+                self._entries += [e.model_dump() for e in choice.logprobs.content]
             if delta.reasoning_content:
                 events += self._text_delta("reasoning", delta.reasoning_content)
             if delta.content:
@@ -557,6 +612,8 @@ class ResponseEvents:
                 events += self._call_delta(call)
             if choice.finish_reason is not None:
                 self._finish = choice.finish_reason
+                if self._open is not None and self._open["type"] == "message" and len(self._entries) > self._given:
+                    events += self._text_delta("message", "")  # the last tokens' logprobs (a stop token's)
         return events
 
     def end(self, usage: api.Usage | None) -> tuple[list[str], Response]:
@@ -574,3 +631,94 @@ class ResponseEvents:
         error = {"code": "server_error", "message": message[:512]}
         failed = self.response.model_copy(update={"status": "failed", "error": error, "output": self.output})
         return self._event("response.failed", response=failed.model_dump())
+
+
+# ---- background responses -----------------------------------------------------------------------
+class BackgroundRun:
+    """A background response in flight: its task and, when streamed, its events so far, which any
+    number of readers follow from a sequence number (`follow`)."""
+
+    def __init__(self, streamed: bool = False) -> None:
+        self.streamed = streamed  # its events are kept (a streamed response); else there are none
+        self.events: list[str] = []
+        self.ended = False
+        self.task: asyncio.Task | None = None
+        self._changed = asyncio.Condition()
+
+    async def add(self, event: str) -> None:
+        async with self._changed:
+            self.events.append(event)
+            self._changed.notify_all()
+
+    async def end(self) -> None:
+        async with self._changed:
+            self.ended = True
+            self._changed.notify_all()
+
+    def _ready(self, i: int) -> bool:
+        return i < len(self.events) or self.ended
+
+    async def follow(self, after: int = -1) -> AsyncIterator[str]:
+        """The events numbered after `after`, then each new one until the run ends (a reader that
+        leaves does not stop the run)."""
+        i = max(0, after + 1)
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(partial(self._ready, i))
+                batch = self.events[i:]
+            for event in batch:
+                yield event
+            i += len(batch)
+            if not batch and self.ended:
+                return
+
+
+class BackgroundRuns:
+    """The server's background responses by id: those running, and the last FINISHED_RUNS that ended
+    (a streamed one's events stay replayable)."""
+
+    def __init__(self, keep: int = FINISHED_RUNS) -> None:
+        self.keep = keep
+        self._runs: OrderedDict[str, BackgroundRun] = OrderedDict()
+
+    def start(
+        self, response_id: str, work: Callable[[BackgroundRun], Awaitable[None]], streamed: bool = False
+    ) -> BackgroundRun:
+        """Run `work(run)` detached; the run ends (and readers stop waiting) however the work ends."""
+        run = BackgroundRun(streamed)
+
+        async def body() -> None:
+            try:
+                await work(run)
+            finally:
+                await run.end()
+                self._trim()
+
+        self._runs[response_id] = run
+        run.task = asyncio.ensure_future(body())
+        return run
+
+    def get(self, response_id: str) -> BackgroundRun | None:
+        return self._runs.get(response_id)
+
+    def running(self, response_id: str) -> bool:
+        run = self._runs.get(response_id)
+        return run is not None and not run.ended
+
+    async def cancel(self, response_id: str) -> None:
+        """Stop a running one and wait until its work has unwound (its request aborted)."""
+        run = self._runs.get(response_id)
+        if run is None or run.task is None or run.task.done():
+            return
+        run.task.cancel()
+        with contextlib.suppress(BaseException):
+            await run.task
+
+    async def cancel_all(self) -> None:
+        for response_id in list(self._runs):
+            await self.cancel(response_id)
+
+    def _trim(self) -> None:
+        ended = [rid for rid, run in self._runs.items() if run.ended]
+        for rid in ended[: max(0, len(ended) - self.keep)]:
+            del self._runs[rid]
