@@ -285,8 +285,10 @@ def _sweep_configs(
         return [{**default, "n_major": False}, {**default, "n_major": True}]
     if path == "sorted" and kernel == "tma":  # the default tiles: weights by pointers or TMA, act gathered or TMA
         default = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")))
-        ws = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")), ws=True)
-        # the warp-specialized down GEMM (moe_sorted_ws) at its tile and narrower ones: 1 / 1 / 2 programs an SM
+        ws = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")), ws="down")
+        both = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")), ws="both")
+        # the warp-specialized down GEMM (moe_sorted_ws) at its tile and narrower ones: 1 / 1 / 2 programs an SM;
+        # then the up GEMM too (x gathered into sorted order first)
         narrow = [dict(block_n=128, block_k=64, num_warps=4, num_stages=s) for s in (4, 2)]
         return [
             {**default, "w_tma": False},
@@ -295,6 +297,7 @@ def _sweep_configs(
             {**default, "w_tma": True, "a_tma": True, "persistent": "flat"},
             ws,
             *({**ws, "down": d} for d in narrow),
+            both,
         ]
     if path == "sorted" and kernel == "both":
         grid = itertools.product([16, 32, 64, 128], JOINT_UP, JOINT_DOWN)

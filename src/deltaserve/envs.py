@@ -83,11 +83,12 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "DELTASERVE_MOE_SORTED_WS",
-            "0",
-            "1: the MoE sorted path's down GEMM warp-specialized on sm_90 (Triton's automatic warp specialization: "
-            "a TMA producer and two consumer warp groups), its activations in sorted order and both operands "
-            "through TMA (bf16 experts; not with a persistent down GEMM); measured in docs/PERF.md before it "
-            "becomes a default",
+            "",
+            "the MoE sorted path's GEMMs warp-specialized on sm_90 (Triton's automatic warp specialization: a TMA "
+            "producer and two consumer warp groups), both operands through TMA (bf16 experts; not with a "
+            "persistent GEMM): down (its activations kept in sorted order), or both (x also gathered into "
+            "sorted order for the up GEMM, one more launch); unset: neither; measured in docs/PERF.md before "
+            "it becomes a default",
         ),
         EnvVar(
             "DELTASERVE_MOE_SORTED_PERSISTENT",

@@ -119,7 +119,7 @@ def routed_moe(
     route_in_up_max_tokens: int = KernelOptions.route_in_up_max_tokens,
     sorted_block_m: int = 0,
     sorted_persistent: str = "",
-    sorted_ws: bool = False,
+    sorted_ws: str = "",
     pdl: bool = True,
     deltas: PairDeltas | None = None,
     fp8_quantize_acts: bool = True,
@@ -135,7 +135,7 @@ def routed_moe(
             block_m); 0: the entry for the rows per expert.
         sorted_persistent: CUDA: the sorted path's GEMMs as persistent programs, "loop" or "flat"
             (KernelOptions.moe_sorted_persistent); "": one program a tile.
-        sorted_ws: CUDA: the sorted path's down GEMM warp-specialized (KernelOptions.moe_sorted_ws).
+        sorted_ws: CUDA: the sorted path's GEMMs warp-specialized, "down" or "both" (KernelOptions.moe_sorted_ws).
         the rest: as fused_moe.
 
     Returns:

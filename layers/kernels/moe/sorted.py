@@ -87,7 +87,7 @@ def _up_kernel(
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
     QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr, W_DESC: tl.constexpr, PERSISTENT: tl.constexpr,
-    FLATTEN: tl.constexpr, ACT_SORTED: tl.constexpr,
+    FLATTEN: tl.constexpr, ACT_SORTED: tl.constexpr, X_DESC: tl.constexpr = False, WS: tl.constexpr = False,
 ):  # fmt: skip
     """act[pair, n] = silu(x @ gate^T) * (x @ up^T) for one block of pairs of one expert and one
     BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e].
@@ -109,7 +109,10 @@ def _up_kernel(
     tile's first loads are in flight while the tile before it ends (sm_90, Triton 3.6: 224 KB of
     shared memory and 255 registers at the 8k tiles, against 192 KB and 168 / 183 one program a tile).
     ACT_SORTED: act's rows in the sorted list's order (row r of row block r // BLOCK_M; padding rows
-    unwritten) instead of by pair, so that the down GEMM reads whole row blocks through TMA."""
+    unwritten) instead of by pair, so that the down GEMM reads whole row blocks through TMA.
+    X_DESC: hidden is a TMA descriptor of x gathered into the sorted order (gather_sorted_rows: row r
+    the token of sorted pair r) with [BLOCK_M, BLOCK_K] boxes: no gather in the K loop, so WS (with
+    W_DESC, one program a tile) can split it between a TMA producer and consumer warp groups."""
     pdl_wait(USE_PDL)
     if PERSISTENT:
         n_blocks = tl.cdiv(INTER, BLOCK_N)
@@ -124,7 +127,7 @@ def _up_kernel(
                 hidden, w13, w_desc, act, sorted_ids, block_expert, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs,
                 w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, real // n_blocks, real % n_blocks,
                 HIDDEN, INTER, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT,
-                W_DESC, ACT_SORTED,
+                W_DESC, ACT_SORTED, X_DESC, False,
             )  # fmt: skip
     else:
         pid_m, pid_n = _block_ids(N_MAJOR)
@@ -133,6 +136,7 @@ def _up_kernel(
                 hidden, w13, w_desc, act, sorted_ids, block_expert, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs,
                 w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n, HIDDEN, INTER, TOPK,
                 BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT, W_DESC, ACT_SORTED,
+                X_DESC, WS,
             )  # fmt: skip
 
 
@@ -142,7 +146,8 @@ def _up_tile(
     s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n, HIDDEN: tl.constexpr, INTER: tl.constexpr,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr,
-    QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr, ACT_SORTED: tl.constexpr,
+    QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr, ACT_SORTED: tl.constexpr, X_DESC: tl.constexpr,
+    WS: tl.constexpr,
 ):  # fmt: skip
     """_up_kernel's tile (row block pid_m, N slice pid_n)."""
     rows = tl.arange(0, BLOCK_M)
@@ -153,7 +158,8 @@ def _up_tile(
     n_ok = n < INTER
     k = tl.arange(0, BLOCK_K)
     token = (pair // TOPK).to(tl.int64)
-    a_ptr = hidden + token[:, None] * s_ht + k[None, :]
+    if not X_DESC:
+        a_ptr = hidden + token[:, None] * s_ht + k[None, :]
     g_ptr = w13 + e.to(tl.int64) * s_we + n[None, :] * s_wn + k[:, None]
     u_ptr = g_ptr + INTER * s_wn
     n_sc = tl.minimum(n, INTER - 1)
@@ -163,9 +169,11 @@ def _up_tile(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     w_row = e * (2 * INTER) + pid_n * BLOCK_N
-    for k0 in range(0, HIDDEN, BLOCK_K):
+    for k0 in tl.range(0, HIDDEN, BLOCK_K, warp_specialize=WS):
         k_ok = k0 + k < HIDDEN
-        if HIDDEN % BLOCK_K == 0:
+        if X_DESC:  # the row block whole (its padding rows feed only rows the store masks)
+            a = hidden.load([pid_m * BLOCK_M, k0])
+        elif HIDDEN % BLOCK_K == 0:
             a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -188,7 +196,8 @@ def _up_tile(
         else:
             acc_g = tl.dot(a, g, acc_g)
             acc_u = tl.dot(a, u, acc_u)
-        a_ptr += BLOCK_K
+        if not X_DESC:
+            a_ptr += BLOCK_K
         g_ptr += BLOCK_K
         u_ptr += BLOCK_K
     if LORA_RANK > 0:
@@ -367,6 +376,34 @@ def _converted_dot(a, w):
     return tl.dot(a, w.to(a.dtype))
 
 
+@triton.jit
+def _gather_rows_kernel(
+    x, sorted_ids, out, num_padded, num_pairs, s_xt, s_or, HIDDEN: tl.constexpr, TOPK: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """out[r] = x[sorted_ids[r] // TOPK] for ROWS sorted positions r under num_padded; padding rows
+    (no pair) and rows past num_padded stay unwritten (they feed only rows a GEMM's store masks)."""
+    pdl_wait(USE_PDL)
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    pair = tl.load(sorted_ids + r, mask=r < tl.load(num_padded), other=-1)
+    ok = (pair >= 0) & (pair < num_pairs)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = ok[:, None] & (h < HIDDEN)[None, :]
+    src = x + (tl.where(ok, pair, 0) // TOPK).to(tl.int64)[:, None] * s_xt + h[None, :]
+    tl.store(out + r.to(tl.int64)[:, None] * s_or + h[None, :], tl.load(src, mask=mask), mask=mask)
+
+
+def gather_sorted_rows(x, sorted_ids, num_padded, num_pairs: int, top_k: int, rows: int, pdl: bool) -> torch.Tensor:
+    """x's rows in the sorted order: [rows, H], row r the token of sorted pair r (unwritten where no pair)."""
+    out = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(x.shape[1]))
+    _gather_rows_kernel[(triton.cdiv(rows, 16), triton.cdiv(x.shape[1], block))](
+        x, sorted_ids, out, num_padded, num_pairs, x.stride(0), out.stride(0), HIDDEN=x.shape[1], TOPK=top_k,
+        ROWS=16, BLOCK=block, num_warps=8, **pdl_launch(x, pdl),
+    )  # fmt: skip
+    return out
+
+
 def moe_sorted(
     hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=(None, None),
     deltas=None, quantize_acts=True, grouped=False,
@@ -416,12 +453,19 @@ def moe_sorted(
         max_blocks, triton.cdiv(inter, up["block_n"]), cfg.get("n_major", False), per_sm, info.num_sms
     )
     up_desc = _weight_desc(w13, up["block_n"], up["block_k"]) if tma else w13
+    # up_ws (bf16, no deltas): x gathered into the sorted order first, so the up GEMM reads it through TMA
+    up_ws = cfg.get("up_ws", False) and tma and not fp8 and deltas is None and per_sm == 0
+    up_ws = up_ws and (hidden_size * hidden.element_size()) % 16 == 0
+    s_x = x.stride(0)
+    if up_ws:
+        gathered = gather_sorted_rows(x, sorted_ids, num_padded, num_pairs, top_k, max_blocks * block_m, pdl)
+        x = _row_desc(gathered, block_m, up["block_k"])
     _up_kernel[grid](
-        x, w13, up_desc, act, sorted_ids, block_expert, num_padded, num_pairs, x.stride(0), w13.stride(0),
+        x, w13, up_desc, act, sorted_ids, block_expert, num_padded, num_pairs, s_x, w13.stride(0),
         w13.stride(1), act.stride(0), x_scale, x_scale.stride(0), *up_sc[:3], *up_lora[:6], HIDDEN=hidden_size,
         INTER=inter, TOPK=top_k, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up_k, FP8=fp8, SCALE_N=up_sc[4],
         SCALE_K=up_sc[3], GROUP=ACT_GROUP, LORA_RANK=up_lora[6], QUANT_ACT=quant, N_MAJOR=n_major, W_DESC=tma,
-        PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat", ACT_SORTED=a_tma,
+        PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat", ACT_SORTED=a_tma, X_DESC=up_ws, WS=up_ws,
         num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl_launch(hidden, pdl),
     )  # fmt: skip
     down_lora = low_rank_args(None if deltas is None else deltas.low_rank_down(act), act)

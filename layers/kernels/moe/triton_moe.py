@@ -40,12 +40,12 @@ def _check(hidden, w13, w2, shared, w13_scale, w2_scale) -> None:
 def fused_moe(
     *, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, shared=None, add_norm=None, path=None, config=None,
     w13_scale=None, w2_scale=None, sorted_block_m=0, pdl=True, deltas=None, fp8_quantize_acts=True,
-    prefill_gemm="triton", sorted_persistent="", sorted_ws=False,
+    prefill_gemm="triton", sorted_persistent="", sorted_ws="",
 ):  # fmt: skip
     """moe.fused_moe. `path` ("pairs", "sorted" or "grouped") and `config` override the choice made
     from the shapes (tests and tuning sweeps); sorted_block_m: the sorted path's tile rows (0: by shape);
     sorted_persistent: its GEMMs as persistent programs ("loop", "flat"; "": a program a tile);
-    sorted_ws: its down GEMM warp-specialized (tiles.sorted_config);
+    sorted_ws: its GEMMs warp-specialized, "down" or "both" (tiles.sorted_config);
     prefill_gemm "torch": the sorted path's GEMMs on torch's grouped GEMM where it takes the call
     (path "grouped": grouped.py; bf16 experts without deltas), else ours;
     `deltas`: the pairs path's GEMVs expand their low-rank form, the sorted path's GEMMs add them
@@ -91,7 +91,7 @@ def fused_moe(
 def routed_moe(
     *, hidden, w13, w2, router_logits, top_k, renormalize, expert_offset=0, shared=None, add_norm=None,
     route_in_up_max_tokens=ROUTE_IN_UP_MAX_TOKENS, path=None, w13_scale=None, w2_scale=None, sorted_block_m=0,
-    pdl=True, deltas=None, fp8_quantize_acts=True, prefill_gemm="triton", sorted_persistent="", sorted_ws=False,
+    pdl=True, deltas=None, fp8_quantize_acts=True, prefill_gemm="triton", sorted_persistent="", sorted_ws="",
     config=None,
 ):  # fmt: skip
     """moe.routed_moe: on the pairs path, up to route_in_up_max_tokens tokens, the up GEMV routes
