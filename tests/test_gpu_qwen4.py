@@ -60,6 +60,22 @@ def test_cuda_float32_matches_cpu_prompt_logprobs(qwen4_path, monkeypatch, budge
     assert max(prompt_logprob_gaps(cpu, gpu)) < 1e-3
 
 
+def test_fp8_pages_match_the_cpu_path(qwen4_path, monkeypatch):
+    """kv_cache_dtype fp8: the GPU path's prompt logprobs (its KV stores rounding to e4m3, QSA's sparse
+    kernel widening the pages) against the CPU path's over the same e4m3 pages, both float32, and CUDA
+    graphs giving eager decode's tokens."""
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    cpu = LLM(qwen4_path, device="cpu", kv_cache_dtype="fp8").generate(prompts(), params, use_tqdm=False)
+    gpu = LLM(qwen4_path, device="cuda", dtype="float32", kv_cache_dtype="fp8", max_num_batched_tokens=97, **POOL)
+    errors = prompt_logprob_gaps(cpu, gpu.generate(prompts(), params, use_tqdm=False))
+    assert errors[len(errors) // 2] < 1e-4 and errors[-1] < 5e-3  # an element may round to its other neighbour
+    decode = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    eager = LLM(qwen4_path, device="cuda", dtype="float32", kv_cache_dtype="fp8", enforce_eager=True, **POOL)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts(), decode, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts(), decode, use_tqdm=False)] == want
+
+
 def test_bf16_prompt_logprobs_track_float32(qwen4_path):
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     cpu = LLM(qwen4_path, device="cpu").generate(prompts(), params, use_tqdm=False)

@@ -131,15 +131,89 @@ def test_speculation_changes_no_token_of_an_fp8_run(qwen3_5_moe):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
 
 
-def test_bad_settings_name_the_field(qwen3_5_moe, tmp_path):
+def test_bad_settings_name_the_field(qwen3_5_moe):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(qwen3_5_moe, kv_cache_dtype="int8")
+
+
+@contextlib.contextmanager
+def qwen4_kv_rounded(hf_model):
+    """kv_rounded for Qwen4-Exp: its attention's keys (after norm and rotary) and values in e4m3; the
+    QSA indexer's queries and block keys (the same rotary function, one tensor) stay as they are: the
+    indexer's key caches are not the KV pages."""
+    module = sys.modules[type(hf_model).__module__]
+    rotary = module.apply_rotary_pos_emb
+
+    def rounded_rotary(q, k=None, *args, **kwargs):
+        if k is None:
+            return rotary(q, None, *args, **kwargs)
+        q, k = rotary(q, k, *args, **kwargs)
+        return q, e4m3(k)
+
+    attention = [m for m in hf_model.modules() if type(m).__name__ == "Qwen4ExpTextAttention"]
+    assert attention, "no attention layer found"
+    hooks = [m.v_proj.register_forward_hook(lambda _mod, _inp, out: e4m3(out)) for m in attention]
+    module.apply_rotary_pos_emb = rounded_rotary
+    try:
+        yield hf_model
+    finally:
+        module.apply_rotary_pos_emb = rotary
+        for h in hooks:
+            h.remove()
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_qwen4_exp_logits_equal_transformers_with_kv_rounded_to_e4m3(tmp_path, monkeypatch, kernels, report):
+    """QSA's sparse attention over e4m3 pages (the plain-torch reference, and the Triton kernels
+    interpreted): a prompt long enough that the selection matters, chunked beside another sequence,
+    then decode rows, give transformers' logits with the attention's K/V rounded to e4m3."""
+    from test_qwen4_exp import LONG
+    from tiny_qwen4 import hf_logits as qwen4_logits
     from tiny_qwen4 import save_tiny_qwen4
 
-    path = Path(tmp_path) / "qwen4"
-    save_tiny_qwen4(path)
-    with pytest.raises(ValueError, match="kv_cache_dtype: fp8 is not served for qwen4_exp"):
-        LLM(str(path), kv_cache_dtype="fp8")
+    from deltaserve.layers.kernels import qsa
+
+    if kernels == "triton":
+        from deltaserve.layers.kernels.qsa import triton_qsa
+
+        for name in ("write_index_keys", "compress_blocks", "index_scores", "block_topk", "sparse_attention"):
+            monkeypatch.setattr(qsa, name, getattr(triton_qsa, name))
+    hf = save_tiny_qwen4(Path(tmp_path) / "qwen4")
+    seqs = Sequences(load_model(Path(tmp_path) / "qwen4"), kv_dtype=FP8)
+    assert seqs.pool.k_pages.dtype == FP8
+    other = prompt(20, seed=12)
+    seqs.add("a")
+    seqs.add("b")
+    got = [seqs.run([("a", LONG[:17]), ("b", other[:3])])[0]]
+    got.append(seqs.run([("a", LONG[17:44]), ("b", other[3:])])[0])
+    got += [seqs.run([("a", [t]), ("b", [other[0]])])[0] for t in LONG[44:]]
+    plain = qwen4_logits(hf, LONG)
+    with qwen4_kv_rounded(hf):
+        ref = qwen4_logits(hf, LONG)
+    assert_close(torch.cat(got), ref)
+    change = (plain - ref).abs().max().item() / ref.abs().max().item()
+    assert change > 1e-3
+    report(f"fp8 KV, qwen4_exp ({kernels} QSA kernels): logits within 1e-4 of transformers with K/V in e4m3; "
+           f"{change:.2%} of the logit scale from the unrounded model")  # fmt: skip
+
+
+def test_a_qwen4_exp_engine_serves_fp8_pages(tmp_path):
+    """kv_cache_dtype fp8 on a Qwen4-Exp checkpoint: e4m3 pages, and greedy tokens that prefix caching
+    does not change."""
+    from test_qwen4_exp import LONG
+    from tiny_qwen4 import save_tiny_qwen4
+
+    path = str(Path(tmp_path) / "qwen4")
+    save_tiny_qwen4(Path(path))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kw = dict(kv_cache_dtype="fp8", max_num_batched_tokens=16, dtype="float64")
+    cached = LLM(path, prefix_snapshot_interval=16, **kw)
+    assert cached.engine.executor.runner.pool.k_pages.dtype == FP8
+    first = cached.generate([LONG], params, use_tqdm=False)[0]
+    again = cached.generate([LONG], params, use_tqdm=False)[0]  # a hit on the FP8 pages
+    fresh = LLM(path, enable_prefix_caching=False, **kw).generate([LONG], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == fresh.outputs[0].token_ids
 
 
 # ---- on the GPU (marked gpu: skipped on CPU by conftest; the H200 runs these) ---------------------

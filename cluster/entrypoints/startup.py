@@ -85,13 +85,6 @@ def check_speculative(config: EngineConfig, model_config: ModelConfig) -> None:
         )
 
 
-def check_kv_cache(config: EngineConfig, model_config: ModelConfig) -> None:
-    """An FP8 KV cache is read by the paged attention kernels; QSA's sparse attention (qwen4_exp) reads
-    the model's dtype."""
-    if config.cache.kv_fp8 and model_config.family == "qwen4_exp":
-        raise ValueError("kv_cache_dtype: fp8 is not served for qwen4_exp checkpoints (QSA attention) yet")
-
-
 def runs_on_this_machine(config: EngineConfig, ray_address: str | None = None) -> bool:
     """Whether the ranks run on this machine: in this process, or in a Ray cluster started here (not
     one joined through `ray_address` / RAY_ADDRESS or an earlier `ray.init`)."""
@@ -144,7 +137,6 @@ def check_startup(config: EngineConfig, ray_address: str | None = None) -> Model
     check_layout(config, model_config)
     check_lora(config, model_config)
     check_speculative(config, model_config)
-    check_kv_cache(config, model_config)
     check_device(config, ray_address)
     return model_config
 
@@ -186,7 +178,6 @@ def build_engine(
     check_layout(config, model_config)
     check_lora(config, model_config)
     check_speculative(config, model_config)
-    check_kv_cache(config, model_config)
     if executor is None:
         check_device(config)
         executor = make_executor(config, model_config)

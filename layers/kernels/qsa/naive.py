@@ -153,7 +153,8 @@ def sparse_attention(
     scale: float,
 ) -> torch.Tensor:
     """Each query over its selected blocks and tail: q [T, Hq, Dh]; k_cache, v_cache [num_blocks, bs,
-    Hkv, Dh]; selected [T, top_blocks] (block_topk). Returns [T, Hq, Dh] in q's dtype."""
+    Hkv, Dh] (q's dtype, or float8 e4m3 pages: widened as read); selected [T, top_blocks] (block_topk).
+    Returns [T, Hq, Dh] in q's dtype."""
     num_tokens, num_q_heads, _ = q.shape
     if num_tokens == 0:
         return torch.empty_like(q)

@@ -330,8 +330,9 @@ def _sparse_kernel(
     q, k_cache, v_cache, positions, token_rows, block_tables, selected, out, part_o, part_lse, qk_scale, num_splits,
     s_qt, s_qh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_btn, s_st, s_ot, s_oh,
     GROUP: tl.constexpr, R: tl.constexpr, K: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
+    """KV_FP8: e4m3 pages (kv_cache_dtype fp8), each tile widened to q's dtype in registers for the dots."""
     t = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -348,7 +349,8 @@ def _sparse_kernel(
     head = hk * GROUP + m
     q_mask = (m < GROUP)[:, None] & d_ok[None, :]
     qt = tl.load(q + t * s_qt + head[:, None] * s_qh + d[None, :], mask=q_mask, other=0.0)
-    qt = qt.to(k_cache.dtype.element_ty)
+    if not KV_FP8:
+        qt = qt.to(k_cache.dtype.element_ty)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -366,6 +368,8 @@ def _sparse_kernel(
         off = kv_pos % PAGE
         kv_mask = ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + (page * s_kb + off * s_ko)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(qt.dtype)
         s = tl.dot(qt, tl.trans(k)) * qk_scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -373,6 +377,8 @@ def _sparse_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + (page * s_vb + off * s_vo)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(qt.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     o = acc / l_i[:, None]
@@ -465,8 +471,8 @@ def sparse_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), selected.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, R=compress_ratio, K=top, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
-        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,
-        num_stages=2 if on_gpu else 1,
+        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4, num_stages=2 if on_gpu else 1,
     )  # fmt: skip
     if num_splits > 1:
         # one variant for every split count (a new constant would compile mid-serving)
