@@ -34,6 +34,7 @@ from deltaserve.workers.config import (
     RunnerConfig,
     WorkerConfig,
     at_least,
+    json_object,
     setting,
     short,
     validate_fields,
@@ -95,6 +96,17 @@ class ServingConfig:
         check=lambda v: _one_of(v, TOOL_CALL_PARSERS),
         help="chat completions given tools: the calls in the text go to tool_calls (hermes: JSON in <tool_call> "
         "tags, Qwen3's and the demo's; qwen3_coder: <function=...> <parameter=...> blocks, Qwen3.5's)",
+    )
+    generation_config: str = setting(
+        "auto",
+        help="the sampling defaults of requests that leave them unset (HTTP, gRPC, LLM.generate without "
+        "SamplingParams): auto, the checkpoint's generation_config.json (its temperature, top_p, top_k, min_p, "
+        "repetition_penalty, as vLLM); vllm, SamplingParams' own; or a folder holding a generation_config.json",
+    )
+    override_generation_config: dict | None = setting(
+        None,
+        parse=json_object,
+        help='sampling defaults replacing or adding to generation_config\'s, e.g. {"temperature": 0.5}',
     )
 
     def __post_init__(self) -> None:

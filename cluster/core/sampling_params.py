@@ -9,6 +9,7 @@ import json as json_module
 import math
 import numbers
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from deltaserve.workers.config import short
@@ -304,3 +305,44 @@ class SamplingParams:
             grammar=self.structured_outputs.to_grammar_spec() if self.structured_outputs is not None else None,
             logit_bias=[[token, float(value)] for token, value in sorted((self.logit_bias or {}).items())],
         )
+
+
+# ---- the model's recommended sampling (generation_config.json), as vLLM applies it --------------
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(model_dir: str | None, source: str = "auto", overrides: dict | None = None) -> dict[str, Any]:
+    """The sampling fields a request that leaves them unset takes: `source` "auto" reads them from the
+    checkpoint's generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty, the
+    fields vLLM reads), "vllm" takes none (SamplingParams' own), any other value is a folder holding a
+    generation_config.json; `overrides` (override_generation_config) replace or add entries. Values
+    are checked as SamplingParams checks them; ValueError names the setting."""
+    found: dict[str, Any] = {}
+    if source != "vllm":
+        folder = model_dir if source == "auto" else source
+        path = None if folder is None else Path(folder) / "generation_config.json"
+        if path is not None and path.is_file():
+            try:
+                data = json_module.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                where = short(str(path), 120)
+                raise ValueError(f"generation_config: {where} is not JSON ({type(e).__name__})") from None
+            found = {k: data[k] for k in GENERATION_DEFAULTS if isinstance(data, dict) and data.get(k) is not None}
+        elif source != "auto":
+            raise ValueError(f"generation_config: no generation_config.json in {short(source, 120)}")
+    for key in overrides or {}:
+        if key not in GENERATION_DEFAULTS:
+            raise ValueError(
+                f"override_generation_config: unknown key {short(key)}; known: {', '.join(GENERATION_DEFAULTS)}"
+            )
+    found.update(overrides or {})
+    try:
+        SamplingParams(**found)
+    except ValueError as e:
+        raise ValueError(f"generation_config: {e}") from None
+    return found
+
+
+def with_defaults(fields: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """A request's sampling fields with the model's defaults where it set none."""
+    return {**{k: v for k, v in defaults.items() if k not in fields}, **fields}

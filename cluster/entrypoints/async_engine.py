@@ -44,6 +44,7 @@ from .driver import AdapterNotFoundError, EngineUnavailableError, QueueFullError
 from .metrics import RequestTimer, ServingMetrics
 from .replicas import LocalReplica, RayReplicas, Replica, ReplicaUnreachable
 from .router import make_router
+from .startup import sampling_defaults
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,10 @@ class AsyncEngine:
         self.config = config
         self.model_name = served_model_name(config)
         self.chat_template = ChatTemplate.for_model(config.load.model, config.serving.chat_template)
+        # what requests over HTTP and gRPC that leave them unset sample with (generation_config)
+        self.default_sampling = sampling_defaults(config)
+        if self.default_sampling:
+            log.info("sampling defaults from the model's generation config: %s", self.default_sampling)
         self.metrics = ServingMetrics(self.model_name)
         self._timers: dict[str, RequestTimer] = {}
         self._replicas: list[Replica] = []

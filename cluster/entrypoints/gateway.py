@@ -25,7 +25,7 @@ from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deltaserve.cluster.core.request import CompletionOutput, Logprob, RequestOptions, RequestOutput, top_logprobs
-from deltaserve.cluster.core.sampling_params import SamplingParams, StructuredOutputsParams
+from deltaserve.cluster.core.sampling_params import SamplingParams, StructuredOutputsParams, with_defaults
 from deltaserve.protos import generation_pb2 as pb
 from deltaserve.protos import generation_pb2_grpc
 
@@ -215,7 +215,7 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             req_id = validation.request_id(request.request_id)
-            params = _sampling_params(request.sampling_params)
+            params = _sampling_params(request.sampling_params, self._engine.default_sampling)
             options = RequestOptions(request.lora_name or None, request.priority, request.cache_salt or None)
             prompt = _prompt(request, self._engine)
             await self._engine.submit(req_id, prompt, params, options)
@@ -372,9 +372,10 @@ def _render_chat(chat: pb.Chat, engine: AsyncEngine) -> str:
     )
 
 
-def _sampling_params(message: pb.SamplingParams) -> SamplingParams:
-    """The fields the client set (proto3 presence); the rest keep SamplingParams' defaults."""
-    fields = {descriptor.name: value for descriptor, value in message.ListFields()}
+def _sampling_params(message: pb.SamplingParams, defaults: dict) -> SamplingParams:
+    """The fields the client set (proto3 presence); the model's `defaults` (generation_config) where it
+    set none of theirs, SamplingParams' own for the rest."""
+    fields = with_defaults({descriptor.name: value for descriptor, value in message.ListFields()}, defaults)
     for name in ("stop", "stop_token_ids"):
         if name in fields:
             fields[name] = list(fields[name])

@@ -31,7 +31,7 @@ from pydantic import BaseModel
 
 from deltaserve import __version__
 from deltaserve.cluster.core.request import RequestOptions
-from deltaserve.cluster.core.sampling_params import SamplingParams, StructuredOutputsParams
+from deltaserve.cluster.core.sampling_params import SamplingParams, StructuredOutputsParams, with_defaults
 from deltaserve.workers.config import short
 
 from . import openai_protocol as api
@@ -213,7 +213,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_only: 
         jobs: list[Job] = []
         try:
             prompts = _prompt_list(body)
-            fields = body.sampling_fields(body.max_tokens, body.logprobs)
+            fields = with_defaults(body.sampling_fields(body.max_tokens, body.logprobs), engine.default_sampling)
             if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs too
                 fields["prompt_logprobs"] = body.logprobs
             params = validation.sampling_params(fields)
@@ -350,7 +350,7 @@ async def _chat_job(
     parameters, its adapter and the renames that make an engine error name the request's field."""
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     k = (body.top_logprobs or 0) if body.logprobs else None
-    fields = body.sampling_fields(max_tokens, k)
+    fields = with_defaults(body.sampling_fields(max_tokens, k), engine.default_sampling)
     forced = _force_calls(body, fields)
     params = validation.sampling_params(fields)
     lora = await _adapter_for(engine, body.model)

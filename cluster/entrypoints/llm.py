@@ -23,7 +23,7 @@ from deltaserve.layers.config import ModelConfig
 
 from . import validation
 from .chat_template import ChatTemplate, load_override
-from .startup import build_engine
+from .startup import build_engine, sampling_defaults
 
 PromptLike = str | list[int] | dict
 
@@ -42,7 +42,13 @@ class LLM:
             )
         self.engine = build_engine(self.config, model_config=model_config, output_mode="final")
         self.chat_template = ChatTemplate.for_model(self.config.load.model, self.config.serving.chat_template)
+        self.default_sampling = sampling_defaults(self.config)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: the model's
+        generation_config.json sampling fields (`generation_config`), as vLLM's."""
+        return SamplingParams(**self.default_sampling)
 
     @property
     def tokenizer(self):
@@ -64,7 +70,7 @@ class LLM:
         raises ValueError naming the field before anything runs."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.core.engine import EngineCore
+from deltaserve.cluster.core.sampling_params import generation_defaults
 from deltaserve.cluster.executors import make_executor, runs_in_process
 from deltaserve.cluster.executors.base import Executor
 from deltaserve.layers.config import ModelConfig
@@ -138,7 +139,14 @@ def check_startup(config: EngineConfig, ray_address: str | None = None) -> Model
     check_lora(config, model_config)
     check_speculative(config, model_config)
     check_device(config, ray_address)
+    sampling_defaults(config)
     return model_config
+
+
+def sampling_defaults(config: EngineConfig) -> dict:
+    """The sampling fields requests that leave them unset take (generation_config; ValueError naming it)."""
+    serving = config.serving
+    return generation_defaults(config.load.model, serving.generation_config, serving.override_generation_config)
 
 
 def check_lora_modules(config: EngineConfig, modules: list[str]) -> list[tuple[str, str]]:
