@@ -11,7 +11,7 @@ import time
 
 from deltaserve.cluster.config import EngineConfig, add_engine_args, engine_kwargs
 
-from .front_doors import DEFAULT_GRPC_PORT, DEFAULT_HOST, DEFAULT_HTTP_PORT, FrontDoors
+from .front_doors import DEFAULT_GRPC_PORT, DEFAULT_HOST, DEFAULT_HTTP_PORT, Cors, FrontDoors, origins_list
 
 
 def engine_config(args: argparse.Namespace, executor: str) -> EngineConfig:
@@ -101,6 +101,7 @@ def front_doors(args: argparse.Namespace):
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         grace_s=args.grace,
+        cors=Cors(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials),
     )
     for flag in ("ssl_keyfile", "ssl_certfile"):
         path = getattr(doors, flag)
@@ -309,6 +310,16 @@ async def _demo_http(url: str, max_tokens: int) -> bool:
     return ok
 
 
+def _list_flag(flag: str):
+    def parse(text: str) -> tuple[str, ...]:
+        try:
+            return origins_list(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{flag}: {e}") from None
+
+    return parse
+
+
 # ---- parsers ---------------------------------------------------------------------------------------
 def add_parsers(sub) -> None:
     """The serve, generate and demo subcommands."""
@@ -336,6 +347,17 @@ def add_parsers(sub) -> None:
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' over HTTP (/v1) and gRPC (default: $DELTASERVE_API_KEY, else none)",
+    )
+    for flag, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        serve.add_argument(
+            f"--allowed-{flag}",
+            type=_list_flag(f"--allowed-{flag}"),
+            default=("*",),
+            help=f"HTTP API: the {what} browsers' cross-origin calls may use, a JSON list or comma-separated "
+            f"(default: any, as vLLM's){'; [] for no CORS headers' if flag == 'origins' else ''}",
+        )
+    serve.add_argument(
+        "--allow-credentials", action="store_true", help="HTTP API: cross-origin calls may carry credentials"
     )
     serve.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM) for both HTTP and gRPC")
     serve.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM) for both HTTP and gRPC")

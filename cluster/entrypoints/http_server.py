@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
@@ -39,6 +40,7 @@ from . import openai_responses as responses
 from . import validation
 from .async_engine import AdapterNotFoundError, AsyncEngine
 from .chat_parsing import REASONING_END, THINK_CLOSE, ForcedTools, forced_tools, opens_reasoning, reading
+from .front_doors import Cors
 from .metrics import CONTENT_TYPE
 from .openai_serving import Job, RequestFailedError, collect, merged, response_events, stream_events
 from .validation import ErrorKind, ModelNotFoundError
@@ -584,10 +586,19 @@ class HttpServer:
         ssl_certfile: str | None = None,
         metrics_only: bool = False,
         grace_s: float = 5.0,
+        cors: Cors | None = None,
     ):
         self.engine = engine
         self.host, self.port = host, port
         app = self.app = build_app(engine, api_key=api_key, metrics_only=metrics_only)
+        if cors is not None and cors.allowed_origins:  # outermost: a preflight is answered before the key is asked
+            app.add_middleware(
+                CORSMiddleware,
+                allow_origins=list(cors.allowed_origins),
+                allow_methods=list(cors.allowed_methods),
+                allow_headers=list(cors.allowed_headers),
+                allow_credentials=cors.allow_credentials,
+            )
         config = uvicorn.Config(
             app,
             log_level="warning",

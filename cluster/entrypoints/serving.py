@@ -70,6 +70,7 @@ async def start_stack(config: EngineConfig, doors: FrontDoors, backend: str) -> 
                 ssl_certfile=doors.ssl_certfile,
                 metrics_only=only,
                 grace_s=doors.grace_s,
+                cors=None if only else doors.cors,
             )
             setattr(stack, name, server)
             stack.ports[name] = await server.start()
