@@ -34,11 +34,15 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def kv_rounded(hf_model):
     """The transformers model with every attention layer's keys (after norm and rotary) and values
-    rounded to e4m3, as an FP8 cache holds them."""
+    rounded to e4m3, as an FP8 cache holds them. Qwen4-Exp's QSA indexer rotates its queries and block
+    keys with the same function, one tensor at a time: those stay as they are (its key caches are not
+    the KV pages)."""
     module = sys.modules[type(hf_model).__module__]
     rotary = module.apply_rotary_pos_emb
 
-    def rounded_rotary(q, k, *args, **kwargs):
+    def rounded_rotary(q, k=None, *args, **kwargs):
+        if k is None:
+            return rotary(q, None, *args, **kwargs)
         q, k = rotary(q, k, *args, **kwargs)
         return q, e4m3(k)
 
@@ -136,32 +140,6 @@ def test_bad_settings_name_the_field(qwen3_5_moe):
         LLM(qwen3_5_moe, kv_cache_dtype="int8")
 
 
-@contextlib.contextmanager
-def qwen4_kv_rounded(hf_model):
-    """kv_rounded for Qwen4-Exp: its attention's keys (after norm and rotary) and values in e4m3; the
-    QSA indexer's queries and block keys (the same rotary function, one tensor) stay as they are: the
-    indexer's key caches are not the KV pages."""
-    module = sys.modules[type(hf_model).__module__]
-    rotary = module.apply_rotary_pos_emb
-
-    def rounded_rotary(q, k=None, *args, **kwargs):
-        if k is None:
-            return rotary(q, None, *args, **kwargs)
-        q, k = rotary(q, k, *args, **kwargs)
-        return q, e4m3(k)
-
-    attention = [m for m in hf_model.modules() if type(m).__name__ == "Qwen4ExpTextAttention"]
-    assert attention, "no attention layer found"
-    hooks = [m.v_proj.register_forward_hook(lambda _mod, _inp, out: e4m3(out)) for m in attention]
-    module.apply_rotary_pos_emb = rounded_rotary
-    try:
-        yield hf_model
-    finally:
-        module.apply_rotary_pos_emb = rotary
-        for h in hooks:
-            h.remove()
-
-
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
 def test_qwen4_exp_logits_equal_transformers_with_kv_rounded_to_e4m3(tmp_path, monkeypatch, kernels, report):
     """QSA's sparse attention over e4m3 pages (the plain-torch reference, and the Triton kernels
@@ -188,7 +166,7 @@ def test_qwen4_exp_logits_equal_transformers_with_kv_rounded_to_e4m3(tmp_path, m
     got.append(seqs.run([("a", LONG[17:44]), ("b", other[3:])])[0])
     got += [seqs.run([("a", [t]), ("b", [other[0]])])[0] for t in LONG[44:]]
     plain = qwen4_logits(hf, LONG)
-    with qwen4_kv_rounded(hf):
+    with kv_rounded(hf):
         ref = qwen4_logits(hf, LONG)
     assert_close(torch.cat(got), ref)
     change = (plain - ref).abs().max().item() / ref.abs().max().item()
