@@ -285,19 +285,11 @@ def _sweep_configs(
         return [{**default, "n_major": False}, {**default, "n_major": True}]
     if path == "sorted" and kernel == "tma":  # the default tiles: weights by pointers or TMA, act gathered or TMA
         default = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")))
-        ws = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")), ws="down")
-        both = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")), ws="both")
-        # the warp-specialized down GEMM (moe_sorted_ws) at its tile and narrower ones: 1 / 1 / 2 programs an SM;
-        # then the up GEMM too (x gathered into sorted order first)
-        narrow = [dict(block_n=128, block_k=64, num_warps=4, num_stages=s) for s in (4, 2)]
         return [
             {**default, "w_tma": False},
             {**default, "w_tma": True},
             {**default, "w_tma": True, "a_tma": True},
             {**default, "w_tma": True, "a_tma": True, "persistent": "flat"},
-            ws,
-            *({**ws, "down": d} for d in narrow),
-            both,
         ]
     if path == "sorted" and kernel == "both":
         grid = itertools.product([16, 32, 64, 128], JOINT_UP, JOINT_DOWN)
@@ -447,7 +439,7 @@ if __name__ == "__main__":
         "--kernel", choices=["up", "down", "both", "order", "tma", "persistent", "route", "grouped"], default="up",
         help="sorted path: the GEMM swept at prefill sizes, both (block_m against each one's best tiles), or "
         "order (the default tiles on row-block-major and N-major grids), tma (their weights by pointers or TMA, "
-        "the down GEMM's activations gathered or in sorted order through TMA, and warp-specialized), "
+        "the down GEMM's activations gathered or in sorted order through TMA), "
         "persistent (the default tiles as one program a tile against persistent programs), grouped (ours "
         "against torch's grouped GEMM); pairs path: route (the routing up GEMV's tiles, from router logits)",
     )  # fmt: skip

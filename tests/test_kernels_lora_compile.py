@@ -80,9 +80,9 @@ def sorted_path_kernels(rank, fp8=False, quant_act=True, tokens=0, tma=False):
         ptrs = {**ptrs, "w_desc": f"tensordesc<bf16[{t['block_n']}, {t['block_k']}]>" if tma else w}
         consts.update(PERSISTENT=False, FLATTEN=False)  # one program a tile: the adapters' path
         if name == "up":
-            consts.update(TOPK=8, ACT_SORTED=False, X_DESC=False, WS=False)
+            consts.update(TOPK=8, ACT_SORTED=False)
         else:
-            consts.update(A_DESC=False, WS=False)
+            consts["A_DESC"] = False
         compile_sm90(kernel, ptrs, consts, num_warps=t["num_warps"], num_stages=t["num_stages"])
     sum_ptrs = {n: BF16 for n in ("y", "out", "shared", "gate_logit", "residual", "norm_weight", "normed_out")}
     sum_ptrs |= {"res_out": BF16, "topk_ids": "*i64", "y_row": "*i32", "topk_weights": "*fp32", **LOW_RANK}

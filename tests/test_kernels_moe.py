@@ -92,8 +92,7 @@ def test_fused_moe_sorted_grid_orders_and_weight_descriptors_agree(device, local
         persistent = tm.fused_moe(**args, path="sorted", config={**cfg, "persistent": how, "w_tma": tma_on})
         assert torch.equal(rows, persistent), f"persistent {how}, TMA {tma_on}"
     # the activations in sorted order, read by the down GEMM through TMA (padding rows never stored)
-    warp_specialized = ({"w_tma": True, "down_ws": True}, {"w_tma": True, "down_ws": True, "up_ws": True})
-    for extra in ({}, {"w_tma": True}, {"persistent": "flat"}, *warp_specialized):
+    for extra in ({}, {"w_tma": True}, {"persistent": "flat"}):
         sorted_act = tm.fused_moe(**args, path="sorted", config={**cfg, "a_tma": True, **extra})
         assert torch.equal(rows, sorted_act), f"a_tma with {extra}"
     assert rel_err(tma, naive.fused_moe(**args)) < tol(device)
@@ -327,11 +326,6 @@ def test_gpu_sorted_activations_through_tma_bf16(tokens):
     forms = ({"a_tma": True}, {"a_tma": True, "persistent": "flat"}, {"persistent": "flat"}, {"persistent": "loop"})
     for extra in forms:
         assert torch.equal(tm.fused_moe(**args, path="sorted", config={**cfg, **extra}), plain), extra
-    # the GEMMs warp-specialized (moe_sorted_ws: down, both): the same bits
-    for how in ("down", "both"):
-        ws = tiles.sorted_config(tokens * 8, 256, 2, device_info(torch.device("cuda")), ws=how)
-        assert ws["down_ws"] and ws["a_tma"] and ws["down"]["num_warps"] == 4 and ws["up_ws"] == (how == "both")
-        assert torch.equal(tm.fused_moe(**args, path="sorted", config=ws), plain), how
 
 
 @pytest.mark.gpu

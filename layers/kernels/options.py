@@ -117,17 +117,6 @@ class KernelOptions:
             "choices": ("", "loop", "flat"),
         },
     )
-    moe_sorted_ws: str = field(
-        default="",
-        metadata={
-            "env": "DELTASERVE_MOE_SORTED_WS",
-            "help": "the MoE sorted path's GEMMs warp-specialized on sm_90 (Triton's automatic warp specialization: "
-            "a TMA producer and two consumer warp groups, no CTA barrier a K step), both operands through TMA "
-            "(bf16 experts; not with moe_sorted_persistent): down (its activations kept in sorted order), or "
-            "both (x also gathered into sorted order for the up GEMM, one more launch); empty: neither",
-            "choices": ("", "down", "both"),
-        },
-    )
     moe_prefill_gemm: str = field(
         default="triton",
         metadata={

@@ -82,15 +82,6 @@ ENV_VARS: dict[str, EnvVar] = {
             "rows of the MoE sorted path's tiles (16, 32, 64, 128); 0: by the rows per expert",
         ),
         EnvVar(
-            "DELTASERVE_MOE_SORTED_WS",
-            "",
-            "the MoE sorted path's GEMMs warp-specialized on sm_90 (Triton's automatic warp specialization: a TMA "
-            "producer and two consumer warp groups), both operands through TMA (bf16 experts; not with a "
-            "persistent GEMM): down (its activations kept in sorted order), or both (x also gathered into "
-            "sorted order for the up GEMM, one more launch); unset: neither; measured in docs/PERF.md before "
-            "it becomes a default",
-        ),
-        EnvVar(
             "DELTASERVE_MOE_SORTED_PERSISTENT",
             "",
             "the MoE sorted path's GEMMs as persistent programs, each looping over tiles: loop (each tile's K loo"

@@ -119,7 +119,6 @@ def routed_moe(
     route_in_up_max_tokens: int = KernelOptions.route_in_up_max_tokens,
     sorted_block_m: int = 0,
     sorted_persistent: str = "",
-    sorted_ws: str = "",
     pdl: bool = True,
     deltas: PairDeltas | None = None,
     fp8_quantize_acts: bool = True,
@@ -135,7 +134,6 @@ def routed_moe(
             block_m); 0: the entry for the rows per expert.
         sorted_persistent: CUDA: the sorted path's GEMMs as persistent programs, "loop" or "flat"
             (KernelOptions.moe_sorted_persistent); "": one program a tile.
-        sorted_ws: CUDA: the sorted path's GEMMs warp-specialized, "down" or "both" (KernelOptions.moe_sorted_ws).
         the rest: as fused_moe.
 
     Returns:
@@ -151,7 +149,7 @@ def routed_moe(
 
         return impl(
             **args, route_in_up_max_tokens=route_in_up_max_tokens, sorted_block_m=sorted_block_m,
-            sorted_persistent=sorted_persistent, sorted_ws=sorted_ws, pdl=pdl,
+            sorted_persistent=sorted_persistent, pdl=pdl,
             prefill_gemm=prefill_gemm,
         )  # fmt: skip
     return naive.routed_moe(**args)

@@ -87,7 +87,7 @@ def _up_kernel(
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
     QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr, W_DESC: tl.constexpr, PERSISTENT: tl.constexpr,
-    FLATTEN: tl.constexpr, ACT_SORTED: tl.constexpr, X_DESC: tl.constexpr, WS: tl.constexpr,
+    FLATTEN: tl.constexpr, ACT_SORTED: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n] = silu(x @ gate^T) * (x @ up^T) for one block of pairs of one expert and one
     BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e].
@@ -109,10 +109,7 @@ def _up_kernel(
     tile's first loads are in flight while the tile before it ends (sm_90, Triton 3.6: 224 KB of
     shared memory and 255 registers at the 8k tiles, against 192 KB and 168 / 183 one program a tile).
     ACT_SORTED: act's rows in the sorted list's order (row r of row block r // BLOCK_M; padding rows
-    unwritten) instead of by pair, so that the down GEMM reads whole row blocks through TMA.
-    X_DESC: hidden is a TMA descriptor of x gathered into the sorted order (gather_sorted_rows: row r
-    the token of sorted pair r) with [BLOCK_M, BLOCK_K] boxes: no gather in the K loop, so WS (with
-    W_DESC, one program a tile) can split it between a TMA producer and consumer warp groups."""
+    unwritten) instead of by pair, so that the down GEMM reads whole row blocks through TMA."""
     pdl_wait(USE_PDL)
     if PERSISTENT:
         n_blocks = tl.cdiv(INTER, BLOCK_N)
@@ -127,7 +124,7 @@ def _up_kernel(
                 hidden, w13, w_desc, act, sorted_ids, block_expert, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs,
                 w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, real // n_blocks, real % n_blocks,
                 HIDDEN, INTER, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT,
-                W_DESC, ACT_SORTED, X_DESC, False,
+                W_DESC, ACT_SORTED,
             )  # fmt: skip
     else:
         pid_m, pid_n = _block_ids(N_MAJOR)
@@ -136,7 +133,6 @@ def _up_kernel(
                 hidden, w13, w_desc, act, sorted_ids, block_expert, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs,
                 w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n, HIDDEN, INTER, TOPK,
                 BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT, W_DESC, ACT_SORTED,
-                X_DESC, WS,
             )  # fmt: skip
 
 
@@ -146,8 +142,7 @@ def _up_tile(
     s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n, HIDDEN: tl.constexpr, INTER: tl.constexpr,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr,
-    QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr, ACT_SORTED: tl.constexpr, X_DESC: tl.constexpr,
-    WS: tl.constexpr,
+    QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr, ACT_SORTED: tl.constexpr,
 ):  # fmt: skip
     """_up_kernel's tile (row block pid_m, N slice pid_n)."""
     rows = tl.arange(0, BLOCK_M)
@@ -158,8 +153,7 @@ def _up_tile(
     n_ok = n < INTER
     k = tl.arange(0, BLOCK_K)
     token = (pair // TOPK).to(tl.int64)
-    if not X_DESC:
-        a_ptr = hidden + token[:, None] * s_ht + k[None, :]
+    a_ptr = hidden + token[:, None] * s_ht + k[None, :]
     g_ptr = w13 + e.to(tl.int64) * s_we + n[None, :] * s_wn + k[:, None]
     u_ptr = g_ptr + INTER * s_wn
     n_sc = tl.minimum(n, INTER - 1)
@@ -169,11 +163,9 @@ def _up_tile(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     w_row = e * (2 * INTER) + pid_n * BLOCK_N
-    for k0 in tl.range(0, HIDDEN, BLOCK_K, warp_specialize=WS):
+    for k0 in range(0, HIDDEN, BLOCK_K):
         k_ok = k0 + k < HIDDEN
-        if X_DESC:  # the row block whole (its padding rows feed only rows the store masks)
-            a = hidden.load([pid_m * BLOCK_M, k0])
-        elif HIDDEN % BLOCK_K == 0:
+        if HIDDEN % BLOCK_K == 0:
             a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -196,8 +188,7 @@ def _up_tile(
         else:
             acc_g = tl.dot(a, g, acc_g)
             acc_u = tl.dot(a, u, acc_u)
-        if not X_DESC:
-            a_ptr += BLOCK_K
+        a_ptr += BLOCK_K
         g_ptr += BLOCK_K
         u_ptr += BLOCK_K
     if LORA_RANK > 0:
@@ -218,7 +209,7 @@ def _down_kernel(
     INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
     QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr, W_DESC: tl.constexpr, PERSISTENT: tl.constexpr,
-    FLATTEN: tl.constexpr, A_DESC: tl.constexpr, WS: tl.constexpr,
+    FLATTEN: tl.constexpr, A_DESC: tl.constexpr,
 ):  # fmt: skip
     """y[pair, n] = weight[pair] * (act[pair] @ w2[e, n]^T (+ the pair's low-rank delta, lora_b
     [G, HIDDEN, LORA_RANK], as _up_kernel's)) for one block of sorted pairs. FP8: act quantized per
@@ -226,10 +217,7 @@ def _down_kernel(
     shrink read the unquantized act); without QUANT_ACT act as it is, as _up_kernel's W8A16. N_MAJOR
     and W_DESC (w2 as [E * HIDDEN, INTER]), PERSISTENT and FLATTEN as _up_kernel's. A_DESC: act is a
     TMA descriptor of the activations in sorted order (_up_kernel's ACT_SORTED; bf16, no low-rank
-    addition) with [BLOCK_M, BLOCK_K] boxes: each row block read whole, no gather. WS (A_DESC and
-    W_DESC, one program a tile): the K loop warp-specialized, TMA loads in a producer partition and the
-    dots in consumer warp groups, handing stages over by barriers (Triton's automatic warp
-    specialization; it splits no loop whose loads are gathers by pointer)."""
+    addition) with [BLOCK_M, BLOCK_K] boxes: each row block read whole, no gather."""
     pdl_wait(USE_PDL)
     if PERSISTENT:
         n_blocks = tl.cdiv(HIDDEN, BLOCK_N)
@@ -244,7 +232,7 @@ def _down_kernel(
                 act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp,
                 act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, real // n_blocks,
                 real % n_blocks, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK,
-                QUANT_ACT, W_DESC, A_DESC, False,
+                QUANT_ACT, W_DESC, A_DESC,
             )  # fmt: skip
     else:
         pid_m, pid_n = _block_ids(N_MAJOR)
@@ -253,7 +241,7 @@ def _down_kernel(
                 act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp,
                 act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n,
                 HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT, W_DESC,
-                A_DESC, WS,
+                A_DESC,
             )  # fmt: skip
 
 
@@ -263,7 +251,7 @@ def _down_tile(
     w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n, HIDDEN: tl.constexpr,
     INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr,
-    QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr, A_DESC: tl.constexpr, WS: tl.constexpr,
+    QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr, A_DESC: tl.constexpr,
 ):  # fmt: skip
     """_down_kernel's tile (row block pid_m, N slice pid_n)."""
     e = tl.maximum(tl.load(block_expert + pid_m), 0)  # as _up_tile's
@@ -279,7 +267,7 @@ def _down_tile(
     bs_ptr = w_scale + e.to(tl.int64) * s_se + (tl.minimum(n, HIDDEN - 1) // SCALE_N) * s_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     w_row = e * HIDDEN + pid_n * BLOCK_N
-    for k0 in tl.range(0, INTER, BLOCK_K, warp_specialize=WS):
+    for k0 in range(0, INTER, BLOCK_K):
         k_ok = k0 + k < INTER
         if A_DESC:  # the row block whole (its padding rows feed only rows the store masks)
             a = act.load([pid_m * BLOCK_M, k0])
@@ -376,34 +364,6 @@ def _converted_dot(a, w):
     return tl.dot(a, w.to(a.dtype))
 
 
-@triton.jit
-def _gather_rows_kernel(
-    x, sorted_ids, out, num_padded, num_pairs, s_xt, s_or, HIDDEN: tl.constexpr, TOPK: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """out[r] = x[sorted_ids[r] // TOPK] for ROWS sorted positions r under num_padded; padding rows
-    (no pair) and rows past num_padded stay unwritten (they feed only rows a GEMM's store masks)."""
-    pdl_wait(USE_PDL)
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    pair = tl.load(sorted_ids + r, mask=r < tl.load(num_padded), other=-1)
-    ok = (pair >= 0) & (pair < num_pairs)
-    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = ok[:, None] & (h < HIDDEN)[None, :]
-    src = x + (tl.where(ok, pair, 0) // TOPK).to(tl.int64)[:, None] * s_xt + h[None, :]
-    tl.store(out + r.to(tl.int64)[:, None] * s_or + h[None, :], tl.load(src, mask=mask), mask=mask)
-
-
-def gather_sorted_rows(x, sorted_ids, num_padded, num_pairs: int, top_k: int, rows: int, pdl: bool) -> torch.Tensor:
-    """x's rows in the sorted order: [rows, H], row r the token of sorted pair r (unwritten where no pair)."""
-    out = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(x.shape[1]))
-    _gather_rows_kernel[(triton.cdiv(rows, 16), triton.cdiv(x.shape[1], block))](
-        x, sorted_ids, out, num_padded, num_pairs, x.stride(0), out.stride(0), HIDDEN=x.shape[1], TOPK=top_k,
-        ROWS=16, BLOCK=block, num_warps=8, **pdl_launch(x, pdl),
-    )  # fmt: skip
-    return out
-
-
 def moe_sorted(
     hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=(None, None),
     deltas=None, quantize_acts=True, grouped=False,
@@ -453,19 +413,12 @@ def moe_sorted(
         max_blocks, triton.cdiv(inter, up["block_n"]), cfg.get("n_major", False), per_sm, info.num_sms
     )
     up_desc = _weight_desc(w13, up["block_n"], up["block_k"]) if tma else w13
-    # up_ws (bf16, no deltas): x gathered into the sorted order first, so the up GEMM reads it through TMA
-    up_ws = cfg.get("up_ws", False) and tma and not fp8 and deltas is None and per_sm == 0
-    up_ws = up_ws and (hidden_size * hidden.element_size()) % 16 == 0
-    s_x = x.stride(0)
-    if up_ws:
-        gathered = gather_sorted_rows(x, sorted_ids, num_padded, num_pairs, top_k, max_blocks * block_m, pdl)
-        x = _row_desc(gathered, block_m, up["block_k"])
     _up_kernel[grid](
-        x, w13, up_desc, act, sorted_ids, block_expert, num_padded, num_pairs, s_x, w13.stride(0),
+        x, w13, up_desc, act, sorted_ids, block_expert, num_padded, num_pairs, x.stride(0), w13.stride(0),
         w13.stride(1), act.stride(0), x_scale, x_scale.stride(0), *up_sc[:3], *up_lora[:6], HIDDEN=hidden_size,
         INTER=inter, TOPK=top_k, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up_k, FP8=fp8, SCALE_N=up_sc[4],
         SCALE_K=up_sc[3], GROUP=ACT_GROUP, LORA_RANK=up_lora[6], QUANT_ACT=quant, N_MAJOR=n_major, W_DESC=tma,
-        PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat", ACT_SORTED=a_tma, X_DESC=up_ws, WS=up_ws,
+        PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat", ACT_SORTED=a_tma,
         num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl_launch(hidden, pdl),
     )  # fmt: skip
     down_lora = low_rank_args(None if deltas is None else deltas.low_rank_down(act), act)
@@ -483,7 +436,6 @@ def moe_sorted(
         HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m, BLOCK_N=down["block_n"], BLOCK_K=down_k, FP8=fp8,
         SCALE_N=down_sc[4], SCALE_K=down_sc[3], GROUP=ACT_GROUP, LORA_RANK=down_lora[6], QUANT_ACT=quant,
         N_MAJOR=n_major, W_DESC=tma, PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat", A_DESC=a_tma,
-        WS=cfg.get("down_ws", False) and a_tma and tma and per_sm == 0,
         num_warps=down["num_warps"], num_stages=down["num_stages"],
         **pdl_launch(act, pdl),
     )  # fmt: skip

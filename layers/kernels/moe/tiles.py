@@ -97,7 +97,7 @@ FLAT_SMEM = 32 * 1024
 
 def sorted_config(
     num_pairs: int, num_experts: int, elem: int, info: DeviceInfo, fp8: bool = False, block_m: int = 0,
-    quantized_acts: bool = True, persistent: str = "", ws: str = "",
+    quantized_acts: bool = True, persistent: str = "",
 ) -> dict:  # fmt: skip
     """The sorted path's tiles for this device: block_m, n_major (the grid's program order:
     sorted._grid), w_tma (bf16 experts' weights through TMA descriptors), a_tma (the activations in
@@ -108,12 +108,7 @@ def sorted_config(
     one 128-column scale group; each pipeline as deep as fits (quantized_acts False: the activations keep `elem`
     bytes, and the weights converted for the dot take one more unpipelined buffer). block_m: the
     entry with these tile rows (0: the entry for the mean rows per expert). persistent: "loop" or
-    "flat", the GEMMs as persistent programs looping over tiles (sorted._grid); "": the entry's.
-    ws (bf16): "down" (down_ws: the down GEMM's K loop split between a TMA producer and consumer warp
-    groups; Triton 3.6 specializes a 4-warp loop on sm_90, not an 8-warp one) with the a_tma and w_tma
-    it needs, its tile's num_warps 4 (two consumer groups of 4 and the producer: 12 warps); "both": the
-    up GEMM too (up_ws: x gathered into the sorted order first). Not with persistent GEMMs (their tile
-    loops do not specialize)."""
+    "flat", the GEMMs as persistent programs looping over tiles (sorted._grid); "": the entry's."""
     if info.is_interpreter:
         tiles = dict(block_n=16, block_k=16, num_warps=4, num_stages=1)
         return dict(block_m=16, up=tiles, down=dict(tiles), persistent=persistent)
@@ -147,8 +142,4 @@ def sorted_config(
             per_stage = elem * block_k * (block_m + operands * block_n)
             stages = stages_that_fit(stages, per_stage, fixed, info)
         cfg[name] = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
-    if ws and not fp8:
-        cfg.update(a_tma=True, w_tma=True, down_ws=True, up_ws=ws == "both")
-        for name in ("down", "up") if ws == "both" else ("down",):
-            cfg[name]["num_warps"] = 4
     return cfg
