@@ -133,27 +133,56 @@ def recorded_pass(
     projections and experts in block FP8, as `quantization="fp8"` loads them): a fresh prompt of
     `prefill` tokens with its usual captures, or a decode step of `decode` rows (on `adapters`
     distinct rank-16 adapters), under these kernel options (default: the defaults)."""
-    import triton.runtime.jit as jit
-
     from deltaserve.layers.config import Fp8Scheme
 
     config = preset_config(preset)
     if fp8:
         config = dataclasses.replace(config, quantization=Fp8Scheme())
+    if prefill:
+        plan, sizes = prefill_pass(prefill, fresh_prompt_captures(prefill))
+    else:
+        plan, sizes = decode_pass(decode, adapters)
+    return recorded_plan(config, plan, sizes, prepare=with_adapters(0 if prefill else adapters), kernels=kernels)
+
+
+def recorded_plan(config, plan, sizes, *, prepare=None, kernels: KernelOptions | None = None) -> list[Launch]:
+    """The distinct Triton launches of one eager pass of `plan` at `config`'s shape (fake tensors on an
+    "H200": bench/launches.py's fake_pass)."""
+    import triton.runtime.jit as jit
+
     seen: dict[Launch, None] = {}
 
     def run(self, *args, grid, warmup=False, **kwargs):
         seen.setdefault(record(self, args, kwargs))
 
-    if prefill:
-        plan, sizes = prefill_pass(prefill, fresh_prompt_captures(prefill))
-    else:
-        plan, sizes = decode_pass(decode, adapters)
     recording = contextlib.ExitStack()
     recording.enter_context(h200_pickers())
     recording.enter_context(mock.patch.object(jit.JITFunction, "run", run))
-    fake_pass(config, plan, sizes, recording, prepare=with_adapters(0 if prefill else adapters), kernels=kernels)
+    fake_pass(config, plan, sizes, recording, prepare=prepare, kernels=kernels)
     return list(seen)
+
+
+def warmup_coverage(preset: str, *, fp8: bool, slots: int, totals: tuple[int, ...]) -> dict[int, list[str]]:
+    """The Triton variants a short mixed pass (a decode row beside a prompt chunk, `total` tokens) would
+    launch that no start-up warm-up batch fitting a `slots`-slot pool launches (they would compile on
+    a user's request), by total; empty lists: covered."""
+    from deltaserve.layers.config import Fp8Scheme
+    from deltaserve.workers.plan import PoolSizes
+    from deltaserve.workers.warmup import WARMUP_BATCHES, warmup_fits, warmup_plan
+
+    config = preset_config(preset)
+    if fp8:
+        config = dataclasses.replace(config, quantization=Fp8Scheme())
+    sizes = PoolSizes(num_blocks=1024, block_size=16, num_slots=slots)
+    warm: set[Launch] = set()
+    for streams in WARMUP_BATCHES:
+        if warmup_fits(streams, 2048, sizes):
+            warm |= set(recorded_plan(config, warmup_plan(streams, 16), sizes))
+    out = {}
+    for total in totals:
+        launched = recorded_plan(config, warmup_plan(((100, 1), (0, total - 1)), 16), sizes)
+        out[total] = sorted({f"{m.name}{dict(m.constexprs)}" for m in launched if m not in warm})
+    return out
 
 
 def _cuobjdump() -> str:
@@ -191,13 +220,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapters", type=int, default=0, help="decode rows on this many distinct LoRA adapters")
     p.add_argument("--allow-spills", default="", help="kernels whose spills are known (comma list): exit 0 on them")
     p.add_argument(
+        "--warmup-coverage",
+        type=int,
+        metavar="SLOTS",
+        default=0,
+        help="instead: whether the start-up warm-up (batches fitting SLOTS state slots) launches every variant "
+        "short mixed passes of 5 to 128 tokens do; exit 1 naming those it misses",
+    )
+    p.add_argument(
         "--options", default="", help='kernel options of the passes, "name=value,..." (KernelOptions fields)'
     )
     args = p.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)
+    if args.warmup_coverage:
+        totals = (5, 8, 13, 16, 21, 32, 57, 64, 99, 128)
+        gaps = warmup_coverage(args.preset, fp8=args.fp8, slots=args.warmup_coverage, totals=totals)
+        for total, missing in gaps.items():
+            print(f"mixed pass of {total:4d} tokens: {'covered' if not missing else 'MISSES ' + '; '.join(missing)}")
+        return 1 if any(gaps.values()) else 0
     settings = dict(pair.split("=", 1) for pair in args.options.split(",") if pair)
     kernels = KernelOptions().with_settings(settings)
     allowed = {name for name in args.allow_spills.split(",") if name}
-    os.environ.pop("TRITON_INTERPRET", None)
     passes = [(f"prefill {n}", dict(prefill=n)) for n in args.prefill]
     passes += [(f"decode {n}", dict(decode=n)) for n in args.decode]
     spilled = 0

@@ -4,6 +4,10 @@ and the runner runs all of them on a scratch pool (here on CPU, with a tiny mode
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -120,6 +124,21 @@ def test_warmup_reaches_the_split_prefill_attention():
             width = max(-(-(c + n) // 16) for c, n in prefill) * 16
             splits.append(ta._prefill_splits(programs, width, h200))
     assert max(splits) > 1
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_warmup_launches_every_variant_of_short_mixed_passes_in_few_slots(fp8):
+    """An engine of few sequences captures no decode graph past its batch, so its short mixed passes
+    (a decode row beside a prompt chunk) meet token-count classes only the warm-up reaches: at
+    Qwen3.5-35B-A3B's shape on an "H200" (launches recorded on fake tensors, `bench.sm90
+    --warmup-coverage`, in a child process without TRITON_INTERPRET), every Triton variant a pass of
+    5 to 128 tokens launches is launched by a warm-up batch that fits a 3-slot pool (the FP8 run at
+    03df658 compiled a 16-row skinny GEMM mid-run, at batch 8)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, "-m", "deltaserve.bench.sm90", "--warmup-coverage", "3", *(["--fp8"] if fp8 else [])]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert done.stdout.count("covered") == 10, done.stdout[-2000:]
 
 
 def test_late_compile_log_records_and_warns(caplog):

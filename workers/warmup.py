@@ -53,6 +53,11 @@ WARMUP_BATCHES = (
     tuple((20 + i, 1) for i in range(16)) + ((0, 77),),  # 16 decode rows and a short prompt
     ((0, 2100), (0, 2100), (0, 2100)),  # several long prompts: the GDN chunk kernels' third variant
     ((3000, 64),),  # a prefix-cache hit's few tokens over a long context: split-K attention and its merge
+    # a decode row beside a short prompt, at each token-count class small mixed passes fall in, in two
+    # slots (an engine of few sequences captures no decode graph that reaches them): the skinny GEMM's
+    # 16-row tiles (5..16 rows), the MoE align's pair blocks (a power of two: 128 / 256 / 512 / 1,024
+    # pairs), the sorted path's row blocks, the W8A8 GEMM's rows (17..127), each as a multiple of 16 and not
+    *(((30, 1), (0, total - 1)) for total in (5, 12, 16, 24, 32, 40, 64, 100, 128)),
 )
 
 # warm-up batches (by row count) that also run with captures: one per chunk-kernel variant they pick
