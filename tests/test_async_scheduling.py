@@ -201,14 +201,13 @@ def test_same_passes_and_bit_identical_outputs_when_nothing_stops_early(tiny_che
     for mode in (False, True):
         core = engine(path, mode, max_num_batched_tokens=budget)
         seen = passes[mode] = []
-        name = "execute_async" if mode else "execute"
-        launch = getattr(core.executor, name)
+        launch = core.executor.execute_async  # both modes launch through it (the sync step then waits)
 
         def spy(plan, launch=launch, seen=seen):
             seen.append((list(plan.req_ids), plan.query_start_loc.tolist()))
             return launch(plan)
 
-        setattr(core.executor, name, spy)
+        core.executor.execute_async = spy
         results[mode] = [summary(o) for o in run(core, requests)]
         assert_pools_full(core)
         assert core.scheduler.stats.num_discarded_tokens == 0
@@ -269,16 +268,13 @@ def test_decode_inputs_come_from_the_device(tiny_checkpoints):
     for mode in (False, True):
         core = engine(path, mode)
         plans = []
-        launch = core.executor.execute_async if mode else core.executor.execute
+        launch = core.executor.execute_async  # both modes launch through it
 
         def spy(plan, launch=launch, plans=plans):
             plans.append(plan)
             return launch(plan)
 
-        if mode:
-            core.executor.execute_async = spy
-        else:
-            core.executor.execute = spy
+        core.executor.execute_async = spy
         run(core, [("a", prompts()[4], params), ("b", prompts()[2], params)])
         from_device = [p for p in plans if p.input_from_prev is not None and (p.input_from_prev >= 0).any()]
         assert bool(from_device) is mode

@@ -164,6 +164,33 @@ def test_hit_after_preemption(tiny_checkpoints):
     assert on.engine.blocks.num_free == on.engine.blocks.capacity
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_plans_blocks_are_indexed_after_its_launch(tiny_checkpoints, async_scheduling):
+    """A prompt's full blocks enter the page index once its pass is launched (that host work overlaps
+    the pass), not while the plan is built, and before the next plan: a request arriving after the
+    first pass was launched hits the blocks it computed."""
+    path, _ = tiny_checkpoints["qwen3_5"]
+    llm = LLM(str(path), max_num_batched_tokens=64, prefix_snapshot_interval=32, async_scheduling=async_scheduling)
+    engine, cache = llm.engine, llm.engine.blocks.cache
+    indexed_at_launch = []
+    launch = engine.executor.execute_async
+
+    def spy(plan):
+        indexed_at_launch.append(cache.num_cached)
+        handle = launch(plan)
+        return handle
+
+    engine.executor.execute_async = spy
+    prefix = ids(80, seed=41)
+    engine.add_request("first", prefix + [5], SamplingParams(temperature=0, max_tokens=2))
+    engine.step()  # the first 64 tokens' pass: four full blocks of 16
+    assert indexed_at_launch == [0] and cache.num_cached == 4
+    engine.add_request("second", prefix[:64] + [7, 8], SamplingParams(temperature=0, max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.requests == {} and engine.prefix_cache_stats()["hit_tokens"] == 64
+
+
 def test_small_snapshot_pool_under_many_prefixes_keeps_serving(tiny_checkpoints):
     path, _ = tiny_checkpoints["qwen3_5_moe"]
     on = LLM(str(path), max_num_seqs=4, num_prefix_snapshots=3, prefix_snapshot_interval=16, num_kv_blocks=64)

@@ -357,7 +357,9 @@ class EngineCore:
         if plan is None:
             return outputs
         try:
-            result = self.executor.execute(plan)
+            handle = self.executor.execute_async(plan)
+            self.scheduler.register_planned_blocks()  # host work while the pass runs
+            result = handle.result()
         except WorkerFailure as e:
             return outputs + self._on_worker_failure(e)
         return outputs + self._apply(plan, result)
@@ -372,6 +374,7 @@ class EngineCore:
                 launched = InFlightPass(plan, self.executor.execute_async(plan))
             except WorkerFailure as e:
                 return outputs + self._on_worker_failure(e)
+            self.scheduler.register_planned_blocks()  # host work while the pass runs
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             # then wait for pass N's tokens and turn them into outputs while pass N+1 runs

@@ -90,6 +90,9 @@ class Scheduler:
         # plan's restores and page copies
         self.prefix = prefix if prefix is not None and prefix.enabled else None
         self._pending_saves: list[tuple[int, Snapshot]] = []
+        # rows of the last plan whose newly computed full blocks are not yet in the page index: the
+        # engine indexes them once the plan is launched (register_planned_blocks), while the pass runs
+        self._unregistered: list[Request] = []
         self._restores: list[tuple[int, int]] = []
         self._page_copies: list[tuple[int, int]] = []
         self.waiting: deque[Request] = deque()
@@ -372,6 +375,7 @@ class Scheduler:
 
     # ---- one pass ----------------------------------------------------------------------------
     def schedule(self) -> PassPlan | None:
+        self.register_planned_blocks()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         self._restores, self._page_copies = [], []
@@ -758,10 +762,22 @@ class Scheduler:
                 j += 1
         self._rows_in_flight[plan.pass_id] = [r for r, _ in rows]
         if self.prefix is not None:
-            for req, _ in rows:
-                self._register_blocks(req)
+            self._unregistered = [req for req, _ in rows]
             self.prefix.snapshots.unpin_all()
         return plan
+
+    def register_planned_blocks(self) -> None:
+        """Index the full blocks the last plan computes (their hashes are chained over every token
+        before them: ~1 us a block in Python, so thousands for a long prompt). The engine calls it once
+        the plan is launched, so that the work overlaps the pass; `schedule` calls it first in case
+        nothing did, since the next plan may hit these blocks. A request that finished or was
+        preempted meanwhile is skipped: its pages are no longer its own."""
+        pending, self._unregistered = self._unregistered, []
+        if self.prefix is None:
+            return
+        for req in pending:
+            if req.status is RequestStatus.RUNNING:
+                self._register_blocks(req)
 
     @staticmethod
     def _spec(req: Request):
