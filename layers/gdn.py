@@ -321,9 +321,15 @@ class GatedDeltaNet(nn.Module):
                 use_qk_l2norm=True,
                 captures=ctx.midchunk_capture,
                 variant=ctx.kernels.gdn_chunk_variant,
+                norm_gate=z[num_decode:],  # the output norm inside the chunked op's last kernel
+                norm_weight=self.norm_weight,
+                norm_eps=self.eps,
             )
-        core = join_rows(core_decode, core_prefill)
-        return norm_kernels.gated_rms_norm(x=core, gate=z, weight=self.norm_weight, eps=self.eps, pdl=ctx.kernels.pdl)
+        if core_decode is not None:
+            core_decode = norm_kernels.gated_rms_norm(
+                x=core_decode, gate=z[:num_decode], weight=self.norm_weight, eps=self.eps, pdl=ctx.kernels.pdl
+            )
+        return join_rows(core_decode, core_prefill)
 
     # ---- speculative decoding -----------------------------------------------------------------
     def verify_buffers(self, rows: int, length: int, device: torch.device | str, dtype: torch.dtype) -> dict:

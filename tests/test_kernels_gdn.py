@@ -160,6 +160,45 @@ def test_chunk_half_precision(nan_fill, variant):
         assert rel_err(got, want) < 5e-3
 
 
+@pytest.mark.parametrize("variant", ["fused", "split32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_chunk_with_output_norm(nan_fill, variant, dtype):
+    """norm_gate / norm_weight: the op's output is the GDN output norm of its o (the split design runs
+    it inside its output kernel, over V in blocks; the fused ones run the norm kernel after), against
+    the reference op followed by the reference norm. The gate is a strided [T, Hv, V] view of a wider
+    projection, as the layer passes z; V = 80 takes two 64-column blocks of the output kernel, the second partial; 101
+    tokens: the second chunk partial, rows past a sequence's end never stored."""
+    from deltaserve.layers.kernels import norm as norm_ops
+    from deltaserve.layers.kernels.gdn import chunk_gated_delta_rule
+
+    torch.manual_seed(7)
+    bounds = [0, 37, 101]
+    q, k, v, g, beta = make_inputs(bounds[-1], 1, 3, 12, 80, dtype=dtype)
+    proj = torch.randn(bounds[-1], 3 * 80 + 7, device=DEVICE).to(dtype)
+    z = proj[:, 5 : 5 + 3 * 80].view(bounds[-1], 3, 80)
+    assert not z.is_contiguous()
+    weight = (1 + 0.3 * torch.randn(80, device=DEVICE)).to(dtype)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    pool = torch.randn(3, 3, 12, 80, device=DEVICE)
+    slots = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    has_init = torch.tensor([True, False], device=DEVICE)
+    args = (q, k, v, g, beta, cu_seqlens, pool, slots, has_init)
+    raw, ref_pool, _ = run_chunk(naive.chunk_gated_delta_rule, *args)
+    ref = norm_ops.naive.gated_rms_norm(x=raw, gate=z, weight=weight, eps=1e-6)
+    norm = dict(norm_gate=z, norm_weight=weight, norm_eps=1e-6)
+    out, out_pool, _ = run_chunk(chunk_module.chunk_gated_delta_rule, *args, variant=variant, **norm)
+    assert out.dtype == dtype and out.shape == ref.shape
+    tol = TOL if dtype == torch.float32 else 1e-2
+    assert rel_err(out, ref) < tol
+    assert rel_err(out_pool, ref_pool) < tol
+    # the public op on the CPU: the reference and the reference norm; a gate without weight is refused
+    if DEVICE == "cpu":
+        got, _, _ = run_chunk(chunk_gated_delta_rule, *args, **norm)
+        assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match="norm_weight"):
+        run_chunk(chunk_gated_delta_rule, *args, norm_gate=z)
+
+
 # the recurrent variants' code paths: bv32 the two-pass update with strided addressing, bv32_1p the
 # one-pass update with row strides, bv64w8_1p the same at 64 columns a program (warps: GPU only).
 # Under the interpreter the one-pass update's two-operand reduction runs element by element, so the
@@ -414,6 +453,32 @@ def test_chunk_bf16_real_shapes(nan_fill, variant):
         assert got.shape == want.shape
         if want.numel():
             assert rel_err(got, want) < BF16_TOL
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("variant", [None, "fused", "split32"])
+def test_chunk_output_norm_bf16_real_shapes(nan_fill, variant):
+    """The output norm fused into the op at the 35B shape (128-column V: two output blocks), z a
+    strided view as in the layer: against the reference op and norm."""
+    from deltaserve.layers.kernels.norm import naive as norm_naive
+
+    torch.manual_seed(6)
+    bounds = [0, 1000, 2049]
+    q, k, v, g, beta = make_inputs(bounds[-1], 16, 32, 128, 128, dtype=torch.bfloat16)
+    proj = torch.randn(bounds[-1], 32 * 128 + 64, device=DEVICE, dtype=torch.bfloat16)
+    z = proj[:, : 32 * 128].view(bounds[-1], 32, 128)
+    weight = (1 + 0.2 * torch.randn(128, device=DEVICE)).to(torch.bfloat16)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    pool = torch.randn(2, 32, 128, 128, device=DEVICE) * 0.1
+    slots = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    has_init = torch.tensor([True, True], device=DEVICE)
+    args = (q, k, v, g, beta, cu_seqlens, pool, slots, has_init)
+    raw, _, _ = run_chunk(naive.chunk_gated_delta_rule, *args)
+    ref = norm_naive.gated_rms_norm(x=raw, gate=z, weight=weight, eps=1e-6)
+    norm = dict(norm_gate=z, norm_weight=weight, norm_eps=1e-6)
+    out, _, _ = run_chunk(chunk_module.chunk_gated_delta_rule, *args, variant=variant, **norm)
+    assert rel_err(out, ref) < BF16_TOL
 
 
 @pytest.mark.gpu

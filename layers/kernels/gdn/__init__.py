@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..norm import naive as norm_naive
 from . import naive
 from .fixed_captures import FixedCaptures
 from .state import StateCaptures, VerifyTable
@@ -38,6 +39,9 @@ def chunk_gated_delta_rule(
     chunk_states_out: list[torch.Tensor] | None = None,
     captures: StateCaptures | FixedCaptures | None = None,
     variant: str = "",
+    norm_gate: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
 ) -> torch.Tensor:
     """The chunked gated delta rule over varlen sequences (prefill); updates their pool slots in place.
 
@@ -53,20 +57,28 @@ def chunk_gated_delta_rule(
             FixedCaptures: the same from device tensors of fixed shapes (a CUDA graph's).
         variant: CUDA: the sequential part's design (chunk.VARIANTS: "fused", "fused_pf",
             "split32"); empty: chunk.pick_variant's choice by the shapes.
+        norm_gate, norm_weight: the GDN output norm as well (norm.gated_rms_norm of o with this gate
+            [T, Hv, V], token rows strided allowed, and weight [V], eps norm_eps); CUDA: inside the
+            output kernel of the split design.
 
     Returns:
-        o: [T, Hv, V] in v's dtype. CUDA: no host sync (unless chunk_states_out).
+        o: [T, Hv, V] in v's dtype (normed with norm_gate). CUDA: no host sync (unless chunk_states_out).
     """
     args = dict(
         q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, state_pool=state_pool, state_slots=state_slots,
         has_initial_state=has_initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
         chunk_states_out=chunk_states_out, captures=captures,
     )  # fmt: skip
+    if norm_gate is not None and norm_weight is None:
+        raise ValueError("chunk_gated_delta_rule: norm_gate needs norm_weight")
     if q.is_cuda:
         from .chunk import chunk_gated_delta_rule as impl
 
-        return impl(**args, variant=variant or None)
-    return naive.chunk_gated_delta_rule(**args)
+        return impl(**args, variant=variant or None, norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)
+    out = naive.chunk_gated_delta_rule(**args)
+    if norm_gate is None:
+        return out
+    return norm_naive.gated_rms_norm(x=out, gate=norm_gate, weight=norm_weight, eps=norm_eps)
 
 
 def fused_recurrent_gated_delta_rule(

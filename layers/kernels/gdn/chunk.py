@@ -36,6 +36,7 @@ import torch
 import triton
 
 from ..device import DeviceInfo, device_info, stages_that_fit
+from ..norm.triton_norm import gated_rms_norm
 from .advance import advance_within_chunks
 from .chunk_prepare import _intra_kernel, _solve_kernel
 from .chunk_state import _output_kernel, _recur_kernel, _state_kernel
@@ -121,12 +122,14 @@ def _resolve_variant(variant, num_seqs: int, num_v_heads: int, value_dim: int, i
 def chunk_gated_delta_rule(
     *, q, k, v, g, beta, cu_seqlens, state_pool, state_slots, has_initial_state, scale=None, use_qk_l2norm=True,
     chunk_size=CHUNK, chunk_states_out=None, variant=None, captures: StateCaptures | FixedCaptures | None = None,
+    norm_gate=None, norm_weight=None, norm_eps=1e-6,
 ) -> torch.Tensor:  # fmt: skip
     """gdn.chunk_gated_delta_rule (chunks of 64 only). variant: a VARIANTS name or a ChunkVariant;
     None: pick_variant's. captures: the sequential kernel stores the state after the chunks they name
     (one int per chunk); a capture inside a chunk is that chunk's first tokens replayed on the
     kernels' own intermediates (advance.py; state.py; FixedCaptures: the same from device tensors,
-    fixed_captures.py); no host sync."""
+    fixed_captures.py); no host sync. norm_gate / norm_weight: the GDN output norm too, inside the
+    split design's output kernel (the fused designs run the norm kernel after)."""
     if chunk_size != CHUNK:
         raise ValueError(f"chunk_size must be {CHUNK}, got {chunk_size}")
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
@@ -158,6 +161,8 @@ def chunk_gated_delta_rule(
     chunk_states = None
     if chunk_states_out is not None:
         chunk_states = torch.empty((max_chunks, num_v_heads, key_dim, value_dim), dtype=torch.float32, device=device)
+    if norm_gate is not None:
+        assert norm_gate.shape == out.shape and norm_gate.stride(-1) == 1 and norm_weight is not None, "norm_gate"
     if num_seqs == 0:
         return out
     prepared = capture_arg = None
@@ -209,13 +214,16 @@ def chunk_gated_delta_rule(
             STORE_CHUNK_STATES=chunk_states is not None, STORE_CAPTURE=capture_arg is not None,
             num_warps=seq_warps, num_stages=stages,
         )  # fmt: skip
+        gated = norm_gate is not None
+        z = norm_gate if gated else out
         _output_kernel[(max_chunks, num_v_heads)](
-            q, k, gcum, rnorm, h, u, out, cu_seqlens, num_seqs, scale, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1),
+            q, k, gcum, rnorm, h, u, out, z, norm_weight if gated else out, cu_seqlens, num_seqs, scale, norm_eps,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), z.stride(0), z.stride(1),
             HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BK=bk, BV=min(cfg.out_block_v, bv_all), BT=CHUNK,
-            BLOCK_N=BLOCK_N, L2NORM=use_qk_l2norm,
+            BLOCK_N=BLOCK_N, L2NORM=use_qk_l2norm, GATED=gated,
             num_warps=cfg.out_warps, num_stages=2,
         )  # fmt: skip
+        norm_gate = None  # applied
     else:
         _state_kernel[seq_grid](
             q, w, u, kd, scores, qscale, gcum, out, cs_arg, cap_arg, state_pool,
@@ -245,6 +253,8 @@ def chunk_gated_delta_rule(
         for count in counts:
             chunk_states_out.append(chunk_states[start : start + count])
             start += count
+    if norm_gate is not None:  # the fused designs: the norm kernel
+        out = gated_rms_norm(x=out, gate=norm_gate, weight=norm_weight, eps=norm_eps, pdl=False)
     return out
 
 

@@ -174,12 +174,17 @@ def _recur_kernel(
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_seqs", "cu_seqlens"])
 def _output_kernel(
-    q, k, gcum, rnorm, h, v_new, o, cu_seqlens, num_seqs, scale, stride_qt, stride_qh, stride_kt, stride_kh,
-    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BT: tl.constexpr, BLOCK_N: tl.constexpr, L2NORM: tl.constexpr,
+    q, k, gcum, rnorm, h, v_new, o, gate, norm_weight, cu_seqlens, num_seqs, scale, eps, stride_qt, stride_qh,
+    stride_kt, stride_kh, stride_zt, stride_zh, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
+    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
+    L2NORM: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     """The split design's output, parallel over (chunk, value head):
-    o = qscale (q h) + (q k^T * causal decay, norms and scale folded in) v_new, over V in BV blocks."""
+    o = qscale (q h) + (q k^T * causal decay, norms and scale folded in) v_new, over V in BV blocks.
+    GATED: then the GDN output norm of each (token, head) row in place, weight * rms_norm(o) *
+    silu(gate) (gate [T, HV, V] of strides stride_zt, stride_zh), o rounded to its dtype first as the
+    norm kernel reads it: the rows' squares are summed over the V blocks, which are read back (this
+    program's own stores, from L1 / L2) and scaled, so o never makes a trip to memory and back."""
     i_c = tl.program_id(0)
     hv = tl.program_id(1)
     n, c = locate_chunk(cu_seqlens, num_seqs, i_c, BT, BLOCK_N)
@@ -211,6 +216,8 @@ def _output_kernel(
     b_sc = (tl.dot(b_q, tl.trans(b_k)) * decay * scale_q[:, None] * scale_k[None, :]).to(dt)
     b_qs = scale_q * tl.exp(b_gc)
     p_h = h + (i_c * HV + hv).to(tl.int64) * (K * V) + o_k[:, None] * V
+    p_o = o + row * V + o_t[:, None] * (HV * V)
+    squares = tl.zeros([BT], dtype=tl.float32)
     for vp in range(0, V, BV):
         o_v = vp + tl.arange(0, BV)
         m_v = o_v < V
@@ -218,5 +225,21 @@ def _output_kernel(
         b_h = tl.load(p_h + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_v = tl.load(v_new + row * V + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0)
         out = tl.dot(b_q, b_h) * b_qs[:, None]
-        out = tl.dot(b_sc, b_v, out)
-        tl.store(o + row * V + o_t[:, None] * (HV * V) + o_v[None, :], out.to(o.dtype.element_ty), mask=m_tv)
+        out = tl.dot(b_sc, b_v, out).to(o.dtype.element_ty)
+        tl.store(p_o + o_v[None, :], out, mask=m_tv)
+        if GATED:
+            out32 = out.to(tl.float32)
+            squares += tl.sum(out32 * out32, 1)
+    if GATED:
+        inv = tl.rsqrt(squares / V + eps)
+        tl.debug_barrier()  # the blocks stored above are read back by other threads
+        p_z = gate + (t0 + o_t).to(tl.int64)[:, None] * stride_zt + hv * stride_zh
+        for vp in range(0, V, BV):
+            o_v = vp + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            x = tl.load(p_o + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            z = tl.load(p_z + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            wn = tl.load(norm_weight + o_v, mask=m_v, other=0.0).to(tl.float32)
+            y = wn[None, :] * (x * inv[:, None]) * (z * tl.sigmoid(z))
+            tl.store(p_o + o_v[None, :], y.to(o.dtype.element_ty), mask=m_tv)
