@@ -107,6 +107,10 @@ CHUNK_VARIANTS: dict[str, ChunkVariant] = {
     "split64": ChunkVariant(split=True, block_v=64, num_warps=4),
     "split64w8": ChunkVariant(split=True, block_v=64, num_warps=8),
     "split32_o128": ChunkVariant(split=True, block_v=32, num_warps=4, out_block_v=128, out_warps=8),
+    # the parallel kernels' warps: the solve's substitution chains and the matmul kernel (split32 else)
+    "split32_s2": ChunkVariant(split=True, block_v=32, num_warps=4, solve_warps=2),
+    "split32_s4": ChunkVariant(split=True, block_v=32, num_warps=4, solve_warps=4),
+    "split32_i4": ChunkVariant(split=True, block_v=32, num_warps=4, intra_warps=4),
 }
 # the recurrent kernel's: "bv32" is the first design (H200: 75% of copy bandwidth at N=64), "bv64_1p"
 # the default (recurrent.DEFAULT_VARIANT)
@@ -215,7 +219,7 @@ def _chunk_cases(num_tokens: int, fla_chunk) -> list[Case]:
 # the chunk kernel at prompt sizes up to 2k from CUDA graphs (as prefill graphs run it), to place
 # chunk.SPLIT_MIN_TOKENS_PER_SEQ: eager calls of ~0.2 ms time the host as much as the kernels
 GRAPHED_CHUNK_MAX_TOKENS = 2048
-GRAPHED_CHUNK_VARIANTS = ("fused", "fused_pf", "split32", "split64")
+GRAPHED_CHUNK_VARIANTS = ("fused", "fused_pf", "split32", "split64", "split32_s2", "split32_s4", "split32_i4")
 
 
 def _split_prefill_case(total: int = 16384, chunk: int = 2048) -> Case:

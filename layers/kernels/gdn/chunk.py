@@ -67,6 +67,8 @@ class ChunkVariant:
         wrapper lowers it until the tiles fit in shared memory.
     prefetch: fused only; fetch the chunk's qscale and decay one chunk ahead.
     out_block_v, out_warps: split only; the output kernel's V block and warps.
+    solve_warps, intra_warps: the per-chunk solve kernel's and matmul kernel's warps (latency-bound
+        programs: the solve's forward substitution is one warp's dependent chain at 1).
     """
 
     split: bool = True
@@ -76,6 +78,8 @@ class ChunkVariant:
     prefetch: bool = True
     out_block_v: int = 64
     out_warps: int = 4
+    solve_warps: int = 1
+    intra_warps: int = 8
 
 
 VARIANTS = {
@@ -183,14 +187,14 @@ def chunk_gated_delta_rule(
         k.stride(0), k.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         HV=num_v_heads, GROUP=group, K=key_dim, BKP=min(32, bk), BT=CHUNK, BC=SUB, BLOCK_N=BLOCK_N,
         L2NORM=use_qk_l2norm, PRECISION="ieee" if dt == torch.float32 else "tf32",
-        num_warps=1, num_stages=1,
+        num_warps=cfg.solve_warps, num_stages=1,
     )  # fmt: skip
     _intra_kernel[(max_chunks, num_v_heads)](
         q, k, v, beta, cu_seqlens, gcum, rnorm, y, w, u, kd, scores, qscale, num_seqs, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0), beta.stride(1),
         HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BKP=min(64, bk), BVP=min(64, bv_all), BT=CHUNK, BC=SUB,
         BLOCK_N=BLOCK_N, L2NORM=use_qk_l2norm, FUSED=not cfg.split,
-        num_warps=8, num_stages=2,
+        num_warps=cfg.intra_warps, num_stages=2,
     )  # fmt: skip
     bv = min(cfg.block_v or 64, bv_all)
     if not cfg.block_v:  # narrower V-blocks when there are too few (sequence, head) pairs to fill the GPU
