@@ -519,17 +519,51 @@ def cases() -> list[Case]:
     return out
 
 
+def norm_ab(tokens: list[int]) -> None:
+    """The chunked op with the GDN output norm inside (norm_gate: the split design's output kernel)
+    against the op followed by the norm kernel, one sequence of each length, z a strided view of an
+    in_proj-wide tensor as in the layer; us a call (median) and the largest difference."""
+    import triton.testing
+
+    for num_tokens in tokens:
+        q, k, v, g, beta = _inputs(num_tokens)
+        proj = torch.randn(num_tokens, IN_PROJ_WIDTH, device="cuda", dtype=torch.bfloat16)
+        z = proj[:, 2 * HK * K + HV * V : 2 * HK * K + 2 * HV * V].unflatten(-1, (HV, V))
+        weight = (1 + 0.2 * torch.randn(V, device="cuda")).to(torch.bfloat16)
+        pool = torch.randn(4, HV, K, V, device="cuda") * 0.1
+        kw = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=torch.tensor([0, num_tokens], dtype=torch.int32,
+                  device="cuda"), state_pool=pool, state_slots=torch.tensor([2], dtype=torch.int32, device="cuda"),
+                  has_initial_state=torch.tensor([True], device="cuda"))  # fmt: skip
+
+        def fused(kw=kw, z=z, weight=weight):
+            return chunk_gated_delta_rule(**kw, norm_gate=z, norm_weight=weight, norm_eps=1e-6)
+
+        def apart(kw=kw, z=z, weight=weight):
+            o = chunk_gated_delta_rule(**kw)
+            return triton_norm.gated_rms_norm(x=o, gate=z, weight=weight, eps=1e-6, pdl=False)
+
+        diff = (fused().float() - apart().float()).abs().max().item()
+        ms_fused = triton.testing.do_bench(fused, rep=100, return_mode="median")
+        ms_apart = triton.testing.do_bench(apart, rep=100, return_mode="median")
+        print(f"gdn_chunk+norm T={num_tokens}: inside {ms_fused * 1e3:8.1f} us  apart {ms_apart * 1e3:8.1f} us "
+              f"({ms_apart / ms_fused:.3f}x)  max diff {diff:.1e}", flush=True)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """The CUDA-graph rows only, in microseconds per call."""
     import triton.testing
 
     parser = argparse.ArgumentParser(description="GDN gating, raw-gate decode, fused decode step: CUDA graphs")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--norm", default="", help="instead: norm_ab at these token counts (comma list)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
     torch.manual_seed(0)
+    if args.norm:
+        norm_ab([int(t) for t in args.norm.split(",")])
+        return 0
     print(f"device: {torch.cuda.get_device_name()}  ({GRAPH_CALLS} calls per CUDA graph, median of replays)")
     rows = []
     for case in gate_cases():
