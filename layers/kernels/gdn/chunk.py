@@ -67,8 +67,8 @@ class ChunkVariant:
         wrapper lowers it until the tiles fit in shared memory.
     prefetch: fused only; fetch the chunk's qscale and decay one chunk ahead.
     out_block_v, out_warps: split only; the output kernel's V block and warps.
-    solve_warps, intra_warps: the per-chunk solve kernel's and matmul kernel's warps (latency-bound
-        programs: the solve's forward substitution is one warp's dependent chain at 1).
+    solve_warps, intra_warps: the per-chunk solve kernel's and matmul kernel's warps (more solve warps
+        replicate its 16 x 16 tiles rather than split them: slower on the H100, gdn/NOTES.md).
     """
 
     split: bool = True
@@ -227,7 +227,6 @@ def chunk_gated_delta_rule(
             BLOCK_N=BLOCK_N, L2NORM=use_qk_l2norm, GATED=gated,
             num_warps=cfg.out_warps, num_stages=2,
         )  # fmt: skip
-        norm_gate = None  # applied
     else:
         _state_kernel[seq_grid](
             q, w, u, kd, scores, qscale, gcum, out, cs_arg, cap_arg, state_pool,
@@ -257,7 +256,7 @@ def chunk_gated_delta_rule(
         for count in counts:
             chunk_states_out.append(chunk_states[start : start + count])
             start += count
-    if norm_gate is not None:  # the fused designs: the norm kernel
+    if norm_gate is not None and not cfg.split:  # the fused designs: the norm kernel (split: in _output_kernel)
         out = gated_rms_norm(x=out, gate=norm_gate, weight=norm_weight, eps=norm_eps, pdl=False)
     return out
 
