@@ -75,6 +75,10 @@ def _place_kernel(
     ec_ok = ec < num_experts
     fill_from = tl.load(offsets + ec, mask=ec_ok, other=0) + tl.load(counts + ec, mask=ec_ok, other=0)
     fill_to = tl.load(offsets + ec + 1, mask=ec_ok, other=0)
+    # the [CHUNK_E] counts are replicated across the program's threads: without the barrier the thread
+    # that stores an expert's zero may run before another loads its count (that thread's padding then
+    # starts at the expert's first row and overwrites placed pairs; seen on the GPU from ~200k pairs)
+    tl.debug_barrier()
     tl.store(counts + ec, tl.zeros_like(ec), mask=ec_ok)
     pad = fill_from[:, None] + tl.arange(0, BLOCK_M)[None, :]
     tl.store(sorted_ids + pad, tl.zeros_like(pad) + num_pairs, mask=ec_ok[:, None] & (pad < fill_to[:, None]))
