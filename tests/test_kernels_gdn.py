@@ -62,7 +62,11 @@ def run_chunk(impl, q, k, v, g, beta, cu_seqlens, pool, slots, has_init, **kw):
 # A ChunkVariant instance also stands for a named variant: the fused design at block_v 16 (with the
 # V = 40 cases below, several V-blocks and a partial one; the named fused designs take V = 40 in one
 # block of 64 except when the grid is small, split32 in two of 32)
-CHUNK_VARIANTS = [*chunk_module.VARIANTS, chunk_module.ChunkVariant(split=False, block_v=16)]
+CHUNK_VARIANTS = [
+    *chunk_module.VARIANTS,
+    chunk_module.ChunkVariant(split=False, block_v=16),
+    chunk_module.ChunkVariant(split=True, block_v=16, transposed=True),  # the state transposed, V in 3 blocks
+]
 
 # The interpreter's cost is about one program of the solve kernel per (chunk, value head), whatever
 # the shape: the cases keep the chunk count small and still cover every branch of the kernels
@@ -136,7 +140,7 @@ def test_chunk_matches_naive(nan_fill, case, variant):
             assert rel_err(got, want) < TOL
 
 
-@pytest.mark.parametrize("variant", ["fused", "split32"])
+@pytest.mark.parametrize("variant", ["fused", "split32", chunk_module.ChunkVariant(block_v=16, transposed=True)])
 def test_chunk_half_precision(nan_fill, variant):
     """The 16-bit path (matmul operands and scratch in the inputs' dtype). float16 stands in for
     bf16, whose matmuls the interpreter cannot run. Two key heads of two value heads each (hv //

@@ -63,7 +63,13 @@ BOUNDS = [0, 1, 71]
 CAPTURES = [(0, 0), (0, 1), (1, 0), (1, 1), (1, 64), (1, 66), (1, 69), (1, 70)]
 
 
-@pytest.mark.parametrize("impl, l2norm", [("naive", True), ("fused", True), ("split32", True), ("split32", False)])
+# the split design with its state held transposed (chunk_state._recur_t_kernel)
+TRANSPOSED = chunk_module.ChunkVariant(split=True, block_v=32, num_warps=4, transposed=True)
+
+
+@pytest.mark.parametrize(
+    "impl, l2norm", [("naive", True), ("fused", True), ("split32", True), ("split32", False), (TRANSPOSED, True)]
+)
 def test_chunk_captures_match_the_prefix_state(nan_fill, impl, l2norm):
     torch.manual_seed(0)
     q, k, v, g, beta = inputs(BOUNDS[-1])
@@ -94,7 +100,7 @@ def test_chunk_captures_match_the_prefix_state(nan_fill, impl, l2norm):
         assert rel_err(pool[num_seqs + i], want) < TOL, (n, off)
 
 
-@pytest.mark.parametrize("impl", ["fused", "split32"])
+@pytest.mark.parametrize("impl", ["fused", "split32", TRANSPOSED])
 def test_replays_over_value_blocks_and_head_groups(nan_fill, impl):
     """Replays of 1, 17 and 63 tokens (the longest a chunk leaves) from boundary states, on value
     heads sharing key heads and over two value blocks of the replay kernel (V = 40), and captures
