@@ -242,6 +242,8 @@ def _topk_kernel(
         tl.store(orow + k, tl.where(k < n, k, -1).to(tl.int32), mask=k < K)
         return
     tl.store(orow + k, tl.full([BLOCK_K], -1, tl.int32), mask=k < K)
+    # the scatters below store the same slots from other threads (other tensor shapes): the fill first
+    tl.debug_barrier()
     if n <= PAIR:  # a short row: each score's rank from all pairs at once
         i = tl.arange(0, PAIR)
         key = _sort_key(tl.load(row + i, mask=i < n, other=float("-inf")))
