@@ -140,7 +140,10 @@ def test_chunk_matches_naive(nan_fill, case, variant):
             assert rel_err(got, want) < TOL
 
 
-@pytest.mark.parametrize("variant", ["fused", "split32", chunk_module.ChunkVariant(block_v=16, transposed=True)])
+HALF_VARIANTS = ["fused", "split32", chunk_module.ChunkVariant(block_v=16, transposed=True)]
+
+
+@pytest.mark.parametrize("variant", [*HALF_VARIANTS, chunk_module.ChunkVariant(block_v=16, pairs=True)])
 def test_chunk_half_precision(nan_fill, variant):
     """The 16-bit path (matmul operands and scratch in the inputs' dtype). float16 stands in for
     bf16, whose matmuls the interpreter cannot run. Two key heads of two value heads each (hv //
@@ -487,7 +490,7 @@ def test_chunk_output_norm_bf16_real_shapes(nan_fill, variant):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", ["fused", "fused_pf", "split32"])
+@pytest.mark.parametrize("variant", ["fused", "fused_pf", "split32", "split32p"])
 def test_chunk_captures_bf16_real_shapes(nan_fill, variant):
     """Prefix-cache captures at the model's shapes in bf16: stores after chunks (the sequential walks'
     one-offset-tensor stores) and replays inside them (advance.py's wgmma dots at K = V = 128), two

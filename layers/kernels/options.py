@@ -157,8 +157,9 @@ class KernelOptions:
         default="",
         metadata={
             "env": "DELTASERVE_GDN_CHUNK_VARIANT",
-            "help": "the chunked GDN prefill's design (fused, fused_pf, split32); empty: by the shapes",
-            "choices": ("", "fused", "fused_pf", "split32"),
+            "help": "the chunked GDN prefill's design (fused, fused_pf, split32, split32p: two chunks a step); "
+            "empty: by the shapes",
+            "choices": ("", "fused", "fused_pf", "split32", "split32p"),
         },
     )
 

@@ -38,6 +38,7 @@ import triton
 from ..device import DeviceInfo, device_info, stages_that_fit
 from ..norm.triton_norm import gated_rms_norm
 from .advance import advance_within_chunks
+from .chunk_pairs import _pair_merge_kernel, _recur_pairs_kernel
 from .chunk_prepare import _intra_kernel, _solve_kernel
 from .chunk_state import _output_kernel, _recur_kernel, _recur_t_kernel, _state_kernel
 from .fixed_captures import FixedCaptures
@@ -56,7 +57,8 @@ def _contiguous_last(x: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class ChunkVariant:
     """How the sequential part runs; `chunk_gated_delta_rule(variant=...)` takes one of these or a name
-    from VARIANTS (those pick_variant chooses); bench/kernels_gdn.py times others beside them.
+    from VARIANTS (those pick_variant chooses, and split32p by name); bench/kernels_gdn.py times others
+    beside them.
 
     split: True for _recur_kernel + _output_kernel, False for the fused _state_kernel.
     block_v: V columns per sequential program; 0 picks 64, halved to 32 while the grid has fewer
@@ -71,6 +73,8 @@ class ChunkVariant:
         replicate its 16 x 16 tiles rather than split them: slower on the H100, gdn/NOTES.md).
     transposed: split only; the sequential kernel holds the state transposed (_recur_t_kernel: both
         matmuls' left operands from registers, no shared-memory trip in the chain).
+    pairs: split only; the walk takes two chunks a step (chunk_pairs.py: each pair's second chunk's
+        w and u merged first, in parallel), half the dependent steps of twice the rows.
     """
 
     split: bool = True
@@ -83,6 +87,7 @@ class ChunkVariant:
     solve_warps: int = 1
     intra_warps: int = 8
     transposed: bool = False
+    pairs: bool = False
 
 
 VARIANTS = {
@@ -92,6 +97,9 @@ VARIANTS = {
     "fused_pf": ChunkVariant(split=False, num_stages=3, prefetch=True),
     # the split design (few, long sequences)
     "split32": ChunkVariant(split=True, block_v=32, num_warps=4),
+    # named only (KernelOptions.gdn_chunk_variant; the picker never takes it): the split design two
+    # chunks a step (chunk_pairs.py; 8 warps: 168 registers on sm_90, 4 spill)
+    "split32p": ChunkVariant(split=True, block_v=32, num_warps=8, num_stages=2, pairs=True),
 }
 
 # From CUDA graphs on the H200 (0a1f871, `bench kernels --only gdn --match "gdn_chunk[graph]"`), one
@@ -210,11 +218,18 @@ def chunk_gated_delta_rule(
     # shared memory of the sequential loop (estimates above what sm_90 builds allocate): per stage its
     # tiles (split: w, k, u; fused: w, q, kd, scores, u), besides the state and v_new matmul operands
     esize = w.element_size()
-    fixed = esize * (bk + CHUNK) * bv + 8192
-    per_stage = esize * CHUNK * ((2 if cfg.split else 3) * bk + bv + (0 if cfg.split else CHUNK))
+    rows = 2 * CHUNK if cfg.split and cfg.pairs else CHUNK  # a step's rows
+    fixed = esize * (bk + rows) * bv + 8192
+    per_stage = esize * rows * ((2 if cfg.split else 3) * bk + bv + (0 if cfg.split else CHUNK))
     stages = stages_that_fit(cfg.num_stages, per_stage, fixed, info)
+    if cfg.split and cfg.pairs:  # each pair's second chunk's w and u merged over the first's
+        _pair_merge_kernel[(max_chunks, num_v_heads)](
+            k, w, u, qscale, gcum, cu_seqlens, num_seqs, k.stride(0), k.stride(1),
+            HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BK=bk, BV=min(64, bv_all), BT=CHUNK,
+            BLOCK_N=BLOCK_N, num_warps=4, num_stages=1,
+        )  # fmt: skip
     if cfg.split:
-        recur = _recur_t_kernel if cfg.transposed else _recur_kernel
+        recur = _recur_pairs_kernel if cfg.pairs else _recur_t_kernel if cfg.transposed else _recur_kernel
         recur[seq_grid](
             k, w, u, qscale, gcum, h, cs_arg, cap_arg, state_pool, cu_seqlens, state_slots, has_initial_state,
             num_seqs, k.stride(0), k.stride(1), state_pool.stride(0),
