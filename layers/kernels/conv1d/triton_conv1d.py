@@ -51,7 +51,8 @@ def _conv_rows(
     for j in tl.static_range(W):
         src = pos - (W - 1) + j
         tap = tl.load(weight + o_c * stride_wc + j, mask=m_c, other=0.0).to(tl.float32)
-        xin = tl.load(p_x + src[:, None] * stride_xt, mask=m & (src >= 0)[:, None], other=0.0).to(tl.float32)
+        xin = tl.load(p_x + src.to(tl.int64)[:, None] * stride_xt, mask=m & (src >= 0)[:, None], other=0.0)
+        xin = xin.to(tl.float32)
         if p_s is not None:
             win_m = m & ((src < 0) & (src >= win_lo))[:, None]
             xin += tl.load(p_s + (src + W - 1)[:, None] * stride_sw, mask=win_m, other=0.0).to(tl.float32)
@@ -77,16 +78,19 @@ def _conv_varlen_kernel(
     p_x = x + bos.to(tl.int64) * stride_xt + o_c[None, :]
     p_y = y + bos.to(tl.int64) * stride_yt + o_c[None, :]
 
-    # rows whose taps all lie inside the sequence (the first W - 1 positions are done below)
+    # rows whose taps all lie inside the sequence (the first W - 1 positions are done below); a position
+    # times the row stride in int64 (past 2^31 from ~174k tokens of one sequence at the 35B in_proj's width)
     pos = c * BT + tl.arange(0, BT)
     if SAVE_X:  # a copy of this chunk's inputs (L1 / L2 hits: the taps below read the same rows)
         m_all = (pos < seqlen)[:, None] & m_c[None, :]
-        rows = tl.load(p_x + pos[:, None] * stride_xt, mask=m_all)
+        rows = tl.load(p_x + pos.to(tl.int64)[:, None] * stride_xt, mask=m_all)
         tl.store(saved + (bos + pos).to(tl.int64)[:, None] * stride_st + o_c[None, :], rows, mask=m_all)
     m_t = (pos < seqlen) & (pos >= W - 1)
     acc = _conv_rows(p_x, None, weight, bias, o_c, m_c, pos, m_t, stride_xt, 0, stride_wc, 0, W, HAS_BIAS)
     tl.store(
-        p_y + pos[:, None] * stride_yt, _activate(acc, SILU).to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :]
+        p_y + pos.to(tl.int64)[:, None] * stride_yt,
+        _activate(acc, SILU).to(y.dtype.element_ty),
+        mask=m_t[:, None] & m_c[None, :],
     )
 
     if c == 0:
@@ -108,7 +112,8 @@ def _conv_varlen_kernel(
             # new window i = input at position seqlen - (W - 1) + i: from x, or from the old window for short sequences
             src = seqlen - (W - 1) + o_w
             m_w = (o_w < W - 1)[:, None] & m_c[None, :]
-            new = tl.load(p_x + src[:, None] * stride_xt, mask=m_w & (src >= 0)[:, None], other=0.0).to(tl.float32)
+            new = tl.load(p_x + src.to(tl.int64)[:, None] * stride_xt, mask=m_w & (src >= 0)[:, None], other=0.0)
+            new = new.to(tl.float32)
             win_m = m_w & ((src < 0) & (src >= win_lo))[:, None]
             new += tl.load(p_s + (src + W - 1)[:, None] * stride_sw, mask=win_m, other=0.0).to(tl.float32)
             tl.debug_barrier()  # every thread has read the old window before it is overwritten

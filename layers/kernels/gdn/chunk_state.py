@@ -100,7 +100,7 @@ def _state_kernel(
         )
         state = state * decay + tl.dot(b_kd, v_new)
         if STORE_CHUNK_STATES:
-            tl.store(p_cs + c * (HV * K * V), state, mask=m_kv)
+            tl.store(p_cs + tl.cast(c, tl.int64) * (HV * K * V), state, mask=m_kv)
         if STORE_CAPTURE:  # a prefix-cache snapshot of the state after this chunk (gdn/state.py)
             dst = tl.load(capture + first + c).to(tl.int64)
             if dst >= 0:
@@ -148,7 +148,7 @@ def _recur_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         row = t0.to(tl.int64) * HV + hv
         b_s = state.to(dt)
-        tl.store(p_h + c * (HV * K * V), b_s, mask=m_kv)
+        tl.store(p_h + tl.cast(c, tl.int64) * (HV * K * V), b_s, mask=m_kv)
         b_w = tl.load(w + row * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
         p_u = u + row * V + o_t[:, None] * (HV * V) + o_v[None, :]
         v_new = tl.load(p_u, mask=m_tv, other=0.0).to(tl.float32) - tl.dot(b_w, b_s)
@@ -157,7 +157,7 @@ def _recur_kernel(
         v_scaled = (v_new * b_ks_next[:, None]).to(dt)
         state = state * tl.exp(g_last_next) + tl.dot(tl.trans(b_k), v_scaled)
         if STORE_CHUNK_STATES:
-            tl.store(p_cs + c * (HV * K * V), state, mask=m_kv)
+            tl.store(p_cs + tl.cast(c, tl.int64) * (HV * K * V), state, mask=m_kv)
         if STORE_CAPTURE:  # a prefix-cache snapshot of the state after this chunk (gdn/state.py)
             dst = tl.load(capture + first + c).to(tl.int64)
             if dst >= 0:
@@ -207,7 +207,7 @@ def _recur_t_kernel(
         m_vt = m_v[:, None] & m_t[None, :]
         row = t0.to(tl.int64) * HV + hv
         b_s = state.to(dt)
-        tl.store(p_h + c * (HV * K * V), b_s, mask=m_vk)
+        tl.store(p_h + tl.cast(c, tl.int64) * (HV * K * V), b_s, mask=m_vk)
         b_w = tl.load(w + row * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
         p_u = u + row * V + o_v[:, None] + o_t[None, :] * (HV * V)  # u^T: [BV, BT]
         v_new = tl.load(p_u, mask=m_vt, other=0.0).to(tl.float32) - tl.dot(b_s, tl.trans(b_w))
@@ -216,7 +216,7 @@ def _recur_t_kernel(
         v_scaled = (v_new * b_ks_next[None, :]).to(dt)
         state = state * tl.exp(g_last_next) + tl.dot(v_scaled, b_k)
         if STORE_CHUNK_STATES:
-            tl.store(p_cs + c * (HV * K * V), state, mask=m_vk)
+            tl.store(p_cs + tl.cast(c, tl.int64) * (HV * K * V), state, mask=m_vk)
         if STORE_CAPTURE:  # a prefix-cache snapshot of the state after this chunk (gdn/state.py)
             dst = tl.load(capture + first + c).to(tl.int64)
             if dst >= 0:

@@ -100,7 +100,7 @@ def _emit(acc, m, n, n_ld, M, N, s_om, out, bias, part, pid_k, SPLIT_K: tl.const
         tl.store(out + m.to(tl.int64)[:, None] * s_om + n[None, :], acc.to(out.dtype.element_ty), mask=mask)
     else:
         # M and N may be specialised constants (value 1): no .to on them
-        offset = pid_k.to(tl.int64) * (M * N) + m.to(tl.int64)[:, None] * N + n[None, :]
+        offset = pid_k.to(tl.int64) * M * N + m.to(tl.int64)[:, None] * N + n[None, :]
         tl.store(part + offset, acc, mask=mask)
 
 
@@ -221,7 +221,9 @@ def _linear_body(
             p_mask = (m < M)[:, None] & (n < N)[None, :]
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in tl.static_range(SPLIT_K):
-                total += tl.load(part + s * (M * N) + p_off, mask=p_mask, other=0.0, cache_modifier=".cg")
+                total += tl.load(
+                    part + tl.cast(s, tl.int64) * M * N + p_off, mask=p_mask, other=0.0, cache_modifier=".cg"
+                )
             _emit(total, m, n, n_ld, M, N, s_om, out, bias, part, pid_k, 1, HAS_BIAS)
             tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
 
@@ -234,7 +236,7 @@ def _reduce_kernel(
     """out[m, n] = sum over s in order of part[s, m, n] (+ bias[n]): the "pass" split-K reduction."""
     pdl_wait(USE_PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    size = M * N
+    size = tl.cast(M, tl.int64) * N  # M and N may be specialised constants: no .to on them
     ok = i < size
     total = tl.zeros([BLOCK], tl.float32)
     for s in tl.static_range(SPLIT_K):

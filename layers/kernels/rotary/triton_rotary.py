@@ -30,7 +30,8 @@ def _qk_norm_rope_kernel(
     WRITE_KV: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # int64: a row times the qkv projection's stride passes 2^31 from ~233k tokens a pass
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     h = tl.program_id(1)
     t_ok = t < num_tokens
     is_q = h < num_q_heads
