@@ -176,3 +176,27 @@ def test_varlen_and_update_bf16_real_shapes(nan_fill):
         err = (got.float() - want.float()).abs()
         assert bool((err <= 2**-7 * want.float().abs() + 1e-3).all()), err.max()
     assert torch.equal(out_pool, ref_pool)
+
+
+@pytest.mark.gpu
+@gpu
+def test_varlen_rows_past_2_31_elements_of_the_projection():
+    """One 180,000-token sequence read from the 35B GDN in_proj's output (rows of 12,352, the conv's 8,192
+    channels first): a position times the row stride passes 2^31 from row 173,857, so 32-bit offsets
+    read another row there. Rows around and past it against the direct sum of their taps (and the
+    updated window against the last inputs)."""
+    tokens, width, channels = 180_000, 12_352, 8192
+    proj = torch.randn(tokens, width, device=DEVICE, dtype=torch.bfloat16)
+    x = proj[:, :channels]
+    weight = 0.3 * torch.randn(channels, 4, device=DEVICE, dtype=torch.bfloat16)
+    pool = torch.zeros(2, channels, 3, device=DEVICE, dtype=torch.bfloat16)
+    y = triton_conv1d.causal_conv1d_varlen(
+        x=x, weight=weight, bias=None, cu_seqlens=torch.tensor([0, tokens], dtype=torch.int32, device=DEVICE),
+        conv_state_pool=pool, state_slots=torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        has_initial_state=torch.zeros(1, dtype=torch.bool, device=DEVICE),
+    )  # fmt: skip
+    for row in (100, 173_856, 173_857, 173_860, 179_999):
+        taps = x[row - 3 : row + 1].float()
+        want = torch.nn.functional.silu((taps.t() * weight.float()).sum(1))
+        assert (y[row].float() - want).abs().max() < 0.05, row
+    assert torch.equal(pool[0], x[-3:].t())

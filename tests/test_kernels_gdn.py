@@ -439,7 +439,7 @@ BF16_TOL = 2e-2  # bf16 operands: the reference runs in float32 on the same bf16
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", [None, *ALL_CHUNK_VARIANTS.values()])
+@pytest.mark.parametrize("variant", [None, *ALL_CHUNK_VARIANTS.values()], ids=["default", *ALL_CHUNK_VARIANTS])
 def test_chunk_bf16_real_shapes(nan_fill, variant):
     torch.manual_seed(4)
     bounds = [0, 777, 2048, 2048, 2049, 3000]  # odd lengths, an empty and a 1-token sequence

@@ -111,3 +111,23 @@ def test_writes_fp8_kv_cache(device, nan_fill, block_t):
     written = torch.zeros(16, dtype=torch.bool, device=device)
     written[[0, 5, 14]] = True
     assert (flat_k[~written].float() == 7.0).all() and (flat_v[~written].float() == 7.0).all()
+
+
+@pytest.mark.gpu
+def test_rows_past_2_31_elements_of_the_projection(device):
+    """240,000 tokens of q / k read as views of the fused qkv output (rows of 9,216, the 35B attention's):
+    a token times the row stride passes 2^31 from token 233,017. The rows past it equal the same rows
+    normed and rotated alone (small offsets)."""
+    tokens, d = 240_000, 256
+    qkv = torch.randn(tokens, 9216, device=device, dtype=torch.bfloat16)
+    q = qkv[:, :8192].view(tokens, 16, 2 * d)[..., :d]
+    k = qkv[:, 8192:8704].view(tokens, 2, d)
+    w = 0.1 * torch.randn(d, device=device, dtype=torch.bfloat16)
+    positions = torch.arange(tokens, device=device)
+    kwargs = dict(q_weight=w, k_weight=w, eps=1e-6, rotary_dim=64, theta=1e7)
+    out_q, out_k = tr.qk_norm_rope(q=q, k=k, positions=positions, **kwargs)
+    for start in (1000, 233_000, 239_872):
+        rows = slice(start, start + 128)
+        alone_q, alone_k = tr.qk_norm_rope(q=q[rows], k=k[rows], positions=positions[rows], **kwargs)
+        assert torch.equal(out_q[rows], alone_q), start
+        assert torch.equal(out_k[rows], alone_k), start
