@@ -89,6 +89,13 @@ CHUNK_CASES = {
     "no_l2norm": dict(
         bounds=[0, 94], heads=(2, 2), dims=(16, 40), l2norm=False, scale=0.3, has_init=[False], packed=False,
     ),
+    # slow decays (g a hundredth of the others: ~0.6 of the state left after a chunk) so that the state
+    # and the keys of one chunk shape the next ones' outputs: 3 chunks (a pair and one alone for the
+    # pairs walk) from an initial state, after a 64-token sequence without one
+    "slow_decay": dict(
+        bounds=[0, 64, 230], heads=(1, 2), dims=(16, 24), l2norm=True, scale=None, has_init=[False, True],
+        packed=False, decay=0.01,
+    ),
 }  # fmt: skip
 
 
@@ -103,6 +110,7 @@ def test_chunk_matches_naive(nan_fill, case, variant):
     bounds, (num_k_heads, num_v_heads), (key_dim, value_dim) = c["bounds"], c["heads"], c["dims"]
     num_seqs = len(bounds) - 1
     q, k, v, g, beta = make_inputs(bounds[-1], num_k_heads, num_v_heads, key_dim, value_dim)
+    g = g * c.get("decay", 1.0)
     if not c["l2norm"]:  # keep |k| near 1, as the delta rule needs
         q, k = q * key_dim**-0.5, k * key_dim**-0.5
     if c["packed"]:  # q, k, v as strided views of one projection, as the layer passes them

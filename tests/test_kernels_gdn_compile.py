@@ -79,16 +79,19 @@ def pairs(capture: bool):
     return compile_sm90(chunk_pairs._recur_pairs_kernel, ptrs, consts, num_warps=8, num_stages=2)
 
 
-def merge():
-    """split32p's merge of each pair's second chunk (w, u in place), V in blocks of 64, 4 warps."""
-    ptrs = {"k": BF16, "w": BF16, "u": BF16, "kscale": F32, "gcum": F32, "cu_seqlens": "*i32"}
-    return compile_sm90(chunk_pairs._pair_merge_kernel, ptrs, dict(SHAPE, BV=64, BLOCK_N=64), num_warps=4, num_stages=1)
+def intra_pairs():
+    """split32p's matmul kernel, a pair of chunks a program (the second's w and u merged), 8 warps."""
+    ptrs = {n: BF16 for n in ("k", "v", "y", "w", "u")} | {"beta": BF16, "gcum": F32, "rnorm": F32, "kscale": F32}
+    consts = dict(SHAPE, BVP=64, BC=16, BLOCK_N=64, L2NORM=True)
+    return compile_sm90(
+        chunk_pairs._intra_pairs_kernel, {**ptrs, "cu_seqlens": "*i32"}, consts, num_warps=8, num_stages=1
+    )
 
 
 CASES = [
     (replay, True, "*i32"), (replay, False, "*i32"), (replay, True, "*i64"), (replay, False, "*i64"),
     (recur, True), (recur, False), (fused, False, 32, 4, 2, False), (fused, True, 64, 8, 3, True),
-    (fused, True, 32, 4, 2, False), (fused, False, 64, 8, 3, True), (pairs, True), (pairs, False), (merge,),
+    (fused, True, 32, 4, 2, False), (fused, False, 64, 8, 3, True), (pairs, True), (pairs, False), (intra_pairs,),
 ]  # fmt: skip
 
 if __name__ == "__main__":

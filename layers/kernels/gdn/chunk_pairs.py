@@ -8,8 +8,8 @@ in-chunk decay log, ks: kscale, the key norm and the decay to the chunk end). Su
 
 so both chunks' v_new come from S_a in one 128-row matmul, and the state after the pair is
 exp(G_a + G_b) S_a + [k_a; k_b]^T ([exp(G_b) ks_a; ks_b] [v_a; v_b]): two dependent matmuls a pair
-instead of four. `_pair_merge_kernel` (parallel over chunks) turns each pair's second chunk's w and u
-into w_b' and u_b' in place; `_recur_pairs_kernel` walks the pairs. The state entering the second
+instead of four. `_intra_pairs_kernel` (the matmul kernel a pair of chunks a program) stores w_a, u_a
+and the second chunk's w_b', u_b'; `_recur_pairs_kernel` walks the pairs. The state entering the second
 chunk (h for the output kernel, a capture after the first chunk) is S_b, a matmul beside the chain.
 u_b' and w_b' are rounded to the matmul dtype as w and u are, so the bits differ from the chunk
 walk's by roundings; the reference is naive.py as for every design."""
@@ -19,52 +19,90 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .chunk_prepare import _load_block
 from .chunk_state import _walk_start
 from .varlen import chunks_before, locate_chunk
 
 
-# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
-@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens"])
-def _pair_merge_kernel(
-    k, w, u, kscale, gcum, cu_seqlens, num_seqs, stride_kt, stride_kh, HV: tl.constexpr, GROUP: tl.constexpr,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
+@triton.jit
+def _chunk_rows(
+    k, y, beta, gcum, rnorm, t0, length, hv, stride_kt, stride_kh, stride_bt, stride_bh, HV: tl.constexpr,
+    GROUP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    L2NORM: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk, value head): a sequence's odd chunk b (the second of a pair; its first chunk a is full)
-    becomes w_b' = exp(G_a) w_b - M w_a and u_b' = u_b - M u_a, M = w_b k_a^T diag(ks_a), in place. Even
-    chunks return at once; a program reads its pair's first chunk and writes only its own rows."""
-    n, c = locate_chunk(cu_seqlens, num_seqs, tl.program_id(0), BT, BLOCK_N)
-    if n >= num_seqs or c % 2 == 0:
-        return
-    hv = tl.program_id(1)
-    t_b = tl.load(cu_seqlens + n).to(tl.int32) + c * BT
-    length = tl.load(cu_seqlens + n + 1).to(tl.int32) - t_b
-    t_b = t_b.to(tl.int64)
-    t_a = t_b - BT
-    row_a = t_a * HV + hv
-    row_b = t_b * HV + hv
-    dt = w.dtype.element_ty
+    """One chunk's (rows from t0, `length` tokens from it on, at most BT used) WY inputs for the split
+    design: Y [BT, BT] (lower blocks), the raw keys [BT, BK] in the matmul dtype, w = Y (beta exp(gamma)
+    k / |k|) [BT, BK] float32, beta [BT], kscale [BT] (the key norm and the decay to the chunk end), the
+    chunk's last decay log, the row mask, and the (token, value head) row of its first token."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m_t = o_t < length
     m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    p_w_b = w + row_b * K + o_t[:, None] * (HV * K) + o_k[None, :]
-    b_w_b = tl.load(p_w_b, mask=m_tk, other=0.0)
-    b_w_a = tl.load(w + row_a * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
-    p_k_a = k + t_a * stride_kt + (hv // GROUP) * stride_kh + o_t[:, None] * stride_kt + o_k[None, :]
-    b_k_a = tl.load(p_k_a, mask=m_k[None, :], other=0.0).to(dt)
-    ks_a = tl.load(kscale + row_a + o_t * HV)
-    g_a = tl.load(gcum + row_a + (BT - 1) * HV)
-    m = (tl.dot(b_w_b, tl.trans(b_k_a)) * ks_a[None, :]).to(dt)  # [BT, BT]
-    w_new = tl.exp(g_a) * b_w_b.to(tl.float32) - tl.dot(m, b_w_a)
-    for vp in range(0, V, BV):
-        o_v = vp + tl.arange(0, BV)
+    row = t0 * HV + hv
+    dt = y.dtype.element_ty
+    lower = (o_t[None, :] // BC) <= (o_t[:, None] // BC)
+    b_y = tl.load(y + row * BT + o_t[:, None] * (HV * BT) + o_t[None, :], mask=m_t[:, None] & lower, other=0.0)
+    b_gc = tl.load(gcum + row + o_t * HV, mask=m_t, other=0.0)
+    b_beta = tl.load(beta + t0 * stride_bt + hv * stride_bh + o_t * stride_bt, mask=m_t, other=0.0).to(tl.float32)
+    scale_k = tl.full([BT], 1.0, dtype=tl.float32)
+    if L2NORM:
+        scale_k = tl.load(rnorm + row + o_t * HV, mask=m_t, other=0.0)
+    g_last = tl.sum(tl.where(o_t == tl.minimum(length, BT) - 1, b_gc, 0.0), 0)  # 0 for an empty chunk
+    ks = scale_k * tl.exp(g_last - b_gc)
+    p_k = k + t0 * stride_kt + (hv // GROUP) * stride_kh
+    b_k = _load_block(p_k, o_t, m_t, stride_kt, o_k, m_k).to(dt)
+    b_w = tl.dot(b_y, (b_k.to(tl.float32) * (scale_k * b_beta * tl.exp(b_gc))[:, None]).to(dt))
+    return b_y, b_k, b_w, b_beta, ks, g_last, m_t, row
+
+
+# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens"])
+def _intra_pairs_kernel(
+    k, v, beta, cu_seqlens, gcum, rnorm, y, w, u, kscale, num_seqs, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_bt, stride_bh, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BVP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BLOCK_N: tl.constexpr, L2NORM: tl.constexpr,
+):  # fmt: skip
+    """The split design's matmul kernel (chunk_prepare._intra_kernel) a pair of chunks a program, the pair
+    merged on the way out: w_a, u_a and kscale of both as the chunk kernel stores them, and for the
+    second chunk w_b' = exp(G_a) w_b - M w_a and u_b' = u_b - M u_a with M = w_b k_a^T diag(ks_a) (w_b,
+    u_b rounded to the matmul dtype first, as stored), so the walk's step reads both chunks' rows
+    straight. A sequence's last chunk without a partner is a pair whose second half is empty."""
+    n, p = locate_chunk(cu_seqlens, num_seqs, tl.program_id(0), 2 * BT, BLOCK_N)
+    if n >= num_seqs:
+        return
+    hv = tl.program_id(1)
+    t_a = tl.load(cu_seqlens + n).to(tl.int32) + p * 2 * BT
+    length = tl.load(cu_seqlens + n + 1).to(tl.int32) - t_a  # tokens from the pair's start on
+    t_a = t_a.to(tl.int64)
+    dt = w.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    y_a, k_a, w_a, beta_a, ks_a, g_a, m_a, row_a = _chunk_rows(
+        k, y, beta, gcum, rnorm, t_a, length, hv, stride_kt, stride_kh, stride_bt, stride_bh, HV, GROUP, K, BK, BT,
+        BC, L2NORM,
+    )  # fmt: skip
+    y_b, k_b, w_b, beta_b, ks_b, g_b, m_b, row_b = _chunk_rows(
+        k, y, beta, gcum, rnorm, t_a + BT, length - BT, hv, stride_kt, stride_kh, stride_bt, stride_bh, HV, GROUP, K,
+        BK, BT, BC, L2NORM,
+    )  # fmt: skip
+    tl.store(kscale + row_a + o_t * HV, ks_a, mask=m_a)
+    tl.store(kscale + row_b + o_t * HV, ks_b, mask=m_b)
+    w_a = w_a.to(dt)
+    tl.store(w + row_a * K + o_t[:, None] * (HV * K) + o_k[None, :], w_a, mask=m_a[:, None] & m_k[None, :])
+    w_b = w_b.to(dt)
+    m = (tl.dot(w_b, tl.trans(k_a)) * ks_a[None, :]).to(dt)  # [BT, BT]: second chunk's rows, first's
+    w_b = tl.exp(g_a) * w_b.to(tl.float32) - tl.dot(m, w_a)
+    tl.store(w + row_b * K + o_t[:, None] * (HV * K) + o_k[None, :], w_b.to(dt), mask=m_b[:, None] & m_k[None, :])
+    for vp in range(0, V, BVP):
+        o_v = vp + tl.arange(0, BVP)
         m_v = o_v < V
-        b_u_a = tl.load(u + row_a * V + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_v[None, :], other=0.0)
-        p_u_b = u + row_b * V + o_t[:, None] * (HV * V) + o_v[None, :]
-        b_u_b = tl.load(p_u_b, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        tl.store(p_u_b, (b_u_b - tl.dot(m, b_u_a)).to(dt), mask=m_t[:, None] & m_v[None, :])
-    tl.store(p_w_b, w_new.to(dt), mask=m_tk)  # each element after its own load (it depends on it)
+        b_v = _load_block(v + t_a * stride_vt + hv * stride_vh, o_t, m_a, stride_vt, o_v, m_v).to(tl.float32)
+        u_a = tl.dot(y_a, (b_v * beta_a[:, None]).to(dt)).to(dt)
+        tl.store(u + row_a * V + o_t[:, None] * (HV * V) + o_v[None, :], u_a, mask=m_a[:, None] & m_v[None, :])
+        b_v = _load_block(v + (t_a + BT) * stride_vt + hv * stride_vh, o_t, m_b, stride_vt, o_v, m_v).to(tl.float32)
+        u_b = tl.dot(y_b, (b_v * beta_b[:, None]).to(dt)).to(dt).to(tl.float32) - tl.dot(m, u_a)
+        tl.store(u + row_b * V + o_t[:, None] * (HV * V) + o_v[None, :], u_b.to(dt), mask=m_b[:, None] & m_v[None, :])
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
@@ -75,7 +113,7 @@ def _recur_pairs_kernel(
     V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
     STORE_CHUNK_STATES: tl.constexpr, STORE_CAPTURE: tl.constexpr,
 ):  # fmt: skip
-    """_recur_kernel over pairs of chunks after _pair_merge_kernel: per pair, h of both chunks, v_new of
+    """_recur_kernel over pairs of chunks after _intra_pairs_kernel: per pair, h of both chunks, v_new of
     both over u ([v_a; v_b] = [u_a; u_b'] - [w_a; w_b'] S_a), the state after the pair from S_a
     directly, and S_b (the second chunk's h, the state after the first chunk) beside the chain.
     A sequence's last chunk without a partner is a pair whose second half is masked."""
