@@ -178,15 +178,17 @@ CAPTURE_SETS = [
     [
         *((c, i, "dispatch") for c in CAPTURE_SETS for i in (False, True)),
         ([(0, 64, 5), (0, 66, 6), (1, 3, 7)], True, "triton"),
+        ([(0, 64, 5), (0, 66, 6), (1, 3, 7)], True, "triton-pairs"),  # split32p: a capture on its pair's boundary
     ],
 )
 def test_fixed_captures_write_what_state_captures_write(items, initial, impl):
     """The chunked rule and the conv with FixedCaptures (device tensors, padded entries on a
     scratch slot) leave exactly the states and windows StateCaptures leave. impl "triton": the
     chunked kernels and the replay's recurrent kernel (rows of no tokens skipped) under the
-    interpreter."""
+    interpreter; "triton-pairs": the same with the split walk two chunks a step (chunk_pairs.py)."""
     torch.manual_seed(0)
-    dev = "cuda" if impl == "triton" and torch.cuda.is_available() else "cpu"  # else the interpreter
+    triton_impl = impl.startswith("triton")
+    dev = "cuda" if triton_impl and torch.cuda.is_available() else "cpu"  # else the interpreter
     lens = (200, 30, 5) if impl == "dispatch" else (67, 4, 2)  # the last stream stands for the idle one
     t, hk, hv, kd, vd, slots, scratch = sum(lens), 2, 4, 16, 8, 12, 3
     q, k = torch.randn(t, hk, kd), torch.randn(t, hk, kd)
@@ -209,10 +211,11 @@ def test_fixed_captures_write_what_state_captures_write(items, initial, impl):
     )
     for captures in (eager, fixed):
         pool, conv = pool0.clone(), conv0.clone()
-        chunk_op = triton_chunk.chunk_gated_delta_rule if impl == "triton" else gdn_kernels.chunk_gated_delta_rule
+        chunk_op = triton_chunk.chunk_gated_delta_rule if triton_impl else gdn_kernels.chunk_gated_delta_rule
+        variant = {"variant": "split32p"} if impl == "triton-pairs" else {}
         out = chunk_op(
             q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu, state_pool=pool, state_slots=state_slots,
-            has_initial_state=has_initial, captures=captures,
+            has_initial_state=has_initial, captures=captures, **variant,
         )  # fmt: skip
         y = conv_kernels.causal_conv1d_varlen(
             x=x, weight=weight, cu_seqlens=cu, conv_state_pool=conv, state_slots=state_slots,
@@ -222,7 +225,7 @@ def test_fixed_captures_write_what_state_captures_write(items, initial, impl):
     (out_a, y_a, pool_a, conv_a), (out_b, y_b, pool_b, conv_b) = results
     assert torch.equal(out_a, out_b) and torch.equal(y_a, y_b)
     keep = [s for s in range(slots) if s != scratch]
-    if impl == "triton":  # the eager captures' replays run only their tokens too: the same arithmetic
+    if triton_impl:  # the eager captures' replays run only their tokens too: the same arithmetic
         assert torch.equal(pool_a[keep], pool_b[keep])
     assert torch.equal(conv_a[keep], conv_b[keep])
     assert torch.allclose(pool_a[keep], pool_b[keep], atol=1e-6, rtol=0)
