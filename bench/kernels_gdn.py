@@ -111,10 +111,6 @@ CHUNK_VARIANTS: dict[str, ChunkVariant] = {
     "split32_s2": ChunkVariant(split=True, block_v=32, num_warps=4, solve_warps=2),
     "split32_s4": ChunkVariant(split=True, block_v=32, num_warps=4, solve_warps=4),
     "split32_i4": ChunkVariant(split=True, block_v=32, num_warps=4, intra_warps=4),
-    # the state held transposed (both matmuls' left operands from registers): block_v 32 (mma.sync: 32
-    # rows), 64 over 8 warps (wgmma; at 4 warps it spills)
-    "split32t": ChunkVariant(split=True, block_v=32, num_warps=4, transposed=True),
-    "split64t": ChunkVariant(split=True, block_v=64, num_warps=8, transposed=True),
 }
 # the recurrent kernel's: "bv32" is the first design (H200: 75% of copy bandwidth at N=64), "bv64_1p"
 # the default (recurrent.DEFAULT_VARIANT)

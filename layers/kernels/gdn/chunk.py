@@ -40,7 +40,7 @@ from ..norm.triton_norm import gated_rms_norm
 from .advance import advance_within_chunks
 from .chunk_pairs import _intra_pairs_kernel, _recur_pairs_kernel
 from .chunk_prepare import _intra_kernel, _solve_kernel
-from .chunk_state import _output_kernel, _recur_kernel, _recur_t_kernel, _state_kernel
+from .chunk_state import _output_kernel, _recur_kernel, _state_kernel
 from .fixed_captures import FixedCaptures
 from .slot_copy import copy_state_slots
 from .state import StateCaptures
@@ -71,8 +71,6 @@ class ChunkVariant:
     out_block_v, out_warps: split only; the output kernel's V block and warps.
     solve_warps, intra_warps: the per-chunk solve kernel's and matmul kernel's warps (more solve warps
         replicate its 16 x 16 tiles rather than split them: slower on the H100, gdn/NOTES.md).
-    transposed: split only; the sequential kernel holds the state transposed (_recur_t_kernel: both
-        matmuls' left operands from registers, no shared-memory trip in the chain).
     pairs: split only; the walk takes two chunks a step (chunk_pairs.py: the matmul kernel a pair a
         program, each pair's second chunk's w and u merged over the first's), half the dependent steps
         of twice the rows.
@@ -87,7 +85,6 @@ class ChunkVariant:
     out_warps: int = 4
     solve_warps: int = 1
     intra_warps: int = 8
-    transposed: bool = False
     pairs: bool = False
 
 
@@ -233,7 +230,7 @@ def chunk_gated_delta_rule(
     per_stage = esize * rows * ((2 if cfg.split else 3) * bk + bv + (0 if cfg.split else CHUNK))
     stages = stages_that_fit(cfg.num_stages, per_stage, fixed, info)
     if cfg.split:
-        recur = _recur_pairs_kernel if pairs else _recur_t_kernel if cfg.transposed else _recur_kernel
+        recur = _recur_pairs_kernel if pairs else _recur_kernel
         recur[seq_grid](
             k, w, u, qscale, gcum, h, cs_arg, cap_arg, state_pool, cu_seqlens, state_slots, has_initial_state,
             num_seqs, k.stride(0), k.stride(1), state_pool.stride(0),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_prepare import _load_block
+from .chunk_prepare import _load_block, chunk_scales
 from .chunk_state import _walk_start
 from .varlen import chunks_before, locate_chunk
 
@@ -30,29 +30,18 @@ def _chunk_rows(
     GROUP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     L2NORM: tl.constexpr,
 ):  # fmt: skip
-    """One chunk's (rows from t0, `length` tokens from it on, at most BT used) WY inputs for the split
-    design: Y [BT, BT] (lower blocks), the raw keys [BT, BK] in the matmul dtype, w = Y (beta exp(gamma)
-    k / |k|) [BT, BK] float32, beta [BT], kscale [BT] (the key norm and the decay to the chunk end), the
-    chunk's last decay log, the row mask, and the (token, value head) row of its first token."""
-    o_t = tl.arange(0, BT)
+    """One chunk's WY rows for the split design (chunk_prepare.chunk_scales' chunk): Y, the raw keys [BT,
+    BK] in the matmul dtype, w = Y (beta exp(gamma) k / |k|) [BT, BK] float32, beta, kscale (the key
+    norm and the decay to the chunk end), the chunk's last decay log, the row mask and its first row."""
+    b_y, b_gc, b_beta, scale_k, g_last, m_t, row = chunk_scales(
+        y, beta, gcum, rnorm, t0, length, hv, stride_bt, stride_bh, HV, BT, BC, L2NORM
+    )
     o_k = tl.arange(0, BK)
-    m_t = o_t < length
-    m_k = o_k < K
-    row = t0 * HV + hv
-    dt = y.dtype.element_ty
-    lower = (o_t[None, :] // BC) <= (o_t[:, None] // BC)
-    b_y = tl.load(y + row * BT + o_t[:, None] * (HV * BT) + o_t[None, :], mask=m_t[:, None] & lower, other=0.0)
-    b_gc = tl.load(gcum + row + o_t * HV, mask=m_t, other=0.0)
-    b_beta = tl.load(beta + t0 * stride_bt + hv * stride_bh + o_t * stride_bt, mask=m_t, other=0.0).to(tl.float32)
-    scale_k = tl.full([BT], 1.0, dtype=tl.float32)
-    if L2NORM:
-        scale_k = tl.load(rnorm + row + o_t * HV, mask=m_t, other=0.0)
-    g_last = tl.sum(tl.where(o_t == tl.minimum(length, BT) - 1, b_gc, 0.0), 0)  # 0 for an empty chunk
-    ks = scale_k * tl.exp(g_last - b_gc)
     p_k = k + t0 * stride_kt + (hv // GROUP) * stride_kh
-    b_k = _load_block(p_k, o_t, m_t, stride_kt, o_k, m_k).to(dt)
-    b_w = tl.dot(b_y, (b_k.to(tl.float32) * (scale_k * b_beta * tl.exp(b_gc))[:, None]).to(dt))
-    return b_y, b_k, b_w, b_beta, ks, g_last, m_t, row
+    b_k = _load_block(p_k, tl.arange(0, BT), m_t, stride_kt, o_k, o_k < K).to(y.dtype.element_ty)
+    scale_w = scale_k * b_beta * tl.exp(b_gc)
+    b_w = tl.dot(b_y, (b_k.to(tl.float32) * scale_w[:, None]).to(y.dtype.element_ty))
+    return b_y, b_k, b_w, b_beta, scale_k * tl.exp(g_last - b_gc), g_last, m_t, row
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)

@@ -185,6 +185,29 @@ def _solve_kernel(
     tl.store(p_y + 3 * BC * HV * BT + 3 * BC, y33.to(dt), mask=m3[:, None])
 
 
+@triton.jit
+def chunk_scales(
+    y, beta, gcum, rnorm, t0, length, hv, stride_bt, stride_bh, HV: tl.constexpr, BT: tl.constexpr,
+    BC: tl.constexpr, L2NORM: tl.constexpr,
+):  # fmt: skip
+    """What the matmul kernels read of one chunk (rows from token t0, `length` tokens from it on, at most
+    BT used): (Y [BT, BT] (its lower blocks), gamma [BT], beta [BT], the key norms' factors [BT] (ones
+    without L2NORM), gamma at the chunk's last token (0 for an empty chunk), the row mask, the (token,
+    value head) row of t0)."""
+    o_t = tl.arange(0, BT)
+    m_t = o_t < length
+    row = t0 * HV + hv
+    lower = (o_t[None, :] // BC) <= (o_t[:, None] // BC)
+    b_y = tl.load(y + row * BT + o_t[:, None] * (HV * BT) + o_t[None, :], mask=m_t[:, None] & lower, other=0.0)
+    b_gc = tl.load(gcum + row + o_t * HV, mask=m_t, other=0.0)
+    b_beta = tl.load(beta + t0 * stride_bt + hv * stride_bh + o_t * stride_bt, mask=m_t, other=0.0).to(tl.float32)
+    scale_k = tl.full([BT], 1.0, dtype=tl.float32)
+    if L2NORM:
+        scale_k = tl.load(rnorm + row + o_t * HV, mask=m_t, other=0.0)
+    g_last = tl.sum(tl.where(o_t == tl.minimum(length, BT) - 1, b_gc, 0.0), 0)
+    return b_y, b_gc, b_beta, scale_k, g_last, m_t, row
+
+
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_seqs", "cu_seqlens"])
 def _intra_kernel(
@@ -203,22 +226,15 @@ def _intra_kernel(
     t0 = tl.load(cu_seqlens + n).to(tl.int32) + c * BT
     length = tl.load(cu_seqlens + n + 1).to(tl.int32) - t0
     t0 = t0.to(tl.int64)
-    row = t0 * HV + hv
     dt = w.dtype.element_ty
     p_q = q + t0 * stride_qt + (hv // GROUP) * stride_qh
     p_k = k + t0 * stride_kt + (hv // GROUP) * stride_kh
 
     o_t = tl.arange(0, BT)
-    m_t = o_t < length
-    lower = (o_t[None, :] // BC) <= (o_t[:, None] // BC)
-    b_y = tl.load(y + row * BT + o_t[:, None] * (HV * BT) + o_t[None, :], mask=m_t[:, None] & lower, other=0.0)
-    b_gc = tl.load(gcum + row + o_t * HV, mask=m_t, other=0.0)
-    b_beta = tl.load(beta + t0 * stride_bt + hv * stride_bh + o_t * stride_bt, mask=m_t, other=0.0).to(tl.float32)
-    scale_k = tl.full([BT], 1.0, dtype=tl.float32)
-    if L2NORM:
-        scale_k = tl.load(rnorm + row + o_t * HV, mask=m_t, other=0.0)
+    b_y, b_gc, b_beta, scale_k, g_last, m_t, row = chunk_scales(
+        y, beta, gcum, rnorm, t0, length, hv, stride_bt, stride_bh, HV, BT, BC, L2NORM
+    )
     scale_w = scale_k * b_beta * tl.exp(b_gc)
-    g_last = tl.load(gcum + row + (tl.minimum(length, BT) - 1) * HV)
     scale_kd = scale_k * tl.exp(g_last - b_gc)
 
     # w = Y (beta exp(gamma) k) and kd = k exp(gamma_last - gamma) piece by piece over K, with raw q k^T

@@ -172,65 +172,6 @@ def _recur_kernel(
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
-@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state", "capture"])
-def _recur_t_kernel(
-    k, w, u, kscale, gcum, h, chunk_states, capture, pool, cu_seqlens, slots, has_initial_state, num_seqs, stride_kt,
-    stride_kh, stride_ps, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
-    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
-    STORE_CHUNK_STATES: tl.constexpr, STORE_CAPTURE: tl.constexpr,
-):  # fmt: skip
-    """_recur_kernel with the state held transposed, S^T [BV, BK]: v_new^T = u^T - S^T w^T, then
-    S^T = exp(gamma_last) S^T + (kscale v_new)^T k. Each chunk's two matmuls take their left operand
-    from registers (the state, then v_new^T, both the previous matmul's accumulator) and only the
-    chunk's w and k tiles from shared memory, so neither the state nor v_new makes a shared-memory
-    trip inside the dependent chain. Same buffers, layouts and roundings as _recur_kernel."""
-    n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, slot, tile, state = _walk_start(
-        cu_seqlens, pool, slots, has_initial_state, stride_ps, HV, K, V, BK, BV, BT
-    )
-    state = tl.trans(state)  # [BV, BK]
-    tile = o_v[:, None] + o_k[None, :] * V  # the same [K, V] addresses, transposed
-    m_vk = m_v[:, None] & m_k[None, :]
-    o_t = tl.arange(0, BT)
-    dt = w.dtype.element_ty
-    first = chunks_before(cu_seqlens, n, BT, BLOCK_N)
-    p_h = h + (first * HV + hv).to(tl.int64) * (K * V) + tile
-    if STORE_CHUNK_STATES:
-        p_cs = chunk_states + (first * HV + hv).to(tl.int64) * (K * V) + tile
-    p_k = k + (hv // GROUP) * stride_kh + o_t[:, None] * stride_kt + o_k[None, :]
-    b_ks_next = tl.load(kscale + bos.to(tl.int64) * HV + hv + o_t * HV, mask=o_t < eos - bos, other=0.0)
-    g_last_next = _first_chunk_decay_log(gcum, hv, bos, eos, HV, BT)
-
-    for c in range(num_chunks):
-        t0 = bos + c * BT
-        m_t = o_t < eos - t0
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_vt = m_v[:, None] & m_t[None, :]
-        row = t0.to(tl.int64) * HV + hv
-        b_s = state.to(dt)
-        tl.store(p_h + tl.cast(c, tl.int64) * (HV * K * V), b_s, mask=m_vk)
-        b_w = tl.load(w + row * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
-        p_u = u + row * V + o_v[:, None] + o_t[None, :] * (HV * V)  # u^T: [BV, BT]
-        v_new = tl.load(p_u, mask=m_vt, other=0.0).to(tl.float32) - tl.dot(b_s, tl.trans(b_w))
-        tl.store(p_u, v_new.to(dt), mask=m_vt)  # this program owns these columns: u becomes v_new
-        b_k = tl.load(p_k + t0.to(tl.int64) * stride_kt, mask=m_tk, other=0.0).to(dt)
-        v_scaled = (v_new * b_ks_next[None, :]).to(dt)
-        state = state * tl.exp(g_last_next) + tl.dot(v_scaled, b_k)
-        if STORE_CHUNK_STATES:
-            tl.store(p_cs + tl.cast(c, tl.int64) * (HV * K * V), state, mask=m_vk)
-        if STORE_CAPTURE:  # a prefix-cache snapshot of the state after this chunk (gdn/state.py)
-            dst = tl.load(capture + first + c).to(tl.int64)
-            if dst >= 0:
-                tl.store(pool + dst * stride_ps + hv * (K * V) + tile, state.to(pool.dtype.element_ty), mask=m_vk)
-        # the next chunk's small vectors, fetched a chunk ahead (the last chunk's again at the end)
-        t1 = bos + tl.minimum(c + 1, num_chunks - 1) * BT
-        row1 = t1.to(tl.int64) * HV + hv
-        b_ks_next = tl.load(kscale + row1 + o_t * HV, mask=o_t < eos - t1, other=0.0)
-        g_last_next = tl.load(gcum + row1 + (tl.minimum(eos - t1, BT) - 1) * HV)
-    if num_chunks > 0:
-        tl.store(pool + slot * stride_ps + hv * (K * V) + tile, state.to(pool.dtype.element_ty), mask=m_vk)
-
-
-# values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_seqs", "cu_seqlens"])
 def _output_kernel(
     q, k, gcum, rnorm, h, v_new, o, gate, norm_weight, cu_seqlens, num_seqs, scale, eps, stride_qt, stride_qh,
