@@ -445,11 +445,13 @@ BF16_TOL = 2e-2  # bf16 operands: the reference runs in float32 on the same bf16
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("decay", [1.0, 0.01], ids=["fast", "slow"])  # slow: the state carried across chunks
 @pytest.mark.parametrize("variant", [None, *ALL_CHUNK_VARIANTS.values()], ids=["default", *ALL_CHUNK_VARIANTS])
-def test_chunk_bf16_real_shapes(nan_fill, variant):
+def test_chunk_bf16_real_shapes(nan_fill, variant, decay):
     torch.manual_seed(4)
     bounds = [0, 777, 2048, 2048, 2049, 3000]  # odd lengths, an empty and a 1-token sequence
     q, k, v, g, beta = make_inputs(bounds[-1], 16, 32, 128, 128, dtype=torch.bfloat16)
+    g = g * decay
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
     pool = torch.randn(6, 32, 128, 128, device=DEVICE) * 0.1
     pool[0] = float("nan")  # the slot of the sequence without an initial state: never read
