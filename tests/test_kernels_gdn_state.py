@@ -274,6 +274,8 @@ def test_captures_validate_offsets():
         StateCaptures((StateCapture(0, 9, 1),), (8,))
     with pytest.raises(ValueError, match="sequence"):
         StateCaptures((StateCapture(2, 0, 1),), (8, 3))
+    with pytest.raises(ValueError, match="slots must be distinct"):
+        StateCaptures((StateCapture(0, 4, 1), StateCapture(1, 2, 1)), (8, 3))
 
 
 @pytest.mark.parametrize("impl", ["accept_all", "triton_layers"])

@@ -287,3 +287,32 @@ def test_random_traffic_under_a_tight_pool(tiny_checkpoints, async_scheduling, s
     engine = on.engine
     assert engine.prefix_cache_stats()["hits"] > 0
     assert engine.blocks.num_free == engine.blocks.capacity and engine.slots.num_free == engine.slots.capacity
+
+
+def test_a_pass_never_captures_two_snapshots_into_one_slot(tiny_checkpoints, monkeypatch):
+    """A tight snapshot pool (3 slots) under traffic whose passes capture several states: a snapshot
+    taken for one of a pass's captures must not be evicted (its slot taken again) by a later capture of
+    the same pass. Two captures into one slot were written by the same kernel launch in either order,
+    and the index could name the state the other one left (seen with this traffic before the fix)."""
+    from deltaserve.cluster.core import scheduler as scheduler_module
+
+    seen = []
+    schedule = scheduler_module.Scheduler.schedule
+
+    def spy(self, *args, **kwargs):
+        plan = schedule(self, *args, **kwargs)
+        if plan is not None and plan.captures is not None and len(plan.captures):
+            seen.append([int(slot) for _, _, slot in plan.captures])
+        return plan
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "schedule", spy)
+    path, _ = tiny_checkpoints["qwen3_next"]
+    kw = dict(max_num_seqs=4, block_size=4, num_kv_blocks=16, max_num_batched_tokens=12, dtype="float64")
+    on = LLM(str(path), num_prefix_snapshots=3, prefix_snapshot_interval=8, async_scheduling=False, **kw)
+    g = torch.Generator().manual_seed(0)
+    prefixes = [ids(int(n), seed=i) for i, n in enumerate(torch.randint(1, 14, (3,), generator=g))]
+    prompts = [prefixes[int(torch.randint(0, 3, (1,), generator=g))] + ids(3 + i % 4, seed=i) for i in range(10)]
+    on.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert any(len(slots) >= 2 for slots in seen)  # passes with several captures happened
+    assert all(len(set(slots)) == len(slots) for slots in seen), seen
+    assert on.engine.prefix_cache_stats()["snapshots_evicted"] > 0

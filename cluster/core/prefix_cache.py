@@ -257,7 +257,8 @@ class SnapshotCache:
         self._lru: OrderedDict[tuple[bytes, tuple[int, ...]], Snapshot] = OrderedDict()
         self._by_chain: dict[bytes, dict[tuple[int, ...], Snapshot]] = {}
         self.stats = CacheStats()
-        # snapshots the plan being built restores: never evicted before that plan's copies are planned
+        # snapshots the plan being built restores or captures: never evicted (their slots never taken
+        # again) before that plan is done
         self._pinned: set[int] = set()
         pages.reclaim = self._reclaim_page
 

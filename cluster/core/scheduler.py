@@ -307,6 +307,8 @@ class Scheduler:
                 snap = self.prefix.snapshots.take(key, pos, tail)
                 if snap is None:
                     break
+                # this pass writes the slot: no later take (or page reclaim) of this plan may reuse it
+                self.prefix.snapshots.pin(snap)
                 captures.append((i, pos - start, snap.slot))
         return captures
 

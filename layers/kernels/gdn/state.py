@@ -55,6 +55,9 @@ class StateCaptures:
                 raise ValueError(f"capture sequence {c.seq} is outside the pass's {len(self.seq_lens)} sequences")
             if not 0 <= c.offset <= self.seq_lens[c.seq]:
                 raise ValueError(f"capture offset {c.offset} is outside [0, {self.seq_lens[c.seq]}]")
+        slots = [c.slot for c in self.items]
+        if len(set(slots)) != len(slots):  # the kernels would write one slot from several programs at once
+            raise ValueError("capture slots must be distinct within a pass")
 
     def prepared(self, chunk: int, device: torch.device) -> PreparedCaptures:
         """plan_captures(self, chunk) with its chunk stores as a device array (one int per chunk: the
