@@ -96,7 +96,7 @@ VARIANTS = {
     # the split design (few, long sequences)
     "split32": ChunkVariant(split=True, block_v=32, num_warps=4),
     # named only (KernelOptions.gdn_chunk_variant; the picker never takes it): the split design two
-    # chunks a step (chunk_pairs.py; 8 warps: 168 registers on sm_90, 4 spill)
+    # chunks a step (chunk_pairs.py; 8 warps: 174-187 registers on sm_90, 4 warps spill)
     "split32p": ChunkVariant(split=True, block_v=32, num_warps=8, num_stages=2, pairs=True),
 }
 
