@@ -316,3 +316,46 @@ def test_a_pass_never_captures_two_snapshots_into_one_slot(tiny_checkpoints, mon
     assert any(len(slots) >= 2 for slots in seen)  # passes with several captures happened
     assert all(len(set(slots)) == len(slots) for slots in seen), seen
     assert on.engine.prefix_cache_stats()["snapshots_evicted"] > 0
+
+
+def drive(llm: LLM, arrivals: dict, max_steps: int = 200) -> dict[str, list[int]]:
+    """Steps the engine, adding arrivals[step] = [(req_id, prompt, params, priority)] before each step."""
+    engine, out = llm.engine, {}
+    for step in range(max_steps):
+        for req_id, prompt, params, priority in arrivals.get(step, []):
+            engine.add_request(req_id, prompt, params, priority=priority)
+        if not engine.has_unfinished() and step > max(arrivals):
+            break
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = list(o.outputs[0].token_ids)
+    return out
+
+
+@pytest.mark.parametrize("form", ["priority", "speculation"])
+def test_a_pinned_snapshots_page_is_not_counted_free(tiny_checkpoints, form):
+    """A hit pins its snapshot, whose partly filled page only snapshots hold: that page was still counted
+    free, so a later grow of the same plan (a lower-priority running request's next page; a speculating
+    request's lookahead pages) passed can_grow and found no page ("out of KV pages": the engine failed
+    every request). Six / seven KV pages; the tokens are those of the engine without a cache."""
+    path, _ = tiny_checkpoints["qwen3_next"]
+    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n)  # noqa: E731
+    kw = dict(dtype="float64", block_size=4, max_num_seqs=4, max_num_batched_tokens=32, num_prefix_snapshots=3)
+    if form == "priority":
+        kw |= dict(num_kv_blocks=6, scheduling_policy="priority", async_scheduling=False, max_model_len=24)
+        arrivals = {
+            0: [("A", [1, 2], greedy(1), 0)],
+            2: [("R", list(range(100, 116)), greedy(6), 1)],
+            3: [("W", [1, 2, 50], greedy(4), 0)],
+        }
+    else:
+        kw |= dict(num_kv_blocks=7, max_model_len=28, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+        arrivals = {
+            0: [("A", [1, 2], greedy(1), 0)],
+            1: [("R", list(range(100, 116)), greedy(8), 0)],
+            2: [("W", [1, 2, 50, 51], greedy(4), 0)],
+        }
+    want = drive(LLM(str(path), enable_prefix_caching=False, **kw), arrivals)
+    on = LLM(str(path), **kw)
+    assert drive(on, arrivals) == want and set(want) == {"A", "R", "W"}
+    assert on.engine.prefix_cache_stats()["hits"] > 0

@@ -132,13 +132,18 @@ class PageCache:
         self._children: dict[bytes, dict[int, tuple[int, ...]]] = {}
         self._parent_of: dict[int, bytes] = {}
         self.reclaim = None  # () -> bool: release a page that only snapshots hold
+        self.held_back = None  # () -> set[int]: pages of snapshots that may not be evicted now (pinned)
         # (True, hash) when a block becomes findable, (False, hash) when it is forgotten: for a router's
         # PrefixMirror in another process (None: nobody reads them)
         self.events: deque[tuple[bool, bytes]] | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free) + len(self._evictable) + len(self._only_snapshots)
+        """Pages an allocation can have: free, cached and unreferenced, or held only by snapshots that
+        may be evicted (not those `held_back` names: a plan's pinned snapshots keep theirs)."""
+        only = self._only_snapshots
+        held = self.held_back() if self.held_back is not None else ()
+        return len(self._free) + len(self._evictable) + len(only) - sum(1 for page in held if page in only)
 
     @property
     def capacity(self) -> int:
@@ -259,23 +264,26 @@ class SnapshotCache:
         self.stats = CacheStats()
         # snapshots the plan being built restores or captures: never evicted (their slots never taken
         # again) before that plan is done
-        self._pinned: set[int] = set()
+        self._pinned: dict[int, Snapshot] = {}  # by slot
         pages.reclaim = self._reclaim_page
+        pages.held_back = self._pinned_tail_pages
 
     def pin(self, snap: Snapshot) -> None:
-        self._pinned.add(snap.slot)
+        self._pinned[snap.slot] = snap
 
     def unpin_all(self) -> None:
         self._pinned.clear()
 
-    def pinned_pages(self, extra: Snapshot | None = None) -> int:
-        """Pages counted in num_free that pinned snapshots (and `extra`, about to be pinned) keep."""
-        slots = self._pinned | ({extra.slot} if extra is not None else set())
-        return sum(
-            1
-            for s in self._lru.values()
-            if s.slot in slots and s.tail_page is not None and self.pages.reclaimable(s.tail_page)
-        )
+    def _pinned_tail_pages(self) -> set[int]:
+        return {s.tail_page for s in self._pinned.values() if s.tail_page is not None}
+
+    def page_pinning_takes(self, snap: Snapshot | None) -> int:
+        """1 when pinning `snap` would take a page that num_free counts now (its partly filled page,
+        held by snapshots only, none of them pinned yet), else 0."""
+        if snap is None or snap.slot in self._pinned or snap.tail_page is None:
+            return 0
+        page = snap.tail_page
+        return int(self.pages.reclaimable(page) and page not in self._pinned_tail_pages())
 
     def _reclaim_page(self) -> bool:
         """Evict the least recently used snapshot whose partly filled page nothing else holds."""

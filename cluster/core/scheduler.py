@@ -242,7 +242,7 @@ class Scheduler:
         pages = hit.pages if hit.snapshot is not None else []
         bs = self.blocks.block_size
         taken_from_free = sum(self.blocks.cache.counts_as_free(p) for p in pages)
-        free = self.blocks.num_free - self.prefix.snapshots.pinned_pages(hit.snapshot)
+        free = self.blocks.num_free - self.prefix.snapshots.page_pinning_takes(hit.snapshot)
         if -(-(hit.position + want) // bs) - len(pages) + taken_from_free > free:
             return None
         if hit.snapshot is not None:
