@@ -359,3 +359,41 @@ def test_a_pinned_snapshots_page_is_not_counted_free(tiny_checkpoints, form):
     on = LLM(str(path), **kw)
     assert drive(on, arrivals) == want and set(want) == {"A", "R", "W"}
     assert on.engine.prefix_cache_stats()["hits"] > 0
+
+
+def test_a_one_token_row_of_a_hit_leaves_the_shared_page(tiny_checkpoints):
+    """A hit whose snapshot lies before the end of its shared pages, with a one-token budget: the row is
+    planned as a decode row, and decode rows wrote their token's KV into the shared, indexed page (the
+    prefill rows' rule, never rewrite positions below kv_shared_until, did not reach them). The page
+    is bit for bit what it was."""
+    path, _ = tiny_checkpoints["qwen3_next"]
+    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n)  # noqa: E731
+    llm = LLM(
+        str(path), dtype="float32", block_size=4, num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=2,
+        async_scheduling=False, max_model_len=40, num_prefix_snapshots=4,
+        prefix_snapshot_policy="prompt_end,last_block",
+    )  # fmt: skip
+    engine = llm.engine
+    pool = engine.executor.runner.pool
+    first = [1, 2, 3, 4, 5]
+    out = drive(llm, {0: [("A", first, greedy(4), 0)]})["A"]
+    engine.add_request("R", [200, 201, 202], greedy(12))
+    for _ in range(3):  # R decoding: the budget leaves the hit one token
+        engine.step()
+    engine.add_request("W", first + out + [77, 78], greedy(3))
+    seen = {}
+    build = engine.scheduler._build_plan
+
+    def spy(scheduled):
+        for req, n in scheduled:
+            if req.req_id == "W" and not seen:
+                page = req.block_table[req.num_computed_tokens // 4]
+                seen.update(n=n, shared=req.num_computed_tokens < req.kv_shared_until, page=page)
+                seen["kv"] = pool.k_pages[:, page].clone(), pool.v_pages[:, page].clone()
+        return build(scheduled)
+
+    engine.scheduler._build_plan = spy
+    engine.step()
+    assert seen["n"] == 1 and seen["shared"]  # the case: a one-token row inside the shared pages
+    assert torch.equal(pool.k_pages[:, seen["page"]], seen["kv"][0])
+    assert torch.equal(pool.v_pages[:, seen["page"]], seen["kv"][1])

@@ -662,7 +662,11 @@ class Scheduler:
                 ids.append(0)
                 from_prev.append(r.last_sample.index)
         positions = [r.num_computed_tokens for r, _ in decode]
-        slot_mapping = [r.block_table[p // bs] * bs + p % bs for (r, _), p in zip(decode, positions, strict=True)]
+        # a one-token row of a hit may recompute a position whose KV sits in a shared page: not rewritten
+        slot_mapping = [
+            -1 if p < r.kv_shared_until else r.block_table[p // bs] * bs + p % bs
+            for (r, _), p in zip(decode, positions, strict=True)
+        ]
         position_parts = [np.asarray(positions, dtype=np.int64)]
         slot_parts = [np.asarray(slot_mapping, dtype=np.int64)]
         for req, _ in verify:  # the last token, then the drafts
