@@ -205,8 +205,11 @@ class PageCache:
         return page in self._only_snapshots
 
     def counts_as_free(self, page: int) -> bool:
-        """Whether holding this page takes one from num_free (nothing but snapshots hold it)."""
-        return self._ref[page] == 0 or page in self._only_snapshots
+        """Whether holding this page takes one from num_free (nothing but snapshots hold it, none of
+        them pinned)."""
+        if self._ref[page] == 0:
+            return True
+        return page in self._only_snapshots and (self.held_back is None or page not in self.held_back())
 
     def _forget(self, page: int) -> None:
         h = self._hash_of.pop(page, None)
