@@ -397,3 +397,33 @@ def test_a_one_token_row_of_a_hit_leaves_the_shared_page(tiny_checkpoints):
     assert seen["n"] == 1 and seen["shared"]  # the case: a one-token row inside the shared pages
     assert torch.equal(pool.k_pages[:, seen["page"]], seen["kv"][0])
     assert torch.equal(pool.v_pages[:, seen["page"]], seen["kv"][1])
+
+
+def test_a_one_token_final_prompt_chunk_leaves_its_prompt_end_snapshot(tiny_checkpoints):
+    """A prompt whose last chunk is one token runs it as a decode row, where the kernels capture
+    nothing: its prompt-end snapshot comes from its slot at the start of the next pass. A later prompt
+    extending it resumes there, with the tokens of the engine without a cache."""
+    path, _ = tiny_checkpoints["qwen3_next"]
+    kw = dict(
+        block_size=4, max_num_seqs=4, max_num_batched_tokens=3, max_model_len=48, dtype="float32",
+        async_scheduling=False,
+    )  # fmt: skip
+    on = LLM(str(path), num_prefix_snapshots=8, prefix_snapshot_policy="prompt_end", **kw)
+    off = LLM(str(path), enable_prefix_caching=False, **kw)
+    first = ids(7, seed=21)  # chunks of 3, 3, then 1
+    params = SamplingParams(temperature=0, max_tokens=5)
+    chunks = []
+    build = on.engine.scheduler._build_plan
+
+    def spy(scheduled):
+        chunks.extend((req.num_computed_tokens, n) for req, n in scheduled if req.num_computed_tokens < len(first))
+        return build(scheduled)
+
+    on.engine.scheduler._build_plan = spy
+    on.generate([first], params, use_tqdm=False)
+    assert chunks == [(0, 3), (3, 3), (6, 1)]
+    later = first + ids(5, seed=22)
+    got = on.generate([later], params, use_tqdm=False)[0]
+    want = off.generate([later], params, use_tqdm=False)[0]
+    assert got.num_cached_tokens == len(first)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids

@@ -312,6 +312,24 @@ class Scheduler:
                 captures.append((i, pos - start, snap.slot))
         return captures
 
+    def _save_decode_row_points(self, decode: list[tuple[Request, int]]) -> None:
+        """A one-token prompt chunk planned as a decode row (the kernels capture nothing there): its
+        capture point is the state its slot holds after this pass, saved at the start of the next."""
+        bs = self.blocks.block_size
+        for req, _ in decode:
+            start = req.num_computed_tokens
+            if start >= req.num_prompt_tokens:
+                continue
+            for pos in self._capture_points(req, start, start + 1):
+                key = self.prefix.snapshot_key(self._hashes(req), req.token_slice(0, pos), pos)
+                old = self.prefix.snapshots.get(key)
+                if old is not None:
+                    self.prefix.snapshots.touch(old)
+                    continue
+                snap = self.prefix.snapshots.take(key, pos, req.block_table[pos // bs] if pos % bs else None)
+                if snap is not None:
+                    self._pending_saves.append((req.state_slot, snap))
+
     def _register_blocks(self, req: Request) -> None:
         """Index the request's full blocks whose tokens are known and computed (by a planned pass)."""
         bs = self.blocks.block_size
@@ -697,6 +715,7 @@ class Scheduler:
         if self.prefix is not None:
             saves = self._take_saves()
             captures = self._plan_captures(rows, len(verify) + len(decode))
+            self._save_decode_row_points(decode)
             for name, pairs, width in (
                 ("slot_saves", saves, 2),
                 ("slot_restores", self._restores, 2),
