@@ -135,45 +135,6 @@ def test_fused_moe_grouped_gemm_path(device, case, extras):
         assert rel_err(out.residual if extras else out, ours.residual if extras else ours) < 1e-2
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("extras", ["", "shared+norm"])
-def test_fused_moe_torch_down_gemm(device, case, extras):
-    """prefill_gemm="torch_down": our up GEMM writing act in the sorted order (padding rows unset: NaN
-    here), torch's grouped GEMM over the padded groups, the sum weighting each slot's row (and the
-    shared expert and next norm): the reference's output and, on the same inputs, our sorted path's,
-    with expert parallelism and experts with no pairs. float32 on the CPU (the interpreter's bf16
-    dots are not exact), bf16 on the GPU."""
-    tokens, hidden, inter, local, total, top_k, offset = case
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    hidden, inter = 2 * hidden, 2 * inter  # rows 16-byte aligned in bf16, as torch's grouped GEMM wants
-    args = make_inputs(
-        tokens=tokens, hidden=hidden, inter=inter, local=local, total=total, top_k=top_k, offset=offset,
-        dtype=dtype, device=device,
-    )  # fmt: skip
-    ref_args = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in args.items()}
-    if extras:
-        g = torch.Generator().manual_seed(5)
-        shared = dict(
-            gate_up=torch.randn(tokens, 64, generator=g),
-            w2=torch.randn(hidden, 32, generator=g) * 32**-0.5,
-            gate_logit=torch.randn(tokens, 1, generator=g),
-        )
-        norm = dict(residual=torch.randn(tokens, hidden, generator=g), weight=torch.randn(hidden, generator=g) * 0.1)
-        for target, to in ((args, dtype), (ref_args, torch.float32)):
-            cast = {k: v.to(device=device, dtype=dtype).to(to) for k, v in shared.items()}
-            target["shared"] = naive.SharedExpert(**cast)
-            cast = {k: v.to(device=device, dtype=dtype).to(to) for k, v in norm.items()}
-            target["add_norm"] = naive.AddNorm(**cast, eps=1e-6)
-    ref = naive.fused_moe(**ref_args)
-    out = tm.fused_moe(**args, path="sorted", prefill_gemm="torch_down")
-    ours = tm.fused_moe(**args, path="sorted")
-    bound = tol(device) if dtype == torch.float32 else 1e-2
-    pairs = [(out.residual, ref.residual), (out.normed, ref.normed)] if extras else [(out, ref)]
-    pairs += [(out.residual, ours.residual), (out.normed, ours.normed)] if extras else [(out, ours)]
-    for got, want in pairs:
-        assert rel_err(got, want) < bound
-
-
 def test_fused_moe_tokens_without_local_experts(device):
     """Tokens routed only to other ranks' experts get zeros; the default path choice on both sides
     of PAIRS_PATH_MAX (4 pairs; 2 more than PAIRS_PATH_MAX)."""

@@ -122,9 +122,8 @@ class KernelOptions:
         metadata={
             "env": "DELTASERVE_MOE_PREFILL_GEMM",
             "help": "the routed experts' GEMMs on the MoE's sorted path (prefill, bf16): triton (ours, x gathered "
-            "inside), torch (torch's grouped GEMM, CUTLASS on sm_90, on x gathered into expert order first), "
-            "or torch_down (ours up, torch's grouped GEMM down)",
-            "choices": ("triton", "torch", "torch_down"),
+            "inside), or torch (torch's grouped GEMM, CUTLASS on sm_90, on x gathered into expert order first)",
+            "choices": ("triton", "torch"),
         },
     )
     fp8_activations: str = field(

@@ -92,8 +92,7 @@ ENV_VARS: dict[str, EnvVar] = {
             "DELTASERVE_MOE_PREFILL_GEMM",
             "triton",
             "the routed experts' GEMMs on the MoE's sorted path (prefill, bf16): triton (ours, x gathered inside), "
-            "torch (torch's grouped GEMM, CUTLASS on sm_90, on x gathered into expert order first), or torch_down "
-            "(ours up, torch's grouped GEMM down)",
+            "or torch (torch's grouped GEMM, CUTLASS on sm_90, on x gathered into expert order first)",
         ),
         EnvVar(
             "DELTASERVE_FP8_ACTIVATIONS",

@@ -5,12 +5,7 @@ records each pair's row), the gate / up grouped GEMM, silu(gate) * up, the down 
 sum kernel reading each token's slots from their sorted rows with the routing weights (and the shared
 expert and the next norm, as the Triton path's). The gather and the unfused activation move ~0.7 GB
 more at 8k tokens than the Triton path, which gathers inside its GEMMs: worth it only where CUTLASS's
-GEMMs win more than that (bench kernels_moe --kernel grouped).
-
-`down_gemm` is the other split: our up GEMM (x gathered inside, silu fused, act written in the sorted
-order, padding rows included) and torch's grouped GEMM for the down projection over the padded
-groups, whose K (the experts' width, 512 in the 35B shape) is too short for our tiles to hide their
-fill and epilogue; nothing is gathered or activated outside a GEMM."""
+GEMMs win more than that (bench kernels_moe --kernel grouped)."""
 
 from __future__ import annotations
 
@@ -31,19 +26,6 @@ def supported(hidden: torch.Tensor, w13: torch.Tensor) -> bool:
         and hidden.dtype == w13.dtype == torch.bfloat16
         and (hidden.shape[1] * 2) % 16 == 0
         and (w13.shape[1] * 2) % 32 == 0
-    )
-
-
-def down_supported(act_dtype: torch.dtype, inter: int, hidden_size: int, device: torch.device) -> bool:
-    """Whether down_gemm takes these experts: bf16 (on CUDA torch's fast kernel; other dtypes there fall
-    back to a host-synchronising loop), float32 too off CUDA (the CPU tests' dtype), rows 16-byte aligned."""
-    elem = torch.empty((), dtype=act_dtype).element_size()
-    dtypes = (torch.bfloat16,) if device.type == "cuda" else (torch.bfloat16, torch.float32)
-    return (
-        hasattr(torch, "_grouped_mm")
-        and act_dtype in dtypes
-        and (inter * elem) % 16 == 0
-        and (hidden_size * elem) % 16 == 0
     )
 
 
@@ -99,39 +81,3 @@ def grouped_gemms(
     gate_up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)
     act = silu_mul(gate_up, inter, pdl)
     return torch._grouped_mm(act, w2.transpose(1, 2), offs=ends), inv
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _rows_kernel(sorted_ids, num_rows, y_row, num_pairs, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """y_row[pair] = r for the sorted rows r < num_rows[0] that hold a pair (not padding)."""
-    pdl_wait(USE_PDL)
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = r < tl.load(num_rows)
-    pair = tl.load(sorted_ids + r, mask=ok, other=num_pairs)
-    ok &= pair < num_pairs
-    tl.store(y_row + tl.where(ok, pair, 0), r, mask=ok)
-
-
-def down_gemm(
-    *, act: torch.Tensor, w2: torch.Tensor, sorted_ids: torch.Tensor, offsets: torch.Tensor, num_pairs: int,
-    pdl: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The down projection of act rows in the sorted order on torch's grouped GEMM, unweighted.
-
-    Args:
-        act: [R, I] bf16, row r the activation of sorted row r (align_pairs' order and padding).
-        w2: [E, H, I]. sorted_ids: [R] int32 (pair per row; num_pairs = padding). offsets: [E + 1]
-        int32 (padded row start per expert; offsets[E] = the rows in use).
-
-    Returns:
-        (y [R, H]: row r is sorted row r's output, rows past offsets[E] unset; y_row [num_pairs] int32:
-        each local pair's row, unset for the others).
-    """
-    num_experts = w2.shape[0]
-    y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offsets[1:])
-    y_row = torch.empty(num_pairs, dtype=torch.int32, device=act.device)
-    block = 1024 if act.device.type == "cuda" else 64
-    _rows_kernel[(triton.cdiv(sorted_ids.shape[0], block),)](
-        sorted_ids, offsets[num_experts:], y_row, num_pairs, BLOCK=block, **pdl_launch(act, pdl)
-    )  # fmt: skip
-    return y, y_row

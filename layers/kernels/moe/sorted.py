@@ -19,7 +19,7 @@ from ..pdl import pdl_launch, pdl_wait
 from .activation import silu_mul
 from .align import align_pairs
 from .fused_norm import norm_kernel_args
-from .grouped import down_gemm, grouped_gemms
+from .grouped import grouped_gemms
 from .naive import fp8_dots_fit, shared_fp8_gemm
 from .pairs import low_rank_args
 
@@ -366,7 +366,7 @@ def _converted_dot(a, w):
 
 def moe_sorted(
     hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=(None, None),
-    deltas=None, quantize_acts=True, grouped=False, torch_down=False,
+    deltas=None, quantize_acts=True, grouped=False,
 ) -> None:  # fmt: skip
     """The sorted path into `out` (or, with norm, into norm.out): group, up GEMM, down GEMM, sum.
     scales: (w13_scale, w2_scale) of FP8 experts: x and act are quantized per 1 x 128 group for
@@ -375,9 +375,7 @@ def moe_sorted(
     dtype). deltas (PairDeltas): added to each pair's gate / up and down projections (adapters) in
     their low-rank form, expanded inside the two GEMMs (in full precision beside the FP8 dots; their
     two shrinks are the only launches they add). grouped: the two GEMMs are torch's grouped GEMM
-    (grouped.py: bf16 experts, no deltas; cfg unused), the same sum kernel after. torch_down (bf16
-    experts, no deltas): ours up, writing act in the sorted order, then torch's grouped GEMM down
-    (grouped.down_gemm), the sum weighting each slot's row."""
+    (grouped.py: bf16 experts, no deltas; cfg unused), the same sum kernel after."""
     if grouped:
         y, y_row = grouped_gemms(hidden=hidden, w13=w13, w2=w2, topk_ids=topk_ids, expert_offset=expert_offset, pdl=pdl)
         _sum(hidden, y, topk_ids, expert_offset, w13.shape[0], out, shared, norm, pdl, (y_row, topk_weights))
@@ -398,9 +396,7 @@ def moe_sorted(
     # a_tma (bf16 experts, no deltas): act in the sorted order, a row a sorted position, so that the
     # down GEMM reads whole row blocks through TMA
     a_tma = cfg.get("a_tma", False) and not fp8 and deltas is None and (inter * hidden.element_size()) % 16 == 0
-    assert not torch_down or (not fp8 and deltas is None), "torch_down: bf16 experts, no deltas"
-    a_tma = a_tma and not torch_down
-    act_rows = max_blocks * block_m if a_tma or torch_down else num_pairs
+    act_rows = max_blocks * block_m if a_tma else num_pairs
     act = torch.empty((act_rows, inter), dtype=hidden.dtype, device=hidden.device)
     y = torch.empty((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
     up_sc = _scale_args(w13_scale, w13, hidden)
@@ -422,13 +418,9 @@ def moe_sorted(
         w13.stride(1), act.stride(0), x_scale, x_scale.stride(0), *up_sc[:3], *up_lora[:6], HIDDEN=hidden_size,
         INTER=inter, TOPK=top_k, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up_k, FP8=fp8, SCALE_N=up_sc[4],
         SCALE_K=up_sc[3], GROUP=ACT_GROUP, LORA_RANK=up_lora[6], QUANT_ACT=quant, N_MAJOR=n_major, W_DESC=tma,
-        PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat", ACT_SORTED=a_tma or torch_down,
+        PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat", ACT_SORTED=a_tma,
         num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl_launch(hidden, pdl),
     )  # fmt: skip
-    if torch_down:
-        y, y_row = down_gemm(act=act, w2=w2, sorted_ids=sorted_ids, offsets=offsets, num_pairs=num_pairs, pdl=pdl)
-        _sum(hidden, y, topk_ids, expert_offset, num_experts, out, shared, norm, pdl, (y_row, topk_weights))
-        return
     down_lora = low_rank_args(None if deltas is None else deltas.low_rank_down(act), act)
     a, a_scale = quantize_act(x=act, group=ACT_GROUP, pdl=pdl) if quant else (act, act)
     down_k = min(down["block_k"], down_sc[3], ACT_GROUP) if fp8 else down["block_k"]

@@ -46,8 +46,7 @@ def fused_moe(
     from the shapes (tests and tuning sweeps); sorted_block_m: the sorted path's tile rows (0: by shape);
     sorted_persistent: its GEMMs as persistent programs ("loop", "flat"; "": a program a tile);
     prefill_gemm "torch": the sorted path's GEMMs on torch's grouped GEMM where it takes the call
-    (path "grouped": grouped.py; bf16 experts without deltas), else ours; "torch_down": its down GEMM
-    only (grouped.down_gemm; the same experts);
+    (path "grouped": grouped.py; bf16 experts without deltas), else ours;
     `deltas`: the pairs path's GEMVs expand their low-rank form, the sorted path's GEMMs add them
     (FP8 experts: on quantized activations)."""
     _check(hidden, w13, w2, shared, w13_scale, w2_scale)
@@ -62,15 +61,8 @@ def fused_moe(
     topk_weights = topk_weights.contiguous()
     num_pairs = topk_ids.numel()
     path = path or ("pairs" if num_pairs <= PAIRS_PATH_MAX else "sorted")
-    torch_down = False
-    if path == "sorted" and prefill_gemm != "triton" and w13_scale is None and deltas is None:
-        if prefill_gemm == "torch":
-            path = "grouped" if grouped.supported(hidden, w13) else path
-        else:
-            assert prefill_gemm == "torch_down", f"unknown prefill_gemm {prefill_gemm!r}"
-            torch_down = w13.dtype == hidden.dtype and grouped.down_supported(
-                hidden.dtype, w2.shape[2], hidden_size, hidden.device
-            )
+    if path == "sorted" and prefill_gemm == "torch" and w13_scale is None and deltas is None:
+        path = "grouped" if grouped.supported(hidden, w13) else path
     info = device_info(hidden.device)
     if path == "pairs":
         cfg = config or pairs_config(hidden_size, two_inter // 2, info, fp8=w13_scale is not None)
@@ -90,7 +82,7 @@ def fused_moe(
         )  # fmt: skip
         moe_sorted(
             hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=scales,
-            deltas=deltas, quantize_acts=fp8_quantize_acts, torch_down=torch_down,
+            deltas=deltas, quantize_acts=fp8_quantize_acts,
         )  # fmt: skip
     return norm.out if norm is not None else apply_add_norm(out, add_norm, pdl)
 
