@@ -89,8 +89,8 @@ CHUNK_CASES = {
         bounds=[0, 94], heads=(2, 2), dims=(16, 40), l2norm=False, scale=0.3, has_init=[False], packed=False,
     ),
     # slow decays (g a hundredth of the others: ~0.6 of the state left after a chunk) so that the state
-    # and the keys of one chunk shape the next ones' outputs: 3 chunks (a pair and one alone for the
-    # pairs walk) from an initial state, after a 64-token sequence without one
+    # and the keys of one chunk shape the next ones' outputs: 3 chunks from an initial state, after a
+    # 64-token sequence without one
     "slow_decay": dict(
         bounds=[0, 64, 230], heads=(1, 2), dims=(16, 24), l2norm=True, scale=None, has_init=[False, True],
         packed=False, decay=0.01,
@@ -147,9 +147,7 @@ def test_chunk_matches_naive(nan_fill, case, variant):
             assert rel_err(got, want) < TOL
 
 
-@pytest.mark.parametrize(
-    "variant", ["fused", "split32", chunk_module.ChunkVariant(block_v=16, num_warps=8, pairs=True)]
-)
+@pytest.mark.parametrize("variant", ["fused", "split32", chunk_module.ChunkVariant(block_v=16, num_warps=8)])
 def test_chunk_half_precision(nan_fill, variant):
     """The 16-bit path (matmul operands and scratch in the inputs' dtype). float16 stands in for
     bf16, whose matmuls the interpreter cannot run. Two key heads of two value heads each (hv //
@@ -498,7 +496,7 @@ def test_chunk_output_norm_bf16_real_shapes(nan_fill, variant):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", ["fused", "fused_pf", "split32", "split32p"])
+@pytest.mark.parametrize("variant", ["fused", "fused_pf", "split32"])
 def test_chunk_captures_bf16_real_shapes(nan_fill, variant):
     """Prefix-cache captures at the model's shapes in bf16: stores after chunks (the sequential walks'
     one-offset-tensor stores) and replays inside them (advance.py's wgmma dots at K = V = 128), two

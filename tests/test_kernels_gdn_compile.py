@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from deltaserve.layers.kernels.gdn import advance, chunk_pairs, chunk_state
+from deltaserve.layers.kernels.gdn import advance, chunk_state
 
 BF16, F32 = "*bf16", "*fp32"
 H200_SMEM = 227 * 1024
@@ -72,26 +72,10 @@ def fused(capture: bool, block_v: int, warps: int, stages: int, prefetch: bool):
     return compile_sm90(chunk_state._state_kernel, {**ptrs, **SEQ_PTRS}, consts, num_warps=warps, num_stages=stages)
 
 
-def pairs(capture: bool):
-    """split32p (chunk.VARIANTS): the walk two chunks a step, block_v 32, 8 warps, 2 stages (4 warps spill)."""
-    ptrs = {"k": BF16, "w": BF16, "u": BF16, "kscale": F32, "gcum": F32, "h": BF16, "chunk_states": F32, **SEQ_PTRS}
-    consts = dict(SHAPE, BV=32, BLOCK_N=64, STORE_CHUNK_STATES=False, STORE_CAPTURE=capture)
-    return compile_sm90(chunk_pairs._recur_pairs_kernel, ptrs, consts, num_warps=8, num_stages=2)
-
-
-def intra_pairs():
-    """split32p's matmul kernel, a pair of chunks a program (the second's w and u merged), 8 warps."""
-    ptrs = {n: BF16 for n in ("k", "v", "y", "w", "u")} | {"beta": BF16, "gcum": F32, "rnorm": F32, "kscale": F32}
-    consts = dict(SHAPE, BVP=64, BC=16, BLOCK_N=64, L2NORM=True)
-    return compile_sm90(
-        chunk_pairs._intra_pairs_kernel, {**ptrs, "cu_seqlens": "*i32"}, consts, num_warps=8, num_stages=1
-    )
-
-
 CASES = [
     (replay, True, "*i32"), (replay, False, "*i32"), (replay, True, "*i64"), (replay, False, "*i64"),
     (recur, True), (recur, False), (fused, False, 32, 4, 2, False), (fused, True, 64, 8, 3, True),
-    (fused, True, 32, 4, 2, False), (fused, False, 64, 8, 3, True), (pairs, True), (pairs, False), (intra_pairs,),
+    (fused, True, 32, 4, 2, False), (fused, False, 64, 8, 3, True),
 ]  # fmt: skip
 
 if __name__ == "__main__":

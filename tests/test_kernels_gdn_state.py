@@ -63,21 +63,7 @@ BOUNDS = [0, 1, 71]
 CAPTURES = [(0, 0), (0, 1), (1, 0), (1, 1), (1, 64), (1, 66), (1, 69), (1, 70)]
 
 
-# the split design two chunks a step (chunk_pairs.py)
-PAIRS = chunk_module.ChunkVariant(split=True, block_v=32, num_warps=8, pairs=True)
-
-
-@pytest.mark.parametrize(
-    "impl, l2norm",
-    [
-        ("naive", True),
-        ("fused", True),
-        ("split32", True),
-        ("split32", False),
-        (PAIRS, True),
-        (PAIRS, False),
-    ],
-)
+@pytest.mark.parametrize("impl, l2norm", [("naive", True), ("fused", True), ("split32", True), ("split32", False)])
 def test_chunk_captures_match_the_prefix_state(nan_fill, impl, l2norm):
     torch.manual_seed(0)
     q, k, v, g, beta = inputs(BOUNDS[-1])
@@ -108,7 +94,7 @@ def test_chunk_captures_match_the_prefix_state(nan_fill, impl, l2norm):
         assert rel_err(pool[num_seqs + i], want) < TOL, (n, off)
 
 
-@pytest.mark.parametrize("impl", ["fused", "split32", PAIRS])
+@pytest.mark.parametrize("impl", ["fused", "split32"])
 def test_replays_over_value_blocks_and_head_groups(nan_fill, impl):
     """Replays of 1, 17 and 63 tokens (the longest a chunk leaves) from boundary states, on value
     heads sharing key heads and over two value blocks of the replay kernel (V = 40), and captures

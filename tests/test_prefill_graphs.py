@@ -178,16 +178,15 @@ CAPTURE_SETS = [
     [
         *((c, i, "dispatch") for c in CAPTURE_SETS for i in (False, True)),
         ([(0, 64, 5), (0, 66, 6), (1, 3, 7)], True, "triton"),
-        ([(0, 64, 5), (0, 66, 6), (1, 3, 7)], True, "triton-pairs"),  # split32p: a capture on its pair's boundary
     ],
 )
 def test_fixed_captures_write_what_state_captures_write(items, initial, impl):
     """The chunked rule and the conv with FixedCaptures (device tensors, padded entries on a
     scratch slot) leave exactly the states and windows StateCaptures leave. impl "triton": the
     chunked kernels and the replay's recurrent kernel (rows of no tokens skipped) under the
-    interpreter; "triton-pairs": the same with the split walk two chunks a step (chunk_pairs.py)."""
+    interpreter."""
     torch.manual_seed(0)
-    triton_impl = impl.startswith("triton")
+    triton_impl = impl == "triton"
     dev = "cuda" if triton_impl and torch.cuda.is_available() else "cpu"  # else the interpreter
     lens = (200, 30, 5) if impl == "dispatch" else (67, 4, 2)  # the last stream stands for the idle one
     t, hk, hv, kd, vd, slots, scratch = sum(lens), 2, 4, 16, 8, 12, 3
@@ -212,10 +211,9 @@ def test_fixed_captures_write_what_state_captures_write(items, initial, impl):
     for captures in (eager, fixed):
         pool, conv = pool0.clone(), conv0.clone()
         chunk_op = triton_chunk.chunk_gated_delta_rule if triton_impl else gdn_kernels.chunk_gated_delta_rule
-        variant = {"variant": "split32p"} if impl == "triton-pairs" else {}
         out = chunk_op(
             q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu, state_pool=pool, state_slots=state_slots,
-            has_initial_state=has_initial, captures=captures, **variant,
+            has_initial_state=has_initial, captures=captures,
         )  # fmt: skip
         y = conv_kernels.causal_conv1d_varlen(
             x=x, weight=weight, cu_seqlens=cu, conv_state_pool=conv, state_slots=state_slots,

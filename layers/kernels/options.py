@@ -157,9 +157,8 @@ class KernelOptions:
         default="",
         metadata={
             "env": "DELTASERVE_GDN_CHUNK_VARIANT",
-            "help": "the chunked GDN prefill's design (fused, fused_pf, split32, split32p: two chunks a step); "
-            "empty: by the shapes",
-            "choices": ("", "fused", "fused_pf", "split32", "split32p"),
+            "help": "the chunked GDN prefill's design (fused, fused_pf, split32); empty: by the shapes",
+            "choices": ("", "fused", "fused_pf", "split32"),
         },
     )
 

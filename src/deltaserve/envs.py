@@ -107,7 +107,7 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar(
             "DELTASERVE_GDN_CHUNK_VARIANT",
             "",
-            "the chunked GDN prefill's design (fused, fused_pf, split32, split32p: two chunks a step); unset: by shape",
+            "the chunked GDN prefill's design (fused, fused_pf, split32); unset: by shape",
         ),
         EnvVar("DELTASERVE_GDN_VARIANTS", "", "bench only: comma-separated chunk-kernel variants to time"),
     )

@@ -38,7 +38,6 @@ import triton
 from ..device import DeviceInfo, device_info, stages_that_fit
 from ..norm.triton_norm import gated_rms_norm
 from .advance import advance_within_chunks
-from .chunk_pairs import _intra_pairs_kernel, _recur_pairs_kernel
 from .chunk_prepare import _intra_kernel, _solve_kernel
 from .chunk_state import _output_kernel, _recur_kernel, _state_kernel
 from .fixed_captures import FixedCaptures
@@ -57,7 +56,7 @@ def _contiguous_last(x: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class ChunkVariant:
     """How the sequential part runs; `chunk_gated_delta_rule(variant=...)` takes one of these or a name
-    from VARIANTS (those pick_variant chooses, and split32p by name); bench/kernels_gdn.py times others
+    from VARIANTS (those pick_variant chooses); bench/kernels_gdn.py times others
     beside them.
 
     split: True for _recur_kernel + _output_kernel, False for the fused _state_kernel.
@@ -71,9 +70,6 @@ class ChunkVariant:
     out_block_v, out_warps: split only; the output kernel's V block and warps.
     solve_warps, intra_warps: the per-chunk solve kernel's and matmul kernel's warps (more solve warps
         replicate its 16 x 16 tiles rather than split them: slower on the H100, gdn/NOTES.md).
-    pairs: split only; the walk takes two chunks a step (chunk_pairs.py: the matmul kernel a pair a
-        program, each pair's second chunk's w and u merged over the first's), half the dependent steps
-        of twice the rows.
     """
 
     split: bool = True
@@ -85,7 +81,6 @@ class ChunkVariant:
     out_warps: int = 4
     solve_warps: int = 1
     intra_warps: int = 8
-    pairs: bool = False
 
 
 VARIANTS = {
@@ -95,9 +90,6 @@ VARIANTS = {
     "fused_pf": ChunkVariant(split=False, num_stages=3, prefetch=True),
     # the split design (few, long sequences)
     "split32": ChunkVariant(split=True, block_v=32, num_warps=4),
-    # named only (KernelOptions.gdn_chunk_variant; the picker never takes it): the split design two
-    # chunks a step (chunk_pairs.py; 8 warps: 174-187 registers on sm_90, 4 warps spill)
-    "split32p": ChunkVariant(split=True, block_v=32, num_warps=8, num_stages=2, pairs=True),
 }
 
 # From CUDA graphs on the H200 (0a1f871, `bench kernels --only gdn --match "gdn_chunk[graph]"`), one
@@ -198,22 +190,13 @@ def chunk_gated_delta_rule(
         L2NORM=use_qk_l2norm, PRECISION="ieee" if dt == torch.float32 else "tf32",
         num_warps=cfg.solve_warps, num_stages=1,
     )  # fmt: skip
-    pairs = cfg.split and cfg.pairs
-    if pairs:  # a pair of chunks a program, each pair's second chunk's w and u merged over the first's
-        _intra_pairs_kernel[(num_tokens // (2 * CHUNK) + num_seqs, num_v_heads)](
-            k, v, beta, cu_seqlens, gcum, rnorm, y, w, u, qscale, num_seqs, k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), beta.stride(0), beta.stride(1), HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BK=bk,
-            BVP=min(64, bv_all), BT=CHUNK, BC=SUB, BLOCK_N=BLOCK_N, L2NORM=use_qk_l2norm,
-            num_warps=cfg.intra_warps, num_stages=1,
-        )  # fmt: skip
-    else:
-        _intra_kernel[(max_chunks, num_v_heads)](
-            q, k, v, beta, cu_seqlens, gcum, rnorm, y, w, u, kd, scores, qscale, num_seqs, scale,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0),
-            beta.stride(1), HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BKP=min(64, bk),
-            BVP=min(64, bv_all), BT=CHUNK, BC=SUB, BLOCK_N=BLOCK_N, L2NORM=use_qk_l2norm, FUSED=not cfg.split,
-            num_warps=cfg.intra_warps, num_stages=2,
-        )  # fmt: skip
+    _intra_kernel[(max_chunks, num_v_heads)](
+        q, k, v, beta, cu_seqlens, gcum, rnorm, y, w, u, kd, scores, qscale, num_seqs, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0),
+        beta.stride(1), HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BKP=min(64, bk),
+        BVP=min(64, bv_all), BT=CHUNK, BC=SUB, BLOCK_N=BLOCK_N, L2NORM=use_qk_l2norm, FUSED=not cfg.split,
+        num_warps=cfg.intra_warps, num_stages=2,
+    )  # fmt: skip
     bv = min(cfg.block_v or 64, bv_all)
     if not cfg.block_v:  # narrower V-blocks when there are too few (sequence, head) pairs to fill the GPU
         while bv > 32 and num_seqs * num_v_heads * triton.cdiv(value_dim, bv) < info.num_sms:
@@ -225,13 +208,11 @@ def chunk_gated_delta_rule(
     # shared memory of the sequential loop (estimates above what sm_90 builds allocate): per stage its
     # tiles (split: w, k, u; fused: w, q, kd, scores, u), besides the state and v_new matmul operands
     esize = w.element_size()
-    rows = 2 * CHUNK if pairs else CHUNK  # a step's rows
-    fixed = esize * (bk + rows) * bv + 8192
-    per_stage = esize * rows * ((2 if cfg.split else 3) * bk + bv + (0 if cfg.split else CHUNK))
+    fixed = esize * (bk + CHUNK) * bv + 8192
+    per_stage = esize * CHUNK * ((2 if cfg.split else 3) * bk + bv + (0 if cfg.split else CHUNK))
     stages = stages_that_fit(cfg.num_stages, per_stage, fixed, info)
     if cfg.split:
-        recur = _recur_pairs_kernel if pairs else _recur_kernel
-        recur[seq_grid](
+        _recur_kernel[seq_grid](
             k, w, u, qscale, gcum, h, cs_arg, cap_arg, state_pool, cu_seqlens, state_slots, has_initial_state,
             num_seqs, k.stride(0), k.stride(1), state_pool.stride(0),
             HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BK=bk, BV=bv, BT=CHUNK, BLOCK_N=BLOCK_N,
