@@ -65,6 +65,7 @@ def run_chunk(impl, q, k, v, g, beta, cu_seqlens, pool, slots, has_init, **kw):
 CHUNK_VARIANTS = [
     *chunk_module.VARIANTS,
     chunk_module.ChunkVariant(split=False, block_v=16),
+    chunk_module.ChunkVariant(split=True, block_v=16, solve_stages=3),  # the interpreter runs it as one stage
 ]
 
 # The interpreter's cost is about one program of the solve kernel per (chunk, value head), whatever

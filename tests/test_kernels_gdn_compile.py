@@ -2,7 +2,7 @@
 front end, then ptxas from the Triton wheel; no GPU) at the Qwen3.5 shapes (Hk 16, Hv 32, K = V =
 128, bf16): the sequential kernels with their capture stores, and the replay kernel on the chunk's
 own WY rows (advance.py) in both designs and both entry dtypes (an eager pass's int32, a graph's
-int64). Each must fit the H200's shared memory and keep its registers without spilling to local
+int64), and the per-chunk solve with its substitution loop pipelined or not. Each must fit the H200's shared memory and keep its registers without spilling to local
 memory (the sequential walks hold a [128, BV] float32 state a program: a spill there costs every
 chunk of every prefill). In a child process without TRITON_INTERPRET (the conftest sets it)."""
 
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from deltaserve.layers.kernels.gdn import advance, chunk_state
+from deltaserve.layers.kernels.gdn import advance, chunk_prepare, chunk_state
 
 BF16, F32 = "*bf16", "*fp32"
 H200_SMEM = 227 * 1024
@@ -72,7 +72,24 @@ def fused(capture: bool, block_v: int, warps: int, stages: int, prefetch: bool):
     return compile_sm90(chunk_state._state_kernel, {**ptrs, **SEQ_PTRS}, consts, num_warps=warps, num_stages=stages)
 
 
+def solve(stages: int):
+    """The per-chunk solve (one warp), its substitution rows loaded `stages` rows ahead (ChunkVariant.solve_stages)."""
+    ptrs = {
+        "k": BF16,
+        "g": F32,
+        "beta": F32,
+        "cu_seqlens": "*i32",
+        "gcum": F32,
+        "rnorm": F32,
+        "a_scratch": F32,
+        "y": BF16,
+    }
+    consts = dict(HV=32, GROUP=2, K=128, BKP=32, BT=64, BC=16, BLOCK_N=64, L2NORM=True, PRECISION="tf32")
+    return compile_sm90(chunk_prepare._solve_kernel, ptrs, dict(consts, SUB_STAGES=stages), num_warps=1, num_stages=1)
+
+
 CASES = [
+    (solve, 1), (solve, 6),
     (replay, True, "*i32"), (replay, False, "*i32"), (replay, True, "*i64"), (replay, False, "*i64"),
     (recur, True), (recur, False), (fused, False, 32, 4, 2, False), (fused, True, 64, 8, 3, True),
     (fused, True, 32, 4, 2, False), (fused, False, 64, 8, 3, True),

@@ -70,6 +70,8 @@ class ChunkVariant:
     out_block_v, out_warps: split only; the output kernel's V block and warps.
     solve_warps, intra_warps: the per-chunk solve kernel's and matmul kernel's warps (more solve warps
         replicate its 16 x 16 tiles rather than split them: slower on the H100, gdn/NOTES.md).
+    solve_stages: the solve's first key loop and forward-substitution loop pipelined this deep (their
+        key blocks and rows of -A loaded ahead, cp.async); 1: each loaded in its own step.
     """
 
     split: bool = True
@@ -80,6 +82,7 @@ class ChunkVariant:
     out_block_v: int = 64
     out_warps: int = 4
     solve_warps: int = 1
+    solve_stages: int = 1
     intra_warps: int = 8
 
 
@@ -187,7 +190,7 @@ def chunk_gated_delta_rule(
         k, g, beta, cu_seqlens, gcum, rnorm, a_scratch, y, num_seqs,
         k.stride(0), k.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         HV=num_v_heads, GROUP=group, K=key_dim, BKP=min(32, bk), BT=CHUNK, BC=SUB, BLOCK_N=BLOCK_N,
-        L2NORM=use_qk_l2norm, PRECISION="ieee" if dt == torch.float32 else "tf32",
+        L2NORM=use_qk_l2norm, PRECISION="ieee" if dt == torch.float32 else "tf32", SUB_STAGES=cfg.solve_stages,
         num_warps=cfg.solve_warps, num_stages=1,
     )  # fmt: skip
     _intra_kernel[(max_chunks, num_v_heads)](

@@ -52,6 +52,7 @@ def _solve_kernel(
     k, g, beta, cu_seqlens, gcum, rnorm, a_scratch, y, num_seqs, stride_kt, stride_kh, stride_gt, stride_gh, stride_bt,
     stride_bh, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr, BT: tl.constexpr,
     BC: tl.constexpr, BLOCK_N: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+    SUB_STAGES: tl.constexpr,
 ):  # fmt: skip
     i_c = tl.program_id(0)
     hv = tl.program_id(1)
@@ -96,11 +97,13 @@ def _solve_kernel(
 
     # diagonal blocks of raw k k^T, over K in pieces; the l2 norms scale them afterwards. The blocks
     # below the diagonal come in a second pass, after the substitution: fewer live registers.
+    # SUB_STAGES > 1: this loop's key blocks and the substitution's rows loaded ahead (cp.async), each
+    # loop's loads off its chain of dependent steps (the second pass stays unpipelined: it would spill)
     a00 = tl.zeros([BC, BC], dtype=tl.float32)
     a11, a22, a33 = a00, a00, a00
     ss0 = tl.zeros([BC], dtype=tl.float32)
     ss1, ss2, ss3 = ss0, ss0, ss0
-    for kp in range(0, K, BKP):
+    for kp in tl.range(0, K, BKP, num_stages=SUB_STAGES):
         k0, k1, k2, k3 = _key_blocks(p_k, o_c, m0, m1, m2, m3, stride_kt, kp, K, BKP, BC)
         a00 = tl.dot(k0, tl.trans(k0), a00)
         a11 = tl.dot(k1, tl.trans(k1), a11)
@@ -134,7 +137,7 @@ def _solve_kernel(
     tl.store(p_a[None, :] + (o_c + 2 * BC)[:, None] * (HV * BC), x2, mask=m2[:, None])
     tl.store(p_a[None, :] + (o_c + 3 * BC)[:, None] * (HV * BC), x3, mask=m3[:, None])
     tl.debug_barrier()  # the rows are read back by other threads
-    for i in range(2, BC):
+    for i in tl.range(2, BC, num_stages=SUB_STAGES):
         sel = (o_c == i)[:, None]
         r_i = o_c * 0 + i  # row i of each block, as a vector (the interpreter rejects scalar masks)
         x0 = _substitute_row(x0, sel, tl.load(p_a + i * (HV * BC), mask=r_i < length, other=0.0))
