@@ -1,10 +1,11 @@
 """The chunked GDN kernels that prefix-cache captures run, compiled for sm_90 on this machine (Triton's
 front end, then ptxas from the Triton wheel; no GPU) at the Qwen3.5 shapes (Hk 16, Hv 32, K = V =
-128, bf16): the sequential kernels with their capture stores, and the replay kernel on the chunk's
-own WY rows (advance.py) in both designs and both entry dtypes (an eager pass's int32, a graph's
-int64), and the per-chunk solve with its substitution loop pipelined or not. Each must fit the H200's shared memory and keep its registers without spilling to local
-memory (the sequential walks hold a [128, BV] float32 state a program: a spill there costs every
-chunk of every prefill). In a child process without TRITON_INTERPRET (the conftest sets it)."""
+128, bf16): the sequential kernels with their capture stores, the replay kernel on the chunk's own
+WY rows (advance.py) in both designs and both entry dtypes (an eager pass's int32, a graph's int64),
+and the per-chunk solve with its loops pipelined or not. Each must fit the H200's shared memory and
+keep its registers without spilling to local memory (the sequential walks hold a [128, BV] float32
+state a program: a spill there costs every chunk of every prefill). In a child process without
+TRITON_INTERPRET (the conftest sets it)."""
 
 from __future__ import annotations
 
