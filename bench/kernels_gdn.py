@@ -23,6 +23,10 @@ layer ran before, conv1d update + recurrent on raw gates + gated norm; the peer 
 at block_v 64 instead of 32). Just those rows, per call:
 
     python -m deltaserve.bench.kernels_gdn [--json gates.json]
+
+The chunked op kernel by kernel (torch profiler), variants side by side:
+
+    python -m deltaserve.bench.kernels_gdn --breakdown 8192,32768 --variants split32,split32_ss6
 """
 
 from __future__ import annotations
@@ -555,6 +559,37 @@ def norm_ab(tokens: list[int]) -> None:
               f"({ms_apart / ms_fused:.3f}x)  max diff {diff:.1e}", flush=True)  # fmt: skip
 
 
+def breakdown(tokens: list[int], variants: list[str], calls: int = 20) -> None:
+    """The chunked op kernel by kernel: each variant's kernels' device time (torch profiler over `calls`
+    eager calls, one sequence of each length, variants run in turn with the first again last as a
+    drift check), us a call."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    for num_tokens in tokens:
+        q, k, v, g, beta = _inputs(num_tokens)
+        pool = torch.randn(4, HV, K, V, device="cuda") * 0.1
+        kw = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=torch.tensor([0, num_tokens], dtype=torch.int32,
+                  device="cuda"), state_pool=pool, state_slots=torch.tensor([2], dtype=torch.int32, device="cuda"),
+                  has_initial_state=torch.tensor([True], device="cuda"))  # fmt: skip
+        for name in [*variants, variants[0]]:
+            variant = CHUNK_VARIANTS[name]
+            for _ in range(3):
+                chunk_gated_delta_rule(variant=variant, **kw)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    chunk_gated_delta_rule(variant=variant, **kw)
+                torch.cuda.synchronize()
+            spent: dict[str, float] = collections.defaultdict(float)
+            for event in prof.events():
+                if event.device_type.name == "CUDA":
+                    spent[event.name] += event.device_time_total / calls
+            parts = "  ".join(f"{n[:20]} {t:.1f}" for n, t in sorted(spent.items(), key=lambda x: -x[1]) if t > 1)
+            print(f"gdn_chunk T={num_tokens} {name:<12} {sum(spent.values()):8.1f} us | {parts}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The CUDA-graph rows only, in microseconds per call."""
     import triton.testing
@@ -562,6 +597,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="GDN gating, raw-gate decode, fused decode step: CUDA graphs")
     parser.add_argument("--json", default=None)
     parser.add_argument("--norm", default="", help="instead: norm_ab at these token counts (comma list)")
+    parser.add_argument(
+        "--breakdown", default="", help="instead: the chunked op kernel by kernel at these token counts (comma list)"
+    )
+    parser.add_argument("--variants", default="split32", help="with --breakdown: CHUNK_VARIANTS names (comma list)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -569,6 +608,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     if args.norm:
         norm_ab([int(t) for t in args.norm.split(",")])
+        return 0
+    if args.breakdown:
+        unknown = [v for v in args.variants.split(",") if v not in CHUNK_VARIANTS]
+        if unknown:
+            parser.error(f"--variants: unknown {unknown[:3]} (CHUNK_VARIANTS: {', '.join(CHUNK_VARIANTS)})")
+        breakdown([int(t) for t in args.breakdown.split(",")], args.variants.split(","))
         return 0
     print(f"device: {torch.cuda.get_device_name()}  ({GRAPH_CALLS} calls per CUDA graph, median of replays)")
     rows = []
