@@ -262,13 +262,14 @@ def test_snapshot_policy_and_interval_are_checked(tiny_checkpoints):
         LLM(str(path), prefix_snapshot_interval=100)
 
 
-@pytest.mark.parametrize("async_scheduling, seed", [(False, 0), (True, 1)])
-def test_random_traffic_under_a_tight_pool(tiny_checkpoints, async_scheduling, seed):
+# budget 5: many one-token prompt chunks planned as decode rows (their snapshots saved at the next pass)
+@pytest.mark.parametrize("async_scheduling, seed, budget", [(False, 0, 12), (True, 1, 12), (True, 2, 5)])
+def test_random_traffic_under_a_tight_pool(tiny_checkpoints, async_scheduling, seed, budget):
     """Shared prefixes, preemption, evictions of snapshots and cached pages, all at once: the tokens
     are those of the engine without a cache, and every page and slot is free at the end."""
     path, _ = tiny_checkpoints["qwen3_next"]
     kw = dict(
-        max_num_seqs=4, block_size=4, num_kv_blocks=16, max_num_batched_tokens=12,
+        max_num_seqs=4, block_size=4, num_kv_blocks=16, max_num_batched_tokens=budget,
         async_scheduling=async_scheduling, dtype="float64",
     )  # fmt: skip
     on = LLM(str(path), num_prefix_snapshots=3, prefix_snapshot_interval=8, **kw)
