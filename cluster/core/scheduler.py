@@ -208,15 +208,20 @@ class Scheduler:
             return
         if pos > req.num_tokens:
             return  # a token it was fed is still in flight: its id is not known here
-        tokens = req.all_token_ids
-        key = self.prefix.snapshot_key(self._hashes(req), tokens, pos)
-        if self.prefix.snapshots.get(key) is not None:
-            return
-        bs = self.blocks.block_size
-        tail = req.block_table[pos // bs] if pos % bs else None
-        snap = self.prefix.snapshots.take(key, pos, tail)
+        snap = self._new_snapshot(req, pos)
         if snap is not None:
             self._pending_saves.append((req.state_slot, snap))
+
+    def _new_snapshot(self, req: Request, pos: int) -> Snapshot | None:
+        """A snapshot slot for `req`'s state after `pos` tokens (its partly filled page held), or None:
+        one of that prefix is held already (touched: kept longer), or no slot is free of the plan."""
+        key = self.prefix.snapshot_key(self._hashes(req), req.token_slice(0, pos), pos)
+        old = self.prefix.snapshots.get(key)
+        if old is not None:
+            self.prefix.snapshots.touch(old)
+            return None
+        bs = self.blocks.block_size
+        return self.prefix.snapshots.take(key, pos, req.block_table[pos // bs] if pos % bs else None)
 
     def _take_saves(self) -> list[tuple[int, int]]:
         """The saves for this plan: those whose snapshot is still held (an evicted one's slot may
@@ -287,26 +292,14 @@ class Scheduler:
 
     def _plan_captures(self, rows: list[tuple[Request, int]], first_prefill: int) -> list[tuple[int, int, int]]:
         captures = []
-        bs = self.blocks.block_size
         for i, (req, n) in enumerate(rows[first_prefill:], start=first_prefill):
             start = req.num_computed_tokens
             if n == 1 and start > 0 and start >= req.num_prompt_tokens:
                 continue  # a decode row among the prefill streams (a speculative pass): as any decode row
-            points = self._capture_points(req, start, start + n)
-            if not points:
-                continue
-            tokens = req.token_slice(0, start + n)
-            hashes = self._hashes(req)
-            for pos in points:
-                key = self.prefix.snapshot_key(hashes, tokens, pos)
-                old = self.prefix.snapshots.get(key)
-                if old is not None:
-                    self.prefix.snapshots.touch(old)
-                    continue
-                tail = req.block_table[pos // bs] if pos % bs else None
-                snap = self.prefix.snapshots.take(key, pos, tail)
+            for pos in self._capture_points(req, start, start + n):
+                snap = self._new_snapshot(req, pos)
                 if snap is None:
-                    break
+                    continue
                 # this pass writes the slot: no later take (or page reclaim) of this plan may reuse it
                 self.prefix.snapshots.pin(snap)
                 captures.append((i, pos - start, snap.slot))
@@ -315,18 +308,12 @@ class Scheduler:
     def _save_decode_row_points(self, decode: list[tuple[Request, int]]) -> None:
         """A one-token prompt chunk planned as a decode row (the kernels capture nothing there): its
         capture point is the state its slot holds after this pass, saved at the start of the next."""
-        bs = self.blocks.block_size
         for req, _ in decode:
             start = req.num_computed_tokens
             if start >= req.num_prompt_tokens:
                 continue
             for pos in self._capture_points(req, start, start + 1):
-                key = self.prefix.snapshot_key(self._hashes(req), req.token_slice(0, pos), pos)
-                old = self.prefix.snapshots.get(key)
-                if old is not None:
-                    self.prefix.snapshots.touch(old)
-                    continue
-                snap = self.prefix.snapshots.take(key, pos, req.block_table[pos // bs] if pos % bs else None)
+                snap = self._new_snapshot(req, pos)
                 if snap is not None:
                     self._pending_saves.append((req.state_slot, snap))
 
