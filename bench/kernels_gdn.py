@@ -118,6 +118,10 @@ CHUNK_VARIANTS: dict[str, ChunkVariant] = {
     # the solve's key loop and substitution rows pipelined 3 / 6 deep (cp.async; sm_90: 254 / 181 registers)
     "split32_ss3": ChunkVariant(split=True, block_v=32, num_warps=4, solve_stages=3),
     "split32_ss6": ChunkVariant(split=True, block_v=32, num_warps=4, solve_stages=6),
+    # over 2 / 8 chunk windows (split32_w4 in chunk.VARIANTS): each window's walk beside the parallel
+    # kernels of the others on a second stream
+    "split32_w2": ChunkVariant(split=True, block_v=32, num_warps=4, windows=2),
+    "split32_w8": ChunkVariant(split=True, block_v=32, num_warps=4, windows=8),
 }
 # the recurrent kernel's: "bv32" is the first design (H200: 75% of copy bandwidth at N=64), "bv64_1p"
 # the default (recurrent.DEFAULT_VARIANT)
@@ -562,7 +566,8 @@ def norm_ab(tokens: list[int]) -> None:
 def breakdown(tokens: list[int], variants: list[str], calls: int = 20) -> None:
     """The chunked op kernel by kernel: each variant's kernels' device time (torch profiler over `calls`
     eager calls, one sequence of each length, variants run in turn with the first again last as a
-    drift check), us a call."""
+    drift check), us a call; and first its wall time a call (CUDA events around `calls` eager calls,
+    without the profiler: what the windowed variants change, their kernels overlapping on two streams)."""
     import collections
 
     from torch.profiler import ProfilerActivity, profile
@@ -578,6 +583,13 @@ def breakdown(tokens: list[int], variants: list[str], calls: int = 20) -> None:
             for _ in range(3):
                 chunk_gated_delta_rule(variant=variant, **kw)
             torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                chunk_gated_delta_rule(variant=variant, **kw)
+            end.record()
+            torch.cuda.synchronize()
+            wall = start.elapsed_time(end) * 1000 / calls
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(calls):
                     chunk_gated_delta_rule(variant=variant, **kw)
@@ -587,7 +599,8 @@ def breakdown(tokens: list[int], variants: list[str], calls: int = 20) -> None:
                 if event.device_type.name == "CUDA":
                     spent[event.name] += event.device_time_total / calls
             parts = "  ".join(f"{n[:20]} {t:.1f}" for n, t in sorted(spent.items(), key=lambda x: -x[1]) if t > 1)
-            print(f"gdn_chunk T={num_tokens} {name:<12} {sum(spent.values()):8.1f} us | {parts}", flush=True)
+            busy = sum(spent.values())
+            print(f"gdn_chunk T={num_tokens} {name:<12} wall {wall:8.1f} us  busy {busy:8.1f} us | {parts}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,8 @@ Without CUDA the kernels run on CPU float32 tensors under Triton's interpreter (
 CUDA the same tests run on the GPU, and the `gpu`-marked tests compare bf16 kernels at real shapes.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,6 +107,48 @@ def test_chunk_matches_naive(nan_fill, case, variant):
     """Against the reference: the outputs, the final states in the slots of the non-empty sequences,
     the per-chunk states; the slots of the empty sequences and of no sequence stay as they were
     (NaN included), and a slot without an initial state is never read (it holds NaN)."""
+    check_chunk_case(case, variant)
+
+
+# windows of 1 / 2 chunks (the minimum lowered for the tiny cases): varlen's 101-token sequence cut
+# between its chunks (and a window holding chunks of two sequences), no_l2norm's one sequence without
+# an initial state cut (the second window resumes from the slot the first wrote, not its NaN),
+# slow_decay's 3-chunk sequence with an initial state cut after its second chunk
+@pytest.mark.parametrize("windows", [2, 4])
+@pytest.mark.parametrize("case", list(CHUNK_CASES))
+def test_chunk_windows_match_one_walk(nan_fill, monkeypatch, case, windows):
+    """The split design over chunk windows (ChunkVariant.windows: one walk launch a window, resuming
+    from the slot): the reference's checks, and the outputs, slots and per-chunk states of one walk
+    bit for bit. Under the interpreter the windows run one after another, each prepared only just
+    before its walk: a kernel reading another window's rows reads NaN."""
+    monkeypatch.setattr(chunk_module, "WINDOW_MIN_CHUNKS", 1)
+    split = chunk_module.VARIANTS["split32"]
+    got = check_chunk_case(case, dataclasses.replace(split, windows=windows))
+    want = check_chunk_case(case, split)
+    assert len(chunk_module.chunk_windows(got.max_chunks, windows)) == min(windows, got.max_chunks) > 1
+    assert torch.equal(got.out, want.out)
+    assert torch.equal(got.pool.nan_to_num(), want.pool.nan_to_num())
+    assert all(torch.equal(a, b) for a, b in zip(got.states, want.states, strict=True))
+
+
+def test_chunk_windows_cover_the_chunks():
+    """Near-equal windows, none under WINDOW_MIN_CHUNKS unless one covers everything."""
+    assert chunk_module.chunk_windows(129, 4) == [(0, 32), (32, 64), (64, 96), (96, 129)]
+    assert chunk_module.chunk_windows(129, 1) == [(0, 129)]
+    assert chunk_module.chunk_windows(20, 8) == [(0, 10), (10, 20)]  # at least 8 chunks a window
+    assert chunk_module.chunk_windows(7, 4) == [(0, 7)]
+    assert chunk_module.chunk_windows(1, 4) == [(0, 1)]
+
+
+@dataclasses.dataclass
+class ChunkRun:
+    out: torch.Tensor
+    pool: torch.Tensor
+    states: list
+    max_chunks: int
+
+
+def check_chunk_case(case: str, variant) -> ChunkRun:
     torch.manual_seed(0)
     c = CHUNK_CASES[case]
     bounds, (num_k_heads, num_v_heads), (key_dim, value_dim) = c["bounds"], c["heads"], c["dims"]
@@ -146,6 +190,7 @@ def test_chunk_matches_naive(nan_fill, case, variant):
         assert got.shape == want.shape
         if want.numel():
             assert rel_err(got, want) < TOL
+    return ChunkRun(out, out_pool, out_states, bounds[-1] // 64 + num_seqs)
 
 
 @pytest.mark.parametrize("variant", ["fused", "split32", chunk_module.ChunkVariant(block_v=16, num_warps=8)])
@@ -467,6 +512,40 @@ def test_chunk_bf16_real_shapes(nan_fill, variant, decay):
         assert got.shape == want.shape
         if want.numel():
             assert rel_err(got, want) < BF16_TOL
+
+
+@pytest.mark.gpu
+@gpu
+def test_chunk_windows_on_two_streams_match_one_walk_bitwise(nan_fill):
+    """split32_w4 at the model's shapes: the walks on the caller's stream, the windows' solve, matmuls
+    and outputs on a second stream, eagerly (five calls) and from a CUDA graph (the side stream a fork
+    of the capture): outputs and slots bit for bit those of split32's one walk. Two sequences, one
+    without an initial state, a window boundary inside each."""
+    torch.manual_seed(5)
+    bounds = [0, 4100, 8192]
+    q, k, v, g, beta = make_inputs(bounds[-1], 16, 32, 128, 128, dtype=torch.bfloat16)
+    g = g * 0.05  # slow decays: the state a window hands the next shapes its outputs
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    pool = torch.randn(3, 32, 128, 128, device=DEVICE) * 0.1
+    slots = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    has_init = torch.tensor([True, False], device=DEVICE)
+    kw = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, state_slots=slots, has_initial_state=has_init)
+    assert len(chunk_module.chunk_windows(bounds[-1] // 64 + 2, 4)) == 4
+    want_pool = pool.clone()
+    want = chunk_module.chunk_gated_delta_rule(state_pool=want_pool, variant="split32", **kw)
+    for _ in range(5):
+        got_pool = pool.clone()
+        got = chunk_module.chunk_gated_delta_rule(state_pool=got_pool, variant="split32_w4", **kw)
+        assert torch.equal(got, want) and torch.equal(got_pool, want_pool)
+    graph_pool = pool.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chunk_module.chunk_gated_delta_rule(state_pool=graph_pool, variant="split32_w4", **kw)
+    for _ in range(3):
+        graph_pool.copy_(pool)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want) and torch.equal(graph_pool, want_pool)
 
 
 @pytest.mark.gpu

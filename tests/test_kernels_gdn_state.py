@@ -5,6 +5,7 @@ The reference for a capture is the state a sequence's own prefix leaves (the chu
 those tokens); for an accept, the state the recurrent rule leaves after the accepted tokens. Without
 CUDA the Triton kernels run under the interpreter at tiny shapes."""
 
+import dataclasses
 from functools import partial
 
 import numpy as np
@@ -63,9 +64,17 @@ BOUNDS = [0, 1, 71]
 CAPTURES = [(0, 0), (0, 1), (1, 0), (1, 1), (1, 64), (1, 66), (1, 69), (1, 70)]
 
 
-@pytest.mark.parametrize("impl, l2norm", [("naive", True), ("fused", True), ("split32", True), ("split32", False)])
-def test_chunk_captures_match_the_prefix_state(nan_fill, impl, l2norm):
+# split32_w3: the split design over three windows of one chunk (a walk launch each, the second sequence
+# cut at its chunk boundary, where a capture is stored)
+@pytest.mark.parametrize(
+    "impl, l2norm", [("naive", True), ("fused", True), ("split32", True), ("split32", False), ("split32_w3", True)]
+)
+def test_chunk_captures_match_the_prefix_state(nan_fill, monkeypatch, impl, l2norm):
     torch.manual_seed(0)
+    variant = impl
+    if impl == "split32_w3":
+        monkeypatch.setattr(chunk_module, "WINDOW_MIN_CHUNKS", 1)
+        variant = dataclasses.replace(chunk_module.VARIANTS["split32"], windows=3)
     q, k, v, g, beta = inputs(BOUNDS[-1])
     num_seqs = len(BOUNDS) - 1
     cu = torch.tensor(BOUNDS, dtype=torch.int32, device=DEVICE)
@@ -84,8 +93,8 @@ def test_chunk_captures_match_the_prefix_state(nan_fill, impl, l2norm):
         plain = naive.chunk_gated_delta_rule(state_pool=plain_pool, **args)
         out = naive.chunk_gated_delta_rule(state_pool=pool, captures=captures, **args)
     else:
-        plain = chunk_module.chunk_gated_delta_rule(state_pool=plain_pool, variant=impl, **args)
-        out = chunk_module.chunk_gated_delta_rule(state_pool=pool, captures=captures, variant=impl, **args)
+        plain = chunk_module.chunk_gated_delta_rule(state_pool=plain_pool, variant=variant, **args)
+        out = chunk_module.chunk_gated_delta_rule(state_pool=pool, captures=captures, variant=variant, **args)
     # captures change nothing else: the same outputs and final states, bit for bit
     assert torch.equal(out, plain)
     assert torch.equal(pool[:num_seqs], plain_pool[:num_seqs])

@@ -72,6 +72,11 @@ class ChunkVariant:
         replicate its 16 x 16 tiles rather than split them: slower on the H100, gdn/NOTES.md).
     solve_stages: the solve's first key loop and forward-substitution loop pipelined this deep (their
         key blocks and rows of -A loaded ahead, cp.async); 1: each loaded in its own step.
+    windows: split only; the pass's chunks cut into this many windows (of at least WINDOW_MIN_CHUNKS),
+        each walked by a launch of its own while a second stream prepares the windows ahead (solve,
+        matmuls) and computes the outputs of those behind: the latency-bound walk, one program an SM,
+        then shares the GPU with the parallel kernels instead of leaving it idle. 1: one walk, the
+        kernels one after another.
     """
 
     split: bool = True
@@ -84,6 +89,7 @@ class ChunkVariant:
     solve_warps: int = 1
     solve_stages: int = 1
     intra_warps: int = 8
+    windows: int = 1
 
 
 VARIANTS = {
@@ -93,6 +99,8 @@ VARIANTS = {
     "fused_pf": ChunkVariant(split=False, num_stages=3, prefetch=True),
     # the split design (few, long sequences)
     "split32": ChunkVariant(split=True, block_v=32, num_warps=4),
+    # the same over four chunk windows, the walk beside the parallel kernels (not yet measured)
+    "split32_w4": ChunkVariant(split=True, block_v=32, num_warps=4, windows=4),
 }
 
 # From CUDA graphs on the H200 (0a1f871, `bench kernels --only gdn --match "gdn_chunk[graph]"`), one
@@ -102,6 +110,8 @@ VARIANTS = {
 SPLIT_MIN_TOKENS_PER_SEQ = 512
 # Many sequences (more than a wave): up to this many tokens a sequence "fused", above it "fused_pf".
 FUSED_MAX_TOKENS_PER_SEQ = 2048
+# ChunkVariant.windows: no window shorter than this many chunks (a window's walk restarts its pipeline)
+WINDOW_MIN_CHUNKS = 8
 
 
 def pick_variant(num_seqs: int, num_v_heads: int, value_dim: int, num_sms: int, num_tokens: int | None = None) -> str:
@@ -186,20 +196,23 @@ def chunk_gated_delta_rule(
     group = num_v_heads // num_k_heads
     bk = max(16, triton.next_power_of_2(key_dim))
     bv_all = max(16, triton.next_power_of_2(value_dim))
-    _solve_kernel[(max_chunks, num_v_heads)](
-        k, g, beta, cu_seqlens, gcum, rnorm, a_scratch, y, num_seqs,
-        k.stride(0), k.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
-        HV=num_v_heads, GROUP=group, K=key_dim, BKP=min(32, bk), BT=CHUNK, BC=SUB, BLOCK_N=BLOCK_N,
-        L2NORM=use_qk_l2norm, PRECISION="ieee" if dt == torch.float32 else "tf32", SUB_STAGES=cfg.solve_stages,
-        num_warps=cfg.solve_warps, num_stages=1,
-    )  # fmt: skip
-    _intra_kernel[(max_chunks, num_v_heads)](
-        q, k, v, beta, cu_seqlens, gcum, rnorm, y, w, u, kd, scores, qscale, num_seqs, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0),
-        beta.stride(1), HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BKP=min(64, bk),
-        BVP=min(64, bv_all), BT=CHUNK, BC=SUB, BLOCK_N=BLOCK_N, L2NORM=use_qk_l2norm, FUSED=not cfg.split,
-        num_warps=cfg.intra_warps, num_stages=2,
-    )  # fmt: skip
+
+    def prepare(lo: int, hi: int) -> None:  # the solve and the whole-chunk matmuls of global chunks [lo, hi)
+        _solve_kernel[(hi - lo, num_v_heads)](
+            k, g, beta, cu_seqlens, gcum, rnorm, a_scratch, y, num_seqs, lo,
+            k.stride(0), k.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+            HV=num_v_heads, GROUP=group, K=key_dim, BKP=min(32, bk), BT=CHUNK, BC=SUB, BLOCK_N=BLOCK_N,
+            L2NORM=use_qk_l2norm, PRECISION="ieee" if dt == torch.float32 else "tf32", SUB_STAGES=cfg.solve_stages,
+            num_warps=cfg.solve_warps, num_stages=1,
+        )  # fmt: skip
+        _intra_kernel[(hi - lo, num_v_heads)](
+            q, k, v, beta, cu_seqlens, gcum, rnorm, y, w, u, kd, scores, qscale, num_seqs, lo, scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0),
+            beta.stride(1), HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BKP=min(64, bk),
+            BVP=min(64, bv_all), BT=CHUNK, BC=SUB, BLOCK_N=BLOCK_N, L2NORM=use_qk_l2norm, FUSED=not cfg.split,
+            num_warps=cfg.intra_warps, num_stages=2,
+        )  # fmt: skip
+
     bv = min(cfg.block_v or 64, bv_all)
     if not cfg.block_v:  # narrower V-blocks when there are too few (sequence, head) pairs to fill the GPU
         while bv > 32 and num_seqs * num_v_heads * triton.cdiv(value_dim, bv) < info.num_sms:
@@ -214,24 +227,31 @@ def chunk_gated_delta_rule(
     fixed = esize * (bk + CHUNK) * bv + 8192
     per_stage = esize * CHUNK * ((2 if cfg.split else 3) * bk + bv + (0 if cfg.split else CHUNK))
     stages = stages_that_fit(cfg.num_stages, per_stage, fixed, info)
-    if cfg.split:
+    gated = norm_gate is not None
+    z = norm_gate if gated else out
+
+    def walk(lo: int, hi: int) -> None:  # the split design's recurrence over global chunks [lo, hi)
         _recur_kernel[seq_grid](
             k, w, u, qscale, gcum, h, cs_arg, cap_arg, state_pool, cu_seqlens, state_slots, has_initial_state,
-            num_seqs, k.stride(0), k.stride(1), state_pool.stride(0),
+            num_seqs, lo, hi, k.stride(0), k.stride(1), state_pool.stride(0),
             HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BK=bk, BV=bv, BT=CHUNK, BLOCK_N=BLOCK_N,
             STORE_CHUNK_STATES=chunk_states is not None, STORE_CAPTURE=capture_arg is not None,
             num_warps=seq_warps, num_stages=stages,
         )  # fmt: skip
-        gated = norm_gate is not None
-        z = norm_gate if gated else out
-        _output_kernel[(max_chunks, num_v_heads)](
-            q, k, gcum, rnorm, h, u, out, z, norm_weight if gated else out, cu_seqlens, num_seqs, scale, norm_eps,
+
+    def output(lo: int, hi: int) -> None:
+        _output_kernel[(hi - lo, num_v_heads)](
+            q, k, gcum, rnorm, h, u, out, z, norm_weight if gated else out, cu_seqlens, num_seqs, lo, scale, norm_eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), z.stride(0), z.stride(1),
             HV=num_v_heads, GROUP=group, K=key_dim, V=value_dim, BK=bk, BV=min(cfg.out_block_v, bv_all), BT=CHUNK,
             BLOCK_N=BLOCK_N, L2NORM=use_qk_l2norm, GATED=gated,
             num_warps=cfg.out_warps, num_stages=2,
         )  # fmt: skip
+
+    if cfg.split:
+        _run_windows(chunk_windows(max_chunks, cfg.windows), prepare, walk, output, device)
     else:
+        prepare(0, max_chunks)
         _state_kernel[seq_grid](
             q, w, u, kd, scores, qscale, gcum, out, cs_arg, cap_arg, state_pool,
             cu_seqlens, state_slots, has_initial_state, num_seqs, q.stride(0), q.stride(1), state_pool.stride(0),
@@ -271,3 +291,53 @@ def _store_initial_states(stores, state_pool, state_slots, has_initial_state) ->
     for seq, dst in stores:
         src = state_pool[state_slots[seq].long()]
         state_pool[dst] = torch.where(has_initial_state[seq].bool(), src, torch.zeros_like(src))
+
+
+def chunk_windows(max_chunks: int, windows: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of global chunk indices (varlen.py) covering [0, max_chunks) in at most `windows`
+    near-equal parts of at least WINDOW_MIN_CHUNKS (one range below that)."""
+    count = max(1, min(windows, max_chunks // WINDOW_MIN_CHUNKS))
+    bounds = [max_chunks * i // count for i in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One second stream a device for the windowed split design (a CUDA graph captures it as a fork)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+def _run_windows(windows: list[tuple[int, int]], prepare, walk, output, device: torch.device) -> None:
+    """The split design over chunk windows. One window: prepare, walk, output in turn. Several (CUDA):
+    the walks on the caller's stream, each after its window's preparation; the preparations all first
+    on a side stream (window i + 1's runs during walk i), then each window's output after its walk;
+    the caller's stream waits for the side stream at the end. Off CUDA (the interpreter) window by
+    window, so that a kernel reading past its window reads what is not computed yet (NaN in the tests)."""
+    if len(windows) == 1 or device.type != "cuda":
+        for lo, hi in windows:
+            prepare(lo, hi)
+            walk(lo, hi)
+            output(lo, hi)
+        return
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    side.wait_stream(main)
+    prepared = []
+    with torch.cuda.stream(side):
+        for lo, hi in windows:
+            prepare(lo, hi)
+            prepared.append(side.record_event())
+    walked = []
+    for (lo, hi), event in zip(windows, prepared, strict=True):
+        main.wait_event(event)
+        walk(lo, hi)
+        walked.append(main.record_event())
+    with torch.cuda.stream(side):
+        for (lo, hi), event in zip(windows, walked, strict=True):
+            side.wait_event(event)
+            output(lo, hi)
+    main.wait_stream(side)

@@ -47,14 +47,14 @@ def _substitute_row(x, sel, a):
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
-@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens"])
+@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "chunk_lo"])
 def _solve_kernel(
-    k, g, beta, cu_seqlens, gcum, rnorm, a_scratch, y, num_seqs, stride_kt, stride_kh, stride_gt, stride_gh, stride_bt,
-    stride_bh, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr, BT: tl.constexpr,
-    BC: tl.constexpr, BLOCK_N: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+    k, g, beta, cu_seqlens, gcum, rnorm, a_scratch, y, num_seqs, chunk_lo, stride_kt, stride_kh, stride_gt,
+    stride_gh, stride_bt, stride_bh, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BLOCK_N: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
     SUB_STAGES: tl.constexpr,
 ):  # fmt: skip
-    i_c = tl.program_id(0)
+    i_c = tl.program_id(0) + chunk_lo  # global chunk (varlen.py)
     hv = tl.program_id(1)
     n, c = locate_chunk(cu_seqlens, num_seqs, i_c, BT, BLOCK_N)
     if n >= num_seqs:
@@ -209,17 +209,17 @@ def chunk_scales(
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
-@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens"])
+@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "chunk_lo"])
 def _intra_kernel(
-    q, k, v, beta, cu_seqlens, gcum, rnorm, y, w, u, kd, scores, qscale, num_seqs, scale, stride_qt, stride_qh,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_bh, HV: tl.constexpr, GROUP: tl.constexpr,
+    q, k, v, beta, cu_seqlens, gcum, rnorm, y, w, u, kd, scores, qscale, num_seqs, chunk_lo, scale, stride_qt,
+    stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_bh, HV: tl.constexpr, GROUP: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, BKP: tl.constexpr, BVP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BLOCK_N: tl.constexpr, L2NORM: tl.constexpr, FUSED: tl.constexpr,
 ):  # fmt: skip
     """FUSED: w, u, kd, scores and qscale for _state_kernel. Otherwise (split): w, u and, in the
     `qscale` buffer, kscale = rnorm exp(gamma_last - gamma), the per-token factor _recur_kernel folds
     into v_new so that it can take the raw keys."""
-    n, c = locate_chunk(cu_seqlens, num_seqs, tl.program_id(0), BT, BLOCK_N)
+    n, c = locate_chunk(cu_seqlens, num_seqs, tl.program_id(0) + chunk_lo, BT, BLOCK_N)
     if n >= num_seqs:
         return
     hv = tl.program_id(1)

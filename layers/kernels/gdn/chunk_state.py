@@ -23,25 +23,30 @@ def _first_chunk_decay_log(gcum, hv, bos, eos, HV: tl.constexpr, BT: tl.constexp
 
 @triton.jit
 def _walk_start(
-    cu_seqlens, pool, slots, has_initial_state, stride_ps, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    cu_seqlens, slots, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr,
 ):  # fmt: skip
     """Where this program's walk starts: its sequence n, value head and state tile (varlen.value_block),
-    the sequence's tokens [bos, eos) and chunk count, its pool slot, the tile's offsets inside a
+    the sequence's tokens [bos, eos) and chunk count, its pool slot, and the tile's offsets inside a
     [K, V] state (o_k V + o_v: the pool's slots hold contiguous [HV, K, V] states, as the h and
     chunk-state buffers, so that every store of the tile shares one offset tensor, not a [BK, BV]
-    tensor of 64-bit addresses each) and its float32 value (zeros without an initial state: an
-    empty row range, so the slot's old contents are never read)."""
+    tensor of 64-bit addresses each)."""
     n, hv, o_k, o_v, m_k, m_v = value_block(tl.program_id(0), HV, K, V, BK, BV)
     bos = tl.load(cu_seqlens + n).to(tl.int32)
     eos = tl.load(cu_seqlens + n + 1).to(tl.int32)
     num_chunks = (eos - bos + BT - 1) // BT
     slot = tl.load(slots + n).to(tl.int64)
-    k_init = tl.where(tl.load(has_initial_state + n) != 0, K, 0)
     tile = o_k[:, None] * V + o_v[None, :]
+    return n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, slot, tile
+
+
+@triton.jit
+def _load_state(pool, slot, stride_ps, hv, tile, o_k, m_v, use_slot, K: tl.constexpr, V: tl.constexpr):
+    """The walk's float32 state tile: the slot's where use_slot, else zeros (an empty row range, so that
+    the slot's old contents are never read)."""
+    k_init = tl.where(use_slot, K, 0)
     p_state = pool + slot * stride_ps + hv * (K * V)
-    state = tl.load(p_state + tile, mask=(o_k < k_init)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-    return n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, slot, tile, state
+    return tl.load(p_state + tile, mask=(o_k < k_init)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
@@ -55,9 +60,8 @@ def _state_kernel(
     """The fused sequential kernel (output inside the chunk loop). PREFETCH: the chunk's qscale and
     decay are loaded one chunk ahead (at the end of the previous iteration) instead of in the middle
     of the dot chain, where each costs a full memory latency per chunk."""
-    n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, slot, tile, state = _walk_start(
-        cu_seqlens, pool, slots, has_initial_state, stride_ps, HV, K, V, BK, BV, BT
-    )
+    n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, slot, tile = _walk_start(cu_seqlens, slots, HV, K, V, BK, BV, BT)
+    state = _load_state(pool, slot, stride_ps, hv, tile, o_k, m_v, tl.load(has_initial_state + n) != 0, K, V)
     m_kv = m_k[:, None] & m_v[None, :]
     o_t = tl.arange(0, BT)
     dt = w.dtype.element_ty
@@ -116,32 +120,43 @@ def _state_kernel(
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
-@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state", "capture"])
+@triton.jit(
+    do_not_specialize=["num_seqs", "cu_seqlens", "slots", "has_initial_state", "capture", "chunk_lo", "chunk_hi"]
+)
 def _recur_kernel(
-    k, w, u, kscale, gcum, h, chunk_states, capture, pool, cu_seqlens, slots, has_initial_state, num_seqs, stride_kt,
-    stride_kh, stride_ps, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
+    k, w, u, kscale, gcum, h, chunk_states, capture, pool, cu_seqlens, slots, has_initial_state, num_seqs, chunk_lo,
+    chunk_hi, stride_kt, stride_kh, stride_ps, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
     V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
     STORE_CHUNK_STATES: tl.constexpr, STORE_CAPTURE: tl.constexpr,
 ):  # fmt: skip
     """The split design's sequential kernel: only the recurrence. Per chunk it stores the state
     entering the chunk (h, input dtype) for _output_kernel, turns u into v_new = u - w S in place, and
     updates S = exp(gamma_last) S + k^T (kscale * v_new) with the raw keys (kscale folds the key norm
-    and the decay to the chunk end into v_new's rows). Two dependent matmuls per chunk."""
-    n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, slot, tile, state = _walk_start(
-        cu_seqlens, pool, slots, has_initial_state, stride_ps, HV, K, V, BK, BV, BT
-    )
+    and the decay to the chunk end into v_new's rows). Two dependent matmuls per chunk.
+
+    Only the chunks of global index in [chunk_lo, chunk_hi) (varlen.py's numbering): a sequence's walk
+    may be cut into windows, one launch each; a window that starts inside a sequence resumes from the
+    float32 state the window before left in its slot (the same bits as one walk)."""
+    n, hv, o_k, o_v, m_k, m_v, bos, eos, num_chunks, slot, tile = _walk_start(cu_seqlens, slots, HV, K, V, BK, BV, BT)
+    first = chunks_before(cu_seqlens, n, BT, BLOCK_N)
+    c_begin = tl.minimum(tl.maximum(chunk_lo - first, 0), num_chunks)
+    c_end = tl.minimum(tl.maximum(chunk_hi - first, 0), num_chunks)
+    if c_begin >= c_end:
+        return
+    use_slot = (c_begin > 0) | (tl.load(has_initial_state + n) != 0)
+    state = _load_state(pool, slot, stride_ps, hv, tile, o_k, m_v, use_slot, K, V)
     m_kv = m_k[:, None] & m_v[None, :]
     o_t = tl.arange(0, BT)
     dt = w.dtype.element_ty
-    first = chunks_before(cu_seqlens, n, BT, BLOCK_N)
     p_h = h + (first * HV + hv).to(tl.int64) * (K * V) + tile
     if STORE_CHUNK_STATES:
         p_cs = chunk_states + (first * HV + hv).to(tl.int64) * (K * V) + tile
     p_k = k + (hv // GROUP) * stride_kh + o_t[:, None] * stride_kt + o_k[None, :]
-    b_ks_next = tl.load(kscale + bos.to(tl.int64) * HV + hv + o_t * HV, mask=o_t < eos - bos, other=0.0)
-    g_last_next = _first_chunk_decay_log(gcum, hv, bos, eos, HV, BT)
+    t_begin = bos + c_begin * BT
+    b_ks_next = tl.load(kscale + t_begin.to(tl.int64) * HV + hv + o_t * HV, mask=o_t < eos - t_begin, other=0.0)
+    g_last_next = _first_chunk_decay_log(gcum, hv, t_begin, eos, HV, BT)
 
-    for c in range(num_chunks):
+    for c in range(c_begin, c_end):
         t0 = bos + c * BT
         m_t = o_t < eos - t0
         m_tk = m_t[:, None] & m_k[None, :]
@@ -162,19 +177,19 @@ def _recur_kernel(
             dst = tl.load(capture + first + c).to(tl.int64)
             if dst >= 0:
                 tl.store(pool + dst * stride_ps + hv * (K * V) + tile, state.to(pool.dtype.element_ty), mask=m_kv)
-        # the next chunk's small vectors, fetched a chunk ahead (the last chunk's again at the end)
-        t1 = bos + tl.minimum(c + 1, num_chunks - 1) * BT
+        # the next chunk's small vectors, fetched a chunk ahead (the window's last chunk's again at its
+        # end: a later window's may not be computed yet)
+        t1 = bos + tl.minimum(c + 1, c_end - 1) * BT
         row1 = t1.to(tl.int64) * HV + hv
         b_ks_next = tl.load(kscale + row1 + o_t * HV, mask=o_t < eos - t1, other=0.0)
         g_last_next = tl.load(gcum + row1 + (tl.minimum(eos - t1, BT) - 1) * HV)
-    if num_chunks > 0:
-        tl.store(pool + slot * stride_ps + hv * (K * V) + tile, state.to(pool.dtype.element_ty), mask=m_kv)
+    tl.store(pool + slot * stride_ps + hv * (K * V) + tile, state.to(pool.dtype.element_ty), mask=m_kv)
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
-@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens"])
+@triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "chunk_lo"])
 def _output_kernel(
-    q, k, gcum, rnorm, h, v_new, o, gate, norm_weight, cu_seqlens, num_seqs, scale, eps, stride_qt, stride_qh,
+    q, k, gcum, rnorm, h, v_new, o, gate, norm_weight, cu_seqlens, num_seqs, chunk_lo, scale, eps, stride_qt, stride_qh,
     stride_kt, stride_kh, stride_zt, stride_zh, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
     V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
     L2NORM: tl.constexpr, GATED: tl.constexpr,
@@ -184,8 +199,9 @@ def _output_kernel(
     GATED: then the GDN output norm of each (token, head) row in place, weight * rms_norm(o) *
     silu(gate) (gate [T, HV, V] of strides stride_zt, stride_zh), o rounded to its dtype first as the
     norm kernel reads it: the rows' squares are summed over the V blocks, which are read back (this
-    program's own stores, from L1 / L2) and scaled, so o never makes a trip to memory and back."""
-    i_c = tl.program_id(0)
+    program's own stores, from L1 / L2) and scaled, so o never makes a trip to memory and back.
+    Program i takes global chunk chunk_lo + i."""
+    i_c = tl.program_id(0) + chunk_lo
     hv = tl.program_id(1)
     n, c = locate_chunk(cu_seqlens, num_seqs, i_c, BT, BLOCK_N)
     if n >= num_seqs:
