@@ -73,10 +73,10 @@ class ChunkVariant:
     solve_stages: the solve's first key loop and forward-substitution loop pipelined this deep (their
         key blocks and rows of -A loaded ahead, cp.async); 1: each loaded in its own step.
     windows: split only; the pass's chunks cut into this many windows (of at least WINDOW_MIN_CHUNKS),
-        each walked by a launch of its own while a second stream prepares the windows ahead (solve,
-        matmuls) and computes the outputs of those behind: the latency-bound walk, one program an SM,
-        then shares the GPU with the parallel kernels instead of leaving it idle. 1: one walk, the
-        kernels one after another.
+        each walked by a launch of its own on a second, high-priority stream while the caller's
+        stream prepares the windows ahead (solve, matmuls) and computes the outputs of those behind:
+        the latency-bound walk, one program an SM, then shares the GPU with the parallel kernels
+        instead of leaving it idle. 1: one walk, the kernels one after another.
     """
 
     split: bool = True
@@ -301,22 +301,24 @@ def chunk_windows(max_chunks: int, windows: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_WALK_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One second stream a device for the windowed split design (a CUDA graph captures it as a fork)."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+def _walk_stream(device: torch.device) -> torch.cuda.Stream:
+    """The windowed walks' stream, one a device, at the highest priority: when a walk ends, the next
+    one's programs take the SMs that free up before the parallel kernels' waiting programs do (a CUDA
+    graph captures it as a fork of the capturing stream)."""
+    if device not in _WALK_STREAMS:
+        _WALK_STREAMS[device] = torch.cuda.Stream(device, priority=-1)  # lower is sooner; 0 the default
+    return _WALK_STREAMS[device]
 
 
 def _run_windows(windows: list[tuple[int, int]], prepare, walk, output, device: torch.device) -> None:
     """The split design over chunk windows. One window: prepare, walk, output in turn. Several (CUDA):
-    the walks on the caller's stream, each after its window's preparation; the preparations all first
-    on a side stream (window i + 1's runs during walk i), then each window's output after its walk;
-    the caller's stream waits for the side stream at the end. Off CUDA (the interpreter) window by
-    window, so that a kernel reading past its window reads what is not computed yet (NaN in the tests)."""
+    every window's preparation on the caller's stream, then each window's output after its walk; the
+    walks on a high-priority stream, each after its window's preparation (walk i beside the
+    preparations after it and the outputs before it). Off CUDA (the interpreter) window by window, so
+    that a kernel reading past its window reads what is not computed yet (NaN in the tests)."""
     if len(windows) == 1 or device.type != "cuda":
         for lo, hi in windows:
             prepare(lo, hi)
@@ -324,20 +326,18 @@ def _run_windows(windows: list[tuple[int, int]], prepare, walk, output, device: 
             output(lo, hi)
         return
     main = torch.cuda.current_stream(device)
-    side = _side_stream(device)
-    side.wait_stream(main)
+    walks = _walk_stream(device)
+    walks.wait_stream(main)  # the inputs, and the slots' initial states
     prepared = []
-    with torch.cuda.stream(side):
-        for lo, hi in windows:
-            prepare(lo, hi)
-            prepared.append(side.record_event())
+    for lo, hi in windows:
+        prepare(lo, hi)
+        prepared.append(main.record_event())
     walked = []
-    for (lo, hi), event in zip(windows, prepared, strict=True):
-        main.wait_event(event)
-        walk(lo, hi)
-        walked.append(main.record_event())
-    with torch.cuda.stream(side):
-        for (lo, hi), event in zip(windows, walked, strict=True):
-            side.wait_event(event)
-            output(lo, hi)
-    main.wait_stream(side)
+    with torch.cuda.stream(walks):
+        for (lo, hi), event in zip(windows, prepared, strict=True):
+            walks.wait_event(event)
+            walk(lo, hi)
+            walked.append(walks.record_event())
+    for (lo, hi), event in zip(windows, walked, strict=True):
+        main.wait_event(event)  # the last one joins the walk stream
+        output(lo, hi)
