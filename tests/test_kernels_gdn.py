@@ -133,10 +133,12 @@ def test_chunk_windows_match_one_walk(nan_fill, monkeypatch, case, windows):
 
 def test_chunk_windows_cover_the_chunks():
     """Near-equal windows, none under WINDOW_MIN_CHUNKS unless one covers everything."""
-    assert chunk_module.chunk_windows(129, 4) == [(0, 32), (32, 64), (64, 96), (96, 129)]
-    assert chunk_module.chunk_windows(129, 1) == [(0, 129)]
-    assert chunk_module.chunk_windows(20, 8) == [(0, 10), (10, 20)]  # at least 8 chunks a window
-    assert chunk_module.chunk_windows(7, 4) == [(0, 7)]
+    assert chunk_module.WINDOW_MIN_CHUNKS == 64
+    assert chunk_module.chunk_windows(513, 4) == [(0, 128), (128, 256), (256, 384), (384, 513)]
+    assert chunk_module.chunk_windows(513, 1) == [(0, 513)]
+    assert chunk_module.chunk_windows(130, 4) == [(0, 65), (65, 130)]  # at least 64 chunks a window
+    assert chunk_module.chunk_windows(256, 8) == [(0, 64), (64, 128), (128, 192), (192, 256)]
+    assert chunk_module.chunk_windows(127, 4) == [(0, 127)]
     assert chunk_module.chunk_windows(1, 4) == [(0, 1)]
 
 
@@ -516,7 +518,7 @@ def test_chunk_bf16_real_shapes(nan_fill, variant, decay):
 
 @pytest.mark.gpu
 @gpu
-def test_chunk_windows_on_two_streams_match_one_walk_bitwise(nan_fill):
+def test_chunk_windows_on_two_streams_match_one_walk_bitwise(nan_fill, monkeypatch):
     """split32_w4 at the model's shapes: the walks on the caller's stream, the windows' solve, matmuls
     and outputs on a second stream, eagerly (five calls) and from a CUDA graph (the side stream a fork
     of the capture): outputs and slots bit for bit those of split32's one walk. Two sequences, one
@@ -530,6 +532,7 @@ def test_chunk_windows_on_two_streams_match_one_walk_bitwise(nan_fill):
     slots = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
     has_init = torch.tensor([True, False], device=DEVICE)
     kw = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, state_slots=slots, has_initial_state=has_init)
+    monkeypatch.setattr(chunk_module, "WINDOW_MIN_CHUNKS", 8)  # four windows of this pass, two short ones
     assert len(chunk_module.chunk_windows(bounds[-1] // 64 + 2, 4)) == 4
     want_pool = pool.clone()
     want = chunk_module.chunk_gated_delta_rule(state_pool=want_pool, variant="split32", **kw)
@@ -672,14 +675,19 @@ def test_recurrent_raw_gates_bf16_real_shapes(nan_fill, length, variant):
 
 
 def test_chunk_variant_picker():
-    """pick_variant on an H200 (132 SMs) at the 35B shape (32 value heads of 128): split32 for one or
-    two sequences of 512 tokens or more (the sequential grid fits one wave), fused below that and for
-    many sequences up to 2,048 tokens each, fused_pf for many longer ones."""
+    """pick_variant on an H200 (132 SMs) at the 35B shape (32 value heads of 128): the split design for
+    one or two sequences of 512 tokens or more (the sequential grid fits one wave; its walk in windows
+    once the pass has 128 chunks), fused below that and for many sequences up to 2,048 tokens each,
+    fused_pf for many longer ones."""
     from deltaserve.layers.kernels.gdn.chunk import pick_variant
 
     def pick(seqs: int, tokens: int | None) -> str:
         return pick_variant(seqs, 32, 128, 132, tokens)
 
-    assert pick(1, 512) == pick(1, 8192) == pick(2, 2048) == pick(1, None) == "split32"
+    assert pick(1, 512) == pick(1, 8192) == pick(2, 2048) == pick(1, None) == "split32_w4"
+    split, windowed = chunk_module.VARIANTS["split32"], chunk_module.VARIANTS["split32_w4"]
+    assert dataclasses.replace(windowed, windows=1) == split  # the same kernels and tiles
+    counts = [len(chunk_module.chunk_windows(t // 64 + 1, windowed.windows)) for t in (2048, 8064, 8192, 32768)]
+    assert counts == [1, 1, 2, 4]  # chunk_gated_delta_rule's max_chunks for one sequence
     assert pick(1, 511) == pick(2, 1000) == pick(64, 64 * 1024) == "fused"
     assert pick(64, 64 * 4096) == pick(3, 3 * 4096) == "fused_pf"

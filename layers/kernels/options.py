@@ -157,9 +157,9 @@ class KernelOptions:
         default="",
         metadata={
             "env": "DELTASERVE_GDN_CHUNK_VARIANT",
-            "help": "the chunked GDN prefill's design (fused, fused_pf, split32, split32_w4: split32 over four "
-            "chunk windows, each walk beside the next windows' solve and the last ones' outputs on a second "
-            "stream); empty: by the shapes",
+            "help": "the chunked GDN prefill's design (fused, fused_pf, split32: one walk, split32_w4: split32 "
+            "over up to four chunk windows of 64 chunks or more, each walk beside the next windows' solve and "
+            "the last ones' outputs on a second stream); empty: by the shapes",
             "choices": ("", "fused", "fused_pf", "split32", "split32_w4"),
         },
     )

@@ -99,7 +99,7 @@ VARIANTS = {
     "fused_pf": ChunkVariant(split=False, num_stages=3, prefetch=True),
     # the split design (few, long sequences)
     "split32": ChunkVariant(split=True, block_v=32, num_warps=4),
-    # the same over four chunk windows, the walk beside the parallel kernels (not yet measured)
+    # the same over up to four chunk windows, the walk beside the parallel kernels (long passes)
     "split32_w4": ChunkVariant(split=True, block_v=32, num_warps=4, windows=4),
 }
 
@@ -110,8 +110,10 @@ VARIANTS = {
 SPLIT_MIN_TOKENS_PER_SEQ = 512
 # Many sequences (more than a wave): up to this many tokens a sequence "fused", above it "fused_pf".
 FUSED_MAX_TOKENS_PER_SEQ = 2048
-# ChunkVariant.windows: no window shorter than this many chunks (a window's walk restarts its pipeline)
-WINDOW_MIN_CHUNKS = 8
+# ChunkVariant.windows: no window shorter than this many chunks. On an H100 (cfae06a, the op at the 35B
+# shape, one sequence) 8k in 2 windows of 64 chunks took 537 us against one walk's 558, in 4 of 32 632;
+# 32k in 4 of 128 / 8 of 64 2,097 / 2,133 against 2,397: short windows lose to the shared SMs.
+WINDOW_MIN_CHUNKS = 64
 
 
 def pick_variant(num_seqs: int, num_v_heads: int, value_dim: int, num_sms: int, num_tokens: int | None = None) -> str:
@@ -119,11 +121,12 @@ def pick_variant(num_seqs: int, num_v_heads: int, value_dim: int, num_sms: int, 
     (two matmuls instead of four) at the cost of an h round trip; it pays when the sequential grid is
     latency-bound (about one wave of programs: few sequences of 512 tokens or more). With many
     sequences the sequential kernel is throughput-bound and the fused design moves fewer bytes; short
-    sequences keep the original fused kernel."""
+    sequences keep the original fused kernel. A long split pass's walk runs in windows beside the
+    parallel kernels (ChunkVariant.windows)."""
     per_seq = None if num_tokens is None else num_tokens / max(1, num_seqs)
     one_wave = num_seqs * num_v_heads * triton.cdiv(value_dim, 64) <= num_sms
     if one_wave and (per_seq is None or per_seq >= SPLIT_MIN_TOKENS_PER_SEQ):
-        return "split32"
+        return "split32_w4"  # one window (split32's one walk) under 2 * WINDOW_MIN_CHUNKS chunks
     if per_seq is not None and per_seq <= FUSED_MAX_TOKENS_PER_SEQ:
         return "fused"
     return "fused_pf"
