@@ -118,9 +118,10 @@ CHUNK_VARIANTS: dict[str, ChunkVariant] = {
     # the solve's key loop and substitution rows pipelined 3 / 6 deep (cp.async; sm_90: 254 / 181 registers)
     "split32_ss3": ChunkVariant(split=True, block_v=32, num_warps=4, solve_stages=3),
     "split32_ss6": ChunkVariant(split=True, block_v=32, num_warps=4, solve_stages=6),
-    # over 2 / 8 chunk windows (split32_w4 in chunk.VARIANTS): each window's walk beside the parallel
-    # kernels of the others on a second stream
+    # over 2 / 4 / 8 chunk windows of at least 64 chunks (split32_win in chunk.VARIANTS: as many as the
+    # pass's size asks): each window's walk beside the parallel kernels of the others on a second stream
     "split32_w2": ChunkVariant(split=True, block_v=32, num_warps=4, windows=2),
+    "split32_w4": ChunkVariant(split=True, block_v=32, num_warps=4, windows=4),
     "split32_w8": ChunkVariant(split=True, block_v=32, num_warps=4, windows=8),
 }
 # the recurrent kernel's: "bv32" is the first design (H200: 75% of copy bandwidth at N=64), "bv64_1p"

@@ -104,7 +104,7 @@ def test_warmup_reaches_every_gdn_chunk_variant():
     sizes = PoolSizes(num_blocks=8192 // 16 + 1, block_size=16, num_slots=1 + max(len(b) for b in WARMUP_BATCHES))
     fitting = [p for p, b in zip(prefills, [*WARMUP_BATCHES, ((0, 8192),)], strict=True) if warmup_fits(b, 8192, sizes)]
     picked = {pick_variant(len(p), 32, 128, 132, sum(p)) for p in fitting if p}
-    assert picked == {"fused", "split32_w4", "fused_pf"}  # split32_w4: split32's kernels, windowed
+    assert picked == {"fused", "split32_win", "fused_pf"}  # split32_win: split32's kernels, windowed
 
 
 def test_warmup_reaches_the_split_prefill_attention():

@@ -114,7 +114,7 @@ def test_chunk_matches_naive(nan_fill, case, variant):
 # between its chunks (and a window holding chunks of two sequences), no_l2norm's one sequence without
 # an initial state cut (the second window resumes from the slot the first wrote, not its NaN),
 # slow_decay's 3-chunk sequence with an initial state cut after its second chunk
-@pytest.mark.parametrize("windows", [2, 4])
+@pytest.mark.parametrize("windows", [2, 4, 0])
 @pytest.mark.parametrize("case", list(CHUNK_CASES))
 def test_chunk_windows_match_one_walk(nan_fill, monkeypatch, case, windows):
     """The split design over chunk windows (ChunkVariant.windows: one walk launch a window, resuming
@@ -125,7 +125,7 @@ def test_chunk_windows_match_one_walk(nan_fill, monkeypatch, case, windows):
     split = chunk_module.VARIANTS["split32"]
     got = check_chunk_case(case, dataclasses.replace(split, windows=windows))
     want = check_chunk_case(case, split)
-    assert len(chunk_module.chunk_windows(got.max_chunks, windows)) == min(windows, got.max_chunks) > 1
+    assert len(chunk_module.chunk_windows(got.max_chunks, windows)) == min(windows or 2, got.max_chunks) > 1
     assert torch.equal(got.out, want.out)
     assert torch.equal(got.pool.nan_to_num(), want.pool.nan_to_num())
     assert all(torch.equal(a, b) for a, b in zip(got.states, want.states, strict=True))
@@ -133,13 +133,17 @@ def test_chunk_windows_match_one_walk(nan_fill, monkeypatch, case, windows):
 
 def test_chunk_windows_cover_the_chunks():
     """Near-equal windows, none under WINDOW_MIN_CHUNKS unless one covers everything."""
-    assert chunk_module.WINDOW_MIN_CHUNKS == 64
+    assert chunk_module.WINDOW_MIN_CHUNKS == 64 and chunk_module.WINDOW_CHUNKS == 128
     assert chunk_module.chunk_windows(513, 4) == [(0, 128), (128, 256), (256, 384), (384, 513)]
     assert chunk_module.chunk_windows(513, 1) == [(0, 513)]
     assert chunk_module.chunk_windows(130, 4) == [(0, 65), (65, 130)]  # at least 64 chunks a window
     assert chunk_module.chunk_windows(256, 8) == [(0, 64), (64, 128), (128, 192), (192, 256)]
     assert chunk_module.chunk_windows(127, 4) == [(0, 127)]
     assert chunk_module.chunk_windows(1, 4) == [(0, 1)]
+    # by size (0): about 128 chunks a window, two from 128 chunks, none under 64
+    assert chunk_module.chunk_windows(129, 0) == [(0, 64), (64, 129)]
+    assert chunk_module.chunk_windows(300, 0) == [(0, 150), (150, 300)]
+    assert [chunk_module.window_count(n, 0) for n in (1, 127, 128, 383, 384, 1024, 5000)] == [1, 1, 2, 2, 3, 8, 8]
 
 
 @dataclasses.dataclass
@@ -519,7 +523,7 @@ def test_chunk_bf16_real_shapes(nan_fill, variant, decay):
 @pytest.mark.gpu
 @gpu
 def test_chunk_windows_on_two_streams_match_one_walk_bitwise(nan_fill, monkeypatch):
-    """split32_w4 at the model's shapes: the walks on the caller's stream, the windows' solve, matmuls
+    """Four windows at the model's shapes: the walks on the caller's stream, the windows' solve, matmuls
     and outputs on a second stream, eagerly (five calls) and from a CUDA graph (the side stream a fork
     of the capture): outputs and slots bit for bit those of split32's one walk. Two sequences, one
     without an initial state, a window boundary inside each."""
@@ -533,17 +537,18 @@ def test_chunk_windows_on_two_streams_match_one_walk_bitwise(nan_fill, monkeypat
     has_init = torch.tensor([True, False], device=DEVICE)
     kw = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, state_slots=slots, has_initial_state=has_init)
     monkeypatch.setattr(chunk_module, "WINDOW_MIN_CHUNKS", 8)  # four windows of this pass, two short ones
+    four = dataclasses.replace(chunk_module.VARIANTS["split32_win"], windows=4)
     assert len(chunk_module.chunk_windows(bounds[-1] // 64 + 2, 4)) == 4
     want_pool = pool.clone()
     want = chunk_module.chunk_gated_delta_rule(state_pool=want_pool, variant="split32", **kw)
     for _ in range(5):
         got_pool = pool.clone()
-        got = chunk_module.chunk_gated_delta_rule(state_pool=got_pool, variant="split32_w4", **kw)
+        got = chunk_module.chunk_gated_delta_rule(state_pool=got_pool, variant=four, **kw)
         assert torch.equal(got, want) and torch.equal(got_pool, want_pool)
     graph_pool = pool.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = chunk_module.chunk_gated_delta_rule(state_pool=graph_pool, variant="split32_w4", **kw)
+        got = chunk_module.chunk_gated_delta_rule(state_pool=graph_pool, variant=four, **kw)
     for _ in range(3):
         graph_pool.copy_(pool)
         graph.replay()
@@ -684,10 +689,11 @@ def test_chunk_variant_picker():
     def pick(seqs: int, tokens: int | None) -> str:
         return pick_variant(seqs, 32, 128, 132, tokens)
 
-    assert pick(1, 512) == pick(1, 8192) == pick(2, 2048) == pick(1, None) == "split32_w4"
-    split, windowed = chunk_module.VARIANTS["split32"], chunk_module.VARIANTS["split32_w4"]
+    assert pick(1, 512) == pick(1, 8192) == pick(2, 2048) == pick(1, None) == "split32_win"
+    split, windowed = chunk_module.VARIANTS["split32"], chunk_module.VARIANTS["split32_win"]
     assert dataclasses.replace(windowed, windows=1) == split  # the same kernels and tiles
-    counts = [len(chunk_module.chunk_windows(t // 64 + 1, windowed.windows)) for t in (2048, 8064, 8192, 32768)]
-    assert counts == [1, 1, 2, 4]  # chunk_gated_delta_rule's max_chunks for one sequence
+    lengths = (2048, 8064, 8192, 16384, 32768, 65536, 262144)
+    counts = [len(chunk_module.chunk_windows(t // 64 + 1, windowed.windows)) for t in lengths]
+    assert counts == [1, 1, 2, 2, 4, 8, 8]  # chunk_gated_delta_rule's max_chunks for one sequence
     assert pick(1, 511) == pick(2, 1000) == pick(64, 64 * 1024) == "fused"
     assert pick(64, 64 * 4096) == pick(3, 3 * 4096) == "fused_pf"

@@ -166,10 +166,10 @@ class KernelOptions:
         default="",
         metadata={
             "env": "DELTASERVE_GDN_CHUNK_VARIANT",
-            "help": "the chunked GDN prefill's design (fused, fused_pf, split32: one walk, split32_w4: split32 "
-            "over up to four chunk windows of 64 chunks or more, each walk beside the next windows' solve and "
-            "the last ones' outputs on a second stream); empty: by the shapes",
-            "choices": ("", "fused", "fused_pf", "split32", "split32_w4"),
+            "help": "the chunked GDN prefill's design (fused, fused_pf, split32: one walk, split32_win: split32 "
+            "over chunk windows of about 128 chunks (two from 8k tokens, at most eight), each walk beside the next "
+            "windows' solve and the last ones' outputs on a second stream); empty: by the shapes",
+            "choices": ("", "fused", "fused_pf", "split32", "split32_win"),
         },
     )
 

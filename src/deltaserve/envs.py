@@ -113,8 +113,8 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar(
             "DELTASERVE_GDN_CHUNK_VARIANT",
             "",
-            "the chunked GDN prefill's design (fused, fused_pf, split32: one walk, split32_w4: split32 over up "
-            "to four chunk windows of 64+ chunks on two streams); unset: by shape",
+            "the chunked GDN prefill's design (fused, fused_pf, split32: one walk, split32_win: split32 over "
+            "chunk windows of ~128 chunks on two streams); unset: by shape",
         ),
         EnvVar("DELTASERVE_GDN_VARIANTS", "", "bench only: comma-separated chunk-kernel variants to time"),
     )

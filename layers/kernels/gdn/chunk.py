@@ -72,11 +72,12 @@ class ChunkVariant:
         replicate its 16 x 16 tiles rather than split them: slower on the H100, gdn/NOTES.md).
     solve_stages: the solve's first key loop and forward-substitution loop pipelined this deep (their
         key blocks and rows of -A loaded ahead, cp.async); 1: each loaded in its own step.
-    windows: split only; the pass's chunks cut into this many windows (of at least WINDOW_MIN_CHUNKS),
-        each walked by a launch of its own on a second, high-priority stream while the caller's
-        stream prepares the windows ahead (solve, matmuls) and computes the outputs of those behind:
-        the latency-bound walk, one program an SM, then shares the GPU with the parallel kernels
-        instead of leaving it idle. 1: one walk, the kernels one after another.
+    windows: split only; the pass's chunks cut into up to this many windows (of at least
+        WINDOW_MIN_CHUNKS), each walked by a launch of its own on a second, high-priority stream while
+        the caller's stream prepares the windows ahead (solve, matmuls) and computes the outputs of
+        those behind: the latency-bound walk, one program an SM, then shares the GPU with the parallel
+        kernels instead of leaving it idle. 1: one walk, the kernels one after another; 0: as many as
+        the pass's size asks (window_count).
     """
 
     split: bool = True
@@ -99,8 +100,8 @@ VARIANTS = {
     "fused_pf": ChunkVariant(split=False, num_stages=3, prefetch=True),
     # the split design (few, long sequences)
     "split32": ChunkVariant(split=True, block_v=32, num_warps=4),
-    # the same over up to four chunk windows, the walk beside the parallel kernels (long passes)
-    "split32_w4": ChunkVariant(split=True, block_v=32, num_warps=4, windows=4),
+    # the same over chunk windows by the pass's size, the walk beside the parallel kernels (long passes)
+    "split32_win": ChunkVariant(split=True, block_v=32, num_warps=4, windows=0),
 }
 
 # From CUDA graphs on the H200 (0a1f871, `bench kernels --only gdn --match "gdn_chunk[graph]"`), one
@@ -110,10 +111,14 @@ VARIANTS = {
 SPLIT_MIN_TOKENS_PER_SEQ = 512
 # Many sequences (more than a wave): up to this many tokens a sequence "fused", above it "fused_pf".
 FUSED_MAX_TOKENS_PER_SEQ = 2048
-# ChunkVariant.windows: no window shorter than this many chunks. On an H100 (cfae06a, the op at the 35B
-# shape, one sequence) 8k in 2 windows of 64 chunks took 537 us against one walk's 558, in 4 of 32 632;
-# 32k in 4 of 128 / 8 of 64 2,097 / 2,133 against 2,397: short windows lose to the shared SMs.
+# ChunkVariant.windows: no window shorter than WINDOW_MIN_CHUNKS chunks; by size (windows 0) about
+# WINDOW_CHUNKS a window, at least two from 2 * WINDOW_MIN_CHUNKS, at most WINDOW_MAX. On an H100 (the op
+# at the 35B shape, one sequence, gdn/NOTES.md) against one walk: 8k 2 windows of 64 chunks 537 us
+# against 558 (4 of 32: 632); 16k 2 of 128 1,053 against 1,122 (4 of 64: 1,069); 32k 4 of 128 2,097
+# against 2,397 (8 of 64: 2,133); 64k 8 of 128 4,169 against 4,896 (4 of 256: 4,242).
 WINDOW_MIN_CHUNKS = 64
+WINDOW_CHUNKS = 128
+WINDOW_MAX = 8
 
 
 def pick_variant(num_seqs: int, num_v_heads: int, value_dim: int, num_sms: int, num_tokens: int | None = None) -> str:
@@ -126,7 +131,7 @@ def pick_variant(num_seqs: int, num_v_heads: int, value_dim: int, num_sms: int, 
     per_seq = None if num_tokens is None else num_tokens / max(1, num_seqs)
     one_wave = num_seqs * num_v_heads * triton.cdiv(value_dim, 64) <= num_sms
     if one_wave and (per_seq is None or per_seq >= SPLIT_MIN_TOKENS_PER_SEQ):
-        return "split32_w4"  # one window (split32's one walk) under 2 * WINDOW_MIN_CHUNKS chunks
+        return "split32_win"  # one window (split32's one walk) under 2 * WINDOW_MIN_CHUNKS chunks
     if per_seq is not None and per_seq <= FUSED_MAX_TOKENS_PER_SEQ:
         return "fused"
     return "fused_pf"
@@ -296,10 +301,19 @@ def _store_initial_states(stores, state_pool, state_slots, has_initial_state) ->
         state_pool[dst] = torch.where(has_initial_state[seq].bool(), src, torch.zeros_like(src))
 
 
+def window_count(max_chunks: int, windows: int) -> int:
+    """How many chunk windows a pass of max_chunks global chunks takes: at most `windows` (0: by size,
+    about WINDOW_CHUNKS a window, two from 2 * WINDOW_MIN_CHUNKS, at most WINDOW_MAX), none shorter
+    than WINDOW_MIN_CHUNKS (one window below that)."""
+    if windows == 0:
+        windows = min(WINDOW_MAX, max(2, max_chunks // WINDOW_CHUNKS))
+    return max(1, min(windows, max_chunks // WINDOW_MIN_CHUNKS))
+
+
 def chunk_windows(max_chunks: int, windows: int) -> list[tuple[int, int]]:
-    """[lo, hi) ranges of global chunk indices (varlen.py) covering [0, max_chunks) in at most `windows`
-    near-equal parts of at least WINDOW_MIN_CHUNKS (one range below that)."""
-    count = max(1, min(windows, max_chunks // WINDOW_MIN_CHUNKS))
+    """[lo, hi) ranges of global chunk indices (varlen.py) covering [0, max_chunks) in window_count's
+    number of near-equal parts."""
+    count = window_count(max_chunks, windows)
     bounds = [max_chunks * i // count for i in range(count + 1)]
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
