@@ -362,8 +362,7 @@ def test_fused_moe_sorted_half_tails_agree(device, local, offset, tokens):
     from deltaserve.layers.kernels.device import device_info
 
     args = make_inputs(tokens=tokens, hidden=40, inter=40, local=local, total=6, top_k=4, offset=offset, device=device)
-    info = device_info(args["hidden"].device)
-    cfg = tiles.sorted_config(tokens * 4, local, 4, info, block_m=32, half_tails=True)  # the 32-row entry
+    cfg = tiles.sorted_config(tokens * 4, local, 4, device_info(args["hidden"].device), half_tails=True)
     assert cfg["half_tails"] and cfg["block_m"] == 32
     counts = torch.bincount(args["topk_ids"].flatten().cpu(), minlength=6)[offset : offset + local]
     tails = [int(c) % 32 for c in counts if c > 0]
