@@ -79,7 +79,6 @@ def sorted_path_kernels(rank, fp8=False, quant_act=True, tokens=0, tma=False):
                       FP8=fp8, GROUP=128, W_DESC=tma, **scales)  # fmt: skip
         ptrs = {**ptrs, "w_desc": f"tensordesc<bf16[{t['block_n']}, {t['block_k']}]>" if tma else w}
         consts.update(PERSISTENT=False, FLATTEN=False)  # one program a tile: the adapters' path
-        consts["HALF_TAILS"] = cfg["block_m"] >= 32  # both tile heights where half tiles may run
         if name == "up":
             consts.update(TOPK=8, ACT_SORTED=False)
         else:
