@@ -18,7 +18,6 @@
     python -m deltaserve.bench.kernels_moe --sweep --tokens 4096 --kernel both   # block_m x both GEMMs' best
     python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel order  # the grid's program order
     python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel tma    # weights through TMA descriptors
-    python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel tails  # half tiles for half-full blocks
     python -m deltaserve.bench.kernels_moe --sweep --tokens 2048 --kernel both --fp8  # FP8 experts (W8A8)
     python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel grouped  # ours vs torch's grouped GEMM
     scripts/gpu-session moe-sweep   # the prefill sweeps, each compiled in 16 processes first
@@ -279,11 +278,8 @@ def _sweep_configs(
         return configs + ([] if default in configs else [default])
     if path == "sorted" and kernel == "persistent":
         return _persistent_configs(_default(num_tokens, fp8, w8a16))
-    if path == "sorted" and kernel == "tails":  # the default tiles, half-full last blocks as half tiles or not
-        default = _default(num_tokens, fp8, w8a16)
-        return [{**default, "half_tails": False}, {**default, "half_tails": True}]
     if fp8 and path != "pairs":
-        raise SystemExit("--fp8: on the pairs path, or with --kernel both, persistent or tails on the sorted path")
+        raise SystemExit("--fp8: on the pairs path, or with --kernel both or persistent on the sorted path")
     if path == "sorted" and kernel == "order":  # the default tiles, row-block-major against N-major grids
         default = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(torch.device("cuda")))
         return [{**default, "n_major": False}, {**default, "n_major": True}]
@@ -440,13 +436,11 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--path", choices=["pairs", "sorted"], default=None)
     parser.add_argument(
-        "--kernel", choices=["up", "down", "both", "order", "tma", "persistent", "tails", "route", "grouped"],
-        default="up",
+        "--kernel", choices=["up", "down", "both", "order", "tma", "persistent", "route", "grouped"], default="up",
         help="sorted path: the GEMM swept at prefill sizes, both (block_m against each one's best tiles), or "
         "order (the default tiles on row-block-major and N-major grids), tma (their weights by pointers or TMA, "
         "the down GEMM's activations gathered or in sorted order through TMA), "
-        "persistent (the default tiles as one program a tile against persistent programs), tails (the default "
-        "tiles with half-full last blocks as half tiles or not), grouped (ours "
+        "persistent (the default tiles as one program a tile against persistent programs), grouped (ours "
         "against torch's grouped GEMM); pairs path: route (the routing up GEMV's tiles, from router logits)",
     )  # fmt: skip
     parser.add_argument("--compile-only", action="store_true", help="run the shard's configs once, untimed")

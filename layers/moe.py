@@ -291,7 +291,6 @@ class SparseMoeBlock(nn.Module):
             route_in_up_max_tokens=ctx.kernels.route_in_up_max_tokens,
             sorted_block_m=ctx.kernels.moe_sorted_block_m,
             sorted_persistent=ctx.kernels.moe_sorted_persistent,
-            sorted_half_tails={"on": True, "off": False}.get(ctx.kernels.moe_sorted_half_tails),
             pdl=ctx.kernels.pdl,
             deltas=deltas,
             fp8_quantize_acts=moe_kernels.quantizes_fp8_acts(

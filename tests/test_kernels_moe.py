@@ -352,34 +352,11 @@ def test_gpu_fused_moe_bf16_long_prompt():
         assert rel_err(tm.fused_moe(**args), ref) < 2e-2
 
 
-@pytest.mark.parametrize("local, offset, tokens", [(6, 0, 50), (4, 2, 70)])
-def test_fused_moe_sorted_half_tails_agree(device, local, offset, tokens):
-    """Half tiles (tile key half_tails: an expert's last row block, when its second half is padding, as
-    a tile of half the rows) write the full tiles' output bit for bit and the reference's, through the
-    pointer and TMA weight paths and with the activations in sorted order (where the down GEMM keeps
-    its full tiles): experts whose last block is at most half full and experts whose is not, an
-    expert with several blocks, odd widths."""
-    from deltaserve.layers.kernels.device import device_info
-
-    args = make_inputs(tokens=tokens, hidden=40, inter=40, local=local, total=6, top_k=4, offset=offset, device=device)
-    cfg = tiles.sorted_config(tokens * 4, local, 4, device_info(args["hidden"].device), half_tails=True)
-    assert cfg["half_tails"] and cfg["block_m"] == 32
-    counts = torch.bincount(args["topk_ids"].flatten().cpu(), minlength=6)[offset : offset + local]
-    tails = [int(c) % 32 for c in counts if c > 0]
-    assert any(0 < t <= 16 for t in tails) and any(t == 0 or t > 16 for t in tails) and max(counts) > 32
-    full = tm.fused_moe(**args, path="sorted", config={**cfg, "half_tails": False})
-    for extra in ({}, {"w_tma": True}, {"a_tma": True}):
-        half = tm.fused_moe(**args, path="sorted", config={**cfg, **extra})
-        assert torch.equal(half, full), extra
-    assert rel_err(full, naive.fused_moe(**args)) < tol(device)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [16, 2048, 8192])
 def test_gpu_sorted_activations_through_tma_bf16(tokens):
     """The activations in sorted order, read by the down GEMM through TMA (tile key a_tma), alone and
-    with the persistent GEMMs (flattened or not), and half tiles for half-full last blocks
-    (half_tails): the bits of the default tiles at the model's shape.
+    with the persistent GEMMs (flattened or not): the bits of the default tiles at the model's shape.
     16 tokens: a few tiles for a grid sized by the most any routing needs, so most persistent programs
     have none (where a flattened loop's hoisted loads faulted in the engine)."""
     from deltaserve.layers.kernels.device import device_info
@@ -391,7 +368,6 @@ def test_gpu_sorted_activations_through_tma_bf16(tokens):
     cfg = tiles.sorted_config(tokens * 8, 256, 2, device_info(torch.device("cuda")))
     plain = tm.fused_moe(**args, path="sorted", config=cfg)
     forms = ({"a_tma": True}, {"a_tma": True, "persistent": "flat"}, {"persistent": "flat"}, {"persistent": "loop"})
-    forms += ({"half_tails": True}, {"half_tails": True, "w_tma": False}, {"half_tails": True, "a_tma": True})
     for extra in forms:
         assert torch.equal(tm.fused_moe(**args, path="sorted", config={**cfg, **extra}), plain), extra
 

@@ -117,15 +117,6 @@ class KernelOptions:
             "choices": ("", "loop", "flat"),
         },
     )
-    moe_sorted_half_tails: str = field(
-        default="",
-        metadata={
-            "env": "DELTASERVE_MOE_SORTED_HALF_TAILS",
-            "help": "the MoE sorted path's half tiles: on (an expert's last row block, when at most half full, "
-            "computed as a tile of half the rows: half the tensor-core work), off; empty: the tile table's",
-            "choices": ("", "on", "off"),
-        },
-    )
     moe_prefill_gemm: str = field(
         default="triton",
         metadata={

@@ -89,12 +89,6 @@ ENV_VARS: dict[str, EnvVar] = {
             "he last steps of the one before); unset: one program a tile",
         ),
         EnvVar(
-            "DELTASERVE_MOE_SORTED_HALF_TAILS",
-            "",
-            "the MoE sorted path's half tiles: on (an expert's last row block, when at most half full, computed "
-            "as a tile of half the rows), off; unset: the tile table's",
-        ),
-        EnvVar(
             "DELTASERVE_MOE_PREFILL_GEMM",
             "triton",
             "the routed experts' GEMMs on the MoE's sorted path (prefill, bf16): triton (ours, x gathered inside), "

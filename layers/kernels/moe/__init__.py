@@ -123,7 +123,6 @@ def routed_moe(
     deltas: PairDeltas | None = None,
     fp8_quantize_acts: bool = True,
     prefill_gemm: str = "triton",
-    sorted_half_tails: bool | None = None,
 ) -> torch.Tensor | NormedOut:
     """The MoE block's expert part from its router logits: route_topk_softmax, then fused_moe.
 
@@ -135,8 +134,6 @@ def routed_moe(
             block_m); 0: the entry for the rows per expert.
         sorted_persistent: CUDA: the sorted path's GEMMs as persistent programs, "loop" or "flat"
             (KernelOptions.moe_sorted_persistent); "": one program a tile.
-        sorted_half_tails: CUDA: an expert's last row block, when at most half full, as a half tile
-            (KernelOptions.moe_sorted_half_tails); None: the tile entry's.
         the rest: as fused_moe.
 
     Returns:
@@ -152,7 +149,7 @@ def routed_moe(
 
         return impl(
             **args, route_in_up_max_tokens=route_in_up_max_tokens, sorted_block_m=sorted_block_m,
-            sorted_persistent=sorted_persistent, pdl=pdl, prefill_gemm=prefill_gemm,
-            sorted_half_tails=sorted_half_tails,
+            sorted_persistent=sorted_persistent, pdl=pdl,
+            prefill_gemm=prefill_gemm,
         )  # fmt: skip
     return naive.routed_moe(**args)

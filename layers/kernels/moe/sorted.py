@@ -87,7 +87,7 @@ def _up_kernel(
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
     QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr, W_DESC: tl.constexpr, PERSISTENT: tl.constexpr,
-    FLATTEN: tl.constexpr, ACT_SORTED: tl.constexpr, HALF_TAILS: tl.constexpr,
+    FLATTEN: tl.constexpr, ACT_SORTED: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n] = silu(x @ gate^T) * (x @ up^T) for one block of pairs of one expert and one
     BLOCK_N slice of the expert width; gate and up rows are the two halves of w13[e].
@@ -109,9 +109,7 @@ def _up_kernel(
     tile's first loads are in flight while the tile before it ends (sm_90, Triton 3.6: 224 KB of
     shared memory and 255 registers at the 8k tiles, against 192 KB and 168 / 183 one program a tile).
     ACT_SORTED: act's rows in the sorted list's order (row r of row block r // BLOCK_M; padding rows
-    unwritten) instead of by pair, so that the down GEMM reads whole row blocks through TMA.
-    HALF_TAILS (one program a tile): a block whose second half is padding (an expert's last block, at
-    most half full) runs a tile of BLOCK_M / 2 rows: half the MMA work, the same weight tiles."""
+    unwritten) instead of by pair, so that the down GEMM reads whole row blocks through TMA."""
     pdl_wait(USE_PDL)
     if PERSISTENT:
         n_blocks = tl.cdiv(INTER, BLOCK_N)
@@ -124,48 +122,32 @@ def _up_kernel(
             real = tl.minimum(tile, last)
             _up_tile(
                 hidden, w13, w_desc, act, sorted_ids, block_expert, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs,
-                w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, real // n_blocks,
-                real // n_blocks * BLOCK_M, real % n_blocks, HIDDEN, INTER, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
-                SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT, W_DESC, ACT_SORTED,
+                w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, real // n_blocks, real % n_blocks,
+                HIDDEN, INTER, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT,
+                W_DESC, ACT_SORTED,
             )  # fmt: skip
     else:
         pid_m, pid_n = _block_ids(N_MAJOR)
         if pid_m * BLOCK_M < tl.load(num_padded):
-            if HALF_TAILS and _half_empty(sorted_ids, num_pairs, pid_m, BLOCK_M):
-                _up_tile(
-                    hidden, w13, w_desc, act, sorted_ids, block_expert, num_pairs, s_ht, s_we, s_wn, s_at, x_scale,
-                    s_xs, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_m * BLOCK_M,
-                    pid_n, HIDDEN, INTER, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP,
-                    LORA_RANK, QUANT_ACT, W_DESC, ACT_SORTED,
-                )  # fmt: skip
-            else:
-                _up_tile(
-                    hidden, w13, w_desc, act, sorted_ids, block_expert, num_pairs, s_ht, s_we, s_wn, s_at, x_scale,
-                    s_xs, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_m * BLOCK_M,
-                    pid_n, HIDDEN, INTER, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK,
-                    QUANT_ACT, W_DESC, ACT_SORTED,
-                )  # fmt: skip
-
-
-@triton.jit
-def _half_empty(sorted_ids, num_pairs, pid_m, BLOCK_M: tl.constexpr):
-    """Whether row block pid_m's second half is padding (padding only ends an expert's last block)."""
-    pair = tl.load(sorted_ids + pid_m * BLOCK_M + BLOCK_M // 2)
-    return (pair < 0) | (pair >= num_pairs)
+            _up_tile(
+                hidden, w13, w_desc, act, sorted_ids, block_expert, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs,
+                w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n, HIDDEN, INTER, TOPK,
+                BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT, W_DESC, ACT_SORTED,
+            )  # fmt: skip
 
 
 @triton.jit
 def _up_tile(
     hidden, w13, w_desc, act, sorted_ids, block_expert, num_pairs, s_ht, s_we, s_wn, s_at, x_scale, s_xs, w_scale,
-    s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, row0, pid_n, HIDDEN: tl.constexpr,
-    INTER: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr,
+    s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr,
     QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr, ACT_SORTED: tl.constexpr,
 ):  # fmt: skip
-    """_up_kernel's tile: BLOCK_M sorted rows from row0 of row block pid_m, N slice pid_n."""
+    """_up_kernel's tile (row block pid_m, N slice pid_n)."""
     rows = tl.arange(0, BLOCK_M)
     e = tl.maximum(tl.load(block_expert + pid_m), 0)  # >= 0 on every real block; guards speculated ones
-    pair = tl.load(sorted_ids + row0 + rows)
+    pair = tl.load(sorted_ids + pid_m * BLOCK_M + rows)
     row_ok = (pair >= 0) & (pair < num_pairs)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
@@ -214,7 +196,7 @@ def _up_tile(
         acc_g += _block_low_rank(*low, n, n_ok, 0, LORA_RANK, BLOCK_M, BLOCK_N)
         acc_u += _block_low_rank(*low, n + INTER, n_ok, LORA_RANK, LORA_RANK, BLOCK_M, BLOCK_N)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
-    out_row = (row0 + rows).to(tl.int64) if ACT_SORTED else pair.to(tl.int64)
+    out_row = (pid_m * BLOCK_M + rows).to(tl.int64) if ACT_SORTED else pair.to(tl.int64)
     dst = act + out_row[:, None] * s_at + n[None, :]
     tl.store(dst, h.to(act.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -227,7 +209,7 @@ def _down_kernel(
     INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
     QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr, W_DESC: tl.constexpr, PERSISTENT: tl.constexpr,
-    FLATTEN: tl.constexpr, A_DESC: tl.constexpr, HALF_TAILS: tl.constexpr,
+    FLATTEN: tl.constexpr, A_DESC: tl.constexpr,
 ):  # fmt: skip
     """y[pair, n] = weight[pair] * (act[pair] @ w2[e, n]^T (+ the pair's low-rank delta, lora_b
     [G, HIDDEN, LORA_RANK], as _up_kernel's)) for one block of sorted pairs. FP8: act quantized per
@@ -235,8 +217,7 @@ def _down_kernel(
     shrink read the unquantized act); without QUANT_ACT act as it is, as _up_kernel's W8A16. N_MAJOR
     and W_DESC (w2 as [E * HIDDEN, INTER]), PERSISTENT and FLATTEN as _up_kernel's. A_DESC: act is a
     TMA descriptor of the activations in sorted order (_up_kernel's ACT_SORTED; bf16, no low-rank
-    addition) with [BLOCK_M, BLOCK_K] boxes: each row block read whole, no gather. HALF_TAILS (not with
-    A_DESC) as _up_kernel's."""
+    addition) with [BLOCK_M, BLOCK_K] boxes: each row block read whole, no gather."""
     pdl_wait(USE_PDL)
     if PERSISTENT:
         n_blocks = tl.cdiv(HIDDEN, BLOCK_N)
@@ -250,39 +231,31 @@ def _down_kernel(
             _down_tile(
                 act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp,
                 act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, real // n_blocks,
-                real // n_blocks * BLOCK_M, real % n_blocks, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N,
-                SCALE_K, GROUP, LORA_RANK, QUANT_ACT, W_DESC, A_DESC,
+                real % n_blocks, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK,
+                QUANT_ACT, W_DESC, A_DESC,
             )  # fmt: skip
     else:
         pid_m, pid_n = _block_ids(N_MAJOR)
         if pid_m * BLOCK_M < tl.load(num_padded):
-            if HALF_TAILS and not A_DESC and _half_empty(sorted_ids, num_pairs, pid_m, BLOCK_M):
-                _down_tile(
-                    act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp,
-                    act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m,
-                    pid_m * BLOCK_M, pid_n, HIDDEN, INTER, BLOCK_M // 2, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K,
-                    GROUP, LORA_RANK, QUANT_ACT, W_DESC, A_DESC,
-                )  # fmt: skip
-            else:
-                _down_tile(
-                    act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp,
-                    act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m,
-                    pid_m * BLOCK_M, pid_n, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP,
-                    LORA_RANK, QUANT_ACT, W_DESC, A_DESC,
-                )  # fmt: skip
+            _down_tile(
+                act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp,
+                act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n,
+                HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT, W_DESC,
+                A_DESC,
+            )  # fmt: skip
 
 
 @triton.jit
 def _down_tile(
     act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp, act_scale, s_as,
-    w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, row0, pid_n, HIDDEN: tl.constexpr,
+    w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n, HIDDEN: tl.constexpr,
     INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr,
     QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr, A_DESC: tl.constexpr,
 ):  # fmt: skip
-    """_down_kernel's tile: BLOCK_M sorted rows from row0 of row block pid_m, N slice pid_n."""
+    """_down_kernel's tile (row block pid_m, N slice pid_n)."""
     e = tl.maximum(tl.load(block_expert + pid_m), 0)  # as _up_tile's
-    pair = tl.load(sorted_ids + row0 + tl.arange(0, BLOCK_M))
+    pair = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = (pair >= 0) & (pair < num_pairs)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < HIDDEN
@@ -297,7 +270,7 @@ def _down_tile(
     for k0 in range(0, INTER, BLOCK_K):
         k_ok = k0 + k < INTER
         if A_DESC:  # the row block whole (its padding rows feed only rows the store masks)
-            a = act.load([row0, k0])
+            a = act.load([pid_m * BLOCK_M, k0])
         elif INTER % BLOCK_K == 0:
             a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
         else:
@@ -436,8 +409,6 @@ def moe_sorted(
     persistent = cfg.get("persistent", "") if deltas is None else ""  # no low-rank loop inside the tile loop
     info = device_info(hidden.device)
     per_sm = _programs_per_sm(persistent, up, block_m, 2, x.element_size(), w13.element_size(), info)
-    # a half tile's dot needs 16 rows (tl.dot's least M)
-    half_tails = cfg.get("half_tails", False) and per_sm == 0 and block_m >= 32
     grid, n_major = _grid(
         max_blocks, triton.cdiv(inter, up["block_n"]), cfg.get("n_major", False), per_sm, info.num_sms
     )
@@ -447,7 +418,7 @@ def moe_sorted(
         w13.stride(1), act.stride(0), x_scale, x_scale.stride(0), *up_sc[:3], *up_lora[:6], HIDDEN=hidden_size,
         INTER=inter, TOPK=top_k, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up_k, FP8=fp8, SCALE_N=up_sc[4],
         SCALE_K=up_sc[3], GROUP=ACT_GROUP, LORA_RANK=up_lora[6], QUANT_ACT=quant, N_MAJOR=n_major, W_DESC=tma,
-        PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat", ACT_SORTED=a_tma, HALF_TAILS=half_tails,
+        PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat", ACT_SORTED=a_tma,
         num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl_launch(hidden, pdl),
     )  # fmt: skip
     down_lora = low_rank_args(None if deltas is None else deltas.low_rank_down(act), act)
@@ -465,7 +436,6 @@ def moe_sorted(
         HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m, BLOCK_N=down["block_n"], BLOCK_K=down_k, FP8=fp8,
         SCALE_N=down_sc[4], SCALE_K=down_sc[3], GROUP=ACT_GROUP, LORA_RANK=down_lora[6], QUANT_ACT=quant,
         N_MAJOR=n_major, W_DESC=tma, PERSISTENT=per_sm > 0, FLATTEN=persistent == "flat", A_DESC=a_tma,
-        HALF_TAILS=half_tails and not a_tma,
         num_warps=down["num_warps"], num_stages=down["num_stages"],
         **pdl_launch(act, pdl),
     )  # fmt: skip

@@ -97,7 +97,7 @@ FLAT_SMEM = 32 * 1024
 
 def sorted_config(
     num_pairs: int, num_experts: int, elem: int, info: DeviceInfo, fp8: bool = False, block_m: int = 0,
-    quantized_acts: bool = True, persistent: str = "", half_tails: bool | None = None,
+    quantized_acts: bool = True, persistent: str = "",
 ) -> dict:  # fmt: skip
     """The sorted path's tiles for this device: block_m, n_major (the grid's program order:
     sorted._grid), w_tma (bf16 experts' weights through TMA descriptors), a_tma (the activations in
@@ -108,13 +108,10 @@ def sorted_config(
     one 128-column scale group; each pipeline as deep as fits (quantized_acts False: the activations keep `elem`
     bytes, and the weights converted for the dot take one more unpipelined buffer). block_m: the
     entry with these tile rows (0: the entry for the mean rows per expert). persistent: "loop" or
-    "flat", the GEMMs as persistent programs looping over tiles (sorted._grid); "": the entry's.
-    half_tails: an expert's last row block, when at most half full, as a tile of block_m / 2 rows
-    (sorted._up_kernel; block_m 32 and up, one program a tile); None: the entry's."""
+    "flat", the GEMMs as persistent programs looping over tiles (sorted._grid); "": the entry's."""
     if info.is_interpreter:
         tiles = dict(block_n=16, block_k=16, num_warps=4, num_stages=1)
-        block_m = 32 if half_tails else 16  # a half tile's dot needs 16 rows
-        return dict(block_m=block_m, up=tiles, down=dict(tiles), persistent=persistent, half_tails=bool(half_tails))
+        return dict(block_m=16, up=tiles, down=dict(tiles), persistent=persistent)
     tuned = tuned_for(SORTED_TILES, info)
     rows = num_pairs / max(1, num_experts)
     table = tuned or SORTED_TILES[H200]
@@ -131,7 +128,6 @@ def sorted_config(
     cfg = dict(
         block_m=block_m, n_major=entry.get("n_major", False), w_tma=entry.get("w_tma", False),
         a_tma=entry.get("a_tma", False), persistent=persistent or entry.get("persistent", ""),
-        half_tails=entry.get("half_tails", False) if half_tails is None else half_tails,
     )  # fmt: skip
     for name, operands in (("up", 2), ("down", 1)):  # up reads the gate and the up tile
         block_n, block_k, warps, stages = entry[name]
