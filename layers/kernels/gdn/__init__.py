@@ -56,7 +56,7 @@ def chunk_gated_delta_rule(
             (prefix-cache snapshots; state.py), without changing how the sequence is chunked;
             FixedCaptures: the same from device tensors of fixed shapes (a CUDA graph's).
         variant: CUDA: the sequential part's design (chunk.VARIANTS: "fused", "fused_pf",
-            "split32"); empty: chunk.pick_variant's choice by the shapes.
+            "split32", "split32_win"); empty: chunk.pick_variant's choice by the shapes.
         norm_gate, norm_weight: the GDN output norm as well (norm.gated_rms_norm of o with this gate
             [T, Hv, V], token rows strided allowed, and weight [V], eps norm_eps); CUDA: inside the
             output kernel of the split design.
