@@ -125,7 +125,11 @@ def test_chunk_windows_match_one_walk(nan_fill, monkeypatch, case, windows):
     split = chunk_module.VARIANTS["split32"]
     got = check_chunk_case(case, dataclasses.replace(split, windows=windows))
     want = check_chunk_case(case, split)
-    assert len(chunk_module.chunk_windows(got.max_chunks, windows)) == min(windows or 2, got.max_chunks) > 1
+    count = len(chunk_module.chunk_windows(got.max_chunks, windows, got.num_seqs))
+    if windows:
+        assert count == min(windows, got.max_chunks) > 1
+    else:  # by size: two windows of one sequence, one walk for several
+        assert count == (1 if got.num_seqs > 1 else 2)
     assert torch.equal(got.out, want.out)
     assert torch.equal(got.pool.nan_to_num(), want.pool.nan_to_num())
     assert all(torch.equal(a, b) for a, b in zip(got.states, want.states, strict=True))
@@ -144,6 +148,9 @@ def test_chunk_windows_cover_the_chunks():
     assert chunk_module.chunk_windows(129, 0) == [(0, 64), (64, 129)]
     assert chunk_module.chunk_windows(300, 0) == [(0, 150), (150, 300)]
     assert [chunk_module.window_count(n, 0) for n in (1, 127, 128, 383, 384, 1024, 5000)] == [1, 1, 2, 2, 3, 8, 8]
+    # several sequences: one walk by size (windows of the global chunks would walk them in turn); a
+    # named count stays as named
+    assert chunk_module.window_count(1024, 0, num_seqs=2) == 1 and chunk_module.window_count(1024, 4, 2) == 4
 
 
 @dataclasses.dataclass
@@ -152,6 +159,7 @@ class ChunkRun:
     pool: torch.Tensor
     states: list
     max_chunks: int
+    num_seqs: int
 
 
 def check_chunk_case(case: str, variant) -> ChunkRun:
@@ -196,7 +204,7 @@ def check_chunk_case(case: str, variant) -> ChunkRun:
         assert got.shape == want.shape
         if want.numel():
             assert rel_err(got, want) < TOL
-    return ChunkRun(out, out_pool, out_states, bounds[-1] // 64 + num_seqs)
+    return ChunkRun(out, out_pool, out_states, bounds[-1] // 64 + num_seqs, num_seqs)
 
 
 @pytest.mark.parametrize("variant", ["fused", "split32", chunk_module.ChunkVariant(block_v=16, num_warps=8)])

@@ -257,7 +257,7 @@ def chunk_gated_delta_rule(
         )  # fmt: skip
 
     if cfg.split:
-        _run_windows(chunk_windows(max_chunks, cfg.windows), prepare, walk, output, device)
+        _run_windows(chunk_windows(max_chunks, cfg.windows, num_seqs), prepare, walk, output, device)
     else:
         prepare(0, max_chunks)
         _state_kernel[seq_grid](
@@ -301,19 +301,20 @@ def _store_initial_states(stores, state_pool, state_slots, has_initial_state) ->
         state_pool[dst] = torch.where(has_initial_state[seq].bool(), src, torch.zeros_like(src))
 
 
-def window_count(max_chunks: int, windows: int) -> int:
+def window_count(max_chunks: int, windows: int, num_seqs: int = 1) -> int:
     """How many chunk windows a pass of max_chunks global chunks takes: at most `windows` (0: by size,
-    about WINDOW_CHUNKS a window, two from 2 * WINDOW_MIN_CHUNKS, at most WINDOW_MAX), none shorter
-    than WINDOW_MIN_CHUNKS (one window below that)."""
+    about WINDOW_CHUNKS a window, two from 2 * WINDOW_MIN_CHUNKS, at most WINDOW_MAX; one for several
+    sequences, whose walks one launch runs side by side while windows of the global chunks would run
+    them one after another), none shorter than WINDOW_MIN_CHUNKS (one window below that)."""
     if windows == 0:
-        windows = min(WINDOW_MAX, max(2, max_chunks // WINDOW_CHUNKS))
+        windows = 1 if num_seqs > 1 else min(WINDOW_MAX, max(2, max_chunks // WINDOW_CHUNKS))
     return max(1, min(windows, max_chunks // WINDOW_MIN_CHUNKS))
 
 
-def chunk_windows(max_chunks: int, windows: int) -> list[tuple[int, int]]:
+def chunk_windows(max_chunks: int, windows: int, num_seqs: int = 1) -> list[tuple[int, int]]:
     """[lo, hi) ranges of global chunk indices (varlen.py) covering [0, max_chunks) in window_count's
     number of near-equal parts."""
-    count = window_count(max_chunks, windows)
+    count = window_count(max_chunks, windows, num_seqs)
     bounds = [max_chunks * i // count for i in range(count + 1)]
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
