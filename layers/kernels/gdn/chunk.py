@@ -131,7 +131,7 @@ def pick_variant(num_seqs: int, num_v_heads: int, value_dim: int, num_sms: int, 
     per_seq = None if num_tokens is None else num_tokens / max(1, num_seqs)
     one_wave = num_seqs * num_v_heads * triton.cdiv(value_dim, 64) <= num_sms
     if one_wave and (per_seq is None or per_seq >= SPLIT_MIN_TOKENS_PER_SEQ):
-        return "split32_win"  # one window (split32's one walk) under 2 * WINDOW_MIN_CHUNKS chunks
+        return "split32_win"  # split32 itself under 128 chunks or for several sequences (window_count)
     if per_seq is not None and per_seq <= FUSED_MAX_TOKENS_PER_SEQ:
         return "fused"
     return "fused_pf"
