@@ -123,10 +123,6 @@ CHUNK_VARIANTS: dict[str, ChunkVariant] = {
     "split32_w2": ChunkVariant(split=True, block_v=32, num_warps=4, windows=2),
     "split32_w4": ChunkVariant(split=True, block_v=32, num_warps=4, windows=4),
     "split32_w8": ChunkVariant(split=True, block_v=32, num_warps=4, windows=8),
-    # the solve's diagonal blocks inverted by doubling (four float32 matmuls, no scratch round trips)
-    "split32_dbl": ChunkVariant(split=True, block_v=32, num_warps=4, solve_diag="doubling"),
-    "split32_win_dbl": ChunkVariant(split=True, block_v=32, num_warps=4, windows=0, solve_diag="doubling"),
-    "fused_dbl": ChunkVariant(split=False, num_warps=4, num_stages=2, prefetch=False, solve_diag="doubling"),
 }
 # the recurrent kernel's: "bv32" is the first design (H200: 75% of copy bandwidth at N=64), "bv64_1p"
 # the default (recurrent.DEFAULT_VARIANT)

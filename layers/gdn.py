@@ -321,7 +321,6 @@ class GatedDeltaNet(nn.Module):
                 use_qk_l2norm=True,
                 captures=ctx.midchunk_capture,
                 variant=ctx.kernels.gdn_chunk_variant,
-                solve_diag=ctx.kernels.gdn_solve_diag,
                 norm_gate=z[num_decode:],  # the output norm inside the chunked op's last kernel
                 norm_weight=self.norm_weight,
                 norm_eps=self.eps,

@@ -68,9 +68,6 @@ CHUNK_VARIANTS = [
     *chunk_module.VARIANTS,
     chunk_module.ChunkVariant(split=False, block_v=16),
     chunk_module.ChunkVariant(split=True, block_v=16, solve_stages=3),  # the interpreter runs it as one stage
-    # the solve's diagonal blocks by doubling, both designs
-    chunk_module.ChunkVariant(split=True, block_v=16, solve_diag="doubling"),
-    chunk_module.ChunkVariant(split=False, block_v=16, solve_diag="doubling"),
 ]
 
 # The interpreter's cost is about one program of the solve kernel per (chunk, value head), whatever
@@ -208,33 +205,6 @@ def check_chunk_case(case: str, variant) -> ChunkRun:
         if want.numel():
             assert rel_err(got, want) < TOL
     return ChunkRun(out, out_pool, out_states, bounds[-1] // 64 + num_seqs, num_seqs)
-
-
-@pytest.mark.parametrize("solve_diag", ["substitute", "doubling"])
-def test_chunk_solve_near_equal_keys(nan_fill, solve_diag):
-    """Keys that nearly repeat, beta near 1 and almost no decay: A's entries near 1, so the high powers
-    of each 16 x 16 diagonal block (up to A^15) shape Y = (I + A)^-1; both ways of inverting the
-    diagonal blocks against the reference (two chunks, the second partial)."""
-    torch.manual_seed(5)
-    num_tokens, key_dim, value_dim = 64 + 29, 16, 16
-    q, k, v, g, beta = make_inputs(num_tokens, 1, 2, key_dim, value_dim)
-    k = torch.randn(1, 1, key_dim, device=DEVICE) + 0.05 * k
-    beta, g = 0.9 + 0.1 * beta, g * 1e-3
-    cu_seqlens = torch.tensor([0, num_tokens], dtype=torch.int32, device=DEVICE)
-    pool = torch.randn(1, 2, key_dim, value_dim, device=DEVICE)
-    slots = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    has_init = torch.ones(1, dtype=torch.bool, device=DEVICE)
-    args = (q, k, v, g, beta, cu_seqlens, pool, slots, has_init)
-    ref, ref_pool, _ = run_chunk(naive.chunk_gated_delta_rule, *args)
-    variant = chunk_module.ChunkVariant(split=True, block_v=16, solve_diag=solve_diag)
-    out, out_pool, _ = run_chunk(chunk_module.chunk_gated_delta_rule, *args, variant=variant)
-    assert rel_err(out, ref) < TOL
-    assert rel_err(out_pool, ref_pool) < TOL
-
-
-def test_chunk_variant_rejects_unknown_solve_diag():
-    with pytest.raises(ValueError, match="solve_diag"):
-        chunk_module.ChunkVariant(solve_diag="newton")
 
 
 @pytest.mark.parametrize("variant", ["fused", "split32", chunk_module.ChunkVariant(block_v=16, num_warps=8)])

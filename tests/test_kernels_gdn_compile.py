@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from deltaserve.layers.kernels.gdn import advance, chunk, chunk_prepare, chunk_state
+from deltaserve.layers.kernels.gdn import advance, chunk_prepare, chunk_state
 
 BF16, F32 = "*bf16", "*fp32"
 H200_SMEM = 227 * 1024
@@ -73,9 +73,8 @@ def fused(capture: bool, block_v: int, warps: int, stages: int, prefetch: bool):
     return compile_sm90(chunk_state._state_kernel, {**ptrs, **SEQ_PTRS}, consts, num_warps=warps, num_stages=stages)
 
 
-def solve(stages: int, diag: str = "substitute"):
-    """The per-chunk solve (one warp), its substitution rows loaded `stages` rows ahead (ChunkVariant.solve_stages),
-    or its diagonal blocks inverted by doubling (ChunkVariant.solve_diag)."""
+def solve(stages: int):
+    """The per-chunk solve (one warp), its substitution rows loaded `stages` rows ahead (ChunkVariant.solve_stages)."""
     ptrs = {
         "k": BF16,
         "g": F32,
@@ -86,14 +85,12 @@ def solve(stages: int, diag: str = "substitute"):
         "a_scratch": F32,
         "y": BF16,
     }
-    doubling = chunk.SOLVE_DIAG[diag]
     consts = dict(HV=32, GROUP=2, K=128, BKP=32, BT=64, BC=16, BLOCK_N=64, L2NORM=True, PRECISION="tf32")
-    consts.update(SUB_STAGES=stages, DOUBLING=doubling)
-    return compile_sm90(chunk_prepare._solve_kernel, ptrs, consts, num_warps=1, num_stages=1)
+    return compile_sm90(chunk_prepare._solve_kernel, ptrs, dict(consts, SUB_STAGES=stages), num_warps=1, num_stages=1)
 
 
 CASES = [
-    (solve, 1), (solve, 6), (solve, 1, "doubling"),
+    (solve, 1), (solve, 6),
     (replay, True, "*i32"), (replay, False, "*i32"), (replay, True, "*i64"), (replay, False, "*i64"),
     (recur, True), (recur, False), (fused, False, 32, 4, 2, False), (fused, True, 64, 8, 3, True),
     (fused, True, 32, 4, 2, False), (fused, False, 64, 8, 3, True),

@@ -163,16 +163,6 @@ class KernelOptions:
             "choices": ("", "fused", "fused_pf", "split32", "split32_win"),
         },
     )
-    gdn_solve_diag: str = field(
-        default="",
-        metadata={
-            "env": "DELTASERVE_GDN_SOLVE_DIAG",
-            "help": "how the chunked GDN prefill's solve inverts its 16 x 16 diagonal blocks: substitute (row by "
-            "row through a scratch copy), doubling (products of the block's powers: four float32 matmuls); empty: "
-            "the design's own",
-            "choices": ("", "substitute", "doubling"),
-        },
-    )
 
     def __post_init__(self) -> None:
         for name in ("route_in_up_max_tokens", "fused_gdn_max_seqs", "few_rows_gemv"):

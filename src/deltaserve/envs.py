@@ -110,12 +110,6 @@ ENV_VARS: dict[str, EnvVar] = {
             "the chunked GDN prefill's design (fused, fused_pf, split32: one walk, split32_win: split32 over "
             "chunk windows of ~128 chunks on two streams); unset: by shape",
         ),
-        EnvVar(
-            "DELTASERVE_GDN_SOLVE_DIAG",
-            "",
-            "how the chunked GDN prefill's solve inverts its 16 x 16 diagonal blocks (substitute: row by row; "
-            "doubling: products of the block's powers, four float32 matmuls); unset: the design's own",
-        ),
         EnvVar("DELTASERVE_GDN_VARIANTS", "", "bench only: comma-separated chunk-kernel variants to time"),
     )
 }

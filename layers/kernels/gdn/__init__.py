@@ -39,7 +39,6 @@ def chunk_gated_delta_rule(
     chunk_states_out: list[torch.Tensor] | None = None,
     captures: StateCaptures | FixedCaptures | None = None,
     variant: str = "",
-    solve_diag: str = "",
     norm_gate: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
@@ -58,8 +57,6 @@ def chunk_gated_delta_rule(
             FixedCaptures: the same from device tensors of fixed shapes (a CUDA graph's).
         variant: CUDA: the sequential part's design (chunk.VARIANTS: "fused", "fused_pf",
             "split32", "split32_win"); empty: chunk.pick_variant's choice by the shapes.
-        solve_diag: CUDA: how the solve inverts its diagonal blocks ("substitute", "doubling":
-            ChunkVariant.solve_diag); empty: the variant's.
         norm_gate, norm_weight: the GDN output norm as well (norm.gated_rms_norm of o with this gate
             [T, Hv, V], token rows strided allowed, and weight [V], eps norm_eps); CUDA: inside the
             output kernel of the split design.
@@ -77,14 +74,7 @@ def chunk_gated_delta_rule(
     if q.is_cuda:
         from .chunk import chunk_gated_delta_rule as impl
 
-        return impl(
-            **args,
-            variant=variant or None,
-            solve_diag=solve_diag or None,
-            norm_gate=norm_gate,
-            norm_weight=norm_weight,
-            norm_eps=norm_eps,
-        )
+        return impl(**args, variant=variant or None, norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)
     out = naive.chunk_gated_delta_rule(**args)
     if norm_gate is None:
         return out

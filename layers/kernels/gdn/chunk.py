@@ -53,11 +53,6 @@ def _contiguous_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-# ChunkVariant.solve_diag -> whether the solve inverts its diagonal blocks by doubling (float32 matmuls:
-# the powers of a block may exceed its inverse's entries, so tf32 would lose them; 3xtf32 spills on sm_90)
-SOLVE_DIAG = {"substitute": False, "doubling": True}
-
-
 @dataclasses.dataclass(frozen=True)
 class ChunkVariant:
     """How the sequential part runs; `chunk_gated_delta_rule(variant=...)` takes one of these or a name
@@ -77,9 +72,6 @@ class ChunkVariant:
         replicate its 16 x 16 tiles rather than split them: slower on the H100, gdn/NOTES.md).
     solve_stages: the solve's first key loop and forward-substitution loop pipelined this deep (their
         key blocks and rows of -A loaded ahead, cp.async); 1: each loaded in its own step.
-    solve_diag: how the solve inverts its four 16 x 16 diagonal blocks: "substitute" (row by row, each
-        step a dependent read of a scratch copy of -A) or "doubling" (products of the block's powers:
-        four dependent float32 matmuls, no scratch).
     windows: split only; the pass's chunks cut into up to this many windows (of at least
         WINDOW_MIN_CHUNKS), each walked by a launch of its own on a second, high-priority stream while
         the caller's stream prepares the windows ahead (solve, matmuls) and computes the outputs of
@@ -99,11 +91,6 @@ class ChunkVariant:
     solve_stages: int = 1
     intra_warps: int = 8
     windows: int = 1
-    solve_diag: str = "substitute"
-
-    def __post_init__(self) -> None:
-        if self.solve_diag not in SOLVE_DIAG:
-            raise ValueError(f"solve_diag must be one of {', '.join(SOLVE_DIAG)}, got {self.solve_diag!r}")
 
 
 VARIANTS = {
@@ -161,15 +148,14 @@ def _resolve_variant(variant, num_seqs: int, num_v_heads: int, value_dim: int, i
 def chunk_gated_delta_rule(
     *, q, k, v, g, beta, cu_seqlens, state_pool, state_slots, has_initial_state, scale=None, use_qk_l2norm=True,
     chunk_size=CHUNK, chunk_states_out=None, variant=None, captures: StateCaptures | FixedCaptures | None = None,
-    norm_gate=None, norm_weight=None, norm_eps=1e-6, solve_diag: str | None = None,
+    norm_gate=None, norm_weight=None, norm_eps=1e-6,
 ) -> torch.Tensor:  # fmt: skip
     """gdn.chunk_gated_delta_rule (chunks of 64 only). variant: a VARIANTS name or a ChunkVariant;
     None: pick_variant's. captures: the sequential kernel stores the state after the chunks they name
     (one int per chunk); a capture inside a chunk is that chunk's first tokens replayed on the
     kernels' own intermediates (advance.py; state.py; FixedCaptures: the same from device tensors,
     fixed_captures.py); no host sync. norm_gate / norm_weight: the GDN output norm too, inside the
-    split design's output kernel (the fused designs run the norm kernel after). solve_diag: the variant's
-    ChunkVariant.solve_diag replaced."""
+    split design's output kernel (the fused designs run the norm kernel after)."""
     if chunk_size != CHUNK:
         raise ValueError(f"chunk_size must be {CHUNK}, got {chunk_size}")
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
@@ -182,16 +168,12 @@ def chunk_gated_delta_rule(
     device, dt = v.device, k.dtype
     info = device_info(device)
     cfg = _resolve_variant(variant, num_seqs, num_v_heads, value_dim, info, num_tokens)
-    if solve_diag is not None:
-        cfg = dataclasses.replace(cfg, solve_diag=solve_diag)
     out = torch.empty((num_tokens, num_v_heads, value_dim), dtype=v.dtype, device=device)
     max_chunks = num_tokens // CHUNK + num_seqs
     # scratch, in few allocations: per (token, value head) float32 vectors, then matmul-dtype tiles.
     # qscale holds kscale in the split design
     gcum, rnorm, qscale = torch.empty((3, num_tokens, num_v_heads), dtype=torch.float32, device=device).unbind(0)
-    doubling = SOLVE_DIAG[cfg.solve_diag]
-    # the substitution's copy of -A (never read when doubling)
-    a_scratch = gcum if doubling else torch.empty((num_tokens, num_v_heads, SUB), dtype=torch.float32, device=device)
+    a_scratch = torch.empty((num_tokens, num_v_heads, SUB), dtype=torch.float32, device=device)
     if cfg.split:
         y = torch.empty((num_tokens, num_v_heads, CHUNK), dtype=dt, device=device)
         w = torch.empty((num_tokens, num_v_heads, key_dim), dtype=dt, device=device)
@@ -229,7 +211,7 @@ def chunk_gated_delta_rule(
             k.stride(0), k.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
             HV=num_v_heads, GROUP=group, K=key_dim, BKP=min(32, bk), BT=CHUNK, BC=SUB, BLOCK_N=BLOCK_N,
             L2NORM=use_qk_l2norm, PRECISION="ieee" if dt == torch.float32 else "tf32", SUB_STAGES=cfg.solve_stages,
-            DOUBLING=doubling, num_warps=cfg.solve_warps, num_stages=1,
+            num_warps=cfg.solve_warps, num_stages=1,
         )  # fmt: skip
         _intra_kernel[(hi - lo, num_v_heads)](
             q, k, v, beta, cu_seqlens, gcum, rnorm, y, w, u, kd, scores, qscale, num_seqs, lo, scale,

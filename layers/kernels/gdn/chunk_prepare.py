@@ -46,30 +46,14 @@ def _substitute_row(x, sel, a):
     return tl.where(sel, (a + tl.sum(a[:, None] * x, 0))[None, :], x)
 
 
-@triton.jit
-def _inverse_by_doubling(m, eye):
-    """(I - M)^-1 of a strictly lower 16 x 16 block M: M^16 = 0, so it is sum_{n < 16} M^n =
-    (I + M)(I + M^2)(I + M^4)(I + M^8): four dependent matmuls instead of fifteen substitution steps."""
-    tl.static_assert(m.shape[0] == 16, "sixteen rows: M^16 = 0")
-    p = eye + m
-    m2 = tl.dot(m, m, input_precision="ieee")
-    p = tl.dot(p, m2, p, input_precision="ieee")
-    m4 = tl.dot(m2, m2, input_precision="ieee")
-    p = tl.dot(p, m4, p, input_precision="ieee")
-    m8 = tl.dot(m4, m4, input_precision="ieee")
-    return tl.dot(p, m8, p, input_precision="ieee")
-
-
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
 @triton.jit(do_not_specialize=["num_seqs", "cu_seqlens", "chunk_lo"])
 def _solve_kernel(
     k, g, beta, cu_seqlens, gcum, rnorm, a_scratch, y, num_seqs, chunk_lo, stride_kt, stride_kh, stride_gt,
     stride_gh, stride_bt, stride_bh, HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BLOCK_N: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
-    SUB_STAGES: tl.constexpr, DOUBLING: tl.constexpr,
+    SUB_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """DOUBLING: the diagonal blocks' inverses as products of powers (_inverse_by_doubling, float32
-    matmuls) instead of row-by-row forward substitution through a scratch copy of -A."""
     i_c = tl.program_id(0) + chunk_lo  # global chunk (varlen.py)
     hv = tl.program_id(1)
     n, c = locate_chunk(cu_seqlens, num_seqs, i_c, BT, BLOCK_N)
@@ -148,38 +132,27 @@ def _solve_kernel(
         r0 = tl.full([BC], 1.0, dtype=tl.float32)
         r1, r2, r3 = r0, r0, r0
 
-    # Y = (I + A)^-1, first its diagonal blocks (I - X)^-1 from X = -A_ii
+    # Y = (I + A)^-1. Diagonal blocks by forward substitution, the four interleaved; the rows of
+    # -A they consume are re-read from a scratch copy, cheaper than extracting them from registers
     x0 = -_gate_block(a00, b0 * r0, r0, gc0, gc0, True)
     x1 = -_gate_block(a11, b1 * r1, r1, gc1, gc1, True)
     x2 = -_gate_block(a22, b2 * r2, r2, gc2, gc2, True)
     x3 = -_gate_block(a33, b3 * r3, r3, gc3, gc3, True)
+    p_a = a_scratch + row * BC + o_c
+    tl.store(p_a[None, :] + o_c[:, None] * (HV * BC), x0, mask=m0[:, None])
+    tl.store(p_a[None, :] + (o_c + BC)[:, None] * (HV * BC), x1, mask=m1[:, None])
+    tl.store(p_a[None, :] + (o_c + 2 * BC)[:, None] * (HV * BC), x2, mask=m2[:, None])
+    tl.store(p_a[None, :] + (o_c + 3 * BC)[:, None] * (HV * BC), x3, mask=m3[:, None])
+    tl.debug_barrier()  # the rows are read back by other threads
+    for i in tl.range(2, BC, num_stages=SUB_STAGES):
+        sel = (o_c == i)[:, None]
+        r_i = o_c * 0 + i  # row i of each block, as a vector (the interpreter rejects scalar masks)
+        x0 = _substitute_row(x0, sel, tl.load(p_a + i * (HV * BC), mask=r_i < length, other=0.0))
+        x1 = _substitute_row(x1, sel, tl.load(p_a + (BC + i) * (HV * BC), mask=r_i + BC < length, other=0.0))
+        x2 = _substitute_row(x2, sel, tl.load(p_a + (2 * BC + i) * (HV * BC), mask=r_i + 2 * BC < length, other=0.0))
+        x3 = _substitute_row(x3, sel, tl.load(p_a + (3 * BC + i) * (HV * BC), mask=r_i + 3 * BC < length, other=0.0))
     eye = (o_c[:, None] == o_c[None, :]).to(tl.float32)
-    if DOUBLING:
-        y00 = _inverse_by_doubling(x0, eye)
-        y11 = _inverse_by_doubling(x1, eye)
-        y22 = _inverse_by_doubling(x2, eye)
-        y33 = _inverse_by_doubling(x3, eye)
-    else:
-        # forward substitution, the four interleaved; the rows of -A they consume are re-read from a
-        # scratch copy, cheaper than extracting them from registers
-        p_a = a_scratch + row * BC + o_c
-        tl.store(p_a[None, :] + o_c[:, None] * (HV * BC), x0, mask=m0[:, None])
-        tl.store(p_a[None, :] + (o_c + BC)[:, None] * (HV * BC), x1, mask=m1[:, None])
-        tl.store(p_a[None, :] + (o_c + 2 * BC)[:, None] * (HV * BC), x2, mask=m2[:, None])
-        tl.store(p_a[None, :] + (o_c + 3 * BC)[:, None] * (HV * BC), x3, mask=m3[:, None])
-        tl.debug_barrier()  # the rows are read back by other threads
-        for i in tl.range(2, BC, num_stages=SUB_STAGES):
-            sel = (o_c == i)[:, None]
-            r_i = o_c * 0 + i  # row i of each block, as a vector (the interpreter rejects scalar masks)
-            x0 = _substitute_row(x0, sel, tl.load(p_a + i * (HV * BC), mask=r_i < length, other=0.0))
-            x1 = _substitute_row(x1, sel, tl.load(p_a + (BC + i) * (HV * BC), mask=r_i + BC < length, other=0.0))
-            x2 = _substitute_row(
-                x2, sel, tl.load(p_a + (2 * BC + i) * (HV * BC), mask=r_i + 2 * BC < length, other=0.0)
-            )
-            x3 = _substitute_row(
-                x3, sel, tl.load(p_a + (3 * BC + i) * (HV * BC), mask=r_i + 3 * BC < length, other=0.0)
-            )
-        y00, y11, y22, y33 = x0 + eye, x1 + eye, x2 + eye, x3 + eye
+    y00, y11, y22, y33 = x0 + eye, x1 + eye, x2 + eye, x3 + eye
 
     a10 = _gate_block(a10, b1 * r1, r0, gc1, gc0, False)
     a20 = _gate_block(a20, b2 * r2, r0, gc2, gc0, False)
