@@ -207,6 +207,26 @@ def check_chunk_case(case: str, variant) -> ChunkRun:
     return ChunkRun(out, out_pool, out_states, bounds[-1] // 64 + num_seqs, num_seqs)
 
 
+@pytest.mark.parametrize("variant", ["split32", "fused"])
+def test_chunk_solve_near_equal_keys(nan_fill, variant):
+    """Keys that nearly repeat, beta near 1 and almost no decay: A's entries near 1, so the high powers
+    of each 16 x 16 diagonal block (up to A^15) shape Y = (I + A)^-1 (two chunks, the second partial)."""
+    torch.manual_seed(5)
+    num_tokens, key_dim, value_dim = 64 + 29, 16, 16
+    q, k, v, g, beta = make_inputs(num_tokens, 1, 2, key_dim, value_dim)
+    k = torch.randn(1, 1, key_dim, device=DEVICE) + 0.05 * k
+    beta, g = 0.9 + 0.1 * beta, g * 1e-3
+    cu_seqlens = torch.tensor([0, num_tokens], dtype=torch.int32, device=DEVICE)
+    pool = torch.randn(1, 2, key_dim, value_dim, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    has_init = torch.ones(1, dtype=torch.bool, device=DEVICE)
+    args = (q, k, v, g, beta, cu_seqlens, pool, slots, has_init)
+    ref, ref_pool, _ = run_chunk(naive.chunk_gated_delta_rule, *args)
+    out, out_pool, _ = run_chunk(chunk_module.chunk_gated_delta_rule, *args, variant=variant)
+    assert rel_err(out, ref) < TOL
+    assert rel_err(out_pool, ref_pool) < TOL
+
+
 @pytest.mark.parametrize("variant", ["fused", "split32", chunk_module.ChunkVariant(block_v=16, num_warps=8)])
 def test_chunk_half_precision(nan_fill, variant):
     """The 16-bit path (matmul operands and scratch in the inputs' dtype). float16 stands in for
