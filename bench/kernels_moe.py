@@ -20,6 +20,7 @@
     python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel tma    # weights through TMA descriptors
     python -m deltaserve.bench.kernels_moe --sweep --tokens 2048 --kernel both --fp8  # FP8 experts (W8A8)
     python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel grouped  # ours vs torch's grouped GEMM
+    python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel routing  # router + grouping launch shapes
     scripts/gpu-session moe-sweep   # the prefill sweeps, each compiled in 16 processes first
 """
 
@@ -430,18 +431,73 @@ def grouped_ab(num_tokens: int) -> None:
         print(f"{'grouped ' + name:>14}: {ms * 1e3:8.1f} us  {f / (ms * 1e-3) / 1e12:6.1f} TFLOP/s (GEMM alone)")
 
 
+def routing_sweep(num_tokens: int) -> None:
+    """The sorted path's routing at a prefill size: the router (route_topk_softmax: tokens a program x
+    warps) on logits strided as the model's (the first 256 columns of the router + shared expert
+    projection's 1,281), then the pair grouping's two launches (align_pairs: pairs a program, the
+    count and place kernels' warps) on its ids; each config as 20 graph-captured calls, us a call,
+    checked against the default config's output (weights and ids bit for bit; the grouping's offsets
+    and block experts equal, each expert's pairs the same set)."""
+    import triton.testing
+
+    from deltaserve.layers.kernels.moe import align, router
+
+    torch.manual_seed(0)
+    wide = torch.randn(num_tokens, E + 1 + 2 * INTER, device="cuda", dtype=DTYPE)
+    logits = wide[:, :E]
+    want_w, want_i = router.route_topk_softmax(router_logits=logits, top_k=TOP_K, renormalize=True)
+    block_m = tiles.sorted_config(num_tokens * TOP_K, E, 2, device_info(logits.device))["block_m"]
+
+    def timed(fn) -> float:
+        return triton.testing.do_bench(graphed([fn] * 20), warmup=5, rep=40, return_mode="median") * 1e3 / 20
+
+    default = router.router_config(num_tokens, device_info(logits.device))
+    for block_t, warps in itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8)):
+        cfg = dict(block_t=block_t, num_warps=warps)
+        w, i = router.route_topk_softmax(router_logits=logits, top_k=TOP_K, renormalize=True, config=cfg)
+        ok = torch.equal(w, want_w) and torch.equal(i, want_i)
+        us = timed(lambda cfg=cfg: router.route_topk_softmax(router_logits=logits, top_k=TOP_K, renormalize=True,
+                                                             config=cfg))  # fmt: skip
+        mark = " (default)" if cfg == default else ""
+        print(
+            f"router T={num_tokens} block_t {block_t:2d} warps {warps}: {us:7.2f} us {'ok' if ok else 'DIFFERS'}{mark}"
+        )
+
+    def group(cfg):
+        return align.align_pairs(topk_ids=want_i, num_experts=E, expert_offset=0, block_m=block_m, config=cfg)
+
+    want_rows, want_blocks, want_offsets = group(None)
+
+    def same(rows, blocks, offsets) -> bool:
+        if not (torch.equal(offsets, want_offsets) and torch.equal(blocks, want_blocks)):
+            return False
+        total, pairs = int(offsets[-1]), want_i.numel() + 1
+        expert = blocks.repeat_interleave(block_m)[:total].long() * pairs  # each expert's rows as one set
+        return torch.equal((expert + rows[:total]).sort().values, (expert + want_rows[:total]).sort().values)
+
+    default = align.align_config(logits.device)
+    for block_p, count_warps, place_warps in itertools.product((256, 1024, 4096), (1, 4, 8), (4, 8)):
+        cfg = dict(block_p=block_p, count_warps=count_warps, place_warps=place_warps)
+        ok = same(*group(cfg))
+        us = timed(lambda cfg=cfg: group(cfg))
+        mark = " (default)" if cfg == default else ""
+        print(f"align T={num_tokens} {cfg}: {us:7.2f} us {'ok' if ok else 'DIFFERS'}{mark}")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--path", choices=["pairs", "sorted"], default=None)
     parser.add_argument(
-        "--kernel", choices=["up", "down", "both", "order", "tma", "persistent", "route", "grouped"], default="up",
+        "--kernel", choices=["up", "down", "both", "order", "tma", "persistent", "route", "grouped", "routing"],
+        default="up",
         help="sorted path: the GEMM swept at prefill sizes, both (block_m against each one's best tiles), or "
         "order (the default tiles on row-block-major and N-major grids), tma (their weights by pointers or TMA, "
         "the down GEMM's activations gathered or in sorted order through TMA), "
         "persistent (the default tiles as one program a tile against persistent programs), grouped (ours "
-        "against torch's grouped GEMM); pairs path: route (the routing up GEMV's tiles, from router logits)",
+        "against torch's grouped GEMM), routing (the router's and the pair grouping's launch shapes); pairs path: "
+        "route (the routing up GEMV's tiles, from router logits)",
     )  # fmt: skip
     parser.add_argument("--compile-only", action="store_true", help="run the shard's configs once, untimed")
     parser.add_argument("--shard", default="0/1", help="with --compile-only: i/n, every n-th config from the i-th")
@@ -452,5 +508,7 @@ if __name__ == "__main__":
     a = parser.parse_args()
     if a.sweep and a.kernel == "grouped":
         grouped_ab(a.tokens)
+    elif a.sweep and a.kernel == "routing":
+        routing_sweep(a.tokens)
     elif a.sweep:
         sweep(a.tokens, a.path, a.kernel, a.compile_only, a.shard, a.fp8, a.w8a16)

@@ -144,6 +144,7 @@ def align_pairs(
     block_m: int,
     one_launch: bool | None = None,
     pdl: bool = True,
+    config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, slot) pairs of topk_ids [T, top_k] (flat pair = t * top_k + slot) by local expert.
 
@@ -153,7 +154,8 @@ def align_pairs(
     sum_e cdiv(count_e, block_m) from shapes alone, so nothing syncs with the host.
     Up to ALIGN_ONE_LAUNCH_MAX pairs: one single-program launch, pairs in ascending order within an
     expert; above it count (+ scan) and place, two launches (order within an expert free).
-    `one_launch` overrides the choice (tests)."""
+    `one_launch` overrides the choice (tests); `config` the two-launch form's pairs a program
+    (block_p) and warps (count_warps, place_warps), align_config's by default."""
     num_pairs = topk_ids.numel()
     device = topk_ids.device
     max_blocks = triton.cdiv(num_pairs, block_m) + min(num_pairs, num_experts)
@@ -174,17 +176,25 @@ def align_pairs(
     tickets = ticket_counters(device, num_experts + 1, "moe_align")
     counts, ticket = tickets[:num_experts], tickets[num_experts:]
     ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    block_p = 1024 if device.type == "cuda" else 64
+    cfg = config or align_config(device)
+    block_p = cfg["block_p"]
     chunk_e = max(1, 2048 // block_m)
     chunk_b = max(1, 4096 // block_e)
     _count_kernel[(triton.cdiv(num_pairs, block_p),)](
         topk_ids, counts, ticket, ranks, offsets, expert_offset, num_experts, num_pairs, BLOCK=block_p,
-        BLOCK_M=block_m, BLOCK_E=block_e, **pdl_launch(topk_ids, pdl),
+        BLOCK_M=block_m, BLOCK_E=block_e, num_warps=cfg["count_warps"], **pdl_launch(topk_ids, pdl),
     )  # fmt: skip
     grid = max(triton.cdiv(num_pairs, block_p), triton.cdiv(num_experts, chunk_e), triton.cdiv(max_blocks, chunk_b))
     _place_kernel[(grid,)](
         topk_ids, counts, ranks, offsets, sorted_ids, block_expert, expert_offset, num_experts, num_pairs, max_blocks,
         BLOCK_M=block_m, BLOCK_P=block_p, CHUNK_E=chunk_e, CHUNK_B=chunk_b, BLOCK_E=block_e,
-        **pdl_launch(topk_ids, pdl),
+        num_warps=cfg["place_warps"], **pdl_launch(topk_ids, pdl),
     )  # fmt: skip
     return sorted_ids, block_expert, offsets
+
+
+def align_config(device: torch.device) -> dict:
+    """The two-launch form's pairs a program and warps (the interpreter: small blocks)."""
+    if device.type != "cuda":
+        return dict(block_p=64, count_warps=4, place_warps=4)
+    return dict(block_p=1024, count_warps=4, place_warps=4)
