@@ -432,6 +432,19 @@ def test_gpu_route_topk_softmax_bf16(tokens, experts, top_k):
 
 
 @pytest.mark.gpu
+def test_gpu_router_same_bits_at_every_pass_size():
+    """A token's routing is the same bits whether it is routed alone, in a decode-sized batch or in an
+    8k prefill (router_config: one token a one-warp program at every size), on logits strided as the
+    model's (the router's columns of the router + shared expert projection)."""
+    wide = torch.randn(8192, 1281, device="cuda", dtype=torch.bfloat16)
+    logits = wide[:, :256]
+    weights, ids = moe_kernels.route_topk_softmax(router_logits=logits, top_k=8, renormalize=True)
+    for lo, hi in ((0, 1), (100, 116), (4000, 5024), (7000, 8192)):
+        w, i = moe_kernels.route_topk_softmax(router_logits=logits[lo:hi], top_k=8, renormalize=True)
+        assert torch.equal(w, weights[lo:hi]) and torch.equal(i, ids[lo:hi]), (lo, hi)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 16])
 def test_gpu_router_and_moe_in_cuda_graph(tokens):
     """Router + fused MoE captured in a CUDA graph (no host syncs) and replayed on new inputs."""
