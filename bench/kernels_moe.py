@@ -435,10 +435,11 @@ def routing_sweep(num_tokens: int) -> None:
     """The sorted path's routing at a prefill size: the router (route_topk_softmax: tokens a program x
     warps) on logits strided as the model's (the first 256 columns of the router + shared expert
     projection's 1,281), then the pair grouping's two launches (align_pairs: pairs a program, the
-    count and place kernels' warps) on its ids; each config as 20 graph-captured calls, us a call,
-    checked against the default config's output: the router's weights and ids bit for bit (or how many
-    ids and how far the weights differ: the softmax's sums run in another order on another layout),
-    the grouping's offsets and block experts equal and each expert's pairs the same set."""
+    count and place kernels' warps, the counters' spacing) on its ids; each config as 20 graph-captured
+    calls, us a call, checked against the default config's output: the router's weights and ids bit
+    for bit (or how many ids and how far the weights differ: the softmax's sums run in another order
+    on another layout), the grouping's offsets and block experts equal and each expert's pairs the
+    same set."""
     import triton.testing
 
     from deltaserve.layers.kernels.moe import align, router
@@ -476,8 +477,9 @@ def routing_sweep(num_tokens: int) -> None:
         return torch.equal((expert + rows[:total]).sort().values, (expert + want_rows[:total]).sort().values)
 
     default = align.align_config(logits.device)
-    for block_p, count_warps, place_warps in itertools.product((256, 1024, 4096), (1, 4, 8), (4, 8)):
-        cfg = dict(block_p=block_p, count_warps=count_warps, place_warps=place_warps)
+    shapes = itertools.product((256, 1024, 4096), (1, 4, 8), (4, 8), (1, 32))
+    for block_p, count_warps, place_warps, stride in shapes:
+        cfg = dict(block_p=block_p, count_warps=count_warps, place_warps=place_warps, count_stride=stride)
         ok = same(*group(cfg))
         us = timed(lambda cfg=cfg: group(cfg))
         mark = " (default)" if cfg == default else ""

@@ -127,3 +127,15 @@ def test_align_pairs_two_launch_path_forced(device):
     for _ in range(2):
         out = tm.align_pairs(topk_ids=ids, num_experts=16, expert_offset=16, block_m=16, one_launch=False)
         check_grouping(ids, 16, 16, 16, out)
+
+
+def test_align_pairs_two_launch_spaced_counters(device):
+    """The experts' counters spaced apart (count_stride), with other launch shapes: the same grouping,
+    twice in a row, every counter back at zero after each call."""
+    from deltaserve.layers.kernels.moe import align
+
+    ids = make_ids(600, top_k=4, lo=0, hi=40, seed=11).to(device)
+    cfg = dict(block_p=128, count_warps=1, place_warps=8, count_stride=32)
+    for _ in range(2):
+        out = align.align_pairs(topk_ids=ids, num_experts=32, expert_offset=4, block_m=16, one_launch=False, config=cfg)
+        check_grouping(ids, 32, 4, 16, out)

@@ -23,11 +23,11 @@ ALIGN_ONE_LAUNCH_MAX = 1024
 
 
 @triton.jit
-def _scan(counts, offsets, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """offsets[e] = start of expert e's padded rows; offsets[E] = all padded rows. .cg: other
-    programs' atomics wrote the counts."""
+def _scan(counts, offsets, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, STRIDE: tl.constexpr):
+    """offsets[e] = start of expert e's padded rows; offsets[E] = all padded rows (expert e's count at
+    counts[e * STRIDE]). .cg: other programs' atomics wrote the counts."""
     e = tl.arange(0, BLOCK_E)
-    c = tl.load(counts + e, mask=e < num_experts, other=0, cache_modifier=".cg")
+    c = tl.load(counts + e * STRIDE, mask=e < num_experts, other=0, cache_modifier=".cg")
     padded = tl.cdiv(c, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, 0)
     tl.store(offsets + e, ends - padded, mask=e < num_experts)
@@ -38,19 +38,19 @@ def _scan(counts, offsets, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.const
 @triton.jit(do_not_specialize=["num_pairs"])
 def _count_kernel(
     topk_ids, counts, ticket, ranks, offsets, expert_offset, num_experts, num_pairs, BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, STRIDE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Per pair: its rank within its expert (atomic increment on counters at zero; order within an
-    expert is free); the last program to arrive scans the counts into offsets."""
+    """Per pair: its rank within its expert (atomic increment on counters at zero, STRIDE apart; order
+    within an expert is free); the last program to arrive scans the counts into offsets."""
     pdl_wait(USE_PDL)
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(topk_ids + p, mask=p < num_pairs, other=-1).to(tl.int32) - expert_offset
     local = (p < num_pairs) & (e >= 0) & (e < num_experts)
-    rank = tl.atomic_add(counts + e, 1, mask=local, sem="relaxed")
+    rank = tl.atomic_add(counts + e * STRIDE, 1, mask=local, sem="relaxed")
     tl.store(ranks + p, rank, mask=local)
     tl.debug_barrier()  # this program's increments before its arrival
     if last_to_arrive(ticket, tl.num_programs(0)):
-        _scan(counts, offsets, num_experts, BLOCK_M, BLOCK_E)
+        _scan(counts, offsets, num_experts, BLOCK_M, BLOCK_E, STRIDE)
 
 
 # values that change from pass to pass: one compile serves them all (kernels/__init__.py)
@@ -58,7 +58,7 @@ def _count_kernel(
 def _place_kernel(
     topk_ids, counts, ranks, offsets, sorted_ids, block_expert, expert_offset, num_experts, num_pairs, max_blocks,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_E: tl.constexpr, CHUNK_B: tl.constexpr, BLOCK_E: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    STRIDE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program i: scatters pairs chunk i to their rows, fills expert chunk i's padding rows with the
     sentinel num_pairs (and sets those experts' counters back to zero: no other program reads them),
@@ -73,13 +73,13 @@ def _place_kernel(
 
     ec = pid * CHUNK_E + tl.arange(0, CHUNK_E)
     ec_ok = ec < num_experts
-    fill_from = tl.load(offsets + ec, mask=ec_ok, other=0) + tl.load(counts + ec, mask=ec_ok, other=0)
+    fill_from = tl.load(offsets + ec, mask=ec_ok, other=0) + tl.load(counts + ec * STRIDE, mask=ec_ok, other=0)
     fill_to = tl.load(offsets + ec + 1, mask=ec_ok, other=0)
     # the [CHUNK_E] counts are replicated across the program's threads: without the barrier the thread
     # that stores an expert's zero may run before another loads its count (that thread's padding then
     # starts at the expert's first row and overwrites placed pairs; seen on the GPU from ~200k pairs)
     tl.debug_barrier()
-    tl.store(counts + ec, tl.zeros_like(ec), mask=ec_ok)
+    tl.store(counts + ec * STRIDE, tl.zeros_like(ec), mask=ec_ok)
     pad = fill_from[:, None] + tl.arange(0, BLOCK_M)[None, :]
     tl.store(sorted_ids + pad, tl.zeros_like(pad) + num_pairs, mask=ec_ok[:, None] & (pad < fill_to[:, None]))
 
@@ -155,7 +155,8 @@ def align_pairs(
     Up to ALIGN_ONE_LAUNCH_MAX pairs: one single-program launch, pairs in ascending order within an
     expert; above it count (+ scan) and place, two launches (order within an expert free).
     `one_launch` overrides the choice (tests); `config` the two-launch form's pairs a program
-    (block_p) and warps (count_warps, place_warps), align_config's by default."""
+    (block_p), warps (count_warps, place_warps) and the experts' counters' spacing in int32s
+    (count_stride), align_config's by default."""
     num_pairs = topk_ids.numel()
     device = topk_ids.device
     max_blocks = triton.cdiv(num_pairs, block_m) + min(num_pairs, num_experts)
@@ -172,22 +173,22 @@ def align_pairs(
             BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=block_e, CHUNK_B=512, num_warps=8, **pdl_launch(topk_ids, pdl),
         )  # fmt: skip
         return sorted_ids, block_expert, offsets
-    # the experts' counters, then the count launch's ticket: zero before and after a call
-    tickets = ticket_counters(device, num_experts + 1, "moe_align")
-    counts, ticket = tickets[:num_experts], tickets[num_experts:]
-    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
     cfg = config or align_config(device)
-    block_p = cfg["block_p"]
+    block_p, stride = cfg["block_p"], cfg["count_stride"]
+    # the experts' counters, then the count launch's ticket: zero before and after a call
+    tickets = ticket_counters(device, num_experts * stride + 1, "moe_align")
+    counts, ticket = tickets[: num_experts * stride], tickets[num_experts * stride :]
+    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
     chunk_e = max(1, 2048 // block_m)
     chunk_b = max(1, 4096 // block_e)
     _count_kernel[(triton.cdiv(num_pairs, block_p),)](
         topk_ids, counts, ticket, ranks, offsets, expert_offset, num_experts, num_pairs, BLOCK=block_p,
-        BLOCK_M=block_m, BLOCK_E=block_e, num_warps=cfg["count_warps"], **pdl_launch(topk_ids, pdl),
+        BLOCK_M=block_m, BLOCK_E=block_e, STRIDE=stride, num_warps=cfg["count_warps"], **pdl_launch(topk_ids, pdl),
     )  # fmt: skip
     grid = max(triton.cdiv(num_pairs, block_p), triton.cdiv(num_experts, chunk_e), triton.cdiv(max_blocks, chunk_b))
     _place_kernel[(grid,)](
         topk_ids, counts, ranks, offsets, sorted_ids, block_expert, expert_offset, num_experts, num_pairs, max_blocks,
-        BLOCK_M=block_m, BLOCK_P=block_p, CHUNK_E=chunk_e, CHUNK_B=chunk_b, BLOCK_E=block_e,
+        BLOCK_M=block_m, BLOCK_P=block_p, CHUNK_E=chunk_e, CHUNK_B=chunk_b, BLOCK_E=block_e, STRIDE=stride,
         num_warps=cfg["place_warps"], **pdl_launch(topk_ids, pdl),
     )  # fmt: skip
     return sorted_ids, block_expert, offsets
@@ -196,5 +197,5 @@ def align_pairs(
 def align_config(device: torch.device) -> dict:
     """The two-launch form's pairs a program and warps (the interpreter: small blocks)."""
     if device.type != "cuda":
-        return dict(block_p=64, count_warps=4, place_warps=4)
-    return dict(block_p=1024, count_warps=4, place_warps=4)
+        return dict(block_p=64, count_warps=4, place_warps=4, count_stride=1)
+    return dict(block_p=1024, count_warps=4, place_warps=4, count_stride=1)
