@@ -198,4 +198,4 @@ def align_config(device: torch.device) -> dict:
     """The two-launch form's pairs a program and warps (the interpreter: small blocks)."""
     if device.type != "cuda":
         return dict(block_p=64, count_warps=4, place_warps=4, count_stride=1)
-    return dict(block_p=1024, count_warps=4, place_warps=4, count_stride=1)
+    return dict(block_p=256, count_warps=4, place_warps=4, count_stride=32)
