@@ -7,6 +7,8 @@ list is the tree's package folders. `scripts/lint-imports` checks the same layer
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -102,11 +104,20 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def graph() -> dict[str, set[str]]:
+def import_graph() -> dict[str, set[str]]:
     modules = source_modules()
     known = set(modules)
     return {name: imports_of(name, path, known) for name, path in modules.items()}
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    """import_graph() from a child process: CPython 3.11.7's ast module keeps one recursion counter per
+    interpreter, so a parse here beside a thread an earlier test left running (the Triton interpreter
+    rewrites kernels' ASTs) can fail with "AST constructor recursion depth mismatch" (gh-106905)."""
+    done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return {name: set(imports) for name, imports in json.loads(done.stdout).items()}
 
 
 def part(module: str) -> str:
@@ -195,3 +206,7 @@ def test_pyproject_packages_are_the_package_folders():
 def test_license_is_an_spdx_string():
     # the table form makes setuptools warn at every install
     assert PYPROJECT["project"]["license"] == "Apache-2.0"
+
+
+if __name__ == "__main__":
+    print(json.dumps({name: sorted(imports) for name, imports in import_graph().items()}))
