@@ -195,7 +195,9 @@ def align_pairs(
 
 
 def align_config(device: torch.device) -> dict:
-    """The two-launch form's pairs a program and warps (the interpreter: small blocks)."""
+    """The two-launch form's pairs a program, warps and counter spacing (the interpreter: small blocks).
+    The experts' counters 32 int32s (128 bytes) apart spread the count kernel's atomics over the L2's
+    slices: on an H100 8k tokens 7.6 us against 23.3 packed (moe/NOTES.md)."""
     if device.type != "cuda":
         return dict(block_p=64, count_warps=4, place_warps=4, count_stride=1)
     return dict(block_p=256, count_warps=4, place_warps=4, count_stride=32)
