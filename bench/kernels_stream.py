@@ -1,0 +1,136 @@
+"""How fast the routed experts' weights stream in the sorted MoE GEMMs' tile pattern, without the GEMMs.
+
+A 2k prefill's MoE is bound by its weights' bytes (every expert's rows fit one 128-row block, so each
+expert's weights are read once): the up GEMM reads 1 GB a layer, the down GEMM 512 MB, and they run at
+~75% of the copy bandwidth. This bench reads the same bytes in the same grid and boxes as the GEMMs
+(N-major: one expert's N slices side by side; up: a gate and an up box a K step; down: one box), and
+either only sums them (`sum`) or feeds them to a dot against a register-held 128-row tile (`dot`: the
+tensor cores' share without the activations' gather). Each weight layout:
+- `rows`: the checkpoint's [E, R, K] rows (a box is BLOCK_N rows of BLOCK_K columns, rows 2 * K bytes
+  apart),
+- `tiles`: the same weights re-laid so that each box is contiguous (what a load-time shuffle would do),
+read through TMA descriptors (`tma`) or pointer loads (`ptr`, cp.async). Against the copy bandwidth
+measured in the same process: if `rows / tma / dot` is near the GEMM's in-place time, the pattern sets
+the pace; if `tiles` is faster, a load-time layout would recover the difference.
+
+    python -m deltaserve.bench.kernels_stream             # up and down at the 2k tiles
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.bench.kernel_cases import graphed
+
+E, H, INTER = 256, 2048, 512
+
+
+@triton.jit
+def _stream_kernel(
+    w_desc, w, out, x, N_BLOCKS: tl.constexpr, ROWS: tl.constexpr, K: tl.constexpr, HALVES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr, DESC: tl.constexpr, DOT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """Program (expert, N slice) of a sorted GEMM's grid (N-major) reads its weight boxes over K."""
+    pid = tl.program_id(0)
+    e = pid // N_BLOCKS
+    nb = pid % N_BLOCKS
+    KB: tl.constexpr = K // BLOCK_K
+    n = tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    if DOT:
+        a = tl.load(x + tl.arange(0, 128)[:, None] * BLOCK_K + k[None, :])
+        acc = tl.zeros([128, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for kb in tl.range(0, KB, num_stages=NUM_STAGES):
+        for half in tl.static_range(HALVES):
+            if TILED:
+                row = (((e * HALVES + half) * N_BLOCKS + nb) * KB + kb) * BLOCK_N
+                col = 0
+            else:
+                row = e * ROWS + half * (ROWS // HALVES) + nb * BLOCK_N
+                col = kb * BLOCK_K
+            if DESC:
+                b = w_desc.load([row, col])
+            else:
+                width: tl.constexpr = BLOCK_K if TILED else K
+                b = tl.load(w + (row + n).to(tl.int64)[:, None] * width + (col + k)[None, :])
+            if DOT:
+                acc = tl.dot(a, b.T, acc)
+            else:
+                acc += b.to(tl.float32)
+    tl.store(out + pid, tl.sum(tl.sum(acc, 1), 0))
+
+
+def _tiled(w: torch.Tensor, halves: int, block_n: int, block_k: int) -> torch.Tensor:
+    """[E, R, K] weights as contiguous [block_n, block_k] boxes in (expert, half, N slice, K step) order,
+    viewed [boxes * block_n, block_k]."""
+    e, r, k = w.shape
+    nb, kb = r // halves // block_n, k // block_k
+    t = w.view(e, halves, nb, block_n, kb, block_k).permute(0, 1, 2, 4, 3, 5).contiguous()
+    return t.view(-1, block_k)
+
+
+def stream_sweep(reps: int = 5) -> list[dict]:
+    """Each GEMM's pattern x layout x load x consumer, graphed (`reps` calls), against the copy bandwidth."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from deltaserve.bench.kernels import measure_copy_bandwidth
+
+    bandwidth = measure_copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {bandwidth / 1e12:.2f} TB/s")
+    gemms = {
+        # name: (rows an expert, K, halves, block_n, block_k, warps, stages): the 2k table's tiles
+        "up": (2 * INTER, H, 2, 128, 64, 8, 4),
+        "down": (H, INTER, 1, 256, 64, 8, 4),
+    }
+    results = []
+    for name, (rows, k, halves, block_n, block_k, warps, stages) in gemms.items():
+        w = torch.randn(E, rows, k, device="cuda", dtype=torch.bfloat16)
+        layouts = {"rows": w.view(-1, k), "tiles": _tiled(w, halves, block_n, block_k)}
+        x = torch.randn(128, block_k, device="cuda", dtype=torch.bfloat16)
+        n_blocks = rows // halves // block_n
+        out = torch.empty(E * n_blocks, device="cuda", dtype=torch.float32)
+        nbytes = w.numel() * w.element_size()
+        for layout, load, consumer in itertools.product(layouts, ("tma", "ptr"), ("sum", "dot")):
+            flat = layouts[layout]
+            desc = TensorDescriptor.from_tensor(flat, [block_n, block_k]) if load == "tma" else flat
+
+            call = functools.partial(
+                _stream_kernel[(E * n_blocks,)], desc, flat, out, x, n_blocks, rows, k, halves, block_n, block_k,
+                layout == "tiles", load == "tma", consumer == "dot", stages, num_warps=warps,
+            )  # fmt: skip
+
+            try:
+                replay = graphed([call] * reps)
+                ms = triton.testing.do_bench(replay, warmup=3, rep=50, return_mode="median") / reps
+            except Exception as e:  # a variant that does not compile is a row, not the end of the sweep
+                print(f"{name:5s} {layout:5s} {load:3s} {consumer:3s}  failed: {str(e)[:100]}")
+                continue
+            frac = nbytes / (ms * 1e-3) / bandwidth
+            row = dict(gemm=name, layout=layout, load=load, consumer=consumer, us=ms * 1e3, of_copy=frac)
+            results.append(row)
+            print(f"{name:5s} {layout:5s} {load:3s} {consumer:3s}  {ms * 1e3:8.1f} us  {100 * frac:5.1f}% of copy")
+        del w, layouts
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=5, help="calls a graph replay")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.kernels_stream needs a CUDA device")
+    stream_sweep(args.reps)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
