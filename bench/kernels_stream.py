@@ -14,6 +14,7 @@ measured in the same process: if `rows / tma / dot` is near the GEMM's in-place 
 the pace; if `tiles` is faster, a load-time layout would recover the difference.
 
     python -m deltaserve.bench.kernels_stream             # up and down at the 2k tiles
+    python -m deltaserve.bench.kernels_stream --real      # the MoE's own up / down under skewed routings
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def _stream_kernel(
     e = pid // N_BLOCKS
     nb = pid % N_BLOCKS
     KB: tl.constexpr = K // BLOCK_K
+    WIDTH: tl.constexpr = BLOCK_K if TILED else K  # the flat view's row length
     n = tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     if DOT:
@@ -60,8 +62,7 @@ def _stream_kernel(
             if DESC:
                 b = w_desc.load([row, col])
             else:
-                width: tl.constexpr = BLOCK_K if TILED else K
-                b = tl.load(w + (row + n).to(tl.int64)[:, None] * width + (col + k)[None, :])
+                b = tl.load(w + (row + n).to(tl.int64)[:, None] * WIDTH + (col + k)[None, :])
             if DOT:
                 acc = tl.dot(a, b.T, acc)
             else:
@@ -122,13 +123,62 @@ def stream_sweep(reps: int = 5) -> list[dict]:
     return results
 
 
+def real_gemms(num_tokens: int = 2048, skews: tuple[float, ...] = (0.0, 0.5, 1.0), calls: int = 8) -> None:
+    """The sorted MoE's own up and down kernels (default tiles) under routings of growing imbalance (router
+    logits randn + skew * a per-expert bias), from the torch profiler: each kernel's mean time against its
+    weights' bytes streamed at copy bandwidth, with the routing's 128-row blocks (an expert past 128 rows
+    reads its weights again)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deltaserve.bench.kernels import measure_copy_bandwidth
+    from deltaserve.layers.kernels.moe import naive
+    from deltaserve.layers.kernels.moe import triton_moe as tm
+
+    bandwidth = measure_copy_bandwidth()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(E, 2 * INTER, H, device="cuda", dtype=torch.bfloat16, generator=g) * H**-0.5
+    w2 = torch.randn(E, H, INTER, device="cuda", dtype=torch.bfloat16, generator=g) * INTER**-0.5
+    bias = torch.randn(E, device="cuda", generator=g)
+    for skew in skews:
+        sets = []
+        for _ in range(calls):
+            logits = torch.randn(num_tokens, E, device="cuda", generator=g) + skew * bias
+            weights, ids = naive.route_topk_softmax(router_logits=logits, top_k=8, renormalize=True)
+            hidden = torch.randn(num_tokens, H, device="cuda", dtype=torch.bfloat16, generator=g)
+            sets.append(dict(hidden=hidden, topk_weights=weights.to(torch.bfloat16), topk_ids=ids))
+        counts = torch.stack([torch.bincount(a["topk_ids"].flatten(), minlength=E) for a in sets]).float()
+        blocks = (counts / 128).ceil().sum(1).mean().item()
+        for a in sets:  # compiled and warm before the profile
+            tm.fused_moe(**a, w13=w13, w2=w2)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for a in sets:
+                tm.fused_moe(**a, w13=w13, w2=w2)
+            torch.cuda.synchronize()
+        times = {
+            e.key: e.device_time_total / e.count for e in prof.key_averages() if e.key in ("_up_kernel", "_down_kernel")
+        }
+        up_floor = E * 2 * INTER * H * 2 / bandwidth * 1e6
+        print(
+            f"T={num_tokens} skew {skew}: rows an expert max {counts.max(1).values.mean():.0f}, 128-row blocks "
+            f"{blocks:.1f} (experts {E}); up {times.get('_up_kernel', 0):.1f} us, "
+            f"down {times.get('_down_kernel', 0):.1f} us "
+            f"(each expert's weights once at copy bandwidth: {up_floor:.1f} / {up_floor / 2:.1f})"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=5, help="calls a graph replay")
+    parser.add_argument("--real", action="store_true", help="the sorted MoE's own kernels under skewed routings")
+    parser.add_argument("--tokens", type=int, default=2048, help="with --real: the pass's tokens")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels_stream needs a CUDA device")
-    stream_sweep(args.reps)
+    if args.real:
+        real_gemms(args.tokens)
+    else:
+        stream_sweep(args.reps)
     return 0
 
 
