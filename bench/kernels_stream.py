@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 
 import torch
 import triton
@@ -34,11 +33,14 @@ E, H, INTER = 256, 2048, 512
 
 @triton.jit
 def _stream_kernel(
-    w_desc, w, out, x, N_BLOCKS: tl.constexpr, ROWS: tl.constexpr, K: tl.constexpr, HALVES: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr, DESC: tl.constexpr, DOT: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    w_desc, w, out, x, ids, y, s_x, s_y, N_BLOCKS: tl.constexpr, ROWS: tl.constexpr, K: tl.constexpr,
+    HALVES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr, DESC: tl.constexpr,
+    DOT: tl.constexpr, GATHER: tl.constexpr, STORE: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """Program (expert, N slice) of a sorted GEMM's grid (N-major) reads its weight boxes over K."""
+    """Program (expert, N slice) of a sorted GEMM's grid (N-major) reads its weight boxes over K. DOT: each
+    box into a 128-row dot (an accumulator a half, as the up GEMM's gate and up); GATHER: the dot's rows
+    loaded every K step from x's rows ids[e * 128 + r] (< 0: padding, masked), else one register tile;
+    STORE: the accumulators (their sum) stored as bf16 rows of y at the same ids, else summed to out."""
     pid = tl.program_id(0)
     e = pid // N_BLOCKS
     nb = pid % N_BLOCKS
@@ -46,12 +48,20 @@ def _stream_kernel(
     WIDTH: tl.constexpr = BLOCK_K if TILED else K  # the flat view's row length
     n = tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
+    r = tl.arange(0, 128)
+    row_id = tl.load(ids + e * 128 + r)
+    row_ok = row_id >= 0
+    a_ptr = x + tl.maximum(row_id, 0).to(tl.int64)[:, None] * s_x + k[None, :]
     if DOT:
-        a = tl.load(x + tl.arange(0, 128)[:, None] * BLOCK_K + k[None, :])
-        acc = tl.zeros([128, BLOCK_N], tl.float32)
+        a = tl.load(a_ptr)
+        acc0 = tl.zeros([128, BLOCK_N], tl.float32)
+        acc1 = tl.zeros([128, BLOCK_N], tl.float32)
     else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for kb in tl.range(0, KB, num_stages=NUM_STAGES):
+        if GATHER:
+            a = tl.load(a_ptr + kb * BLOCK_K, mask=row_ok[:, None], other=0.0)
         for half in tl.static_range(HALVES):
             if TILED:
                 row = (((e * HALVES + half) * N_BLOCKS + nb) * KB + kb) * BLOCK_N
@@ -63,11 +73,19 @@ def _stream_kernel(
                 b = w_desc.load([row, col])
             else:
                 b = tl.load(w + (row + n).to(tl.int64)[:, None] * WIDTH + (col + k)[None, :])
-            if DOT:
-                acc = tl.dot(a, b.T, acc)
+            if DOT and half == 0:
+                acc0 = tl.dot(a, b.T, acc0)
+            elif DOT:
+                acc1 = tl.dot(a, b.T, acc1)
+            elif half == 0:
+                acc0 += b.to(tl.float32)
             else:
-                acc += b.to(tl.float32)
-    tl.store(out + pid, tl.sum(tl.sum(acc, 1), 0))
+                acc1 += b.to(tl.float32)
+    if STORE:
+        dst = y + tl.maximum(row_id, 0).to(tl.int64)[:, None] * s_y + (nb * BLOCK_N + n)[None, :]
+        tl.store(dst, (acc0 + acc1).to(tl.bfloat16), mask=row_ok[:, None])
+    else:
+        tl.store(out + pid, tl.sum(tl.sum(acc0 + acc1, 1), 0))
 
 
 def _tiled(w: torch.Tensor, halves: int, block_n: int, block_k: int) -> torch.Tensor:
@@ -96,29 +114,38 @@ def stream_sweep(reps: int = 5) -> list[dict]:
     for name, (rows, k, halves, block_n, block_k, warps, stages) in gemms.items():
         w = torch.randn(E, rows, k, device="cuda", dtype=torch.bfloat16)
         layouts = {"rows": w.view(-1, k), "tiles": _tiled(w, halves, block_n, block_k)}
-        x = torch.randn(128, block_k, device="cuda", dtype=torch.bfloat16)
         n_blocks = rows // halves // block_n
+        # a 2k pass: 16,384 pairs, 64 an expert, each expert's 128-row block half padding; up gathers
+        # the tokens' hidden rows (a token's 8 pairs one row), down the pairs' activation rows
+        pairs = 2048 * 8
+        per_row = 8 if name == "up" else 1
+        x = torch.randn(pairs // per_row, k, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(pairs, n_blocks * block_n, device="cuda", dtype=torch.bfloat16)
+        ids = torch.full((E, 128), -1, device="cuda", dtype=torch.int32)
+        ids[:, :64] = torch.randperm(pairs, device="cuda", dtype=torch.int32).view(E, 64) // per_row
         out = torch.empty(E * n_blocks, device="cuda", dtype=torch.float32)
         nbytes = w.numel() * w.element_size()
-        for layout, load, consumer in itertools.product(layouts, ("tma", "ptr"), ("sum", "dot")):
+        forms = [(lay, ld, "sum", False, False) for lay in layouts for ld in ("tma", "ptr")]
+        forms += [(lay, "tma", "dot", g, st) for lay in layouts for g in (False, True) for st in (False, True)]
+        for layout, load, consumer, gather, store in forms:
             flat = layouts[layout]
             desc = TensorDescriptor.from_tensor(flat, [block_n, block_k]) if load == "tma" else flat
-
             call = functools.partial(
-                _stream_kernel[(E * n_blocks,)], desc, flat, out, x, n_blocks, rows, k, halves, block_n, block_k,
-                layout == "tiles", load == "tma", consumer == "dot", stages, num_warps=warps,
+                _stream_kernel[(E * n_blocks,)], desc, flat, out, x, ids, y, x.stride(0), y.stride(0), n_blocks,
+                rows, k, halves, block_n, block_k, layout == "tiles", load == "tma", consumer == "dot", gather,
+                store, stages, num_warps=warps,
             )  # fmt: skip
-
+            label = f"{name:5s} {layout:5s} {load:3s} {consumer:3s} {'gather' if gather else '-':6s} "
+            label += "store" if store else "-    "
             try:
                 replay = graphed([call] * reps)
                 ms = triton.testing.do_bench(replay, warmup=3, rep=50, return_mode="median") / reps
             except Exception as e:  # a variant that does not compile is a row, not the end of the sweep
-                print(f"{name:5s} {layout:5s} {load:3s} {consumer:3s}  failed: {str(e)[:100]}")
+                print(f"{label}  failed: {str(e)[:100]}")
                 continue
             frac = nbytes / (ms * 1e-3) / bandwidth
-            row = dict(gemm=name, layout=layout, load=load, consumer=consumer, us=ms * 1e3, of_copy=frac)
-            results.append(row)
-            print(f"{name:5s} {layout:5s} {load:3s} {consumer:3s}  {ms * 1e3:8.1f} us  {100 * frac:5.1f}% of copy")
+            results.append(dict(gemm=name, form=label.split(), us=ms * 1e3, of_copy=frac))
+            print(f"{label}  {ms * 1e3:8.1f} us  {100 * frac:5.1f}% of copy")
         del w, layouts
     return results
 
