@@ -389,6 +389,17 @@ def sweep_prefill(num_tokens: int = 2048, context: int = 0) -> None:
     flops = 4 * HQ * num_tokens * (context + num_tokens / 2) * D  # causal: QK^T and PV over the keys seen
     default = ta._prefill_config(D, HQ // HKV, 2, device_info(q.device))
     print(f"T={num_tokens} after {context} cached  default {default}")
+    if q.is_cuda:  # the reference in the same run: torch's SDPA over the sequence's keys copied out of the pages
+        k, v = naive.sequence_kv(
+            k_cache=k_cache, v_cache=v_cache, block_table=block_tables[0], length=context + num_tokens
+        )
+        for backend in ("flash", "cudnn"):
+            sdpa = lambda b=backend: naive.causal_sdpa(q=q, k=k, v=v, scale=SCALE, backend=b)  # noqa: E731
+            ms = triton.testing.do_bench(sdpa, warmup=5, rep=30, return_mode="median")
+            print(
+                f"sdpa {backend} (keys contiguous)  {ms:8.3f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  "
+                f"err {_max_err(sdpa(), ref):.1e}"
+            )
     for block_m, block_n, warps, stages in itertools.product([64, 128], [32, 64], [4, 8], [2, 3]):
         cfg = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
         try:
