@@ -244,7 +244,7 @@ def test_fallback_tiles_fit_the_device(info):
             per_stage = 2 * t["block_k"] * (cfg["block_m"] + operands * t["block_n"])
             assert t["num_stages"] * per_stage + SMEM_SCRATCH <= info.smem_per_block, (num_pairs, name, cfg)
     h200 = triton_attention._prefill_config(256, 8, 2, H200_INFO)
-    assert h200 == dict(block_m=128, block_n=32, num_warps=8, num_stages=2)
+    assert h200 == dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
     h200 = triton_decode._decode_config(
         num_seqs=1, num_kv_heads=2, max_context=65536, head_dim=256, group=8, elem=2, info=H200_INFO
     )

@@ -248,10 +248,12 @@ def _prefill_reduce_kernel(
     )  # fmt: skip
 
 
-# sm_90 tiles (q rows = tokens x group heads): 128 rows over two warpgroups, 32 keys a step at head
-# dim 256 or 64 at 128, compile without spills; measured on the H200 (head dim -> tiles)
+# sm_90 tiles (q rows = tokens x group heads), head dim -> tiles: 128 rows over two warpgroups. Head dim
+# 256: 64 keys a step over 3 stages, though it spills a little under Triton 3.6: one 2k / 1k prompt
+# 113 / 61 us against 135 / 73 at 32 keys and 2 stages, the spill-free tile (bench kernels_attention
+# --sweep-prefill, H100, 49ee0b1)
 PREFILL_TILES = {
-    H200: {128: dict(block_n=64, num_warps=8, num_stages=3), 256: dict(block_n=32, num_warps=8, num_stages=2)}
+    H200: {128: dict(block_n=64, num_warps=8, num_stages=3), 256: dict(block_n=64, num_warps=8, num_stages=3)}
 }
 
 
