@@ -297,6 +297,7 @@ class SparseMoeBlock(nn.Module):
                 ctx.kernels.fp8_activations, x.shape[0] * self.top_k, self.w13.shape[0]
             ),
             prefill_gemm=ctx.kernels.moe_prefill_gemm,
+            shared_stream=ctx.kernels.moe_shared_stream,
         )
         if fused_norm is not None or add_norm is None and self.layout.tp_size == 1:
             return out

@@ -134,3 +134,41 @@ def test_gpu_bf16_model_shape(tokens):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [16, 64, 2048])
+def test_gpu_shared_expert_side_stream_same_bits(tokens):
+    """The sorted path runs a bf16 shared expert's activation and down projection on a side stream
+    beside the routed work, joined by the sum kernel: the block and its next norm have the bits of
+    the one-stream order (the projection run by the sum in turn), eagerly over ten calls on dirty
+    memory and from a CUDA graph replayed on new inputs (a missing join reads a partial projection)."""
+    args = make(
+        tokens=tokens, hidden=2048, inter=512, shared_inter=512, local=256, total=256, top_k=8, offset=0,
+        device="cuda", dtype=torch.bfloat16,
+    )  # fmt: skip
+    g = torch.Generator(device="cuda").manual_seed(3)
+    residual = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
+    weight = 0.1 * torch.randn(2048, device="cuda", dtype=torch.bfloat16, generator=g)
+    add_norm = moe_kernels.AddNorm(residual, weight, 1e-6)
+
+    def block(side: bool = True):
+        return tm.fused_moe(**args, path="sorted", add_norm=add_norm, shared_stream=side)
+
+    ref = block(side=False)
+    for _ in range(10):
+        out = block()
+        torch.cuda.synchronize()
+        assert torch.equal(out.residual, ref.residual) and torch.equal(out.normed, ref.normed)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = block()
+    gate_up = args["shared"].gate_up
+    for seed in range(3):  # new shared-expert inputs and hidden rows, in place
+        gate_up.copy_(torch.randn(gate_up.shape, device="cuda", generator=g).to(gate_up.dtype))
+        args["hidden"].copy_(torch.randn(args["hidden"].shape, device="cuda", generator=g).to(torch.bfloat16))
+        ref = block(side=False)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured.residual, ref.residual), seed
+        assert torch.equal(captured.normed, ref.normed), seed

@@ -89,6 +89,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "he last steps of the one before); unset: one program a tile",
         ),
         EnvVar(
+            "DELTASERVE_MOE_SHARED_STREAM",
+            "1",
+            "0: the MoE's sorted path (prefill, decode batches over 8) runs a bf16 shared expert's activation and "
+            "down projection after the routed GEMMs on their stream, not on a side stream beside them (same bits)",
+        ),
+        EnvVar(
             "DELTASERVE_MOE_PREFILL_GEMM",
             "triton",
             "the routed experts' GEMMs on the MoE's sorted path (prefill, bf16): triton (ours, x gathered inside), "

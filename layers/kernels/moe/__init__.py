@@ -64,6 +64,7 @@ def fused_moe(
     deltas: PairDeltas | None = None,
     fp8_quantize_acts: bool = True,
     prefill_gemm: str = "triton",
+    shared_stream: bool = True,
 ) -> torch.Tensor | NormedOut:
     """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) over the experts this rank holds
     (e = topk_ids[t, k]), float32 accumulation, one rounding.
@@ -87,6 +88,8 @@ def fused_moe(
         pdl: CUDA: launch under programmatic dependent launch (sm_90+).
         deltas: per-pair additions to the gate / up and down projections (the experts' LoRA
             adapters, kernels/lora); CUDA: the pairs path's GEMVs take them in low-rank form.
+        shared_stream: CUDA, the sorted path: a bf16 shared expert's activation and down projection
+            on a side stream beside the routed work (KernelOptions.moe_shared_stream; the same bits).
 
     Returns:
         [T, H] in hidden's dtype; with add_norm, NormedOut(normed, residual) of it.
@@ -99,7 +102,7 @@ def fused_moe(
     if hidden.is_cuda:
         from .triton_moe import fused_moe as impl
 
-        return impl(**args, pdl=pdl, prefill_gemm=prefill_gemm)
+        return impl(**args, pdl=pdl, prefill_gemm=prefill_gemm, shared_stream=shared_stream)
     return naive.fused_moe(**args)
 
 
@@ -123,6 +126,7 @@ def routed_moe(
     deltas: PairDeltas | None = None,
     fp8_quantize_acts: bool = True,
     prefill_gemm: str = "triton",
+    shared_stream: bool = True,
 ) -> torch.Tensor | NormedOut:
     """The MoE block's expert part from its router logits: route_topk_softmax, then fused_moe.
 
@@ -149,7 +153,6 @@ def routed_moe(
 
         return impl(
             **args, route_in_up_max_tokens=route_in_up_max_tokens, sorted_block_m=sorted_block_m,
-            sorted_persistent=sorted_persistent, pdl=pdl,
-            prefill_gemm=prefill_gemm,
+            sorted_persistent=sorted_persistent, pdl=pdl, prefill_gemm=prefill_gemm, shared_stream=shared_stream,
         )  # fmt: skip
     return naive.routed_moe(**args)

@@ -2,9 +2,12 @@
 expert (align.py), the gate/up grouped GEMM writing silu(gate) * up per pair, the down grouped GEMM
 writing weight * down(act) per pair, and a kernel summing each token's top-k slots (with the
 shared expert's gated output and the next norm when asked). The shared expert: its activation
-kernel, a cuBLAS down projection, its gate and sum inside the sum kernel (three launches, not six)."""
+kernel and a cuBLAS down projection (bf16 on CUDA: on a side stream beside the routed work), its
+gate and sum inside the sum kernel (three launches, not six)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +23,7 @@ from .activation import silu_mul
 from .align import align_pairs
 from .fused_norm import norm_kernel_args
 from .grouped import grouped_gemms
-from .naive import fp8_dots_fit, shared_fp8_gemm
+from .naive import SharedExpert, fp8_dots_fit, shared_fp8_gemm
 from .pairs import low_rank_args
 
 _NO_KEY = tl.constexpr(2147483647)  # past every key: a row without a low-rank addition, or one already added
@@ -311,17 +314,15 @@ def _sum_kernel(
     sigmoid(gate_logit[t]) * shared[t] (the shared expert's down projection) when HAS_SHARED; one
     rounding. ADD_NORM (BLOCK covers the row): the next norm of the row instead, res_out[t] =
     out[t] + residual[t] and normed_out[t] = its zero-centred RMSNorm (rows of stride s_rt).
-    With the shared expert, its two launches run between the routed down GEMM and this kernel, so
-    the routed rows (and the ids and gate logits, older still) load before the PDL wait
-    (kernels/pdl.py) and only the shared expert's output after it.
+    The routed down GEMM is the kernel just before on this stream (the shared expert's projection
+    runs on another, joined by an event), so everything loads after the PDL wait (kernels/pdl.py).
     LORA_RANK > 0 (with HAS_SHARED): the shared expert's low-rank delta (SharedExpert.lora:
     lora_keys [T], lora_v rows of stride s_lv, lora_b [S, HIDDEN, LORA_RANK] of strides s_lg, s_ln)
     joins its output under the gate, one rank column at a time (the row stays BLOCK wide in
     registers for the norm)."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    if not HAS_SHARED:  # the routed down GEMM is the kernel just before
-        pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK], tl.float32)
     for j in tl.static_range(TOPK):
         pair = t * TOPK + j
@@ -336,7 +337,6 @@ def _sum_kernel(
             acc += tl.load(y + pair.to(tl.int64) * s_yp + h, mask=h_ok, other=0.0).to(tl.float32)
     if HAS_SHARED:
         scale = tl.sigmoid(tl.load(gate_logit + t.to(tl.int64) * s_gl).to(tl.float32))
-        pdl_wait(USE_PDL)
         shared_row = tl.load(shared + t.to(tl.int64) * s_st + h, mask=h < HIDDEN, other=0.0).to(tl.float32)
         if LORA_RANK > 0:
             key = tl.load(lora_keys + t)
@@ -366,7 +366,7 @@ def _converted_dot(a, w):
 
 def moe_sorted(
     hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=(None, None),
-    deltas=None, quantize_acts=True, grouped=False,
+    deltas=None, quantize_acts=True, grouped=False, shared_stream=True,
 ) -> None:  # fmt: skip
     """The sorted path into `out` (or, with norm, into norm.out): group, up GEMM, down GEMM, sum.
     scales: (w13_scale, w2_scale) of FP8 experts: x and act are quantized per 1 x 128 group for
@@ -375,10 +375,12 @@ def moe_sorted(
     dtype). deltas (PairDeltas): added to each pair's gate / up and down projections (adapters) in
     their low-rank form, expanded inside the two GEMMs (in full precision beside the FP8 dots; their
     two shrinks are the only launches they add). grouped: the two GEMMs are torch's grouped GEMM
-    (grouped.py: bf16 experts, no deltas; cfg unused), the same sum kernel after."""
+    (grouped.py: bf16 experts, no deltas; cfg unused), the same sum kernel after. shared_stream: a bf16
+    shared expert on a side stream (_start_shared)."""
+    started = _start_shared(shared) if shared_stream else None
     if grouped:
         y, y_row = grouped_gemms(hidden=hidden, w13=w13, w2=w2, topk_ids=topk_ids, expert_offset=expert_offset, pdl=pdl)
-        _sum(hidden, y, topk_ids, expert_offset, w13.shape[0], out, shared, norm, pdl, (y_row, topk_weights))
+        _sum(hidden, y, topk_ids, expert_offset, w13.shape[0], out, shared, started, norm, pdl, (y_row, topk_weights))
         return
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
@@ -439,27 +441,76 @@ def moe_sorted(
         num_warps=down["num_warps"], num_stages=down["num_stages"],
         **pdl_launch(act, pdl),
     )  # fmt: skip
-    _sum(hidden, y, topk_ids, expert_offset, num_experts, out, shared, norm, pdl, quantize_acts=quantize_acts)
+    _sum(hidden, y, topk_ids, expert_offset, num_experts, out, shared, started, norm, pdl, quantize_acts=quantize_acts)
+
+
+_SHARED_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _shared_stream(device: torch.device) -> torch.cuda.Stream:
+    """The shared expert's stream, one a device, at the highest priority: its two launches take SMs as
+    the routing's small kernels and the routed GEMMs' last waves leave them (a CUDA graph captures it
+    as a fork of the capturing stream)."""
+    if device not in _SHARED_STREAMS:
+        _SHARED_STREAMS[device] = torch.cuda.Stream(device, priority=-1)  # lower is sooner; 0 the default
+    return _SHARED_STREAMS[device]
+
+
+@dataclasses.dataclass(frozen=True)
+class _SharedOut:
+    """The shared expert's down projection [T, H] in flight on the side stream: done, the event recorded
+    there after it, which the sum kernel's stream waits on."""
+
+    out: torch.Tensor
+    done: torch.cuda.Event
+
+
+def _shared_down(shared: SharedExpert, pdl: bool, quantize_acts: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The shared expert's activation and down projection (cuBLAS, into `out` when given; FP8: linear).
+    quantize_acts False: the FP8 down projection leaves its activation unquantized too."""
+    shared_act = silu_mul(shared.gate_up, shared.w2.shape[1], pdl)
+    if shared.w2_scale is None:
+        return F.linear(shared_act, shared.w2) if out is None else torch.mm(shared_act, shared.w2.t(), out=out)
+    return linear_kernels.linear(
+        x=shared_act, weight=shared.w2, weight_scale=shared.w2_scale, pdl=pdl, fp8_gemm=shared_fp8_gemm(quantize_acts)
+    )
+
+
+def _start_shared(shared: SharedExpert | None) -> _SharedOut | None:
+    """A bf16 shared expert's activation and down projection on CUDA, which need only its gate / up
+    rows: on a side stream beside the routing and the routed GEMMs, joined by the sum kernel (the same
+    kernels on the same inputs, so the same bits; the output allocated on the caller's stream, which
+    reads it). Its side launches take no programmatic dependent launch (their predecessor is on
+    another stream). None otherwise: the sum runs the projection in turn (FP8's kernels chain on the
+    caller's stream)."""
+    if shared is None or shared.w2_scale is not None or shared.gate_up.device.type != "cuda":
+        return None
+    device = shared.gate_up.device
+    out = torch.empty((shared.gate_up.shape[0], shared.w2.shape[0]), dtype=shared.gate_up.dtype, device=device)
+    main = torch.cuda.current_stream(device)
+    side = _shared_stream(device)
+    side.wait_stream(main)  # its gate / up rows
+    with torch.cuda.stream(side):
+        _shared_down(shared, False, True, out)
+        done = side.record_event()
+    return _SharedOut(out, done)
 
 
 def _sum(
-    hidden, y, topk_ids, expert_offset, num_experts, out, shared, norm, pdl, by_row=None, quantize_acts=True
+    hidden, y, topk_ids, expert_offset, num_experts, out, shared, started, norm, pdl, by_row=None, quantize_acts=True
 ) -> None:  # fmt: skip
     """Each token's local slots of y summed (by_row: (y_row, topk_weights), the grouped GEMMs' rows
-    and the weights they leave out), the shared expert and the next norm when asked: into out / norm.
-    quantize_acts False: the shared expert's FP8 down projection leaves its activation unquantized too."""
+    and the weights they leave out), the shared expert (started: its down projection from
+    _start_shared, else run here) and the next norm when asked: into out / norm."""
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     shared_out = gate_logit = None
-    if shared is not None:  # its down projection on cuBLAS (FP8: linear); the gate and the sum in the sum kernel
-        shared_act = silu_mul(shared.gate_up, shared.w2.shape[1], pdl)
-        if shared.w2_scale is None:
-            shared_out = F.linear(shared_act, shared.w2)
+    if shared is not None:  # the gate and the sum in the sum kernel
+        if started is None:
+            shared_out = _shared_down(shared, pdl, quantize_acts)
         else:
-            shared_out = linear_kernels.linear(
-                x=shared_act, weight=shared.w2, weight_scale=shared.w2_scale, pdl=pdl,
-                fp8_gemm=shared_fp8_gemm(quantize_acts),
-            )  # fmt: skip
+            torch.cuda.current_stream(hidden.device).wait_event(started.done)
+            shared_out = started.out
         gate_logit = shared.gate_logit
     # with the norm a program takes a whole row (a norm needs all of it); the shared expert's adapter
     # (a rank column at a time over the row) spills at 4 warps (ptxas, sm_90: 528 bytes)
