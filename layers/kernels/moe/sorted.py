@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -469,8 +468,12 @@ def _shared_down(shared: SharedExpert, pdl: bool, quantize_acts: bool, out: torc
     """The shared expert's activation and down projection (cuBLAS, into `out` when given; FP8: linear).
     quantize_acts False: the FP8 down projection leaves its activation unquantized too."""
     shared_act = silu_mul(shared.gate_up, shared.w2.shape[1], pdl)
-    if shared.w2_scale is None:
-        return F.linear(shared_act, shared.w2) if out is None else torch.mm(shared_act, shared.w2.t(), out=out)
+    if shared.w2_scale is None:  # one form on either stream: the same cuBLAS call, the same bits
+        if out is None:
+            out = torch.empty(
+                (shared_act.shape[0], shared.w2.shape[0]), dtype=shared_act.dtype, device=shared_act.device
+            )
+        return torch.mm(shared_act, shared.w2.t(), out=out)
     return linear_kernels.linear(
         x=shared_act, weight=shared.w2, weight_scale=shared.w2_scale, pdl=pdl, fp8_gemm=shared_fp8_gemm(quantize_acts)
     )
