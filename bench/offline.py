@@ -146,13 +146,10 @@ def bench_decode(
     whose output outlasts the timed steps)."""
     engine = llm.engine
     rng = np.random.default_rng(batch)
-    # the first prompts decode beside the later ones' prefill chunks: a token a pass from then on,
-    # so the budget covers those passes too (a request that finished mid-timing would shrink the batch)
-    prefill_passes = -(-batch * context // engine.scheduler.config.max_num_batched_tokens) + 1
-    max_tokens = prefill_passes + 2 * steps + profile_steps + 6
-    params = SamplingParams(
-        temperature=0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=structured_outputs
-    )
+    # the first prompts decode beside the later ones' prefill chunks, for as many passes as the
+    # scheduler takes to fit them (the decode rows take part of each pass's budget): as many tokens
+    # as fit, so that no request finishes mid-timing (the batch would shrink); aborted at the end
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True, structured_outputs=structured_outputs)
     for i in range(batch):
         lora = loras[i % len(loras)] if loras else None
         engine.add_request(
@@ -228,7 +225,9 @@ def bench_decode(
             flush=True,
         )
         print(marginal_table(prof, profile_steps), flush=True)
-    while engine.has_unfinished():
+    for i in range(batch):
+        engine.abort(f"d{tag}{batch}-{i}")
+    while engine.has_unfinished():  # a pass still in flight
         engine.step()
     result = {"step_s": step_s, "sync_step_s": sync_step_s, "distinct_experts_per_layer": counts, **timings}
     return result
@@ -284,7 +283,10 @@ def _check_whole(engine, batch: int) -> None:
     """Every request of the batch still decoding: a timing over fewer sequences is not this batch's."""
     running = len(engine.scheduler.running)
     if running != batch or engine.scheduler.waiting:
-        raise RuntimeError(f"decode batch {batch}: {running} running after the timed steps (budget too small)")
+        raise RuntimeError(
+            f"decode batch {batch}: {running} running after the timed steps (one reached max_model_len, or the KV "
+            "cache holds too few tokens for the batch's context and steps)"
+        )
 
 
 def bench_prefill(

@@ -35,8 +35,10 @@ def test_expert_counter_sees_every_moe_block(tiny_checkpoints):
 
 def test_decode_batch_stays_whole_through_the_timed_steps(tiny_checkpoints, monkeypatch):
     """With a token budget far below the batch's prompts the first requests decode beside the later
-    prefill chunks; the requests' token budget covers that, so every timed step runs the whole
-    batch (before: the first requests finished mid-timing and the batch shrank)."""
+    prefill chunks; the requests may take as many tokens as fit and are aborted after the timing, so
+    every timed step runs the whole batch (before: the first requests finished mid-timing and the
+    batch shrank; with a per-request budget estimated from the passes, still at 16 x 64 tokens over
+    32-token passes, whose decode rows take part of each pass)."""
     from deltaserve import LLM
     from deltaserve.bench import offline
 
@@ -52,6 +54,9 @@ def test_decode_batch_stays_whole_through_the_timed_steps(tiny_checkpoints, monk
     assert runner.kernels.pdl is False and runner.sampler.pdl is False
     again = offline.bench_decode(llm, batch=6, context=64, steps=3, counter=None, vocab=100, tag="b")
     assert again["step_s"] > 0 and not llm.engine.has_unfinished()
+    wide = LLM(str(path), max_num_seqs=16, max_num_batched_tokens=32)
+    result = offline.bench_decode(wide, batch=16, context=64, steps=1, counter=None, vocab=100)
+    assert result["step_s"] > 0 and not wide.engine.has_unfinished()
 
 
 def test_in_place_cost_attributes_each_op_its_end_minus_the_previous_end():
