@@ -6,6 +6,8 @@ tile spills (its 128 x 256 float32 accumulator and q fill the registers; layers/
 a new spill anywhere else fails here. In a child process without TRITON_INTERPRET (the conftest
 sets it, and the kernels would be the interpreter's)."""
 
+# test phase: parallel (its child processes compile kernels and exit)
+
 from __future__ import annotations
 
 import os

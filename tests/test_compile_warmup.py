@@ -2,6 +2,8 @@
 user's request): each is a valid plan (the worker's own checks pass) whose rows are what it says,
 and the runner runs all of them on a scratch pool (here on CPU, with a tiny model)."""
 
+# test phase: parallel (its child processes compile kernels and exit)
+
 from __future__ import annotations
 
 import os

@@ -1,6 +1,8 @@
 """One configuration tree: every setting is a keyword argument and a flag with its help and default,
 both reach the worker's sections, and a wrong name or value is an error naming it wherever it came from."""
 
+# test phase: parallel ("ray" is an executor name here; nothing starts)
+
 from __future__ import annotations
 
 import argparse

@@ -7,6 +7,8 @@ keep its registers without spilling to local memory (the sequential walks hold a
 state a program: a spill there costs every chunk of every prefill). In a child process without
 TRITON_INTERPRET (the conftest sets it)."""
 
+# test phase: parallel (its child process compiles kernels and exits)
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,8 @@ ptxas from the Triton wheel; no GPU): the interpreter runs what the compiler ref
 through a tuple, a global that is not a constexpr), so each LoRA variant is compiled here too, in a
 child process without TRITON_INTERPRET (the tests' conftest sets it, and the jitted kernels follow)."""
 
+# test phase: parallel (its child process compiles kernels and exits)
+
 from __future__ import annotations
 
 import os

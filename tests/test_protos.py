@@ -1,6 +1,8 @@
 """The committed stubs are what scripts/gen-protos makes of the .proto files, and the proto's
 SamplingParams carries every field of deltaserve's."""
 
+# test phase: parallel (its child process generates stubs into a temporary folder)
+
 from __future__ import annotations
 
 import dataclasses

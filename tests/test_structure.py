@@ -4,6 +4,8 @@ protos are used by cluster only; deltaserve.envs imports nothing of deltaserve; 
 engine core never reaches an executor implementation or an entry point. Also: pyproject's package
 list is the tree's package folders. `scripts/lint-imports` checks the same layers with import-linter."""
 
+# test phase: parallel (its child process parses the tree and exits)
+
 from __future__ import annotations
 
 import ast
