@@ -13,8 +13,9 @@ read through TMA descriptors (`tma`) or pointer loads (`ptr`, cp.async). Against
 measured in the same process: if `rows / tma / dot` is near the GEMM's in-place time, the pattern sets
 the pace; if `tiles` is faster, a load-time layout would recover the difference.
 
-    python -m deltaserve.bench.kernels_stream             # up and down at the 2k tiles
-    python -m deltaserve.bench.kernels_stream --real      # the MoE's own up / down under skewed routings
+    python -m deltaserve.bench.kernels_stream                 # up and down at a 2k pass, then the MoE's own
+    python -m deltaserve.bench.kernels_stream --tokens 8192   # two 128-row blocks an expert: compute-bound
+    python -m deltaserve.bench.kernels_stream --real          # the MoE's own up / down under skewed routings
 """
 
 from __future__ import annotations
@@ -33,23 +34,25 @@ E, H, INTER = 256, 2048, 512
 
 @triton.jit
 def _stream_kernel(
-    w_desc, w, out, x, ids, y, s_x, s_y, N_BLOCKS: tl.constexpr, ROWS: tl.constexpr, K: tl.constexpr,
-    HALVES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr, DESC: tl.constexpr,
-    DOT: tl.constexpr, GATHER: tl.constexpr, STORE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    w_desc, w, out, x, ids, y, s_x, s_y, N_BLOCKS: tl.constexpr, BLOCKS: tl.constexpr, ROWS: tl.constexpr,
+    K: tl.constexpr, HALVES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr,
+    DESC: tl.constexpr, DOT: tl.constexpr, GATHER: tl.constexpr, STORE: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """Program (expert, N slice) of a sorted GEMM's grid (N-major) reads its weight boxes over K. DOT: each
-    box into a 128-row dot (an accumulator a half, as the up GEMM's gate and up); GATHER: the dot's rows
-    loaded every K step from x's rows ids[e * 128 + r] (< 0: padding, masked), else one register tile;
-    STORE: the accumulators (their sum) stored as bf16 rows of y at the same ids, else summed to out."""
+    """Program (row block, N slice) of a sorted GEMM's grid (N-major; BLOCKS 128-row blocks an expert)
+    reads its expert's weight boxes over K. DOT: each box into a 128-row dot (an accumulator a half, as
+    the up GEMM's gate and up); GATHER: the dot's rows loaded every K step from x's rows ids[block * 128
+    + r] (< 0: padding, masked), else one register tile; STORE: the accumulators (their sum) stored as
+    bf16 rows of y at the same ids, else summed to out."""
     pid = tl.program_id(0)
-    e = pid // N_BLOCKS
+    block = pid // N_BLOCKS
+    e = block // BLOCKS
     nb = pid % N_BLOCKS
     KB: tl.constexpr = K // BLOCK_K
     WIDTH: tl.constexpr = BLOCK_K if TILED else K  # the flat view's row length
     n = tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     r = tl.arange(0, 128)
-    row_id = tl.load(ids + e * 128 + r)
+    row_id = tl.load(ids + block * 128 + r)
     row_ok = row_id >= 0
     a_ptr = x + tl.maximum(row_id, 0).to(tl.int64)[:, None] * s_x + k[None, :]
     if DOT:
@@ -97,8 +100,21 @@ def _tiled(w: torch.Tensor, halves: int, block_n: int, block_k: int) -> torch.Te
     return t.view(-1, block_k)
 
 
-def stream_sweep(reps: int = 5) -> list[dict]:
-    """Each GEMM's pattern x layout x load x consumer, graphed (`reps` calls), against the copy bandwidth."""
+def _row_ids(tokens: int, per_row: int) -> torch.Tensor:
+    """[E * blocks, 128] int32: a uniform routing of `tokens` x 8 pairs in the sorted layout (each expert's
+    rows in its 128-row blocks, the last one padded with -1); per_row pairs share a row of x (up: a
+    token's 8 pairs read one hidden row)."""
+    pairs = tokens * 8
+    rows = pairs // E
+    blocks = -(-rows // 128)
+    ids = torch.full((E, blocks * 128), -1, device="cuda", dtype=torch.int32)
+    ids[:, :rows] = torch.randperm(pairs, device="cuda", dtype=torch.int32).view(E, rows) // per_row
+    return ids.view(E * blocks, 128)
+
+
+def stream_sweep(tokens: int = 2048, reps: int = 5) -> list[dict]:
+    """Each GEMM's pattern x layout x load x consumer at a `tokens` pass under uniform routing, graphed
+    (`reps` calls), against the copy bandwidth (and the dots' rate over the rows they compute)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from deltaserve.bench.kernels import measure_copy_bandwidth
@@ -115,25 +131,26 @@ def stream_sweep(reps: int = 5) -> list[dict]:
         w = torch.randn(E, rows, k, device="cuda", dtype=torch.bfloat16)
         layouts = {"rows": w.view(-1, k), "tiles": _tiled(w, halves, block_n, block_k)}
         n_blocks = rows // halves // block_n
-        # a 2k pass: 16,384 pairs, 64 an expert, each expert's 128-row block half padding; up gathers
-        # the tokens' hidden rows (a token's 8 pairs one row), down the pairs' activation rows
-        pairs = 2048 * 8
+        # at 2k: 64 pairs an expert, each expert's 128-row block half padding; up gathers the tokens'
+        # hidden rows (a token's 8 pairs one row), down the pairs' activation rows
+        pairs = tokens * 8
         per_row = 8 if name == "up" else 1
         x = torch.randn(pairs // per_row, k, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(pairs, n_blocks * block_n, device="cuda", dtype=torch.bfloat16)
-        ids = torch.full((E, 128), -1, device="cuda", dtype=torch.int32)
-        ids[:, :64] = torch.randperm(pairs, device="cuda", dtype=torch.int32).view(E, 64) // per_row
-        out = torch.empty(E * n_blocks, device="cuda", dtype=torch.float32)
+        ids = _row_ids(tokens, per_row)
+        blocks = ids.shape[0] // E
+        out = torch.empty(ids.shape[0] * n_blocks, device="cuda", dtype=torch.float32)
         nbytes = w.numel() * w.element_size()
+        flops = 2 * ids.shape[0] * 128 * rows * k  # the dots over every computed row, padding included
         forms = [(lay, ld, "sum", False, False) for lay in layouts for ld in ("tma", "ptr")]
         forms += [(lay, "tma", "dot", g, st) for lay in layouts for g in (False, True) for st in (False, True)]
         for layout, load, consumer, gather, store in forms:
             flat = layouts[layout]
             desc = TensorDescriptor.from_tensor(flat, [block_n, block_k]) if load == "tma" else flat
             call = functools.partial(
-                _stream_kernel[(E * n_blocks,)], desc, flat, out, x, ids, y, x.stride(0), y.stride(0), n_blocks,
-                rows, k, halves, block_n, block_k, layout == "tiles", load == "tma", consumer == "dot", gather,
-                store, stages, num_warps=warps,
+                _stream_kernel[(ids.shape[0] * n_blocks,)], desc, flat, out, x, ids, y, x.stride(0), y.stride(0),
+                n_blocks, blocks, rows, k, halves, block_n, block_k, layout == "tiles", load == "tma",
+                consumer == "dot", gather, store, stages, num_warps=warps,
             )  # fmt: skip
             label = f"{name:5s} {layout:5s} {load:3s} {consumer:3s} {'gather' if gather else '-':6s} "
             label += "store" if store else "-    "
@@ -145,7 +162,8 @@ def stream_sweep(reps: int = 5) -> list[dict]:
                 continue
             frac = nbytes / (ms * 1e-3) / bandwidth
             results.append(dict(gemm=name, form=label.split(), us=ms * 1e3, of_copy=frac))
-            print(f"{label}  {ms * 1e3:8.1f} us  {100 * frac:5.1f}% of copy")
+            rate = f"  {flops / (ms * 1e-3) / 1e12:5.0f} TFLOP/s" if consumer == "dot" else ""
+            print(f"{label}  {ms * 1e3:8.1f} us  {100 * frac:5.1f}% of copy{rate}")
         del w, layouts
     return results
 
@@ -197,15 +215,16 @@ def real_gemms(num_tokens: int = 2048, skews: tuple[float, ...] = (0.0, 0.5, 1.0
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=5, help="calls a graph replay")
-    parser.add_argument("--real", action="store_true", help="the sorted MoE's own kernels under skewed routings")
-    parser.add_argument("--tokens", type=int, default=2048, help="with --real: the pass's tokens")
+    parser.add_argument("--real", action="store_true", help="only the sorted MoE's own kernels, under skewed routings")
+    parser.add_argument("--tokens", type=int, default=2048, help="the pass's tokens (uniform routing)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels_stream needs a CUDA device")
     if args.real:
         real_gemms(args.tokens)
-    else:
-        stream_sweep(args.reps)
+    else:  # then the MoE's own kernels at the same pass, same process
+        stream_sweep(args.tokens, args.reps)
+        real_gemms(args.tokens, skews=(0.0,))
     return 0
 
 
