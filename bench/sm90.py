@@ -162,15 +162,29 @@ def recorded_plan(config, plan, sizes, *, prepare=None, kernels: KernelOptions |
     return list(seen)
 
 
-def warmup_coverage(preset: str, *, fp8: bool, slots: int, totals: tuple[int, ...]) -> dict[int, list[str]]:
+def first_layers(config, layers: int):
+    """config with only its first `layers` decoder layers (0, or a family with per-layer tables beyond the
+    layer and MLP types: all): a pass repeats each period of its layer types, so two periods launch the
+    same distinct variants as the whole model (tests/test_compile_warmup.py holds the sets equal)."""
+    if not layers or layers >= config.num_layers or config.ple is not None or config.hyper is not None:
+        return config
+    return dataclasses.replace(
+        config, num_layers=layers, layer_types=config.layer_types[:layers], mlp_types=config.mlp_types[:layers]
+    )
+
+
+def warmup_coverage(
+    preset: str, *, fp8: bool, slots: int, totals: tuple[int, ...], layers: int = 0
+) -> dict[int, list[str]]:
     """The Triton variants a short mixed pass (a decode row beside a prompt chunk, `total` tokens) would
     launch that no start-up warm-up batch fitting a `slots`-slot pool launches (they would compile on
-    a user's request), by total; empty lists: covered."""
+    a user's request), by total; empty lists: covered. layers: the model's first layers only
+    (first_layers; 0: all)."""
     from deltaserve.layers.config import Fp8Scheme
     from deltaserve.workers.plan import PoolSizes
     from deltaserve.workers.warmup import WARMUP_BATCHES, warmup_fits, warmup_plan
 
-    config = preset_config(preset)
+    config = first_layers(preset_config(preset), layers)
     if fp8:
         config = dataclasses.replace(config, quantization=Fp8Scheme())
     sizes = PoolSizes(num_blocks=1024, block_size=16, num_slots=slots)
@@ -228,13 +242,16 @@ def main(argv: list[str] | None = None) -> int:
         "short mixed passes of 5 to 128 tokens do; exit 1 naming those it misses",
     )
     p.add_argument(
+        "--layers", type=int, default=0, help="with --warmup-coverage: the model's first layers only (0: all)"
+    )
+    p.add_argument(
         "--options", default="", help='kernel options of the passes, "name=value,..." (KernelOptions fields)'
     )
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     if args.warmup_coverage:
         totals = (5, 8, 13, 16, 21, 32, 57, 64, 99, 128)
-        gaps = warmup_coverage(args.preset, fp8=args.fp8, slots=args.warmup_coverage, totals=totals)
+        gaps = warmup_coverage(args.preset, fp8=args.fp8, slots=args.warmup_coverage, totals=totals, layers=args.layers)
         for total, missing in gaps.items():
             print(f"mixed pass of {total:4d} tokens: {'covered' if not missing else 'MISSES ' + '; '.join(missing)}")
         return 1 if any(gaps.values()) else 0

@@ -137,10 +137,48 @@ def test_warmup_launches_every_variant_of_short_mixed_passes_in_few_slots(fp8):
     5 to 128 tokens launches is launched by a warm-up batch that fits a 3-slot pool (the FP8 run at
     03df658 compiled a 16-row skinny GEMM mid-run, at batch 8)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [sys.executable, "-m", "deltaserve.bench.sm90", "--warmup-coverage", "3", *(["--fp8"] if fp8 else [])]
+    # two periods of the layer types launch what all 40 layers do (the test below)
+    command = [sys.executable, "-m", "deltaserve.bench.sm90", "--warmup-coverage", "3", "--layers", "8"]
+    command += ["--fp8"] if fp8 else []
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert done.stdout.count("covered") == 10, done.stdout[-2000:]
+
+
+def test_two_periods_of_layers_launch_what_the_whole_model_does():
+    """The coverage check runs the model's first 8 layers (two periods of 3 GDN + 1 attention): a warm-up
+    batch's and a short mixed pass's distinct Triton launches are those of all 40 layers, bf16 and FP8
+    (launches recorded on fake tensors in a child process without TRITON_INTERPRET)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert done.stdout.split()[-2:] == ["equal", "4"], done.stdout[-2000:]
+
+
+def _launch_sets_equal() -> None:
+    """(In the child.) Full model against its first 8 layers on two plans, bf16 and FP8."""
+    import dataclasses
+
+    from deltaserve.bench import sm90
+    from deltaserve.bench.presets import preset_config
+    from deltaserve.layers.config import Fp8Scheme
+    from deltaserve.workers.plan import PoolSizes
+    from deltaserve.workers.warmup import warmup_plan
+
+    sizes = PoolSizes(num_blocks=1024, block_size=16, num_slots=3)
+    plans = [warmup_plan(((40, 1), (17, 1), (300, 200), (0, 99)), 16), warmup_plan(((100, 1), (0, 15)), 16)]
+    equal = 0
+    for fp8 in (False, True):
+        whole = preset_config("qwen3_5_35b_a3b")
+        if fp8:
+            whole = dataclasses.replace(whole, quantization=Fp8Scheme())
+        cut = sm90.first_layers(whole, 8)
+        assert cut.num_layers == 8 and whole.num_layers == 40
+        for plan in plans:
+            a, b = set(sm90.recorded_plan(whole, plan, sizes)), set(sm90.recorded_plan(cut, plan, sizes))
+            assert a == b, sorted(f"{x.name}{dict(x.constexprs)}" for x in a ^ b)[:5]
+            equal += 1
+    print("equal", equal)
 
 
 def test_late_compile_log_records_and_warns(caplog):
@@ -180,3 +218,7 @@ def test_gpu_late_compile_log_sees_a_real_compile():
 def _add_one(x, n, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     tl.store(x + i, tl.load(x + i, mask=i < n) + 1, mask=i < n)
+
+
+if __name__ == "__main__":
+    _launch_sets_equal()
