@@ -98,4 +98,17 @@ def ticket_buffers(owner: str, device: torch.device) -> list[torch.Tensor]:
 
 # owner -> the buffers handed out (the older ones stay alive for graphs captured with them)
 _TICKETS: dict[tuple, list[torch.Tensor]] = {}
+
+
+def side_stream(device: torch.device, owner: str) -> torch.cuda.Stream:
+    """A CUDA stream at the highest priority for one kernel family's work beside the caller's stream,
+    one per owner and device: when such work is ready, its programs take the SMs that free up before
+    the caller's waiting programs do. A CUDA graph captures it as a fork of the capturing stream."""
+    key = (owner, device.index)
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(device, priority=-1)  # lower is sooner; 0 the default
+    return _STREAMS[key]
+
+
+_STREAMS: dict[tuple, torch.cuda.Stream] = {}
 MIN_TICKETS = 1 << 16  # 256 KB: 4096 sequences at 16 key heads

@@ -35,7 +35,7 @@ import dataclasses
 import torch
 import triton
 
-from ..device import DeviceInfo, device_info, stages_that_fit
+from ..device import DeviceInfo, device_info, side_stream, stages_that_fit
 from ..norm.triton_norm import gated_rms_norm
 from .advance import advance_within_chunks
 from .chunk_prepare import _intra_kernel, _solve_kernel
@@ -319,18 +319,6 @@ def chunk_windows(max_chunks: int, windows: int, num_seqs: int = 1) -> list[tupl
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-_WALK_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _walk_stream(device: torch.device) -> torch.cuda.Stream:
-    """The windowed walks' stream, one a device, at the highest priority: when a walk ends, the next
-    one's programs take the SMs that free up before the parallel kernels' waiting programs do (a CUDA
-    graph captures it as a fork of the capturing stream)."""
-    if device not in _WALK_STREAMS:
-        _WALK_STREAMS[device] = torch.cuda.Stream(device, priority=-1)  # lower is sooner; 0 the default
-    return _WALK_STREAMS[device]
-
-
 def _run_windows(windows: list[tuple[int, int]], prepare, walk, output, device: torch.device) -> None:
     """The split design over chunk windows. One window: prepare, walk, output in turn. Several (CUDA):
     every window's preparation on the caller's stream, then each window's output after its walk; the
@@ -344,7 +332,7 @@ def _run_windows(windows: list[tuple[int, int]], prepare, walk, output, device: 
             output(lo, hi)
         return
     main = torch.cuda.current_stream(device)
-    walks = _walk_stream(device)
+    walks = side_stream(device, "gdn_walks")  # the walks take the SMs freed first
     walks.wait_stream(main)  # the inputs, and the slots' initial states
     prepared = []
     for lo, hi in windows:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import linear as linear_kernels
-from ..device import SMEM_SCRATCH, DeviceInfo, device_info
+from ..device import SMEM_SCRATCH, DeviceInfo, device_info, side_stream
 from ..fp8 import ACT_GROUP, quantize_act, scale_block
 from ..norm.triton_norm import add_rms_norm_row
 from ..pdl import pdl_launch, pdl_wait
@@ -313,8 +313,9 @@ def _sum_kernel(
     sigmoid(gate_logit[t]) * shared[t] (the shared expert's down projection) when HAS_SHARED; one
     rounding. ADD_NORM (BLOCK covers the row): the next norm of the row instead, res_out[t] =
     out[t] + residual[t] and normed_out[t] = its zero-centred RMSNorm (rows of stride s_rt).
-    The routed down GEMM is the kernel just before on this stream (the shared expert's projection
-    runs on another, joined by an event), so everything loads after the PDL wait (kernels/pdl.py).
+    Everything loads after the PDL wait (kernels/pdl.py): the kernel before it on its stream is the
+    routed down GEMM when the shared expert's projection runs on a side stream (joined by an event),
+    else that projection's last kernel.
     LORA_RANK > 0 (with HAS_SHARED): the shared expert's low-rank delta (SharedExpert.lora:
     lora_keys [T], lora_v rows of stride s_lv, lora_b [S, HIDDEN, LORA_RANK] of strides s_lg, s_ln)
     joins its output under the gate, one rank column at a time (the row stays BLOCK wide in
@@ -443,18 +444,6 @@ def moe_sorted(
     _sum(hidden, y, topk_ids, expert_offset, num_experts, out, shared, started, norm, pdl, quantize_acts=quantize_acts)
 
 
-_SHARED_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _shared_stream(device: torch.device) -> torch.cuda.Stream:
-    """The shared expert's stream, one a device, at the highest priority: its two launches take SMs as
-    the routing's small kernels and the routed GEMMs' last waves leave them (a CUDA graph captures it
-    as a fork of the capturing stream)."""
-    if device not in _SHARED_STREAMS:
-        _SHARED_STREAMS[device] = torch.cuda.Stream(device, priority=-1)  # lower is sooner; 0 the default
-    return _SHARED_STREAMS[device]
-
-
 @dataclasses.dataclass(frozen=True)
 class _SharedOut:
     """The shared expert's down projection [T, H] in flight on the side stream: done, the event recorded
@@ -469,14 +458,16 @@ def _shared_down(shared: SharedExpert, pdl: bool, quantize_acts: bool, out: torc
     quantize_acts False: the FP8 down projection leaves its activation unquantized too."""
     shared_act = silu_mul(shared.gate_up, shared.w2.shape[1], pdl)
     if shared.w2_scale is None:  # one form on either stream: the same cuBLAS call, the same bits
-        if out is None:
-            out = torch.empty(
-                (shared_act.shape[0], shared.w2.shape[0]), dtype=shared_act.dtype, device=shared_act.device
-            )
-        return torch.mm(shared_act, shared.w2.t(), out=out)
+        return torch.mm(shared_act, shared.w2.t(), out=_shared_out(shared) if out is None else out)
     return linear_kernels.linear(
         x=shared_act, weight=shared.w2, weight_scale=shared.w2_scale, pdl=pdl, fp8_gemm=shared_fp8_gemm(quantize_acts)
     )
+
+
+def _shared_out(shared: SharedExpert) -> torch.Tensor:
+    """The shared expert's [T, H] output, allocated on the current stream."""
+    rows, hidden = shared.gate_up.shape[0], shared.w2.shape[0]
+    return torch.empty((rows, hidden), dtype=shared.gate_up.dtype, device=shared.gate_up.device)
 
 
 def _start_shared(shared: SharedExpert | None) -> _SharedOut | None:
@@ -489,9 +480,9 @@ def _start_shared(shared: SharedExpert | None) -> _SharedOut | None:
     if shared is None or shared.w2_scale is not None or shared.gate_up.device.type != "cuda":
         return None
     device = shared.gate_up.device
-    out = torch.empty((shared.gate_up.shape[0], shared.w2.shape[0]), dtype=shared.gate_up.dtype, device=device)
+    out = _shared_out(shared)
     main = torch.cuda.current_stream(device)
-    side = _shared_stream(device)
+    side = side_stream(device, "moe_shared")
     side.wait_stream(main)  # its gate / up rows
     with torch.cuda.stream(side):
         _shared_down(shared, False, True, out)
