@@ -337,7 +337,7 @@ def bench_prefill(
             f"wall {wall * 1e3:.2f} ms, {launches} GPU ops ---"
         )
         print(table, flush=True)
-        print(marginal_table(prof, 1), flush=True)
+        print(marginal_table(prof, 1, rows=64), flush=True)
     return best[0]
 
 
