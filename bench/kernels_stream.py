@@ -34,7 +34,7 @@ E, H, INTER = 256, 2048, 512
 
 @triton.jit
 def _stream_kernel(
-    w_desc, w, out, x, ids, y, s_x, s_y, N_BLOCKS: tl.constexpr, BLOCKS: tl.constexpr, ROWS: tl.constexpr,
+    w_desc, w, out, x, ids, y, y_desc, s_x, s_y, N_BLOCKS: tl.constexpr, BLOCKS: tl.constexpr, ROWS: tl.constexpr,
     K: tl.constexpr, HALVES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr,
     DESC: tl.constexpr, DOT: tl.constexpr, GATHER: tl.constexpr, STORE: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
@@ -42,7 +42,8 @@ def _stream_kernel(
     reads its expert's weight boxes over K. DOT: each box into a 128-row dot (an accumulator a half, as
     the up GEMM's gate and up); GATHER: the dot's rows loaded every K step from x's rows ids[block * 128
     + r] (< 0: padding, masked), else one register tile; STORE: the accumulators (their sum) stored as
-    bf16 rows of y at the same ids, else summed to out."""
+    bf16 rows of y at the same ids (STORE 1), at the block's own rows (2: y in the sorted order, the top-8
+    sum then gathering them), the same through y_desc (3: a TMA store), else summed to out."""
     pid = tl.program_id(0)
     block = pid // N_BLOCKS
     e = block // BLOCKS
@@ -84,7 +85,12 @@ def _stream_kernel(
                 acc0 += b.to(tl.float32)
             else:
                 acc1 += b.to(tl.float32)
-    if STORE:
+    if STORE == 3:
+        y_desc.store([block * 128, nb * BLOCK_N], (acc0 + acc1).to(tl.bfloat16))
+    elif STORE == 2:
+        dst = y + (block * 128 + r).to(tl.int64)[:, None] * s_y + (nb * BLOCK_N + n)[None, :]
+        tl.store(dst, (acc0 + acc1).to(tl.bfloat16))
+    elif STORE:
         dst = y + tl.maximum(row_id, 0).to(tl.int64)[:, None] * s_y + (nb * BLOCK_N + n)[None, :]
         tl.store(dst, (acc0 + acc1).to(tl.bfloat16), mask=row_ok[:, None])
     else:
@@ -136,24 +142,27 @@ def stream_sweep(tokens: int = 2048, reps: int = 5) -> list[dict]:
         pairs = tokens * 8
         per_row = 8 if name == "up" else 1
         x = torch.randn(pairs // per_row, k, device="cuda", dtype=torch.bfloat16)
-        y = torch.empty(pairs, n_blocks * block_n, device="cuda", dtype=torch.bfloat16)
         ids = _row_ids(tokens, per_row)
         blocks = ids.shape[0] // E
+        # by pair (the sum kernel's order today), or in the sorted order: a row per computed row
+        y = torch.empty(max(pairs, ids.numel()), n_blocks * block_n, device="cuda", dtype=torch.bfloat16)
+        y_desc = TensorDescriptor.from_tensor(y, [128, block_n])
         out = torch.empty(ids.shape[0] * n_blocks, device="cuda", dtype=torch.float32)
         nbytes = w.numel() * w.element_size()
         flops = 2 * ids.shape[0] * 128 * rows * k  # the dots over every computed row, padding included
         forms = [(lay, ld, "sum", False, False) for lay in layouts for ld in ("tma", "ptr")]
-        forms += [(lay, "tma", "dot", g, st) for lay in layouts for g in (False, True) for st in (False, True)]
+        forms += [(lay, "tma", "dot", g, st) for lay in layouts for g in (False, True) for st in (0, 1)]
+        forms += [("rows", "tma", "dot", True, st) for st in (2, 3)]  # y in the sorted order: pointers, TMA
         for layout, load, consumer, gather, store in forms:
             flat = layouts[layout]
             desc = TensorDescriptor.from_tensor(flat, [block_n, block_k]) if load == "tma" else flat
             call = functools.partial(
-                _stream_kernel[(ids.shape[0] * n_blocks,)], desc, flat, out, x, ids, y, x.stride(0), y.stride(0),
+                _stream_kernel[(ids.shape[0] * n_blocks,)], desc, flat, out, x, ids, y, y_desc, x.stride(0), y.stride(0),
                 n_blocks, blocks, rows, k, halves, block_n, block_k, layout == "tiles", load == "tma",
                 consumer == "dot", gather, store, stages, num_warps=warps,
             )  # fmt: skip
             label = f"{name:5s} {layout:5s} {load:3s} {consumer:3s} {'gather' if gather else '-':6s} "
-            label += "store" if store else "-    "
+            label += ("-", "store", "sorted", "tma-st")[store].ljust(6)
             try:
                 replay = graphed([call] * reps)
                 ms = triton.testing.do_bench(replay, warmup=3, rep=50, return_mode="median") / reps

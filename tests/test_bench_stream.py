@@ -32,11 +32,13 @@ def test_stream_harness_reads_the_gemm_slices(device, layout, load, blocks):
     rid = ids.long()
     ok = rid >= 0
     tol = 1e-4 if device.type == "cpu" else 1e-2  # float32 dots run in tf32 on the GPU
-    for dot, gather, store in [(False, False, False), (True, False, False), (True, True, False), (True, True, True)]:
+    forms = [(False, False, 0), (True, False, 0), (True, True, 0), (True, True, 1), (True, True, 2), (True, True, 3)]
+    for dot, gather, store in forms:
         out = torch.full((E * blocks * n_blocks,), float("nan"), device=device)
-        y = torch.zeros(300, n_blocks * BN, dtype=torch.bfloat16, device=device)
+        y = torch.zeros(max(300, ids.numel()), n_blocks * BN, dtype=torch.bfloat16, device=device)
+        y_desc = TensorDescriptor.from_tensor(y, [128, BN])
         ks._stream_kernel[(E * blocks * n_blocks,)](
-            desc, flat, out, x, ids, y, x.stride(0), y.stride(0), n_blocks, blocks, ROWS, K, HALVES, BN, BK,
+            desc, flat, out, x, ids, y, y_desc, x.stride(0), y.stride(0), n_blocks, blocks, ROWS, K, HALVES, BN, BK,
             layout == "tiles", load == "tma", dot, gather, store, 2, num_warps=4,
         )  # fmt: skip
         for b, n in itertools.product(range(E * blocks), range(n_blocks)):
@@ -51,7 +53,10 @@ def test_stream_harness_reads_the_gemm_slices(device, layout, load, blocks):
             else:  # one register tile: the first BK columns of the rows, against every K step
                 a = x[rid[b].clamp(min=0), :BK]
                 acc = sum(a @ b[:, kb * BK : (kb + 1) * BK].T for b in boxes for kb in range(K // BK))
-            if store:
+            if store >= 2:  # the block's own rows, padding rows included
+                got = y[b * 128 : (b + 1) * 128, n * BN : (n + 1) * BN].float()
+                torch.testing.assert_close(got, acc.bfloat16().float(), rtol=1e-2, atol=1e-2)
+            elif store:
                 got = y[rid[b][ok[b]], n * BN : (n + 1) * BN].float()
                 torch.testing.assert_close(got, acc[ok[b]].bfloat16().float(), rtol=1e-2, atol=1e-2)
             else:
