@@ -157,8 +157,8 @@ def stream_sweep(tokens: int = 2048, reps: int = 5) -> list[dict]:
             flat = layouts[layout]
             desc = TensorDescriptor.from_tensor(flat, [block_n, block_k]) if load == "tma" else flat
             call = functools.partial(
-                _stream_kernel[(ids.shape[0] * n_blocks,)], desc, flat, out, x, ids, y, y_desc, x.stride(0), y.stride(0),
-                n_blocks, blocks, rows, k, halves, block_n, block_k, layout == "tiles", load == "tma",
+                _stream_kernel[(ids.shape[0] * n_blocks,)], desc, flat, out, x, ids, y, y_desc, x.stride(0),
+                y.stride(0), n_blocks, blocks, rows, k, halves, block_n, block_k, layout == "tiles", load == "tma",
                 consumer == "dot", gather, store, stages, num_warps=warps,
             )  # fmt: skip
             label = f"{name:5s} {layout:5s} {load:3s} {consumer:3s} {'gather' if gather else '-':6s} "
