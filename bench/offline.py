@@ -296,38 +296,55 @@ def bench_prefill(
     a fresh random prompt (no prefix-cache hit); `profile`: then one under torch.profiler, its
     kernel table and each kernel's in-place cost printed (GPU busy against wall: idle GPU time is
     host time). busy: gets the GPU busy seconds of the best one's passes (CUDA events, with
-    time_passes), where there are any."""
+    time_passes), where there are any, and then the host seconds from add_request to the first pass's
+    launch (the time the GPU waits on the scheduler)."""
     engine = llm.engine
     # prompts of their own per variant: the same tokens again would hit the prefix cache
     rng = np.random.default_rng([length, zlib.crc32(tag.encode())])
     device_times = getattr(engine, "pass_device_times", None)
 
-    def one(rep: int) -> tuple[float, float | None]:
+    launches: list[float] = []
+    executor = engine.executor
+    execute_async = executor.execute_async
+
+    def timed_launch(plan):
+        launches.append(time.perf_counter())
+        return execute_async(plan)
+
+    def one(rep: int) -> tuple[float, float | None, float]:
+        launches.clear()
+        t0 = time.perf_counter()
         engine.add_request(
             f"p{tag}{length}-{rep}",
             rng.integers(10, vocab - 10, length).tolist(),
             SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
         )
-        torch.cuda.synchronize()
         before = len(device_times) if device_times is not None else 0
-        t0 = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         passes = list(device_times)[before:] if device_times is not None else []
-        return wall, (sum(t[0] for t in passes) if passes else None)
+        return wall, (sum(t[0] for t in passes) if passes else None), launches[0] - t0
 
-    runs = [one(rep) for rep in range(3)]
+    executor.execute_async = timed_launch  # an instance attribute over the method, removed below
+    try:
+        runs = [one(rep) for rep in range(3)]
+    finally:
+        del executor.execute_async
     best = min(runs[1:], key=lambda r: r[0])
     if busy is not None and best[1] is not None:
-        busy.append(best[1])
+        busy += [best[1], best[2]]
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            wall = one(3)[0]
+            executor.execute_async = timed_launch
+            try:
+                wall = one(3)[0]
+            finally:
+                del executor.execute_async
         events = prof.key_averages()
         gpu_us = sum(e.self_device_time_total for e in events)
         launches = sum(e.count for e in events if e.self_device_time_total > 0)
@@ -441,8 +458,8 @@ def time_prefills(llm: LLM, lengths: list[int], vocab: int, args: argparse.Names
         row = {"tokens": n, "seconds": seconds, "tok_s": n / seconds, "graphed": graphed}
         how = " (CUDA graph)" if graphed else ""
         if busy:  # GPU busy well under the wall time: the host sets the pace
-            row["gpu_busy_s"] = busy[0]
-            how += f"  GPU busy {busy[0] * 1e3:.1f} ms"
+            row["gpu_busy_s"], row["host_before_s"] = busy
+            how += f"  GPU busy {busy[0] * 1e3:.1f} ms, host before the pass {busy[1] * 1e3:.2f} ms"
         if label:
             row["variant"] = label
         print(f"{tagged}prefill {n:>6} tokens: {seconds * 1e3:8.1f} ms  {n / seconds:10.0f} tok/s{how}", flush=True)

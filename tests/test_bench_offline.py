@@ -135,3 +135,6 @@ def test_prefills_time_the_graphed_pass_and_its_eager_twin(tiny_checkpoints, mon
     args.prefill_eager_too = False
     (row,) = offline.time_prefills(llm, [90], vocab=100, args=args)
     assert row["gpu_busy_s"] > 0 and abs(row["gpu_busy_s"] / 1e-3 - round(row["gpu_busy_s"] / 1e-3)) < 1e-9
+    # and the host's time before the first pass launched: some, and less than the prompt's wall time
+    assert 0 < row["host_before_s"] < row["seconds"]
+    assert "execute_async" not in vars(engine.executor)  # the timing hook is gone
