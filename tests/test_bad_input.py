@@ -67,12 +67,25 @@ def test_sampling_params_name_the_field(kwargs, field):
         ([], "prompt"),
         ([5, VOCAB_SIZE], "prompt_token_ids"),
         ([5, -1], "prompt_token_ids"),
+        ([5, True], "prompt_token_ids"),  # a bool is no token id, though it is an int
+        ([5, 6.0], "prompt_token_ids"),
+        ([5, 2**63], "prompt_token_ids"),  # past int64: the array check overflows, the loop names it
+        ([5, "6"], "prompt_token_ids"),
         ([7] * 64, "prompt"),
     ],
 )
 def test_bad_prompts_name_the_field(llm, prompt, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_a_checked_prompt_keeps_its_ids_as_int32(llm):
+    """The engine's prompt check hands the request its ids as an int32 array, which the plan's input ids
+    and the block hashes are sliced from: the same ids as the list."""
+    ids = [5, 0, VOCAB_SIZE - 1, 17, 3]
+    req = llm.engine.make_request("as-int32", ids, SamplingParams(max_tokens=2))
+    assert str(req.prompt_array.dtype) == "int32"
+    assert req.prompt_array.tolist() == ids and req.token_array(1, 4).tolist() == ids[1:4]
 
 
 def test_stop_token_id_outside_vocab(llm):

@@ -22,6 +22,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.executors.base import Executor, PassHandle, WorkerFailure, overlaps_passes
 from deltaserve.layers.config import ModelConfig
@@ -211,7 +213,7 @@ class EngineCore:
             raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt: must not be empty")
-        _check_token_ids(ids, self.model_config.vocab_size)
+        prompt_array = _check_token_ids(ids, self.model_config.vocab_size)
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(
@@ -237,6 +239,7 @@ class EngineCore:
             lora=adapter,
             grammar=grammar,
             priority=priority,
+            prompt_array=prompt_array,
         )
         # requests on different adapters (or none) never share cached blocks or GDN snapshots
         req.cache_key = cache_key_of(adapter.cache_key if adapter is not None else None, cache_salt)
@@ -681,11 +684,18 @@ class EngineCore:
         self.executor.shutdown()
 
 
-def _check_token_ids(ids: list, vocab: int) -> None:
-    """Every id a plain int in [0, vocab) (a long prompt's resend: type, min and max in C, not a loop
-    per token); else ValueError naming the first bad one."""
-    if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab:
-        return
+def _check_token_ids(ids: list, vocab: int) -> np.ndarray:
+    """Every id a plain int in [0, vocab) (a long prompt's resend: the types in C, the range on an
+    array, not a loop per token); returns them as int32 (the plan's and the block hashes' form), else
+    ValueError naming the first bad one."""
+    if set(map(type, ids)) == {int}:
+        try:
+            arr = np.fromiter(ids, dtype=np.int64, count=len(ids))
+        except OverflowError:  # an id past int64: the loop below names it
+            arr = None
+        if arr is not None and arr.min() >= 0 and arr.max() < vocab:
+            return arr.astype(np.int32)
     for t in ids:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
             raise ValueError(f"prompt_token_ids: token id {short(t)} is outside the vocabulary [0, {vocab})")
+    raise AssertionError("unreachable: a prompt that fails the fast check has a bad id")

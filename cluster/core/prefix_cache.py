@@ -409,7 +409,8 @@ class PrefixCache:
     ) -> tuple[bytes, tuple[int, ...]]:
         block = position // self.block_size
         hashes.extend(tokens, self.block_size, position)
-        return hashes.chain(block), tuple(tokens[block * self.block_size : position])
+        tail = tokens[block * self.block_size : position]
+        return hashes.chain(block), tuple(tail.tolist() if isinstance(tail, np.ndarray) else tail)
 
     def lookup(self, hashes: RequestHashes, tokens: Sequence[int]) -> Hit:
         """The best place for a request with these tokens to resume (at most the last token is left

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from deltaserve.workers.plan import GrammarSpec, TokenLogprobs
 
 from .prefix_cache import RequestHashes
@@ -121,6 +123,9 @@ class Request:
     prefill_leader: Request | None = None
     # scheduling_policy="priority": lower first (vLLM's meaning); ties by arrival
     priority: int = 0
+    # the prompt as int32 (made once, by the engine's check or the first token_array): its slices feed
+    # the plan's input ids and the block hashes without a conversion per pass
+    prompt_array: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -138,6 +143,14 @@ class Request:
         if start >= prompt:
             return self.output_token_ids[start - prompt : end - prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt]
+
+    def token_array(self, start: int, end: int) -> np.ndarray:
+        """token_slice as int32: a view of prompt_array within the prompt."""
+        if end <= len(self.prompt_token_ids):
+            if self.prompt_array is None:
+                self.prompt_array = np.asarray(self.prompt_token_ids, dtype=np.int32)
+            return self.prompt_array[start:end]
+        return np.asarray(self.token_slice(start, end), dtype=np.int32)
 
     @property
     def num_tokens(self) -> int:

@@ -215,7 +215,7 @@ class Scheduler:
     def _new_snapshot(self, req: Request, pos: int) -> Snapshot | None:
         """A snapshot slot for `req`'s state after `pos` tokens (its partly filled page held), or None:
         one of that prefix is held already (touched: kept longer), or no slot is free of the plan."""
-        key = self.prefix.snapshot_key(self._hashes(req), req.token_slice(0, pos), pos)
+        key = self.prefix.snapshot_key(self._hashes(req), req.token_array(0, pos), pos)
         old = self.prefix.snapshots.get(key)
         if old is not None:
             self.prefix.snapshots.touch(old)
@@ -238,7 +238,9 @@ class Scheduler:
         if req.sampling_params.prompt_logprobs is not None:  # every prompt position needs its logits
             hit = Hit(0, [], None, False, 0)
         else:
-            hit = self.prefix.lookup(self._hashes(req), tokens)
+            hashes = self._hashes(req)  # from the int32 tokens (no conversion of the list)
+            hashes.extend(req.token_array(0, req.num_tokens), self.blocks.block_size, req.num_tokens)
+            hit = self.prefix.lookup(hashes, tokens)
         want = req.num_tokens - hit.position
         if want > budget:
             if not self.config.enable_chunked_prefill:
@@ -325,7 +327,7 @@ class Scheduler:
         if full <= hashes.registered:
             return  # most decode steps complete no block
         if len(hashes.hashes) < full:
-            hashes.extend(req.token_slice(0, full * bs), bs, full * bs)
+            hashes.extend(req.token_array(0, full * bs), bs, full * bs)
         cache = self.prefix.pages
         for j in range(hashes.registered, full):
             if cache.lookup(hashes.hashes[j]) is not None:
@@ -677,10 +679,11 @@ class Scheduler:
         for req, _ in verify:  # the last token, then the drafts
             ids.append(req.token_at(req.num_computed_tokens))
             ids.extend(req.draft_token_ids)
+        id_parts = [np.asarray(ids, dtype=np.int32)]
         for req, n in verify + prefill:
             start = req.num_computed_tokens
             if req.req_id not in self._verify:
-                ids.extend(req.token_slice(start, start + n))
+                id_parts.append(req.token_array(start, start + n))
             pos = np.arange(start, start + n)
             position_parts.append(pos)
             slots = np.asarray(req.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
@@ -719,7 +722,7 @@ class Scheduler:
             pass_id=self._pass_id,
             req_ids=[r.req_id for r, _ in rows],
             num_decode_rows=len(verify) + len(decode),
-            input_ids=np.asarray(ids, dtype=np.int32),
+            input_ids=np.concatenate(id_parts),
             positions=np.concatenate(position_parts).astype(np.int32),
             slot_mapping=np.concatenate(slot_parts),
             query_start_loc=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
