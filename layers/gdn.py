@@ -324,7 +324,6 @@ class GatedDeltaNet(nn.Module):
                 norm_gate=z[num_decode:],  # the output norm inside the chunked op's last kernel
                 norm_weight=self.norm_weight,
                 norm_eps=self.eps,
-                capture_stream=ctx.kernels.gdn_capture_stream,
             )
         if core_decode is not None:
             core_decode = norm_kernels.gated_rms_norm(

@@ -586,67 +586,6 @@ def test_chunk_windows_on_two_streams_match_one_walk_bitwise(nan_fill, monkeypat
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("windows", [1, 4])
-def test_chunk_captures_beside_the_output_kernel_bitwise(nan_fill, monkeypatch, windows):
-    """The captures' slot copies and replays inside chunks on the high-priority stream beside the output
-    kernel (capture_stream, one walk and four windows) at the model's shapes: outputs and every slot bit
-    for bit those of the same captures run after the output kernel, eagerly (five calls, host-planned
-    captures) and from a CUDA graph (the captures in device tensors, FixedCaptures, replayed three times).
-    Two sequences, one without an initial state; boundary and mid-chunk captures, two sharing a boundary
-    (a copy)."""
-    import numpy as np
-
-    from deltaserve.layers.kernels.gdn.fixed_captures import NUM_FIELDS, FixedCaptures
-    from deltaserve.layers.kernels.gdn.state import StateCapture, StateCaptures
-
-    torch.manual_seed(8)
-    bounds = [0, 1000, 2088]
-    q, k, v, g, beta = make_inputs(bounds[-1], 16, 32, 128, 128, dtype=torch.bfloat16)
-    caps = [(0, 960), (0, 970), (0, 999), (1, 64), (1, 1085)]
-    scratch = 2 + len(caps)
-    pool = torch.randn(scratch + 1, 32, 128, 128, device=DEVICE) * 0.1
-    cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
-    slots = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
-    has_init = torch.tensor([True, False], device=DEVICE)
-    captures = StateCaptures(tuple(StateCapture(n, off, 2 + i) for i, (n, off) in enumerate(caps)), (1000, 1088))
-    variant = "split32"
-    if windows > 1:
-        monkeypatch.setattr(chunk_module, "WINDOW_MIN_CHUNKS", 8)
-        variant = dataclasses.replace(chunk_module.VARIANTS["split32_win"], windows=windows)
-        assert len(chunk_module.chunk_windows(bounds[-1] // 64 + 2, windows)) == windows
-    kw = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu, state_slots=slots, has_initial_state=has_init)
-    kw["variant"] = variant
-
-    def run(state_pool, beside, caps_arg):
-        op = chunk_module.chunk_gated_delta_rule
-        return op(state_pool=state_pool, captures=caps_arg, capture_stream=beside, **kw)
-
-    want_pool = pool.clone()
-    want = run(want_pool, False, captures)
-    assert not torch.equal(want_pool[2:scratch], pool[2:scratch])  # the captures wrote their slots
-    for _ in range(5):
-        got_pool = pool.clone()
-        got = run(got_pool, True, captures)
-        assert torch.equal(got, want) and torch.equal(got_pool, want_pool)
-    max_chunks = bounds[-1] // 64 + 2
-    fields, chunk_slots = np.zeros((NUM_FIELDS, 8), dtype=np.int64), np.zeros(max_chunks, dtype=np.int32)
-    assert FixedCaptures.stage(fields, chunk_slots, captures, scratch_slot=scratch, idle_seq=1)
-    fixed = FixedCaptures(torch.from_numpy(chunk_slots).to(DEVICE), torch.from_numpy(fields).to(DEVICE))
-    fixed_pool = pool.clone()
-    fixed_want = run(fixed_pool, False, fixed)
-    graph_pool = pool.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = run(graph_pool, True, fixed)
-    for _ in range(3):
-        graph_pool.copy_(pool)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(got, fixed_want) and torch.equal(graph_pool[:scratch], fixed_pool[:scratch])
-
-
-@pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("variant", [None, "fused", "split32"])
 def test_chunk_output_norm_bf16_real_shapes(nan_fill, variant):
     """The output norm fused into the op at the 35B shape (128-column V: two output blocks), z a

@@ -172,15 +172,6 @@ class KernelOptions:
         },
     )
 
-    gdn_capture_stream: bool = field(
-        default=True,
-        metadata={
-            "env": "DELTASERVE_GDN_CAPTURE_STREAM",
-            "help": "the chunked GDN prefill (split designs) runs the prefix-cache captures' slot copies and "
-            "replays inside chunks on a high-priority stream beside its output kernel (the same bits)",
-        },
-    )
-
     def __post_init__(self) -> None:
         for name in ("route_in_up_max_tokens", "fused_gdn_max_seqs", "few_rows_gemv"):
             if getattr(self, name) < 0:

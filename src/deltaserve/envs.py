@@ -116,12 +116,6 @@ ENV_VARS: dict[str, EnvVar] = {
             "the chunked GDN prefill's design (fused, fused_pf, split32: one walk, split32_win: split32 over "
             "chunk windows of ~128 chunks on two streams); unset: by shape",
         ),
-        EnvVar(
-            "DELTASERVE_GDN_CAPTURE_STREAM",
-            "1",
-            "0: the chunked GDN prefill runs the prefix-cache captures' slot copies and replays inside chunks after "
-            "its output kernel, not on a high-priority stream beside it (same bits)",
-        ),
         EnvVar("DELTASERVE_GDN_VARIANTS", "", "bench only: comma-separated chunk-kernel variants to time"),
     )
 }

@@ -42,7 +42,6 @@ def chunk_gated_delta_rule(
     norm_gate: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
-    capture_stream: bool = True,
 ) -> torch.Tensor:
     """The chunked gated delta rule over varlen sequences (prefill); updates their pool slots in place.
 
@@ -61,8 +60,6 @@ def chunk_gated_delta_rule(
         norm_gate, norm_weight: the GDN output norm as well (norm.gated_rms_norm of o with this gate
             [T, Hv, V], token rows strided allowed, and weight [V], eps norm_eps); CUDA: inside the
             output kernel of the split design.
-        capture_stream: CUDA: the captures' copies and replays inside chunks on a high-priority stream
-            beside the split design's output kernel (the same kernels), else after it.
 
     Returns:
         o: [T, Hv, V] in v's dtype (normed with norm_gate). CUDA: no host sync (unless chunk_states_out).
@@ -77,10 +74,7 @@ def chunk_gated_delta_rule(
     if q.is_cuda:
         from .chunk import chunk_gated_delta_rule as impl
 
-        return impl(
-            **args, variant=variant or None, norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps,
-            capture_stream=capture_stream,
-        )  # fmt: skip
+        return impl(**args, variant=variant or None, norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps)
     out = naive.chunk_gated_delta_rule(**args)
     if norm_gate is None:
         return out

@@ -148,16 +148,14 @@ def _resolve_variant(variant, num_seqs: int, num_v_heads: int, value_dim: int, i
 def chunk_gated_delta_rule(
     *, q, k, v, g, beta, cu_seqlens, state_pool, state_slots, has_initial_state, scale=None, use_qk_l2norm=True,
     chunk_size=CHUNK, chunk_states_out=None, variant=None, captures: StateCaptures | FixedCaptures | None = None,
-    norm_gate=None, norm_weight=None, norm_eps=1e-6, capture_stream=True,
+    norm_gate=None, norm_weight=None, norm_eps=1e-6,
 ) -> torch.Tensor:  # fmt: skip
     """gdn.chunk_gated_delta_rule (chunks of 64 only). variant: a VARIANTS name or a ChunkVariant;
     None: pick_variant's. captures: the sequential kernel stores the state after the chunks they name
     (one int per chunk); a capture inside a chunk is that chunk's first tokens replayed on the
     kernels' own intermediates (advance.py; state.py; FixedCaptures: the same from device tensors,
     fixed_captures.py); no host sync. norm_gate / norm_weight: the GDN output norm too, inside the
-    split design's output kernel (the fused designs run the norm kernel after). capture_stream: the
-    split design runs the captures' copies and replays on a high-priority stream beside the output
-    kernel (CUDA; the same kernels on the same inputs), else after it."""
+    split design's output kernel (the fused designs run the norm kernel after)."""
     if chunk_size != CHUNK:
         raise ValueError(f"chunk_size must be {CHUNK}, got {chunk_size}")
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
@@ -258,31 +256,8 @@ def chunk_gated_delta_rule(
             num_warps=cfg.out_warps, num_stages=2,
         )  # fmt: skip
 
-    def captures_tail() -> None:
-        """The captures' copies of shared boundary states, then the replays inside chunks, each from its
-        slot's boundary state (after the walks; nothing else in the op reads what they write)."""
-        replays = None
-        if on_device is not None:
-            on_device.copies(state_pool, copy_state_slots)
-            replays = on_device.replay_fields()
-        elif prepared is not None:
-            for src, dst in prepared.plan.copies:
-                state_pool[dst] = state_pool[src]
-            if prepared.plan.replays:
-                replays = dict(first=prepared.replay_first, count=prepared.replay_count, slots=prepared.replay_slots)
-        if replays is not None:
-            advance_within_chunks(
-                k=k, w=w, u=u, gcum=gcum, rnorm=rnorm, state_pool=state_pool, v_new=cfg.split, l2norm=use_qk_l2norm,
-                chunk=CHUNK, **replays,
-            )  # fmt: skip
-
-    has_tail = on_device is not None or (prepared is not None and bool(prepared.plan.copies or prepared.plan.replays))
     if cfg.split:
-        # on CUDA the tail runs beside the output kernel (capture_stream); off CUDA, or without it, after it
-        beside = captures_tail if has_tail and capture_stream and device.type == "cuda" else None
-        _run_windows(chunk_windows(max_chunks, cfg.windows, num_seqs), prepare, walk, output, device, beside)
-        if has_tail and beside is None:
-            captures_tail()
+        _run_windows(chunk_windows(max_chunks, cfg.windows, num_seqs), prepare, walk, output, device)
     else:
         prepare(0, max_chunks)
         _state_kernel[seq_grid](
@@ -292,8 +267,21 @@ def chunk_gated_delta_rule(
             STORE_CHUNK_STATES=chunk_states is not None, PREFETCH=cfg.prefetch, STORE_CAPTURE=capture_arg is not None,
             num_warps=seq_warps, num_stages=stages,
         )  # fmt: skip
-        if has_tail:
-            captures_tail()
+
+    replays = None
+    if on_device is not None:
+        on_device.copies(state_pool, copy_state_slots)
+        replays = on_device.replay_fields()
+    elif prepared is not None:
+        for src, dst in prepared.plan.copies:
+            state_pool[dst] = state_pool[src]
+        if prepared.plan.replays:
+            replays = dict(first=prepared.replay_first, count=prepared.replay_count, slots=prepared.replay_slots)
+    if replays is not None:  # after the copies: each replay starts from the boundary state on its slot
+        advance_within_chunks(
+            k=k, w=w, u=u, gcum=gcum, rnorm=rnorm, state_pool=state_pool, v_new=cfg.split, l2norm=use_qk_l2norm,
+            chunk=CHUNK, **replays,
+        )  # fmt: skip
     if chunk_states_out is not None:
         counts = ((cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK).tolist()
         start = 0
@@ -331,22 +319,17 @@ def chunk_windows(max_chunks: int, windows: int, num_seqs: int = 1) -> list[tupl
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def _run_windows(windows: list[tuple[int, int]], prepare, walk, output, device: torch.device, after_walks=None) -> None:
+def _run_windows(windows: list[tuple[int, int]], prepare, walk, output, device: torch.device) -> None:
     """The split design over chunk windows. One window: prepare, walk, output in turn. Several (CUDA):
     every window's preparation on the caller's stream, then each window's output after its walk; the
     walks on a high-priority stream, each after its window's preparation (walk i beside the
     preparations after it and the outputs before it). Off CUDA (the interpreter) window by window, so
-    that a kernel reading past its window reads what is not computed yet (NaN in the tests).
-    after_walks (CUDA only): work that needs every walk and nothing the outputs write, run on the
-    high-priority stream after the last walk, beside the outputs, and joined after them."""
+    that a kernel reading past its window reads what is not computed yet (NaN in the tests)."""
     if len(windows) == 1 or device.type != "cuda":
-        for i, (lo, hi) in enumerate(windows):
+        for lo, hi in windows:
             prepare(lo, hi)
             walk(lo, hi)
-            if after_walks is not None and i == len(windows) - 1:
-                _beside(after_walks, output, lo, hi, device)
-            else:
-                output(lo, hi)
+            output(lo, hi)
         return
     main = torch.cuda.current_stream(device)
     walks = side_stream(device, "gdn_walks")  # the walks take the SMs freed first
@@ -361,21 +344,6 @@ def _run_windows(windows: list[tuple[int, int]], prepare, walk, output, device: 
             walks.wait_event(event)
             walk(lo, hi)
             walked.append(walks.record_event())
-        if after_walks is not None:
-            after_walks()
     for (lo, hi), event in zip(windows, walked, strict=True):
         main.wait_event(event)  # the last one joins the walk stream
         output(lo, hi)
-    if after_walks is not None:
-        main.wait_stream(walks)
-
-
-def _beside(side_work, output, lo: int, hi: int, device: torch.device) -> None:
-    """side_work on the high-priority stream beside output(lo, hi) on the caller's, then joined."""
-    main = torch.cuda.current_stream(device)
-    walks = side_stream(device, "gdn_walks")
-    walks.wait_stream(main)
-    with torch.cuda.stream(walks):
-        side_work()
-    output(lo, hi)
-    main.wait_stream(walks)
