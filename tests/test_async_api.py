@@ -7,6 +7,7 @@ dicts with the chosen token first; and the metrics export the engine's counters 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from logprob_checks import assert_entries_close
@@ -196,3 +197,26 @@ def parse(text: bytes) -> dict[str, float]:
         for sample in family.samples
         if not sample.labels.get("le") and "finished_reason" not in sample.labels and "reason" not in sample.labels
     }
+
+
+def test_the_front_doors_tokenizer_is_loaded_when_the_engine_starts(tiny_chat_model, monkeypatch):
+    """The gateway's own tokenizer (decode for the Responses API and echo, the router's text prompts) is
+    loaded on a thread during the start, so a request's first decode does not load it on the event loop
+    (the real vocabulary's tokenizer.json takes seconds, holding every stream and health poll)."""
+    from deltaserve.cluster.entrypoints import async_engine
+
+    loaded_on = []
+    tokenizer_class = async_engine.AsyncEngine._local_tokenizer
+
+    def spy(self):
+        loaded_on.append(threading.current_thread() is threading.main_thread())
+        return tokenizer_class(self)
+
+    monkeypatch.setattr(async_engine.AsyncEngine, "_local_tokenizer", spy)
+
+    async def body(engine: AsyncEngine):
+        assert engine._tokenizer is not None  # there before any request
+        return engine.decode([5, 6])
+
+    assert isinstance(run(tiny_chat_model, body), str)
+    assert loaded_on[0] is False  # the start's load: off the event loop's thread

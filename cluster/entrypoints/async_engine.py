@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -71,7 +72,11 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue] = {}
         self._owner: dict[str, Replica] = {}  # request id -> the replica running it
         self._submitting: set[str] = set()  # handed to a replica that has not answered yet
-        self._tokenizer = None  # the prefix-aware router's, for text prompts (loaded on first use)
+        # the model's tokenizer here (the router's text prompts, decode for the front doors), loaded on a
+        # thread while the engine starts: a 250k-entry tokenizer.json takes seconds, which on the event
+        # loop would hold every stream and the replicas' health polls
+        self._tokenizer = None
+        self._tokenizer_lock = threading.Lock()
         self._adapters: dict[str, LoRARequest] = {}  # loaded adapters by name, each with one id on every replica
         self._adapter_lock = asyncio.Lock()  # loads, unloads and a new replica's catch-up run one at a time
         self._last_failure: str | None = None  # the last replica that went down, and why
@@ -84,7 +89,11 @@ class AsyncEngine:
         if config.data_parallel.data_parallel_size > 1:
             raise ValueError("data_parallel_size: the local backend runs one engine in this process; replicas need Ray")
         engine = cls("local", config)
-        replica = await LocalReplica.start(config, engine._dispatch)
+        tokenizer = asyncio.ensure_future(asyncio.to_thread(engine._local_tokenizer))
+        try:
+            replica = await LocalReplica.start(config, engine._dispatch)
+        finally:
+            await _settled(tokenizer)
         engine._replicas = [replica]
         engine._router = make_router(config.data_parallel.routing, (await replica.model_info()).block_size)
         return engine
@@ -94,8 +103,12 @@ class AsyncEngine:
         """`data_parallel_size` Driver actors on the current Ray cluster (ray.init must have run), each
         with its workers on one node; raises EngineStartError (the cause in one line) if one fails."""
         engine = cls("ray", config)
+        tokenizer = asyncio.ensure_future(asyncio.to_thread(engine._local_tokenizer))
         engine._ray = RayReplicas(config, engine._dispatch, engine._replica_down, name, on_ready=engine._catch_up)
-        await engine._ray.start()
+        try:
+            await engine._ray.start()
+        finally:
+            await _settled(tokenizer)
         engine._replicas = engine._ray.slots
         try:
             block_size = (await engine._replicas[0].model_info()).block_size
@@ -217,15 +230,17 @@ class AsyncEngine:
         return None if tokenizer is None else tokenizer.encode(prompt)
 
     def _local_tokenizer(self):
-        """The model's tokenizer in this process (loaded on first use; None without tokenizer.json)."""
-        if self._tokenizer is None:
-            from deltaserve.cluster.core.tokenizer import Tokenizer
+        """The model's tokenizer in this process (None without tokenizer.json); loaded by the engine's start,
+        on a thread."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                from deltaserve.cluster.core.tokenizer import Tokenizer
 
-            model = self.config.load.model
-            if model is None or not (Path(model) / "tokenizer.json").is_file():
-                return None
-            self._tokenizer = Tokenizer(model)
-        return self._tokenizer
+                model = self.config.load.model
+                if model is None or not (Path(model) / "tokenizer.json").is_file():
+                    return None
+                self._tokenizer = Tokenizer(model)
+            return self._tokenizer
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of these tokens (special ones kept; "" without a tokenizer)."""
@@ -528,3 +543,10 @@ def _added_up(values: list):
     if isinstance(first, str):
         return first if all(v == first for v in values) else None
     return None
+
+
+async def _settled(task: asyncio.Future) -> None:
+    """Wait for a start-up side task (never left running past a failed start); its error, if any, is the
+    first use's to raise again (a tokenizer that does not load: the requests that need it fail)."""
+    with contextlib.suppress(Exception):
+        await task

@@ -3,12 +3,12 @@
 `LocalReplica`: an EngineLoop in this process. `RayReplica`: a Driver actor in a placement group of
 its own (`replica_bundles`: its driver in bundle 0, its TP/EP workers in the next ones: one node; on
 a node without a spare CPU the driver shares rank 0's bundle), long-polled for outputs. A RayReplica
-that has not answered a poll for SUSPECT_AFTER_S is suspect: it takes no new requests, and takes
-them again when it answers. It is down when Ray reports its actor dead (its node
-died), when its engine loop failed, or after `replica_down_after_s` of silence: its actor and group
-go, its requests in flight end with UNAVAILABLE, and `RayReplicas` places it again, on an alive node
-with room (waiting for one: a node that joins), and takes requests once `on_ready` (the AsyncEngine's
-adapter catch-up) has run.
+that has not answered a poll for SUSPECT_AFTER_S is suspect (time this process's event loop was held
+does not count): it takes no new requests, and takes them again when it answers. It is down when Ray
+reports its actor dead (its node died), when its engine loop failed, or after `replica_down_after_s`
+of silence: its actor and group go, its requests in flight end with UNAVAILABLE, and `RayReplicas`
+places it again, on an alive node with room (waiting for one: a node that joins), and takes requests
+once `on_ready` (the AsyncEngine's adapter catch-up) has run.
 
 Placement spreads the replicas: each group is pinned (a `ray.io/node-id` label selector) to the alive
 node with the fewest replicas that has room (a node where a replica just died last); when none has
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 POLL_WAIT_S = 0.1  # a poll returns after this long without outputs: the replica's heartbeat
 SUSPECT_AFTER_S = 0.8  # no answer for this long: no new requests (the gateway stops routing within a second)
+STALL_S = 0.2  # a poll wait this much past its timeout: this process did not run (its own silence, not the replica's)
 PLACE_TRY_S = 2.0  # a group pinned to a node with room is ready well within this
 WAIT_FOR_ROOM_S = 10.0  # then the nodes are looked at again
 RECENTLY_FAILED_S = 60.0  # a node whose replica died is tried last for this long (Ray may not know it died)
@@ -242,13 +243,19 @@ class RayReplica(Replica):
         from ray.exceptions import RayError
 
         pending = None
-        last_answer = time.monotonic()
+        last_answer = tick = time.monotonic()
         try:
             while self.state in ("up", "suspect"):
                 if pending is None:
                     pending = asyncio.ensure_future(self._driver.poll.remote(POLL_WAIT_S))
                 done, _ = await asyncio.wait({pending}, timeout=POLL_WAIT_S)
                 now = time.monotonic()
+                stalled = now - tick - POLL_WAIT_S
+                tick = now
+                if stalled > STALL_S:
+                    # this event loop was held (a long call on it, a GC pause, a starved CPU): the answer
+                    # may be queued behind the timeout; silence counts only while this loop ran
+                    last_answer += stalled
                 if not done:
                     silent = now - last_answer
                     if silent >= self._down_after_s:
