@@ -192,28 +192,24 @@ class EngineCore:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        tokenized: Request | None = None,
     ) -> Request:
         """Validate and build a request (raises ValueError naming the bad field); queues nothing.
         cache_salt: requests share prefix-cache entries only with requests of the same salt.
         lora_request: the adapter it runs on (registered and checked on first use). priority: lower
-        first, under scheduling_policy="priority" (fcfs takes only 0, as vLLM)."""
+        first, under scheduling_policy="priority" (fcfs takes only 0, as vLLM). tokenized: a request
+        this engine made from the same prompt (the engine loop's submit, on the caller's thread): its
+        checked ids are taken as they are, not tokenized and checked again."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: must be a SamplingParams, got {type(params).__name__}")
         RequestOptions(priority=priority, cache_salt=cache_salt).check()
         if priority and self.config.scheduler.scheduling_policy != "priority":
             raise ValueError("priority: only 0 unless the engine runs with scheduling_policy='priority'")
         params.validate(self.model_config.vocab_size)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            ids = self.tokenize(prompt)
-        elif isinstance(prompt, list | tuple):
-            ids = list(prompt)
+        if tokenized is not None:
+            ids, prompt_array = list(tokenized.prompt_token_ids), tokenized.prompt_array
         else:
-            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        prompt_array = _check_token_ids(ids, self.model_config.vocab_size)
+            ids, prompt_array = self._prompt_ids(prompt)
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(
@@ -245,6 +241,20 @@ class EngineCore:
         req.cache_key = cache_key_of(adapter.cache_key if adapter is not None else None, cache_salt)
         return req
 
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], np.ndarray]:
+        """The prompt's ids, checked, and as int32 (ValueError naming the field)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            ids = self.tokenize(prompt)
+        elif isinstance(prompt, list | tuple):
+            ids = list(prompt)
+        else:
+            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        return ids, _check_token_ids(ids, self.model_config.vocab_size)
+
     def _check_grammar(self, params: SamplingParams) -> GrammarSpec | None:
         """The request's constraint, checked to compile (xgrammar parses it: milliseconds; the
         compile against the vocabulary runs on the workers); ValueError naming the field."""
@@ -272,16 +282,17 @@ class EngineCore:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        tokenized: Request | None = None,
     ) -> Request:
         """Validate and queue a request (ValueError naming a bad field, or an id in use). n > 1: its
-        completions queue as requests of their own (completions.py); returns the first."""
+        completions queue as requests of their own (completions.py); returns the first. tokenized:
+        make_request's."""
         if req_id in self._groups:
             raise ValueError(f"request_id: {short(req_id, 80)} is already in use")
+        made = (cache_salt, lora_request, priority, tokenized)
         if params.n == 1:
-            return self._queue(self.make_request(req_id, prompt, params, cache_salt, lora_request, priority), prompt)
-        first = self.make_request(
-            completion_id(req_id, 0), prompt, params.for_completion(0), cache_salt, lora_request, priority
-        )
+            return self._queue(self.make_request(req_id, prompt, params, *made), prompt)
+        first = self.make_request(completion_id(req_id, 0), prompt, params.for_completion(0), *made)
         ids = [completion_id(req_id, i) for i in range(params.n)]
         if any(i in self.scheduler.requests for i in ids):
             raise ValueError(f"request_id: {short(req_id, 80)} is already in use")

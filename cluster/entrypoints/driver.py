@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from deltaserve.cluster.config import EngineConfig
 from deltaserve.cluster.core.engine import EngineCore, ModelInfo
 from deltaserve.cluster.core.lora import LoRARequest
-from deltaserve.cluster.core.request import NO_OPTIONS, RequestOptions, RequestOutput
+from deltaserve.cluster.core.request import NO_OPTIONS, Request, RequestOptions, RequestOutput
 from deltaserve.cluster.core.sampling_params import SamplingParams
 from deltaserve.workers.config import short
 
@@ -56,6 +56,9 @@ class AddRequest:
     lora_request: LoRARequest | None = None
     priority: int = 0
     cache_salt: str | None = None
+    # the request `submit` made (its prompt tokenized and checked on the caller's thread): the loop
+    # does not tokenize the prompt again (tens of ms for a long text prompt, every running request waiting)
+    tokenized: Request | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class EngineLoop:
                 raise QueueFullError(f"the waiting queue is full ({limit} requests)")
             self._pending += 1
             self._live.add(req_id)
-        self._inbox.put(AddRequest(req_id, prompt, params, lora, options.priority, options.cache_salt))
+        self._inbox.put(AddRequest(req_id, prompt, params, lora, options.priority, options.cache_salt, req))
         self._wake.set()
         return req.num_prompt_tokens
 
@@ -200,6 +203,7 @@ class EngineLoop:
                         message.cache_salt,
                         message.lora_request,
                         message.priority,
+                        message.tokenized,
                     )
                 except ValueError as e:  # e.g. a request id reused while the first is running
                     log.warning("rejected %s: %s", message.req_id, e)
