@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from logprob_checks import assert_entries_close
@@ -220,3 +221,51 @@ def test_the_front_doors_tokenizer_is_loaded_when_the_engine_starts(tiny_chat_mo
 
     assert isinstance(run(tiny_chat_model, body), str)
     assert loaded_on[0] is False  # the start's load: off the event loop's thread
+
+
+def test_a_text_prompt_is_submitted_off_the_event_loop(tiny_chat_model, reference, monkeypatch):
+    """The local replica tokenizes and checks a text prompt on a thread (tens of ms for a long one, which
+    the event loop's other streams would wait for): the same tokens; a submit cancelled while its thread
+    runs aborts the request once queued (nothing left running)."""
+    from deltaserve.cluster.entrypoints import driver
+
+    (want,) = reference.generate(["hello world"], SamplingParams(**PARAMS), use_tqdm=False)
+    threads = []
+    submit = driver.EngineLoop.submit
+
+    def spy(self, req_id, prompt, *args):
+        threads.append(threading.current_thread() is threading.main_thread())
+        if req_id == "slow":
+            time.sleep(0.3)  # the thread is still tokenizing when the caller gives up
+        return submit(self, req_id, prompt, *args)
+
+    monkeypatch.setattr(driver.EngineLoop, "submit", spy)
+    aborted = []
+    abort = driver.EngineLoop.abort
+
+    def abort_spy(self, req_id):
+        aborted.append(req_id)
+        return abort(self, req_id)
+
+    monkeypatch.setattr(driver.EngineLoop, "abort", abort_spy)
+
+    async def body(engine: AsyncEngine):
+        got = [out async for out in engine.generate("hello world", SamplingParams(**PARAMS), "text")]
+        forever = SamplingParams(max_tokens=None, ignore_eos=True)  # as many as fit: longer than the wait below
+        task = asyncio.ensure_future(engine.submit("slow", "hello world", forever))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        loop_engine = engine._replicas[0].loop_engine
+        for _ in range(200):  # the thread queues it (0.3 s), then the abort follows through the loop's inbox
+            await asyncio.sleep(0.02)
+            if aborted and not loop_engine.engine.has_unfinished() and "slow" not in loop_engine._live:
+                break
+        return got, loop_engine.engine.has_unfinished(), "slow" in loop_engine._live
+
+    got, unfinished, live = run(tiny_chat_model, body)
+    assert got[-1].outputs[0].token_ids == want.outputs[0].token_ids
+    assert threads == [False, False]  # both submits on a thread, not the event loop's
+    assert not unfinished and not live
+    assert aborted == ["slow"]  # by the cancelled submit, once its thread had queued it

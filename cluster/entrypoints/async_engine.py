@@ -169,8 +169,11 @@ class AsyncEngine:
         self._timers[req_id] = self.metrics.start()
         tried: set[int] = set()
         try:
+            ids = None  # the prefix-aware router's ids of a text prompt, tokenized off the event loop
+            if isinstance(prompt, str) and self._router.needs_token_ids and options.lora_name is None:
+                ids = await asyncio.to_thread(self._token_ids, prompt)
             while True:
-                replica = self._route(prompt, tried, options)
+                replica = self._route(prompt, tried, options, ids)
                 # owned before the call: its first outputs may come back before the call returns
                 self._owner[req_id] = replica
                 replica.in_flight += 1
@@ -203,9 +206,11 @@ class AsyncEngine:
         if kind is not None:
             self.metrics.refused(kind.value)
 
-    def _route(self, prompt: str | list[int], tried: set[int], options: RequestOptions) -> Replica:
+    def _route(
+        self, prompt: str | list[int], tried: set[int], options: RequestOptions, ids: list[int] | None = None
+    ) -> Replica:
         """The replica for a request: among those answering (suspect ones only when no other is) that
-        hold its adapter."""
+        hold its adapter. ids: a text prompt's, when the router reads them (tokenized by the caller)."""
         lora_name = options.lora_name
         lacking = False
         for states in (("up",), ("suspect",)):
@@ -217,7 +222,8 @@ class AsyncEngine:
             if candidates:
                 # a request on an adapter has block hashes of a key per engine, which no mirror can follow
                 routed = self._router.needs_token_ids and lora_name is None
-                ids = self._token_ids(prompt) if routed else None
+                if routed and ids is None:
+                    ids = self._token_ids(prompt)
                 return candidates[self._router.choose(candidates, ids, cache_key_of(None, options.cache_salt))]
         if lacking:
             raise AdapterNotFoundError(f"lora_name: no adapter named {short(lora_name, 80)} is loaded")

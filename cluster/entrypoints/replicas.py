@@ -54,6 +54,7 @@ WAIT_FOR_ROOM_S = 10.0  # then the nodes are looked at again
 RECENTLY_FAILED_S = 60.0  # a node whose replica died is tried last for this long (Ray may not know it died)
 START_TIMEOUT_S = 300.0
 REPLACE_BACKOFF_S = (1.0, 30.0)
+LONG_PROMPT_IDS = 4096  # a token-id prompt past this is checked on a thread (text prompts always are)
 GROUP_REMOVAL_WAIT_S = 2.0  # a shutdown waits this long for its group's removal (milliseconds unless the GCS is gone)
 NODE_ID_LABEL = "ray.io/node-id"
 
@@ -154,7 +155,16 @@ class LocalReplica(Replica):
     async def submit(
         self, req_id: str, prompt: str | list[int], params: SamplingParams, options: RequestOptions = NO_OPTIONS
     ) -> int:
-        return self.loop_engine.submit(req_id, prompt, params, options)
+        if not isinstance(prompt, str) and len(prompt) <= LONG_PROMPT_IDS:
+            return self.loop_engine.submit(req_id, prompt, params, options)
+        # tokenizing (tens of ms for a long prompt) and checking the ids off the event loop, which every
+        # other stream shares
+        task = asyncio.ensure_future(asyncio.to_thread(self.loop_engine.submit, req_id, prompt, params, options))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:  # the thread still queues it: aborted once it has
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() or self.loop_engine.abort(req_id))
+            raise
 
     async def abort(self, req_id: str) -> None:
         self.loop_engine.abort(req_id)
