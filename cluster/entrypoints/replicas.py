@@ -176,7 +176,7 @@ class LocalReplica(Replica):
         await asyncio.to_thread(self.loop_engine.unload_lora, name)
 
     async def tokenize(self, text: str) -> list[int]:
-        return self.loop_engine.engine.tokenize(text)
+        return await asyncio.to_thread(self.loop_engine.engine.tokenize, text)  # as submit's: off the event loop
 
     async def model_info(self) -> ModelInfo:
         return self.loop_engine.engine.model_info()
