@@ -121,8 +121,8 @@ class KernelOptions:
         default=True,
         metadata={
             "env": "DELTASERVE_MOE_SHARED_STREAM",
-            "help": "the MoE's sorted path (prefill, decode batches over 8) runs a bf16 shared expert's activation "
-            "and down projection on a side stream beside the routing and the routed GEMMs (the same bits)",
+            "help": "the MoE's sorted path (prefill, decode batches over 8) runs the shared expert's activation and "
+            "down projection on a side stream beside the routing and the routed GEMMs (the same bits)",
         },
     )
     moe_prefill_gemm: str = field(

@@ -91,8 +91,8 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar(
             "DELTASERVE_MOE_SHARED_STREAM",
             "1",
-            "0: the MoE's sorted path (prefill, decode batches over 8) runs a bf16 shared expert's activation and "
-            "down projection after the routed GEMMs on their stream, not on a side stream beside them (same bits)",
+            "0: the MoE's sorted path (prefill, decode batches over 8) runs the shared expert's activation and down "
+            "projection after the routed GEMMs on their stream, not on a side stream beside them (same bits)",
         ),
         EnvVar(
             "DELTASERVE_MOE_PREFILL_GEMM",

@@ -88,7 +88,7 @@ def fused_moe(
         pdl: CUDA: launch under programmatic dependent launch (sm_90+).
         deltas: per-pair additions to the gate / up and down projections (the experts' LoRA
             adapters, kernels/lora); CUDA: the pairs path's GEMVs take them in low-rank form.
-        shared_stream: CUDA, the sorted path: a bf16 shared expert's activation and down projection
+        shared_stream: CUDA, the sorted path: the shared expert's activation and down projection
             on a side stream beside the routed work (KernelOptions.moe_shared_stream; the same bits).
 
     Returns:

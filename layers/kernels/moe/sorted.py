@@ -375,9 +375,9 @@ def moe_sorted(
     dtype). deltas (PairDeltas): added to each pair's gate / up and down projections (adapters) in
     their low-rank form, expanded inside the two GEMMs (in full precision beside the FP8 dots; their
     two shrinks are the only launches they add). grouped: the two GEMMs are torch's grouped GEMM
-    (grouped.py: bf16 experts, no deltas; cfg unused), the same sum kernel after. shared_stream: a bf16
+    (grouped.py: bf16 experts, no deltas; cfg unused), the same sum kernel after. shared_stream: the
     shared expert on a side stream (_start_shared)."""
-    started = _start_shared(shared) if shared_stream else None
+    started = _start_shared(shared, quantize_acts) if shared_stream else None
     if grouped:
         y, y_row = grouped_gemms(hidden=hidden, w13=w13, w2=w2, topk_ids=topk_ids, expert_offset=expert_offset, pdl=pdl)
         _sum(hidden, y, topk_ids, expert_offset, w13.shape[0], out, shared, started, norm, pdl, (y_row, topk_weights))
@@ -470,22 +470,23 @@ def _shared_out(shared: SharedExpert) -> torch.Tensor:
     return torch.empty((rows, hidden), dtype=shared.gate_up.dtype, device=shared.gate_up.device)
 
 
-def _start_shared(shared: SharedExpert | None) -> _SharedOut | None:
-    """A bf16 shared expert's activation and down projection on CUDA, which need only its gate / up
-    rows: on a side stream beside the routing and the routed GEMMs, joined by the sum kernel (the same
-    kernels on the same inputs, so the same bits; the output allocated on the caller's stream, which
-    reads it). Its side launches take no programmatic dependent launch (their predecessor is on
-    another stream). None otherwise: the sum runs the projection in turn (FP8's kernels chain on the
-    caller's stream)."""
-    if shared is None or shared.w2_scale is not None or shared.gate_up.device.type != "cuda":
+def _start_shared(shared: SharedExpert | None, quantize_acts: bool = True) -> _SharedOut | None:
+    """A shared expert's activation and down projection on CUDA, which need only its gate / up rows: on
+    a side stream beside the routing and the routed GEMMs, joined by the sum kernel (the same kernels on
+    the same inputs, so the same bits). bf16: into a buffer allocated on the caller's stream, which
+    reads it; FP8: linear's own output, allocated on the side stream (each later use of that stream
+    first waits for the caller's, so its memory is reused only after the sum has read it). Its side
+    launches take no programmatic dependent launch (their predecessor is on another stream). None
+    off CUDA: the sum runs the projection in turn."""
+    if shared is None or shared.gate_up.device.type != "cuda":
         return None
     device = shared.gate_up.device
-    out = _shared_out(shared)
+    out = _shared_out(shared) if shared.w2_scale is None else None
     main = torch.cuda.current_stream(device)
     side = side_stream(device, "moe_shared")
-    side.wait_stream(main)  # its gate / up rows
+    side.wait_stream(main)  # its gate / up rows, and the sum that read the last output
     with torch.cuda.stream(side):
-        _shared_down(shared, False, True, out)
+        out = _shared_down(shared, False, quantize_acts, out)
         done = side.record_event()
     return _SharedOut(out, done)
 

@@ -45,7 +45,7 @@ def fused_moe(
     """moe.fused_moe. `path` ("pairs", "sorted" or "grouped") and `config` override the choice made
     from the shapes (tests and tuning sweeps); sorted_block_m: the sorted path's tile rows (0: by shape);
     sorted_persistent: its GEMMs as persistent programs ("loop", "flat"; "": a program a tile);
-    shared_stream: its bf16 shared expert on a side stream (sorted.py);
+    shared_stream: its shared expert on a side stream (sorted.py);
     prefill_gemm "torch": the sorted path's GEMMs on torch's grouped GEMM where it takes the call
     (path "grouped": grouped.py; bf16 experts without deltas), else ours;
     `deltas`: the pairs path's GEMVs expand their low-rank form, the sorted path's GEMMs add them
