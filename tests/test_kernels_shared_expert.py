@@ -137,71 +137,36 @@ def test_gpu_bf16_model_shape(tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
 @pytest.mark.parametrize("tokens", [16, 64, 2048])
-def test_gpu_shared_expert_side_stream_same_bits(tokens):
-    """The sorted path runs a bf16 shared expert's activation and down projection on a side stream
-    beside the routed work, joined by the sum kernel: the block and its next norm have the bits of
-    the one-stream order (the projection run by the sum in turn), eagerly over ten calls on dirty
-    memory and from a CUDA graph replayed on new inputs (a missing join reads a partial projection)."""
-    args = make(
-        tokens=tokens, hidden=2048, inter=512, shared_inter=512, local=256, total=256, top_k=8, offset=0,
-        device="cuda", dtype=torch.bfloat16,
-    )  # fmt: skip
-    g = torch.Generator(device="cuda").manual_seed(3)
-    residual = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
-    weight = 0.1 * torch.randn(2048, device="cuda", dtype=torch.bfloat16, generator=g)
-    add_norm = moe_kernels.AddNorm(residual, weight, 1e-6)
-
-    def block(side: bool = True):
-        return tm.fused_moe(**args, path="sorted", add_norm=add_norm, shared_stream=side)
-
-    ref = block(side=False)
-    for _ in range(10):
-        out = block()
-        torch.cuda.synchronize()
-        assert torch.equal(out.residual, ref.residual) and torch.equal(out.normed, ref.normed)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = block()
-    gate_up = args["shared"].gate_up
-    for seed in range(3):  # new shared-expert inputs and hidden rows, in place
-        gate_up.copy_(torch.randn(gate_up.shape, device="cuda", generator=g).to(gate_up.dtype))
-        args["hidden"].copy_(torch.randn(args["hidden"].shape, device="cuda", generator=g).to(torch.bfloat16))
-        ref = block(side=False)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured.residual, ref.residual), seed
-        assert torch.equal(captured.normed, ref.normed), seed
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [16, 64, 2048])
-def test_gpu_fp8_shared_expert_side_stream_same_bits(tokens):
-    """The same with block-FP8 experts and shared expert (the shared down projection through linear, its
-    output allocated on the side stream): the block and its next norm have the bits of the one-stream
-    order, eagerly over ten calls and from a CUDA graph replayed on new inputs."""
+def test_gpu_shared_expert_side_stream_same_bits(tokens, weights):
+    """The sorted path runs the shared expert's activation and down projection on a side stream beside
+    the routed work, joined by the sum kernel: the block and its next norm have the bits of the
+    one-stream order (the projection run by the sum in turn), eagerly over ten calls on dirty memory and
+    from a CUDA graph replayed on new inputs (a missing join reads a partial projection). fp8: block-FP8
+    experts and shared expert (its down projection through linear, the output allocated on the side
+    stream)."""
     from deltaserve.layers.kernels.fp8 import naive as fp8_naive
 
     args = make(
         tokens=tokens, hidden=2048, inter=512, shared_inter=512, local=256, total=256, top_k=8, offset=0,
         device="cuda", dtype=torch.bfloat16,
     )  # fmt: skip
-    w13, w13_scale = fp8_naive.quantize_weight(args["w13"])
-    w2, w2_scale = fp8_naive.quantize_weight(args["w2"])
-    shared_w2, shared_scale = fp8_naive.quantize_weight(args["shared"].w2)
-    args.update(w13=w13, w2=w2)
-    args["shared"] = SharedExpert(
-        gate_up=args["shared"].gate_up, w2=shared_w2, gate_logit=args["shared"].gate_logit, w2_scale=shared_scale
-    )
-    g = torch.Generator(device="cuda").manual_seed(4)
+    scales = {}
+    if weights == "fp8":
+        (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = map(fp8_naive.quantize_weight, (args["w13"], args["w2"]))
+        shared_w2, shared_scale = fp8_naive.quantize_weight(args["shared"].w2)
+        args.update(w13=w13, w2=w2)
+        args["shared"] = SharedExpert(
+            gate_up=args["shared"].gate_up, w2=shared_w2, gate_logit=args["shared"].gate_logit, w2_scale=shared_scale
+        )
+    g = torch.Generator(device="cuda").manual_seed(3)
     residual = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
     weight = 0.1 * torch.randn(2048, device="cuda", dtype=torch.bfloat16, generator=g)
     add_norm = moe_kernels.AddNorm(residual, weight, 1e-6)
 
     def block(side: bool = True):
-        return tm.fused_moe(
-            **args, w13_scale=w13_scale, w2_scale=w2_scale, path="sorted", add_norm=add_norm, shared_stream=side
-        )
+        return tm.fused_moe(**args, **scales, path="sorted", add_norm=add_norm, shared_stream=side)
 
     ref = block(side=False)
     for _ in range(10):
