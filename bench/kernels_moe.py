@@ -21,7 +21,6 @@
     python -m deltaserve.bench.kernels_moe --sweep --tokens 2048 --kernel both --fp8  # FP8 experts (W8A8)
     python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel grouped  # ours vs torch's grouped GEMM
     python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel routing  # router + grouping launch shapes
-    python -m deltaserve.bench.kernels_moe --sweep --tokens 8192 --kernel shared   # shared expert's down: ours, cuBLAS
     scripts/gpu-session moe-sweep   # the prefill sweeps, each compiled in 16 processes first
 """
 
@@ -432,47 +431,6 @@ def grouped_ab(num_tokens: int) -> None:
         print(f"{'grouped ' + name:>14}: {ms * 1e3:8.1f} us  {f / (ms * 1e-3) / 1e12:6.1f} TFLOP/s (GEMM alone)")
 
 
-def shared_down_sweep(num_tokens: int) -> None:
-    """The bf16 shared expert's activation and down projection at T rows, as the sorted path runs it: the
-    activation kernel then cuBLAS (shared_down="cublas") against our one launch (the routed down GEMM's
-    kernel as a plain GEMM, the activation formed on load) at its default tiles and a few others; each as
-    20 graph-captured calls on a [T, 1,288] projection's gate / up columns: us a call, TFLOP/s, error
-    against the float64 reference."""
-    import triton.testing
-
-    from deltaserve.layers.kernels.moe import sorted as sorted_path
-
-    g = torch.Generator(device="cuda").manual_seed(num_tokens)
-    proj = torch.randn(num_tokens, 2 * INTER + E + 8, device="cuda", dtype=DTYPE, generator=g)
-    w2 = (torch.randn(H, INTER, device="cuda", generator=g) * INTER**-0.5).to(DTYPE)
-    shared = SharedExpert(gate_up=proj[:, : 2 * INTER], w2=w2, gate_logit=proj[:, -1:])
-    act = F.silu(shared.gate_up[:, :INTER].double()) * shared.gate_up[:, INTER:].double()
-    ref = act @ w2.double().t()
-    flops = 2 * num_tokens * INTER * H
-    out = torch.empty(num_tokens, H, device="cuda", dtype=DTYPE)
-    default = tiles.sorted_config(num_tokens, 1, 2, device_info(proj.device))
-    forms = [("cublas", None), ("triton default", default)]
-    candidates = ((128, 64, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4), (128, 64, 4, 3), (128, 128, 8, 3))
-    for block_m, tile in itertools.product((64, 128), candidates):
-        cfg = dict(default, block_m=block_m, down=_tiles(*tile))
-        if cfg != default:
-            forms.append((f"triton bm{block_m} {tile}", cfg))
-    print(f"T={num_tokens}: the shared expert's activation + down projection ({flops / 1e9:.1f} GFLOP)")
-    for name, cfg in forms:
-        if cfg is None:
-            fn = lambda: sorted_path._shared_down(shared, True, True, out, kernel="cublas")  # noqa: E731
-        else:
-            fn = lambda cfg=cfg: sorted_path._dense_down(shared, out, True, cfg)  # noqa: E731
-        try:
-            fn()
-            err = float((out.double() - ref).norm() / ref.norm())
-            ms = triton.testing.do_bench(graphed([fn] * 20), warmup=5, rep=40, return_mode="median") / 20
-        except Exception as e:  # a tile that does not fit this device's shared memory
-            print(f"{name:>34}: failed ({str(e)[:80]})")
-            continue
-        print(f"{name:>34}: {ms * 1e3:8.1f} us  {flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s  err {err:.1e}")
-
-
 def routing_sweep(num_tokens: int) -> None:
     """The sorted path's routing at a prefill size: the router (route_topk_softmax: tokens a program x
     warps) on logits strided as the model's (the first 256 columns of the router + shared expert
@@ -534,15 +492,13 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--path", choices=["pairs", "sorted"], default=None)
     parser.add_argument(
-        "--kernel",
-        choices=["up", "down", "both", "order", "tma", "persistent", "route", "grouped", "routing", "shared"],
+        "--kernel", choices=["up", "down", "both", "order", "tma", "persistent", "route", "grouped", "routing"],
         default="up",
         help="sorted path: the GEMM swept at prefill sizes, both (block_m against each one's best tiles), or "
         "order (the default tiles on row-block-major and N-major grids), tma (their weights by pointers or TMA, "
         "the down GEMM's activations gathered or in sorted order through TMA), "
         "persistent (the default tiles as one program a tile against persistent programs), grouped (ours "
-        "against torch's grouped GEMM), routing (the router's and the pair grouping's launch shapes), shared (the "
-        "shared expert's down projection, ours against cuBLAS); pairs path: "
+        "against torch's grouped GEMM), routing (the router's and the pair grouping's launch shapes); pairs path: "
         "route (the routing up GEMV's tiles, from router logits)",
     )  # fmt: skip
     parser.add_argument("--compile-only", action="store_true", help="run the shard's configs once, untimed")
@@ -556,7 +512,5 @@ if __name__ == "__main__":
         grouped_ab(a.tokens)
     elif a.sweep and a.kernel == "routing":
         routing_sweep(a.tokens)
-    elif a.sweep and a.kernel == "shared":
-        shared_down_sweep(a.tokens)
     elif a.sweep:
         sweep(a.tokens, a.path, a.kernel, a.compile_only, a.shard, a.fp8, a.w8a16)

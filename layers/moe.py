@@ -298,7 +298,6 @@ class SparseMoeBlock(nn.Module):
             ),
             prefill_gemm=ctx.kernels.moe_prefill_gemm,
             shared_stream=ctx.kernels.moe_shared_stream,
-            shared_down=ctx.kernels.moe_shared_down,
         )
         if fused_norm is not None or add_norm is None and self.layout.tp_size == 1:
             return out

@@ -89,41 +89,14 @@ def test_matches_reference(device, path, tokens, hidden, inter, shared_inter, lo
     assert ((out - ref).norm() / ref.norm()).item() < tol
 
 
-@pytest.mark.parametrize("shared_down", ["triton", "cublas"])
-def test_sorted_path(device, shared_down):
-    """The sorted path (the shared expert's activation and down GEMM, the gate inside the routed sum)
-    at a prefill-like shape, either down projection: the reference's result."""
+def test_sorted_path(device):
+    """The sorted path (its activation kernel, the down GEMM, the gate inside the routed sum) at a
+    prefill-like shape: the reference's result."""
     args = make(tokens=37, hidden=24, inter=8, shared_inter=16, local=4, total=6, top_k=2, offset=1, device=device)
     ref = naive.fused_moe(**args)
-    out = tm.fused_moe(**args, path="sorted", shared_down=shared_down)
+    out = tm.fused_moe(**args, path="sorted")
     assert not out.isnan().any()
     assert ((out - ref).norm() / ref.norm()).item() < (1e-5 if device.type == "cpu" else 5e-3)
-
-
-@pytest.mark.parametrize("rows,hidden,inter,pad", [(1, 16, 8, 5), (37, 40, 24, 6), (70, 33, 100, 5)])
-def test_dense_down_matches_torch(device, rows, hidden, inter, pad):
-    """The shared expert's one-launch down projection (the routed down GEMM's kernel as a plain GEMM,
-    silu(gate) * up formed on load) against torch on its strided gate / up columns: odd rows, widths
-    that no tile divides, rows of a stride that 8 divides and of one it does not, output pre-filled
-    with NaN; the activation is the activation kernel's (rounded once to the input's dtype), so the
-    result is a GEMM on those bits."""
-    from deltaserve.layers.kernels.moe import sorted as sorted_path
-    from deltaserve.layers.kernels.moe.activation import silu_mul
-
-    g = torch.Generator().manual_seed(rows)
-    proj = torch.randn(rows, 3 + 2 * inter + pad, generator=g).to(device)
-    shared = SharedExpert(
-        gate_up=proj[:, 3 : 3 + 2 * inter],
-        w2=(torch.randn(hidden, inter, generator=g) * inter**-0.5).to(device),
-        gate_logit=proj[:, :1],
-    )
-    out = torch.empty(rows, hidden, device=device)
-    got = sorted_path._dense_down(shared, out, pdl=False)
-    assert got is out and not out.isnan().any()
-    act = silu_mul(shared.gate_up, inter, False)
-    ref = act.double() @ shared.w2.double().t()
-    tol = 1e-5 if device.type == "cpu" else 5e-3  # the GPU's float32 dots are tf32
-    assert ((out.double() - ref).norm() / ref.norm()).item() < tol
 
 
 def test_bad_shared_shapes_name_the_tensor(device):
@@ -136,7 +109,7 @@ def test_bad_shared_shapes_name_the_tensor(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 4, 8, 16, 64, 2048])
+@pytest.mark.parametrize("tokens", [1, 4, 8, 16, 64])
 def test_gpu_bf16_model_shape(tokens):
     """Qwen3.5-35B-A3B's block (H 2,048, 256 experts, top 8, I 512, shared I 512) in bf16, through the
     default path for the batch size, eager and inside a CUDA graph (same bits)."""
@@ -155,9 +128,6 @@ def test_gpu_bf16_model_shape(tokens):
     ref = naive.fused_moe(**args).float()
     out = tm.fused_moe(**args)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
-    if tokens * 8 > naive.PAIRS_PATH_MAX:  # the sorted path: the shared expert's cuBLAS form too
-        cublas = tm.fused_moe(**args, shared_down="cublas")
-        assert ((cublas.float() - ref).norm() / ref.norm()).item() < 1e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = tm.fused_moe(**args)

@@ -125,16 +125,6 @@ class KernelOptions:
             "down projection on a side stream beside the routing and the routed GEMMs (the same bits)",
         },
     )
-    moe_shared_down: str = field(
-        default="triton",
-        metadata={
-            "env": "DELTASERVE_MOE_SHARED_DOWN",
-            "help": "a bf16 shared expert's activation and down projection on the MoE's sorted path: triton (one "
-            "launch of the routed down GEMM's kernel as a plain GEMM, the activation formed on load), or cublas "
-            "(the activation kernel, then cuBLAS)",
-            "choices": ("triton", "cublas"),
-        },
-    )
     moe_prefill_gemm: str = field(
         default="triton",
         metadata={

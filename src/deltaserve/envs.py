@@ -95,13 +95,6 @@ ENV_VARS: dict[str, EnvVar] = {
             "projection after the routed GEMMs on their stream, not on a side stream beside them (same bits)",
         ),
         EnvVar(
-            "DELTASERVE_MOE_SHARED_DOWN",
-            "triton",
-            "a bf16 shared expert's activation and down projection on the MoE's sorted path: triton (one launch of "
-            "the routed down GEMM's kernel as a plain GEMM, the activation formed on load), or cublas (the "
-            "activation kernel, then cuBLAS)",
-        ),
-        EnvVar(
             "DELTASERVE_MOE_PREFILL_GEMM",
             "triton",
             "the routed experts' GEMMs on the MoE's sorted path (prefill, bf16): triton (ours, x gathered inside), "

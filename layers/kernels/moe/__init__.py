@@ -65,7 +65,6 @@ def fused_moe(
     fp8_quantize_acts: bool = True,
     prefill_gemm: str = "triton",
     shared_stream: bool = True,
-    shared_down: str = "triton",
 ) -> torch.Tensor | NormedOut:
     """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) over the experts this rank holds
     (e = topk_ids[t, k]), float32 accumulation, one rounding.
@@ -91,9 +90,6 @@ def fused_moe(
             adapters, kernels/lora); CUDA: the pairs path's GEMVs take them in low-rank form.
         shared_stream: CUDA, the sorted path: the shared expert's activation and down projection
             on a side stream beside the routed work (KernelOptions.moe_shared_stream; the same bits).
-        shared_down: CUDA, the sorted path, a bf16 shared expert: its activation and down projection
-            as one Triton GEMM ("triton") or the activation kernel and cuBLAS ("cublas";
-            KernelOptions.moe_shared_down).
 
     Returns:
         [T, H] in hidden's dtype; with add_norm, NormedOut(normed, residual) of it.
@@ -106,9 +102,7 @@ def fused_moe(
     if hidden.is_cuda:
         from .triton_moe import fused_moe as impl
 
-        return impl(
-            **args, pdl=pdl, prefill_gemm=prefill_gemm, shared_stream=shared_stream, shared_down=shared_down
-        )  # fmt: skip
+        return impl(**args, pdl=pdl, prefill_gemm=prefill_gemm, shared_stream=shared_stream)
     return naive.fused_moe(**args)
 
 
@@ -133,7 +127,6 @@ def routed_moe(
     fp8_quantize_acts: bool = True,
     prefill_gemm: str = "triton",
     shared_stream: bool = True,
-    shared_down: str = "triton",
 ) -> torch.Tensor | NormedOut:
     """The MoE block's expert part from its router logits: route_topk_softmax, then fused_moe.
 
@@ -161,6 +154,5 @@ def routed_moe(
         return impl(
             **args, route_in_up_max_tokens=route_in_up_max_tokens, sorted_block_m=sorted_block_m,
             sorted_persistent=sorted_persistent, pdl=pdl, prefill_gemm=prefill_gemm, shared_stream=shared_stream,
-            shared_down=shared_down,
         )  # fmt: skip
     return naive.routed_moe(**args)

@@ -24,7 +24,6 @@ from .fused_norm import norm_kernel_args
 from .grouped import grouped_gemms
 from .naive import SharedExpert, fp8_dots_fit, shared_fp8_gemm
 from .pairs import low_rank_args
-from .tiles import sorted_config
 
 _NO_KEY = tl.constexpr(2147483647)  # past every key: a row without a low-rank addition, or one already added
 
@@ -212,8 +211,7 @@ def _down_kernel(
     INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr, USE_PDL: tl.constexpr,
     QUANT_ACT: tl.constexpr, N_MAJOR: tl.constexpr, W_DESC: tl.constexpr, PERSISTENT: tl.constexpr,
-    FLATTEN: tl.constexpr, A_DESC: tl.constexpr, DENSE: tl.constexpr = False, GLU: tl.constexpr = False,
-    A_ROW_ALIGN: tl.constexpr = 1,
+    FLATTEN: tl.constexpr, A_DESC: tl.constexpr,
 ):  # fmt: skip
     """y[pair, n] = weight[pair] * (act[pair] @ w2[e, n]^T (+ the pair's low-rank delta, lora_b
     [G, HIDDEN, LORA_RANK], as _up_kernel's)) for one block of sorted pairs. FP8: act quantized per
@@ -221,13 +219,7 @@ def _down_kernel(
     shrink read the unquantized act); without QUANT_ACT act as it is, as _up_kernel's W8A16. N_MAJOR
     and W_DESC (w2 as [E * HIDDEN, INTER]), PERSISTENT and FLATTEN as _up_kernel's. A_DESC: act is a
     TMA descriptor of the activations in sorted order (_up_kernel's ACT_SORTED; bf16, no low-rank
-    addition) with [BLOCK_M, BLOCK_K] boxes: each row block read whole, no gather.
-    DENSE (one expert, bf16, not persistent): a plain GEMM, y[r] = act[r] @ w2[0]^T for the num_pairs
-    rows r, unweighted (sorted_ids, block_expert, num_padded and topk_weights unread): the shared
-    expert's down projection. GLU: act is a gate / up projection's output [rows, 2 * INTER] and each
-    K step's activation silu(gate) * up is formed on load, in float32 with one rounding to act's dtype
-    (the activation kernel's bits, without its launch and round trip). A_ROW_ALIGN: s_at divides by it
-    (8: a fused projection's rows, padded to 8 columns; the loads then vectorize and pipeline)."""
+    addition) with [BLOCK_M, BLOCK_K] boxes: each row block read whole, no gather."""
     pdl_wait(USE_PDL)
     if PERSISTENT:
         n_blocks = tl.cdiv(HIDDEN, BLOCK_N)
@@ -246,13 +238,12 @@ def _down_kernel(
             )  # fmt: skip
     else:
         pid_m, pid_n = _block_ids(N_MAJOR)
-        rows = num_pairs if DENSE else tl.load(num_padded)
-        if pid_m * BLOCK_M < rows:
+        if pid_m * BLOCK_M < tl.load(num_padded):
             _down_tile(
                 act, w2, w_desc, y, topk_weights, sorted_ids, block_expert, num_pairs, s_at, s_we, s_wn, s_yp,
                 act_scale, s_as, w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n,
                 HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SCALE_N, SCALE_K, GROUP, LORA_RANK, QUANT_ACT, W_DESC,
-                A_DESC, DENSE, GLU, A_ROW_ALIGN,
+                A_DESC,
             )  # fmt: skip
 
 
@@ -262,20 +253,12 @@ def _down_tile(
     w_scale, s_se, s_sn, lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pid_m, pid_n, HIDDEN: tl.constexpr,
     INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP: tl.constexpr, LORA_RANK: tl.constexpr,
-    QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr, A_DESC: tl.constexpr, DENSE: tl.constexpr = False,
-    GLU: tl.constexpr = False, A_ROW_ALIGN: tl.constexpr = 1,
+    QUANT_ACT: tl.constexpr, W_DESC: tl.constexpr, A_DESC: tl.constexpr,
 ):  # fmt: skip
     """_down_kernel's tile (row block pid_m, N slice pid_n)."""
-    if A_ROW_ALIGN > 1:  # the same value, in a form whose divisibility the compiler sees
-        s_at = s_at // A_ROW_ALIGN * A_ROW_ALIGN
-    if DENSE:
-        e = 0
-        pair = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = pair < num_pairs
-    else:
-        e = tl.maximum(tl.load(block_expert + pid_m), 0)  # as _up_tile's
-        pair = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        row_ok = (pair >= 0) & (pair < num_pairs)
+    e = tl.maximum(tl.load(block_expert + pid_m), 0)  # as _up_tile's
+    pair = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = (pair >= 0) & (pair < num_pairs)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < HIDDEN
     k = tl.arange(0, BLOCK_K)
@@ -290,11 +273,6 @@ def _down_tile(
         k_ok = k0 + k < INTER
         if A_DESC:  # the row block whole (its padding rows feed only rows the store masks)
             a = act.load([pid_m * BLOCK_M, k0])
-        elif GLU:
-            a_ok = row_ok[:, None] & k_ok[None, :]
-            g = tl.load(a_ptr, mask=a_ok, other=0.0).to(tl.float32)
-            u = tl.load(a_ptr + INTER, mask=a_ok, other=0.0).to(tl.float32)
-            a = (g * tl.sigmoid(g) * u).to(act.dtype.element_ty)
         elif INTER % BLOCK_K == 0:
             a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
         else:
@@ -318,8 +296,7 @@ def _down_tile(
     if LORA_RANK > 0:
         low = (lora_keys, lora_v, lora_b, s_lv, s_lg, s_ln, pair, row_ok)
         acc += _block_low_rank(*low, n, n_ok, 0, LORA_RANK, BLOCK_M, BLOCK_N)
-    if not DENSE:
-        acc *= tl.load(topk_weights + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    acc *= tl.load(topk_weights + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     dst = y + pair.to(tl.int64)[:, None] * s_yp + n[None, :]
     tl.store(dst, acc.to(y.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -389,7 +366,7 @@ def _converted_dot(a, w):
 
 def moe_sorted(
     hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=(None, None),
-    deltas=None, quantize_acts=True, grouped=False, shared_stream=True, shared_down="triton",
+    deltas=None, quantize_acts=True, grouped=False, shared_stream=True,
 ) -> None:  # fmt: skip
     """The sorted path into `out` (or, with norm, into norm.out): group, up GEMM, down GEMM, sum.
     scales: (w13_scale, w2_scale) of FP8 experts: x and act are quantized per 1 x 128 group for
@@ -399,14 +376,11 @@ def moe_sorted(
     their low-rank form, expanded inside the two GEMMs (in full precision beside the FP8 dots; their
     two shrinks are the only launches they add). grouped: the two GEMMs are torch's grouped GEMM
     (grouped.py: bf16 experts, no deltas; cfg unused), the same sum kernel after. shared_stream: the
-    shared expert on a side stream (_start_shared). shared_down: a bf16 shared expert's activation and
-    down projection as one Triton GEMM ("triton": _dense_down) or the activation kernel and cuBLAS."""
-    started = _start_shared(shared, quantize_acts, shared_down) if shared_stream else None
+    shared expert on a side stream (_start_shared)."""
+    started = _start_shared(shared, quantize_acts) if shared_stream else None
     if grouped:
         y, y_row = grouped_gemms(hidden=hidden, w13=w13, w2=w2, topk_ids=topk_ids, expert_offset=expert_offset, pdl=pdl)
-        by_row = (y_row, topk_weights)
-        experts = w13.shape[0]
-        _sum(hidden, y, topk_ids, expert_offset, experts, out, shared, started, norm, pdl, by_row, True, shared_down)
+        _sum(hidden, y, topk_ids, expert_offset, w13.shape[0], out, shared, started, norm, pdl, (y_row, topk_weights))
         return
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
@@ -467,10 +441,7 @@ def moe_sorted(
         num_warps=down["num_warps"], num_stages=down["num_stages"],
         **pdl_launch(act, pdl),
     )  # fmt: skip
-    _sum(
-        hidden, y, topk_ids, expert_offset, num_experts, out, shared, started, norm, pdl, quantize_acts=quantize_acts,
-        shared_down=shared_down,
-    )  # fmt: skip
+    _sum(hidden, y, topk_ids, expert_offset, num_experts, out, shared, started, norm, pdl, quantize_acts=quantize_acts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,50 +453,15 @@ class _SharedOut:
     done: torch.cuda.Event
 
 
-def _shared_down(
-    shared: SharedExpert, pdl: bool, quantize_acts: bool, out: torch.Tensor | None = None, kernel: str = "triton"
-) -> torch.Tensor:  # fmt: skip
-    """The shared expert's activation and down projection (into `out` when given). bf16: kernel "triton",
-    one launch of the down GEMM's dense form with the activation formed on load (_dense_down); "cublas",
-    the activation kernel then cuBLAS. FP8: the activation kernel then linear (quantize_acts False: its
-    activation unquantized too)."""
-    if shared.w2_scale is None:  # one form on either stream: the same kernels, the same bits
-        out = _shared_out(shared) if out is None else out
-        # Triton's interpreter (CPU tensors: tests) gets bf16 dots wrong: there only float32 takes ours
-        if kernel == "triton" and (shared.gate_up.is_cuda or shared.gate_up.dtype == torch.float32):
-            return _dense_down(shared, out, pdl)
-        assert kernel in ("triton", "cublas"), f"shared_down: unknown kernel {kernel!r}"
-        return torch.mm(silu_mul(shared.gate_up, shared.w2.shape[1], pdl), shared.w2.t(), out=out)
+def _shared_down(shared: SharedExpert, pdl: bool, quantize_acts: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The shared expert's activation and down projection (cuBLAS, into `out` when given; FP8: linear).
+    quantize_acts False: the FP8 down projection leaves its activation unquantized too."""
     shared_act = silu_mul(shared.gate_up, shared.w2.shape[1], pdl)
+    if shared.w2_scale is None:  # one form on either stream: the same cuBLAS call, the same bits
+        return torch.mm(shared_act, shared.w2.t(), out=_shared_out(shared) if out is None else out)
     return linear_kernels.linear(
         x=shared_act, weight=shared.w2, weight_scale=shared.w2_scale, pdl=pdl, fp8_gemm=shared_fp8_gemm(quantize_acts)
     )
-
-
-def _dense_down(shared: SharedExpert, out: torch.Tensor, pdl: bool, config: dict | None = None) -> torch.Tensor:
-    """out [T, H] = (silu(gate) * up) @ w2^T for a bf16 shared expert: _down_kernel as a plain GEMM (DENSE)
-    reading its gate / up rows (GLU), on the routed down GEMM's tiles for T rows an expert (cuBLAS's
-    kernels at K = the shared width, 512, ran ~230 TFLOP/s: moe/NOTES.md). config: sorted_config's
-    form (block_m, n_major, w_tma, down), for tuning sweeps."""
-    gate_up, w2 = shared.gate_up, shared.w2
-    rows, (hidden_size, inter) = gate_up.shape[0], w2.shape
-    info = device_info(gate_up.device)
-    cfg = config or sorted_config(rows, 1, gate_up.element_size(), info)
-    down, block_m = cfg["down"], cfg["block_m"]
-    tma = cfg.get("w_tma", False) and _tma_ok(w2[None])
-    n_blocks = triton.cdiv(hidden_size, down["block_n"])
-    grid, n_major = _grid(triton.cdiv(rows, block_m), n_blocks, cfg.get("n_major", False))
-    w_desc = _weight_desc(w2[None], down["block_n"], down["block_k"]) if tma else w2
-    dummy = (out,) * 4  # topk_weights, sorted_ids, block_expert, num_padded: unread
-    _down_kernel[grid](
-        gate_up, w2, w_desc, out, *dummy, rows, gate_up.stride(0), 0, w2.stride(0), out.stride(0), out, 0, out, 0, 0,
-        *low_rank_args(None, out)[:6], HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m, BLOCK_N=down["block_n"],
-        BLOCK_K=down["block_k"], FP8=False, SCALE_N=1, SCALE_K=1 << 30, GROUP=ACT_GROUP, LORA_RANK=0,
-        QUANT_ACT=False, N_MAJOR=n_major, W_DESC=tma, PERSISTENT=False, FLATTEN=False, A_DESC=False, DENSE=True,
-        GLU=True, A_ROW_ALIGN=_row_align(gate_up), num_warps=down["num_warps"], num_stages=down["num_stages"],
-        **pdl_launch(gate_up, pdl),
-    )  # fmt: skip
-    return out
 
 
 def _shared_out(shared: SharedExpert) -> torch.Tensor:
@@ -534,14 +470,7 @@ def _shared_out(shared: SharedExpert) -> torch.Tensor:
     return torch.empty((rows, hidden), dtype=shared.gate_up.dtype, device=shared.gate_up.device)
 
 
-def _row_align(x: torch.Tensor) -> int:
-    """8 when x's row stride divides by 8 (elements), else 1 (the JIT sees the start's alignment itself)."""
-    return 8 if x.stride(0) % 8 == 0 else 1
-
-
-def _start_shared(
-    shared: SharedExpert | None, quantize_acts: bool = True, kernel: str = "triton"
-) -> _SharedOut | None:  # fmt: skip
+def _start_shared(shared: SharedExpert | None, quantize_acts: bool = True) -> _SharedOut | None:
     """A shared expert's activation and down projection on CUDA, which need only its gate / up rows: on
     a side stream beside the routing and the routed GEMMs, joined by the sum kernel (the same kernels on
     the same inputs, so the same bits). bf16: into a buffer allocated on the caller's stream, which
@@ -557,14 +486,13 @@ def _start_shared(
     side = side_stream(device, "moe_shared")
     side.wait_stream(main)  # its gate / up rows, and the sum that read the last output
     with torch.cuda.stream(side):
-        out = _shared_down(shared, False, quantize_acts, out, kernel)
+        out = _shared_down(shared, False, quantize_acts, out)
         done = side.record_event()
     return _SharedOut(out, done)
 
 
 def _sum(
-    hidden, y, topk_ids, expert_offset, num_experts, out, shared, started, norm, pdl, by_row=None, quantize_acts=True,
-    shared_down="triton",
+    hidden, y, topk_ids, expert_offset, num_experts, out, shared, started, norm, pdl, by_row=None, quantize_acts=True
 ) -> None:  # fmt: skip
     """Each token's local slots of y summed (by_row: (y_row, topk_weights), the grouped GEMMs' rows
     and the weights they leave out), the shared expert (started: its down projection from
@@ -574,7 +502,7 @@ def _sum(
     shared_out = gate_logit = None
     if shared is not None:  # the gate and the sum in the sum kernel
         if started is None:
-            shared_out = _shared_down(shared, pdl, quantize_acts, kernel=shared_down)
+            shared_out = _shared_down(shared, pdl, quantize_acts)
         else:
             torch.cuda.current_stream(hidden.device).wait_event(started.done)
             shared_out = started.out

@@ -40,13 +40,12 @@ def _check(hidden, w13, w2, shared, w13_scale, w2_scale) -> None:
 def fused_moe(
     *, hidden, w13, w2, topk_weights, topk_ids, expert_offset=0, shared=None, add_norm=None, path=None, config=None,
     w13_scale=None, w2_scale=None, sorted_block_m=0, pdl=True, deltas=None, fp8_quantize_acts=True,
-    prefill_gemm="triton", sorted_persistent="", shared_stream=True, shared_down="triton",
+    prefill_gemm="triton", sorted_persistent="", shared_stream=True,
 ):  # fmt: skip
     """moe.fused_moe. `path` ("pairs", "sorted" or "grouped") and `config` override the choice made
     from the shapes (tests and tuning sweeps); sorted_block_m: the sorted path's tile rows (0: by shape);
     sorted_persistent: its GEMMs as persistent programs ("loop", "flat"; "": a program a tile);
-    shared_stream: its shared expert on a side stream (sorted.py); shared_down: a bf16 shared expert's
-    activation and down projection on the sorted path, "triton" (one GEMM launch) or "cublas";
+    shared_stream: its shared expert on a side stream (sorted.py);
     prefill_gemm "torch": the sorted path's GEMMs on torch's grouped GEMM where it takes the call
     (path "grouped": grouped.py; bf16 experts without deltas), else ours;
     `deltas`: the pairs path's GEMVs expand their low-rank form, the sorted path's GEMMs add them
@@ -76,7 +75,7 @@ def fused_moe(
         assert w13_scale is None and deltas is None and grouped.supported(hidden, w13), "grouped: bf16, no deltas"
         moe_sorted(
             hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, None, shared, norm, pdl, grouped=True,
-            shared_stream=shared_stream, shared_down=shared_down,
+            shared_stream=shared_stream,
         )  # fmt: skip
     else:
         assert path == "sorted", f"unknown path {path!r}"
@@ -87,7 +86,7 @@ def fused_moe(
         )  # fmt: skip
         moe_sorted(
             hidden, w13, w2, topk_weights, topk_ids, expert_offset, out, cfg, shared, norm, pdl, scales=scales,
-            deltas=deltas, quantize_acts=fp8_quantize_acts, shared_stream=shared_stream, shared_down=shared_down,
+            deltas=deltas, quantize_acts=fp8_quantize_acts, shared_stream=shared_stream,
         )  # fmt: skip
     return norm.out if norm is not None else apply_add_norm(out, add_norm, pdl)
 
@@ -96,7 +95,7 @@ def routed_moe(
     *, hidden, w13, w2, router_logits, top_k, renormalize, expert_offset=0, shared=None, add_norm=None,
     route_in_up_max_tokens=ROUTE_IN_UP_MAX_TOKENS, path=None, w13_scale=None, w2_scale=None, sorted_block_m=0,
     pdl=True, deltas=None, fp8_quantize_acts=True, prefill_gemm="triton", sorted_persistent="", config=None,
-    shared_stream=True, shared_down="triton",
+    shared_stream=True,
 ):  # fmt: skip
     """moe.routed_moe: on the pairs path, up to route_in_up_max_tokens tokens, the up GEMV routes
     (one launch fewer); otherwise (and with deltas, whose shrink reads the routing) the router
@@ -112,7 +111,6 @@ def routed_moe(
             shared=shared, add_norm=add_norm, path=path, w13_scale=w13_scale, w2_scale=w2_scale,
             sorted_block_m=sorted_block_m, pdl=pdl, deltas=deltas, fp8_quantize_acts=fp8_quantize_acts,
             prefill_gemm=prefill_gemm, sorted_persistent=sorted_persistent, config=config, shared_stream=shared_stream,
-            shared_down=shared_down,
         )  # fmt: skip
     assert 0 < top_k <= router_logits.shape[1], "top_k must be in 1..num_experts"
     assert router_logits.shape[0] == num_tokens, "router_logits: one row per token"
