@@ -233,8 +233,9 @@ def test_fused_moe_pairs_half_precision_float32_weights(device):
 def check_topk(logits: torch.Tensor, top_k: int, renormalize: bool, weights: torch.Tensor, ids: torch.Tensor):
     """The router's output against naive.route_topk_softmax, allowing for tied logits: the weights
     match, every row's ids are distinct and point at experts of exactly those weights (so a valid
-    top-k), and equal weights come in ascending expert order. Returns how many rows' ids differ
-    from torch.topk's."""
+    top-k), picked in descending logit order with equal logits in ascending expert order (the
+    kernel selects on the logits: two logits a few ulps apart may still round to one weight, and
+    then the larger logit comes first). Returns how many rows' ids differ from torch.topk's."""
     ref_w, ref_ids = naive.route_topk_softmax(router_logits=logits, top_k=top_k, renormalize=renormalize)
     assert weights.shape == ids.shape == (logits.shape[0], top_k)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64
@@ -247,8 +248,10 @@ def check_topk(logits: torch.Tensor, top_k: int, renormalize: bool, weights: tor
         picked = picked / picked.sum(dim=-1, keepdim=True)
     torch.testing.assert_close(picked, weights, rtol=1e-5, atol=1e-7)
     assert (ids.sort(dim=-1).values.diff(dim=-1) > 0).all(), "an expert picked twice"
-    tied = weights[:, 1:] == weights[:, :-1]
-    assert (ids[:, 1:] > ids[:, :-1])[tied].all(), "equal weights out of expert order"
+    chosen = logits.gather(1, ids)
+    assert (chosen[:, 1:] <= chosen[:, :-1]).all(), "not in descending logit order"
+    tied = chosen[:, 1:] == chosen[:, :-1]
+    assert (ids[:, 1:] > ids[:, :-1])[tied].all(), "equal logits out of expert order"
     return int((ids != ref_ids).any(dim=-1).sum())
 
 
@@ -421,12 +424,13 @@ def test_gpu_fused_moe_small_batches_bf16(tokens, path):
 @pytest.mark.parametrize("experts,top_k", [(256, 8), (512, 10), (128, 16)])
 def test_gpu_route_topk_softmax_bf16(tokens, experts, top_k):
     """bf16 logits (the router GEMV's output dtype) tie now and then: check_topk allows for that."""
-    logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(tokens * experts + top_k)
+    logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16, generator=g)
     for renormalize in (True, False):
         weights, ids = moe_kernels.route_topk_softmax(router_logits=logits, top_k=top_k, renormalize=renormalize)
         check_topk(logits, top_k, renormalize, weights, ids)
     # float32 logits: torch's order, except where two logits a few ulps apart round to one probability
-    logits32 = torch.randn(tokens, experts, device="cuda")
+    logits32 = torch.randn(tokens, experts, device="cuda", generator=g)
     weights, ids = moe_kernels.route_topk_softmax(router_logits=logits32, top_k=top_k, renormalize=True)
     assert check_topk(logits32, top_k, True, weights, ids) <= tokens // 1000
 
