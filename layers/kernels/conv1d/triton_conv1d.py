@@ -205,8 +205,10 @@ def causal_conv1d_update(*, x, weight, bias, conv_state_pool, state_slots, activ
     return y
 
 
-# the entries are views of a graph's static buffers: their alignment is not a compile key
-@triton.jit(do_not_specialize=["seq", "start", "end", "dst", "slots", "has_initial_state", "num_tokens"])
+# the entries are views of a graph's static buffers, and x starts num_decode rows into its projection
+# (a mixed pass's prompt rows: 16-byte aligned or not by the decode rows' count): alignments are not
+# compile keys, so no pass's mix of rows compiles a variant after start-up
+@triton.jit(do_not_specialize=["x", "seq", "start", "end", "dst", "slots", "has_initial_state", "num_tokens"])
 def _capture_windows_kernel(
     x, pool, slots, has_initial_state, seq, start, end, dst, num_tokens, channels, stride_xt, stride_ps,
     stride_pc, stride_pw, W1: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
