@@ -77,11 +77,9 @@ class StateCaptures:
             for index, slot in plan.chunk_stores.items():
                 chunk_slots[index] = slot
             windows = [(c.seq, starts[c.seq], starts[c.seq] + c.offset, c.slot) for c in self.items]
-            parts = (chunk_slots, first, count, slots, *(list(column) for column in zip(*windows, strict=True)))
-            host = torch.tensor([x for part in parts for x in part], dtype=torch.int32)
-            if torch.device(device).type == "cuda":
-                host = host.pin_memory()
-            dev = host.to(device, non_blocking=True).split([len(part) for part in parts])
+            parts = (first, count, slots, *(list(column) for column in zip(*windows, strict=True)))
+            dev = [_upload(chunk_slots, torch.int32, device)]
+            dev += _upload([x for part in parts for x in part], torch.int64, device).split([len(p) for p in parts])
             self._prepared[key] = PreparedCaptures(plan, *dev)
         return self._prepared[key]
 
@@ -286,13 +284,22 @@ def conv_accept(
     impl(conv_state_pool=conv_state_pool, state_slots=state_slots, x=x, last_accepted=last_accepted)
 
 
+def _upload(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """values as a device tensor of dtype (pinned and non-blocking to CUDA)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class PreparedCaptures:
-    """A CapturePlan with what the kernels read on the device, all int32: chunk_slots [num_chunks]
-    (the slot to store the state after each chunk in, -1: none); for the R replays: replay_first [R]
-    (the row of the op's inputs their chunk starts at), replay_count [R] (tokens), replay_slots [R];
-    for the C captures' conv windows: win_seq, win_start (the stream's first row), win_end (the
-    capture's row), win_slot [C]."""
+    """A CapturePlan with what the kernels read on the device: chunk_slots [num_chunks] int32 (the slot
+    to store the state after each chunk in, -1: none); int64, the dtype of a prefill graph's
+    FixedCaptures fields, so that the replay and window kernels compile one variant for eager passes
+    and graphs: for the R replays, replay_first [R] (the row of the op's inputs their chunk starts at),
+    replay_count [R] (tokens), replay_slots [R]; for the C captures' conv windows, win_seq, win_start
+    (the stream's first row), win_end (the capture's row), win_slot [C]."""
 
     plan: CapturePlan
     chunk_slots: torch.Tensor
