@@ -16,7 +16,7 @@ else:
     # float32 dots as IEEE float32 for the whole run, not per test: Triton keys its in-process kernel
     # cache by specialization and launch options, not by this variable, so a test that sets it after
     # another compiled the same kernel reused that TF32 build (an H100 run of several GPU files in one
-    # process: twelve float32 checks off by TF32-sized gaps, 0.3-0.5 in a logprob)
+    # process: eleven float32 checks off by TF32-sized gaps, 0.3-0.5 in a logprob)
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 # One intra-op thread per process (Ray actors inherit it): the tests' tensors are tiny, and two
