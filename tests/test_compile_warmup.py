@@ -195,6 +195,42 @@ def test_late_compile_log_records_and_warns(caplog):
     assert "_linear_kernel" in caplog.text and "after start-up" in caplog.text
 
 
+def test_late_compile_log_ignores_start_ups(caplog, tiny_checkpoints, monkeypatch):
+    """Compiles inside compile_watch.starting() (a runner's start-up: the hooks are process-wide, and
+    the log of a runner started earlier in the process would report the next one's warm-up and graph
+    captures) are neither kept nor logged, nested or not; a runner's construction and allocate hold
+    it, and a compile after them is kept."""
+    from deltaserve import LLM
+    from deltaserve.workers import compile_watch
+    from deltaserve.workers.compile_watch import LateCompileLog
+    from deltaserve.workers.runner import ModelRunner
+
+    late = LateCompileLog()
+
+    def compile_(name: str) -> None:
+        late.before(key=name, repr=name)
+        late.after(key=name, repr=name)
+
+    with caplog.at_level("WARNING", logger="deltaserve.workers.compile_watch"):
+        with compile_watch.starting():
+            with compile_watch.starting():
+                compile_("nested")
+            compile_("outer")
+        assert not late.events and "after start-up" not in caplog.text
+        for method in ("_size_pools", "_capture_graphs"):  # inside __init__ and inside allocate
+            original = getattr(ModelRunner, method)
+
+            def hooked(self, *args, _original=original, _name=method, **kwargs):
+                compile_(_name)
+                return _original(self, *args, **kwargs)
+
+            monkeypatch.setattr(ModelRunner, method, hooked)
+        LLM(str(tiny_checkpoints["qwen3_5"][0]), device="cpu", num_kv_blocks=64)
+        assert not late.events and "after start-up" not in caplog.text
+        compile_("serving")
+    assert [r for r, _ in late.events] == ["serving"] and "after start-up" in caplog.text
+
+
 @pytest.mark.gpu
 def test_gpu_late_compile_log_sees_a_real_compile():
     """Installed into this Triton, the hooks see a kernel compiled after installation (their keyword

@@ -34,7 +34,7 @@ from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.loader import load_model
 from deltaserve.layers.parallel import ParallelLayout
 from deltaserve.workers import warmup
-from deltaserve.workers.compile_watch import LateCompileLog
+from deltaserve.workers.compile_watch import LateCompileLog, during_startup
 from deltaserve.workers.config import WorkerConfig
 from deltaserve.workers.context import HostCopy, build_forward_context, logits_rows, upload
 from deltaserve.workers.grammar import GrammarCompiler
@@ -60,6 +60,7 @@ class PrevPass:
 
 
 class ModelRunner:
+    @during_startup  # loading (FP8 quantization at load), the profiling pass and its warm-up compile
     def __init__(self, config: WorkerConfig, model_config: ModelConfig, layout: ParallelLayout | None = None):
         self.config = config
         self.model_config = model_config
@@ -172,6 +173,7 @@ class ModelRunner:
         (workers/warmup.py); returns how many ran."""
         return warmup.compile_warmup(self, pool)
 
+    @during_startup
     def allocate(self, sizes: PoolSizes) -> None:
         """Allocate the pools (the same sizes on every rank); from here on a Triton compile is logged
         (`compile_watch`): start-up compiled what it could."""
@@ -277,6 +279,7 @@ class ModelRunner:
             return None
         return graphs if graphs.batch_sizes else None
 
+    @during_startup  # the graphs' captures under the new options
     def set_kernel_options(self, kernels: KernelOptions) -> None:
         """Run later passes with these kernel choices (the benchmark's variants); the decode graphs,
         which replay the kernels of their capture, are captured again under them. Nothing may be
