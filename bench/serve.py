@@ -23,7 +23,9 @@ resending the whole history with 128 new user tokens; the report gives the prefi
         --output-len 128 --max-concurrency 16
 
 Several completions of each prompt (`--n 8`: output tokens count all of them; with prefix caching on the
-server the prompt is prefilled once; compare a server started with `--no-enable-prefix-caching`):
+server the prompt is prefilled once; compare a server started with `--no-enable-prefix-caching`). The
+request's hit rate counts its first completion's hit; over gRPC the report's "Server prefix cache" line
+gives the server's own counts over the run, the other completions' hits included:
 
     deltaserve bench serve --target 127.0.0.1:50051 --num-prompts 64 --n 8 --input-len 2048 --output-len 128
 
@@ -438,11 +440,30 @@ class LoadClient:
 
 
 # ---- running the clients ---------------------------------------------------------------------------------
-async def _run_in_process(settings: BenchSettings, workload: list[PlannedRequest]) -> list[RequestRecord]:
+async def server_prefix_tokens(settings: BenchSettings) -> tuple[int, int] | None:
+    """(hit, queried) prompt tokens of the server's prefix cache since it started (GetModelInfo; None
+    over HTTP or with caching off): what every completion of an n > 1 request took from the cache,
+    where a request's own count holds the first completion's."""
+    if settings.backend != "grpc":
+        return None
+    async with connect(settings) as client:
+        info = (await client.model_info()).prefix_cache
+    return (info.hit_tokens, info.query_tokens) if info.enabled else None
+
+
+def _server_delta(before: tuple[int, int] | None, after: tuple[int, int] | None) -> tuple[int, int] | None:
+    return None if before is None or after is None else (after[0] - before[0], after[1] - before[1])
+
+
+async def _run_in_process(
+    settings: BenchSettings, workload: list[PlannedRequest]
+) -> tuple[list[RequestRecord], tuple[int, int] | None]:
     client = LoadClient(settings, 0, workload, settings.max_concurrency)
     try:
         await client.warmup()
-        return await client.run(time.time())
+        before = await server_prefix_tokens(settings)
+        records = await client.run(time.time())
+        return records, _server_delta(before, await server_prefix_tokens(settings))
     finally:
         await client.close()
 
@@ -466,8 +487,9 @@ def client_nodes(settings: BenchSettings) -> list[str]:
 
 def _run_on_ray(
     settings: BenchSettings, workload: list[PlannedRequest], address: str | None
-) -> tuple[list[RequestRecord], list[str]]:
-    """The merged records of all client actors, and the node address of each (as the actor reports it)."""
+) -> tuple[list[RequestRecord], list[str], tuple[int, int] | None]:
+    """The merged records of all client actors, the node address of each (as the actor reports it) and
+    the server's prefix-cache tokens over the run."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -486,12 +508,14 @@ def _run_on_ray(
     try:
         where = ray.get([c.node.remote() for c in clients])
         ray.get([c.warmup.remote() for c in clients])
+        before = asyncio.run(server_prefix_tokens(settings))
         start_at = time.time() + RAY_START_DELAY_S
         per_client = ray.get([c.run.remote(start_at) for c in clients])
+        server = _server_delta(before, asyncio.run(server_prefix_tokens(settings)))
     finally:
         for c in clients:
             ray.kill(c)
-    return [record for records in per_client for record in records], where
+    return [record for records in per_client for record in records], where, server
 
 
 def run_benchmark(settings: BenchSettings, *, ray_address: str | None = None) -> BenchResult:
@@ -505,11 +529,11 @@ def run_benchmark(settings: BenchSettings, *, ray_address: str | None = None) ->
     model, workload = asyncio.run(plan())
     nodes: list[str] = []
     if settings.uses_ray:
-        records, nodes = _run_on_ray(settings, workload, ray_address)
+        records, nodes, server = _run_on_ray(settings, workload, ray_address)
     else:
-        records = asyncio.run(_run_in_process(settings, workload))
+        records, server = asyncio.run(_run_in_process(settings, workload))
     records.sort(key=lambda r: r.index)
-    return BenchResult(settings, model, max(1, len(nodes)), records, summarize(records), nodes)
+    return BenchResult(settings, model, max(1, len(nodes)), records, summarize(records, server), nodes)
 
 
 # ---- the report ------------------------------------------------------------------------------------------
@@ -522,8 +546,9 @@ def latency_stats_ms(values_s: list[float]) -> dict[str, float | None]:
     return {"mean": float(ms.mean()), "p50": p50, "p90": p90, "p99": p99}
 
 
-def summarize(records: list[RequestRecord]) -> dict:
-    """Counts, throughputs over the run's duration (common start to the last stream's end) and latencies."""
+def summarize(records: list[RequestRecord], server_prefix: tuple[int, int] | None = None) -> dict:
+    """Counts, throughputs over the run's duration (common start to the last stream's end) and latencies;
+    server_prefix: the server's (hit, queried) prefix-cache tokens over the run (other traffic included)."""
     done = [r for r in records if r.ok]
     duration = max(r.start_s + r.e2e_s for r in records)
     input_tokens = sum(r.prompt_tokens for r in done)
@@ -546,6 +571,9 @@ def summarize(records: list[RequestRecord]) -> dict:
         "total_token_throughput": (input_tokens + output_tokens) / duration,
         # prompt tokens the server's prefix cache skipped, over all prompt tokens sent
         "prefix_cache_hit_rate": sum(r.cached_tokens for r in done) / input_tokens if input_tokens else 0.0,
+        "server_prefix_cache": None
+        if server_prefix is None
+        else {"hit_tokens": server_prefix[0], "query_tokens": server_prefix[1]},
         **{f"{name}_ms": latency_stats_ms(values) for name, values in latencies.items()},
         # each priority's time to first token (a mixed-priority run): what the policy buys the first
         "ttft_ms_by_priority": {
@@ -570,6 +598,7 @@ def format_report(result: BenchResult) -> str:
         f"{'Benchmark duration (s):':<40}{s['duration_s']:.2f}",
         f"{'Total input tokens:':<40}{s['total_input_tokens']}",
         f"{'Prefix cache hit rate:':<40}{100 * s['prefix_cache_hit_rate']:.1f}%",
+        *([_server_prefix_line(server)] if (server := s.get("server_prefix_cache")) else []),
         f"{'Total generated tokens:':<40}{s['total_output_tokens']}",
         f"{'Request throughput (req/s):':<40}{s['request_throughput']:.2f}",
         f"{'Output token throughput (tok/s):':<40}{s['output_throughput']:.2f}",
@@ -587,6 +616,12 @@ def format_report(result: BenchResult) -> str:
         lines.append(f"{'TTFT p' + priority:<10}{cells}")
     lines.append("=" * 66)
     return "\n".join(lines)
+
+
+def _server_prefix_line(counts: dict) -> str:
+    hit, queried = counts["hit_tokens"], counts["query_tokens"]
+    rate = f" ({100 * hit / queried:.1f}%)" if queried else ""
+    return f"{'Server prefix cache (hit / queried):':<40}{hit} / {queried} tokens{rate}"
 
 
 def _node_counts(nodes: list[str]) -> str:

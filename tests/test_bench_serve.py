@@ -113,9 +113,11 @@ def test_fixed_lengths_through_the_cli(target, tmp_path, capsys):
     assert max(r.start_s + r.e2e_s for r in records) == pytest.approx(duration)
 
 
-def test_n_completions_count_every_completion(target, tmp_path):
+def test_n_completions_count_every_completion(target, tmp_path, capsys):
     """--n 3: each request streams three completions of its prompt; the report counts all their
-    tokens as output."""
+    tokens as output, and the server's prefix-cache counts over the run show the prompt prefilled
+    once: the other two completions of each prompt start from the first one's cache (a request's own
+    count holds the first completion's hit, from earlier traffic only)."""
     path = tmp_path / "n.json"
     argv = ["bench", "serve", "--target", target, "--num-prompts", "4", "--n", "3", "--max-concurrency", "2"]
     argv += ["--input-len", "20", "--output-len", "5", "--json", str(path), "--save-requests", "--num-warmups", "0"]
@@ -123,6 +125,15 @@ def test_n_completions_count_every_completion(target, tmp_path):
     report = json.loads(path.read_text())
     assert (report["completed"], report["failed"], report["total_output_tokens"]) == (4, 0, 4 * 3 * 5)
     assert all(r["completion_tokens"] == 15 and r["finish_reason"] == "length" for r in report["requests"])
+    server = report["server_prefix_cache"]
+    assert server["query_tokens"] == 4 * 3 * 20
+    # each follower starts at the first completion's snapshot at the last page boundary before the
+    # prompt's last token (pages of CacheConfig's default 16 tokens): 16 of its 20
+    leads = sum(r["cached_tokens"] for r in report["requests"])
+    assert leads < 4 * 16 and server["hit_tokens"] == leads + 4 * 2 * 16
+    hit = server["hit_tokens"]
+    line = f"Server prefix cache (hit / queried):    {hit} / 240 tokens ({100 * hit / 240:.1f}%)"
+    assert line in capsys.readouterr().out
 
 
 def test_a_priority_mix_reports_each_priority(model_path, tmp_path):
