@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from deltaserve.layers import base as layer_base
 from deltaserve.layers import lora as lora_layers
 from deltaserve.layers.kernels import device as kernel_device
+from deltaserve.layers.kernels.attention import triton_attention
 from deltaserve.layers.kernels.linear import triton_linear
 from deltaserve.layers.kernels.options import KernelOptions
 from deltaserve.layers.kernels.rotary import triton_rotary
@@ -83,7 +84,10 @@ _IS_CUDA = torch._C.TensorBase.is_cuda
 
 
 # the kernels' per-device buffers (keyed "cpu" here): what a fake run adds must not reach a real one
-_DEVICE_CACHES = (kernel_device._TICKETS, triton_linear._COUNTERS, triton_rotary._INV_FREQ, layer_base._ROW_STARTS)
+_DEVICE_CACHES = (
+    kernel_device._TICKETS, triton_linear._COUNTERS, triton_rotary._INV_FREQ, layer_base._ROW_STARTS,
+    triton_attention._NO_PARTIALS,
+)  # fmt: skip
 
 
 @contextlib.contextmanager

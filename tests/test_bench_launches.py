@@ -72,6 +72,20 @@ def test_fresh_prompt_captures_cost_two_launches_a_gdn_layer():
     assert with_caps["triton._advance_kernel"] == with_caps["triton._capture_windows_kernel"] == gdn_layers
     added = {k: with_caps[k] - plain.get(k, 0) for k in with_caps if with_caps[k] != plain.get(k, 0)}
     assert added == {"triton._advance_kernel": gdn_layers, "triton._capture_windows_kernel": gdn_layers}, added
+    assert_no_fake_tensor_left()
+
+
+def assert_no_fake_tensor_left() -> None:
+    """The kernels' per-device buffers hold no fake tensor after a counted pass: a later real call on
+    the same device would get it (attention's placeholder partials once did: "Cannot copy out of meta
+    tensor" in the next real paged attention)."""
+    from deltaserve.bench.launches import _DEVICE_CACHES
+    from deltaserve.layers.kernels.attention import triton_attention
+
+    for cache in (*_DEVICE_CACHES, triton_attention._NO_PARTIALS):
+        for value in cache.values():
+            tensors = value if isinstance(value, list) else [value]
+            assert not any(isinstance(t, FakeTensor) for t in tensors), cache
 
 
 def test_fp8_decode_at_batch_1_launches_what_bf16_does():

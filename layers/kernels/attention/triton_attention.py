@@ -9,8 +9,6 @@ masked. Scores are kept in the log2 domain (scale * log2(e) folded in) so the so
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -297,9 +295,15 @@ SPLIT_OVERHEAD = 0.02
 PREFILL_MERGE_CHUNK = 8
 
 
-@functools.cache
+# the unused partials' placeholder, one per device (a dict, not a function cache: a fake-tensor run
+# such as bench.launches saves and restores it)
+_NO_PARTIALS: dict[torch.device, torch.Tensor] = {}
+
+
 def _no_partials(device: torch.device) -> torch.Tensor:
-    return torch.empty(1, dtype=torch.float32, device=device)
+    if device not in _NO_PARTIALS:
+        _NO_PARTIALS[device] = torch.empty(1, dtype=torch.float32, device=device)
+    return _NO_PARTIALS[device]
 
 
 def _prefill_splits(programs: int, max_context: int, info: DeviceInfo) -> int:
