@@ -4,8 +4,6 @@ every stream of pieces (the same message either way); then through the HTTP serv
 `openai` client, the tiny model's output forced into those formats by a structured-output regex, whole
 and streamed: `reasoning_content`, `tool_calls` and finish reason `tool_calls`, as vLLM gives them."""
 
-# test phase: parallel (an in-process server on an ephemeral port of 127.0.0.1: no child process)
-
 from __future__ import annotations
 
 import json

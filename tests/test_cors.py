@@ -3,8 +3,6 @@ an allowed origin is answered before the API key is asked for, with the origin, 
 allowed; another origin gets no allowance; answers carry the allowance; any origin by default, none
 with an empty list; the flags parse JSON lists or commas, and credentials need named origins."""
 
-# test phase: parallel (an in-process ASGI client: no socket, no child process)
-
 from __future__ import annotations
 
 import pytest

@@ -4,8 +4,6 @@ temperature, top_p, top_k, min_p or repetition_penalty unset take the checkpoint
 `generation_config="vllm"` takes none, a folder takes its file's, `override_generation_config`
 replaces entries; bad values are errors naming the setting."""
 
-# test phase: parallel (an in-process server on an ephemeral port of 127.0.0.1: no child process)
-
 from __future__ import annotations
 
 import json

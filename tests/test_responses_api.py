@@ -5,8 +5,6 @@ read back as output items (reasoning, message, function calls) with usage in the
 `previous_response_id` continues a stored response exactly as resending its history does; bad input
 is a 400 naming the Responses field."""
 
-# test phase: parallel (an in-process server on an ephemeral port of 127.0.0.1: no child process)
-
 from __future__ import annotations
 
 import json
